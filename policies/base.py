@@ -1,0 +1,239 @@
+"""The placement and output-length extension points, and the snapshot types they see.
+
+Everything here is pure data: a policy gets a frozen snapshot of the request and of the
+cluster and returns a decision. No I/O, no clocks, no HTTP objects, so the same policy object
+runs in the live router and in the discrete-event cluster simulator (design.md §6).
+
+    RequestInfo ─┐
+                 ├─> PlacementPolicy.place() ─> Placement(candidates) | Rejection(reason, retry_after)
+    ClusterView ─┘
+
+    RequestInfo + OutputHistograms ─> OutputLengthEstimator.estimate() ─> OutputEstimate
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+__all__ = [
+    "KVLayout",
+    "OutputEstimate",
+    "RequestInfo",
+    "PrefillView",
+    "DecodeView",
+    "ClusterView",
+    "Candidate",
+    "Placement",
+    "Rejection",
+    "Decision",
+    "PlacementPolicy",
+    "OutputLengthEstimator",
+    "OutputHistograms",
+    "blocks_for",
+]
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """KV blocks needed to hold `tokens` tokens (ceil division; at least one block)."""
+    return max(1, -(-max(0, tokens) // block_size))
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """What must match between a prefill and a decode worker for a KV handoff to be valid.
+
+    vLLM checks this only inside its KV handshake, invisible over HTTP (design.md §3), so the
+    router pairs only workers whose descriptors are identical.
+    """
+
+    engine: str = "sim"
+    engine_version: str = "0"
+    model: str = ""
+    dtype: str = "bfloat16"
+    kv_heads: int = 0
+    head_dim: int = 0
+    block_size: int = 16
+    tp_size: int = 1
+    connector: str = "NixlConnector"
+    connector_version: str = "0"
+
+    @property
+    def key(self) -> str:
+        return "|".join(
+            str(v)
+            for v in (
+                self.engine,
+                self.engine_version,
+                self.model,
+                self.dtype,
+                self.kv_heads,
+                self.head_dim,
+                self.block_size,
+                self.tp_size,
+                self.connector,
+                self.connector_version,
+            )
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class OutputEstimate:
+    """Estimated output length of one request.
+
+    `quantiles` maps a probability (0.5, 0.9, ...) to a token count. `reserve_tokens` is the
+    number the policy should hold decode room for: an upper quantile, capped by max_tokens.
+    """
+
+    reserve_tokens: int
+    quantiles: Mapping[float, int] = field(default_factory=dict)
+    source: str = "max_tokens"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    request_id: str
+    model: str
+    prompt_tokens: int
+    max_tokens: int
+    estimate: OutputEstimate | None = None
+    prefix_hashes: tuple[int, ...] = ()
+    priority: int = 0
+    arrival_s: float = 0.0
+    slo_ttft_s: float | None = None
+    slo_itl_s: float | None = None
+    hint_output_tokens: int | None = None
+
+    @property
+    def reserve_output_tokens(self) -> int:
+        """Output tokens to reserve for: the estimate's upper quantile, else the cap."""
+        if self.estimate is None:
+            return self.max_tokens
+        return max(1, min(self.max_tokens, self.estimate.reserve_tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillView:
+    """One prefill worker as the router's accounting sees it at snapshot time."""
+
+    worker_id: str
+    layout: KVLayout
+    healthy: bool = True
+    group: str = "default"
+    # Prompt tokens queued on this worker, including requests still in prefill.
+    queued_prompt_tokens: int = 0
+    inflight: int = 0
+    # Measured (or modelled) prefill throughput, prompt tokens per second.
+    prefill_tokens_per_s: float = 10_000.0
+    stranded_bytes: int = 0
+    stranded_cap_bytes: int = 0  # 0 = no cap
+    # Prefix block hashes this worker prefilled recently (prefix-cache affinity).
+    recent_prefixes: frozenset[int] = frozenset()
+
+    @property
+    def under_stranded_cap(self) -> bool:
+        return self.stranded_cap_bytes <= 0 or self.stranded_bytes < self.stranded_cap_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeView:
+    """One decode worker: its KV room and its batch, as the router's accounting sees it."""
+
+    worker_id: str
+    layout: KVLayout
+    capacity_blocks: int
+    reserved_blocks: int = 0
+    used_blocks: int = 0
+    resident_seqs: int = 0
+    healthy: bool = True
+    group: str = "default"
+    # Linear decode step model: step_s = step_base_s + step_s_per_block * blocks in the batch.
+    step_base_s: float = 0.005
+    step_s_per_block: float = 0.0
+    # A decode worker that can also prefill locally (conditional disaggregation).
+    can_prefill: bool = False
+    prefill_tokens_per_s: float = 10_000.0
+    queued_prompt_tokens: int = 0
+
+    @property
+    def free_blocks(self) -> int:
+        return self.capacity_blocks - max(self.reserved_blocks, self.used_blocks)
+
+    def step_time_s(self, extra_blocks: int = 0) -> float:
+        blocks = max(self.reserved_blocks, self.used_blocks) + extra_blocks
+        return self.step_base_s + self.step_s_per_block * blocks
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    prefill: tuple[PrefillView, ...]
+    decode: tuple[DecodeView, ...]
+    kv_bytes_per_token: int
+    # Link bandwidth in bytes/s between a prefill group and a decode group.
+    links: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    default_link_bytes_per_s: float = 50e9
+    # Per-link setup latency (connection, handshake, first-byte) in seconds.
+    link_latency_s: float = 0.0005
+
+    def link_bytes_per_s(self, prefill_group: str, decode_group: str) -> float:
+        return self.links.get((prefill_group, decode_group), self.default_link_bytes_per_s)
+
+    def transfer_s(self, prompt_tokens: int, prefill_group: str, decode_group: str) -> float:
+        bw = self.link_bytes_per_s(prefill_group, decode_group)
+        return self.link_latency_s + prompt_tokens * self.kv_bytes_per_token / bw
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One (prefill, decode) pair to try. `prefill_id` None = the decode worker prefills locally."""
+
+    prefill_id: str | None
+    decode_id: str
+    reserve_blocks: int
+    predicted_ttft_s: float = 0.0
+    predicted_itl_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    candidates: tuple[Candidate, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    reason: str
+    retry_after_s: float = 1.0
+
+
+Decision = Placement | Rejection
+
+# class key -> {bucket upper bound (tokens) -> count}; see policies.estimators for the buckets.
+OutputHistograms = Mapping[str, Mapping[int, int]]
+
+
+@runtime_checkable
+class PlacementPolicy(Protocol):
+    """Chooses where a request runs. Pure and synchronous; deterministic under its seed."""
+
+    name: str
+
+    def place(self, request: RequestInfo, view: ClusterView) -> Decision: ...
+
+
+@runtime_checkable
+class OutputLengthEstimator(Protocol):
+    """Estimates how long an answer will be, from shared statistics. Pure and synchronous.
+
+    The router (or the simulator) fetches `histograms` for `class_keys(request)` from the state
+    store, calls `estimate`, and after the request ends records the true length under the same
+    keys with `bucket_of(n)`.
+    """
+
+    name: str
+
+    def class_keys(self, request: RequestInfo) -> tuple[str, ...]: ...
+
+    def estimate(self, request: RequestInfo, histograms: OutputHistograms) -> OutputEstimate: ...
+
+    def bucket_of(self, output_tokens: int) -> int: ...

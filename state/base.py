@@ -1,0 +1,105 @@
+"""The state store interface shared by every router replica (design.md §5).
+
+Two implementations pass one conformance suite (tests/test_state_conformance.py):
+`RedisStore` (the default: Lua scripts, one hash tag per worker so it runs on Redis Cluster)
+and `MemoryStore` (in-process, for a single router with no Redis).
+
+What lives here:
+- decode reservations: per decode worker a capacity in KV blocks and leased reservations;
+- the stranded-KV ledger: per prefill worker, KV built by prefill and not yet accepted by decode;
+- the cluster-wide retry budget;
+- output-length histograms, so every replica's estimator learns from every completion.
+
+The store knows nothing of HTTP or of placement; times are seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+__all__ = ["DecodeUsage", "StrandedEntry", "RetryBudgetPolicy", "StateStore"]
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeUsage:
+    capacity_blocks: int
+    reserved_blocks: int
+    reservations: int
+
+    @property
+    def free_blocks(self) -> int:
+        return self.capacity_blocks - self.reserved_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class StrandedEntry:
+    prefill_id: str
+    request_id: str
+    nbytes: int
+    since_s: float  # store clock (unix seconds) when the KV became ready
+
+
+@dataclass(frozen=True, slots=True)
+class RetryBudgetPolicy:
+    """Finagle-style budget: retries allowed while retries <= ratio * requests + min_per_s * window."""
+
+    ratio: float = 0.2
+    min_per_s: float = 10.0
+    window_s: float = 10.0
+
+
+@runtime_checkable
+class StateStore(Protocol):
+    # -- decode reservations -------------------------------------------------------------
+    async def set_capacity(self, worker_id: str, capacity_blocks: int) -> None:
+        """Declare (or change) a decode worker's KV capacity in blocks."""
+
+    async def reserve(
+        self, worker_id: str, reservation_id: str, blocks: int, lease_s: float
+    ) -> bool:
+        """Atomically: drop expired leases, then hold `blocks` if free >= blocks. Idempotent per id."""
+
+    async def renew(self, worker_id: str, reservation_id: str, lease_s: float) -> bool:
+        """Extend a live reservation's lease. False if it no longer exists (expired or released)."""
+
+    async def resize(self, worker_id: str, reservation_id: str, blocks: int) -> bool:
+        """Grow or shrink a live reservation to `blocks`. Growth needs free room; False if not."""
+
+    async def release(self, worker_id: str, reservation_id: str) -> int:
+        """Drop a reservation; returns the blocks it held (0 if it was already gone)."""
+
+    async def decode_usage(self, worker_ids: Iterable[str]) -> dict[str, DecodeUsage]:
+        """Capacity and live reserved blocks per worker (expired leases not counted)."""
+
+    # -- stranded KV ledger --------------------------------------------------------------
+    async def strand(self, prefill_id: str, request_id: str, nbytes: int) -> None:
+        """Record KV built on a prefill worker that no decode has accepted yet."""
+
+    async def unstrand(self, prefill_id: str, request_id: str) -> int:
+        """Decode accepted (or the request ended): returns the bytes cleared, 0 if absent."""
+
+    async def stranded_bytes(self, prefill_ids: Iterable[str]) -> dict[str, int]: ...
+
+    async def reap_stranded(self, prefill_id: str, older_than_s: float) -> list[StrandedEntry]:
+        """Remove and return entries older than `older_than_s` seconds (the KV lease)."""
+
+    # -- retry budget ----------------------------------------------------------------------
+    async def note_request(self) -> None:
+        """Count one first attempt toward the budget's window."""
+
+    async def try_retry(self, policy: RetryBudgetPolicy) -> bool:
+        """Atomically spend one retry if the cluster-wide budget allows it."""
+
+    # -- output-length statistics ----------------------------------------------------------
+    async def record_output(self, class_keys: Sequence[str], bucket: int) -> None:
+        """Count one completed request's true output length (as a bucket) under each class."""
+
+    async def output_histograms(self, class_keys: Sequence[str]) -> dict[str, Mapping[int, int]]:
+        """{class key: {bucket: count}} for the keys asked (missing keys map to {})."""
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def ping(self) -> bool: ...
+
+    async def close(self) -> None: ...
