@@ -1,0 +1,205 @@
+"""OpenAI request parsing and validation: raw bytes in, a validated `ParsedRequest` out.
+
+Validation is strict about what the router itself relies on (the model, the prompt, the token
+caps, streaming flags) and lenient about everything else, which passes through to the workers
+untouched: vLLM and SGLang accept many extensions and a gateway must not second-guess them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from router.errors import InvalidRequest, ModelNotFound
+
+__all__ = ["CHAT", "COMPLETIONS", "ParsedRequest", "parse_request"]
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+# Tokens a chat template adds around each message (role markers, separators): a rough allowance
+# so that many short messages are not under-counted.
+_PER_MESSAGE_TOKENS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    path: str
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    include_usage: bool
+    prompt_tokens: int
+    max_tokens: int  # the effective cap on output tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"ParsedRequest({self.path}, model={self.model!r}, stream={self.stream}, "
+            f"prompt_tokens={self.prompt_tokens}, max_tokens={self.max_tokens})"
+        )
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _text_tokens(text: str, chars_per_token: float) -> int:
+    return max(1, int((len(text) + chars_per_token - 1) // chars_per_token))
+
+
+def _prompt_tokens_completions(prompt: Any, cpt: float) -> int:
+    if isinstance(prompt, str):
+        return _text_tokens(prompt, cpt)
+    if isinstance(prompt, list) and prompt:
+        if all(_is_int(t) for t in prompt):
+            if any(t < 0 for t in prompt):
+                raise InvalidRequest("prompt token ids must be non-negative", param="prompt")
+            return len(prompt)
+        if len(prompt) == 1 and isinstance(prompt[0], str):
+            return _text_tokens(prompt[0], cpt)
+        if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+            raise InvalidRequest(
+                "batched prompts are not supported: send one prompt per request", param="prompt"
+            )
+    raise InvalidRequest(
+        "'prompt' must be a non-empty string or a non-empty list of token ids", param="prompt"
+    )
+
+
+def _message_text(i: int, content: Any) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise InvalidRequest(
+                    f"messages[{i}].content[{j}] must be an object with a 'type'",
+                    param=f"messages[{i}].content",
+                )
+            if part["type"] == "text":
+                if not isinstance(part.get("text"), str):
+                    raise InvalidRequest(
+                        f"messages[{i}].content[{j}].text must be a string",
+                        param=f"messages[{i}].content",
+                    )
+                parts.append(part["text"])
+        return "".join(parts)
+    raise InvalidRequest(
+        f"messages[{i}].content must be a string or a list of content parts",
+        param=f"messages[{i}].content",
+    )
+
+
+def _prompt_tokens_chat(messages: Any, cpt: float) -> int:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty list", param="messages")
+    total = 0
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise InvalidRequest(f"messages[{i}] must be an object", param="messages")
+        if not isinstance(msg.get("role"), str) or not msg["role"]:
+            raise InvalidRequest(f"messages[{i}].role must be a non-empty string",
+                                 param="messages")
+        text = _message_text(i, msg.get("content"))
+        total += _PER_MESSAGE_TOKENS + (len(text) / cpt)
+    return max(1, int(total + 0.999))
+
+
+def _optional_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not _is_int(v):
+        raise InvalidRequest(f"'{key}' must be an integer, not {type(v).__name__}", param=key)
+    if v < minimum:
+        raise InvalidRequest(f"'{key}' must be at least {minimum}, got {v}", param=key)
+    return int(v)
+
+
+def parse_request(
+    path: str,
+    raw: bytes,
+    *,
+    models: tuple[str, ...],
+    max_model_len: int | None,
+    chars_per_token: float = 4.0,
+) -> ParsedRequest:
+    if not raw:
+        raise InvalidRequest("the request body is empty; expected a JSON object")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' is required and must be a string", param="model")
+    if model not in models:
+        raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise InvalidRequest("'stream' must be a boolean", param="stream")
+    stream_options = body.get("stream_options")
+    if stream_options is not None:
+        if not isinstance(stream_options, dict):
+            raise InvalidRequest("'stream_options' must be an object", param="stream_options")
+        if not stream:
+            raise InvalidRequest("'stream_options' is only allowed when 'stream' is true",
+                                 param="stream_options")
+    include_usage = bool(stream_options and stream_options.get("include_usage"))
+
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
+        raise InvalidRequest("only n=1 is supported", param="n")
+    for key in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        if key in body and body[key] is not None and not _is_number(body[key]):
+            raise InvalidRequest(f"'{key}' must be a number", param=key)
+
+    if path == CHAT:
+        prompt_tokens = _prompt_tokens_chat(body.get("messages"), chars_per_token)
+    else:
+        prompt_tokens = _prompt_tokens_completions(body.get("prompt"), chars_per_token)
+
+    max_tokens = _optional_int(body, "max_tokens", 1)
+    max_completion = _optional_int(body, "max_completion_tokens", 1)
+    _optional_int(body, "min_tokens", 0)
+    cap = max_completion if max_completion is not None else max_tokens
+    if max_model_len is not None:
+        room = max_model_len - prompt_tokens
+        if room < 1:
+            raise InvalidRequest(
+                f"This model's maximum context length is {max_model_len} tokens; the prompt "
+                f"has about {prompt_tokens}.",
+                param="messages" if path == CHAT else "prompt",
+            )
+        if cap is None:
+            cap = room
+        elif cap > room:
+            raise InvalidRequest(
+                f"'max_tokens' is too large: {cap}. This model's maximum context length is "
+                f"{max_model_len} tokens and the prompt has about {prompt_tokens}.",
+                param="max_completion_tokens" if max_completion is not None else "max_tokens",
+            )
+    if cap is None:
+        cap = 4096  # no model length known: a conservative default cap for reservations
+    return ParsedRequest(
+        path=path,
+        body=body,
+        model=model,
+        stream=stream,
+        include_usage=include_usage,
+        prompt_tokens=prompt_tokens,
+        max_tokens=cap,
+    )

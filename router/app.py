@@ -1,0 +1,214 @@
+"""The aiohttp application: one factory, typed app state, every resource one cleanup context."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from policies.registry import load_estimator, load_policy
+from router.api import CHAT, COMPLETIONS, parse_request
+from router.config import Settings
+from router.errors import BodyTooLarge, RouterError, Unauthorized, error_body
+from router.gateway import Gateway
+from router.histograms import HistogramCache
+from router.leases import LeaseKeeper
+from router.lifecycle import RequestFlow
+from router.metrics import RouterMetrics
+from router.pools import Pools
+from state import open_store
+
+__all__ = ["create_app", "GATEWAY", "SETTINGS"]
+
+log = logging.getLogger(__name__)
+
+SETTINGS = web.AppKey("settings", Settings)
+GATEWAY = web.AppKey("gateway", Gateway)
+METRICS = web.AppKey("metrics", RouterMetrics)
+
+
+def _json(data: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):  # type: ignore[no-untyped-def]
+    """The one place errors become responses; anything unexpected is still an OpenAI body."""
+    try:
+        return await handler(request)
+    except RouterError as err:
+        return web.Response(body=err.body(), status=err.status, headers=err.headers(),
+                            content_type="application/json")
+    except web.HTTPRequestEntityTooLarge as exc:
+        err = BodyTooLarge(f"the request body is larger than {exc.max_size} bytes")
+        return web.Response(body=err.body(), status=413, content_type="application/json")
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return web.Response(body=error_body(exc.reason, "invalid_request_error"),
+                            status=exc.status, content_type="application/json")
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error serving %s %s", request.method, request.path)
+        return web.Response(body=error_body("internal router error", "internal_error"),
+                            status=500, content_type="application/json")
+
+
+def _check_auth(settings: Settings, request: web.Request) -> None:
+    if not settings.api_keys:
+        return
+    auth = request.headers.get("Authorization", "")
+    token = auth[7:] if auth.startswith("Bearer ") else ""
+    if token not in settings.api_keys:
+        raise Unauthorized("a valid API key is required (Authorization: Bearer ...)")
+
+
+async def _generate(request: web.Request, path: str) -> web.StreamResponse:
+    gw = request.app[GATEWAY]
+    s = gw.settings
+    status = 500
+    try:
+        _check_auth(s, request)
+        if request.content_length is not None and request.content_length > s.max_body_bytes:
+            raise BodyTooLarge(f"the request body is larger than {s.max_body_bytes} bytes")
+        raw = await request.read()
+        parsed = parse_request(path, raw, models=s.models, max_model_len=s.max_model_len,
+                               chars_per_token=s.chars_per_token)
+        flow = RequestFlow(gw, parsed, request)
+        try:
+            resp = await flow.run()
+            status = flow.status
+            return resp
+        finally:
+            await asyncio.shield(flow.cleanup())
+    except RouterError as err:
+        status = err.status
+        raise
+    except asyncio.CancelledError:
+        status = 499  # the client went away
+        gw.metrics.client_disconnects.inc()
+        raise
+    finally:
+        gw.metrics.requests.labels(route=path, status=str(status)).inc()
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, CHAT)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, COMPLETIONS)
+
+
+async def models(request: web.Request) -> web.Response:
+    s = request.app[SETTINGS]
+    now = int(time.time())
+    data = [
+        {"id": m, "object": "model", "created": now, "owned_by": "disagg-router",
+         "max_model_len": s.max_model_len}
+        for m in s.models
+    ]
+    return _json({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    prefill = any(w.healthy for w in gw.pools.prefill_workers)
+    decode = any(w.healthy for w in gw.pools.decode_workers)
+    ok = decode and (prefill or any(w.spec.role == "both" for w in gw.pools.decode_workers))
+    return _json({"status": "ok" if ok else "degraded", "prefill": prefill, "decode": decode},
+                 status=200 if ok else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    m = gw.metrics
+    for w in gw.pools.workers.values():
+        m.worker_healthy.labels(worker=w.spec.id, role=w.spec.role).set(1 if w.healthy else 0)
+        if w.spec.is_decode:
+            m.reserved_blocks.labels(worker=w.spec.id).set(w.reserved_blocks)
+        else:
+            m.stranded_bytes.labels(worker=w.spec.id).set(w.stranded_bytes)
+    m.active_reservations.set(len(gw.leases.live))
+    return web.Response(body=m.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+async def admin_state(request: web.Request) -> web.Response:
+    """What this replica believes: pools, load, reservations (read-only, for operators)."""
+    gw = request.app[GATEWAY]
+    workers = [
+        {"id": w.spec.id, "url": w.spec.url, "role": w.spec.role, "healthy": w.healthy,
+         "layout": w.spec.layout.key, "queued_prompt_tokens": w.queued_prompt_tokens,
+         "resident_seqs": w.resident_seqs, "capacity_blocks": w.capacity_blocks,
+         "reserved_blocks": w.reserved_blocks, "stranded_bytes": w.stranded_bytes}
+        for w in gw.pools.workers.values()
+    ]
+    return _json({"policy": gw.policy.name, "estimator": gw.estimator.name,
+                  "live_reservations": len(gw.leases.live), "workers": workers})
+
+
+def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        store = await open_store(settings.redis_url, settings.key_prefix)
+        connector = aiohttp.TCPConnector(limit=settings.upstream_connections,
+                                         limit_per_host=0, enable_cleanup_closed=True)
+        session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                        timeout=aiohttp.ClientTimeout(total=None))
+        pools = Pools(settings, store)
+        gw = Gateway(
+            settings=settings, store=store, session=session,
+            policy=app[_POLICY], estimator=app[_ESTIMATOR], metrics=app[METRICS],
+            pools=pools, leases=LeaseKeeper(store, settings.reservation_lease_s),
+            histograms=HistogramCache(store, settings.histogram_refresh_s),
+        )
+        app[GATEWAY] = gw
+        await pools.register_capacities()
+        await pools.refresh_from_store()
+        tasks = [
+            asyncio.create_task(pools.run_refresher(), name="pools-refresh"),
+            asyncio.create_task(pools.run_health_prober(session), name="health-probe"),
+            asyncio.create_task(gw.leases.run(), name="lease-keeper"),
+        ]
+        try:
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+            await gw.histograms.close()
+            await session.close()
+            await store.close()
+
+    return ctx
+
+
+_POLICY = web.AppKey("policy", object)
+_ESTIMATOR = web.AppKey("estimator", object)
+
+
+def create_app(settings: Settings) -> web.Application:
+    """Build the router. Policies load (and are smoke-tested) here, so a bad plugin fails now."""
+    app = web.Application(middlewares=[error_middleware],
+                          client_max_size=settings.max_body_bytes)
+    app[SETTINGS] = settings
+    app[METRICS] = RouterMetrics()
+    app[_POLICY] = load_policy(settings.policy, settings.policy_args)
+    app[_ESTIMATOR] = load_estimator(settings.estimator, settings.estimator_args)
+    app.cleanup_ctx.append(_gateway_context(settings))
+    app.router.add_post(CHAT, chat_completions)
+    app.router.add_post(COMPLETIONS, completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/admin/state", admin_state)
+    return app
+

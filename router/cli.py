@@ -1,0 +1,139 @@
+"""The process entry: `disagg-router serve | worker | demo | bench | simulate`.
+
+Only this module knows about uvloop, signals and the aiohttp runner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main", "run_app_until_signal"]
+
+
+def _use_uvloop() -> None:
+    try:
+        import uvloop
+    except ImportError:  # not on this platform: the default loop works, only slower
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+async def run_app_until_signal(app, host: str, port: int, *, on_ready=None) -> None:  # type: ignore[no-untyped-def]
+    """Serve `app` until SIGINT/SIGTERM, then shut down gracefully (streams drain first)."""
+    from aiohttp import web
+
+    # handler_cancellation: a client that disconnects cancels its request at once, so both
+    # upstream legs are closed and its reservation released without waiting for the workers.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, shutdown_timeout=10.0)
+    await site.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        if on_ready is not None:
+            on_ready(runner.addresses)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    from router.app import create_app
+    from router.config import ConfigError, load_settings
+
+    overrides = {"host": ns.host, "port": ns.port, "redis_url": ns.redis_url,
+                 "policy": ns.policy, "estimator": ns.estimator}
+    try:
+        settings = load_settings(ns.config, env=os.environ, overrides=overrides)
+        app = create_app(settings)
+    except (ConfigError, ValueError) as exc:
+        print(f"disagg-router: {exc}", file=sys.stderr)
+        return 2
+
+    def ready(addresses: list) -> None:  # type: ignore[type-arg]
+        store = settings.redis_url or "in-process store (single replica)"
+        print(f"disagg-router serving on http://{settings.host}:{addresses[0][1]} "
+              f"policy={settings.policy} estimator={settings.estimator} state={store}",
+              flush=True)
+
+    _use_uvloop()
+    asyncio.run(run_app_until_signal(app, settings.host, settings.port, on_ready=ready))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="disagg-router", description=__doc__)
+    parser.add_argument("--log-level", default=os.environ.get("DISAGG_ROUTER_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the router")
+    serve.add_argument("--config", help="cluster.yaml")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--redis-url", dest="redis_url")
+    serve.add_argument("--policy")
+    serve.add_argument("--estimator")
+
+    from sim.worker import add_worker_arguments
+
+    add_worker_arguments(sub.add_parser("worker", help="run a simulated GPU worker"))
+
+    from router.demo import add_demo_arguments
+
+    add_demo_arguments(sub.add_parser("demo", help="a local cluster, real trace traffic, a report"))
+
+    from bench.cli import add_bench_arguments
+
+    add_bench_arguments(sub.add_parser("bench", help="replay a trace against an endpoint"))
+
+    try:
+        from sim.cluster_cli import add_simulate_arguments
+    except ImportError:
+        pass
+    else:
+        add_simulate_arguments(sub.add_parser("simulate", help="discrete-event cluster simulator"))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if ns.command == "serve":
+        return _serve(ns)
+    if ns.command == "worker":
+        from sim.worker import config_from_args, run_worker
+
+        _use_uvloop()
+        run_worker(config_from_args(ns))
+        return 0
+    if ns.command == "demo":
+        from router.demo import run_demo
+
+        _use_uvloop()
+        return asyncio.run(run_demo(ns))
+    if ns.command == "bench":
+        from bench.cli import run_bench
+
+        _use_uvloop()
+        return asyncio.run(run_bench(ns))
+    if ns.command == "simulate":
+        from sim.cluster_cli import run_simulate
+
+        return run_simulate(ns)
+    parser.error(f"unknown command {ns.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""Router settings: one frozen, validated object built once from file + environment + flags.
+
+Precedence: command-line flags > environment (`DISAGG_ROUTER_*`) > the YAML file > defaults.
+Nothing else in the router reads `os.environ`.
+
+A minimal cluster.yaml:
+
+    model: llama-3-8b             # served model name(s): a string or a list
+    redis_url: redis://127.0.0.1:6379/0
+    perf: {model: llama-3-8b, gpu: h100}   # cost-model profile of the workers (per worker too)
+    workers:
+      - {id: p0, url: http://10.0.0.1:8000, role: prefill}
+      - {id: d0, url: http://10.0.0.2:8000, role: decode, kv_blocks: 24000}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from policies.base import KVLayout
+from policies.costmodel import PerfModel, perf_model
+
+__all__ = ["ConfigError", "Secret", "WorkerSpec", "Timeouts", "Settings", "load_settings"]
+
+ENV_PREFIX = "DISAGG_ROUTER_"
+
+
+class ConfigError(ValueError):
+    """The configuration is wrong; the message says where and how."""
+
+
+class Secret(str):
+    """A string that hides itself in reprs and logs (API keys, tokens)."""
+
+    def __repr__(self) -> str:
+        return "Secret('***')" if self else "Secret('')"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    id: str
+    url: str
+    role: str  # prefill | decode | both
+    adapter: str = "vllm"  # vllm | sim
+    group: str = "default"
+    layout: KVLayout = field(default_factory=KVLayout)
+    perf: PerfModel | None = None
+    kv_blocks: int | None = None  # decode capacity; None = from the cost model
+    stranded_cap_bytes: int = 0  # prefill backpressure; 0 = no cap
+    api_key: Secret = Secret("")
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.role in ("prefill", "both")
+
+    @property
+    def is_decode(self) -> bool:
+        return self.role in ("decode", "both")
+
+    @property
+    def capacity_blocks(self) -> int:
+        if self.kv_blocks is not None:
+            return self.kv_blocks
+        if self.perf is None:
+            raise ConfigError(f"worker {self.id}: set kv_blocks or a perf profile")
+        return self.perf.kv_capacity_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    connect_s: float = 5.0
+    prefill_s: float = 120.0  # the whole prefill leg, queueing included
+    ttft_s: float = 120.0  # decode: from sending to the first byte of its answer
+    idle_s: float = 60.0  # no byte from the decode stream for this long ends it
+    total_s: float | None = None  # optional cap on a whole request
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    models: tuple[str, ...] = ("llama-3-8b",)
+    max_model_len: int | None = None
+    redis_url: str | None = None  # None = in-process store (single router only)
+    key_prefix: str = "dr:"
+    policy: str = "two_sided"
+    policy_args: Mapping[str, Any] = field(default_factory=dict)
+    estimator: str = "online_quantile"
+    estimator_args: Mapping[str, Any] = field(default_factory=dict)
+    workers: tuple[WorkerSpec, ...] = ()
+    kv_bytes_per_token: int = 131_072
+    max_body_bytes: int = 8 * 1024 * 1024
+    chars_per_token: float = 4.0
+    reservation_lease_s: float = 30.0
+    kv_lease_s: float = 30.0
+    state_refresh_s: float = 0.1
+    health_interval_s: float = 2.0
+    histogram_refresh_s: float = 1.0
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    # Client headers passed through to the workers (the simulated workers' replay header, tracing).
+    forward_headers: tuple[str, ...] = ("x-sim-output-tokens", "traceparent", "tracestate")
+    # Client API keys accepted by the router; empty = no client authentication.
+    api_keys: tuple[Secret, ...] = ()
+    forward_client_auth: bool = False
+    upstream_connections: int = 4096
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ConfigError("models: at least one served model name is needed")
+        if not 0 < self.port < 65536 and self.port != 0:
+            raise ConfigError(f"port: {self.port} is not a TCP port")
+        ids = [w.id for w in self.workers]
+        if len(ids) != len(set(ids)):
+            raise ConfigError(f"workers: duplicate ids in {ids}")
+        if self.reservation_lease_s <= 0:
+            raise ConfigError("reservation_lease_s must be > 0")
+
+
+def _parse_layout(raw: Mapping[str, Any] | None, defaults: KVLayout) -> KVLayout:
+    if not raw:
+        return defaults
+    known = {f.name for f in fields(KVLayout)}
+    unknown = set(raw) - known
+    if unknown:
+        raise ConfigError(f"layout: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    return replace(defaults, **raw)
+
+
+def _parse_perf(raw: Any, where: str) -> PerfModel | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping) or "model" not in raw or "gpu" not in raw:
+        raise ConfigError(f"{where}.perf: expected {{model: NAME, gpu: NAME[, tp_size: N]}}")
+    kw = dict(raw)
+    try:
+        return perf_model(kw.pop("model"), kw.pop("gpu"), kw.pop("tp_size", None), **kw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}.perf: {exc}") from exc
+
+
+_WORKER_KEYS = {"id", "url", "role", "adapter", "group", "layout", "perf", "kv_blocks",
+                "stranded_cap_bytes", "api_key"}
+
+
+def _parse_worker(i: int, raw: Any, default_perf: PerfModel | None, layout: KVLayout) -> WorkerSpec:
+    where = f"workers[{i}]"
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: expected a mapping")
+    unknown = set(raw) - _WORKER_KEYS
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
+    for key in ("id", "url", "role"):
+        if not raw.get(key):
+            raise ConfigError(f"{where}: '{key}' is required")
+    if raw["role"] not in ("prefill", "decode", "both"):
+        raise ConfigError(f"{where}: role must be prefill, decode or both, not {raw['role']!r}")
+    if raw.get("adapter", "vllm") not in ("vllm", "sim"):
+        raise ConfigError(f"{where}: adapter must be vllm or sim")
+    perf = _parse_perf(raw.get("perf"), where) or default_perf
+    return WorkerSpec(
+        id=str(raw["id"]),
+        url=str(raw["url"]).rstrip("/"),
+        role=raw["role"],
+        adapter=raw.get("adapter", "vllm"),
+        group=str(raw.get("group", "default")),
+        layout=_parse_layout(raw.get("layout"), layout),
+        perf=perf,
+        kv_blocks=int(raw["kv_blocks"]) if raw.get("kv_blocks") is not None else None,
+        stranded_cap_bytes=int(raw.get("stranded_cap_bytes", 0)),
+        api_key=Secret(raw.get("api_key") or ""),
+    )
+
+
+_ENV_SCALARS: dict[str, type] = {
+    "host": str, "port": int, "redis_url": str, "key_prefix": str, "policy": str,
+    "estimator": str, "max_body_bytes": int, "reservation_lease_s": float,
+}
+
+
+def load_settings(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Build Settings from a YAML file, then `DISAGG_ROUTER_*` variables, then flag overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config {path}: the top level must be a mapping")
+        raw.update(loaded or {})
+    for key, typ in _ENV_SCALARS.items():
+        value = (env or {}).get(ENV_PREFIX + key.upper())
+        if value not in (None, ""):
+            try:
+                raw[key] = typ(value)
+            except ValueError as exc:
+                raise ConfigError(f"{ENV_PREFIX}{key.upper()}: {exc}") from exc
+    raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return settings_from_mapping(raw)
+
+
+def settings_from_mapping(raw: Mapping[str, Any]) -> Settings:
+    raw = dict(raw)
+    known = {f.name for f in fields(Settings)} | {"model", "perf", "layout"}
+    unknown = set(raw) - known
+    if unknown:
+        raise ConfigError(f"unknown settings {sorted(unknown)}")
+    models = raw.pop("models", None) or raw.pop("model", None) or "llama-3-8b"
+    if isinstance(models, str):
+        models = (models,)
+    default_perf = _parse_perf(raw.pop("perf", None), "settings")
+    served = models[0]
+    layout = _parse_layout(
+        raw.pop("layout", None),
+        KVLayout(
+            model=served,
+            kv_heads=default_perf.model.kv_heads if default_perf else 0,
+            head_dim=default_perf.model.head_dim if default_perf else 0,
+            block_size=default_perf.block_size if default_perf else 16,
+            tp_size=default_perf.tp_size if default_perf else 1,
+        ),
+    )
+    workers = tuple(
+        _parse_worker(i, w, default_perf, layout) for i, w in enumerate(raw.pop("workers", []) or [])
+    )
+    timeouts = raw.pop("timeouts", None) or {}
+    try:
+        timeouts_obj = timeouts if isinstance(timeouts, Timeouts) else Timeouts(**timeouts)
+    except TypeError as exc:
+        raise ConfigError(f"timeouts: {exc}") from exc
+    if "kv_bytes_per_token" not in raw and default_perf is not None:
+        raw["kv_bytes_per_token"] = default_perf.kv_bytes_per_token
+    if "max_model_len" not in raw and default_perf is not None:
+        raw["max_model_len"] = default_perf.model.max_model_len
+    for key in ("forward_headers",):
+        if key in raw:
+            raw[key] = tuple(str(h).lower() for h in raw[key])
+    if "api_keys" in raw:
+        raw["api_keys"] = tuple(Secret(k) for k in raw["api_keys"] or ())
+    try:
+        return Settings(models=tuple(models), workers=workers, timeouts=timeouts_obj, **raw)
+    except TypeError as exc:
+        raise ConfigError(str(exc)) from exc

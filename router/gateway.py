@@ -1,0 +1,44 @@
+"""The Gateway: every long-lived service one router replica uses, built once per app."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from policies.base import OutputLengthEstimator, PlacementPolicy
+from router.adapters import WorkerAdapter, adapter_for
+from router.config import Settings
+from router.histograms import HistogramCache
+from router.leases import LeaseKeeper
+from router.metrics import RouterMetrics
+from router.pools import Pools
+from state.base import StateStore
+
+__all__ = ["Gateway"]
+
+
+@dataclass(slots=True)
+class Gateway:
+    settings: Settings
+    store: StateStore
+    session: aiohttp.ClientSession
+    policy: PlacementPolicy
+    estimator: OutputLengthEstimator
+    metrics: RouterMetrics
+    pools: Pools
+    leases: LeaseKeeper
+    histograms: HistogramCache
+    adapters: dict[str, WorkerAdapter] = field(default_factory=dict)
+    clock: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        for spec in self.settings.workers:
+            if spec.adapter not in self.adapters:
+                self.adapters[spec.adapter] = adapter_for(spec.adapter)
+
+    def __repr__(self) -> str:
+        return (f"Gateway(policy={self.policy.name}, estimator={self.estimator.name}, "
+                f"workers={len(self.pools.workers)}, {self.leases!r})")

@@ -1,0 +1,53 @@
+"""A read-through cache of the shared output-length histograms.
+
+Estimators are pure: they get histograms, not a store. This cache keeps the per-request path
+free of store round trips: a cold class is fetched once, then refreshed in the background at
+most every `refresh_s`, so every replica learns from every completion within about a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping, Sequence
+
+from state.base import StateStore
+
+__all__ = ["HistogramCache"]
+
+
+class HistogramCache:
+    def __init__(self, store: StateStore, refresh_s: float) -> None:
+        self.store = store
+        self.refresh_s = refresh_s
+        self._data: dict[str, Mapping[int, int]] = {}
+        self._fetched_at: dict[str, float] = {}
+        self._refreshing: asyncio.Task[None] | None = None
+
+    def __repr__(self) -> str:
+        return f"HistogramCache({len(self._data)} classes)"
+
+    async def _fetch(self, keys: Sequence[str]) -> None:
+        fresh = await self.store.output_histograms(keys)
+        now = time.monotonic()
+        for k in keys:
+            self._data[k] = fresh.get(k, {})
+            self._fetched_at[k] = now
+
+    async def get(self, keys: Sequence[str]) -> dict[str, Mapping[int, int]]:
+        missing = [k for k in keys if k not in self._data]
+        if missing:
+            await self._fetch(missing)
+        now = time.monotonic()
+        stale = [k for k in keys if now - self._fetched_at.get(k, 0.0) > self.refresh_s]
+        if stale and (self._refreshing is None or self._refreshing.done()):
+            self._refreshing = asyncio.create_task(self._fetch(stale))
+        return {k: self._data.get(k, {}) for k in keys}
+
+    async def close(self) -> None:
+        if self._refreshing is not None and not self._refreshing.done():
+            self._refreshing.cancel()
+            try:
+                await self._refreshing
+            except (asyncio.CancelledError, Exception):
+                pass

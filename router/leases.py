@@ -1,0 +1,59 @@
+"""Keeps this replica's decode reservations alive while their requests are.
+
+One task renews every live lease each third of the lease period, so a streaming request keeps
+its room, and a router that dies stops renewing: its reservations expire by themselves
+(design.md §2). Renewal is batched per tick, not a task per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from state.base import StateStore
+
+__all__ = ["LeaseKeeper"]
+
+log = logging.getLogger(__name__)
+
+
+class LeaseKeeper:
+    def __init__(self, store: StateStore, lease_s: float) -> None:
+        self.store = store
+        self.lease_s = lease_s
+        self.live: dict[str, str] = {}  # reservation id -> decode worker id
+
+    def __repr__(self) -> str:
+        return f"LeaseKeeper({len(self.live)} live, lease={self.lease_s}s)"
+
+    def hold(self, worker_id: str, reservation_id: str) -> None:
+        self.live[reservation_id] = worker_id
+
+    def drop(self, reservation_id: str) -> None:
+        self.live.pop(reservation_id, None)
+
+    async def renew_all(self) -> int:
+        """Renew every live lease; returns how many were already gone (expired under us)."""
+        items = list(self.live.items())
+        results = await asyncio.gather(
+            *(self.store.renew(wid, rid, self.lease_s) for rid, wid in items),
+            return_exceptions=True,
+        )
+        lost = 0
+        for (rid, wid), ok in zip(items, results, strict=True):
+            if isinstance(ok, BaseException):
+                log.warning("lease renewal of %s on %s failed: %s", rid, wid, ok)
+            elif not ok and rid in self.live:
+                lost += 1
+                log.warning("reservation %s on %s expired while its request was alive", rid, wid)
+        return lost
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            try:
+                await self.renew_all()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("lease renewal tick failed: %s", exc)

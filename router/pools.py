@@ -1,0 +1,167 @@
+"""The worker pools as this router replica sees them, and the snapshot policies place against.
+
+The router's own accounting is the primary load signal (design.md §4: the peers' counters miss
+requests still in prefill): queued prompt tokens per prefill worker are counted from dispatch to
+the prefill answer, reserved blocks per decode worker come from the shared store (every
+replica's reservations), refreshed in the background and adjusted locally at once after each
+reserve/release so back-to-back requests on one replica see each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from policies.base import ClusterView, DecodeView, PrefillView
+from router.config import Settings, WorkerSpec
+from state.base import StateStore
+
+__all__ = ["WorkerState", "Pools"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WorkerState:
+    spec: WorkerSpec
+    healthy: bool = True
+    consecutive_failures: int = 0
+    inflight: int = 0
+    queued_prompt_tokens: int = 0  # prompts dispatched for prefill, answer not yet back
+    resident_seqs: int = 0  # decode streams open on this worker (this replica)
+    capacity_blocks: int = 0
+    reserved_blocks: int = 0  # all replicas, from the store, adjusted locally
+    stranded_bytes: int = 0
+    recent_prefixes: set[int] = field(default_factory=set)
+
+    def __repr__(self) -> str:
+        return (
+            f"WorkerState({self.spec.id} {self.spec.role} healthy={self.healthy} "
+            f"queued={self.queued_prompt_tokens} seqs={self.resident_seqs} "
+            f"reserved={self.reserved_blocks}/{self.capacity_blocks} stranded={self.stranded_bytes})"
+        )
+
+
+class Pools:
+    def __init__(self, settings: Settings, store: StateStore) -> None:
+        self.settings = settings
+        self.store = store
+        self.workers: dict[str, WorkerState] = {}
+        for spec in settings.workers:
+            cap = spec.capacity_blocks if spec.is_decode else 0
+            self.workers[spec.id] = WorkerState(spec=spec, capacity_blocks=cap)
+
+    def __repr__(self) -> str:
+        return f"Pools({list(self.workers.values())!r})"
+
+    @property
+    def prefill_workers(self) -> Iterable[WorkerState]:
+        return (w for w in self.workers.values() if w.spec.role == "prefill")
+
+    @property
+    def decode_workers(self) -> Iterable[WorkerState]:
+        return (w for w in self.workers.values() if w.spec.is_decode)
+
+    # -- the snapshot ------------------------------------------------------------------------
+    def snapshot(self) -> ClusterView:
+        prefill = tuple(
+            PrefillView(
+                worker_id=w.spec.id,
+                layout=w.spec.layout,
+                healthy=w.healthy,
+                group=w.spec.group,
+                queued_prompt_tokens=w.queued_prompt_tokens,
+                inflight=w.inflight,
+                prefill_tokens_per_s=(
+                    w.spec.perf.prefill_tokens_per_s() if w.spec.perf else 10_000.0
+                ),
+                stranded_bytes=w.stranded_bytes,
+                stranded_cap_bytes=w.spec.stranded_cap_bytes,
+                recent_prefixes=frozenset(w.recent_prefixes),
+            )
+            for w in self.prefill_workers
+        )
+        decode = tuple(
+            DecodeView(
+                worker_id=w.spec.id,
+                layout=w.spec.layout,
+                capacity_blocks=w.capacity_blocks,
+                reserved_blocks=w.reserved_blocks,
+                resident_seqs=w.resident_seqs,
+                healthy=w.healthy,
+                group=w.spec.group,
+                step_base_s=w.spec.perf.step_base_s if w.spec.perf else 0.005,
+                step_s_per_block=w.spec.perf.step_s_per_block if w.spec.perf else 0.0,
+                can_prefill=w.spec.role == "both",
+                prefill_tokens_per_s=(
+                    w.spec.perf.prefill_tokens_per_s() if w.spec.perf else 10_000.0
+                ),
+                queued_prompt_tokens=w.queued_prompt_tokens,
+            )
+            for w in self.decode_workers
+        )
+        return ClusterView(prefill=prefill, decode=decode,
+                           kv_bytes_per_token=self.settings.kv_bytes_per_token)
+
+    # -- local accounting ----------------------------------------------------------------------
+    def note_reserved(self, worker_id: str, blocks: int) -> None:
+        self.workers[worker_id].reserved_blocks += blocks
+
+    def note_released(self, worker_id: str, blocks: int) -> None:
+        w = self.workers[worker_id]
+        w.reserved_blocks = max(0, w.reserved_blocks - blocks)
+
+    # -- background tasks ---------------------------------------------------------------------
+    async def register_capacities(self) -> None:
+        for w in self.decode_workers:
+            await self.store.set_capacity(w.spec.id, w.capacity_blocks)
+
+    async def refresh_from_store(self) -> None:
+        decode_ids = [w.spec.id for w in self.decode_workers]
+        prefill_ids = [w.spec.id for w in self.prefill_workers]
+        usage = await self.store.decode_usage(decode_ids)
+        stranded = await self.store.stranded_bytes(prefill_ids) if prefill_ids else {}
+        for wid, u in usage.items():
+            self.workers[wid].reserved_blocks = u.reserved_blocks
+        for wid, nbytes in stranded.items():
+            self.workers[wid].stranded_bytes = nbytes
+
+    async def run_refresher(self) -> None:
+        while True:
+            try:
+                await self.refresh_from_store()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a store hiccup must not kill the loop
+                log.warning("state refresh failed: %s", exc)
+            await asyncio.sleep(self.settings.state_refresh_s)
+
+    async def probe(self, session: aiohttp.ClientSession, w: WorkerState) -> None:
+        try:
+            timeout = aiohttp.ClientTimeout(total=max(1.0, self.settings.health_interval_s))
+            async with session.get(w.spec.url + "/health", timeout=timeout) as resp:
+                ok = resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            ok = False
+        if ok:
+            if not w.healthy:
+                log.info("worker %s is healthy again", w.spec.id)
+            w.healthy, w.consecutive_failures = True, 0
+        else:
+            w.consecutive_failures += 1
+            if w.healthy and w.consecutive_failures >= 2:
+                log.warning("worker %s failed %d health probes: out of rotation",
+                            w.spec.id, w.consecutive_failures)
+                w.healthy = False
+
+    async def run_health_prober(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            started = time.monotonic()
+            await asyncio.gather(*(self.probe(session, w) for w in self.workers.values()))
+            elapsed = time.monotonic() - started
+            await asyncio.sleep(max(0.0, self.settings.health_interval_s - elapsed))
