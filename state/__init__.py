@@ -1,1 +1,44 @@
-"""disagg-router: state."""
+"""disagg-router: state shared by router replicas (design.md §5).
+
+`open_store(url)` picks the implementation: no URL means the in-process `MemoryStore`, a
+``redis://``, ``rediss://`` or ``unix://`` URL a `RedisStore` (checked with a ping).
+"""
+
+from __future__ import annotations
+
+from state.base import DecodeUsage, RetryBudgetPolicy, StateStore, StrandedEntry
+from state.keys import DEFAULT_PREFIX, Keys
+from state.memory_store import MemoryStore
+from state.redis_store import RedisStore, StoreUnavailableError, redact_url
+
+__all__ = [
+    "DecodeUsage",
+    "Keys",
+    "MemoryStore",
+    "RedisStore",
+    "RetryBudgetPolicy",
+    "StateStore",
+    "StoreUnavailableError",
+    "StrandedEntry",
+    "open_store",
+]
+
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+async def open_store(url: str | None, prefix: str = DEFAULT_PREFIX) -> StateStore:
+    """The store for `url`: `MemoryStore` when it is None or empty, else a pinged `RedisStore`.
+
+    Raises `StoreUnavailableError` (naming the URL, password hidden) when Redis does not answer,
+    and `ValueError` for a URL of another scheme.
+    """
+    if not url:
+        return MemoryStore()
+    if not url.startswith(_REDIS_SCHEMES):
+        schemes = ", ".join(_REDIS_SCHEMES)
+        raise ValueError(f"state store URL must start with one of {schemes}: {redact_url(url)}")
+    store = RedisStore.from_url(url, prefix)
+    if not await store.ping():
+        await store.close()
+        raise StoreUnavailableError(f"Redis at {redact_url(url)} did not answer a PING")
+    return store

@@ -1,0 +1,166 @@
+"""Every Redis key name and TTL the state stores use, in one place.
+
+Keys are built by a `Keys` value object from a prefix (default ``"dr:"``), so tests and
+several deployments can share one Redis without touching each other's keys.
+
+Hash tags (the ``{...}`` part) decide the Redis Cluster slot. Every Lua script touches the keys
+of one tag only, so each script runs on one node:
+
+=============================  ======  =============================================================
+key                            type    meaning
+=============================  ======  =============================================================
+``<p>{d:<worker>}:cap``        string  decode worker's KV capacity in blocks
+``<p>{d:<worker>}:res``        hash    reservation id -> blocks held
+``<p>{d:<worker>}:lease``      zset    reservation id -> lease expiry (unix s)
+``<p>{d:<worker>}:sum``        string  sum of the ``:res`` values, kept exact by the scripts
+``<p>{p:<worker>}:bytes``      hash    request id -> stranded KV bytes on that prefill worker
+``<p>{p:<worker>}:since``      zset    request id -> when its KV became ready (unix s)
+``<p>{p:<worker>}:sum``        string  sum of the ``:bytes`` values
+``<p>{rb}:req``                hash    unix second -> first attempts counted in that second
+``<p>{rb}:retry``              hash    unix second -> retries spent in that second
+``<p>{os:<class>}``            hash    output-length bucket -> completed requests of that class
+=============================  ======  =============================================================
+
+The retry-budget hashes keep one field per second; the scripts drop fields older than
+`RETRY_RETENTION_S` and give both hashes a TTL a bit over it, so a quiet cluster leaves nothing
+behind. A policy's window must therefore fit in the retention.
+
+Reservation and ledger hashes/zsets need no TTL: Redis deletes a hash or zset when its last field
+goes, and the scripts drop expired leases on every call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from state.base import RetryBudgetPolicy
+
+__all__ = [
+    "Keys",
+    "check_id",
+    "check_count",
+    "check_lease",
+    "check_policy",
+    "RETRY_RETENTION_S",
+    "RETRY_TTL_S",
+    "DEFAULT_PREFIX",
+]
+
+DEFAULT_PREFIX = "dr:"
+
+# The longest retry-budget window a policy may ask for: per-second buckets older than this are
+# pruned. Finagle's default window is 10 s; a minute leaves room without letting the hash grow.
+RETRY_RETENTION_S = 60
+
+# TTL of the retry-budget hashes, refreshed on every write: a bit over the retention so a bucket
+# still inside the window never vanishes early, and a quiet cluster's budget state goes away.
+RETRY_TTL_S = RETRY_RETENTION_S + 5
+
+
+def check_id(kind: str, value: str) -> str:
+    """Reject ids that would break a hash tag (or be empty); returns the id unchanged.
+
+    A ``{`` or ``}`` inside an id would move the tag boundary, so two keys of one worker could
+    land in different cluster slots and a script touching both would fail on a cluster.
+    """
+    if not value:
+        raise ValueError(f"{kind} must be a non-empty string")
+    if "{" in value or "}" in value:
+        raise ValueError(f"{kind} must not contain '{{' or '}}': {value!r}")
+    return value
+
+
+# Argument checks shared by both stores, so they reject the same calls the same way.
+def check_count(name: str, value: int) -> None:
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def check_lease(lease_s: float) -> None:
+    if not lease_s > 0 or math.isinf(lease_s):
+        raise ValueError(f"lease_s must be a positive finite number, got {lease_s}")
+
+
+def check_policy(policy: RetryBudgetPolicy) -> None:
+    if not 0 < policy.window_s <= RETRY_RETENTION_S:
+        raise ValueError(
+            f"retry budget window_s must be in (0, {RETRY_RETENTION_S}], got {policy.window_s}"
+        )
+    if policy.ratio < 0 or policy.min_per_s < 0:
+        raise ValueError(f"retry budget ratio and min_per_s must be >= 0: {policy!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key names of one deployment, all under `prefix`."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        # A brace in the prefix would become the hash tag of every key, pinning everything to
+        # one slot (and breaking the per-worker tags).
+        if "{" in self.prefix or "}" in self.prefix:
+            raise ValueError(f"key prefix must not contain braces: {self.prefix!r}")
+
+    # -- decode reservations -------------------------------------------------------------
+    def _decode(self, worker_id: str) -> str:
+        return f"{self.prefix}{{d:{check_id('worker_id', worker_id)}}}"
+
+    def decode_capacity(self, worker_id: str) -> str:
+        return f"{self._decode(worker_id)}:cap"
+
+    def decode_blocks(self, worker_id: str) -> str:
+        return f"{self._decode(worker_id)}:res"
+
+    def decode_leases(self, worker_id: str) -> str:
+        return f"{self._decode(worker_id)}:lease"
+
+    def decode_sum(self, worker_id: str) -> str:
+        return f"{self._decode(worker_id)}:sum"
+
+    def decode_worker(self, worker_id: str) -> list[str]:
+        """The four keys of one decode worker, in the order the reservation scripts take them."""
+        return [
+            self.decode_capacity(worker_id),
+            self.decode_blocks(worker_id),
+            self.decode_leases(worker_id),
+            self.decode_sum(worker_id),
+        ]
+
+    # -- stranded KV ledger --------------------------------------------------------------
+    def _prefill(self, prefill_id: str) -> str:
+        return f"{self.prefix}{{p:{check_id('prefill_id', prefill_id)}}}"
+
+    def stranded_bytes(self, prefill_id: str) -> str:
+        return f"{self._prefill(prefill_id)}:bytes"
+
+    def stranded_since(self, prefill_id: str) -> str:
+        return f"{self._prefill(prefill_id)}:since"
+
+    def stranded_sum(self, prefill_id: str) -> str:
+        return f"{self._prefill(prefill_id)}:sum"
+
+    def stranded_worker(self, prefill_id: str) -> list[str]:
+        """The three ledger keys of one prefill worker, in the order the scripts take them."""
+        return [
+            self.stranded_bytes(prefill_id),
+            self.stranded_since(prefill_id),
+            self.stranded_sum(prefill_id),
+        ]
+
+    # -- retry budget ----------------------------------------------------------------------
+    @property
+    def retry_requests(self) -> str:
+        return f"{self.prefix}{{rb}}:req"
+
+    @property
+    def retry_retries(self) -> str:
+        return f"{self.prefix}{{rb}}:retry"
+
+    # -- output-length statistics ----------------------------------------------------------
+    def output_stats(self, class_key: str) -> str:
+        return f"{self.prefix}{{os:{check_id('class_key', class_key)}}}"
+
+    def __repr__(self) -> str:
+        return f"Keys(prefix={self.prefix!r})"

@@ -1,0 +1,483 @@
+"""`RedisStore`: the shared state of every router replica, kept in Redis (design.md §5).
+
+Every multi-key change is one Lua script below, registered once per store. Each script touches
+the keys of one hash tag only (see `state.keys`), so it runs on Redis Cluster too. Calls that
+span workers (usage of many decode workers, histograms of many classes) are pipelines of
+single-slot commands, not transactions.
+
+Clocks: leases, ledger times and retry buckets use the Redis server's clock (`TIME`) inside the
+scripts, so replicas whose clocks disagree still agree on which lease has expired. Every script
+that reads the clock takes it as ``ARGV[1]``: an empty string means "use `TIME`"; a number (from
+an injected `clock`, e.g. a simulator's) is used instead.
+
+Lua numbers passed to ``redis.call`` are formatted with 14 significant digits, which would round
+unix times to 0.1 ms; the scripts format scores themselves (``%.6f``) to keep microseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from state.base import DecodeUsage, RetryBudgetPolicy, StrandedEntry
+from state.keys import (
+    DEFAULT_PREFIX,
+    RETRY_RETENTION_S,
+    RETRY_TTL_S,
+    Keys,
+    check_count,
+    check_lease,
+    check_policy,
+)
+
+__all__ = ["RedisStore", "StoreUnavailableError", "redact_url"]
+
+
+class StoreUnavailableError(ConnectionError):
+    """The configured Redis did not answer; the message names the URL with the password hidden."""
+
+
+# Shared Lua fragments: the clock, and dropping a decode worker's expired leases. Both are
+# pasted into the scripts that need them (a script cannot call another script).
+_LUA_CLOCK = """
+local function clock()
+  if ARGV[1] ~= '' then return tonumber(ARGV[1]) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local function score(x) return string.format('%.6f', x) end
+"""
+
+# Expired means expiry <= now. One id at a time rather than `unpack(all)`: Lua's stack limits
+# how many arguments one call may take, and a dead router can leave many leases behind.
+_LUA_PURGE = """
+local function purge(now)
+  local dead = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', score(now))
+  if #dead == 0 then return end
+  local freed = 0
+  for _, id in ipairs(dead) do
+    freed = freed + tonumber(redis.call('HGET', KEYS[2], id) or 0)
+    redis.call('HDEL', KEYS[2], id)
+    redis.call('ZREM', KEYS[3], id)
+  end
+  redis.call('DECRBY', KEYS[4], freed)
+end
+local function free_blocks()
+  local cap = tonumber(redis.call('GET', KEYS[1]) or 0)
+  local used = tonumber(redis.call('GET', KEYS[4]) or 0)
+  return cap - used
+end
+"""
+
+# Every decode-reservation script takes the same KEYS (one worker, tag {d:<worker>}):
+#   KEYS[1] capacity (string)   KEYS[2] id -> blocks (hash)
+#   KEYS[3] id -> expiry (zset) KEYS[4] sum of blocks (string)
+
+# Hold blocks for a reservation. A live id already held succeeds again without counting twice
+# and gets its lease renewed: a retried call must not leak or double-book capacity.
+# ARGV[1] now ('' = server TIME)  ARGV[2] reservation id  ARGV[3] blocks  ARGV[4] lease seconds
+# Returns 1 if held, 0 if there is no room.
+RESERVE_SCRIPT = (
+    _LUA_CLOCK
+    + _LUA_PURGE
+    + """
+local now = clock()
+purge(now)
+local expiry = score(now + tonumber(ARGV[4]))
+if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 1 then
+  redis.call('ZADD', KEYS[3], expiry, ARGV[2])
+  return 1
+end
+local blocks = tonumber(ARGV[3])
+if free_blocks() < blocks then return 0 end
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+redis.call('ZADD', KEYS[3], expiry, ARGV[2])
+redis.call('INCRBY', KEYS[4], ARGV[3])
+return 1
+"""
+)
+
+# Extend a live lease to now + lease seconds.
+# ARGV[1] now  ARGV[2] reservation id  ARGV[3] lease seconds
+# Returns 1 if renewed, 0 if the reservation is gone (released or expired).
+RENEW_SCRIPT = (
+    _LUA_CLOCK
+    + _LUA_PURGE
+    + """
+local now = clock()
+purge(now)
+if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 0 then return 0 end
+redis.call('ZADD', KEYS[3], score(now + tonumber(ARGV[3])), ARGV[2])
+return 1
+"""
+)
+
+# Change a live reservation's blocks; growth needs the extra blocks free, shrinking always works.
+# ARGV[1] now  ARGV[2] reservation id  ARGV[3] new blocks
+# Returns 1 if resized, 0 if gone or if growth does not fit.
+RESIZE_SCRIPT = (
+    _LUA_CLOCK
+    + _LUA_PURGE
+    + """
+local now = clock()
+purge(now)
+local old = redis.call('HGET', KEYS[2], ARGV[2])
+if not old then return 0 end
+local delta = tonumber(ARGV[3]) - tonumber(old)
+if delta > 0 and free_blocks() < delta then return 0 end
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+redis.call('INCRBY', KEYS[4], delta)
+return 1
+"""
+)
+
+# Drop a reservation.
+# ARGV[1] now  ARGV[2] reservation id
+# Returns the blocks it held, 0 if it was already gone (released, or its lease expired).
+RELEASE_SCRIPT = (
+    _LUA_CLOCK
+    + _LUA_PURGE
+    + """
+local now = clock()
+purge(now)
+local old = redis.call('HGET', KEYS[2], ARGV[2])
+if not old then return 0 end
+redis.call('HDEL', KEYS[2], ARGV[2])
+redis.call('ZREM', KEYS[3], ARGV[2])
+redis.call('DECRBY', KEYS[4], old)
+return tonumber(old)
+"""
+)
+
+# Drop expired leases, then read the worker's usage.
+# ARGV[1] now
+# Returns {capacity, reserved blocks, live reservations}.
+USAGE_SCRIPT = (
+    _LUA_CLOCK
+    + _LUA_PURGE
+    + """
+purge(clock())
+return {tonumber(redis.call('GET', KEYS[1]) or 0), tonumber(redis.call('GET', KEYS[4]) or 0),
+        redis.call('HLEN', KEYS[2])}
+"""
+)
+
+# Every ledger script takes the same KEYS (one prefill worker, tag {p:<worker>}):
+#   KEYS[1] id -> bytes (hash)  KEYS[2] id -> since (zset)  KEYS[3] sum of bytes (string)
+
+# Record (or update the size of) stranded KV. A repeated call keeps the first `since`: the
+# prefill worker's KV lease started when the KV was first ready.
+# ARGV[1] now  ARGV[2] request id  ARGV[3] bytes
+STRAND_SCRIPT = (
+    _LUA_CLOCK
+    + """
+local old = tonumber(redis.call('HGET', KEYS[1], ARGV[2]) or 0)
+redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
+redis.call('ZADD', KEYS[2], 'NX', score(clock()), ARGV[2])
+redis.call('INCRBY', KEYS[3], tonumber(ARGV[3]) - old)
+return 1
+"""
+)
+
+# Clear a stranded entry.
+# ARGV[1] request id
+# Returns the bytes cleared, 0 if absent.
+UNSTRAND_SCRIPT = """
+local old = redis.call('HGET', KEYS[1], ARGV[1])
+if not old then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('DECRBY', KEYS[3], old)
+return tonumber(old)
+"""
+
+# Remove and return entries stranded at least `older_than` seconds.
+# ARGV[1] now  ARGV[2] older_than seconds
+# Returns a flat list {id, bytes, since, id, bytes, since, ...} (strings: Lua numbers would be
+# truncated to integers on the way out).
+REAP_SCRIPT = (
+    _LUA_CLOCK
+    + """
+local cutoff = clock() - tonumber(ARGV[2])
+local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', score(cutoff), 'WITHSCORES')
+local out = {}
+local freed = 0
+for i = 1, #old, 2 do
+  local id = old[i]
+  local nbytes = redis.call('HGET', KEYS[1], id) or '0'
+  freed = freed + tonumber(nbytes)
+  redis.call('HDEL', KEYS[1], id)
+  redis.call('ZREM', KEYS[2], id)
+  out[#out + 1] = id
+  out[#out + 1] = nbytes
+  out[#out + 1] = old[i + 1]
+end
+if freed ~= 0 then redis.call('DECRBY', KEYS[3], freed) end
+return out
+"""
+)
+
+# Retry-budget buckets: a hash field per unix second. Pruning fields older than the retention
+# runs only when a second's first count lands, so it costs one HKEYS per second, not per call.
+_LUA_BUCKETS = """
+local function count(key, sec, retention)
+  if redis.call('HINCRBY', key, string.format('%d', sec), 1) == 1 then
+    for _, f in ipairs(redis.call('HKEYS', key)) do
+      if tonumber(f) <= sec - retention then redis.call('HDEL', key, f) end
+    end
+  end
+  redis.call('EXPIRE', key, ARGV[3])
+end
+local function window_sum(key, first)
+  local total = 0
+  local kv = redis.call('HGETALL', key)
+  for i = 1, #kv, 2 do
+    if tonumber(kv[i]) >= first then total = total + tonumber(kv[i + 1]) end
+  end
+  return total
+end
+"""
+
+# Count one first attempt.
+# KEYS[1] requests per second (hash, tag {rb})
+# ARGV[1] now  ARGV[2] retention seconds  ARGV[3] TTL seconds
+NOTE_REQUEST_SCRIPT = (
+    _LUA_CLOCK
+    + _LUA_BUCKETS
+    + """
+count(KEYS[1], math.floor(clock()), tonumber(ARGV[2]))
+return 1
+"""
+)
+
+# Spend one retry iff retries_in_window + 1 <= ratio * requests_in_window + min_per_s * window.
+# The window is the last ceil(window) whole seconds, the current one included.
+# KEYS[1] requests per second (hash)  KEYS[2] retries per second (hash), both tag {rb}
+# ARGV[1] now  ARGV[2] retention seconds  ARGV[3] TTL seconds
+# ARGV[4] ratio  ARGV[5] min_per_s  ARGV[6] window seconds
+# Returns 1 if the retry was allowed (and counted), 0 if not.
+TRY_RETRY_SCRIPT = (
+    _LUA_CLOCK
+    + _LUA_BUCKETS
+    + """
+local sec = math.floor(clock())
+local window = tonumber(ARGV[6])
+local first = sec - math.ceil(window) + 1
+local requests = window_sum(KEYS[1], first)
+local retries = window_sum(KEYS[2], first)
+if retries + 1 > tonumber(ARGV[4]) * requests + tonumber(ARGV[5]) * window then return 0 end
+count(KEYS[2], sec, tonumber(ARGV[2]))
+return 1
+"""
+)
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password (userinfo or ``?password=``) replaced by ``***``."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        user = parts.username or ""
+        netloc = f"{user}:***@{netloc.rpartition('@')[2]}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode([(k, "***" if k.lower() == "password" else v) for k, v in pairs])
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class RedisStore:
+    """The `StateStore` on Redis. Owns its client only when built by `from_url`."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        clock: Callable[[], float] | None = None,
+        *,
+        _owns_client: bool = False,
+        _url: str | None = None,
+    ) -> None:
+        self._client = client
+        self._keys = keys
+        # None: the server's clock, the only one every replica agrees on. Injected clocks are
+        # for simulations and tests that want to step time.
+        self._clock = clock
+        self._owns_client = _owns_client
+        self._url = _url
+        register = client.register_script
+        self._reserve = register(RESERVE_SCRIPT)
+        self._renew = register(RENEW_SCRIPT)
+        self._resize = register(RESIZE_SCRIPT)
+        self._release = register(RELEASE_SCRIPT)
+        self._usage = register(USAGE_SCRIPT)
+        self._strand = register(STRAND_SCRIPT)
+        self._unstrand = register(UNSTRAND_SCRIPT)
+        self._reap = register(REAP_SCRIPT)
+        self._note_request = register(NOTE_REQUEST_SCRIPT)
+        self._try_retry = register(TRY_RETRY_SCRIPT)
+
+    @classmethod
+    def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX) -> RedisStore:
+        """A store on a client of its own (closed by `close`). Does no I/O: `ping` to check."""
+        # URL query options (e.g. ?socket_connect_timeout=1) override these defaults.
+        client = aioredis.Redis.from_url(url, socket_connect_timeout=5.0, socket_timeout=10.0)
+        return cls(client, Keys(prefix), _owns_client=True, _url=url)
+
+    @property
+    def keys(self) -> Keys:
+        return self._keys
+
+    def _now(self) -> str:
+        return "" if self._clock is None else repr(float(self._clock()))
+
+    # -- decode reservations -------------------------------------------------------------
+    async def set_capacity(self, worker_id: str, capacity_blocks: int) -> None:
+        check_count("capacity_blocks", capacity_blocks)
+        await self._client.set(self._keys.decode_capacity(worker_id), int(capacity_blocks))
+
+    async def reserve(
+        self, worker_id: str, reservation_id: str, blocks: int, lease_s: float
+    ) -> bool:
+        check_count("blocks", blocks)
+        check_lease(lease_s)
+        keys = self._keys.decode_worker(worker_id)
+        args: list[str | int] = [self._now(), reservation_id, int(blocks), repr(float(lease_s))]
+        return bool(await self._reserve(keys=keys, args=args))
+
+    async def renew(self, worker_id: str, reservation_id: str, lease_s: float) -> bool:
+        check_lease(lease_s)
+        keys = self._keys.decode_worker(worker_id)
+        args = [self._now(), reservation_id, repr(float(lease_s))]
+        return bool(await self._renew(keys=keys, args=args))
+
+    async def resize(self, worker_id: str, reservation_id: str, blocks: int) -> bool:
+        check_count("blocks", blocks)
+        keys = self._keys.decode_worker(worker_id)
+        return bool(await self._resize(keys=keys, args=[self._now(), reservation_id, int(blocks)]))
+
+    async def release(self, worker_id: str, reservation_id: str) -> int:
+        keys = self._keys.decode_worker(worker_id)
+        return int(await self._release(keys=keys, args=[self._now(), reservation_id]))
+
+    async def decode_usage(self, worker_ids: Iterable[str]) -> dict[str, DecodeUsage]:
+        ids = list(dict.fromkeys(worker_ids))
+        if not ids:
+            return {}
+        now = self._now()
+        async with self._client.pipeline(transaction=False) as pipe:
+            for worker_id in ids:
+                await self._usage(keys=self._keys.decode_worker(worker_id), args=[now], client=pipe)
+            rows = await pipe.execute()
+        return {
+            worker_id: DecodeUsage(int(cap), int(reserved), int(count))
+            for worker_id, (cap, reserved, count) in zip(ids, rows, strict=True)
+        }
+
+    # -- stranded KV ledger --------------------------------------------------------------
+    async def strand(self, prefill_id: str, request_id: str, nbytes: int) -> None:
+        check_count("nbytes", nbytes)
+        keys = self._keys.stranded_worker(prefill_id)
+        await self._strand(keys=keys, args=[self._now(), request_id, int(nbytes)])
+
+    async def unstrand(self, prefill_id: str, request_id: str) -> int:
+        keys = self._keys.stranded_worker(prefill_id)
+        return int(await self._unstrand(keys=keys, args=[request_id]))
+
+    async def stranded_bytes(self, prefill_ids: Iterable[str]) -> dict[str, int]:
+        ids = list(dict.fromkeys(prefill_ids))
+        if not ids:
+            return {}
+        async with self._client.pipeline(transaction=False) as pipe:
+            for prefill_id in ids:
+                pipe.get(self._keys.stranded_sum(prefill_id))
+            sums = await pipe.execute()
+        return {p: int(s or 0) for p, s in zip(ids, sums, strict=True)}
+
+    async def reap_stranded(self, prefill_id: str, older_than_s: float) -> list[StrandedEntry]:
+        keys = self._keys.stranded_worker(prefill_id)
+        flat = await self._reap(keys=keys, args=[self._now(), repr(float(older_than_s))])
+        return [
+            StrandedEntry(prefill_id, _text(flat[i]), int(flat[i + 1]), float(flat[i + 2]))
+            for i in range(0, len(flat), 3)
+        ]
+
+    # -- retry budget ----------------------------------------------------------------------
+    async def note_request(self) -> None:
+        await self._note_request(
+            keys=[self._keys.retry_requests],
+            args=[self._now(), RETRY_RETENTION_S, RETRY_TTL_S],
+        )
+
+    async def try_retry(self, policy: RetryBudgetPolicy) -> bool:
+        check_policy(policy)
+        allowed = await self._try_retry(
+            keys=[self._keys.retry_requests, self._keys.retry_retries],
+            args=[
+                self._now(),
+                RETRY_RETENTION_S,
+                RETRY_TTL_S,
+                repr(float(policy.ratio)),
+                repr(float(policy.min_per_s)),
+                repr(float(policy.window_s)),
+            ],
+        )
+        return bool(allowed)
+
+    # -- output-length statistics ----------------------------------------------------------
+    async def record_output(self, class_keys: Sequence[str], bucket: int) -> None:
+        if not class_keys:
+            return
+        # One HINCRBY per class: each is atomic on its own and the classes live in different
+        # slots, so a pipeline (not a transaction) is all that is needed.
+        async with self._client.pipeline(transaction=False) as pipe:
+            for class_key in class_keys:
+                pipe.hincrby(self._keys.output_stats(class_key), str(int(bucket)), 1)
+            await pipe.execute()
+
+    async def output_histograms(self, class_keys: Sequence[str]) -> dict[str, Mapping[int, int]]:
+        keys = list(dict.fromkeys(class_keys))
+        if not keys:
+            return {}
+        async with self._client.pipeline(transaction=False) as pipe:
+            for class_key in keys:
+                pipe.hgetall(self._keys.output_stats(class_key))
+            rows = await pipe.execute()
+        return {
+            class_key: {int(b): int(n) for b, n in row.items()}
+            for class_key, row in zip(keys, rows, strict=True)
+        }
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def ping(self) -> bool:
+        try:
+            return bool(await self._client.ping())
+        except (RedisError, OSError):
+            return False
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
+
+    def __repr__(self) -> str:
+        where = redact_url(self._url) if self._url else _describe(self._client)
+        clock = "server" if self._clock is None else "injected"
+        return (
+            f"RedisStore({where}, prefix={self._keys.prefix!r}, clock={clock}, "
+            f"owns_client={self._owns_client})"
+        )
+
+
+def _describe(client: aioredis.Redis) -> str:
+    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
+    if "path" in kwargs:
+        return f"unix:{kwargs['path']}"
+    return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"

@@ -1,0 +1,551 @@
+"""One conformance suite for both state stores (design.md §5): `MemoryStore` and `RedisStore`.
+
+Redis tests use the real server on 127.0.0.1:6379, each under its own key prefix
+(``test:<uuid>:``), and delete their keys afterwards. Leases are real and short on both stores;
+where a test needs to step time exactly (ages, budget windows) it injects a clock into either
+store, which exercises the Redis scripts' ``ARGV[1]`` clock path too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import redis.asyncio as aioredis
+from redis.crc import key_slot
+
+from state import (
+    DecodeUsage,
+    Keys,
+    MemoryStore,
+    RedisStore,
+    RetryBudgetPolicy,
+    StateStore,
+    StoreUnavailableError,
+    StrandedEntry,
+    open_store,
+)
+from state.keys import RETRY_TTL_S
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+LONG = 60.0  # a lease no test outlives
+SHORT = 0.2  # a lease every expiry test outlives by sleeping EXPIRED_AFTER
+EXPIRED_AFTER = 0.5
+
+
+class SteppedClock:
+    """A clock that moves only when told to."""
+
+    def __init__(self, start: float = 1_000_000.25) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def __repr__(self) -> str:
+        return f"SteppedClock(now={self.now})"
+
+
+async def _delete_prefix(client: aioredis.Redis, prefix: str) -> None:
+    keys = [key async for key in client.scan_iter(match=f"{prefix}*", count=500)]
+    if keys:
+        await client.delete(*keys)
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"test:{uuid.uuid4().hex}:"
+
+
+@asynccontextmanager
+async def _redis(prefix: str) -> AsyncIterator[aioredis.Redis]:
+    # The client's default connection pool opens a connection per concurrent command, so the
+    # race tests really interleave scripts on the server.
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        yield client
+    finally:
+        await _delete_prefix(client, prefix)
+        await client.aclose()
+
+
+@pytest.fixture
+async def redis_client(prefix: str) -> AsyncIterator[aioredis.Redis]:
+    async with _redis(prefix) as client:
+        yield client
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[StateStore]:
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    async with _redis(prefix) as client:
+        yield RedisStore(client, Keys(prefix))
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def clocked(
+    request: pytest.FixtureRequest, prefix: str
+) -> AsyncIterator[tuple[StateStore, SteppedClock]]:
+    clock = SteppedClock()
+    if request.param == "memory":
+        yield MemoryStore(clock=clock), clock
+        return
+    async with _redis(prefix) as client:
+        yield RedisStore(client, Keys(prefix), clock=clock), clock
+
+
+async def _usage(store: StateStore, worker_id: str) -> DecodeUsage:
+    return (await store.decode_usage([worker_id]))[worker_id]
+
+
+# -- decode reservations ---------------------------------------------------------------------
+
+
+async def test_store_satisfies_protocol(store: StateStore) -> None:
+    assert isinstance(store, StateStore)
+    assert await store.ping()
+    assert type(store).__name__ in repr(store)
+
+
+async def test_reserve_within_and_over_capacity(store: StateStore) -> None:
+    await store.set_capacity("d1", 10)
+    assert await store.reserve("d1", "r1", 6, LONG)
+    assert not await store.reserve("d1", "r2", 5, LONG)  # 4 free
+    assert await store.reserve("d1", "r3", 4, LONG)  # exactly fills
+    assert not await store.reserve("d1", "r4", 1, LONG)
+    assert await _usage(store, "d1") == DecodeUsage(10, 10, 2)
+    assert (await _usage(store, "d1")).free_blocks == 0
+
+
+async def test_unknown_worker_has_no_room(store: StateStore) -> None:
+    assert await store.decode_usage(["nobody"]) == {"nobody": DecodeUsage(0, 0, 0)}
+    assert not await store.reserve("nobody", "r1", 1, LONG)
+    assert await store.decode_usage([]) == {}
+
+
+async def test_reserve_is_idempotent_per_id(store: StateStore) -> None:
+    await store.set_capacity("d1", 10)
+    assert await store.reserve("d1", "r1", 6, LONG)
+    # A retried call succeeds without counting twice, even though 6 more would not fit.
+    assert await store.reserve("d1", "r1", 6, LONG)
+    assert await _usage(store, "d1") == DecodeUsage(10, 6, 1)
+
+
+async def test_release_returns_blocks_once_then_zero(store: StateStore) -> None:
+    await store.set_capacity("d1", 10)
+    assert await store.reserve("d1", "r1", 7, LONG)
+    assert await store.release("d1", "r1") == 7
+    assert await store.release("d1", "r1") == 0  # a double release is visible to the caller
+    assert await store.release("d1", "never") == 0
+    assert await _usage(store, "d1") == DecodeUsage(10, 0, 0)
+
+
+async def test_capacity_change(store: StateStore) -> None:
+    await store.set_capacity("d1", 4)
+    assert await store.reserve("d1", "r1", 4, LONG)
+    await store.set_capacity("d1", 10)
+    assert await store.reserve("d1", "r2", 6, LONG)
+    # Shrinking below what is held keeps the holders and refuses newcomers.
+    await store.set_capacity("d1", 5)
+    assert await _usage(store, "d1") == DecodeUsage(5, 10, 2)
+    assert (await _usage(store, "d1")).free_blocks == -5
+    assert not await store.reserve("d1", "r3", 1, LONG)
+    assert await store.release("d1", "r2") == 6
+    assert await store.reserve("d1", "r3", 1, LONG)
+
+
+async def test_resize(store: StateStore) -> None:
+    await store.set_capacity("d1", 10)
+    assert await store.reserve("d1", "r1", 4, LONG)
+    assert await store.reserve("d1", "r2", 2, LONG)
+    assert await store.resize("d1", "r1", 8)  # grows by 4 into the 4 free
+    assert not await store.resize("d1", "r1", 9)  # no room for one more
+    assert await _usage(store, "d1") == DecodeUsage(10, 10, 2)
+    assert await store.resize("d1", "r1", 3)  # shrinking always fits
+    assert await _usage(store, "d1") == DecodeUsage(10, 5, 2)
+    assert not await store.resize("d1", "gone", 1)
+    assert await store.release("d1", "r1") == 3
+
+
+async def test_lease_expiry_frees_blocks(store: StateStore) -> None:
+    await store.set_capacity("d1", 10)
+    assert await store.reserve("d1", "short", 6, SHORT)
+    assert await store.reserve("d1", "long", 3, LONG)
+    await asyncio.sleep(EXPIRED_AFTER)
+    # A dead router's reservation vanishes after its lease: usage no longer counts it ...
+    assert await _usage(store, "d1") == DecodeUsage(10, 3, 1)
+    # ... its room is free again, and releasing it late reports nothing held.
+    assert await store.reserve("d1", "new", 7, LONG)
+    assert await store.release("d1", "short") == 0
+    assert not await store.resize("d1", "short", 1)
+    assert await _usage(store, "d1") == DecodeUsage(10, 10, 2)
+
+
+async def test_expired_id_reserves_afresh(store: StateStore) -> None:
+    await store.set_capacity("d1", 10)
+    assert await store.reserve("d1", "r1", 6, SHORT)
+    await asyncio.sleep(EXPIRED_AFTER)
+    assert await store.reserve("d1", "r1", 2, LONG)
+    assert await _usage(store, "d1") == DecodeUsage(10, 2, 1)
+
+
+async def test_renew_live_vs_expired(store: StateStore) -> None:
+    await store.set_capacity("d1", 10)
+    assert await store.reserve("d1", "live", 2, LONG)
+    assert await store.reserve("d1", "dead", 3, SHORT)
+    await asyncio.sleep(EXPIRED_AFTER)
+    assert await store.renew("d1", "live", LONG)
+    assert not await store.renew("d1", "dead", LONG)
+    assert not await store.renew("d1", "never", LONG)
+    assert await _usage(store, "d1") == DecodeUsage(10, 2, 1)
+
+
+async def test_renew_extends_lease(clocked: tuple[StateStore, SteppedClock]) -> None:
+    store, clock = clocked
+    await store.set_capacity("d1", 10)
+    assert await store.reserve("d1", "r1", 4, 10.0)
+    clock.advance(8.0)
+    assert await store.renew("d1", "r1", 10.0)
+    clock.advance(8.0)  # 16 s after the reserve, 8 s after the renew
+    assert await _usage(store, "d1") == DecodeUsage(10, 4, 1)
+    assert await store.reserve("d1", "r1", 4, 10.0)  # a repeated reserve renews too
+    clock.advance(9.5)
+    assert await _usage(store, "d1") == DecodeUsage(10, 4, 1)
+    clock.advance(0.5)  # expiry is inclusive: at exactly now == expiry the lease is gone
+    assert await _usage(store, "d1") == DecodeUsage(10, 0, 0)
+    assert await store.release("d1", "r1") == 0
+
+
+async def test_usage_of_several_workers(store: StateStore) -> None:
+    await store.set_capacity("d1", 10)
+    await store.set_capacity("d2", 20)
+    assert await store.reserve("d1", "a", 1, LONG)
+    assert await store.reserve("d2", "a", 5, LONG)  # ids are per worker
+    assert await store.decode_usage(["d1", "d2", "d3"]) == {
+        "d1": DecodeUsage(10, 1, 1),
+        "d2": DecodeUsage(20, 5, 1),
+        "d3": DecodeUsage(0, 0, 0),
+    }
+
+
+async def test_concurrent_reserves_race_for_last_blocks(store: StateStore) -> None:
+    await store.set_capacity("d1", 23)
+    assert await store.reserve("d1", "first", 3, LONG)
+    # 20 blocks left, 50 callers want 2 each: exactly 10 may win.
+    results = await asyncio.gather(*(store.reserve("d1", f"r{i}", 2, LONG) for i in range(50)))
+    assert sum(results) == 10
+    assert await _usage(store, "d1") == DecodeUsage(23, 23, 11)
+    released = await asyncio.gather(*(store.release("d1", f"r{i}") for i in range(50)))
+    assert sorted(released) == [0] * 40 + [2] * 10
+    assert await _usage(store, "d1") == DecodeUsage(23, 3, 1)
+
+
+async def test_concurrent_resizes_never_overbook(store: StateStore) -> None:
+    await store.set_capacity("d1", 30)
+    for i in range(10):
+        assert await store.reserve("d1", f"r{i}", 1, LONG)
+    # 20 free blocks, 10 holders each want 4 more: exactly 5 may grow.
+    grown = await asyncio.gather(*(store.resize("d1", f"r{i}", 5) for i in range(10)))
+    assert sum(grown) == 5
+    assert await _usage(store, "d1") == DecodeUsage(30, 30, 10)
+
+
+# -- stranded KV ledger ----------------------------------------------------------------------
+
+
+async def test_stranded_add_clear_sum(store: StateStore) -> None:
+    await store.strand("p1", "a", 100)
+    await store.strand("p1", "b", 200)
+    await store.strand("p2", "c", 50)
+    assert await store.stranded_bytes(["p1", "p2", "p3"]) == {"p1": 300, "p2": 50, "p3": 0}
+    assert await store.unstrand("p1", "a") == 100
+    assert await store.unstrand("p1", "a") == 0
+    assert await store.unstrand("p1", "never") == 0
+    await store.strand("p1", "b", 250)  # re-stranding updates the size, never counts twice
+    assert await store.stranded_bytes(["p1"]) == {"p1": 250}
+    assert await store.stranded_bytes([]) == {}
+
+
+async def test_reap_removes_and_returns_old_entries(store: StateStore) -> None:
+    await store.strand("p1", "a", 100)
+    await store.strand("p1", "b", 200)
+    assert await store.reap_stranded("p1", 3600.0) == []
+    reaped = await store.reap_stranded("p1", 0.0)
+    assert sorted((e.prefill_id, e.request_id, e.nbytes) for e in reaped) == [
+        ("p1", "a", 100),
+        ("p1", "b", 200),
+    ]
+    assert all(isinstance(e, StrandedEntry) and e.since_s > 0 for e in reaped)
+    assert await store.stranded_bytes(["p1"]) == {"p1": 0}
+    assert await store.reap_stranded("p1", 0.0) == []
+    assert await store.unstrand("p1", "a") == 0
+
+
+async def test_reap_by_age(clocked: tuple[StateStore, SteppedClock]) -> None:
+    store, clock = clocked
+    start = clock.now
+    await store.strand("p1", "old", 100)
+    clock.advance(20.0)
+    await store.strand("p1", "young", 30)
+    await store.strand("p1", "old", 120)  # a resize keeps the first `since`
+    clock.advance(15.0)  # old is 35 s stranded, young 15 s
+    reaped = await store.reap_stranded("p1", 30.0)
+    assert [(e.request_id, e.nbytes) for e in reaped] == [("old", 120)]
+    assert reaped[0].since_s == pytest.approx(start, abs=1e-5)
+    assert await store.stranded_bytes(["p1"]) == {"p1": 30}
+    clock.advance(15.0)
+    assert [e.request_id for e in await store.reap_stranded("p1", 30.0)] == ["young"]
+    assert await store.stranded_bytes(["p1"]) == {"p1": 0}
+
+
+# -- retry budget ------------------------------------------------------------------------------
+
+
+async def test_retry_budget_is_a_fraction_of_requests(store: StateStore) -> None:
+    policy = RetryBudgetPolicy(ratio=0.2, min_per_s=0.0, window_s=10.0)
+    assert not await store.try_retry(policy)  # nothing sent yet, no floor: no retry
+    for _ in range(100):
+        await store.note_request()
+    allowed = [await store.try_retry(policy) for _ in range(30)]
+    assert sum(allowed) == 20
+    assert allowed[:20] == [True] * 20  # once spent, it stays spent
+
+
+async def test_retry_budget_floor_without_requests(store: StateStore) -> None:
+    policy = RetryBudgetPolicy(ratio=0.2, min_per_s=10.0, window_s=10.0)
+    allowed = [await store.try_retry(policy) for _ in range(120)]
+    assert sum(allowed) == 100
+
+
+async def test_retry_budget_window_slides(clocked: tuple[StateStore, SteppedClock]) -> None:
+    store, clock = clocked
+    policy = RetryBudgetPolicy(ratio=0.5, min_per_s=0.0, window_s=10.0)
+    for _ in range(10):
+        await store.note_request()
+    assert sum([await store.try_retry(policy) for _ in range(8)]) == 5
+    clock.advance(9.0)  # still inside the 10 s window
+    assert not await store.try_retry(policy)
+    for _ in range(2):
+        await store.note_request()
+    assert await store.try_retry(policy)  # 12 requests -> 6 retries
+    assert not await store.try_retry(policy)
+    clock.advance(1.0)  # the first second's 10 requests and 5 retries leave the window
+    assert not await store.try_retry(policy)  # 2 requests -> 1 retry, already spent
+    clock.advance(9.0)
+    assert not await store.try_retry(policy)  # everything aged out: 0 requests, no floor
+    await store.note_request()
+    await store.note_request()
+    assert await store.try_retry(policy)
+
+
+async def test_retry_budget_rejects_bad_policies(store: StateStore) -> None:
+    with pytest.raises(ValueError):
+        await store.try_retry(RetryBudgetPolicy(window_s=0.0))
+    with pytest.raises(ValueError):
+        await store.try_retry(RetryBudgetPolicy(window_s=3600.0))
+    with pytest.raises(ValueError):
+        await store.try_retry(RetryBudgetPolicy(ratio=-1.0))
+
+
+# -- output-length histograms ------------------------------------------------------------------
+
+
+async def test_output_histograms(store: StateStore) -> None:
+    await store.record_output(["model:m1", "model:m1|prompt:2"], 3)
+    await store.record_output(["model:m1", "model:m1|prompt:2"], 3)
+    await store.record_output(["model:m1"], 5)
+    await store.record_output([], 7)
+    hist = await store.output_histograms(["model:m1", "model:m1|prompt:2", "model:none"])
+    assert {k: dict(v) for k, v in hist.items()} == {
+        "model:m1": {3: 2, 5: 1},
+        "model:m1|prompt:2": {3: 2},
+        "model:none": {},
+    }
+    assert await store.output_histograms([]) == {}
+
+
+# -- argument checks ---------------------------------------------------------------------------
+
+
+async def test_bad_arguments_are_rejected_alike(store: StateStore) -> None:
+    with pytest.raises(ValueError):
+        await store.set_capacity("d{1}", 10)  # a brace would break the hash tag
+    with pytest.raises(ValueError):
+        await store.set_capacity("", 10)
+    with pytest.raises(ValueError):
+        await store.set_capacity("d1", -1)
+    with pytest.raises(ValueError):
+        await store.reserve("d1", "r1", -1, LONG)
+    with pytest.raises(ValueError):
+        await store.reserve("d1", "r1", 1, 0.0)
+    with pytest.raises(ValueError):
+        await store.strand("p1", "a", -5)
+    with pytest.raises(ValueError):
+        await store.record_output(["a}"], 1)
+
+
+# -- the two stores agree ------------------------------------------------------------------------
+
+
+async def test_memory_and_redis_agree_on_random_operations(
+    redis_client: aioredis.Redis, prefix: str
+) -> None:
+    keys = Keys(prefix)
+    stores: list[StateStore] = [MemoryStore(), RedisStore(redis_client, keys)]
+    rng = random.Random(20240517)
+    outcomes: dict[tuple[str, bool], int] = {}
+    workers = ["d1", "d2"]
+    for w in workers:
+        for s in stores:
+            await s.set_capacity(w, 40)
+    for step in range(300):
+        w = rng.choice(workers)
+        rid = f"r{rng.randrange(12)}"
+        op = rng.choice(["reserve", "reserve", "resize", "release", "renew", "capacity"])
+        results: list[object]
+        if op == "reserve":
+            n = rng.randrange(12)
+            results = [await s.reserve(w, rid, n, LONG) for s in stores]
+        elif op == "resize":
+            n = rng.randrange(16)
+            results = [await s.resize(w, rid, n) for s in stores]
+        elif op == "release":
+            results = [await s.release(w, rid) for s in stores]
+        elif op == "renew":
+            results = [await s.renew(w, rid, LONG) for s in stores]
+        else:
+            n = rng.randrange(20, 60)
+            for s in stores:
+                await s.set_capacity(w, n)
+            results = [n, n]
+        assert results[0] == results[1], (step, op, w, rid, results)
+        outcomes[(op, bool(results[0]))] = outcomes.get((op, bool(results[0])), 0) + 1
+        usages = [await s.decode_usage(workers) for s in stores]
+        assert usages[0] == usages[1], (step, op, usages)
+    # The walk saw both outcomes of every conditional operation, so it compared something.
+    for op in ("reserve", "resize", "release", "renew"):
+        assert outcomes.get((op, True)) and outcomes.get((op, False)), outcomes
+    # The running sum the scripts keep equals the blocks actually held.
+    for w in workers:
+        held = sum(int(v) for v in await redis_client.hvals(keys.decode_blocks(w)))
+        assert int(await redis_client.get(keys.decode_sum(w)) or 0) == held
+
+
+# -- Redis specifics -----------------------------------------------------------------------------
+
+
+async def test_two_replicas_share_reservations_and_budget(prefix: str) -> None:
+    a = RedisStore.from_url(REDIS_URL, prefix)
+    b = RedisStore.from_url(REDIS_URL, prefix)
+    try:
+        await a.set_capacity("d1", 10)
+        assert await a.reserve("d1", "from-a", 6, LONG)
+        assert await _usage(b, "d1") == DecodeUsage(10, 6, 1)
+        assert not await b.reserve("d1", "from-b", 5, LONG)
+        assert await b.release("d1", "from-a") == 6  # any replica may release
+        assert await a.release("d1", "from-a") == 0
+        assert await b.reserve("d1", "from-b", 5, LONG)
+
+        policy = RetryBudgetPolicy(ratio=0.2, min_per_s=0.0, window_s=10.0)
+        for _ in range(10):
+            await a.note_request()
+        assert await b.try_retry(policy)
+        assert await a.try_retry(policy)
+        assert not await b.try_retry(policy)  # 10 requests -> 2 retries, spent across replicas
+
+        await a.strand("p1", "x", 64)
+        assert await b.stranded_bytes(["p1"]) == {"p1": 64}
+        await b.record_output(["c"], 2)
+        assert await a.output_histograms(["c"]) == {"c": {2: 1}}
+    finally:
+        await a.close()
+        await b.close()
+        async with _redis(prefix):
+            pass  # deletes the prefix's keys
+
+
+async def test_each_script_touches_one_cluster_slot(
+    redis_client: aioredis.Redis, prefix: str
+) -> None:
+    store = RedisStore(redis_client, Keys(prefix))
+    await store.set_capacity("d1", 10)
+    await store.reserve("d1", "r", 1, LONG)
+    await store.set_capacity("d2", 10)
+    await store.reserve("d2", "r", 1, LONG)
+    await store.strand("p1", "x", 1)
+    await store.note_request()
+    await store.try_retry(RetryBudgetPolicy())
+    await store.record_output(["c1", "c2"], 1)
+    found = sorted([k.decode() async for k in redis_client.scan_iter(match=f"{prefix}*")])
+    by_tag: dict[str, set[int]] = {}
+    for key in found:
+        tag = key[key.index("{") + 1 : key.index("}")]
+        by_tag.setdefault(tag, set()).add(key_slot(key.encode()))
+    assert sorted(by_tag) == ["d:d1", "d:d2", "os:c1", "os:c2", "p:p1", "rb"]
+    assert all(len(slots) == 1 for slots in by_tag.values()), by_tag
+    assert len(found) == 4 + 4 + 3 + 2 + 2
+
+
+async def test_retry_buckets_expire_when_quiet(redis_client: aioredis.Redis, prefix: str) -> None:
+    keys = Keys(prefix)
+    store = RedisStore(redis_client, keys)
+    await store.note_request()
+    assert await store.try_retry(RetryBudgetPolicy())
+    for key in (keys.retry_requests, keys.retry_retries):
+        assert 0 < await redis_client.ttl(key) <= RETRY_TTL_S
+
+
+async def test_retry_buckets_pruned_past_retention(
+    redis_client: aioredis.Redis, prefix: str
+) -> None:
+    clock = SteppedClock()
+    keys = Keys(prefix)
+    store = RedisStore(redis_client, keys, clock=clock)
+    for _ in range(3):
+        await store.note_request()
+        clock.advance(30.0)
+    # Buckets at t, t+30, t+60: the one at t is a whole retention old once t+60 lands.
+    assert await redis_client.hlen(keys.retry_requests) == 2
+
+
+async def test_open_store_picks_the_implementation(prefix: str) -> None:
+    assert isinstance(await open_store(None), MemoryStore)
+    assert isinstance(await open_store(""), MemoryStore)
+    store = await open_store(REDIS_URL, prefix)
+    try:
+        assert isinstance(store, RedisStore)
+        assert await store.ping()
+        assert "127.0.0.1:6379" in repr(store)
+    finally:
+        await store.close()
+    with pytest.raises(ValueError, match="http://"):
+        await open_store("http://127.0.0.1:6379")
+
+
+async def test_open_store_names_an_unreachable_url_without_its_password() -> None:
+    url = "redis://user:s3cret@127.0.0.1:1/0?socket_connect_timeout=2"
+    with pytest.raises(StoreUnavailableError) as info:
+        await open_store(url)
+    message = str(info.value)
+    assert "127.0.0.1:1" in message
+    assert "user:***@" in message
+    assert "s3cret" not in message
+
+
+async def test_redis_store_repr_hides_the_password() -> None:
+    store = RedisStore.from_url("redis://:hunter2@127.0.0.1:6379/0?password=hunter2")
+    try:
+        text = repr(store)
+    finally:
+        await store.close()
+    assert "hunter2" not in text
+    assert "prefix='dr:'" in text
