@@ -1,0 +1,289 @@
+"""Output-length estimators: how much decode room to hold for an answer not yet written.
+
+Learned predictors get only ~75 % of answers into the right 200-token bucket (TetriInfer), so the
+router reserves against an upper quantile and corrects online (design.md §6). Every router replica
+learns from every completion through histograms in the state store:
+
+    class_keys(request) ──> store.output_histograms(keys) ──> estimate(request, histograms)
+    request done ──> store.record_output(class_keys(request), bucket_of(true length))
+
+Histograms count completions per bucket; a bucket is named by its upper bound, so the store keeps
+ints and a quantile read from it never under-states the samples (a reservation errs on the safe
+side by at most one bucket width). Bounds are exact up to 16 tokens, then 8 per octave (each about
+9 % wider than the last), up to 2**24 tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from policies.base import OutputEstimate, OutputHistograms, OutputLengthEstimator, RequestInfo
+
+__all__ = [
+    "BUCKET_BOUNDS",
+    "bucket_of",
+    "histogram_quantiles",
+    "class_keys_for",
+    "MaxTokensEstimator",
+    "HintEstimator",
+    "OnlineQuantileEstimator",
+    "OracleEstimator",
+    "EstimateScore",
+    "score_estimate",
+]
+
+_PER_OCTAVE = 8
+_TOP_EXPONENT = 24
+_REPORTED_QUANTILES = (0.5, 0.9, 0.99)
+DEFAULT_PROMPT_BUCKETS = (256, 1024, 4096, 16384)
+
+
+def _bucket_bounds() -> tuple[int, ...]:
+    bounds = set(range(1, 17))
+    for step in range(4 * _PER_OCTAVE, _TOP_EXPONENT * _PER_OCTAVE + 1):
+        bounds.add(round(2 ** (step / _PER_OCTAVE)))
+    return tuple(sorted(bounds))
+
+
+BUCKET_BOUNDS: tuple[int, ...] = _bucket_bounds()
+
+
+def bucket_of(output_tokens: int) -> int:
+    """The bucket (its upper bound, an int) that counts an answer of `output_tokens` tokens."""
+    i = bisect.bisect_left(BUCKET_BOUNDS, max(1, output_tokens))
+    return BUCKET_BOUNDS[min(i, len(BUCKET_BOUNDS) - 1)]
+
+
+def histogram_quantiles(
+    histogram: Mapping[int, int], quantiles: Iterable[float]
+) -> tuple[int, dict[float, int]]:
+    """(sample count, {q: smallest bucket bound holding at least a q share of the samples}).
+
+    Keys and counts are coerced with int(): a store may hand them back as strings. An empty
+    histogram gives (0, {}).
+    """
+    items = sorted((int(k), int(v)) for k, v in histogram.items() if int(v) > 0)
+    total = sum(v for _, v in items)
+    if total == 0:
+        return 0, {}
+    out: dict[float, int] = {}
+    for q in sorted(set(quantiles)):
+        # The rank of the q-quantile sample; the epsilon keeps 0.9 * 10 from rounding up to 10.
+        rank = max(1, math.ceil(q * total - 1e-9))
+        cumulative = 0
+        for bound, count in items:
+            cumulative += count
+            if cumulative >= rank:
+                out[q] = bound
+                break
+    return total, out
+
+
+def _prompt_label(prompt_tokens: int, prompt_buckets: Sequence[int]) -> str:
+    i = bisect.bisect_left(prompt_buckets, prompt_tokens)
+    return str(prompt_buckets[i]) if i < len(prompt_buckets) else "inf"
+
+
+def class_keys_for(
+    request: RequestInfo,
+    prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
+    use_hint: bool = True,
+) -> tuple[str, ...]:
+    """Statistics classes of a request, narrowest first, ending with the catch-all "*".
+
+    The model always matters; the prompt length does for most workloads (summaries are short,
+    chat answers are not); a client's hint, bucketed, separates requests the client knows to be
+    long from the rest.
+    """
+    model = f"m={request.model}"
+    by_prompt = f"{model}|p={_prompt_label(request.prompt_tokens, prompt_buckets)}"
+    if use_hint and request.hint_output_tokens is not None:
+        hinted = f"{by_prompt}|h={bucket_of(request.hint_output_tokens)}"
+        return (hinted, by_prompt, model, "*")
+    return (by_prompt, model, "*")
+
+
+def _cold(request: RequestInfo, source: str = "max_tokens") -> OutputEstimate:
+    return OutputEstimate(reserve_tokens=max(1, request.max_tokens), source=source)
+
+
+class MaxTokensEstimator:
+    """Reserve for max_tokens: never overruns, wastes the most room. The safe baseline."""
+
+    name = "max_tokens"
+
+    def class_keys(self, request: RequestInfo) -> tuple[str, ...]:
+        # Statistics are still recorded, so switching to a learning estimator starts warm.
+        return class_keys_for(request)
+
+    def estimate(self, request: RequestInfo, histograms: OutputHistograms) -> OutputEstimate:
+        return _cold(request)
+
+    def bucket_of(self, output_tokens: int) -> int:
+        return bucket_of(output_tokens)
+
+    def __repr__(self) -> str:
+        return "MaxTokensEstimator()"
+
+
+class HintEstimator:
+    """Trust the client's `X-Expected-Output-Tokens` hint (`request.hint_output_tokens`).
+
+    The hint is an expectation, not a bound: `headroom` multiplies it (1.2 holds 20 % more), and
+    the result is capped by max_tokens. Requests without a hint go to `fallback` (max_tokens by
+    default, the safe choice).
+    """
+
+    name = "hint"
+
+    def __init__(
+        self, fallback: OutputLengthEstimator | None = None, headroom: float = 1.0
+    ) -> None:
+        if headroom <= 0:
+            raise ValueError(f"headroom must be > 0, got {headroom}")
+        fb: OutputLengthEstimator = MaxTokensEstimator() if fallback is None else fallback
+        for attr in ("class_keys", "estimate", "bucket_of"):
+            if not callable(getattr(fb, attr, None)):
+                raise TypeError(f"fallback {fb!r} is not an output-length estimator (no {attr}())")
+        self.fallback = fb
+        self.headroom = headroom
+
+    def class_keys(self, request: RequestInfo) -> tuple[str, ...]:
+        return tuple(self.fallback.class_keys(request))
+
+    def estimate(self, request: RequestInfo, histograms: OutputHistograms) -> OutputEstimate:
+        hint = request.hint_output_tokens
+        if hint is None or hint <= 0:
+            return self.fallback.estimate(request, histograms)
+        reserve = max(1, min(request.max_tokens, math.ceil(hint * self.headroom)))
+        return OutputEstimate(reserve_tokens=reserve, source="hint")
+
+    def bucket_of(self, output_tokens: int) -> int:
+        return bucket_of(output_tokens)
+
+    def __repr__(self) -> str:
+        return f"HintEstimator(fallback={self.fallback!r}, headroom={self.headroom})"
+
+
+class OnlineQuantileEstimator:
+    """Reserve the `quantile` of the narrowest statistics class with `min_samples` answers.
+
+    Classes (see `class_keys_for`) go from narrow (model, prompt bucket, hint bucket) to "*". A
+    narrow class is more specific but slower to warm up; falling back to wider classes keeps the
+    estimate learned rather than max_tokens as soon as the model has any history. Cold
+    everywhere, it reserves max_tokens: a new deployment over-reserves rather than over-commits.
+    """
+
+    name = "online_quantile"
+
+    def __init__(
+        self,
+        quantile: float = 0.9,
+        min_samples: int = 20,
+        prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
+        use_hint: bool = True,
+    ) -> None:
+        if not 0.0 < quantile < 1.0:
+            raise ValueError(f"quantile must be within (0, 1), got {quantile}")
+        if min_samples < 1:
+            raise ValueError(f"min_samples must be >= 1, got {min_samples}")
+        buckets = tuple(int(b) for b in prompt_buckets)
+        if any(b <= 0 for b in buckets) or list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"prompt_buckets must be positive and increasing, got {buckets}")
+        self.quantile = quantile
+        self.min_samples = min_samples
+        self.prompt_buckets = buckets
+        self.use_hint = use_hint
+        self._asked = tuple(sorted({*_REPORTED_QUANTILES, quantile}))
+
+    def class_keys(self, request: RequestInfo) -> tuple[str, ...]:
+        return class_keys_for(request, self.prompt_buckets, self.use_hint)
+
+    def estimate(self, request: RequestInfo, histograms: OutputHistograms) -> OutputEstimate:
+        cap = max(1, request.max_tokens)
+        for key in self.class_keys(request):
+            histogram = histograms.get(key)
+            if not histogram:
+                continue
+            total, qs = histogram_quantiles(histogram, self._asked)
+            if total < self.min_samples:
+                continue
+            # No answer is longer than max_tokens, whatever the class's history says.
+            capped = {q: max(1, min(cap, v)) for q, v in qs.items()}
+            return OutputEstimate(
+                reserve_tokens=capped[self.quantile], quantiles=capped, source=f"class {key}"
+            )
+        return _cold(request, source="max_tokens (no class has enough samples)")
+
+    def bucket_of(self, output_tokens: int) -> int:
+        return bucket_of(output_tokens)
+
+    def __repr__(self) -> str:
+        return (
+            f"OnlineQuantileEstimator(quantile={self.quantile}, min_samples={self.min_samples}, "
+            f"prompt_buckets={self.prompt_buckets}, use_hint={self.use_hint})"
+        )
+
+
+class OracleEstimator:
+    """BENCHMARKS ONLY: treats `request.hint_output_tokens` as the TRUE output length.
+
+    The benchmark replayer knows each trace request's real answer length and sends it as the
+    hint, so this estimator shows the best any estimator could do (no overrun, no waste). In
+    production a hint is a guess, and reserving exactly a guess over-commits decode memory: use
+    `HintEstimator` (with headroom) or `OnlineQuantileEstimator` there. Without a hint it
+    reserves max_tokens.
+    """
+
+    name = "oracle"
+
+    def class_keys(self, request: RequestInfo) -> tuple[str, ...]:
+        return class_keys_for(request, use_hint=False)
+
+    def estimate(self, request: RequestInfo, histograms: OutputHistograms) -> OutputEstimate:
+        truth = request.hint_output_tokens
+        if truth is None or truth <= 0:
+            return _cold(request)
+        reserve = max(1, min(request.max_tokens, truth))
+        return OutputEstimate(reserve_tokens=reserve, source="oracle")
+
+    def bucket_of(self, output_tokens: int) -> int:
+        return bucket_of(output_tokens)
+
+    def __repr__(self) -> str:
+        return "OracleEstimator()"
+
+
+@dataclass(frozen=True, slots=True)
+class EstimateScore:
+    """How one estimate fared against the answer's true length (for the router's metrics).
+
+    `overrun`: the answer outgrew its reservation (the router had to grow it, or over-committed).
+    `unused_tokens`: reserved but never written, the "reserved-but-unused decode capacity" of
+    design.md §7. `error_tokens` = predicted - actual (positive: over-reserved).
+    """
+
+    predicted_tokens: int
+    actual_tokens: int
+    error_tokens: int
+    relative_error: float
+    overrun: bool
+    unused_tokens: int
+
+
+def score_estimate(predicted: OutputEstimate | int, actual_tokens: int) -> EstimateScore:
+    """Score a reservation (an `OutputEstimate` or its token count) against the true length."""
+    tokens = predicted.reserve_tokens if isinstance(predicted, OutputEstimate) else int(predicted)
+    actual = max(0, int(actual_tokens))
+    error = tokens - actual
+    return EstimateScore(
+        predicted_tokens=tokens,
+        actual_tokens=actual,
+        error_tokens=error,
+        relative_error=error / max(1, actual),
+        overrun=actual > tokens,
+        unused_tokens=max(0, error),
+    )

@@ -1,0 +1,303 @@
+"""Two-sided placement: choose the prefill and the decode worker together (design.md §6).
+
+The peers choose each side alone. Here one cost ranks every feasible (P, D) pair: the request's
+predicted time to first token,
+
+    TTFT = P's queue wait + prefill (less the prefix-cache hit) + KV transfer P→D + D's first step,
+
+subject to the safety rules of `policies.baselines.screen` (health, identical layouts, room on D
+for prompt + an upper-quantile output estimate, P under its stranded-KV cap) and, when an ITL SLO
+is set, D's predicted step time with the new sequence within it.
+
+Why it is cheap: a pair's cost splits into a P-only part, a (P group, D group) transfer part and a
+D-only part. Within one (layout, P group) bucket only the cheapest P can win for any D, so each D
+looks at one P per P group instead of at every P. `place()` is O(P + D·G) for G prefill groups,
+which is the O(P·D) pair search with the dominated pairs skipped, exact and fast at 1,000 workers.
+
+Conditional disaggregation: a decode worker that `can_prefill` may prefill the prompt itself
+(`Candidate.prefill_id = None`): no transfer and no P queue, but its running batch stalls while it
+prefills. Decode steps are memory-bound, so a prompt that fits in the compute slack of one step
+(about `step_time × prefill rate` tokens, the roofline's max(memory, compute)) rides along nearly
+free; beyond that every resident sequence waits for the excess. That wait, summed over the
+sequences (at least one: the next sequence admitted to D waits too), is added to the local
+option's score, so short prompts stay local and long ones go remote, the crossover falling out of
+the model. `disagg_threshold_tokens` overrides the model: prompts at or under it go local first
+where a local-capable decode worker has room, longer ones only remote.
+"""
+
+from __future__ import annotations
+
+import heapq
+import zlib
+from dataclasses import dataclass
+
+from policies.base import (
+    Candidate,
+    ClusterView,
+    Decision,
+    DecodeView,
+    Placement,
+    PrefillView,
+    Rejection,
+    RequestInfo,
+)
+from policies.baselines import (
+    RETRY_CEILING_S,
+    RETRY_FLOOR_S,
+    Feasible,
+    LayoutKeys,
+    screen,
+)
+
+__all__ = ["TwoSidedPolicy", "prefix_hit_fraction"]
+
+
+def prefix_hit_fraction(prefix_hashes: tuple[int, ...], recent: frozenset[int]) -> float:
+    """Fraction of the prompt's prefix blocks a worker likely still caches.
+
+    Block hashes are chained, so a cache hit is a leading run: stop at the first miss (which is
+    also what keeps this O(1) for the many workers that share nothing with the prompt).
+    """
+    if not prefix_hashes or not recent:
+        return 0.0
+    run = 0
+    for h in prefix_hashes:
+        if h not in recent:
+            break
+        run += 1
+    return run / len(prefix_hashes)
+
+
+@dataclass(frozen=True, slots=True)
+class _PrefillOption:
+    cost_s: float  # P's queue wait + prefill time, independent of the decode side
+    tie: int
+    worker: PrefillView
+
+
+# One way to serve a request: ((tier, score, decode tie, prefill tie), prefill id or None for a
+# local prefill, decode worker id, blocks, predicted TTFT, predicted ITL). Plain tuples, and a
+# `Candidate` built only for the winners: this loop runs O(D·G) times per request.
+_Ranked = tuple[tuple[int, float, int, int], str | None, str, int, float, float]
+
+
+def _rank(option: _Ranked) -> tuple[int, float, int, int]:
+    return option[0]
+
+
+def _to_candidate(option: _Ranked) -> Candidate:
+    _, prefill_id, decode_id, blocks, ttft, itl = option
+    return Candidate(prefill_id, decode_id, blocks, ttft, itl)
+
+
+class TwoSidedPolicy:
+    """Jointly picks (P, D) minimising predicted TTFT; see the module docstring."""
+
+    name = "two_sided"
+
+    def __init__(
+        self,
+        itl_slo_s: float | None = None,
+        prefix_weight: float = 0.5,
+        max_candidates: int = 4,
+        disagg_threshold_tokens: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        if itl_slo_s is not None and itl_slo_s <= 0:
+            raise ValueError(f"itl_slo_s must be > 0 or None, got {itl_slo_s}")
+        if not 0.0 <= prefix_weight <= 1.0:
+            raise ValueError(f"prefix_weight must be within [0, 1], got {prefix_weight}")
+        if max_candidates < 1:
+            raise ValueError(f"max_candidates must be >= 1, got {max_candidates}")
+        if disagg_threshold_tokens is not None and disagg_threshold_tokens < 0:
+            raise ValueError(
+                f"disagg_threshold_tokens must be >= 0 or None, got {disagg_threshold_tokens}"
+            )
+        self.itl_slo_s = itl_slo_s
+        # Below 1 because `recent_prefixes` is a hint: the worker may have evicted them since.
+        self.prefix_weight = prefix_weight
+        self.max_candidates = max_candidates
+        self.disagg_threshold_tokens = disagg_threshold_tokens
+        # Exact ties (an idle, uniform cluster) are broken by a hash of (seed, request, worker):
+        # deterministic, yet replicas do not all pile onto the lowest worker id.
+        self.seed = seed
+
+    def __repr__(self) -> str:
+        return (
+            f"TwoSidedPolicy(itl_slo_s={self.itl_slo_s}, prefix_weight={self.prefix_weight}, "
+            f"max_candidates={self.max_candidates}, "
+            f"disagg_threshold_tokens={self.disagg_threshold_tokens}, seed={self.seed})"
+        )
+
+    # -- the decision -------------------------------------------------------------------------
+
+    def place(self, request: RequestInfo, view: ClusterView) -> Decision:
+        threshold = self.disagg_threshold_tokens
+        allow_local = threshold is None or request.prompt_tokens <= threshold
+        local_first = threshold is not None and allow_local
+        feasible = screen(request, view, allow_local=allow_local)
+        if isinstance(feasible, Rejection):
+            return feasible
+
+        slo = request.slo_itl_s if request.slo_itl_s is not None else self.itl_slo_s
+        decodes = feasible.decode
+        if slo is not None:
+            decodes = [(d, n) for d, n in decodes if d.step_time_s(n) <= slo]
+            if not decodes:
+                return _itl_rejection(feasible, slo)
+
+        groups = self._prefill_groups(request, feasible)
+        ctx = _Context(self, request, view, groups, slo, local_first, feasible.key_of)
+        best: list[_Ranked] = []
+        for d, n in decodes:
+            option = min(ctx.options(d, n, allow_local, top_only=True), key=_rank, default=None)
+            if option is not None:
+                best.append(option)
+        if not best:
+            return Rejection(
+                f"no decode worker can prefill this {request.prompt_tokens}-token prompt locally "
+                "within the ITL SLO, and none has a compatible prefill worker",
+                RETRY_FLOOR_S * 2,
+            )
+        chosen = heapq.nsmallest(self.max_candidates, best, key=_rank)
+        if len(chosen) < self.max_candidates:
+            chosen = self._fill(ctx, chosen, decodes, allow_local)
+        return Placement(tuple(_to_candidate(o) for o in chosen))
+
+    def _fill(
+        self,
+        ctx: _Context,
+        chosen: list[_Ranked],
+        decodes: list[tuple[DecodeView, int]],
+        allow_local: bool,
+    ) -> list[_Ranked]:
+        """Fewer feasible decode workers than candidates wanted: add alternative prefill workers
+        (or local/remote alternatives) for them, so a failed prefill has somewhere to retry."""
+        taken = {(o[1], o[2]) for o in chosen}
+        extra = [
+            option
+            for d, n in decodes
+            for option in ctx.options(d, n, allow_local, top_only=False)
+            if (option[1], option[2]) not in taken
+        ]
+        extra.sort(key=_rank)
+        return chosen + extra[: self.max_candidates - len(chosen)]
+
+    # -- the prefill side ---------------------------------------------------------------------
+
+    def _prefill_groups(
+        self, request: RequestInfo, feasible: Feasible
+    ) -> dict[str, list[tuple[str, list[_PrefillOption]]]]:
+        """layout key -> [(P group, its cheapest prefill options, best first)].
+
+        Only the best `max_candidates` per group are kept: no other P can appear in a ranking.
+        """
+        buckets: dict[tuple[str, str], list[_PrefillOption]] = {}
+        prompt = request.prompt_tokens
+        for key, workers in feasible.prefill_by_key.items():
+            for p in workers:
+                rate = max(p.prefill_tokens_per_s, 1e-9)
+                hit = prefix_hit_fraction(request.prefix_hashes, p.recent_prefixes)
+                cost = (p.queued_prompt_tokens + prompt * (1.0 - self.prefix_weight * hit)) / rate
+                tie = _tie(self.seed, request.request_id, p.worker_id)
+                buckets.setdefault((key, p.group), []).append(_PrefillOption(cost, tie, p))
+        groups: dict[str, list[tuple[str, list[_PrefillOption]]]] = {}
+        for (key, group), options in buckets.items():
+            top = heapq.nsmallest(self.max_candidates, options, key=lambda o: (o.cost_s, o.tie))
+            groups.setdefault(key, []).append((group, top))
+        return groups
+
+
+class _Context:
+    """Per-request state shared by the option generator (the transfer-time cache above all)."""
+
+    __slots__ = (
+        "policy",
+        "request",
+        "view",
+        "groups",
+        "local_slo",
+        "local_first",
+        "key_of",
+        "_transfer",
+    )
+
+    def __init__(
+        self,
+        policy: TwoSidedPolicy,
+        request: RequestInfo,
+        view: ClusterView,
+        groups: dict[str, list[tuple[str, list[_PrefillOption]]]],
+        local_slo: float | None,
+        local_first: bool,
+        key_of: LayoutKeys,
+    ) -> None:
+        self.policy = policy
+        self.request = request
+        self.view = view
+        self.groups = groups
+        self.local_slo = local_slo
+        self.local_first = local_first
+        self.key_of = key_of
+        self._transfer: dict[tuple[str, str], float] = {}
+
+    def transfer_s(self, p_group: str, d_group: str) -> float:
+        pair = (p_group, d_group)
+        t = self._transfer.get(pair)
+        if t is None:
+            t = self.view.transfer_s(self.request.prompt_tokens, p_group, d_group)
+            self._transfer[pair] = t
+        return t
+
+    def options(self, d: DecodeView, need: int, allow_local: bool, top_only: bool) -> list[_Ranked]:
+        """Every way to serve the request with decode on `d` (only each group's best P if
+        `top_only`), ranked by (tier, score, ties)."""
+        step = d.step_time_s(need)
+        tie_d = _tie(self.policy.seed, self.request.request_id, d.worker_id)
+        tier = 1 if self.local_first else 0
+        out: list[_Ranked] = []
+        for group, prefills in self.groups.get(self.key_of(d.layout), ()):
+            transfer = self.transfer_s(group, d.group)
+            for po in prefills[:1] if top_only else prefills:
+                ttft = po.cost_s + transfer + step
+                rank = (tier, ttft, tie_d, po.tie)
+                out.append((rank, po.worker.worker_id, d.worker_id, need, ttft, step))
+        if allow_local and d.can_prefill:
+            local = self._local(d, need, step, tie_d)
+            if local is not None:
+                out.append(local)
+        return out
+
+    def _local(self, d: DecodeView, need: int, step: float, tie_d: int) -> _Ranked | None:
+        rate = max(d.prefill_tokens_per_s, 1e-9)
+        prefill_s = self.request.prompt_tokens / rate
+        # The part of the prefill that does not hide in one memory-bound step stalls the batch.
+        stall = max(0.0, prefill_s - d.step_time_s())
+        if self.local_slo is not None and step + stall > self.local_slo:
+            return None  # the resident sequences would see a token gap beyond the SLO
+        ttft = d.queued_prompt_tokens / rate + prefill_s + step
+        score = ttft + stall * max(1, d.resident_seqs)
+        return ((0, score, tie_d, -1), None, d.worker_id, need, ttft, step)
+
+
+def _tie(seed: int, request_id: str, worker_id: str) -> int:
+    # crc32, not hash(): str hashes are salted per process, and replicas must agree.
+    return zlib.crc32(f"{seed}|{request_id}|{worker_id}".encode())
+
+
+def _itl_rejection(feasible: Feasible, slo: float) -> Rejection:
+    """Every decode worker with room would break the ITL SLO: wait for the lightest batch to
+    shed the blocks that put it over, at its current token rate."""
+    best_step, best_d, best_n = min(
+        ((d.step_time_s(n), d, n) for d, n in feasible.decode), key=lambda t: (t[0], t[1].worker_id)
+    )
+    wait = RETRY_CEILING_S
+    if best_d.step_s_per_block > 0 and best_d.step_base_s < slo:
+        excess_blocks = (best_step - slo) / best_d.step_s_per_block
+        token_rate = max(1, best_d.resident_seqs) / best_d.step_time_s()
+        wait = excess_blocks * best_d.layout.block_size / token_rate
+    return Rejection(
+        f"no decode worker keeps the ITL SLO of {slo * 1e3:.1f} ms with this request "
+        f"(best predicted {best_step * 1e3:.1f} ms on {best_d.worker_id}, {best_n} blocks)",
+        min(RETRY_CEILING_S, max(RETRY_FLOOR_S, wait)),
+    )
