@@ -21,6 +21,7 @@ __all__ = [
     "StoreUnavailableError",
     "StrandedEntry",
     "open_store",
+    "redact_url",
 ]
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -38,7 +39,9 @@ async def open_store(url: str | None, prefix: str = DEFAULT_PREFIX) -> StateStor
         schemes = ", ".join(_REDIS_SCHEMES)
         raise ValueError(f"state store URL must start with one of {schemes}: {redact_url(url)}")
     store = RedisStore.from_url(url, prefix)
-    if not await store.ping():
+    try:
+        await store.ensure_reachable()
+    except StoreUnavailableError:
         await store.close()
-        raise StoreUnavailableError(f"Redis at {redact_url(url)} did not answer a PING")
+        raise
     return store

@@ -279,6 +279,8 @@ return 1
 def redact_url(url: str) -> str:
     """`url` with its password (userinfo or ``?password=``) replaced by ``***``."""
     parts = urlsplit(url)
+    if parts.password is None and "password=" not in parts.query.lower():
+        return url  # nothing to hide; urlunsplit would also turn unix:///p into unix:/p
     netloc = parts.netloc
     if parts.password is not None:
         user = parts.username or ""
@@ -286,7 +288,9 @@ def redact_url(url: str) -> str:
     query = parts.query
     if query:
         pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, "***" if k.lower() == "password" else v) for k, v in pairs])
+        query = urlencode(
+            [(k, "***" if k.lower() == "password" else v) for k, v in pairs], safe="*"
+        )
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
@@ -462,6 +466,14 @@ class RedisStore:
             return bool(await self._client.ping())
         except (RedisError, OSError):
             return False
+
+    async def ensure_reachable(self) -> None:
+        """Ping, raising `StoreUnavailableError` (URL shown, password hidden) if Redis is silent."""
+        try:
+            await self._client.ping()
+        except (RedisError, OSError) as exc:
+            where = redact_url(self._url) if self._url else _describe(self._client)
+            raise StoreUnavailableError(f"Redis at {where} did not answer: {exc}") from exc
 
     async def close(self) -> None:
         if self._owns_client:

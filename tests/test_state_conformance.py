@@ -28,6 +28,7 @@ from state import (
     StoreUnavailableError,
     StrandedEntry,
     open_store,
+    redact_url,
 )
 from state.keys import RETRY_TTL_S
 
@@ -539,6 +540,13 @@ async def test_open_store_names_an_unreachable_url_without_its_password() -> Non
     assert "127.0.0.1:1" in message
     assert "user:***@" in message
     assert "s3cret" not in message
+    assert info.value.__cause__ is not None  # the client's own error stays attached
+
+
+def test_redact_url() -> None:
+    assert redact_url("unix:///run/redis.sock?db=1") == "unix:///run/redis.sock?db=1"
+    assert redact_url("rediss://:pw@h:6380/0") == "rediss://:***@h:6380/0"
+    assert redact_url("redis://h/0?password=pw&db=2") == "redis://h/0?password=***&db=2"
 
 
 async def test_redis_store_repr_hides_the_password() -> None:
