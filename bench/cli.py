@@ -1,0 +1,353 @@
+"""`disagg-router bench`: replay a trace against an endpoint and report, or search for goodput.
+
+    disagg-router bench --url http://127.0.0.1:8000 --trace AzureLLMInferenceTrace_conv.csv \
+        --requests 500 --rate-scale 2 --slo-ttft 1 --slo-tpot 0.1 --out results/
+
+`router.cli` mounts this with `add_bench_arguments(subparser)` and runs `await run_bench(ns)`;
+`python -m bench.cli` runs it standalone. Goodput (DistServe): the highest rate at which at
+least 90 % of requests meet both SLOs; `goodput_search` finds it by bracketing then bisecting on
+the rate scale, given any callable that measures attainment at one rate scale, so the live
+bench and the cluster simulator share it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import math
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+
+from bench.replay import OUTCOMES, ReplayResult, RequestRecord, replay
+from bench.report import (
+    PLOTS_UNAVAILABLE,
+    plot_attainment_vs_rate,
+    summarize,
+    to_markdown,
+    to_text,
+    write_report,
+)
+from bench.traces import TraceFormatError, TraceRequest, load_trace
+
+__all__ = [
+    "GoodputResult",
+    "GoodputSearch",
+    "Progress",
+    "add_bench_arguments",
+    "goodput_search",
+    "goodput_search_sync",
+    "main",
+    "run_bench",
+]
+
+
+# ── goodput search ─────────────────────────────────────────────────────────────────────────────
+
+
+@dataclass(slots=True)
+class GoodputResult:
+    """The highest rate scale that met the target (None if none did) and every probe made."""
+
+    rate_scale: float | None
+    attainment: float | None
+    target: float
+    points: list[tuple[float, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class GoodputSearch:
+    """The search as a state machine with no I/O: ask `next_rate()`, measure, `record()` it.
+
+    From `start`, grow (or shrink) by `factor` until one rate passes and a higher one fails,
+    then bisect geometrically until they are within `rel_tol`. Attainment is noisy, so "good" is
+    the highest passing rate seen and "bad" the lowest failing rate above it.
+    """
+
+    start: float = 1.0
+    target: float = 0.9
+    rel_tol: float = 0.05
+    factor: float = 2.0
+    max_steps: int = 12
+    min_rate: float = 1 / 64
+    max_rate: float = 64.0
+    points: list[tuple[float, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not (self.start > 0 and self.factor > 1 and self.rel_tol > 0 and 0 < self.target <= 1):
+            raise ValueError("need start > 0, factor > 1, rel_tol > 0, 0 < target <= 1")
+
+    def record(self, rate_scale: float, attainment: float) -> None:
+        self.points.append((rate_scale, attainment))
+
+    def next_rate(self) -> float | None:
+        """The next rate scale to measure, or None when the search is done."""
+        if not self.points:
+            return self.start
+        if len(self.points) >= self.max_steps:
+            return None
+        good, bad = self._bracket()
+        if good is None:
+            assert bad is not None
+            nxt = bad / self.factor
+            return nxt if nxt >= self.min_rate else None
+        if bad is None:
+            nxt = good * self.factor
+            return nxt if nxt <= self.max_rate else None
+        return math.sqrt(good * bad) if bad / good > 1 + self.rel_tol else None
+
+    def result(self) -> GoodputResult:
+        good, _ = self._bracket()
+        att = None if good is None else max(a for r, a in self.points if r == good)
+        return GoodputResult(good, att, self.target, list(self.points))
+
+    def _bracket(self) -> tuple[float | None, float | None]:
+        passed = [r for r, a in self.points if a >= self.target]
+        good = max(passed, default=None)
+        failed = [r for r, a in self.points if a < self.target and (good is None or r > good)]
+        return good, min(failed, default=None)
+
+
+async def goodput_search(
+    run_at: Callable[[float], float | Awaitable[float]], **search: Any
+) -> GoodputResult:
+    """Drive a `GoodputSearch` (keyword arguments) with `run_at(rate_scale) -> attainment`.
+
+    `run_at` may be a coroutine function (a live replay) or a plain function (a simulator).
+    """
+    state = GoodputSearch(**search)
+    while (rate := state.next_rate()) is not None:
+        value = run_at(rate)
+        attainment = await value if inspect.isawaitable(value) else value
+        state.record(rate, float(attainment))
+    return state.result()
+
+
+def goodput_search_sync(run_at: Callable[[float], float], **search: Any) -> GoodputResult:
+    """`goodput_search` for a synchronous `run_at`, without an event loop."""
+    state = GoodputSearch(**search)
+    while (rate := state.next_rate()) is not None:
+        state.record(rate, float(run_at(rate)))
+    return state.result()
+
+
+# ── command line ───────────────────────────────────────────────────────────────────────────────
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the `bench` options to `parser` (a subcommand parser or a fresh one)."""
+    p = parser
+    p.add_argument("--url", required=True, help="OpenAI-compatible base URL (with or without /v1)")
+    p.add_argument(
+        "--trace",
+        required=True,
+        type=Path,
+        help="Azure CSV, Mooncake JSONL or length-only CSV (format detected from the header)",
+    )
+    p.add_argument("--requests", type=int, default=None, metavar="N", help="replay N requests")
+    p.add_argument("--start", type=int, default=0, metavar="K", help="skip the first K rows")
+    p.add_argument(
+        "--rate-scale",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="multiply the trace's request rate by X (start of a --goodput-search)",
+    )
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="run S times faster on the wall clock (simulated workers must be "
+        "started with the same speed-up); reported times are real-cluster seconds",
+    )
+    p.add_argument(
+        "--poisson-rate",
+        type=float,
+        default=None,
+        metavar="R",
+        help="replace arrivals with a Poisson process at R req/s (required for length-only traces)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of --poisson-rate arrivals")
+    p.add_argument("--slo-ttft", type=float, default=2.0, metavar="S", help="TTFT SLO, seconds")
+    p.add_argument("--slo-tpot", type=float, default=0.1, metavar="S", help="TPOT SLO, seconds")
+    p.add_argument("--model", default="sim", help="model name sent in the body")
+    p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
+    p.add_argument(
+        "--max-tokens-cap",
+        type=int,
+        default=None,
+        metavar="N",
+        help="max_tokens sent with every request (default: the largest output "
+        "length among the replayed requests)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="per-request timeout, real-cluster seconds",
+    )
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer ...'")
+    p.add_argument(
+        "--no-oracle-header",
+        action="store_true",
+        help="do not send the true output length as X-Sim-Output-Tokens",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write summary.json, report.md and PNG plots here",
+    )
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument(
+        "--goodput-search",
+        action="store_true",
+        help="search the highest rate scale with >= 90%% SLO attainment",
+    )
+    p.add_argument("--search-steps", type=int, default=8, help="replays a search may run")
+    return p
+
+
+async def run_bench(ns: argparse.Namespace) -> int:
+    """Run the bench described by `ns`: 0 done, 1 no request succeeded, 2 bad input."""
+    err = sys.stderr
+    try:
+        reqs = load_trace(
+            ns.trace, limit=ns.requests, start=ns.start, poisson_rate=ns.poisson_rate, seed=ns.seed
+        )
+    except (OSError, TraceFormatError, ValueError) as exc:
+        print(f"bench: {exc}", file=err)
+        return 2
+    if not reqs:
+        print(f"bench: no requests selected from {ns.trace}", file=err)
+        return 2
+    cap = ns.max_tokens_cap or max(1, max(r.output_tokens for r in reqs))
+
+    async def once(rate_scale: float) -> ReplayResult:
+        bar = Progress(err, label=f"rate x{rate_scale:g}")
+        try:
+            return await replay(
+                ns.url,
+                reqs,
+                model=ns.model,
+                endpoint=ns.endpoint,
+                max_tokens_cap=cap,
+                time_scale=ns.time_scale,
+                rate_scale=rate_scale,
+                oracle_header=not ns.no_oracle_header,
+                api_key=ns.api_key,
+                timeout_s=ns.timeout,
+                progress=bar,
+            )
+        finally:
+            bar.close()
+
+    if ns.goodput_search:
+        return await _search(ns, reqs, once)
+    result = await once(ns.rate_scale)
+    slo = {"slo_ttft_s": ns.slo_ttft, "slo_tpot_s": ns.slo_tpot}
+    if ns.out is not None:
+        summary = write_report(result, ns.out, plots=not ns.no_plots, **slo)
+        print(f"bench: wrote {ns.out}/summary.json and report.md", file=err)
+    else:
+        summary = summarize(result, **slo)
+    print(to_text(summary), end="")
+    return 0 if summary["requests"]["ok"] else 1
+
+
+async def _search(
+    ns: argparse.Namespace,
+    reqs: list[TraceRequest],
+    once: Callable[[float], Awaitable[ReplayResult]],
+) -> int:
+    summaries: list[dict[str, Any]] = []
+
+    async def attainment_at(rate_scale: float) -> float:
+        summary = summarize(await once(rate_scale), slo_ttft_s=ns.slo_ttft, slo_tpot_s=ns.slo_tpot)
+        summaries.append(summary)
+        att = summary["slo"]["attainment"] or 0.0
+        print(f"bench: rate x{rate_scale:g}: attainment {att:.1%}", file=sys.stderr)
+        return float(att)
+
+    found = await goodput_search(attainment_at, start=ns.rate_scale, max_steps=ns.search_steps)
+    if found.rate_scale is None:
+        print(f"goodput: no probed rate scale met {found.target:.0%} attainment", end="\n")
+    else:
+        span = max(r.arrival_s for r in reqs)
+        rps = f" = {(len(reqs) - 1) / span * found.rate_scale:.2f} req/s" if span > 0 else ""
+        print(f"goodput: rate scale x{found.rate_scale:g}{rps} at {found.attainment:.1%}")
+    if ns.out is not None:
+        ns.out.mkdir(parents=True, exist_ok=True)
+        doc = {
+            "goodput_rate_scale": found.rate_scale,
+            "attainment": found.attainment,
+            "target": found.target,
+            "points": found.points,
+            "runs": summaries,
+        }
+        (ns.out / "goodput.json").write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+        (ns.out / "goodput.md").write_text(
+            "\n\n".join(f"## rate x{s['rate_scale']:g}\n\n{to_markdown(s)}" for s in summaries),
+            encoding="utf-8",
+        )
+        if not ns.no_plots and not plot_attainment_vs_rate(
+            found.points, ns.out / "attainment_vs_rate.png"
+        ):
+            print(PLOTS_UNAVAILABLE, file=sys.stderr)
+    return 0 if found.rate_scale is not None else 1
+
+
+class Progress:
+    """A progress line on `stream`: rewritten in place on a TTY, periodic lines otherwise."""
+
+    def __init__(self, stream: IO[str], *, label: str = "", every_s: float = 5.0) -> None:
+        self._stream = stream
+        self._label = label
+        self._tty = stream.isatty()
+        # A TTY line may redraw ~10×/s; a log file gets a line every few seconds.
+        self._every_s = 0.1 if self._tty else every_s
+        self._last = 0.0
+        self._counts = dict.fromkeys(OUTCOMES, 0)
+        self._shown = False
+
+    def __call__(self, done: int, total: int, rec: RequestRecord) -> None:
+        self._counts[rec.outcome] += 1
+        now = time.monotonic()
+        if done < total and now - self._last < self._every_s:
+            return
+        self._last = now
+        parts = "  ".join(f"{k} {v}" for k, v in self._counts.items() if v)
+        line = f"[bench {self._label}] {done}/{total}  {parts}"
+        if self._tty:
+            self._stream.write("\r" + line.ljust(78))
+        else:
+            self._stream.write(line + "\n")
+        self._stream.flush()
+        self._shown = True
+
+    def close(self) -> None:
+        if self._tty and self._shown:
+            self._stream.write("\n")
+            self._stream.flush()
+
+    def __repr__(self) -> str:
+        return f"Progress({self._label!r}, {self._counts})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry: `python -m bench.cli --url ... --trace ...`."""
+    parser = add_bench_arguments(argparse.ArgumentParser(prog="disagg-router bench"))
+    return asyncio.run(run_bench(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
