@@ -1,0 +1,471 @@
+"""Discrete-event simulator of a disaggregated cluster behind the router (design.md §2, §6, §7).
+
+It runs the same `PlacementPolicy` and `OutputLengthEstimator` objects as the live router, on
+`ClusterView` snapshots built from its own accounting, and times work with the same `PerfModel`
+as the simulated GPU workers, so a policy's ranking here says something about the product.
+
+One request's life in the simulator:
+
+    ARRIVAL ─ estimate ─ place ─ reserve on D ─┬─ prefill FIFO on P ─ KV stranded on P ─ handoff
+            └─ rejected: admission queue (FIFO, bounded) ─ room / TTFT deadline ─> 429
+    handoff ─ D has room (or on_full="preempt") ─ transfer over the P→D link ─ join D's batch
+            └─ on_full="refuse": KV waits stranded on P until D frees blocks
+    decode: one event per step per worker advances its whole batch; a sequence that outgrows its
+    reservation grows it (or runs on unreserved blocks); when blocks run out the newest sequence
+    is preempted and later recomputed locally on D, as vLLM does.
+
+Two router modes: `reserve=True` (ours) holds `Candidate.reserve_blocks` on D before prefill;
+`reserve=False` (the peers) reserves nothing and gives the policy no output-length estimate, so a
+policy's room check covers the prompt only ("place and hope").
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Protocol
+
+from policies.base import (
+    ClusterView,
+    DecodeView,
+    OutputEstimate,
+    OutputLengthEstimator,
+    Placement,
+    PlacementPolicy,
+    RequestInfo,
+    blocks_for,
+)
+from sim.cluster_config import ClusterConfig
+from sim.cluster_metrics import GapHistogram, RequestRecord, SimResult
+from sim.cluster_workers import DecodeWorker, Job, PrefillWorker
+
+__all__ = ["TraceLike", "simulate", "find_goodput"]
+
+_ARRIVAL, _PREFILL_DONE, _TRANSFER_DONE, _STEP, _DEADLINE = range(5)
+
+
+class TraceLike(Protocol):
+    """Any request record with these four attributes (e.g. `bench.traces.TraceRequest`)."""
+
+    @property
+    def arrival_s(self) -> float: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def output_tokens(self) -> int: ...
+    @property
+    def prefix_hash_ids(self) -> Sequence[int]: ...
+
+
+class _Engine:
+    def __init__(
+        self,
+        requests: Sequence[TraceLike],
+        config: ClusterConfig,
+        policy: PlacementPolicy,
+        estimator: OutputLengthEstimator | None,
+        seed: int,
+        slo_ttft_s: float,
+        slo_tpot_s: float,
+        rate_scale: float,
+    ) -> None:
+        if rate_scale <= 0:
+            raise ValueError(f"rate_scale must be > 0, got {rate_scale}")
+        self.cfg = config
+        self.policy = policy
+        self.estimator = estimator if config.reserve else None
+        self.rng = random.Random(seed)
+        self.slo_ttft_s = slo_ttft_s
+        self.slo_tpot_s = slo_tpot_s
+        cap, lru = config.stranded_cap_bytes, config.prefix_cache_blocks
+        self.prefills = [
+            PrefillWorker(i, s, config.layout_of(s), cap, lru, config.prefix_block_tokens)
+            for i, s in enumerate(config.prefill)
+        ]
+        self.decodes = [
+            DecodeWorker(i, s, config.layout_of(s)) for i, s in enumerate(config.decode)
+        ]
+        self.pmap = {p.wid: p for p in self.prefills}
+        self.dmap = {d.wid: d for d in self.decodes}
+        self.kvbpt = config.kv_bytes_per_token
+        self.now = 0.0
+        self.events: list[tuple[float, int, int, object]] = []
+        self.seq = 0
+        self.n_events = 0
+        self.queue: deque[Job] = deque()
+        self.q_live = 0
+        self.hist: dict[str, dict[int, int]] = {}
+        self.gaps = GapHistogram()
+        self.records: list[RequestRecord | None] = [None] * len(requests)
+        self.c_forecast = 0
+        self.c_queued = 0
+        self.jobs: list[Job] = []
+        t0 = min((r.arrival_s for r in requests), default=0.0)
+        for i, r in enumerate(requests):
+            out = max(1, min(int(r.output_tokens), config.max_tokens))
+            arrival = (r.arrival_s - t0) / rate_scale
+            job = Job(i, arrival, max(1, int(r.prompt_tokens)), out, tuple(r.prefix_hash_ids))
+            job.kv_bytes = job.prompt * self.kvbpt
+            self._push(arrival, _ARRIVAL, job)
+
+    # -- event plumbing ---------------------------------------------------------------------
+    def _push(self, t: float, kind: int, obj: object) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, obj))
+
+    def run(self) -> SimResult:
+        events = self.events
+        pop = heapq.heappop
+        wall0 = time.perf_counter()
+        n = 0
+        while events:
+            t, _, kind, obj = pop(events)
+            self.now = t
+            n += 1
+            if kind == _STEP:
+                self._step(obj)  # type: ignore[arg-type]
+            elif kind == _ARRIVAL:
+                self._arrive(obj)  # type: ignore[arg-type]
+            elif kind == _PREFILL_DONE:
+                self._prefill_done(obj)  # type: ignore[arg-type]
+            elif kind == _TRANSFER_DONE:
+                self._transfer_done(obj)  # type: ignore[arg-type]
+            else:
+                self._deadline(obj)  # type: ignore[arg-type]
+        wall = time.perf_counter() - wall0
+        return self._result(n, wall)
+
+    # -- router ----------------------------------------------------------------------------
+    def _arrive(self, job: Job) -> None:
+        cfg = self.cfg
+        info = RequestInfo(
+            request_id=str(job.idx),
+            model=cfg.model,
+            prompt_tokens=job.prompt,
+            max_tokens=cfg.max_tokens,
+            prefix_hashes=job.hashes,
+            arrival_s=job.arrival,
+            slo_ttft_s=self.slo_ttft_s,
+            slo_itl_s=None,
+            # The truth, for the oracle estimator (and a "hint" estimator treats it as a hint).
+            hint_output_tokens=job.out,
+        )
+        est = self.estimator
+        if est is not None:
+            keys = est.class_keys(info)
+            hist = self.hist
+            estimate = est.estimate(info, {k: hist.get(k, {}) for k in keys})
+        else:
+            # No reservation, no output awareness: the policy's room check covers the prompt.
+            estimate = OutputEstimate(reserve_tokens=1 if not cfg.reserve else cfg.max_tokens)
+        job.info = info = replace(info, estimate=estimate)
+        job.est_tokens = estimate.quantiles.get(0.5, info.reserve_output_tokens)
+        job.deadline = job.arrival + self.slo_ttft_s
+        if self.q_live == 0 and self._admit(job):
+            return
+        if self.q_live >= cfg.queue_limit:
+            self._finish(job, "rejected", "admission queue full")
+            return
+        job.queued = True
+        job.queued_at = self.now
+        self.queue.append(job)
+        self.q_live += 1
+        self.c_queued += 1
+        self._push(job.deadline, _DEADLINE, job)
+
+    def _view(self, forecast_at: float | None = None) -> ClusterView:
+        cfg = self.cfg
+        if forecast_at is None:
+            decode = tuple([d.view() for d in self.decodes])
+        else:
+            decode = tuple([self._forecast(d, forecast_at) for d in self.decodes])
+        return ClusterView(
+            prefill=tuple([p.view() for p in self.prefills]),
+            decode=decode,
+            kv_bytes_per_token=self.kvbpt,
+            links=cfg.links,
+            default_link_bytes_per_s=cfg.default_link_bytes_per_s,
+            link_latency_s=cfg.link_latency_s,
+        )
+
+    def _forecast(self, d: DecodeWorker, at: float) -> DecodeView:
+        """D as it should look at `at`: reservations expected to finish by then are gone."""
+        v = d.view()
+        freed = 0
+        seqs = d.seqs
+        for j in d.reservations.values():
+            if j.exp_end <= at:
+                used = blocks_for(j.ctx0 + d.step - j.s0, d.bs) if j.idx in seqs else j.alloc
+                freed += max(j.res, used)
+        if not freed:
+            return v
+        held = max(0, d.held - freed)
+        return replace(v, reserved_blocks=held, used_blocks=min(d.used, held))
+
+    def _admit(self, job: Job) -> bool:
+        """Place and (in reserve mode) reserve; dispatch to P. False = the policy said no."""
+        info = job.info
+        assert info is not None
+        decision = self.policy.place(info, self._view())
+        if isinstance(decision, Placement) and self._take(job, decision, forecast=False):
+            return True
+        if self.cfg.admission == "predictive" and self.cfg.reserve:
+            # Mooncake-style: admit on the room forecast when this prefill should complete.
+            wait = min(
+                ((p.queued_tokens + job.prompt) / p.rate for p in self.prefills), default=0.0
+            )
+            decision = self.policy.place(info, self._view(self.now + wait))
+            if isinstance(decision, Placement) and self._take(job, decision, forecast=True):
+                self.c_forecast += 1
+                return True
+        return False
+
+    def _take(self, job: Job, decision: Placement, forecast: bool) -> bool:
+        cfg = self.cfg
+        for cand in decision.candidates:
+            d = self.dmap[cand.decode_id]
+            p = self.pmap[cand.prefill_id] if cand.prefill_id is not None else None
+            if cfg.reserve:
+                need = max(cand.reserve_blocks, blocks_for(job.prompt + 1, d.bs))
+                if not forecast and d.free_held < need:
+                    continue  # the snapshot is ours, so this only happens if a policy ignores room
+                d.reserve(self.now, job, need)
+                step = d.step_estimate()
+                ttft = cand.predicted_ttft_s or job.prompt / max(1.0, d.rate)
+                job.exp_end = self.now + ttft + job.est_tokens * step
+            self._dispatch(job, p, d)
+            return True
+        return False
+
+    def _dispatch(self, job: Job, p: PrefillWorker | None, d: DecodeWorker) -> None:
+        job.admitted_at = self.now
+        job.d = d
+        job.p = p
+        if p is None:  # conditional disaggregation: D prefills it inside its next step
+            job.local = True
+            d.waiting.append(job)
+            if d.poll(self.now):
+                self._push(self.now + d.current_step_s, _STEP, d)
+            return
+        p.enqueue(job)
+        self._start_prefill(p)
+
+    def _drain_queue(self) -> None:
+        q = self.queue
+        while q:
+            job = q[0]
+            if not job.queued:
+                q.popleft()
+                continue
+            if not self._admit(job):
+                return
+            q.popleft()
+            job.queued = False
+            self.q_live -= 1
+
+    def _deadline(self, job: Job) -> None:
+        if job.queued:
+            job.queued = False
+            self.q_live -= 1
+            self._finish(job, "rejected", "no room before the TTFT deadline")
+
+    # -- prefill side ------------------------------------------------------------------------
+    def _start_prefill(self, p: PrefillWorker) -> None:
+        job = p.next_job()
+        if job is None:
+            return
+        dur = p.perf.prefill_s(job.prompt, p.cached_tokens(job))
+        if self.cfg.prefill_jitter:
+            j = self.cfg.prefill_jitter
+            dur *= self.rng.uniform(1.0 - j, 1.0 + j)
+        p.busy_s += dur
+        self._push(self.now + dur, _PREFILL_DONE, p)
+
+    def _prefill_done(self, p: PrefillWorker) -> None:
+        job = p.busy
+        assert job is not None and job.d is not None
+        p.finish(self.now, job)
+        self._start_prefill(p)
+        d = job.d
+        need = blocks_for(job.prompt, d.bs)
+        if need > d.capacity:
+            p.release(self.now, job)
+            d.cancel(self.now, job)
+            self._finish(job, "failed", "prompt larger than the decode worker's KV")
+            self._start_prefill(p)
+            return
+        if d.capacity - d.used >= need or self.cfg.on_full == "preempt":
+            d.allocate(self.now, job, need)
+            self._start_transfer(job)
+        else:
+            job.refusals += 1
+            d.handoff_wait.append(job)
+
+    def _start_transfer(self, job: Job) -> None:
+        p, d = job.p, job.d
+        assert p is not None and d is not None
+        bw = self.cfg.link_bytes_per_s(p.group, d.group)
+        dur = self.cfg.link_latency_s + job.kv_bytes / bw
+        self._push(self.now + dur, _TRANSFER_DONE, job)
+
+    def _transfer_done(self, job: Job) -> None:
+        p, d = job.p, job.d
+        assert p is not None and d is not None
+        p.release(self.now, job)
+        self._start_prefill(p)  # the stranded cap may have held it back
+        step = d.step_estimate()
+        job.exp_end = self.now + max(1, job.est_tokens) * step
+        if d.arrive(self.now, job):
+            self._push(self.now + d.current_step_s, _STEP, d)
+        if self.q_live:
+            self._drain_queue()
+
+    # -- decode side -------------------------------------------------------------------------
+    def _step(self, d: DecodeWorker) -> None:
+        now = self.now
+        finished, evicted, failed, handoffs = d.boundary(now, self.gaps.add)
+        if d.stepping:
+            self._push(now + d.durs[-1], _STEP, d)
+        for job in finished:
+            job.last_t = now
+            self._complete(job)
+        for job in failed:
+            self._finish(job, "failed", "sequence outgrew the decode worker's KV")
+        for job in handoffs:
+            self._start_transfer(job)
+        if (finished or evicted or failed) and self.q_live:
+            self._drain_queue()
+
+    def _complete(self, job: Job) -> None:
+        est = self.estimator
+        if est is not None and job.info is not None:
+            bucket = est.bucket_of(job.out)
+            for key in est.class_keys(job.info):
+                h = self.hist.setdefault(key, {})
+                h[bucket] = h.get(bucket, 0) + 1
+        self._finish(job, "ok")
+
+    def _finish(self, job: Job, outcome: str, reason: str = "") -> None:
+        job.done = True
+        ok = outcome == "ok"
+        n = job.out
+        self.records[job.idx] = RequestRecord(
+            index=job.idx,
+            arrival_s=job.arrival,
+            prompt_tokens=job.prompt,
+            output_tokens=n,
+            outcome=outcome,  # type: ignore[arg-type]
+            ttft_s=job.first_t - job.arrival if ok else -1.0,
+            e2e_s=job.last_t - job.arrival if ok else -1.0,
+            mean_gap_s=(job.last_t - job.first_t) / (n - 1) if ok and n > 1 else 0.0,
+            max_gap_s=job.max_gap,
+            queued_s=job.admitted_at - job.arrival,
+            preemptions=job.preemptions,
+            refusals=job.refusals,
+            reason=reason,
+        )
+        job.info = None  # keep memory per finished request small
+
+    def _result(self, n_events: int, wall: float) -> SimResult:
+        stuck = [i for i, r in enumerate(self.records) if r is None]
+        if stuck:
+            raise RuntimeError(f"{len(stuck)} requests never finished (first: {stuck[:5]})")
+        now = self.now
+        for p in self.prefills:
+            p._tick(now)
+        for d in self.decodes:
+            d._tick(now)
+        counters: dict[str, float] = {
+            "queued": self.c_queued,
+            "admitted_on_forecast": self.c_forecast,
+            "overrun_grown": sum(d.c_grown for d in self.decodes),
+            "overrun_unreserved": sum(d.c_overran for d in self.decodes),
+            "handoff_refusals": sum(r.refusals for r in self.records if r is not None),
+            "stranded_byte_s": sum(p.area for p in self.prefills),
+            "peak_stranded_bytes": max((p.peak_stranded for p in self.prefills), default=0),
+            "reserved_unused_block_s": sum(d.area for d in self.decodes),
+            "end_reserved_blocks": sum(d.held for d in self.decodes),
+            "end_used_blocks": sum(d.used for d in self.decodes),
+            "end_stranded_bytes": sum(p.stranded for p in self.prefills),
+            "prefill_busy_s": sum(p.busy_s for p in self.prefills),
+        }
+        records = [r for r in self.records if r is not None]
+        return SimResult(
+            records=records,
+            gaps=self.gaps,
+            slo_ttft_s=self.slo_ttft_s,
+            slo_tpot_s=self.slo_tpot_s,
+            sim_end_s=now,
+            counters=counters,
+            events=n_events,
+            wall_s=wall,
+        )
+
+
+def simulate(
+    requests: Sequence[TraceLike],
+    config: ClusterConfig,
+    policy: PlacementPolicy,
+    estimator: OutputLengthEstimator | None = None,
+    *,
+    seed: int = 0,
+    slo_ttft_s: float = 2.0,
+    slo_tpot_s: float = 0.1,
+    rate_scale: float = 1.0,
+) -> SimResult:
+    """Replay `requests` (arrival times divided by `rate_scale`) through the cluster.
+
+    `policy` and `estimator` are used as given (the caller builds fresh ones per run when they
+    keep state, e.g. round-robin's counter). The admission-queue deadline is the TTFT SLO.
+    """
+    engine = _Engine(requests, config, policy, estimator, seed, slo_ttft_s, slo_tpot_s, rate_scale)
+    return engine.run()
+
+
+def find_goodput(
+    requests: Sequence[TraceLike],
+    config: ClusterConfig,
+    make_policy: Callable[[], PlacementPolicy],
+    make_estimator: Callable[[], OutputLengthEstimator | None] = lambda: None,
+    *,
+    target: float = 0.9,
+    lo: float = 0.125,
+    hi: float = 16.0,
+    iters: int = 7,
+    seed: int = 0,
+    slo_ttft_s: float = 2.0,
+    slo_tpot_s: float = 0.1,
+) -> tuple[float, float]:
+    """DistServe goodput: the highest rate scale at which >= `target` of requests meet both SLOs.
+
+    Bisects `rate_scale` geometrically within [lo, hi] (attainment falls with load), building a
+    fresh policy and estimator per run. Returns (rate_scale, offered requests/s); (0, 0) if even
+    `lo` misses the target.
+    """
+
+    def ok(scale: float) -> bool:
+        res = simulate(
+            requests, config, make_policy(), make_estimator(), seed=seed,
+            slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s, rate_scale=scale,
+        )  # fmt: skip
+        return float(res.summary()["slo_attainment"]) >= target
+
+    span = max((r.arrival_s for r in requests), default=0.0) - min(
+        (r.arrival_s for r in requests), default=0.0
+    )
+    base_rps = len(requests) / span if span > 0 else 0.0
+    if ok(hi):
+        return hi, hi * base_rps
+    if not ok(lo):
+        return 0.0, 0.0
+    for _ in range(iters):
+        mid = (lo * hi) ** 0.5
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, lo * base_rps

@@ -1,0 +1,149 @@
+"""The shape of a simulated cluster: its workers, their links, and how the router behaves.
+
+One frozen value describes a whole run, so two runs with equal configs (and seeds) are the same
+experiment. Workers carry their own `PerfModel`, so heterogeneous fleets (H100 prefill, L40S
+decode, ...) are just different `WorkerSpec`s; `ClusterConfig.homogeneous` builds the usual case.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Literal
+
+from policies.base import KVLayout
+from policies.costmodel import PerfModel, perf_model
+
+__all__ = ["WorkerSpec", "ClusterConfig", "OnFull", "Admission"]
+
+OnFull = Literal["preempt", "refuse"]
+Admission = Literal["instant", "predictive"]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """One GPU worker (or one TP group acting as one worker)."""
+
+    worker_id: str
+    perf: PerfModel
+    group: str = "default"
+    # None = the cluster's shared layout; set per worker to test layout-mismatch handling.
+    layout: KVLayout | None = None
+    # None = the perf model's KV capacity; tests set small numbers to force memory pressure.
+    capacity_blocks: int | None = None
+
+    @property
+    def kv_capacity_blocks(self) -> int:
+        if self.capacity_blocks is not None:
+            return self.capacity_blocks
+        return self.perf.kv_capacity_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """A cluster and a router mode. See `sim.cluster.simulate` for how each knob is used."""
+
+    prefill: tuple[WorkerSpec, ...]
+    decode: tuple[WorkerSpec, ...]
+    model: str = "llama-3-8b"
+    layout: KVLayout = KVLayout()
+    # (prefill group, decode group) -> bytes/s; pairs not listed use the default.
+    links: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    default_link_bytes_per_s: float = 50e9
+    link_latency_s: float = 0.0005
+    # Router mode: reserve decode room before prefill (ours) or place and hope (the peers).
+    reserve: bool = True
+    # What a decode worker does when its KV is full at a handoff: evict its newest sequence
+    # (vLLM's recompute preemption) or refuse, leaving the KV stranded on P until room appears.
+    on_full: OnFull = "preempt"
+    admission: Admission = "instant"
+    # Requests the policy rejects wait here (FIFO) until room or their TTFT deadline.
+    queue_limit: int = 1024
+    # Backpressure: a prefill worker does not start a prompt whose KV would push its stranded
+    # bytes past this (0 = no cap). A single prompt larger than the cap still runs alone.
+    stranded_cap_bytes: int = 0
+    # Prefix cache per prefill worker, in prefix-hash blocks (0 = off), and the tokens per
+    # hash id (Mooncake's traces use 512).
+    prefix_cache_blocks: int = 0
+    prefix_block_tokens: int = 512
+    # Client max_tokens; outputs longer than it are cut there, as a real server would.
+    max_tokens: int = 4096
+    # Multiplicative uniform noise on prefill times (0 = the cost model exactly).
+    prefill_jitter: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.prefill and not self.decode:
+            raise ValueError("a cluster needs workers")
+        if not self.decode:
+            raise ValueError("a cluster needs at least one decode worker")
+        ids = [w.worker_id for w in (*self.prefill, *self.decode)]
+        if len(set(ids)) != len(ids):
+            raise ValueError("worker ids must be unique")
+        if self.on_full not in ("preempt", "refuse"):
+            raise ValueError(f"on_full must be 'preempt' or 'refuse', not {self.on_full!r}")
+        if self.admission not in ("instant", "predictive"):
+            raise ValueError(f"admission must be 'instant' or 'predictive', not {self.admission!r}")
+        if self.queue_limit < 0 or self.max_tokens < 1 or not 0 <= self.prefill_jitter < 1:
+            raise ValueError("queue_limit >= 0, max_tokens >= 1, 0 <= prefill_jitter < 1")
+        # A frozen config should not share a dict the caller can still mutate.
+        object.__setattr__(self, "links", MappingProxyType(dict(self.links)))
+
+    def layout_of(self, spec: WorkerSpec) -> KVLayout:
+        return spec.layout or self.layout
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.decode[0].perf.kv_bytes_per_token
+
+    def link_bytes_per_s(self, prefill_group: str, decode_group: str) -> float:
+        return self.links.get((prefill_group, decode_group), self.default_link_bytes_per_s)
+
+    def with_(self, **changes: object) -> ClusterConfig:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    @classmethod
+    def homogeneous(
+        cls,
+        n_prefill: int = 2,
+        n_decode: int = 6,
+        model: str = "llama-3-8b",
+        gpu: str = "h100",
+        *,
+        tp_size: int | None = None,
+        decode_gpu: str | None = None,
+        link_bytes_per_s: float | None = None,
+        capacity_blocks: int | None = None,
+        **kwargs: object,
+    ) -> ClusterConfig:
+        """N prefill and M decode workers of one model; decode may use another GPU.
+
+        The default link is the GPU's scale-out NIC (×TP), the bottleneck across nodes.
+        """
+        p_perf = perf_model(model, gpu, tp_size)
+        d_perf = perf_model(model, decode_gpu or gpu, tp_size)
+        m = p_perf.model
+        layout = KVLayout(
+            model=model,
+            kv_heads=m.kv_heads,
+            head_dim=m.head_dim,
+            block_size=d_perf.block_size,
+            tp_size=p_perf.tp_size,
+        )
+        prefill = tuple(WorkerSpec(f"p{i}", p_perf, "prefill") for i in range(n_prefill))
+        decode = tuple(
+            WorkerSpec(f"d{i}", d_perf, "decode", capacity_blocks=capacity_blocks)
+            for i in range(n_decode)
+        )
+        if link_bytes_per_s is None:
+            link_bytes_per_s = min(p_perf.gpu.nic_bytes_per_s, d_perf.gpu.nic_bytes_per_s)
+            link_bytes_per_s *= p_perf.tp_size
+        kwargs.setdefault("links", {("prefill", "decode"): link_bytes_per_s})
+        kwargs.setdefault("default_link_bytes_per_s", link_bytes_per_s)
+        return cls(prefill, decode, model=model, layout=layout, **kwargs)  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return (
+            f"ClusterConfig({len(self.prefill)}P+{len(self.decode)}D {self.model}, "
+            f"reserve={self.reserve}, on_full={self.on_full}, admission={self.admission})"
+        )

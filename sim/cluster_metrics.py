@@ -1,0 +1,178 @@
+"""What a cluster simulation measured: per-request records, a streaming gap histogram, the summary.
+
+Memory stays bounded by the number of requests, not tokens: each request keeps its TTFT, e2e and
+its own mean/max token gap; the cluster-wide distribution of token gaps goes into a log-bucketed
+histogram (1 % wide buckets, each with its count and sum), weighted so that one decode step adds
+its duration once per sequence that emitted a non-first token in it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["GapHistogram", "RequestRecord", "SimResult", "percentile", "Outcome"]
+
+Outcome = Literal["ok", "rejected", "failed"]
+
+_LOG_STEP = math.log(1.01)
+
+
+class GapHistogram:
+    """Weighted streaming histogram of positive durations, exact to ~1 % in value."""
+
+    __slots__ = ("_buckets", "count", "total")
+
+    def __init__(self) -> None:
+        self._buckets: dict[int, list[float]] = {}  # index -> [count, sum]
+        self.count = 0
+        self.total = 0.0
+
+    def add(self, value: float, weight: int = 1) -> None:
+        if weight <= 0:
+            return
+        idx = int(math.log(value) / _LOG_STEP) if value > 0 else -(10**6)
+        b = self._buckets.get(idx)
+        if b is None:
+            self._buckets[idx] = [weight, value * weight]
+        else:
+            b[0] += weight
+            b[1] += value * weight
+        self.count += weight
+        self.total += value * weight
+
+    def _sorted(self) -> list[tuple[int, list[float]]]:
+        return sorted(self._buckets.items())
+
+    def quantile(self, q: float) -> float:
+        """Value below which a fraction q of the weight lies (bucket mean at the crossing)."""
+        if self.count == 0:
+            return 0.0
+        target = q * self.count
+        seen = 0.0
+        for _, (c, s) in self._sorted():
+            seen += c
+            if seen >= target:
+                return s / c
+        return 0.0
+
+    def worst_mean(self, fraction: float = 0.1) -> float:
+        """Mean of the largest `fraction` of the weight: Mooncake's TBT with fraction 0.1."""
+        if self.count == 0:
+            return 0.0
+        want = fraction * self.count
+        taken = 0.0
+        acc = 0.0
+        for _, (c, s) in reversed(self._sorted()):
+            take = min(c, want - taken)
+            acc += s / c * take
+            taken += take
+            if taken >= want:
+                break
+        return acc / taken if taken else 0.0
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+    def __repr__(self) -> str:
+        return f"GapHistogram(n={self.count}, mean={self.mean:.4g}s)"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One request's fate. Times are simulated seconds; -1.0 where it never happened."""
+
+    index: int
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    outcome: Outcome
+    ttft_s: float = -1.0
+    e2e_s: float = -1.0
+    mean_gap_s: float = 0.0  # TPOT: (last token - first token) / (tokens - 1)
+    max_gap_s: float = 0.0
+    queued_s: float = 0.0  # time waiting in the admission queue
+    preemptions: int = 0
+    refusals: int = 0  # handoffs D refused while the KV waited on P
+    reason: str = ""
+
+    def meets(self, slo_ttft_s: float, slo_tpot_s: float) -> bool:
+        return (
+            self.outcome == "ok"
+            and self.ttft_s <= slo_ttft_s
+            and (self.output_tokens <= 1 or self.mean_gap_s <= slo_tpot_s)
+        )
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of an already sorted sequence (0 when empty)."""
+    if not values:
+        return 0.0
+    k = min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))
+    return values[k]
+
+
+@dataclass(slots=True)
+class SimResult:
+    """Everything one `simulate` run measured. `summary()` is deterministic under the seed."""
+
+    records: list[RequestRecord]
+    gaps: GapHistogram
+    slo_ttft_s: float
+    slo_tpot_s: float
+    sim_end_s: float
+    counters: dict[str, float] = field(default_factory=dict)
+    events: int = 0
+    wall_s: float = 0.0  # host time; never part of the deterministic summary
+
+    @property
+    def events_per_s(self) -> float:
+        return self.events / self.wall_s if self.wall_s > 0 else 0.0
+
+    def summary(self, *, timing: bool = False) -> dict[str, float | int]:
+        recs = self.records
+        ok = [r for r in recs if r.outcome == "ok"]
+        ttft = sorted(r.ttft_s for r in ok)
+        tpot = sorted(r.mean_gap_s for r in ok if r.output_tokens > 1)
+        good = sum(1 for r in recs if r.meets(self.slo_ttft_s, self.slo_tpot_s))
+        span = max((r.arrival_s for r in recs), default=0.0) - min(
+            (r.arrival_s for r in recs), default=0.0
+        )
+        out: dict[str, float | int] = {
+            "requests": len(recs),
+            "ok": len(ok),
+            "rejected": sum(1 for r in recs if r.outcome == "rejected"),
+            "failed": sum(1 for r in recs if r.outcome == "failed"),
+            "slo_attainment": good / len(recs) if recs else 0.0,
+            # Requests/s that met both SLOs over the arrival span; the DistServe goodput is the
+            # highest *offered* rate with attainment >= 0.9 (see sim.cluster.find_goodput).
+            "slo_met_rps": good / span if span > 0 else float(good),
+            "ttft_p50_s": percentile(ttft, 0.5),
+            "ttft_p90_s": percentile(ttft, 0.9),
+            "ttft_p99_s": percentile(ttft, 0.99),
+            "tpot_p50_s": percentile(tpot, 0.5),
+            "tpot_p99_s": percentile(tpot, 0.99),
+            "itl_p50_s": self.gaps.quantile(0.5),
+            "itl_p90_s": self.gaps.quantile(0.9),
+            "itl_p99_s": self.gaps.quantile(0.99),
+            "itl_max_s": max((r.max_gap_s for r in ok), default=0.0),
+            "tbt_mooncake_s": self.gaps.worst_mean(0.1),
+            "preemptions": sum(r.preemptions for r in recs),
+            "sim_end_s": self.sim_end_s,
+            "events": self.events,
+        }
+        out.update(self.counters)
+        if timing:
+            out["wall_s"] = self.wall_s
+            out["events_per_s"] = self.events_per_s
+        return out
+
+    def __repr__(self) -> str:
+        s = self.summary()
+        return (
+            f"SimResult(requests={s['requests']}, ok={s['ok']}, rejected={s['rejected']}, "
+            f"slo={s['slo_attainment']:.3f}, events={self.events})"
+        )
