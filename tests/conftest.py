@@ -1,0 +1,125 @@
+"""Shared fixtures: a real Redis with a key prefix per test, real routers and simulated workers
+on ephemeral loopback ports."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from router.app import GATEWAY, create_app
+from router.config import Settings, settings_from_mapping
+from sim.worker import WorkerConfig, running_worker
+
+REDIS_URL = os.environ.get("DISAGG_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+MODEL = "llama-3-8b"
+
+
+@pytest.fixture
+async def redis_prefix() -> AsyncIterator[str]:
+    """A key prefix of this test's own; every key under it is deleted afterwards."""
+    prefix = f"test:{uuid.uuid4().hex[:12]}:"
+    yield prefix
+    client = aioredis.from_url(REDIS_URL)
+    try:
+        keys = [k async for k in client.scan_iter(match=prefix + "*", count=1000)]
+        if keys:
+            await client.delete(*keys)
+    finally:
+        await client.aclose()
+
+
+@contextlib.asynccontextmanager
+async def running_router(settings: Settings) -> AsyncIterator[tuple[str, web.Application]]:
+    app = create_app(settings)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        await runner.cleanup()
+
+
+@dataclass
+class SimCluster:
+    router_url: str
+    app: web.Application
+    workers: dict[str, str] = field(default_factory=dict)  # id -> base URL
+    configs: dict[str, WorkerConfig] = field(default_factory=dict)
+
+    @property
+    def gateway(self) -> Any:
+        return self.app[GATEWAY]
+
+    async def reserved_blocks(self) -> dict[str, int]:
+        gw = self.gateway
+        ids = [w.spec.id for w in gw.pools.decode_workers]
+        usage = await gw.store.decode_usage(ids)
+        return {wid: u.reserved_blocks for wid, u in usage.items()}
+
+    async def stranded(self) -> dict[str, int]:
+        gw = self.gateway
+        return await gw.store.stranded_bytes([w.spec.id for w in gw.pools.prefill_workers])
+
+    async def worker_requests(self, wid: str) -> list[dict[str, Any]]:
+        async with aiohttp.ClientSession() as s, s.get(self.workers[wid] + "/sim/requests") as r:
+            return list(await r.json())
+
+    async def worker_state(self, wid: str) -> dict[str, Any]:
+        async with aiohttp.ClientSession() as s, s.get(self.workers[wid] + "/sim/state") as r:
+            return dict(await r.json())
+
+
+@contextlib.asynccontextmanager
+async def sim_cluster(
+    *,
+    prefill: int = 1,
+    decode: int = 1,
+    both: int = 0,
+    redis_prefix: str | None,
+    kv_blocks: int = 4096,
+    time_scale: float = 500.0,
+    worker_overrides: dict[str, dict[str, Any]] | None = None,
+    **settings: Any,
+) -> AsyncIterator[SimCluster]:
+    """Simulated workers plus a router in front of them, all in this process on loopback."""
+    roles = ([("prefill", f"p{i}") for i in range(prefill)]
+             + [("decode", f"d{i}") for i in range(decode)]
+             + [("both", f"b{i}") for i in range(both)])
+    async with contextlib.AsyncExitStack() as stack:
+        workers: dict[str, str] = {}
+        configs: dict[str, WorkerConfig] = {}
+        entries = []
+        for role, wid in roles:
+            extra = (worker_overrides or {}).get(wid, {})
+            cfg = WorkerConfig(role=role, worker_id=wid, model=MODEL, kv_blocks=kv_blocks,
+                               time_scale=time_scale, **extra)
+            url = await stack.enter_async_context(running_worker(cfg))
+            workers[wid], configs[wid] = url, cfg
+            entry: dict[str, Any] = {"id": wid, "url": url, "role": role, "adapter": "sim"}
+            if role != "prefill":
+                entry["kv_blocks"] = extra.get("kv_blocks", kv_blocks)
+            entries.append(entry)
+        raw: dict[str, Any] = {
+            "model": MODEL,
+            "perf": {"model": MODEL, "gpu": "h100"},
+            "redis_url": REDIS_URL if redis_prefix is not None else None,
+            "key_prefix": redis_prefix or "dr:",
+            "workers": entries,
+            "health_interval_s": 0.5,
+            "state_refresh_s": 0.05,
+        }
+        raw.update(settings)
+        url, app = await stack.enter_async_context(running_router(settings_from_mapping(raw)))
+        yield SimCluster(router_url=url, app=app, workers=workers, configs=configs)

@@ -1,0 +1,180 @@
+"""The request path end to end: the official `openai` client → router → simulated prefill and
+decode workers, with reservations in a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from sim.textgen import expected_answer
+from tests.conftest import MODEL, sim_cluster
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def _client(url: str) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=url + "/v1", api_key="test-key", max_retries=0, timeout=30)
+
+
+def _chat_body(text: str, max_tokens: int = 40, **extra: object) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens, **extra}
+
+
+async def test_streaming_chat_is_exact_and_reservation_released(redis_prefix: str) -> None:
+    async with sim_cluster(redis_prefix=redis_prefix) as c, _client(c.router_url) as client:
+        body = _chat_body("Tell me about disaggregated serving.", 48)
+        want, n_tokens, finish = expected_answer(CHAT, body)
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=body["messages"], max_tokens=48, stream=True,
+            stream_options={"include_usage": True})
+        pieces, finishes, usage = [], [], None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    pieces.append(choice.delta.content)
+                if choice.finish_reason:
+                    finishes.append(choice.finish_reason)
+        assert "".join(pieces) == want
+        assert len(pieces) == n_tokens  # one chunk per token: nothing merged, lost or repeated
+        assert finishes == [finish]
+        assert usage is not None and usage.completion_tokens == n_tokens
+        await asyncio.sleep(0.05)
+        assert await c.reserved_blocks() == {"d0": 0}
+        assert await c.stranded() == {"p0": 0}
+
+
+async def test_non_streaming_chat_and_completions_are_exact(redis_prefix: str) -> None:
+    async with sim_cluster(redis_prefix=redis_prefix) as c, _client(c.router_url) as client:
+        body = _chat_body("What is a KV cache?", 30)
+        want, n_tokens, finish = expected_answer(CHAT, body)
+        resp = await client.chat.completions.create(model=MODEL, messages=body["messages"],
+                                                    max_tokens=30)
+        assert resp.choices[0].message.content == want
+        assert resp.choices[0].finish_reason == finish
+        assert resp.usage is not None and resp.usage.completion_tokens == n_tokens
+
+        cbody = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 25}
+        cwant, cn, _ = expected_answer(COMPLETIONS, cbody)
+        cresp = await client.completions.create(model=MODEL, prompt="Once upon a time",
+                                                max_tokens=25)
+        assert cresp.choices[0].text == cwant
+        assert cresp.usage is not None and cresp.usage.completion_tokens == cn
+
+
+async def test_streaming_completions_with_token_ids_is_exact(redis_prefix: str) -> None:
+    async with sim_cluster(redis_prefix=redis_prefix) as c, _client(c.router_url) as client:
+        ids = [101, 2023, 2003, 1037, 3231]
+        want, n_tokens, _ = expected_answer(COMPLETIONS, {"model": MODEL, "prompt": ids,
+                                                          "max_tokens": 64})
+        stream = await client.completions.create(model=MODEL, prompt=ids, max_tokens=64,
+                                                 stream=True)
+        pieces = [ch.choices[0].text async for ch in stream if ch.choices and ch.choices[0].text]
+        assert "".join(pieces) == want and len(pieces) == n_tokens
+
+
+async def test_wire_protocol_prefill_then_decode(redis_prefix: str) -> None:
+    """Prefill got max_tokens 1 + do_remote_decode; decode got the prefill's params verbatim."""
+    async with sim_cluster(redis_prefix=redis_prefix) as c, _client(c.router_url) as client:
+        await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello there"}], max_tokens=20,
+            stream=True, stream_options={"include_usage": True},
+            extra_body={"min_tokens": 2}, extra_headers={"X-Request-Id": "req-wire-1"})
+        (pre,) = await c.worker_requests("p0")
+        (dec,) = await c.worker_requests("d0")
+        pb, db = pre["body"], dec["body"]
+        assert pb["max_tokens"] == 1 and pb["stream"] is False
+        assert "min_tokens" not in pb and "stream_options" not in pb
+        assert pb["kv_transfer_params"] == {
+            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None}
+        kv = db["kv_transfer_params"]
+        assert kv["do_remote_prefill"] is True
+        assert kv["remote_engine_id"] == c.configs["p0"].engine_id
+        assert kv["remote_request_id"] == "req-wire-1"
+        assert kv["remote_port"] == int(c.workers["p0"].rsplit(":", 1)[1])
+        # The decode leg is the client's body untouched, plus the KV handle.
+        assert db["stream"] is True and db["max_tokens"] == 20 and db["min_tokens"] == 2
+        assert db["stream_options"] == {"include_usage": True}
+        # One request id on both legs; the client's API key never goes upstream.
+        for leg in (pre, dec):
+            headers = {k.lower(): v for k, v in leg["headers"].items()}
+            assert headers["x-request-id"] == "req-wire-1"
+            assert "authorization" not in headers
+
+
+async def test_full_decode_pool_gives_429_and_sends_no_prefill(redis_prefix: str) -> None:
+    # 40 blocks of 16 tokens: room for 640 tokens, less than one request's prompt + max_tokens.
+    async with sim_cluster(redis_prefix=redis_prefix, kv_blocks=40,
+                           estimator="max_tokens") as c:
+        async with aiohttp.ClientSession() as s:
+            body = _chat_body("x" * 1600, 400)
+            async with s.post(c.router_url + CHAT, json=body) as resp:
+                assert resp.status == 429
+                assert int(resp.headers["Retry-After"]) >= 1
+                err = (await resp.json())["error"]
+                assert err["type"] == "rate_limit_exceeded" and err["message"]
+                assert set(err) == {"message", "type", "param", "code"}
+        assert await c.worker_requests("p0") == []
+        assert await c.reserved_blocks() == {"d0": 0}
+
+
+async def test_client_errors_through_openai_client(redis_prefix: str) -> None:
+    async with sim_cluster(redis_prefix=redis_prefix) as c, _client(c.router_url) as client:
+        with pytest.raises(openai.NotFoundError):
+            await client.chat.completions.create(
+                model="no-such-model", messages=[{"role": "user", "content": "x"}])
+        with pytest.raises(openai.BadRequestError) as bad:
+            await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=-5)
+        assert bad.value.body["param"] == "max_tokens"  # type: ignore[index]
+
+
+async def test_many_concurrent_requests_with_disconnects_leave_nothing_reserved(
+    redis_prefix: str,
+) -> None:
+    async with sim_cluster(redis_prefix=redis_prefix, prefill=2, decode=2,
+                           time_scale=100.0) as c:
+        async def full(i: int, session: aiohttp.ClientSession) -> str:
+            body = _chat_body(f"request number {i} " * (1 + i % 7), 30 + i % 50, stream=True)
+            want, _, _ = expected_answer(CHAT, body)
+            async with session.post(c.router_url + CHAT, json=body) as resp:
+                assert resp.status == 200
+                raw = await resp.read()
+            assert raw.endswith(b"data: [DONE]\n\n")
+            return want
+
+        async def abandon(i: int) -> None:
+            # A client that reads a few bytes of the stream and hangs up.
+            body = _chat_body(f"walk away {i}", 2000, stream=True, ignore_eos=True)
+            async with aiohttp.ClientSession() as own, own.post(c.router_url + CHAT,
+                                                                 json=body) as resp:
+                assert resp.status == 200
+                await resp.content.readany()
+
+        async with aiohttp.ClientSession() as session:
+            results = await asyncio.gather(*(full(i, session) for i in range(40)),
+                                           *(abandon(i) for i in range(12)))
+        assert all(isinstance(r, str) for r in results[:40])
+        # Releases run as the handlers unwind; give the cancelled ones a moment.
+        for _ in range(100):
+            if sum((await c.reserved_blocks()).values()) == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert await c.reserved_blocks() == {"d0": 0, "d1": 0}
+        assert await c.stranded() == {"p0": 0, "p1": 0}
+        # The decode workers aborted the abandoned sequences (closing is vLLM's abort signal).
+        for wid in ("d0", "d1"):
+            for _ in range(100):
+                if (await c.worker_state(wid))["resident_sequences"] == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert (await c.worker_state(wid))["resident_sequences"] == 0
+        assert c.gateway.leases.live == {}
