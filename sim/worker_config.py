@@ -1,0 +1,143 @@
+"""Configuration of one simulated GPU worker, and its command-line flags.
+
+`disagg-router worker --role prefill|decode|both --port N ...` builds a WorkerConfig with
+`add_worker_arguments` + `config_from_args`; tests build one directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import uuid
+from dataclasses import dataclass, field
+
+from policies.costmodel import GPUS, MODELS
+
+from .faults import ERROR_STATUSES, FaultConfig
+
+__all__ = ["ROLES", "WorkerConfig", "add_worker_arguments", "config_from_args"]
+
+ROLES = ("prefill", "decode", "both")
+
+
+def _new_engine_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    role: str = "both"
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = ephemeral
+    worker_id: str = ""
+    model: str = "llama-3-8b"  # a policies.costmodel profile
+    served_model_name: str | None = None  # None = model
+    gpu: str = "h100"
+    tp_size: int | None = None  # None = the model profile's default
+    block_size: int = 16
+    kv_blocks: int | None = None  # KV capacity override; None = from the cost model
+    time_scale: float = 1.0  # 1 = real time, 100 = 100x faster
+    mean_output_tokens: int = 128
+    kv_lease_s: float = 30.0  # simulated seconds a prefilled KV waits for its decode
+    engine_id: str = field(default_factory=_new_engine_id)
+    max_model_len: int | None = None  # None = the model profile's
+    faults: FaultConfig = field(default_factory=FaultConfig)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model profile {self.model!r}; known: {sorted(MODELS)}")
+        if self.gpu not in GPUS:
+            raise ValueError(f"unknown GPU profile {self.gpu!r}; known: {sorted(GPUS)}")
+        if self.time_scale <= 0:
+            raise ValueError("time_scale must be > 0")
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.kv_blocks is not None and self.kv_blocks < 1:
+            raise ValueError("kv_blocks must be >= 1")
+        if self.kv_lease_s <= 0:
+            raise ValueError("kv_lease_s must be > 0")
+        if not 0 <= self.port < 65536:
+            raise ValueError("port must be within [0, 65535]")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    @property
+    def name(self) -> str:
+        return self.worker_id or f"{self.role}-{self.engine_id[:8]}"
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `disagg-router worker`."""
+    d = WorkerConfig.__dataclass_fields__
+    parser.add_argument("--role", choices=ROLES, default=d["role"].default)
+    parser.add_argument("--host", default=d["host"].default)
+    parser.add_argument("--port", type=int, default=d["port"].default, help="0 = ephemeral")
+    parser.add_argument("--worker-id", default="")
+    parser.add_argument("--model", default=d["model"].default, choices=sorted(MODELS))
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--gpu", default=d["gpu"].default, choices=sorted(GPUS))
+    parser.add_argument("--tp-size", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=d["block_size"].default)
+    parser.add_argument("--kv-blocks", type=int, default=None, help="override KV capacity")
+    parser.add_argument(
+        "--time-scale", type=float, default=1.0, help="simulated seconds per real second"
+    )
+    parser.add_argument("--mean-output-tokens", type=int, default=d["mean_output_tokens"].default)
+    parser.add_argument("--kv-lease-s", type=float, default=d["kv_lease_s"].default)
+    parser.add_argument("--engine-id", default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    faults = parser.add_argument_group("fault injection")
+    faults.add_argument("--fault-prefill-fail", action="store_true")
+    faults.add_argument("--fault-prefill-die-after-kv", action="store_true")
+    faults.add_argument("--fault-decode-fail-before-first", action="store_true")
+    faults.add_argument("--fault-decode-die-after-tokens", type=int, default=None, metavar="N")
+    faults.add_argument("--fault-hang", action="store_true")
+    faults.add_argument("--fault-slow-factor", type=float, default=1.0)
+    faults.add_argument("--fault-error-rate", type=float, default=0.0)
+    faults.add_argument(
+        "--fault-error-status",
+        default="500",
+        choices=[str(s) for s in ERROR_STATUSES],
+    )
+    faults.add_argument("--fault-seed", type=int, default=0)
+    faults.add_argument("--fault-count", type=int, default=None, help="each fault fires N times")
+
+
+def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
+    status: int | str = ns.fault_error_status
+    if isinstance(status, str) and status.isdigit():
+        status = int(status)
+    faults = FaultConfig(
+        prefill_fail=ns.fault_prefill_fail,
+        prefill_die_after_kv=ns.fault_prefill_die_after_kv,
+        decode_fail_before_first=ns.fault_decode_fail_before_first,
+        decode_die_after_tokens=ns.fault_decode_die_after_tokens,
+        hang=ns.fault_hang,
+        slow_factor=ns.fault_slow_factor,
+        error_rate=ns.fault_error_rate,
+        error_status=status,
+        seed=ns.fault_seed,
+        count=ns.fault_count,
+    )
+    extra = {"engine_id": ns.engine_id} if ns.engine_id else {}
+    return WorkerConfig(
+        role=ns.role,
+        host=ns.host,
+        port=ns.port,
+        worker_id=ns.worker_id,
+        model=ns.model,
+        served_model_name=ns.served_model_name,
+        gpu=ns.gpu,
+        tp_size=ns.tp_size,
+        block_size=ns.block_size,
+        kv_blocks=ns.kv_blocks,
+        time_scale=ns.time_scale,
+        mean_output_tokens=ns.mean_output_tokens,
+        kv_lease_s=ns.kv_lease_s,
+        max_model_len=ns.max_model_len,
+        faults=faults,
+        **extra,
+    )
