@@ -102,6 +102,7 @@ class _Engine:
         self.gaps = GapHistogram()
         self.records: list[RequestRecord | None] = [None] * len(requests)
         self.c_forecast = 0
+        self.t_last = 0.0  # last request outcome (a stale deadline event may come later)
         self.c_queued = 0
         self.jobs: list[Job] = []
         t0 = min((r.arrival_s for r in requests), default=0.0)
@@ -351,6 +352,7 @@ class _Engine:
 
     def _finish(self, job: Job, outcome: str, reason: str = "") -> None:
         job.done = True
+        self.t_last = self.now
         ok = outcome == "ok"
         n = job.out
         self.records[job.idx] = RequestRecord(
@@ -399,7 +401,7 @@ class _Engine:
             gaps=self.gaps,
             slo_ttft_s=self.slo_ttft_s,
             slo_tpot_s=self.slo_tpot_s,
-            sim_end_s=now,
+            sim_end_s=self.t_last,
             counters=counters,
             events=n_events,
             wall_s=wall,
