@@ -272,6 +272,9 @@ class RandomPolicy(_IndependentPolicy):
         self.seed = seed
         self._rng = random.Random(seed)
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(seed={self.seed}, max_candidates={self.max_candidates})"
+
     def _pick_decodes(self, decodes: list[tuple[DecodeView, int]]) -> list[tuple[DecodeView, int]]:
         return self._rng.sample(decodes, min(self.max_candidates, len(decodes)))
 
@@ -328,6 +331,9 @@ class PowerOfTwoPolicy(_IndependentPolicy):
         super().__init__(max_candidates)
         self.seed = seed
         self._rng = random.Random(seed)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(seed={self.seed}, max_candidates={self.max_candidates})"
 
     def _pick_decodes(self, decodes: list[tuple[DecodeView, int]]) -> list[tuple[DecodeView, int]]:
         remaining = list(decodes)

@@ -1,0 +1,242 @@
+"""Name → placement policy or output-length estimator, validated when loaded.
+
+A spec is a built-in name or a dotted path `"pkg.mod:Name"` to a class or factory, called with
+the configured keyword arguments. Everything that can go wrong with a plugin is found here, at
+startup, and reported as one `PolicyLoadError` naming the spec and the cause: the module does not
+import, the attribute is missing, the arguments do not fit, the object is not a policy, or
+`place()` raises on a tiny synthetic cluster. A broken plugin fails the deploy, not the first
+request.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from policies.base import (
+    Candidate,
+    ClusterView,
+    DecodeView,
+    KVLayout,
+    OutputEstimate,
+    OutputLengthEstimator,
+    Placement,
+    PlacementPolicy,
+    PrefillView,
+    Rejection,
+    RequestInfo,
+)
+from policies.baselines import LeastLoadedPolicy, PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy
+from policies.estimators import (
+    HintEstimator,
+    MaxTokensEstimator,
+    OnlineQuantileEstimator,
+    OracleEstimator,
+)
+from policies.two_sided import TwoSidedPolicy
+
+__all__ = [
+    "PolicyLoadError",
+    "BUILTIN_POLICIES",
+    "BUILTIN_ESTIMATORS",
+    "DEFAULT_POLICY",
+    "DEFAULT_ESTIMATOR",
+    "load_policy",
+    "load_estimator",
+]
+
+DEFAULT_POLICY = "two_sided"
+DEFAULT_ESTIMATOR = "online_quantile"
+
+BUILTIN_POLICIES: Mapping[str, Callable[..., Any]] = {
+    "two_sided": TwoSidedPolicy,
+    "random": RandomPolicy,
+    "round_robin": RoundRobinPolicy,
+    "least_loaded": LeastLoadedPolicy,
+    "power_of_two": PowerOfTwoPolicy,
+}
+
+BUILTIN_ESTIMATORS: Mapping[str, Callable[..., Any]] = {
+    "max_tokens": MaxTokensEstimator,
+    "online_quantile": OnlineQuantileEstimator,
+    "hint": HintEstimator,
+    "oracle": OracleEstimator,
+}
+
+
+class PolicyLoadError(ValueError):
+    """A policy or estimator spec cannot be turned into a working object (a configuration error)."""
+
+
+def load_policy(spec: str | None, kwargs: Mapping[str, Any] | None = None) -> PlacementPolicy:
+    """Build and validate the placement policy named by `spec` (default: two_sided)."""
+    spec = (spec or DEFAULT_POLICY).strip()
+    policy = _build(spec, kwargs, BUILTIN_POLICIES, "policy")
+    _require(spec, policy, "policy", "a placement policy", ("place",))
+    _smoke_policy(spec, policy)
+    return policy  # type: ignore[no-any-return]
+
+
+def load_estimator(
+    spec: str | None, kwargs: Mapping[str, Any] | None = None
+) -> OutputLengthEstimator:
+    """Build and validate the output-length estimator named by `spec` (default: online_quantile).
+
+    For the built-in `hint` estimator, a string `fallback` argument is itself loaded as a spec,
+    so a configuration file can say `{"fallback": "online_quantile"}`.
+    """
+    spec = (spec or DEFAULT_ESTIMATOR).strip()
+    args = dict(kwargs or {})
+    if spec == "hint" and isinstance(args.get("fallback"), str):
+        args["fallback"] = load_estimator(args["fallback"])
+    estimator = _build(spec, args, BUILTIN_ESTIMATORS, "estimator")
+    _require(
+        spec,
+        estimator,
+        "estimator",
+        "an output-length estimator",
+        ("class_keys", "estimate", "bucket_of"),
+    )
+    _smoke_estimator(spec, estimator)
+    return estimator  # type: ignore[no-any-return]
+
+
+# -- building ---------------------------------------------------------------------------------
+
+
+def _build(
+    spec: str,
+    kwargs: Mapping[str, Any] | None,
+    builtins: Mapping[str, Callable[..., Any]],
+    kind: str,
+) -> Any:
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise PolicyLoadError(f"{kind} {spec!r}: arguments must be a mapping, got {kwargs!r}")
+    args = dict(kwargs or {})
+    if bad := [k for k in args if not isinstance(k, str)]:
+        raise PolicyLoadError(f"{kind} {spec!r}: argument names must be strings, got {bad!r}")
+    factory = builtins.get(spec) or _resolve(spec, builtins, kind)
+    try:
+        inspect.signature(factory).bind(**args)
+    except TypeError as exc:
+        raise PolicyLoadError(f"{kind} {spec!r} does not accept arguments {args}: {exc}") from exc
+    except ValueError:
+        pass  # no introspectable signature (a builtin or C type): let the call decide
+    try:
+        return factory(**args)
+    except Exception as exc:
+        raise PolicyLoadError(
+            f"{kind} {spec!r} raised {exc!r} when constructed with {args}"
+        ) from exc
+
+
+def _resolve(spec: str, builtins: Mapping[str, Callable[..., Any]], kind: str) -> Any:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise PolicyLoadError(
+            f"unknown {kind} {spec!r}: expected one of {sorted(builtins)} "
+            "or a dotted path 'package.module:Name'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # a plugin's import may fail in any way, not only ImportError
+        raise PolicyLoadError(f"{kind} {spec!r}: cannot import {module_name!r}: {exc!r}") from exc
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise PolicyLoadError(
+                f"{kind} {spec!r}: module {module_name!r} has no attribute {attr!r}"
+            ) from None
+    if not callable(obj):
+        raise PolicyLoadError(f"{kind} {spec!r}: {attr!r} is not a class or factory ({obj!r})")
+    return obj
+
+
+def _require(spec: str, obj: Any, kind: str, what: str, methods: tuple[str, ...]) -> None:
+    missing = [m for m in methods if not callable(getattr(obj, m, None))]
+    if missing:
+        raise PolicyLoadError(
+            f"{kind} {spec!r} built {obj!r}, which is not {what}: no {', '.join(missing)}()"
+        )
+    name = getattr(obj, "name", None)
+    if not isinstance(name, str) or not name:
+        raise PolicyLoadError(f"{kind} {spec!r} built {obj!r}, which has no `name` string")
+
+
+# -- smoke calls ----------------------------------------------------------------------------
+
+
+def _smoke_request() -> RequestInfo:
+    return RequestInfo(
+        request_id="policy-load-smoke", model="smoke", prompt_tokens=32, max_tokens=16
+    )
+
+
+def _smoke_view() -> ClusterView:
+    layout = KVLayout(model="smoke", kv_heads=1, head_dim=8)
+    return ClusterView(
+        prefill=(PrefillView("smoke-p0", layout),),
+        decode=(DecodeView("smoke-d0", layout, capacity_blocks=1024),),
+        kv_bytes_per_token=64,
+    )
+
+
+def _smoke_policy(spec: str, policy: Any) -> None:
+    """One request on a 1-prefill, 1-decode cluster with plenty of room.
+
+    The call runs on a copy when the policy can be copied, so its RNG and counters start from
+    their initial state for the real traffic (same seed, same decisions).
+    """
+    try:
+        probe = copy.deepcopy(policy)
+    except Exception:
+        probe = policy
+    view = _smoke_view()
+    try:
+        decision = probe.place(_smoke_request(), view)
+    except Exception as exc:
+        raise PolicyLoadError(
+            f"policy {spec!r} raised {exc!r} on a smoke request (1 prefill, 1 decode worker)"
+        ) from exc
+    if isinstance(decision, Rejection):
+        return  # a policy may refuse for its own reasons; what it returned is well-formed
+    if not isinstance(decision, Placement):
+        raise PolicyLoadError(
+            f"policy {spec!r} returned {decision!r} on a smoke request; "
+            "expected a Placement or a Rejection"
+        )
+    known_p = {p.worker_id for p in view.prefill}
+    known_d = {d.worker_id for d in view.decode}
+    for c in decision.candidates:
+        if not isinstance(c, Candidate):
+            raise PolicyLoadError(f"policy {spec!r} returned a non-Candidate {c!r}")
+        if c.decode_id not in known_d or (c.prefill_id is not None and c.prefill_id not in known_p):
+            raise PolicyLoadError(
+                f"policy {spec!r} returned {c!r}, naming a worker not in the cluster view"
+            )
+
+
+def _smoke_estimator(spec: str, estimator: Any) -> None:
+    request = _smoke_request()
+    try:
+        keys = estimator.class_keys(request)
+        estimate = estimator.estimate(request, {})
+        bucket = estimator.bucket_of(100)
+    except Exception as exc:
+        raise PolicyLoadError(f"estimator {spec!r} raised {exc!r} on a smoke request") from exc
+    if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
+        raise PolicyLoadError(f"estimator {spec!r}: class_keys() must give strings, got {keys!r}")
+    if not isinstance(estimate, OutputEstimate):
+        raise PolicyLoadError(
+            f"estimator {spec!r}: estimate() returned {estimate!r}, not an OutputEstimate"
+        )
+    if not isinstance(bucket, int) or bucket < 100:
+        raise PolicyLoadError(
+            f"estimator {spec!r}: bucket_of(100) returned {bucket!r}; "
+            "buckets are ints, named by their upper bound"
+        )
