@@ -2,7 +2,8 @@
 
 SGLang's and vLLM's routers pick a prefill and a decode worker independently. These baselines do
 the same (random, round-robin, least-loaded, power-of-two choices on each side) but obey the
-safety rules every policy here obeys, so that a benchmark compares *choices*, not over-commits:
+safety rules every policy here obeys, so that a benchmark compares *choices*, not over-commits
+(like the peers, they ignore ITL SLOs, prefix affinity and transfer cost):
 
 - only healthy workers;
 - a prefill and a decode worker are paired only if their `layout.key` is identical;

@@ -294,7 +294,7 @@ def _itl_rejection(feasible: Feasible, slo: float) -> Rejection:
     wait = RETRY_CEILING_S
     if best_d.step_s_per_block > 0 and best_d.step_base_s < slo:
         excess_blocks = (best_step - slo) / best_d.step_s_per_block
-        token_rate = max(1, best_d.resident_seqs) / best_d.step_time_s()
+        token_rate = max(1, best_d.resident_seqs) / max(best_d.step_time_s(), 1e-9)
         wait = excess_blocks * best_d.layout.block_size / token_rate
     return Rejection(
         f"no decode worker keeps the ITL SLO of {slo * 1e3:.1f} ms with this request "

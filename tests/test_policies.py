@@ -200,6 +200,11 @@ def test_itl_slo_excludes_slow_decode_workers_and_request_slo_overrides() -> Non
     assert isinstance(rejected, Rejection)
     assert "ITL SLO of 20.0 ms" in rejected.reason
     assert RETRY_FLOOR_S <= rejected.retry_after_s <= RETRY_CEILING_S
+    # An idle worker whose step is all KV reads (no base cost) cannot divide by a zero step.
+    kv_bound = D("d-kv", step_base_s=0.0, step_s_per_block=1e-3)
+    rejected = TwoSidedPolicy(itl_slo_s=0.02).place(req(), view([P("p0")], [kv_bound]))
+    assert isinstance(rejected, Rejection)
+    assert RETRY_FLOOR_S <= rejected.retry_after_s <= RETRY_CEILING_S
 
 
 def test_candidates_prefer_distinct_decode_workers_then_fill_with_alternatives() -> None:
