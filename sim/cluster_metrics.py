@@ -17,7 +17,7 @@ __all__ = ["GapHistogram", "RequestRecord", "SimResult", "percentile", "Outcome"
 
 Outcome = Literal["ok", "rejected", "failed"]
 
-_LOG_STEP = math.log(1.01)
+_INV_LOG_STEP = 1.0 / math.log(1.01)
 
 
 class GapHistogram:
@@ -33,7 +33,7 @@ class GapHistogram:
     def add(self, value: float, weight: int = 1) -> None:
         if weight <= 0:
             return
-        idx = int(math.log(value) / _LOG_STEP) if value > 0 else -(10**6)
+        idx = int(math.log(value) * _INV_LOG_STEP) if value > 0 else -(10**6)
         b = self._buckets.get(idx)
         if b is None:
             self._buckets[idx] = [weight, value * weight]

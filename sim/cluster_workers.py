@@ -183,6 +183,31 @@ class PrefillWorker:
         return f"PrefillWorker({self.wid}, queued={self.queued_tokens}, stranded={self.stranded})"
 
 
+def _step_time_fn(perf: PerfModel) -> Callable[[int, int], float]:
+    """`perf.decode_step_s` with its constants folded: it runs once per simulated decode step.
+
+    The folded formula is checked against the model at a spread of points; if the cost model
+    ever changes shape, the check fails and the model's own method is used instead.
+    """
+    bw = perf.kv_bytes_per_block / perf.step_s_per_block  # effective HBM bytes/s
+    mem0 = perf.model.weight_bytes / bw
+    kv_s = perf.kv_bytes_per_token / bw
+    per_seq = 2.0 * perf.model.params / (perf.gpu.bf16_flops * perf.tp_size * perf.mfu)
+    overhead = perf.step_overhead_s
+
+    def fast(kv_tokens: int, batch: int) -> float:
+        m = mem0 + kv_tokens * kv_s
+        c = batch * per_seq
+        return overhead + (m if m > c else c)
+
+    points = [(kv, b) for kv in (0, 1, 1000, 10**5, 10**7) for b in (1, 7, 256, 10**5)]
+    for kv, b in points:
+        want = perf.decode_step_s(kv, b)
+        if abs(fast(kv, b) - want) > 1e-9 * want:
+            return perf.decode_step_s
+    return fast
+
+
 class DecodeWorker:
     """Continuous batching over finite KV blocks, with the router's reservations beside it."""
 
@@ -190,7 +215,7 @@ class DecodeWorker:
         "idx", "wid", "perf", "group", "layout", "capacity", "bs", "seqs", "joining", "fresh",
         "heap", "ph_used", "ph_held", "step", "used", "held", "kv_tokens", "durs", "durs_base",
         "stepping", "extra_s", "waiting", "handoff_wait", "reservations", "area", "last_t",
-        "_view", "c_grown", "c_overran", "step_base", "step_per_block", "rate",
+        "_view", "c_grown", "c_overran", "step_base", "step_per_block", "rate", "step_s",
     )  # fmt: skip
 
     def __init__(self, idx: int, spec: WorkerSpec, layout: KVLayout) -> None:
@@ -226,6 +251,7 @@ class DecodeWorker:
         self.step_base = spec.perf.step_base_s
         self.step_per_block = spec.perf.step_s_per_block
         self.rate = spec.perf.prefill_tokens_per_s()
+        self.step_s = _step_time_fn(spec.perf)
 
     # -- accounting -------------------------------------------------------------------------
     def _tick(self, now: float) -> None:
@@ -264,7 +290,7 @@ class DecodeWorker:
         self._view = None
 
     def step_estimate(self) -> float:
-        return self.perf.decode_step_s(self.kv_tokens, len(self.seqs) + 1)
+        return self.step_s(self.kv_tokens, len(self.seqs) + 1)
 
     # -- batch membership --------------------------------------------------------------------
     def _merge(self, job: Job) -> None:
@@ -330,7 +356,7 @@ class DecodeWorker:
         if not self.seqs:
             return False
         self.stepping = True
-        self.durs.append(self.perf.decode_step_s(self.kv_tokens, len(self.seqs)) + self.extra_s)
+        self.durs.append(self.step_s(self.kv_tokens, len(self.seqs)) + self.extra_s)
         self.extra_s = 0.0
         self._view = None
         return True
@@ -427,7 +453,7 @@ class DecodeWorker:
             self.allocate(now, job, need)
             handoffs.append(job)
         if self.seqs:
-            self.durs.append(self.perf.decode_step_s(self.kv_tokens, len(self.seqs)) + self.extra_s)
+            self.durs.append(self.step_s(self.kv_tokens, len(self.seqs)) + self.extra_s)
             self.extra_s = 0.0
             if len(self.durs) > 65_536:
                 self._trim()
