@@ -147,8 +147,10 @@ class FaultState:
         return {"config": self.config.to_dict(), "remaining": dict(self._remaining)}
 
     def __repr__(self) -> str:
-        active = {k: v for k, v in self.config.to_dict().items() if v != getattr(FaultConfig, k)}
-        return f"FaultState(active={active}, remaining={self._remaining})"
+        default = FaultConfig().to_dict()
+        active = {k: v for k, v in self.config.to_dict().items() if v != default[k]}
+        left = {k: v for k, v in self._remaining.items() if v is not None}
+        return f"FaultState(active={active}, remaining={left})"
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, object]:
