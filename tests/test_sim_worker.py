@@ -13,7 +13,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from sim.textgen import expected_answer, generate, prompt_context
+from sim.faults import FaultConfig
+from sim.textgen import expected_answer
 from sim.worker import (
     WorkerConfig,
     add_worker_arguments,
@@ -432,7 +433,7 @@ async def set_faults(session: aiohttp.ClientSession, url: str, **faults: Any) ->
 
 
 async def test_prefill_fail_exactly_once(session: aiohttp.ClientSession) -> None:
-    async with running_worker(cfg("prefill", faults=_faults(prefill_fail=True, count=1))) as p:
+    async with running_worker(cfg("prefill", faults=FaultConfig(prefill_fail=True, count=1))) as p:
         body = prefill_body(client_body(COMPL, False))
         status, err = await post(session, p + COMPL, body)
         assert status == 500
@@ -440,12 +441,6 @@ async def test_prefill_fail_exactly_once(session: aiohttp.ClientSession) -> None
         assert (await state(session, p))["blocks_in_use"] == 0
         status, _ = await post(session, p + COMPL, body)
         assert status == 200
-
-
-def _faults(**kw: Any) -> Any:
-    from sim.faults import FaultConfig
-
-    return FaultConfig(**kw)
 
 
 async def test_prefill_dies_after_kv_leaving_it_stranded(session: aiohttp.ClientSession) -> None:
@@ -649,8 +644,3 @@ def test_cli_arguments_build_a_config() -> None:
     assert len(config.engine_id) == 32
     with pytest.raises(ValueError):
         WorkerConfig(role="gpu")
-
-
-def test_sanity_of_test_helpers() -> None:
-    toks, _ = generate(prompt_context(COMPL, {"prompt": "a"}), 2, mean_tokens=0)
-    assert len(toks) == 2
