@@ -45,8 +45,9 @@ async def error_middleware(request: web.Request, handler):  # type: ignore[no-un
     except RouterError as err:
         return web.Response(body=err.body(), status=err.status, headers=err.headers(),
                             content_type="application/json")
-    except web.HTTPRequestEntityTooLarge as exc:
-        err = BodyTooLarge(f"the request body is larger than {exc.max_size} bytes")
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[SETTINGS].max_body_bytes
+        err = BodyTooLarge(f"the request body is larger than {limit} bytes")
         return web.Response(body=err.body(), status=413, content_type="application/json")
     except web.HTTPException as exc:
         if exc.status < 400:
