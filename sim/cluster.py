@@ -249,6 +249,7 @@ class _Engine:
         if p is None:  # conditional disaggregation: D prefills it inside its next step
             job.local = True
             d.waiting.append(job)
+            d._view = None
             if d.poll(self.now):
                 self._push(self.now + d.current_step_s, _STEP, d)
             return
@@ -299,7 +300,9 @@ class _Engine:
             self._finish(job, "failed", "prompt larger than the decode worker's KV")
             self._start_prefill(p)
             return
-        if d.capacity - d.used >= need or self.cfg.on_full == "preempt":
+        # Our router never pushes KV at a full D (room was reserved, or admitted on a forecast
+        # that has not come true yet): the KV waits on P. The peers follow `on_full`.
+        if d.capacity - d.used >= need or (self.cfg.on_full == "preempt" and not self.cfg.reserve):
             d.allocate(self.now, job, need)
             self._start_transfer(job)
         else:

@@ -54,8 +54,11 @@ class ClusterConfig:
     link_latency_s: float = 0.0005
     # Router mode: reserve decode room before prefill (ours) or place and hope (the peers).
     reserve: bool = True
-    # What a decode worker does when its KV is full at a handoff: evict its newest sequence
-    # (vLLM's recompute preemption) or refuse, leaving the KV stranded on P until room appears.
+    # What a decode worker does when its KV is full at a handoff in the peers' mode: evict its
+    # newest sequence (vLLM's recompute preemption) or refuse, leaving the KV stranded on P
+    # until room appears. With `reserve` such a handoff always waits on P (it can only happen
+    # after overruns or a predictive admission). A sequence that grows past the physical KV
+    # preempts the newest sequence in every mode: there is nowhere else for it to go.
     on_full: OnFull = "preempt"
     admission: Admission = "instant"
     # Requests the policy rejects wait here (FIFO) until room or their TTFT deadline.

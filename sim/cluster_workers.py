@@ -339,6 +339,7 @@ class DecodeWorker:
         """The job's KV has landed. Returns True if the caller must schedule a step now."""
         if self.stepping:
             self.joining.append(job)
+            self._view = None  # resident_seqs counts it already
             return False
         self._tick(now)
         self._merge(job)
