@@ -72,12 +72,19 @@ class _Engine:
         slo_ttft_s: float,
         slo_tpot_s: float,
         rate_scale: float,
+        send_hints: bool | None,
     ) -> None:
         if rate_scale <= 0:
             raise ValueError(f"rate_scale must be > 0, got {rate_scale}")
         self.cfg = config
         self.policy = policy
         self.estimator = estimator if config.reserve else None
+        # The true length goes out as `hint_output_tokens` only when asked (a perfect client
+        # hint) or for the oracle, which reads it as the truth: online_quantile classes requests
+        # by hint bucket, and a truthful hint would quietly turn it into an oracle.
+        if send_hints is None:
+            send_hints = getattr(estimator, "name", None) == "oracle"
+        self.send_hints = send_hints
         self.rng = random.Random(seed)
         self.slo_ttft_s = slo_ttft_s
         self.slo_tpot_s = slo_tpot_s
@@ -152,8 +159,7 @@ class _Engine:
             arrival_s=job.arrival,
             slo_ttft_s=self.slo_ttft_s,
             slo_itl_s=None,
-            # The truth, for the oracle estimator (and a "hint" estimator treats it as a hint).
-            hint_output_tokens=job.out,
+            hint_output_tokens=job.out if self.send_hints else None,
         )
         est = self.estimator
         if est is not None:
@@ -421,13 +427,18 @@ def simulate(
     slo_ttft_s: float = 2.0,
     slo_tpot_s: float = 0.1,
     rate_scale: float = 1.0,
+    send_hints: bool | None = None,
 ) -> SimResult:
     """Replay `requests` (arrival times divided by `rate_scale`) through the cluster.
 
     `policy` and `estimator` are used as given (the caller builds fresh ones per run when they
     keep state, e.g. round-robin's counter). The admission-queue deadline is the TTFT SLO.
+    `send_hints` puts each request's true output length in `RequestInfo.hint_output_tokens`
+    (None = only for an estimator named "oracle").
     """
-    engine = _Engine(requests, config, policy, estimator, seed, slo_ttft_s, slo_tpot_s, rate_scale)
+    engine = _Engine(
+        requests, config, policy, estimator, seed, slo_ttft_s, slo_tpot_s, rate_scale, send_hints
+    )
     return engine.run()
 
 

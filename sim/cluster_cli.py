@@ -96,6 +96,7 @@ def compare(
     slo_ttft_s: float = 2.0,
     slo_tpot_s: float = 0.1,
     rate_scale: float = 1.0,
+    send_hints: bool | None = None,
     timing: bool = True,
 ) -> list[dict[str, Any]]:
     """Run every case on the same requests and cluster; one summary row per case."""
@@ -110,6 +111,7 @@ def compare(
         res = simulate(
             requests, cfg, policy, est, seed=seed,
             slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s, rate_scale=rate_scale,
+            send_hints=send_hints,
         )  # fmt: skip
         rows.append({"case": case.label, **res.summary(timing=timing)})
     return rows
@@ -189,6 +191,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     a("--prefix-cache-blocks", type=int, default=0, help="per prefill worker; 0 = off")
     a("--max-tokens", type=int, default=4096)
     a("--seed", type=int, default=0)
+    a("--hints", action="store_true", help="send each true output length as the client hint")
     a("--compare", default=None, help="comma-separated cases, e.g. two_sided,random/noreserve")
     a("--json", default=None, metavar="OUT", help="write the rows as JSON")
 
@@ -234,6 +237,7 @@ def run_simulate(ns: argparse.Namespace) -> int:
     rows = compare(
         requests, config, cases, estimator=ns.estimator, seed=ns.seed,
         slo_ttft_s=ns.slo_ttft, slo_tpot_s=ns.slo_tpot, rate_scale=ns.rate_scale,
+        send_hints=True if ns.hints else None,
     )  # fmt: skip
     print(
         f"{len(requests)} requests, {config!r}, rate x{ns.rate_scale}, "

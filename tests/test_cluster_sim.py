@@ -289,3 +289,33 @@ def test_config_rejects_bad_modes() -> None:
         ClusterConfig.homogeneous(1, 1, on_full="drop")
     with pytest.raises(ValueError, match="admission"):
         ClusterConfig.homogeneous(1, 1, admission="psychic")
+
+
+def test_the_truth_reaches_only_the_oracle_unless_hints_are_asked_for() -> None:
+    seen: list[int | None] = []
+
+    class Spy(Oracle):
+        name = "spy"
+
+        def estimate(self, request: RequestInfo, histograms: OutputHistograms) -> OutputEstimate:
+            seen.append(request.hint_output_tokens)
+            return OutputEstimate(reserve_tokens=request.max_tokens)
+
+    cfg = ClusterConfig.homogeneous(1, 1)
+    simulate([Req(0.0, 10, 7)], cfg, FirstFit(), Spy())
+    simulate([Req(0.0, 10, 7)], cfg, FirstFit(), Spy(), send_hints=True)
+    assert seen == [None, 7]
+
+
+def test_built_in_policies_and_learning_estimator_run_clean() -> None:
+    from policies.baselines import LeastLoadedPolicy, PowerOfTwoPolicy
+    from policies.estimators import OnlineQuantileEstimator
+    from policies.two_sided import TwoSidedPolicy
+
+    cfg = ClusterConfig.homogeneous(2, 3, capacity_blocks=300)
+    reqs = trace(300, seed=11, rate=30.0, prompt=400, out=150)
+    ours = simulate(reqs, cfg, TwoSidedPolicy(), OnlineQuantileEstimator(min_samples=5))
+    assert_clean(ours, len(reqs))
+    for policy in (LeastLoadedPolicy(), PowerOfTwoPolicy(seed=1)):
+        res = simulate(reqs, cfg.with_(reserve=False), policy, OnlineQuantileEstimator())
+        assert_clean(res, len(reqs))
