@@ -109,6 +109,7 @@ class _Engine:
         self.gaps = GapHistogram()
         self.records: list[RequestRecord | None] = [None] * len(requests)
         self.c_forecast = 0
+        self.n_learned = 0  # completions recorded in the output-length histograms
         self.t_last = 0.0  # last request outcome (a stale deadline event may come later)
         self.c_queued = 0
         self.jobs: list[Job] = []
@@ -161,16 +162,8 @@ class _Engine:
             slo_itl_s=None,
             hint_output_tokens=job.out if self.send_hints else None,
         )
-        est = self.estimator
-        if est is not None:
-            keys = est.class_keys(info)
-            hist = self.hist
-            estimate = est.estimate(info, {k: hist.get(k, {}) for k in keys})
-        else:
-            # No reservation, no output awareness: the policy's room check covers the prompt.
-            estimate = OutputEstimate(reserve_tokens=1 if not cfg.reserve else cfg.max_tokens)
-        job.info = info = replace(info, estimate=estimate)
-        job.est_tokens = estimate.quantiles.get(0.5, info.reserve_output_tokens)
+        job.info = info
+        self._estimate(job)
         job.deadline = job.arrival + self.slo_ttft_s
         if self.q_live == 0 and self._admit(job):
             return
@@ -183,6 +176,23 @@ class _Engine:
         self.q_live += 1
         self.c_queued += 1
         self._push(job.deadline, _DEADLINE, job)
+
+    def _estimate(self, job: Job) -> None:
+        """(Re-)estimate the output length from the histograms as they are now."""
+        info = job.info
+        assert info is not None
+        est = self.estimator
+        if est is not None:
+            keys = est.class_keys(info)
+            hist = self.hist
+            estimate = est.estimate(info, {k: hist.get(k, {}) for k in keys})
+        else:
+            # No reservation, no output awareness: the policy's room check covers the prompt.
+            estimate = OutputEstimate(reserve_tokens=1 if not self.cfg.reserve else info.max_tokens)
+        job.info = info = replace(info, estimate=estimate)
+        # Expected completions use the reserved (upper) quantile, so a room forecast errs late.
+        job.est_tokens = info.reserve_output_tokens
+        job.est_ver = self.n_learned
 
     def _view(self, forecast_at: float | None = None) -> ClusterView:
         cfg = self.cfg
@@ -204,8 +214,10 @@ class _Engine:
         v = d.view()
         freed = 0
         seqs = d.seqs
+        now = self.now
         for j in d.reservations.values():
-            if j.exp_end <= at:
+            # One already past its expected end outran the upper quantile: no forecast for it.
+            if now < j.exp_end <= at:
                 used = blocks_for(j.ctx0 + d.step - j.s0, d.bs) if j.idx in seqs else j.alloc
                 freed += max(j.res, used)
         if not freed:
@@ -215,6 +227,10 @@ class _Engine:
 
     def _admit(self, job: Job) -> bool:
         """Place and (in reserve mode) reserve; dispatch to P. False = the policy said no."""
+        if job.est_ver != self.n_learned:
+            # A queued request is re-estimated when the statistics moved: a cold-start
+            # max_tokens estimate must not keep blocking the queue's head once we know better.
+            self._estimate(job)
         info = job.info
         assert info is not None
         decision = self.policy.place(info, self._view())
@@ -357,6 +373,7 @@ class _Engine:
             for key in est.class_keys(job.info):
                 h = self.hist.setdefault(key, {})
                 h[bucket] = h.get(bucket, 0) + 1
+            self.n_learned += 1
         self._finish(job, "ok")
 
     def _finish(self, job: Job, outcome: str, reason: str = "") -> None:

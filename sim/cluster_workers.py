@@ -38,7 +38,7 @@ class Job:
     """One request in flight. Mutable and slotted: the hot loop touches these a lot."""
 
     __slots__ = (
-        "idx", "arrival", "prompt", "out", "hashes", "info", "est_tokens",
+        "idx", "arrival", "prompt", "out", "hashes", "info", "est_tokens", "est_ver",
         "deadline", "queued", "queued_at", "admitted_at", "done",
         "p", "d", "res", "alloc", "ctx0", "gen", "s0", "phase", "over", "ver",
         "first_t", "last_t", "max_gap", "preemptions", "refusals", "kv_bytes", "exp_end",
@@ -53,6 +53,7 @@ class Job:
         self.hashes = hashes
         self.info: RequestInfo | None = None
         self.est_tokens = out
+        self.est_ver = -1
         self.deadline = 0.0
         self.queued = False
         self.queued_at = arrival
