@@ -3,6 +3,8 @@
     do_remote_decode  -> _prefill: blocks, FIFO prefill, KV entry under lease, one token + params
     do_remote_prefill -> _decode: blocks for prompt+1, POST P/sim/kv/pull, join batch, stream
     neither           -> _decode with a local prefill (conditional disaggregation)
+    bootstrap_room    -> SGLang PD (sim.bootstrap): the prefill holds its KV in the room until
+                         the decode takes it, then answers; the decode takes it, then streams
 
 Every refusal happens before a body byte goes out, as an OpenAI-style error; once streaming, a
 failure only ends the stream. A cancelled handler (client gone) frees its blocks in `finally`.
@@ -23,9 +25,11 @@ from aiohttp import web
 from policies.base import blocks_for
 
 from . import textgen
+from .bootstrap import KvRoomError, RoomKv, bootstrap_params, hold_room, pull_room
 from .decode_engine import Sequence
 from .faults import error_body, error_response
 from .openai_format import AnswerFormat, malformed_response
+from .sglang_protocol import SglangFormat
 from .worker_state import WORKER, Worker
 
 __all__ = ["handle_generation", "handle_kv_pull", "json_response"]
@@ -101,18 +105,26 @@ async def _generation(worker: Worker, request: web.Request) -> web.StreamRespons
     except ValueError as exc:
         raise _Refusal(400, str(exc)) from exc
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-    fmt = AnswerFormat(path, request_id, worker.config.model_name, spec.prompt_tokens, body)
+    fmt_class = SglangFormat if path == textgen.SGLANG_PATH else AnswerFormat
+    fmt = fmt_class(path, request_id, worker.config.model_name, spec.prompt_tokens, body)
     worker.metrics.inc("requests", label=mode)
     if mode == "prefill":
-        return await _prefill(worker, request, spec, fmt, request_id)
+        room = kv_params.get("bootstrap_room") if kv_params else None
+        return await _prefill(worker, request, spec, fmt, request_id, room)
     return await _decode(worker, request, spec, fmt, request_id, kv_params)
 
 
 def _mode(worker: Worker, body: Mapping[str, Any]) -> tuple[str, dict[str, Any] | None]:
+    role = worker.config.role
+    try:
+        bootstrap = bootstrap_params(body)
+    except ValueError as exc:
+        raise _Refusal(400, str(exc), "bootstrap_room") from exc
+    if bootstrap is not None and role != "both":  # a worker not in PD mode ignores them, as SGLang
+        return ("prefill" if role == "prefill" else "remote_decode"), bootstrap
     params = body.get("kv_transfer_params")
     if params is not None and not isinstance(params, dict):
         raise _Refusal(400, "kv_transfer_params must be an object", "kv_transfer_params")
-    role = worker.config.role
     if params and params.get("do_remote_decode"):
         if role == "decode":
             raise _Refusal(400, "this is a decode worker: it does not serve remote prefills")
@@ -137,7 +149,12 @@ def _take_blocks(worker: Worker, n: int) -> list[int]:
 
 
 async def _prefill(
-    worker: Worker, request: web.Request, spec: textgen.AnswerSpec, fmt: AnswerFormat, rid: str
+    worker: Worker,
+    request: web.Request,
+    spec: textgen.AnswerSpec,
+    fmt: AnswerFormat | SglangFormat,
+    rid: str,
+    room: int | None = None,
 ) -> web.StreamResponse:
     blocks = _take_blocks(worker, blocks_for(spec.prompt_tokens, worker.config.block_size))
     try:
@@ -148,6 +165,10 @@ async def _prefill(
         worker.metrics.inc("prompt_tokens", spec.prompt_tokens)
         worker.metrics.inc("prompt_by_source", spec.prompt_tokens, label="local_compute")
         worker.metrics.inc("generation_tokens")
+        if room is not None:
+            kv, blocks = RoomKv(spec.state, spec.prompt_tokens, blocks), []  # the room owns them
+            await _hold_room(worker, room, kv)
+            return await _one_token(worker, request, spec, fmt)
         entry = worker.ledger.add(rid, spec.state, spec.prompt_tokens, blocks, worker.lease_s)
         blocks = []  # the ledger owns them now: freed by a pull or by the lease
     finally:
@@ -174,11 +195,36 @@ async def _prefill(
     return json_response(fmt.full(tok, finish or "length", 1, kv_transfer_params=params))
 
 
+async def _hold_room(worker: Worker, room: int, kv: RoomKv) -> None:
+    try:
+        await hold_room(worker, room, kv)
+    except KvRoomError as exc:
+        worker.metrics.inc(exc.counter[0], label=exc.counter[1])
+        raise _Refusal(exc.status, str(exc), "bootstrap_room") from exc
+
+
+async def _one_token(
+    worker: Worker, request: web.Request, spec: textgen.AnswerSpec, fmt: AnswerFormat | SglangFormat
+) -> web.StreamResponse:
+    """SGLang's prefill answer (read and dropped by the router): its first token, as asked."""
+    tok, finish = next(spec.tokens())
+    worker.metrics.inc("request_success", label=finish or "length")
+    if not fmt.stream:
+        return json_response(fmt.full(tok, finish or "length", 1))
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    await resp.write(fmt.role_event() + fmt.events(tok, finish or "length", 1))
+    await resp.write_eof()
+    return resp
+
+
 async def _decode(
     worker: Worker,
     request: web.Request,
     spec: textgen.AnswerSpec,
-    fmt: AnswerFormat,
+    fmt: AnswerFormat | SglangFormat,
     rid: str,
     kv_params: dict[str, Any] | None,
 ) -> web.StreamResponse:
@@ -188,7 +234,14 @@ async def _decode(
         if worker.faults.fire("decode_fail_before_first"):
             worker.metrics.inc("faults", label="decode_fail_before_first")
             raise _Refusal(500, "injected fault: decode failed before the first token")
-        if kv_params is not None:
+        if kv_params is not None and "bootstrap_room" in kv_params:
+            try:
+                await pull_room(worker, kv_params, spec.state)
+            except KvRoomError as exc:
+                worker.metrics.inc(exc.counter[0], label=exc.counter[1])
+                raise _Refusal(exc.status, str(exc), "bootstrap_room") from exc
+            source = "external_kv_transfer"
+        elif kv_params is not None:
             await _pull_kv(worker, kv_params, spec)
             source = "external_kv_transfer"
         else:
@@ -263,7 +316,11 @@ async def _pull_kv(worker: Worker, params: Mapping[str, Any], spec: textgen.Answ
 
 
 async def _stream(
-    worker: Worker, request: web.Request, seq: Sequence, fmt: AnswerFormat, die_after: int | None
+    worker: Worker,
+    request: web.Request,
+    seq: Sequence,
+    fmt: AnswerFormat | SglangFormat,
+    die_after: int | None,
 ) -> web.StreamResponse:
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -292,7 +349,11 @@ async def _stream(
 
 
 async def _collect(
-    worker: Worker, request: web.Request, seq: Sequence, fmt: AnswerFormat, die_after: int | None
+    worker: Worker,
+    request: web.Request,
+    seq: Sequence,
+    fmt: AnswerFormat | SglangFormat,
+    die_after: int | None,
 ) -> web.StreamResponse:
     pieces: list[str] = []
     while True:

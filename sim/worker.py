@@ -6,6 +6,9 @@
         neither                              -> local prefill, then decode
     GET  /health /v1/models /version /metrics
     POST /sim/kv/pull                          the decode side's KV read (the NIXL stand-in)
+    POST /generate, GET /server_info ...       SGLang's API and PD bootstrap rooms
+                                               (sim.sglang_protocol, sim.bootstrap)
+    POST /tokenize                             vLLM's tokenizer endpoint (vllm-router calls it)
     GET|DELETE /sim/requests, GET /sim/state, GET|POST /sim/faults   test hooks
 
 Answers come from `sim.textgen`, so tests can compute what must arrive; timing comes from the
@@ -19,14 +22,17 @@ import asyncio
 import contextlib
 import signal
 import time
+import zlib
 from collections.abc import AsyncIterator
 
 import aiohttp
 import orjson
 from aiohttp import web
 
+from .bootstrap import bootstrap_listener
 from .faults import FaultConfig, error_response
 from .generation import handle_generation, handle_kv_pull, json_response
+from .sglang_protocol import add_sglang_routes
 from .worker_config import WorkerConfig, add_worker_arguments, config_from_args
 from .worker_state import WORKER, Worker
 
@@ -49,8 +55,12 @@ def create_worker_app(config: WorkerConfig) -> web.Application:
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[WORKER] = Worker(config)
     app.cleanup_ctx.append(_background)
+    app.cleanup_ctx.append(bootstrap_listener)
     app.router.add_post("/v1/completions", handle_generation)
     app.router.add_post("/v1/chat/completions", handle_generation)
+    app.router.add_post("/generate", handle_generation)  # SGLang native
+    app.router.add_post("/tokenize", _handle_tokenize)
+    add_sglang_routes(app)
     app.router.add_get("/health", _handle_health)
     app.router.add_get("/v1/models", _handle_models)
     app.router.add_get("/version", _handle_version)
@@ -131,6 +141,20 @@ async def _handle_models(request: web.Request) -> web.Response:
         "permission": [],
     }
     return json_response({"object": "list", "data": [card]})
+
+
+async def _handle_tokenize(request: web.Request) -> web.Response:
+    # vLLM's /tokenize (vllm-router asks it for prefix-cache routing): 4 characters per token,
+    # the same rule as the rest of the sim; ids are a stable hash of each piece.
+    worker = request.app[WORKER]
+    try:
+        body = orjson.loads(await request.read())
+        text = body["prompt"] if "prompt" in body else str(body["messages"])
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return error_response(400, "tokenize needs 'prompt' or 'messages'")
+    text = text if isinstance(text, str) else " ".join(map(str, text))
+    ids = [zlib.crc32(text[i : i + 4].encode()) % 32_000 for i in range(0, len(text), 4)] or [0]
+    return json_response({"count": len(ids), "max_model_len": worker.max_model_len, "tokens": ids})
 
 
 async def _handle_version(request: web.Request) -> web.Response:

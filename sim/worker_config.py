@@ -41,6 +41,8 @@ class WorkerConfig:
     engine_id: str = field(default_factory=_new_engine_id)
     max_model_len: int | None = None  # None = the model profile's
     faults: FaultConfig = field(default_factory=FaultConfig)
+    # SGLang PD: a prefill worker's bootstrap listener (0 = ephemeral, None = none; sim.bootstrap)
+    bootstrap_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -59,6 +61,8 @@ class WorkerConfig:
             raise ValueError("kv_lease_s must be > 0")
         if not 0 <= self.port < 65536:
             raise ValueError("port must be within [0, 65535]")
+        if self.bootstrap_port is not None and not 0 <= self.bootstrap_port < 65536:
+            raise ValueError("bootstrap_port must be within [0, 65535]")
 
     @property
     def model_name(self) -> str:
@@ -89,6 +93,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-lease-s", type=float, default=d["kv_lease_s"].default)
     parser.add_argument("--engine-id", default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--bootstrap-port", type=int, default=None, help="SGLang PD bootstrap port (0 = ephemeral)"
+    )
     faults = parser.add_argument_group("fault injection")
     faults.add_argument("--fault-prefill-fail", action="store_true")
     faults.add_argument("--fault-prefill-die-after-kv", action="store_true")
@@ -139,5 +146,6 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
         kv_lease_s=ns.kv_lease_s,
         max_model_len=ns.max_model_len,
         faults=faults,
+        bootstrap_port=ns.bootstrap_port,
         **extra,
     )

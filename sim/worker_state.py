@@ -14,6 +14,7 @@ from policies.costmodel import perf_model
 
 from .decode_engine import BlockPool, DecodeEngine, KvLedger, PrefillQueue
 from .faults import FaultState
+from .rooms import RoomTable
 from .sim_metrics import SimMetrics
 from .worker_config import WorkerConfig
 
@@ -48,6 +49,8 @@ class Worker:
         self.inflight: dict[asyncio.Task[Any], web.Request] = {}
         self.inflight_changed = asyncio.Event()
         self.session: aiohttp.ClientSession | None = None
+        self.rooms = RoomTable()  # SGLang PD: prefilled KV by bootstrap_room (sim.bootstrap)
+        self.bootstrap_port: int | None = None  # bound port of the bootstrap listener, if any
 
     def time_factor(self) -> float:
         """Real seconds per simulated second, including an injected slowdown."""
@@ -73,6 +76,7 @@ class Worker:
             "running_prefills": self.prefill.running,
             "queued_prefill_tokens": self.prefill.queued_tokens,
             "pending_kv": self.ledger.describe(),
+            "bootstrap_rooms": len(self.rooms),
             "inflight_requests": len(self.inflight),
             "counters": dict(self.metrics.counts),
             "faults": self.faults.snapshot(),
