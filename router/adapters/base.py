@@ -6,9 +6,17 @@ same retry, deadline and release logic serves every engine.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
+from urllib.parse import urlsplit
 
-__all__ = ["WorkerAdapter", "ProtocolViolation"]
+__all__ = [
+    "WorkerAdapter",
+    "ConcurrentAdapter",
+    "PrefillTarget",
+    "ProtocolViolation",
+    "prefill_target",
+]
 
 
 class ProtocolViolation(ValueError):
@@ -26,3 +34,42 @@ class WorkerAdapter(Protocol):
 
     def decode_body(self, body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
         """The body sent to the decode worker: the client's body plus the KV handle."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillTarget:
+    """What a concurrent-legs protocol tells the decode worker about its prefill partner."""
+
+    host: str  # as the decode worker must reach it (IPv6 without brackets)
+    bootstrap_port: int | None  # the KV side channel; None = the engine's default / none
+    engine_id: str | None = None  # Mooncake: the prefill engine's id from its /query
+
+    def __repr__(self) -> str:
+        return f"PrefillTarget({self.host}:{self.bootstrap_port}, engine={self.engine_id})"
+
+
+def prefill_target(
+    url: str, bootstrap_port: int | None, engine_id: str | None = None
+) -> PrefillTarget:
+    """The target for a prefill worker's base URL (its host is what the decode connects to)."""
+    host = urlsplit(url).hostname
+    if not host:
+        raise ValueError(f"prefill worker URL {url!r} has no host")
+    return PrefillTarget(host, bootstrap_port, engine_id)
+
+
+@runtime_checkable
+class ConcurrentAdapter(Protocol):
+    """Protocols whose two legs start together (SGLang rooms, vLLM Mooncake).
+
+    `legs` returns (prefill body, decode body) from the client's body; the lifecycle sends both
+    at once, streams only the decode answer, reads and drops the prefill answer, and cancels
+    one leg when the other fails.
+    """
+
+    name: str
+    concurrent_legs: Literal[True]
+
+    def legs(
+        self, body: dict[str, Any], prefill: PrefillTarget, request_id: str
+    ) -> tuple[dict[str, Any], dict[str, Any]]: ...
