@@ -1,0 +1,244 @@
+"""What workers report about themselves: load (for placement) and KV layout (for pairing).
+
+    vLLM    GET /metrics       vllm:num_requests_running / _waiting, vllm:kv_cache_usage_perc,
+                               vllm:cache_config_info{num_gpu_blocks=...} when exported
+            GET /version, /v1/models                                   -> layout facts
+    SGLang  GET /get_load      [{"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}]
+                               (older: {"load": n})
+            GET /server_info   (falls back to /get_server_info)        -> capacity, layout facts
+
+Parsers are pure; the fetchers are thin. A `LoadSnapshot` knows when it was taken: data older
+than the caller's max age is stale, and stale data never counts as idle — a worker that stopped
+answering must not look like the emptiest one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from policies.base import KVLayout
+
+__all__ = [
+    "LoadSnapshot",
+    "parse_vllm_metrics",
+    "parse_sglang_load",
+    "fetch_vllm_load",
+    "fetch_sglang_load",
+    "layout_facts_vllm",
+    "layout_facts_sglang",
+    "merge_layout",
+    "fetch_layout",
+]
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    running: int  # sequences being prefilled or decoded
+    waiting: int  # queued or preempted
+    kv_usage: float | None  # fraction 0-1 of KV blocks in use, when reported
+    num_gpu_blocks: int | None  # KV capacity in blocks, when reported
+    at: float  # monotonic time it was read
+
+    def stale(self, now: float, max_age_s: float) -> bool:
+        return now - self.at > max_age_s
+
+    def idle(self, now: float, max_age_s: float) -> bool:
+        """Nothing running or waiting, known from fresh data."""
+        return not self.stale(now, max_age_s) and self.running == 0 and self.waiting == 0
+
+    def __repr__(self) -> str:
+        usage = "?" if self.kv_usage is None else f"{self.kv_usage:.0%}"
+        return (
+            f"LoadSnapshot(run={self.running}, wait={self.waiting}, kv={usage}, at={self.at:.3f})"
+        )
+
+
+# --- vLLM ------------------------------------------------------------------------------------
+
+_RUNNING = "vllm:num_requests_running"
+_WAITING = "vllm:num_requests_waiting"
+_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name, pre-0.10 name
+_CACHE_INFO = "vllm:cache_config_info"
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def parse_vllm_metrics(text: str, at: float) -> LoadSnapshot:
+    """A load record from vLLM's Prometheus text: sums over engines/models, the fullest cache."""
+    running = waiting = 0.0
+    usage: float | None = None
+    blocks: int | None = None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name
+            if name == _RUNNING:
+                running += sample.value
+            elif name == _WAITING:
+                waiting += sample.value
+            elif name in _KV_USAGE:
+                value = _finite(sample.value)
+                if value is not None:
+                    usage = value if usage is None else max(usage, value)
+            elif name == _CACHE_INFO:
+                raw = sample.labels.get("num_gpu_blocks")
+                if raw is not None and raw.isdigit():
+                    blocks = (blocks or 0) + int(raw)
+    return LoadSnapshot(int(running), int(waiting), usage, blocks, at)
+
+
+async def fetch_vllm_load(
+    session: aiohttp.ClientSession, url: str, clock: Clock = time.monotonic
+) -> LoadSnapshot:
+    async with session.get(url.rstrip("/") + "/metrics") as resp:
+        resp.raise_for_status()
+        text = await resp.text()
+    return parse_vllm_metrics(text, clock())
+
+
+# --- SGLang ----------------------------------------------------------------------------------
+
+
+def _int(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return 0
+    return int(value)
+
+
+def parse_sglang_load(load: Any, server_info: Mapping[str, Any] | None, at: float) -> LoadSnapshot:
+    """A load record from `/get_load` (summed over DP ranks) and, for capacity, `/server_info`."""
+    ranks = load if isinstance(load, list) else [load] if isinstance(load, Mapping) else []
+    total = waiting = tokens = 0
+    for rank in ranks:
+        if not isinstance(rank, Mapping):
+            continue
+        if "num_reqs" in rank:
+            total += _int(rank.get("num_reqs"))
+            waiting += _int(rank.get("num_waiting_reqs"))
+            tokens += _int(rank.get("num_tokens"))
+        else:
+            total += _int(rank.get("load"))  # older SGLang: one number of requests
+    usage: float | None = None
+    blocks: int | None = None
+    if server_info:
+        capacity = _int(server_info.get("max_total_num_tokens"))
+        page = _int(server_info.get("page_size")) or 1
+        if capacity > 0:
+            blocks = capacity // page
+            usage = min(1.0, tokens / capacity) if tokens else 0.0
+    return LoadSnapshot(max(0, total - waiting), waiting, usage, blocks, at)
+
+
+async def _get_json(session: aiohttp.ClientSession, url: str, *paths: str) -> Any:
+    """The first path that answers 200 (SGLang renamed /get_server_info to /server_info)."""
+    last: aiohttp.ClientResponseError | None = None
+    for path in paths:
+        async with session.get(url.rstrip("/") + path) as resp:
+            if resp.status == 200:
+                return await resp.json(content_type=None)
+            last = aiohttp.ClientResponseError(
+                resp.request_info, resp.history, status=resp.status, message=path
+            )
+    assert last is not None
+    raise last
+
+
+async def fetch_sglang_load(
+    session: aiohttp.ClientSession, url: str, clock: Clock = time.monotonic
+) -> LoadSnapshot:
+    load = await _get_json(session, url, "/get_load")
+    info = await _get_json(session, url, "/server_info", "/get_server_info")
+    return parse_sglang_load(load, info, clock())
+
+
+# --- KV layout -------------------------------------------------------------------------------
+
+
+def layout_facts_vllm(version: Any, models: Any) -> dict[str, Any]:
+    """Layout fields a vLLM worker tells over HTTP: its version and the model it serves."""
+    facts: dict[str, Any] = {"engine": "vllm"}
+    if isinstance(version, Mapping) and isinstance(version.get("version"), str):
+        facts["engine_version"] = version["version"]
+    data = models.get("data") if isinstance(models, Mapping) else None
+    if isinstance(data, list) and data and isinstance(data[0], Mapping):
+        card = data[0]
+        # `root` is the weights actually loaded; `id` may be a served alias.
+        model = card.get("root") or card.get("id")
+        if isinstance(model, str):
+            facts["model"] = model
+    return facts
+
+
+def layout_facts_sglang(info: Any) -> dict[str, Any]:
+    """Layout fields from SGLang's `/server_info` (server args + version)."""
+    if not isinstance(info, Mapping):
+        return {"engine": "sglang"}
+    facts: dict[str, Any] = {"engine": "sglang"}
+    if isinstance(info.get("version"), str):
+        facts["engine_version"] = info["version"]
+    if isinstance(info.get("model_path"), str):
+        facts["model"] = info["model_path"]
+    dtype = info.get("kv_cache_dtype")
+    if not isinstance(dtype, str) or dtype == "auto":
+        dtype = info.get("dtype")
+    if isinstance(dtype, str) and dtype != "auto":
+        facts["dtype"] = dtype
+    if _int(info.get("tp_size")) > 0:
+        facts["tp_size"] = _int(info["tp_size"])
+    if _int(info.get("page_size")) > 0:
+        facts["block_size"] = _int(info["page_size"])
+    backend = info.get("disaggregation_transfer_backend")
+    if isinstance(backend, str):
+        facts["connector"] = backend
+    return facts
+
+
+def merge_layout(
+    defaults: KVLayout, discovered: Mapping[str, Any], configured: Mapping[str, Any]
+) -> KVLayout:
+    """Configured fields win over discovered ones, which win over the defaults.
+
+    What HTTP cannot tell (KV heads, head dim, the connector's version) comes from configuration;
+    unknown keys are refused so a typo cannot silently pair incompatible workers.
+    """
+    known = {f.name for f in dataclasses.fields(KVLayout)}
+    unknown = (set(discovered) | set(configured)) - known
+    if unknown:
+        raise ValueError(f"unknown KV layout fields {sorted(unknown)}; known: {sorted(known)}")
+    return dataclasses.replace(defaults, **{**discovered, **configured})
+
+
+async def fetch_layout(
+    session: aiohttp.ClientSession,
+    url: str,
+    engine: str,
+    defaults: KVLayout,
+    configured: Mapping[str, Any] | None = None,
+) -> KVLayout:
+    """The layout descriptor of one worker: what it reports, merged with configuration.
+
+    `engine` is the worker's adapter: "vllm"/"sim"/"mooncake" read `/version` and `/v1/models`;
+    "sglang" reads `/server_info` (or `/get_server_info`).
+    """
+    if engine == "sglang":
+        facts = layout_facts_sglang(
+            await _get_json(session, url, "/server_info", "/get_server_info")
+        )
+    else:
+        version = await _get_json(session, url, "/version")
+        models = await _get_json(session, url, "/v1/models")
+        facts = layout_facts_vllm(version, models)
+        if engine == "sim":
+            facts["engine"] = "sim"
+    return merge_layout(defaults, facts, configured or {})
