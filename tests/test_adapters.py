@@ -144,7 +144,7 @@ async def test_sglang_legs_drive_simulated_workers(path: str) -> None:
     common: dict[str, Any] = {"model": "llama-3-8b", "kv_blocks": 512, "time_scale": 500.0}
     p_cfg = WorkerConfig(role="prefill", bootstrap_port=0, **common)
     d_cfg = WorkerConfig(role="decode", **common)
-    client: dict[str, Any] = {
+    bodies: dict[str, dict[str, Any]] = {
         "/generate": {"text": "tell me", "sampling_params": {"max_new_tokens": 9}},
         "/v1/chat/completions": {
             "model": "llama-3-8b",
@@ -152,8 +152,8 @@ async def test_sglang_legs_drive_simulated_workers(path: str) -> None:
             "messages": [{"role": "user", "content": "tell me"}],
         },
         "/v1/completions": {"model": "llama-3-8b", "prompt": "tell me", "max_tokens": 9},
-    }[path]
-    client = {**client, "stream": False}
+    }
+    client = {**bodies[path], "stream": False}
     async with running_worker(p_cfg) as p_url, running_worker(d_cfg) as d_url:
         async with aiohttp.ClientSession() as s:
             async with s.get(p_url + "/server_info") as r:
@@ -247,6 +247,7 @@ def test_mooncake_needs_engine_id() -> None:
 
 def test_mooncake_parse_query() -> None:
     assert parse_query({"0": {"engine_id": "a"}, "1": {"engine_id": "b"}}) == {0: "a", 1: "b"}
+    bad: object
     for bad in ({}, [], {"0": {}}, {"x": {"engine_id": "a"}}):
         with pytest.raises(ProtocolViolation):
             parse_query(bad)
