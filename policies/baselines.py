@@ -115,6 +115,7 @@ def screen(
     (conditional disaggregation), so a missing prefill pool is not by itself a rejection.
     """
     key_of = LayoutKeys()
+    keys = key_of._by_id  # id(layout) -> key; a C-level dict.get per worker in the loops below
     healthy_d = [d for d in view.decode if d.healthy]
     if not healthy_d:
         return Rejection("no healthy decode worker", _RETRY_UNHEALTHY_S)
@@ -123,31 +124,57 @@ def screen(
     healthy_p = [p for p in view.prefill if p.healthy]
     if not healthy_p and not local_ok:
         return Rejection("no healthy prefill worker", _RETRY_UNHEALTHY_S)
-    d_keys = {key_of(d.layout) for d in healthy_d}
-    compatible_p = [p for p in healthy_p if key_of(p.layout) in d_keys]
-    if not compatible_p and not local_ok:
+    # Workers of one pool usually share a layout object: the key is built once per object.
+    last_layout: KVLayout | None = None
+    d_keys: set[str] = set()
+    for d in healthy_d:
+        if d.layout is not last_layout:
+            last_layout = d.layout
+            d_keys.add(keys.get(id(last_layout)) or key_of(last_layout))
+    prefill_by_key: dict[str, list[PrefillView]] = {}
+    any_compatible = False
+    for p in healthy_p:
+        key = keys.get(id(p.layout)) or key_of(p.layout)
+        if key not in d_keys:
+            continue
+        any_compatible = True
+        if p.under_stranded_cap:
+            group = prefill_by_key.get(key)
+            if group is None:
+                prefill_by_key[key] = [p]
+            else:
+                group.append(p)
+    if not any_compatible and not local_ok:
         return Rejection(
             "no decode worker with a compatible KV layout "
             f"({len(healthy_p)} healthy prefill, {len(healthy_d)} healthy decode workers, "
             "no layout in common)",
             RETRY_CEILING_S,  # a configuration problem: it will not fix itself soon
         )
-    prefill_by_key: dict[str, list[PrefillView]] = {}
-    for p in compatible_p:
-        if p.under_stranded_cap:
-            prefill_by_key.setdefault(key_of(p.layout), []).append(p)
     if not prefill_by_key and not local_ok:
         return Rejection("no prefill worker under its stranded-KV cap", _RETRY_STRANDED_S)
 
-    pairable = [
-        d
-        for d in healthy_d
-        if key_of(d.layout) in prefill_by_key or (allow_local and d.can_prefill)
-    ]
+    # The room check, inlined: `reserve_blocks_on(request, d) <= d.free_blocks` per worker, with
+    # the token count computed once and the blocks once per block size.
+    tokens = request.prompt_tokens + request.reserve_output_tokens
+    need_by_bs: dict[int, int] = {}
+    pairable: list[DecodeView] = []
     decode: list[tuple[DecodeView, int]] = []
-    for d in pairable:
-        need = reserve_blocks_on(request, d)
-        if d.free_blocks >= need:
+    last_layout, pairs = None, False
+    for d in healthy_d:
+        layout = d.layout
+        if layout is not last_layout:
+            last_layout = layout
+            pairs = (keys.get(id(layout)) or key_of(layout)) in prefill_by_key
+        if not pairs and not (allow_local and d.can_prefill):
+            continue
+        pairable.append(d)
+        bs = layout.block_size
+        need = need_by_bs.get(bs)
+        if need is None:
+            need = need_by_bs[bs] = blocks_for(tokens, bs)
+        r, u = d.reserved_blocks, d.used_blocks
+        if d.capacity_blocks - (r if r > u else u) >= need:
             decode.append((d, need))
     if not decode:
         if not pairable:

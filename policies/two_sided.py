@@ -81,6 +81,11 @@ class _PrefillOption:
 _Ranked = tuple[tuple[int, float, int, int], str | None, str, int, float, float]
 
 
+# A decode worker's best option before its decode tie is known:
+# (tier, score, prefill tie, prefill id or None, decode worker, blocks, predicted TTFT, ITL).
+_Entry = tuple[int, float, int, str | None, DecodeView, int, float, float]
+
+
 def _rank(option: _Ranked) -> tuple[int, float, int, int]:
     return option[0]
 
@@ -148,11 +153,7 @@ class TwoSidedPolicy:
 
         groups = self._prefill_groups(request, feasible)
         ctx = _Context(self, request, view, groups, slo, local_first, feasible.key_of)
-        best: list[_Ranked] = []
-        for d, n in decodes:
-            option = min(ctx.options(d, n, allow_local, top_only=True), key=_rank, default=None)
-            if option is not None:
-                best.append(option)
+        best = self._best_per_decode(ctx, decodes, allow_local)
         if not best:
             return Rejection(
                 f"no decode worker can prefill this {request.prompt_tokens}-token prompt locally "
@@ -163,6 +164,78 @@ class TwoSidedPolicy:
         if len(chosen) < self.max_candidates:
             chosen = self._fill(ctx, chosen, decodes, allow_local)
         return Placement(tuple(_to_candidate(o) for o in chosen))
+
+    def _best_per_decode(
+        self, ctx: _Context, decodes: list[tuple[DecodeView, int]], allow_local: bool
+    ) -> list[_Ranked]:
+        """Each decode worker's best option (as `min(ctx.options(..., top_only=True))`), kept
+        only if it can be among the `max_candidates` best overall.
+
+        The hot loop of a placement, O(D·G). It computes no tie-breaker hash per worker: within
+        one decode worker the decode tie is a constant, so its best option is the least
+        (tier, score, prefill tie); across workers the decode tie is needed only where the
+        (tier, score) reaches the k-th smallest, so it is hashed for those workers alone.
+        """
+        key_of = ctx.key_of
+        keys = key_of._by_id
+        groups = ctx.groups
+        transfer_s = ctx.transfer_s
+        tier = 1 if ctx.local_first else 0
+        entries: list[_Entry] = []
+        append = entries.append
+        only = next(iter(groups.values())) if len(groups) == 1 else ()
+        if len(only) == 1 and not (allow_local and any(d.can_prefill for d, _ in decodes)):
+            # The common shape: one layout, one prefill group, no local prefill. Every feasible
+            # decode worker pairs with the same best P (`screen` guarantees the layout).
+            group, prefills = only[0]
+            po = prefills[0]
+            cost, ptie, pid = po.cost_s, po.tie, po.worker.worker_id
+            transfers: dict[str, float] = {}
+            for d, n in decodes:
+                r, u = d.reserved_blocks, d.used_blocks
+                step = d.step_base_s + d.step_s_per_block * ((r if r > u else u) + n)
+                t = transfers.get(d.group)
+                if t is None:
+                    t = transfers[d.group] = transfer_s(group, d.group)
+                ttft = cost + t + step
+                append((tier, ttft, ptie, pid, d, n, ttft, step))
+        else:
+            for d, n in decodes:
+                r, u = d.reserved_blocks, d.used_blocks
+                step = d.step_base_s + d.step_s_per_block * ((r if r > u else u) + n)
+                layout = d.layout
+                top: _Entry | None = None
+                for group, prefills in groups.get(keys.get(id(layout)) or key_of(layout), ()):
+                    po = prefills[0]
+                    ttft = po.cost_s + transfer_s(group, d.group) + step
+                    if top is None or (ttft, po.tie) < (top[1], top[2]):
+                        top = (tier, ttft, po.tie, po.worker.worker_id, d, n, ttft, step)
+                if allow_local and d.can_prefill:
+                    local = ctx._local(d, n, step, 0)
+                    if local is not None:
+                        (ltier, score, _, ltie), _, _, _, lttft, _ = local
+                        if top is None or (ltier, score, ltie) < top[:3]:
+                            top = (ltier, score, ltie, None, d, n, lttft, step)
+                if top is not None:
+                    append(top)
+        k = self.max_candidates
+        if len(entries) > k:
+            if all(e[0] == tier for e in entries):
+                score_cut = heapq.nsmallest(k, [e[1] for e in entries])[-1]
+                entries = [e for e in entries if e[1] <= score_cut]
+            else:
+                cut = heapq.nsmallest(k, [e[:2] for e in entries])[-1]
+                entries = [e for e in entries if e[:2] <= cut]
+        # Exact ties (an idle, uniform pool) leave every worker in: `_tie` inlined.
+        base = _tie_base(self.seed, ctx.request.request_id)
+        crc, wbytes = zlib.crc32, _worker_bytes
+        return [
+            (
+                (t, score, crc(wbytes.get(d.worker_id) or _bytes_of(d.worker_id), base), ptie),
+                pid, d.worker_id, n, ttft, step,
+            )
+            for t, score, ptie, pid, d, n, ttft, step in entries
+        ]  # fmt: skip
 
     def _fill(
         self,
@@ -192,18 +265,35 @@ class TwoSidedPolicy:
 
         Only the best `max_candidates` per group are kept: no other P can appear in a ranking.
         """
-        buckets: dict[tuple[str, str], list[_PrefillOption]] = {}
+        # (cost, worker) per (layout key, P group); ties are hashed only for the workers whose
+        # cost reaches the k-th smallest of their bucket, the only ones a ranking can use.
+        buckets: dict[tuple[str, str], list[tuple[float, PrefillView]]] = {}
         prompt = request.prompt_tokens
+        hashes = request.prefix_hashes
+        weight = self.prefix_weight
         for key, workers in feasible.prefill_by_key.items():
             for p in workers:
                 rate = max(p.prefill_tokens_per_s, 1e-9)
-                hit = prefix_hit_fraction(request.prefix_hashes, p.recent_prefixes)
-                cost = (p.queued_prompt_tokens + prompt * (1.0 - self.prefix_weight * hit)) / rate
-                tie = _tie(self.seed, request.request_id, p.worker_id)
-                buckets.setdefault((key, p.group), []).append(_PrefillOption(cost, tie, p))
+                hit = prefix_hit_fraction(hashes, p.recent_prefixes) if hashes else 0.0
+                cost = (p.queued_prompt_tokens + prompt * (1.0 - weight * hit)) / rate
+                bucket = buckets.get((key, p.group))
+                if bucket is None:
+                    buckets[(key, p.group)] = [(cost, p)]
+                else:
+                    bucket.append((cost, p))
+        k = self.max_candidates
+        seed, rid = self.seed, request.request_id
         groups: dict[str, list[tuple[str, list[_PrefillOption]]]] = {}
-        for (key, group), options in buckets.items():
-            top = heapq.nsmallest(self.max_candidates, options, key=lambda o: (o.cost_s, o.tie))
+        for (key, group), costs in buckets.items():
+            if len(costs) > k:
+                cut = heapq.nsmallest(k, [c for c, _ in costs])[-1]
+                costs = [c for c in costs if c[0] <= cut]
+            base, crc, wbytes = _tie_base(seed, rid), zlib.crc32, _worker_bytes
+            options = [
+                _PrefillOption(c, crc(wbytes.get(p.worker_id) or _bytes_of(p.worker_id), base), p)
+                for c, p in costs
+            ]
+            top = heapq.nsmallest(k, options, key=lambda o: (o.cost_s, o.tie))
             groups.setdefault(key, []).append((group, top))
         return groups
 
@@ -281,8 +371,30 @@ class _Context:
 
 
 def _tie(seed: int, request_id: str, worker_id: str) -> int:
-    # crc32, not hash(): str hashes are salted per process, and replicas must agree.
-    return zlib.crc32(f"{seed}|{request_id}|{worker_id}".encode())
+    # crc32, not hash(): str hashes are salted per process, and replicas must agree. The value
+    # is crc32(f"{seed}|{request_id}|{worker_id}"), computed as a running crc over the request's
+    # part (cached for the current request) and the worker id's bytes (cached per worker).
+    return zlib.crc32(_worker_bytes.get(worker_id) or _bytes_of(worker_id),
+                      _tie_base(seed, request_id))  # fmt: skip
+
+
+def _tie_base(seed: int, request_id: str) -> int:
+    global _tie_prefix
+    prefix = _tie_prefix
+    if prefix[0] != seed or prefix[1] != request_id:
+        prefix = _tie_prefix = (seed, request_id, zlib.crc32(f"{seed}|{request_id}|".encode()))
+    return prefix[2]
+
+
+def _bytes_of(worker_id: str) -> bytes:
+    if len(_worker_bytes) > 65_536:
+        _worker_bytes.clear()
+    b = _worker_bytes[worker_id] = worker_id.encode()
+    return b
+
+
+_tie_prefix: tuple[int, str, int] = (0, "", zlib.crc32(b"0||"))
+_worker_bytes: dict[str, bytes] = {}
 
 
 def _itl_rejection(feasible: Feasible, slo: float) -> Rejection:
