@@ -105,8 +105,7 @@ def _prompt_tokens_chat(messages: Any, cpt: float) -> int:
         if not isinstance(msg, dict):
             raise InvalidRequest(f"messages[{i}] must be an object", param="messages")
         if not isinstance(msg.get("role"), str) or not msg["role"]:
-            raise InvalidRequest(f"messages[{i}].role must be a non-empty string",
-                                 param="messages")
+            raise InvalidRequest(f"messages[{i}].role must be a non-empty string", param="messages")
         text = _message_text(i, msg.get("content"))
         total += _PER_MESSAGE_TOKENS + (len(text) / cpt)
     return max(1, int(total + 0.999))
@@ -156,8 +155,9 @@ def parse_request(
         if not isinstance(stream_options, dict):
             raise InvalidRequest("'stream_options' must be an object", param="stream_options")
         if not stream:
-            raise InvalidRequest("'stream_options' is only allowed when 'stream' is true",
-                                 param="stream_options")
+            raise InvalidRequest(
+                "'stream_options' is only allowed when 'stream' is true", param="stream_options"
+            )
     include_usage = bool(stream_options and stream_options.get("include_usage"))
 
     n = body.get("n")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -13,6 +12,7 @@ import orjson
 from aiohttp import web
 
 from policies.registry import load_estimator, load_policy
+from router.admission import Admission
 from router.api import CHAT, COMPLETIONS, parse_request
 from router.config import Settings
 from router.errors import BodyTooLarge, RouterError, Unauthorized, error_body
@@ -43,8 +43,12 @@ async def error_middleware(request: web.Request, handler):  # type: ignore[no-un
     try:
         return await handler(request)
     except RouterError as err:
-        return web.Response(body=err.body(), status=err.status, headers=err.headers(),
-                            content_type="application/json")
+        return web.Response(
+            body=err.body(),
+            status=err.status,
+            headers=err.headers(),
+            content_type="application/json",
+        )
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[SETTINGS].max_body_bytes
         err = BodyTooLarge(f"the request body is larger than {limit} bytes")
@@ -52,14 +56,20 @@ async def error_middleware(request: web.Request, handler):  # type: ignore[no-un
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return web.Response(body=error_body(exc.reason, "invalid_request_error"),
-                            status=exc.status, content_type="application/json")
+        return web.Response(
+            body=error_body(exc.reason, "invalid_request_error"),
+            status=exc.status,
+            content_type="application/json",
+        )
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
         log.exception("unhandled error serving %s %s", request.method, request.path)
-        return web.Response(body=error_body("internal router error", "internal_error"),
-                            status=500, content_type="application/json")
+        return web.Response(
+            body=error_body("internal router error", "internal_error"),
+            status=500,
+            content_type="application/json",
+        )
 
 
 def _check_auth(settings: Settings, request: web.Request) -> None:
@@ -80,8 +90,13 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
         if request.content_length is not None and request.content_length > s.max_body_bytes:
             raise BodyTooLarge(f"the request body is larger than {s.max_body_bytes} bytes")
         raw = await request.read()
-        parsed = parse_request(path, raw, models=s.models, max_model_len=s.max_model_len,
-                               chars_per_token=s.chars_per_token)
+        parsed = parse_request(
+            path,
+            raw,
+            models=s.models,
+            max_model_len=s.max_model_len,
+            chars_per_token=s.chars_per_token,
+        )
         flow = RequestFlow(gw, parsed, request)
         try:
             resp = await flow.run()
@@ -112,8 +127,13 @@ async def models(request: web.Request) -> web.Response:
     s = request.app[SETTINGS]
     now = int(time.time())
     data = [
-        {"id": m, "object": "model", "created": now, "owned_by": "disagg-router",
-         "max_model_len": s.max_model_len}
+        {
+            "id": m,
+            "object": "model",
+            "created": now,
+            "owned_by": "disagg-router",
+            "max_model_len": s.max_model_len,
+        }
         for m in s.models
     ]
     return _json({"object": "list", "data": data})
@@ -124,8 +144,10 @@ async def health(request: web.Request) -> web.Response:
     prefill = any(w.healthy for w in gw.pools.prefill_workers)
     decode = any(w.healthy for w in gw.pools.decode_workers)
     ok = decode and (prefill or any(w.spec.role == "both" for w in gw.pools.decode_workers))
-    return _json({"status": "ok" if ok else "degraded", "prefill": prefill, "decode": decode},
-                 status=200 if ok else 503)
+    return _json(
+        {"status": "ok" if ok else "degraded", "prefill": prefill, "decode": decode},
+        status=200 if ok else 503,
+    )
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -133,11 +155,13 @@ async def metrics(request: web.Request) -> web.Response:
     m = gw.metrics
     for w in gw.pools.workers.values():
         m.worker_healthy.labels(worker=w.spec.id, role=w.spec.role).set(1 if w.healthy else 0)
+        m.breaker_state.labels(worker=w.spec.id).set(0 if w.breaker.allows() else 1)
         if w.spec.is_decode:
             m.reserved_blocks.labels(worker=w.spec.id).set(w.reserved_blocks)
         else:
             m.stranded_bytes.labels(worker=w.spec.id).set(w.stranded_bytes)
     m.active_reservations.set(len(gw.leases.live))
+    m.stranded_byte_seconds.set(gw.pools.stranded_byte_seconds)
     return web.Response(body=m.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
 
@@ -145,46 +169,111 @@ async def admin_state(request: web.Request) -> web.Response:
     """What this replica believes: pools, load, reservations (read-only, for operators)."""
     gw = request.app[GATEWAY]
     workers = [
-        {"id": w.spec.id, "url": w.spec.url, "role": w.spec.role, "healthy": w.healthy,
-         "layout": w.spec.layout.key, "queued_prompt_tokens": w.queued_prompt_tokens,
-         "resident_seqs": w.resident_seqs, "capacity_blocks": w.capacity_blocks,
-         "reserved_blocks": w.reserved_blocks, "stranded_bytes": w.stranded_bytes}
+        {
+            "id": w.spec.id,
+            "url": w.spec.url,
+            "role": w.spec.role,
+            "healthy": w.healthy,
+            "breaker": w.breaker.state,
+            "layout": w.spec.layout.key,
+            "queued_prompt_tokens": w.queued_prompt_tokens,
+            "resident_seqs": w.resident_seqs,
+            "capacity_blocks": w.capacity_blocks,
+            "reserved_blocks": w.reserved_blocks,
+            "stranded_bytes": w.stranded_bytes,
+        }
         for w in gw.pools.workers.values()
     ]
-    return _json({"policy": gw.policy.name, "estimator": gw.estimator.name,
-                  "live_reservations": len(gw.leases.live), "workers": workers})
+    return _json(
+        {
+            "policy": gw.policy.name,
+            "estimator": gw.estimator.name,
+            "live_reservations": len(gw.leases.live),
+            "inflight": gw.admission.inflight,
+            "waiting": gw.admission.waiting,
+            "workers": workers,
+        }
+    )
+
+
+async def _reap_stranded(gw: Gateway) -> None:
+    """KV stranded longer than the KV lease is gone from the prefill worker: count and drop it.
+
+    The request that owned it fails its decode leg and is retried (or fails) through the normal
+    path; this keeps the ledger (and placement's backpressure) honest meanwhile.
+    """
+    while True:
+        await asyncio.sleep(gw.settings.stranded_reap_s)
+        for w in list(gw.pools.prefill_workers):
+            try:
+                expired = await gw.store.reap_stranded(w.spec.id, gw.settings.kv_lease_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("reaping stranded KV on %s failed: %s", w.spec.id, exc)
+                continue
+            for entry in expired:
+                log.warning(
+                    "stranded KV of %s on %s expired after %.0f s (%d bytes)",
+                    entry.request_id,
+                    entry.prefill_id,
+                    gw.settings.kv_lease_s,
+                    entry.nbytes,
+                )
+                gw.metrics.stranded_expired.labels(worker=w.spec.id).inc()
+
+
+async def _stop(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel background loops and wait for them. A library that swallows one cancellation
+    (redis-py can, inside a command) must not hang shutdown: cancel again until they end."""
+    for _ in range(50):
+        pending = [t for t in tasks if not t.done()]
+        if not pending:
+            break
+        for t in pending:
+            t.cancel()
+        await asyncio.wait(pending, timeout=0.1)
+    for t in tasks:
+        if t.done() and not t.cancelled() and t.exception() is not None:
+            log.warning("background task %s failed: %r", t.get_name(), t.exception())
 
 
 def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         store = await open_store(settings.redis_url, settings.key_prefix)
-        connector = aiohttp.TCPConnector(limit=settings.upstream_connections,
-                                         limit_per_host=0, enable_cleanup_closed=True)
-        session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                        timeout=aiohttp.ClientTimeout(total=None))
+        connector = aiohttp.TCPConnector(
+            limit=settings.upstream_connections, limit_per_host=0, enable_cleanup_closed=True
+        )
+        session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None)
+        )
         pools = Pools(settings, store)
         gw = Gateway(
-            settings=settings, store=store, session=session,
-            policy=app[_POLICY], estimator=app[_ESTIMATOR], metrics=app[METRICS],
-            pools=pools, leases=LeaseKeeper(store, settings.reservation_lease_s),
+            settings=settings,
+            store=store,
+            session=session,
+            policy=app[_POLICY],
+            estimator=app[_ESTIMATOR],
+            metrics=app[METRICS],
+            pools=pools,
+            leases=LeaseKeeper(store, settings.reservation_lease_s),
             histograms=HistogramCache(store, settings.histogram_refresh_s),
+            admission=Admission(settings.admission),
         )
         app[GATEWAY] = gw
         await pools.register_capacities()
         await pools.refresh_from_store()
         tasks = [
-            asyncio.create_task(pools.run_refresher(), name="pools-refresh"),
+            # Each refresh may show room freed by other replicas: wake the admission queue.
+            asyncio.create_task(pools.run_refresher(gw.admission.notify), name="pools-refresh"),
+            asyncio.create_task(_reap_stranded(gw), name="stranded-reaper"),
             asyncio.create_task(pools.run_health_prober(session), name="health-probe"),
             asyncio.create_task(gw.leases.run(), name="lease-keeper"),
         ]
         try:
             yield
         finally:
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
+            await _stop(tasks)
             await gw.histograms.close()
             await session.close()
             await store.close()
@@ -198,8 +287,7 @@ _ESTIMATOR = web.AppKey("estimator", object)
 
 def create_app(settings: Settings) -> web.Application:
     """Build the router. Policies load (and are smoke-tested) here, so a bad plugin fails now."""
-    app = web.Application(middlewares=[error_middleware],
-                          client_max_size=settings.max_body_bytes)
+    app = web.Application(middlewares=[error_middleware], client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
     app[METRICS] = RouterMetrics()
     app[_POLICY] = load_policy(settings.policy, settings.policy_args)
@@ -212,4 +300,3 @@ def create_app(settings: Settings) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/admin/state", admin_state)
     return app
-

@@ -28,8 +28,11 @@ class BreakerSettings:
 
 
 class CircuitBreaker:
-    def __init__(self, settings: BreakerSettings = BreakerSettings(),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        settings: BreakerSettings = BreakerSettings(),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.settings = settings
         self.clock = clock
         self.failures = 0

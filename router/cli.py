@@ -50,8 +50,13 @@ def _serve(ns: argparse.Namespace) -> int:
     from router.app import create_app
     from router.config import ConfigError, load_settings
 
-    overrides = {"host": ns.host, "port": ns.port, "redis_url": ns.redis_url,
-                 "policy": ns.policy, "estimator": ns.estimator}
+    overrides = {
+        "host": ns.host,
+        "port": ns.port,
+        "redis_url": ns.redis_url,
+        "policy": ns.policy,
+        "estimator": ns.estimator,
+    }
     try:
         settings = load_settings(ns.config, env=os.environ, overrides=overrides)
         app = create_app(settings)
@@ -61,9 +66,11 @@ def _serve(ns: argparse.Namespace) -> int:
 
     def ready(addresses: list) -> None:  # type: ignore[type-arg]
         store = settings.redis_url or "in-process store (single replica)"
-        print(f"disagg-router serving on http://{settings.host}:{addresses[0][1]} "
-              f"policy={settings.policy} estimator={settings.estimator} state={store}",
-              flush=True)
+        print(
+            f"disagg-router serving on http://{settings.host}:{addresses[0][1]} "
+            f"policy={settings.policy} estimator={settings.estimator} state={store}",
+            flush=True,
+        )
 
     _use_uvloop()
     asyncio.run(run_app_until_signal(app, settings.host, settings.port, on_ready=ready))
@@ -107,8 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if ns.command == "serve":
         return _serve(ns)
     if ns.command == "worker":

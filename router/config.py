@@ -24,8 +24,19 @@ import yaml
 
 from policies.base import KVLayout
 from policies.costmodel import PerfModel, perf_model
+from router.admission import AdmissionSettings
+from router.breaker import BreakerSettings
 
-__all__ = ["ConfigError", "Secret", "WorkerSpec", "Timeouts", "Settings", "load_settings"]
+__all__ = [
+    "ConfigError",
+    "Secret",
+    "WorkerSpec",
+    "Timeouts",
+    "RetrySettings",
+    "Settings",
+    "load_settings",
+    "settings_from_mapping",
+]
 
 ENV_PREFIX = "DISAGG_ROUTER_"
 
@@ -81,6 +92,23 @@ class Timeouts:
 
 
 @dataclass(frozen=True, slots=True)
+class RetrySettings:
+    """Retries: at most `max_attempts` per request (SRE book: 3), within a cluster-wide budget
+    of `budget_ratio` x recent requests + `budget_min_per_s` over `budget_window_s` (Finagle)."""
+
+    max_attempts: int = 3
+    budget_ratio: float = 0.2
+    budget_min_per_s: float = 10.0
+    budget_window_s: float = 10.0
+    backoff_base_s: float = 0.02
+    backoff_max_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ConfigError("retry.max_attempts must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -102,6 +130,10 @@ class Settings:
     health_interval_s: float = 2.0
     histogram_refresh_s: float = 1.0
     timeouts: Timeouts = field(default_factory=Timeouts)
+    retry: RetrySettings = field(default_factory=RetrySettings)
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
+    breaker: BreakerSettings = field(default_factory=BreakerSettings)
+    stranded_reap_s: float = 1.0  # how often expired stranded-KV entries are reaped
     # Client headers passed through to the workers (the simulated workers' replay header, tracing).
     forward_headers: tuple[str, ...] = ("x-sim-output-tokens", "traceparent", "tracestate")
     # Client API keys accepted by the router; empty = no client authentication.
@@ -143,8 +175,18 @@ def _parse_perf(raw: Any, where: str) -> PerfModel | None:
         raise ConfigError(f"{where}.perf: {exc}") from exc
 
 
-_WORKER_KEYS = {"id", "url", "role", "adapter", "group", "layout", "perf", "kv_blocks",
-                "stranded_cap_bytes", "api_key"}
+_WORKER_KEYS = {
+    "id",
+    "url",
+    "role",
+    "adapter",
+    "group",
+    "layout",
+    "perf",
+    "kv_blocks",
+    "stranded_cap_bytes",
+    "api_key",
+}
 
 
 def _parse_worker(i: int, raw: Any, default_perf: PerfModel | None, layout: KVLayout) -> WorkerSpec:
@@ -177,8 +219,14 @@ def _parse_worker(i: int, raw: Any, default_perf: PerfModel | None, layout: KVLa
 
 
 _ENV_SCALARS: dict[str, type] = {
-    "host": str, "port": int, "redis_url": str, "key_prefix": str, "policy": str,
-    "estimator": str, "max_body_bytes": int, "reservation_lease_s": float,
+    "host": str,
+    "port": int,
+    "redis_url": str,
+    "key_prefix": str,
+    "policy": str,
+    "estimator": str,
+    "max_body_bytes": int,
+    "reservation_lease_s": float,
 }
 
 
@@ -233,13 +281,21 @@ def settings_from_mapping(raw: Mapping[str, Any]) -> Settings:
         ),
     )
     workers = tuple(
-        _parse_worker(i, w, default_perf, layout) for i, w in enumerate(raw.pop("workers", []) or [])
+        _parse_worker(i, w, default_perf, layout)
+        for i, w in enumerate(raw.pop("workers", []) or [])
     )
-    timeouts = raw.pop("timeouts", None) or {}
-    try:
-        timeouts_obj = timeouts if isinstance(timeouts, Timeouts) else Timeouts(**timeouts)
-    except TypeError as exc:
-        raise ConfigError(f"timeouts: {exc}") from exc
+    nested = {}
+    for key, cls in (
+        ("timeouts", Timeouts),
+        ("retry", RetrySettings),
+        ("admission", AdmissionSettings),
+        ("breaker", BreakerSettings),
+    ):
+        value = raw.pop(key, None) or {}
+        try:
+            nested[key] = value if isinstance(value, cls) else cls(**value)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{key}: {exc}") from exc
     if "kv_bytes_per_token" not in raw and default_perf is not None:
         raw["kv_bytes_per_token"] = default_perf.kv_bytes_per_token
     if "max_model_len" not in raw and default_perf is not None:
@@ -250,6 +306,6 @@ def settings_from_mapping(raw: Mapping[str, Any]) -> Settings:
     if "api_keys" in raw:
         raw["api_keys"] = tuple(Secret(k) for k in raw["api_keys"] or ())
     try:
-        return Settings(models=tuple(models), workers=workers, timeouts=timeouts_obj, **raw)
+        return Settings(models=tuple(models), workers=workers, **nested, **raw)
     except TypeError as exc:
         raise ConfigError(str(exc)) from exc

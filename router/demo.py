@@ -45,17 +45,27 @@ def _synthetic_trace(n: int) -> list[TraceRequest]:
     out, t = [], 0.0
     for i in range(n):
         t += rng.expovariate(5.0)
-        out.append(TraceRequest(arrival_s=t, prompt_tokens=int(rng.lognormvariate(6.7, 0.8)) + 16,
-                                output_tokens=max(1, int(rng.lognormvariate(4.9, 0.9))),
-                                prefix_hash_ids=(), index=i))
+        out.append(
+            TraceRequest(
+                arrival_s=t,
+                prompt_tokens=int(rng.lognormvariate(6.7, 0.8)) + 16,
+                output_tokens=max(1, int(rng.lognormvariate(4.9, 0.9))),
+                prefix_hash_ids=(),
+                index=i,
+            )
+        )
     return out
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=200, help="trace requests to replay")
     parser.add_argument("--trace", help=f"trace file (default: ../shared/traces/{TRACE_NAME})")
-    parser.add_argument("--time-scale", type=float, default=10.0,
-                        help="run the simulated GPUs (and the arrivals) this much faster")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=10.0,
+        help="run the simulated GPUs (and the arrivals) this much faster",
+    )
     parser.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
     parser.add_argument("--prefill", type=int, default=2)
     parser.add_argument("--decode", type=int, default=2)
@@ -65,8 +75,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--estimator", default="online_quantile")
     parser.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
     parser.add_argument("--slo-tpot", type=float, default=0.1, help="seconds")
-    parser.add_argument("--serve", action="store_true",
-                        help="keep the cluster up (no replay) until Ctrl-C")
+    parser.add_argument(
+        "--serve", action="store_true", help="keep the cluster up (no replay) until Ctrl-C"
+    )
     parser.add_argument("--port", type=int, default=0, help="router port with --serve")
 
 
@@ -93,34 +104,57 @@ async def _reserved_after(url: str) -> int:
 
 
 async def run_demo(ns: argparse.Namespace) -> int:
-    shape = ClusterShape(n_prefill=ns.prefill, n_decode=ns.decode, model=ns.model, gpu=ns.gpu,
-                         time_scale=ns.time_scale, policy=ns.policy, estimator=ns.estimator,
-                         router_port=ns.port)
+    shape = ClusterShape(
+        n_prefill=ns.prefill,
+        n_decode=ns.decode,
+        model=ns.model,
+        gpu=ns.gpu,
+        time_scale=ns.time_scale,
+        policy=ns.policy,
+        estimator=ns.estimator,
+        router_port=ns.port,
+    )
     requests, source = ([], "") if ns.serve else _load(ns)
-    print(f"starting {ns.prefill} prefill + {ns.decode} decode simulated {ns.gpu} workers "
-          f"({ns.model}, time scale {ns.time_scale:g}x) and the router ...", flush=True)
+    print(
+        f"starting {ns.prefill} prefill + {ns.decode} decode simulated {ns.gpu} workers "
+        f"({ns.model}, time scale {ns.time_scale:g}x) and the router ...",
+        flush=True,
+    )
     async with local_cluster(shape, redis_url=os.environ.get("REDIS_URL")) as cluster:
         print(f"state: {cluster.redis_note}", flush=True)
         if ns.serve:
             await _serve_until_signal(cluster.router_url)
             return 0
         cap = max(r.output_tokens for r in requests)
-        print(f"replaying {len(requests)} requests from {source} (max_tokens cap {cap}) ...",
-              flush=True)
-        result = await replay(cluster.router_url, requests, model=ns.model, endpoint="chat",
-                              max_tokens_cap=cap, time_scale=ns.time_scale,
-                              rate_scale=ns.rate_scale, timeout_s=600.0)
+        print(
+            f"replaying {len(requests)} requests from {source} (max_tokens cap {cap}) ...",
+            flush=True,
+        )
+        result = await replay(
+            cluster.router_url,
+            requests,
+            model=ns.model,
+            endpoint="chat",
+            max_tokens_cap=cap,
+            time_scale=ns.time_scale,
+            rate_scale=ns.rate_scale,
+            timeout_s=600.0,
+        )
         summary = summarize(result, slo_ttft_s=ns.slo_ttft, slo_tpot_s=ns.slo_tpot)
         await asyncio.sleep(0.2)  # let the last releases land before reading the state
         reserved = await _reserved_after(cluster.router_url)
     print()
-    print(f"disagg-router demo — policy {ns.policy}, estimator {ns.estimator}, "
-          f"{ns.prefill}P:{ns.decode}D {ns.gpu} {ns.model}")
+    print(
+        f"disagg-router demo — policy {ns.policy}, estimator {ns.estimator}, "
+        f"{ns.prefill}P:{ns.decode}D {ns.gpu} {ns.model}"
+    )
     print(to_text(summary), end="")
     print(f"decode blocks still reserved after the run: {reserved}")
     req = summary["requests"]
     ok = req["accounted"] and reserved == 0 and req["ok"] > 0
     if not ok:
-        print("demo FAILED: requests unaccounted for, no success, or reservations leaked",
-              file=sys.stderr)
+        print(
+            "demo FAILED: requests unaccounted for, no success, or reservations leaked",
+            file=sys.stderr,
+        )
     return 0 if ok else 1

@@ -39,7 +39,9 @@ __all__ = [
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: Any = None) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
+    return orjson.dumps(
+        {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    )
 
 
 def sse_error_frame(message: str, type_: str, code: Any = None) -> bytes:
@@ -112,8 +114,9 @@ class UpstreamError(RouterError):
 class UpstreamRejected(UpstreamError):
     """A worker's own 4xx: the client's request was bad, so the status passes through."""
 
-    def __init__(self, status: int, message: str, *, type_: str, param: str | None = None,
-                 code: Any = None) -> None:
+    def __init__(
+        self, status: int, message: str, *, type_: str, param: str | None = None, code: Any = None
+    ) -> None:
         super().__init__(message, param=param, code=code)
         self.status = status
         self.type = type_

@@ -10,6 +10,7 @@ import aiohttp
 
 from policies.base import OutputLengthEstimator, PlacementPolicy
 from router.adapters import WorkerAdapter, adapter_for
+from router.admission import Admission
 from router.config import Settings
 from router.histograms import HistogramCache
 from router.leases import LeaseKeeper
@@ -31,6 +32,7 @@ class Gateway:
     pools: Pools
     leases: LeaseKeeper
     histograms: HistogramCache
+    admission: Admission
     adapters: dict[str, WorkerAdapter] = field(default_factory=dict)
     clock: Callable[[], float] = time.monotonic
 
@@ -40,5 +42,7 @@ class Gateway:
                 self.adapters[spec.adapter] = adapter_for(spec.adapter)
 
     def __repr__(self) -> str:
-        return (f"Gateway(policy={self.policy.name}, estimator={self.estimator.name}, "
-                f"workers={len(self.pools.workers)}, {self.leases!r})")
+        return (
+            f"Gateway(policy={self.policy.name}, estimator={self.estimator.name}, "
+            f"workers={len(self.pools.workers)}, {self.leases!r})"
+        )

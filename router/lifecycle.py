@@ -1,18 +1,21 @@
 """One request's life (design.md §2):
 
-    estimate → place (P and D together) → reserve on D → prefill on P → KV handoff
+    admit → estimate → place (P and D together) → reserve on D → prefill on P → KV handoff
     → decode on D → relay the stream → release
+       └─ a leg fails before the client got a byte: release, retry on another pair (budgeted)
+       └─ decode dies mid-stream: resume — prefill prompt + tokens sent, continue the same stream
 
-Invariants kept here: a prefill is never sent without a decode reservation in hand; the
-reservation and the stranded-KV entry are released exactly once, in `finally` under
-`asyncio.shield`, whatever happens (success, worker error, deadline, client gone); when the client
-goes away both upstream connections are closed (closing is vLLM's abort signal).
+Invariants kept here: a prefill is never sent without a decode reservation in hand; each
+attempt's reservation and stranded-KV entry are released exactly once, in `finally` under
+`asyncio.shield`, whatever happens; when the client goes away both upstream connections are
+closed (closing is vLLM's abort signal); a client never gets a token twice nor misses one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import uuid
 from dataclasses import replace
 from typing import Any
@@ -21,8 +24,9 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from policies.base import Candidate, RequestInfo, Rejection
+from policies.base import Candidate, Rejection, RequestInfo, blocks_for
 from router.adapters import ProtocolViolation
+from router.admission import QueueFull
 from router.api import CHAT, ParsedRequest
 from router.errors import (
     DeadlineExceeded,
@@ -35,11 +39,23 @@ from router.errors import (
 )
 from router.gateway import Gateway
 from router.pools import WorkerState
-from router.relay import RelayResult, relay_sse
+from router.relay import RelayResult, parse_sent_text, relay_sse
+from router.resume import resume_body
+from state.base import RetryBudgetPolicy
 
-__all__ = ["RequestFlow", "upstream_failure"]
+__all__ = ["RequestFlow", "LegFailure", "upstream_failure"]
 
 log = logging.getLogger(__name__)
+
+RESUMED_HEADER = "X-Resumed-Output-Tokens"
+
+
+class LegFailure(Exception):
+    """A prefill or decode leg failed before any byte of it reached the client."""
+
+    def __init__(self, side: str, worker_id: str, error: RouterError, retryable: bool) -> None:
+        super().__init__(error.message)
+        self.side, self.worker_id, self.error, self.retryable = side, worker_id, error, retryable
 
 
 def _error_fields(data: bytes) -> tuple[str, str | None, str | None, Any]:
@@ -55,233 +71,537 @@ def _error_fields(data: bytes) -> tuple[str, str | None, str | None, Any]:
     return str(obj)[:200], None, None, None
 
 
-def upstream_failure(side: str, worker_id: str, status: int, data: bytes) -> RouterError:
+def upstream_failure(side: str, worker_id: str, status: int, data: bytes) -> LegFailure:
     msg, type_, param, code = _error_fields(data)
     if 400 <= status < 500 and status not in (408, 429):
-        # The worker judged the client's request bad: its verdict passes through unchanged.
-        return UpstreamRejected(status, msg, type_=type_ or "invalid_request_error",
-                                param=param, code=code)
+        # The worker judged the client's request bad: its verdict passes through, no retry.
+        return LegFailure(
+            side,
+            worker_id,
+            UpstreamRejected(
+                status, msg, type_=type_ or "invalid_request_error", param=param, code=code
+            ),
+            False,
+        )
     if status in (429, 503):
-        return Unavailable(f"{side} worker {worker_id} is overloaded (HTTP {status}): {msg}",
-                           retry_after_s=1.0)
-    return UpstreamError(f"{side} worker {worker_id} failed with HTTP {status}: {msg}")
+        err: RouterError = Unavailable(
+            f"{side} worker {worker_id} is overloaded (HTTP {status}): {msg}", retry_after_s=1.0
+        )
+    else:
+        err = UpstreamError(f"{side} worker {worker_id} failed with HTTP {status}: {msg}")
+    return LegFailure(side, worker_id, err, True)
+
+
+class Attempt:
+    """One (prefill, decode) try: what it holds and must give back."""
+
+    __slots__ = (
+        "reservation_id",
+        "decode_id",
+        "blocks",
+        "stranded_on",
+        "stranded_bytes",
+        "candidate",
+        "grow_at_tokens",
+        "overran",
+    )
+
+    def __init__(self, candidate: Candidate, reservation_id: str) -> None:
+        self.candidate = candidate
+        self.reservation_id = reservation_id
+        self.decode_id: str | None = candidate.decode_id
+        self.blocks = candidate.reserve_blocks
+        self.stranded_on: str | None = None
+        self.stranded_bytes = 0
+        self.grow_at_tokens = 0
+        self.overran = False
+
+    def __repr__(self) -> str:
+        return (
+            f"Attempt({self.candidate.prefill_id}->{self.candidate.decode_id}, "
+            f"blocks={self.blocks}, stranded_on={self.stranded_on})"
+        )
 
 
 class RequestFlow:
-    """Serves one validated request; `cleanup()` must run exactly once afterwards."""
+    """Serves one validated request. `run()` returns the response; `cleanup()` runs after."""
 
     def __init__(self, gw: Gateway, parsed: ParsedRequest, http: web.Request) -> None:
         self.gw = gw
         self.parsed = parsed
         self.http = http
         self.request_id = http.headers.get("X-Request-Id") or f"dr-{uuid.uuid4().hex}"
-        # Reservation ids are ours alone: clients reuse X-Request-Id values.
-        self.reservation_id = uuid.uuid4().hex
         self.started = gw.clock()
         self.info: RequestInfo | None = None
-        self.reservation: tuple[str, int] | None = None  # (decode worker, blocks)
-        self.stranded_on: str | None = None
+        self.attempt: Attempt | None = None
+        self.attempts = 0
+        self.avoid: set[str] = set()
         self.output_tokens: int | None = None
         self.status = 200
+        self.admitted = False
+        self.ticket = gw.admission.ticket()
+        self._rng = random.Random(self.request_id)
+        self._deadline: Any = None
+        self._client: web.StreamResponse | None = None  # once the client's stream has started
 
     def __repr__(self) -> str:
-        return (f"RequestFlow({self.request_id}, reservation={self.reservation}, "
-                f"stranded_on={self.stranded_on})")
+        return f"RequestFlow({self.request_id}, attempts={self.attempts}, {self.attempt!r})"
 
-    # -- upstream plumbing -------------------------------------------------------------------
-    def _headers(self, worker: WorkerState) -> dict[str, str]:
+    # -- plumbing ----------------------------------------------------------------------------
+    def _headers(self, worker: WorkerState, resumed_tokens: int = 0) -> dict[str, str]:
         s = self.gw.settings
         headers = {"Content-Type": "application/json", "X-Request-Id": self.request_id}
         for name in s.forward_headers:
             value = self.http.headers.get(name)
             if value is not None:
                 headers[name] = value
+        if resumed_tokens:
+            headers[RESUMED_HEADER] = str(resumed_tokens)
         if worker.spec.api_key:
             headers["Authorization"] = f"Bearer {worker.spec.api_key}"
         elif s.forward_client_auth and "Authorization" in self.http.headers:
             headers["Authorization"] = self.http.headers["Authorization"]
         return headers
 
-    # -- estimate, place, reserve ----------------------------------------------------------
-    async def place_and_reserve(self) -> Candidate:
-        gw, p = self.gw, self.parsed
+    def _loop_deadline(self, flow_time: float) -> float:
+        loop = asyncio.get_running_loop()
+        return flow_time + (loop.time() - self.gw.clock())
+
+    # -- admission, estimate, place, reserve --------------------------------------------------
+    def _request_info(self, prompt_tokens: int, max_tokens: int) -> RequestInfo:
         hint = self.http.headers.get("X-Expected-Output-Tokens")
-        info = RequestInfo(
+        priority = self.parsed.body.get("priority")
+        return RequestInfo(
             request_id=self.request_id,
-            model=p.model,
-            prompt_tokens=p.prompt_tokens,
-            max_tokens=p.max_tokens,
+            model=self.parsed.model,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
             arrival_s=self.started,
+            priority=priority if isinstance(priority, int) else 0,
             hint_output_tokens=int(hint) if hint and hint.isdigit() else None,
         )
+
+    async def _estimate(self, info: RequestInfo) -> RequestInfo:
+        gw = self.gw
         keys = gw.estimator.class_keys(info)
         estimate = gw.estimator.estimate(info, await gw.histograms.get(keys))
-        self.info = info = replace(info, estimate=estimate)
-        gw.metrics.predicted_output_tokens.observe(info.reserve_output_tokens)
+        return replace(info, estimate=estimate)
 
-        decision = gw.policy.place(info, gw.pools.snapshot())
+    async def _try_reserve(self, info: RequestInfo) -> Attempt | Rejection:
+        gw = self.gw
+        decision = gw.policy.place(info, gw.pools.snapshot(frozenset(self.avoid)))
+        if isinstance(decision, Rejection) and self.avoid:
+            # Avoiding the workers that failed this request left nowhere to go: a worker that
+            # failed once may well serve the retry (its circuit breaker decides, not this).
+            decision = gw.policy.place(info, gw.pools.snapshot())
         if isinstance(decision, Rejection):
-            gw.metrics.rejections.labels(reason="no_room").inc()
-            raise NoCapacity(decision.reason, retry_after_s=decision.retry_after_s)
+            return decision
         for cand in decision.candidates:
-            ok = await gw.store.reserve(cand.decode_id, self.reservation_id, cand.reserve_blocks,
-                                        gw.settings.reservation_lease_s)
-            if ok:
-                self.reservation = (cand.decode_id, cand.reserve_blocks)
+            rid = uuid.uuid4().hex  # ours alone: clients reuse X-Request-Id values
+            if await gw.store.reserve(
+                cand.decode_id, rid, cand.reserve_blocks, gw.settings.reservation_lease_s
+            ):
                 gw.pools.note_reserved(cand.decode_id, cand.reserve_blocks)
-                gw.leases.hold(cand.decode_id, self.reservation_id)
-                gw.metrics.placements.labels(prefill=cand.prefill_id or "local",
-                                             decode=cand.decode_id).inc()
-                return cand
+                gw.leases.hold(cand.decode_id, rid)
+                gw.metrics.placements.labels(
+                    prefill=cand.prefill_id or "local", decode=cand.decode_id
+                ).inc()
+                return Attempt(cand, rid)
             gw.metrics.reserve_conflicts.inc()
-        gw.metrics.rejections.labels(reason="reserve_conflict").inc()
-        raise NoCapacity("every candidate decode worker filled up while reserving "
-                         "(other router replicas took the room)", retry_after_s=1.0)
+        return Rejection(
+            "every candidate decode worker filled up while reserving "
+            "(other router replicas took the room)",
+            1.0,
+        )
+
+    def _check_pools_alive(self) -> None:
+        """No worker in rotation on one side: waiting for room is pointless, fail fast (503)."""
+        pools = self.gw.pools
+        decode = [w for w in pools.decode_workers if w.available]
+        prefill = [w for w in pools.prefill_workers if w.available]
+        if not decode or not (prefill or any(w.spec.role == "both" for w in decode)):
+            side = "decode" if not decode else "prefill"
+            cooldowns = [w.breaker.cooldown_s for w in pools.workers.values()]
+            raise Unavailable(
+                f"no {side} worker is in rotation (health probes failing or circuit breakers open)",
+                retry_after_s=min(cooldowns, default=1.0),
+            )
+
+    def _never_fits(self, info: RequestInfo) -> bool:
+        """Larger than any decode worker even when idle: waiting for room would be in vain."""
+        need = info.prompt_tokens + info.reserve_output_tokens
+        return all(
+            need > w.capacity_blocks * w.spec.layout.block_size
+            for w in self.gw.pools.decode_workers
+        )
+
+    async def admit_and_reserve(self, info: RequestInfo) -> Attempt:
+        """Reserve decode room, waiting in the admission queue while there is none."""
+        gw, adm = self.gw, self.gw.admission
+        wait_until = self._loop_deadline(
+            min(self.started + adm.settings.max_wait_s, self.started + gw.settings.timeouts.ttft_s)
+        )
+        while True:
+            if not self.admitted and adm.has_slot():
+                adm.enter()
+                self.admitted = True
+            outcome: Attempt | Rejection = (
+                await self._try_reserve(info)
+                if self.admitted
+                else Rejection("the router is at its concurrency cap", 1.0)
+            )
+            if isinstance(outcome, Attempt):
+                if adm.waiting:
+                    adm.notify()  # there may be room for the next in line too
+                return outcome
+            self._check_pools_alive()
+            if adm.settings.mode == "instant" or self._never_fits(info):
+                gw.metrics.rejections.labels(reason="no_room").inc()
+                raise NoCapacity(outcome.reason, retry_after_s=outcome.retry_after_s)
+            try:
+                gw.metrics.admission_waiting.inc()
+                try:
+                    woken = await adm.wait(info.priority, self.ticket, wait_until)
+                finally:
+                    gw.metrics.admission_waiting.dec()
+            except QueueFull as exc:
+                gw.metrics.rejections.labels(reason="queue_full").inc()
+                raise NoCapacity(
+                    f"{exc}; {outcome.reason}", retry_after_s=outcome.retry_after_s
+                ) from exc
+            if not woken:
+                gw.metrics.rejections.labels(reason="deadline").inc()
+                raise NoCapacity(
+                    f"no decode room before the request's deadline: {outcome.reason}",
+                    retry_after_s=outcome.retry_after_s,
+                )
 
     # -- the prefill leg ---------------------------------------------------------------------
-    async def prefill(self, worker: WorkerState) -> dict[str, Any]:
-        gw, spec = self.gw, worker.spec
+    async def prefill(
+        self, attempt: Attempt, body: dict[str, Any], prompt_tokens: int, resumed: int
+    ) -> dict[str, Any]:
+        gw = self.gw
+        worker = gw.pools.workers[attempt.candidate.prefill_id or ""]
+        if attempt.decode_id is None:  # pragma: no cover - the invariant, checked loudly
+            raise RuntimeError("refusing to prefill without a decode reservation")
+        spec = worker.spec
         adapter = gw.adapters[spec.adapter]
-        body = adapter.prefill_body(self.parsed.body)
-        n = self.parsed.prompt_tokens
-        worker.queued_prompt_tokens += n
+        probe = worker.breaker.on_dispatch()
+        worker.queued_prompt_tokens += prompt_tokens
         worker.inflight += 1
         t0 = gw.clock()
         try:
             async with asyncio.timeout(gw.settings.timeouts.prefill_s):
-                async with gw.session.post(spec.url + self.parsed.path, data=orjson.dumps(body),
-                                           headers=self._headers(worker)) as resp:
+                async with gw.session.post(
+                    spec.url + self.parsed.path,
+                    data=orjson.dumps(adapter.prefill_body(body)),
+                    headers=self._headers(worker, resumed),
+                ) as resp:
                     data = await resp.read()
-                    if resp.status != 200:
-                        gw.metrics.upstream_errors.labels(side="prefill", kind=str(resp.status)).inc()
-                        raise upstream_failure("prefill", spec.id, resp.status, data)
+            if resp.status != 200:
+                raise upstream_failure("prefill", spec.id, resp.status, data)
+            try:
+                params = adapter.kv_params(orjson.loads(data))
+            except (orjson.JSONDecodeError, ProtocolViolation) as exc:
+                raise LegFailure(
+                    "prefill",
+                    spec.id,
+                    UpstreamError(f"prefill worker {spec.id} answered badly: {exc}"),
+                    True,
+                ) from exc
+        except LegFailure as f:
+            gw.metrics.upstream_errors.labels(side="prefill", kind=type(f.error).__name__).inc()
+            worker.breaker.on_failure(probe) if f.retryable else worker.breaker.on_success(probe)
+            raise
+        except aiohttp.ClientError as exc:  # before TimeoutError: some are TimeoutErrors too
+            gw.metrics.upstream_errors.labels(side="prefill", kind="connection").inc()
+            worker.breaker.on_failure(probe)
+            raise LegFailure(
+                "prefill", spec.id, UpstreamError(f"prefill worker {spec.id} failed: {exc!r}"), True
+            ) from exc
         except TimeoutError as exc:
             gw.metrics.upstream_errors.labels(side="prefill", kind="timeout").inc()
-            raise DeadlineExceeded(f"prefill worker {spec.id} did not answer within "
-                                   f"{gw.settings.timeouts.prefill_s} s") from exc
-        except aiohttp.ClientError as exc:
-            gw.metrics.upstream_errors.labels(side="prefill", kind="connection").inc()
-            raise UpstreamError(f"prefill worker {spec.id} failed: {exc}") from exc
+            worker.breaker.on_failure(probe)
+            raise LegFailure(
+                "prefill",
+                spec.id,
+                DeadlineExceeded(
+                    f"prefill worker {spec.id} did not answer within "
+                    f"{gw.settings.timeouts.prefill_s} s"
+                ),
+                True,
+            ) from exc
         finally:
-            worker.queued_prompt_tokens -= n
+            worker.queued_prompt_tokens -= prompt_tokens
             worker.inflight -= 1
             gw.metrics.prefill_seconds.labels(worker=spec.id).observe(gw.clock() - t0)
-        try:
-            params = adapter.kv_params(orjson.loads(data))
-        except (orjson.JSONDecodeError, ProtocolViolation) as exc:
-            gw.metrics.upstream_errors.labels(side="prefill", kind="protocol").inc()
-            raise UpstreamError(f"prefill worker {spec.id} answered badly: {exc}") from exc
+        worker.breaker.on_success(probe)
         # The KV now lives on the prefill worker and no decode has it yet: it is stranded.
-        await gw.store.strand(spec.id, self.request_id, n * gw.settings.kv_bytes_per_token)
-        self.stranded_on = spec.id
+        nbytes = prompt_tokens * gw.settings.kv_bytes_per_token
+        attempt.stranded_on, attempt.stranded_bytes = spec.id, nbytes
+        gw.pools.note_stranded(spec.id, nbytes)
+        await gw.store.strand(spec.id, self.request_id, nbytes)
         return params
 
-    def _kv_accepted(self) -> None:
+    def _kv_accepted(self, attempt: Attempt) -> None:
         """The decode worker produced output, so it holds the KV: clear the stranded entry."""
-        if self.stranded_on is not None:
-            prefill_id, self.stranded_on = self.stranded_on, None
+        if attempt.stranded_on is not None:
+            prefill_id, attempt.stranded_on = attempt.stranded_on, None
+            self.gw.pools.note_stranded(prefill_id, -attempt.stranded_bytes)
             asyncio.get_running_loop().create_task(
-                self.gw.store.unstrand(prefill_id, self.request_id))
+                self.gw.store.unstrand(prefill_id, self.request_id)
+            )
+
+    # -- the decode leg ----------------------------------------------------------------------
+    async def open_decode(
+        self, attempt: Attempt, body: dict[str, Any], resumed: int
+    ) -> aiohttp.ClientResponse:
+        gw = self.gw
+        worker = gw.pools.workers[attempt.candidate.decode_id]
+        spec, t = worker.spec, gw.settings.timeouts
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, sock_read=t.idle_s)
+        probe = worker.breaker.on_dispatch()
+        try:
+            resp = await gw.session.post(
+                spec.url + self.parsed.path,
+                data=orjson.dumps(body),
+                headers=self._headers(worker, resumed),
+                timeout=timeout,
+            )
+        except aiohttp.ClientError as exc:
+            gw.metrics.upstream_errors.labels(side="decode", kind="connection").inc()
+            worker.breaker.on_failure(probe)
+            raise LegFailure(
+                "decode", spec.id, UpstreamError(f"decode worker {spec.id} failed: {exc!r}"), True
+            ) from exc
+        if resp.status != 200:
+            data = await resp.read()
+            resp.release()
+            failure = upstream_failure("decode", spec.id, resp.status, data)
+            gw.metrics.upstream_errors.labels(side="decode", kind=str(resp.status)).inc()
+            worker.breaker.on_failure(probe) if failure.retryable else worker.breaker.on_success(
+                probe
+            )
+            raise failure
+        worker.breaker.on_success(probe)
+        return resp
+
+    async def serve_attempt(
+        self, body: dict[str, Any], prompt_tokens: int, max_tokens: int, resumed: int = 0
+    ) -> tuple[Attempt, aiohttp.ClientResponse]:
+        """Place, reserve, prefill and open the decode stream, retrying failed legs."""
+        gw = self.gw
+        info = await self._estimate(self._request_info(prompt_tokens, max_tokens))
+        if self.info is None:
+            self.info = info
+            gw.metrics.predicted_output_tokens.observe(info.reserve_output_tokens)
+        while True:
+            self.attempts += 1
+            attempt = self.attempt = await self.admit_and_reserve(info)
+            attempt.grow_at_tokens = info.reserve_output_tokens
+            try:
+                leg_body = body
+                if attempt.candidate.prefill_id is not None:
+                    kv = await self.prefill(attempt, body, prompt_tokens, resumed)
+                    decode_spec = gw.pools.workers[attempt.candidate.decode_id].spec
+                    leg_body = gw.adapters[decode_spec.adapter].decode_body(body, kv)
+                return attempt, await self.open_decode(attempt, leg_body, resumed)
+            except LegFailure as failure:
+                await self.release_attempt()
+                if not failure.retryable:
+                    raise failure.error from failure
+                await self._before_retry(failure)
+
+    async def _before_retry(self, failure: LegFailure) -> None:
+        """Spend a retry (or give up with 503) and back off with full jitter."""
+        gw, r = self.gw, self.gw.settings.retry
+        self.avoid.add(failure.worker_id)
+        if self.attempts >= r.max_attempts:
+            raise Unavailable(
+                f"gave up after {self.attempts} attempts; last: {failure.error.message}",
+                retry_after_s=1.0,
+            ) from failure
+        budget = RetryBudgetPolicy(r.budget_ratio, r.budget_min_per_s, r.budget_window_s)
+        if not await gw.store.try_retry(budget):
+            gw.metrics.retry_budget_exhausted.inc()
+            raise Unavailable(
+                f"the cluster-wide retry budget is spent; not retrying: {failure.error.message}",
+                retry_after_s=1.0,
+            ) from failure
+        gw.metrics.retries.labels(side=failure.side).inc()
+        backoff = min(r.backoff_max_s, r.backoff_base_s * 2 ** (self.attempts - 1))
+        await asyncio.sleep(self._rng.uniform(0, backoff))
 
     # -- the whole flow ---------------------------------------------------------------------
     async def run(self) -> web.StreamResponse:
-        gw, parsed = self.gw, self.parsed
-        cand = await self.place_and_reserve()
-        body = parsed.body
-        if cand.prefill_id is not None:
-            kv = await self.prefill(gw.pools.workers[cand.prefill_id])
-            decode_worker = gw.pools.workers[cand.decode_id]
-            body = gw.adapters[decode_worker.spec.adapter].decode_body(parsed.body, kv)
-        return await self.decode(gw.pools.workers[cand.decode_id], body)
-
-    async def decode(self, worker: WorkerState, body: dict[str, Any]) -> web.StreamResponse:
-        gw, spec, t = self.gw, worker.spec, self.gw.settings.timeouts
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, sock_read=t.idle_s)
-        total_deadline = self.started + t.total_s if t.total_s else None
-        first_deadline = self.started + t.ttft_s
-        if total_deadline is not None:
-            first_deadline = min(first_deadline, total_deadline)
-        loop = asyncio.get_running_loop()
-        # Clocks: the flow's clock is monotonic like the loop's, but not necessarily the same.
-        to_loop = loop.time() - gw.clock()
-        client: web.StreamResponse | None = None
-        worker.resident_seqs += 1
+        gw, t = self.gw, self.gw.settings.timeouts
+        first = self.started + t.ttft_s
+        if t.total_s:
+            first = min(first, self.started + t.total_s)
+        # A failed request counts toward the budget's window like any other.
+        asyncio.get_running_loop().create_task(gw.store.note_request())
         try:
-            async with asyncio.timeout_at(first_deadline + to_loop) as deadline:
-                try:
-                    resp = await gw.session.post(spec.url + self.parsed.path, data=orjson.dumps(body),
-                                                 headers=self._headers(worker), timeout=timeout)
-                except aiohttp.ClientError as exc:
-                    gw.metrics.upstream_errors.labels(side="decode", kind="connection").inc()
-                    raise UpstreamError(f"decode worker {spec.id} failed: {exc}") from exc
-                try:
-                    if resp.status != 200:
-                        data = await resp.read()
-                        gw.metrics.upstream_errors.labels(side="decode", kind=str(resp.status)).inc()
-                        raise upstream_failure("decode", spec.id, resp.status, data)
-                    if not self.parsed.stream:
-                        return await self._decode_whole(resp, spec.id)
-
-                    def first_token() -> None:
-                        self._kv_accepted()
-                        gw.metrics.ttft.observe(gw.clock() - self.started)
-                        deadline.reschedule(None if total_deadline is None
-                                            else total_deadline + to_loop)
-
-                    client = web.StreamResponse(headers={
-                        "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                        "X-Request-Id": self.request_id})
-                    await client.prepare(self.http)
-                    result = await relay_sse(resp, client, chat=self.parsed.path == CHAT,
-                                             clock=gw.clock, on_first_token=first_token)
-                    await self._finish_stream(client, result, spec.id)
-                    return client
-                finally:
-                    # Closing (not releasing) drops the connection when the answer is unfinished:
-                    # that is vLLM's abort signal.
-                    resp.close()
+            async with asyncio.timeout_at(self._loop_deadline(first)) as deadline:
+                self._deadline = deadline
+                attempt, resp = await self.serve_attempt(
+                    self.parsed.body, self.parsed.prompt_tokens, self.parsed.max_tokens
+                )
+                if not self.parsed.stream:
+                    return await self._whole(attempt, resp)
+                return await self._stream(attempt, resp)
         except TimeoutError as exc:
-            gw.metrics.upstream_errors.labels(side="decode", kind="timeout").inc()
-            err = DeadlineExceeded(f"decode worker {spec.id} missed the deadline")
-            if client is None:
-                raise err from exc
-            await self._write_error(client, err)
-            return client
-        finally:
-            worker.resident_seqs -= 1
+            gw.metrics.upstream_errors.labels(side="any", kind="deadline").inc()
+            if self._client is None:
+                raise DeadlineExceeded(
+                    f"the request missed its deadline (time to first token {t.ttft_s} s)"
+                ) from exc
+            # Mid-stream: the headers are gone, so the stream ends with a valid error frame.
+            await self._write_error(
+                self._client,
+                DeadlineExceeded(f"the request missed its total deadline ({t.total_s} s)"),
+            )
+            return self._client
 
-    async def _decode_whole(self, resp: aiohttp.ClientResponse, worker_id: str) -> web.Response:
-        data = await resp.read()
-        try:
-            answer = orjson.loads(data)
-            usage = answer.get("usage") or {}
-        except (orjson.JSONDecodeError, AttributeError) as exc:
-            self.gw.metrics.upstream_errors.labels(side="decode", kind="protocol").inc()
-            raise UpstreamError(f"decode worker {worker_id} answered malformed JSON") from exc
-        self._kv_accepted()
-        self.output_tokens = int(usage.get("completion_tokens") or 0)
-        self.gw.metrics.ttft.observe(self.gw.clock() - self.started)
-        return web.Response(body=data, content_type="application/json",
-                            headers={"X-Request-Id": self.request_id})
+    async def _whole(self, attempt: Attempt, resp: aiohttp.ClientResponse) -> web.Response:
+        """Non-streaming: nothing reaches the client until the answer is whole, so a broken
+        answer is retried like a failed leg."""
+        while True:
+            try:
+                try:
+                    data = await resp.read()
+                    answer = orjson.loads(data)
+                    usage = answer.get("usage") or {}
+                except (aiohttp.ClientError, orjson.JSONDecodeError, AttributeError) as exc:
+                    raise LegFailure(
+                        "decode",
+                        attempt.candidate.decode_id,
+                        UpstreamError(
+                            f"decode worker {attempt.candidate.decode_id} answered badly: {exc!r}"
+                        ),
+                        True,
+                    ) from exc
+                finally:
+                    resp.close()
+            except LegFailure as failure:
+                await self.release_attempt()
+                await self._before_retry(failure)
+                attempt, resp = await self.serve_attempt(
+                    self.parsed.body, self.parsed.prompt_tokens, self.parsed.max_tokens
+                )
+                continue
+            self._kv_accepted(attempt)
+            self.output_tokens = int(usage.get("completion_tokens") or 0)
+            self.gw.metrics.ttft.observe(self.gw.clock() - self.started)
+            return web.Response(
+                body=data,
+                content_type="application/json",
+                headers={"X-Request-Id": self.request_id},
+            )
 
-    async def _finish_stream(self, client: web.StreamResponse, result: RelayResult,
-                             worker_id: str) -> None:
+    def _on_first_token(self, attempt: Attempt) -> None:
+        gw, t = self.gw, self.gw.settings.timeouts
+        self._kv_accepted(attempt)
+        gw.metrics.ttft.observe(gw.clock() - self.started)
+        total = self._loop_deadline(self.started + t.total_s) if t.total_s else None
+        self._deadline.reschedule(total)
+
+    def _on_tokens(
+        self, attempt: Attempt, base_tokens: int, prompt_tokens: int, tokens: int
+    ) -> None:
+        """Grow the reservation as the answer outgrows it (never silently smaller than use)."""
+        if tokens <= attempt.grow_at_tokens or attempt.decode_id is None:
+            return
         gw = self.gw
-        gw.metrics.tokens_relayed.inc(result.tokens)
-        if result.client_gone:
-            gw.metrics.client_disconnects.inc()
-            self.status = 499
+        block = gw.pools.workers[attempt.decode_id].spec.layout.block_size
+        if not attempt.overran:
+            attempt.overran = True
+            gw.metrics.reservation_overruns.inc()
+        # Grow by a quarter at a time, so a long overrun costs a few store calls, not one a block.
+        attempt.grow_at_tokens = max(tokens + 1, int(attempt.grow_at_tokens * 1.25))
+        new_blocks = blocks_for(prompt_tokens + base_tokens + attempt.grow_at_tokens, block)
+        asyncio.get_running_loop().create_task(self._grow(attempt, new_blocks))
+
+    async def _grow(self, attempt: Attempt, blocks: int) -> None:
+        if attempt.decode_id is None or blocks <= attempt.blocks:
             return
-        if not result.completed:
+        if await self.gw.store.resize(attempt.decode_id, attempt.reservation_id, blocks):
+            self.gw.pools.note_reserved(attempt.decode_id, blocks - attempt.blocks)
+            attempt.blocks = blocks
+        else:
+            log.info(
+                "request %s outgrew its reservation and %s has no room to grow it",
+                self.request_id,
+                attempt.decode_id,
+            )
+
+    async def _stream(self, attempt: Attempt, resp: aiohttp.ClientResponse) -> web.StreamResponse:
+        gw, chat = self.gw, self.parsed.path == CHAT
+        client = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Request-Id": self.request_id,
+            }
+        )
+        await client.prepare(self.http)
+        self._client = client
+        sent: list[bytes] = []
+        resumed = 0
+        prompt_tokens = self.parsed.prompt_tokens
+        while True:
+            decode_id = attempt.candidate.decode_id
+            worker = gw.pools.workers[decode_id]
+            worker.resident_seqs += 1
+            try:
+                result: RelayResult = await relay_sse(
+                    resp,
+                    client,
+                    chat=chat,
+                    clock=gw.clock,
+                    on_first_token=lambda a=attempt: self._on_first_token(a),
+                    on_tokens=lambda n, a=attempt, b=resumed, p=prompt_tokens: self._on_tokens(
+                        a, b, p, n
+                    ),
+                )
+            finally:
+                worker.resident_seqs -= 1
+                resp.close()  # unfinished: drops the connection, vLLM's abort signal
+            sent.extend(result.chunks)
+            gw.metrics.tokens_relayed.inc(result.tokens)
+            if result.client_gone:
+                gw.metrics.client_disconnects.inc()
+                self.status = 499
+                return client
+            if result.completed:
+                self.output_tokens = resumed + result.tokens
+                try:
+                    await client.write_eof()
+                except (ConnectionError, RuntimeError):
+                    gw.metrics.client_disconnects.inc()
+                return client
+            # The decode worker died mid-stream: resume on a new pair, same client stream.
+            worker.breaker.on_failure()
             gw.metrics.upstream_errors.labels(side="decode", kind="stream_cut").inc()
-            await self._write_error(client, UpstreamError(
-                f"decode worker {worker_id} ended the stream early: {result.upstream_error}"))
-            return
-        self.output_tokens = result.tokens
-        try:
-            await client.write_eof()
-        except (ConnectionError, RuntimeError):
-            gw.metrics.client_disconnects.inc()
+            failure = LegFailure(
+                "decode",
+                decode_id,
+                UpstreamError(
+                    f"decode worker {decode_id} ended the stream early: {result.upstream_error}"
+                ),
+                True,
+            )
+            await self.release_attempt()
+            try:
+                text, resumed = parse_sent_text(sent, chat)
+                body, prompt_tokens, max_tokens = resume_body(
+                    self.parsed, text, resumed, gw.settings.chars_per_token
+                )
+                await self._before_retry(failure)
+                attempt, resp = await self.serve_attempt(body, prompt_tokens, max_tokens, resumed)
+            except RouterError as err:
+                await self._write_error(client, err)
+                return client
+            gw.metrics.resumes.inc()
 
     async def _write_error(self, client: web.StreamResponse, err: RouterError) -> None:
         """Headers are gone: end the stream with a valid SSE error frame, never a silent cut."""
@@ -293,23 +613,42 @@ class RequestFlow:
             pass
 
     # -- the end ----------------------------------------------------------------------------
+    async def release_attempt(self) -> None:
+        """Give back what the current attempt holds; safe to call twice."""
+        attempt, self.attempt = self.attempt, None
+        if attempt is None:
+            return
+        gw = self.gw
+        if attempt.stranded_on is not None:
+            prefill_id, attempt.stranded_on = attempt.stranded_on, None
+            gw.pools.note_stranded(prefill_id, -attempt.stranded_bytes)
+            await gw.store.unstrand(prefill_id, self.request_id)
+        if attempt.decode_id is not None:
+            decode_id, attempt.decode_id = attempt.decode_id, None
+            gw.leases.drop(attempt.reservation_id)
+            released = await gw.store.release(decode_id, attempt.reservation_id)
+            gw.pools.note_released(decode_id, released)
+            if gw.admission.waiting:
+                gw.admission.notify()
+
     async def cleanup(self) -> None:
         gw = self.gw
         try:
-            if self.stranded_on is not None:
-                prefill_id, self.stranded_on = self.stranded_on, None
-                await gw.store.unstrand(prefill_id, self.request_id)
-            if self.reservation is not None:
-                decode_id, _ = self.reservation
-                self.reservation = None
-                gw.leases.drop(self.reservation_id)
-                released = await gw.store.release(decode_id, self.reservation_id)
-                gw.pools.note_released(decode_id, released)
+            await self.release_attempt()
             if self.output_tokens is not None and self.info is not None:
                 gw.metrics.output_tokens.observe(self.output_tokens)
-                await gw.store.record_output(gw.estimator.class_keys(self.info),
-                                             gw.estimator.bucket_of(self.output_tokens))
+                if self.output_tokens > 0:
+                    reserved = self.info.reserve_output_tokens
+                    gw.metrics.estimate_relative_error.observe(
+                        (reserved - self.output_tokens) / self.output_tokens
+                    )
+                await gw.store.record_output(
+                    gw.estimator.class_keys(self.info), gw.estimator.bucket_of(self.output_tokens)
+                )
         except Exception as exc:  # the store is down: leases and the reaper clean up later
             log.warning("cleanup of %s failed (leases will expire): %s", self.request_id, exc)
         finally:
+            if self.admitted:
+                self.admitted = False
+                gw.admission.leave()
             gw.metrics.duration.observe(gw.clock() - self.started)

@@ -58,8 +58,9 @@ class LocalCluster:
         return f"LocalCluster({self.router_url}, workers={list(self.worker_urls)})"
 
 
-async def _wait_http(url: str, proc: asyncio.subprocess.Process, what: str,
-                     timeout_s: float = 30.0) -> None:
+async def _wait_http(
+    url: str, proc: asyncio.subprocess.Process, what: str, timeout_s: float = 30.0
+) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
     async with aiohttp.ClientSession() as session:
         while True:
@@ -69,14 +70,16 @@ async def _wait_http(url: str, proc: asyncio.subprocess.Process, what: str,
                 async with session.get(url, timeout=aiohttp.ClientTimeout(total=1)) as resp:
                     if resp.status < 500:
                         return
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 pass
             if asyncio.get_running_loop().time() > deadline:
                 raise RuntimeError(f"{what} did not come up at {url} within {timeout_s:.0f} s")
             await asyncio.sleep(0.1)
 
 
-async def _spawn(cluster: LocalCluster, args: Sequence[str], log_name: str) -> asyncio.subprocess.Process:
+async def _spawn(
+    cluster: LocalCluster, args: Sequence[str], log_name: str
+) -> asyncio.subprocess.Process:
     log = open(cluster.workdir / log_name, "wb")  # noqa: SIM115 - the child owns it
     try:
         proc = await asyncio.create_subprocess_exec(
@@ -97,9 +100,23 @@ async def _start_redis(cluster: LocalCluster, env_url: str | None) -> None:
         cluster.redis_note = "in-process state store (no REDIS_URL and no redis-server binary)"
         return
     port = free_port()
-    proc = await _spawn(cluster, [binary, "--port", str(port), "--bind", "127.0.0.1",
-                                  "--save", "", "--appendonly", "no",
-                                  "--dir", str(cluster.workdir)], "redis.log")
+    proc = await _spawn(
+        cluster,
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(cluster.workdir),
+        ],
+        "redis.log",
+    )
     import redis.asyncio as aioredis
 
     client = aioredis.Redis(host="127.0.0.1", port=port)
@@ -125,14 +142,33 @@ async def _start_workers(cluster: LocalCluster, kv_blocks: int) -> list[dict[str
     entries: list[dict[str, object]] = []
     starting = []
     roles = [("prefill", i) for i in range(shape.n_prefill)] + [
-        ("decode", i) for i in range(shape.n_decode)]
+        ("decode", i) for i in range(shape.n_decode)
+    ]
     for role, i in roles:
         wid = f"{role[0]}{i}"
         port = free_port()
-        args = [sys.executable, "-m", "router.cli", "--log-level", "WARNING", "worker",
-                "--role", role, "--port", str(port), "--worker-id", wid,
-                "--model", shape.model, "--gpu", shape.gpu,
-                "--time-scale", str(shape.time_scale), "--kv-blocks", str(kv_blocks)]
+        args = [
+            sys.executable,
+            "-m",
+            "router.cli",
+            "--log-level",
+            "WARNING",
+            "worker",
+            "--role",
+            role,
+            "--port",
+            str(port),
+            "--worker-id",
+            wid,
+            "--model",
+            shape.model,
+            "--gpu",
+            shape.gpu,
+            "--time-scale",
+            str(shape.time_scale),
+            "--kv-blocks",
+            str(kv_blocks),
+        ]
         proc = await _spawn(cluster, args, f"worker-{wid}.log")
         url = f"http://127.0.0.1:{port}"
         cluster.worker_urls[wid] = url
@@ -146,8 +182,9 @@ async def _start_workers(cluster: LocalCluster, kv_blocks: int) -> list[dict[str
 
 
 @contextlib.asynccontextmanager
-async def local_cluster(shape: ClusterShape, *, redis_url: str | None = None,
-                        keep_logs: bool = False) -> AsyncIterator[LocalCluster]:
+async def local_cluster(
+    shape: ClusterShape, *, redis_url: str | None = None, keep_logs: bool = False
+) -> AsyncIterator[LocalCluster]:
     workdir = Path(tempfile.mkdtemp(prefix="disagg-demo-"))
     cluster = LocalCluster(shape=shape, workdir=workdir)
     try:
@@ -157,17 +194,33 @@ async def local_cluster(shape: ClusterShape, *, redis_url: str | None = None,
         workers = await _start_workers(cluster, kv_blocks)
         port = shape.router_port or free_port()
         config = {
-            "host": "127.0.0.1", "port": port, "model": shape.model,
+            "host": "127.0.0.1",
+            "port": port,
+            "model": shape.model,
             "perf": {"model": shape.model, "gpu": shape.gpu},
-            "redis_url": cluster.redis_url, "key_prefix": f"demo:{os.getpid()}:",
-            "policy": shape.policy, "estimator": shape.estimator, "workers": workers,
+            "redis_url": cluster.redis_url,
+            "key_prefix": f"demo:{os.getpid()}:",
+            "policy": shape.policy,
+            "estimator": shape.estimator,
+            "workers": workers,
             # The workers run time_scale x faster than real GPUs: scale the deadlines with them.
             "health_interval_s": 1.0,
         }
         (workdir / "cluster.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-        proc = await _spawn(cluster, [sys.executable, "-m", "router.cli", "--log-level", "WARNING",
-                                      "serve", "--config", str(workdir / "cluster.yaml")],
-                            "router.log")
+        proc = await _spawn(
+            cluster,
+            [
+                sys.executable,
+                "-m",
+                "router.cli",
+                "--log-level",
+                "WARNING",
+                "serve",
+                "--config",
+                str(workdir / "cluster.yaml"),
+            ],
+            "router.log",
+        )
         cluster.router_url = f"http://127.0.0.1:{port}"
         await _wait_http(cluster.router_url + "/v1/models", proc, "router")
         yield cluster
@@ -178,7 +231,7 @@ async def local_cluster(shape: ClusterShape, *, redis_url: str | None = None,
         for proc in reversed(cluster.procs):
             try:
                 await asyncio.wait_for(proc.wait(), 10)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 proc.kill()
                 await proc.wait()
         if not keep_logs:

@@ -18,45 +18,121 @@ class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         p = "disagg_router_"
-        self.requests = Counter(p + "requests", "Client requests by route and final status",
-                                ["route", "status"], registry=r)
-        self.ttft = Histogram(p + "ttft_seconds", "Time to first token as the client sees it",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.duration = Histogram(p + "request_duration_seconds", "Whole request, end to end",
-                                  buckets=_LATENCY_BUCKETS, registry=r)
-        self.prefill_seconds = Histogram(p + "prefill_seconds", "Prefill leg duration",
-                                         ["worker"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.placements = Counter(p + "placements", "Requests placed, by prefill and decode worker",
-                                  ["prefill", "decode"], registry=r)
-        self.rejections = Counter(p + "rejections", "Requests refused for lack of decode room",
-                                  ["reason"], registry=r)
+        self.requests = Counter(
+            p + "requests",
+            "Client requests by route and final status",
+            ["route", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            p + "ttft_seconds",
+            "Time to first token as the client sees it",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            p + "request_duration_seconds",
+            "Whole request, end to end",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prefill_seconds = Histogram(
+            p + "prefill_seconds",
+            "Prefill leg duration",
+            ["worker"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.placements = Counter(
+            p + "placements",
+            "Requests placed, by prefill and decode worker",
+            ["prefill", "decode"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            p + "rejections", "Requests refused for lack of decode room", ["reason"], registry=r
+        )
         self.reserve_conflicts = Counter(
             p + "reserve_conflicts",
-            "Candidates whose reservation failed (another replica took the room)", registry=r)
-        self.reserved_blocks = Gauge(p + "reserved_blocks",
-                                     "Decode KV blocks reserved (all replicas, last refresh)",
-                                     ["worker"], registry=r)
-        self.active_reservations = Gauge(p + "active_reservations",
-                                         "Reservations held by this replica", registry=r)
-        self.stranded_bytes = Gauge(p + "stranded_kv_bytes",
-                                    "KV bytes built by prefill and not yet accepted by decode",
-                                    ["worker"], registry=r)
-        self.upstream_errors = Counter(p + "upstream_errors", "Worker failures by side and kind",
-                                       ["side", "kind"], registry=r)
-        self.tokens_relayed = Counter(p + "tokens_relayed", "Output tokens relayed to clients",
-                                      registry=r)
-        self.client_disconnects = Counter(p + "client_disconnects",
-                                          "Clients that went away before the answer ended",
-                                          registry=r)
-        self.output_tokens = Histogram(p + "output_tokens", "True output length per request",
-                                       buckets=_TOKEN_BUCKETS, registry=r)
+            "Candidates whose reservation failed (another replica took the room)",
+            registry=r,
+        )
+        self.reserved_blocks = Gauge(
+            p + "reserved_blocks",
+            "Decode KV blocks reserved (all replicas, last refresh)",
+            ["worker"],
+            registry=r,
+        )
+        self.active_reservations = Gauge(
+            p + "active_reservations", "Reservations held by this replica", registry=r
+        )
+        self.stranded_bytes = Gauge(
+            p + "stranded_kv_bytes",
+            "KV bytes built by prefill and not yet accepted by decode",
+            ["worker"],
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            p + "upstream_errors", "Worker failures by side and kind", ["side", "kind"], registry=r
+        )
+        self.tokens_relayed = Counter(
+            p + "tokens_relayed", "Output tokens relayed to clients", registry=r
+        )
+        self.client_disconnects = Counter(
+            p + "client_disconnects", "Clients that went away before the answer ended", registry=r
+        )
+        self.output_tokens = Histogram(
+            p + "output_tokens",
+            "True output length per request",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
         self.predicted_output_tokens = Histogram(
-            p + "predicted_output_tokens", "Output tokens reserved for, per request",
-            buckets=_TOKEN_BUCKETS, registry=r)
+            p + "predicted_output_tokens",
+            "Output tokens reserved for, per request",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
         self.reservation_overruns = Counter(
-            p + "reservation_overruns", "Sequences that outgrew their reservation", registry=r)
-        self.worker_healthy = Gauge(p + "worker_healthy", "1 if the worker is in rotation",
-                                    ["worker", "role"], registry=r)
+            p + "reservation_overruns", "Sequences that outgrew their reservation", registry=r
+        )
+        self.retries = Counter(
+            p + "retries", "Attempts after the first, by the side that failed", ["side"], registry=r
+        )
+        self.resumes = Counter(
+            p + "resumes",
+            "Streams continued on a new pair after the decode failed mid-stream",
+            registry=r,
+        )
+        self.retry_budget_exhausted = Counter(
+            p + "retry_budget_exhausted", "Retries refused by the cluster-wide budget", registry=r
+        )
+        self.stranded_expired = Counter(
+            p + "stranded_kv_expired",
+            "Stranded KV entries reaped after the KV lease",
+            ["worker"],
+            registry=r,
+        )
+        self.stranded_byte_seconds = Gauge(
+            p + "stranded_kv_byte_seconds",
+            "Stranded KV bytes integrated over time (this replica's view)",
+            registry=r,
+        )
+        self.admission_waiting = Gauge(
+            p + "admission_waiting", "Requests waiting for decode room", registry=r
+        )
+        self.estimate_relative_error = Histogram(
+            p + "estimate_relative_error",
+            "(reserved - actual) / actual output tokens",
+            buckets=(-1, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1, 2, 4, 8),
+            registry=r,
+        )
+        self.breaker_state = Gauge(
+            p + "breaker_open", "1 if the worker's circuit is open", ["worker"], registry=r
+        )
+        self.worker_healthy = Gauge(
+            p + "worker_healthy", "1 if the worker is in rotation", ["worker", "role"], registry=r
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from policies.base import ClusterView, DecodeView, PrefillView
+from router.breaker import CircuitBreaker
 from router.config import Settings, WorkerSpec
 from state.base import StateStore
 
@@ -38,6 +39,12 @@ class WorkerState:
     reserved_blocks: int = 0  # all replicas, from the store, adjusted locally
     stranded_bytes: int = 0
     recent_prefixes: set[int] = field(default_factory=set)
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+
+    @property
+    def available(self) -> bool:
+        """In rotation: passing health probes and its circuit breaker lets a request through."""
+        return self.healthy and self.breaker.allows()
 
     def __repr__(self) -> str:
         return (
@@ -54,7 +61,11 @@ class Pools:
         self.workers: dict[str, WorkerState] = {}
         for spec in settings.workers:
             cap = spec.capacity_blocks if spec.is_decode else 0
-            self.workers[spec.id] = WorkerState(spec=spec, capacity_blocks=cap)
+            self.workers[spec.id] = WorkerState(
+                spec=spec, capacity_blocks=cap, breaker=CircuitBreaker(settings.breaker)
+            )
+        self.stranded_byte_seconds = 0.0
+        self._last_refresh: float | None = None
 
     def __repr__(self) -> str:
         return f"Pools({list(self.workers.values())!r})"
@@ -68,12 +79,13 @@ class Pools:
         return (w for w in self.workers.values() if w.spec.is_decode)
 
     # -- the snapshot ------------------------------------------------------------------------
-    def snapshot(self) -> ClusterView:
+    def snapshot(self, avoid: frozenset[str] = frozenset()) -> ClusterView:
+        """The pools as policies see them; `avoid` = workers that already failed this request."""
         prefill = tuple(
             PrefillView(
                 worker_id=w.spec.id,
                 layout=w.spec.layout,
-                healthy=w.healthy,
+                healthy=w.available and w.spec.id not in avoid,
                 group=w.spec.group,
                 queued_prompt_tokens=w.queued_prompt_tokens,
                 inflight=w.inflight,
@@ -93,7 +105,7 @@ class Pools:
                 capacity_blocks=w.capacity_blocks,
                 reserved_blocks=w.reserved_blocks,
                 resident_seqs=w.resident_seqs,
-                healthy=w.healthy,
+                healthy=w.available and w.spec.id not in avoid,
                 group=w.spec.group,
                 step_base_s=w.spec.perf.step_base_s if w.spec.perf else 0.005,
                 step_s_per_block=w.spec.perf.step_s_per_block if w.spec.perf else 0.0,
@@ -105,8 +117,9 @@ class Pools:
             )
             for w in self.decode_workers
         )
-        return ClusterView(prefill=prefill, decode=decode,
-                           kv_bytes_per_token=self.settings.kv_bytes_per_token)
+        return ClusterView(
+            prefill=prefill, decode=decode, kv_bytes_per_token=self.settings.kv_bytes_per_token
+        )
 
     # -- local accounting ----------------------------------------------------------------------
     def note_reserved(self, worker_id: str, blocks: int) -> None:
@@ -115,6 +128,10 @@ class Pools:
     def note_released(self, worker_id: str, blocks: int) -> None:
         w = self.workers[worker_id]
         w.reserved_blocks = max(0, w.reserved_blocks - blocks)
+
+    def note_stranded(self, worker_id: str, nbytes: int) -> None:
+        w = self.workers[worker_id]
+        w.stranded_bytes = max(0, w.stranded_bytes + nbytes)
 
     # -- background tasks ---------------------------------------------------------------------
     async def register_capacities(self) -> None:
@@ -128,13 +145,20 @@ class Pools:
         stranded = await self.store.stranded_bytes(prefill_ids) if prefill_ids else {}
         for wid, u in usage.items():
             self.workers[wid].reserved_blocks = u.reserved_blocks
+        now = time.monotonic()
+        if self._last_refresh is not None:
+            total = sum(w.stranded_bytes for w in self.prefill_workers)
+            self.stranded_byte_seconds += total * (now - self._last_refresh)
+        self._last_refresh = now
         for wid, nbytes in stranded.items():
             self.workers[wid].stranded_bytes = nbytes
 
-    async def run_refresher(self) -> None:
+    async def run_refresher(self, on_refresh=None) -> None:  # type: ignore[no-untyped-def]
         while True:
             try:
                 await self.refresh_from_store()
+                if on_refresh is not None:
+                    on_refresh()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a store hiccup must not kill the loop
@@ -146,17 +170,21 @@ class Pools:
             timeout = aiohttp.ClientTimeout(total=max(1.0, self.settings.health_interval_s))
             async with session.get(w.spec.url + "/health", timeout=timeout) as resp:
                 ok = resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             ok = False
         if ok:
             if not w.healthy:
                 log.info("worker %s is healthy again", w.spec.id)
             w.healthy, w.consecutive_failures = True, 0
+            w.breaker.on_health(True)
         else:
             w.consecutive_failures += 1
             if w.healthy and w.consecutive_failures >= 2:
-                log.warning("worker %s failed %d health probes: out of rotation",
-                            w.spec.id, w.consecutive_failures)
+                log.warning(
+                    "worker %s failed %d health probes: out of rotation",
+                    w.spec.id,
+                    w.consecutive_failures,
+                )
                 w.healthy = False
 
     async def run_health_prober(self, session: aiohttp.ClientSession) -> None:

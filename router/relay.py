@@ -29,8 +29,10 @@ class RelayResult:
     chunks: list[bytes] = field(default_factory=list)
 
     def __repr__(self) -> str:
-        return (f"RelayResult(tokens={self.tokens}, completed={self.completed}, "
-                f"client_gone={self.client_gone}, upstream_error={self.upstream_error!r})")
+        return (
+            f"RelayResult(tokens={self.tokens}, completed={self.completed}, "
+            f"client_gone={self.client_gone}, upstream_error={self.upstream_error!r})"
+        )
 
 
 def count_tokens(data: bytes, chat: bool) -> int:
@@ -47,23 +49,37 @@ async def relay_sse(
     chat: bool,
     clock: Any,
     on_first_token: Any = None,
+    on_tokens: Any = None,
 ) -> RelayResult:
     """Forward `upstream`'s SSE body to `client` until it ends, either side fails, or is cancelled.
 
     `on_first_token()` runs once, synchronously, when the first chunk arrives (the decode
-    worker has accepted the KV). Deadlines are the caller's (aiohttp's sock_read timeout is the
+    worker has accepted the KV); `on_tokens(total)` after each forwarded piece. Deadlines are the caller's (aiohttp's sock_read timeout is the
     idle deadline; an enclosing asyncio.timeout is the TTFT/total one).
     """
     result = RelayResult()
     tail = b""
+    pending = b""  # the start of an event whose end has not arrived yet
     try:
         async for data in upstream.content.iter_any():
+            if pending:
+                data = pending + data
+                pending = b""
+            # Forward whole events only: if the worker dies mid-event, the client must not hold
+            # half an event that the next (resumed) stream's bytes would corrupt.
+            if not data.endswith(b"\n\n"):
+                cut = data.rfind(b"\n\n") + 2
+                data, pending = data[:cut], data[cut:]
+                if not data:
+                    continue
             if result.first_token_at is None:
                 result.first_token_at = clock()
                 if on_first_token is not None:
                     on_first_token()
             result.chunks.append(data)
             result.tokens += count_tokens(data, chat)
+            if on_tokens is not None:
+                on_tokens(result.tokens)
             try:
                 await client.write(data)
             except (ConnectionError, RuntimeError):
@@ -76,7 +92,8 @@ async def relay_sse(
     except aiohttp.ClientPayloadError as exc:
         result.upstream_error = f"decode stream broken: {exc}"
     except aiohttp.ClientConnectionError as exc:
-        result.upstream_error = f"decode connection lost: {exc}"
+        # Includes the idle deadline (aiohttp's sock_read timeout).
+        result.upstream_error = f"decode connection lost: {exc!r}"
     result.completed = _DONE in tail
     if not result.completed and result.upstream_error is None:
         result.upstream_error = "decode stream ended without [DONE]"

@@ -94,17 +94,25 @@ async def sim_cluster(
     **settings: Any,
 ) -> AsyncIterator[SimCluster]:
     """Simulated workers plus a router in front of them, all in this process on loopback."""
-    roles = ([("prefill", f"p{i}") for i in range(prefill)]
-             + [("decode", f"d{i}") for i in range(decode)]
-             + [("both", f"b{i}") for i in range(both)])
+    roles = (
+        [("prefill", f"p{i}") for i in range(prefill)]
+        + [("decode", f"d{i}") for i in range(decode)]
+        + [("both", f"b{i}") for i in range(both)]
+    )
     async with contextlib.AsyncExitStack() as stack:
         workers: dict[str, str] = {}
         configs: dict[str, WorkerConfig] = {}
         entries = []
         for role, wid in roles:
             extra = (worker_overrides or {}).get(wid, {})
-            cfg = WorkerConfig(role=role, worker_id=wid, model=MODEL, kv_blocks=kv_blocks,
-                               time_scale=time_scale, **extra)
+            cfg = WorkerConfig(
+                role=role,
+                worker_id=wid,
+                model=MODEL,
+                kv_blocks=kv_blocks,
+                time_scale=time_scale,
+                **extra,
+            )
             url = await stack.enter_async_context(running_worker(cfg))
             workers[wid], configs[wid] = url, cfg
             entry: dict[str, Any] = {"id": wid, "url": url, "role": role, "adapter": "sim"}

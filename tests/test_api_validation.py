@@ -26,28 +26,80 @@ def parse(path: str, raw: bytes, max_model_len: int | None = 8192):
         (CHAT, b'{"model": 7, "messages": []}', "model", "'model' is required"),
         (CHAT, b'{"model": "llama-3-8b", "messages": "hi"}', "messages", "non-empty list"),
         (CHAT, b'{"model": "llama-3-8b", "messages": [{"content": "x"}]}', "messages", "role"),
-        (CHAT, b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": 5}]}',
-         "messages[0].content", "string or a list"),
-        (CHAT, b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": [{"text": "x"}]}]}',
-         "messages[0].content", "'type'"),
-        (CHAT, b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": "x"}], '
-               b'"max_tokens": -1}', "max_tokens", "at least 1"),
-        (CHAT, b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": "x"}], '
-               b'"max_tokens": "10"}', "max_tokens", "integer"),
-        (CHAT, b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": "x"}], '
-               b'"max_tokens": true}', "max_tokens", "integer"),
-        (CHAT, b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": "x"}], '
-               b'"max_completion_tokens": 0}', "max_completion_tokens", "at least 1"),
-        (CHAT, b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": "x"}], '
-               b'"stream": "yes"}', "stream", "boolean"),
-        (CHAT, b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": "x"}], '
-               b'"stream_options": {"include_usage": true}}', "stream_options", "only allowed"),
-        (CHAT, b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": "x"}], '
-               b'"n": 3}', "n", "n=1"),
-        (CHAT, b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": "x"}], '
-               b'"temperature": "hot"}', "temperature", "number"),
-        (CHAT, b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": "x"}], '
-               b'"max_tokens": 9000}', "max_tokens", "too large"),
+        (
+            CHAT,
+            b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": 5}]}',
+            "messages[0].content",
+            "string or a list",
+        ),
+        (
+            CHAT,
+            b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": [{"text": "x"}]}]}',
+            "messages[0].content",
+            "'type'",
+        ),
+        (
+            CHAT,
+            b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": "x"}], '
+            b'"max_tokens": -1}',
+            "max_tokens",
+            "at least 1",
+        ),
+        (
+            CHAT,
+            b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": "x"}], '
+            b'"max_tokens": "10"}',
+            "max_tokens",
+            "integer",
+        ),
+        (
+            CHAT,
+            b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": "x"}], '
+            b'"max_tokens": true}',
+            "max_tokens",
+            "integer",
+        ),
+        (
+            CHAT,
+            b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": "x"}], '
+            b'"max_completion_tokens": 0}',
+            "max_completion_tokens",
+            "at least 1",
+        ),
+        (
+            CHAT,
+            b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": "x"}], '
+            b'"stream": "yes"}',
+            "stream",
+            "boolean",
+        ),
+        (
+            CHAT,
+            b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": "x"}], '
+            b'"stream_options": {"include_usage": true}}',
+            "stream_options",
+            "only allowed",
+        ),
+        (
+            CHAT,
+            b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": "x"}], "n": 3}',
+            "n",
+            "n=1",
+        ),
+        (
+            CHAT,
+            b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": "x"}], '
+            b'"temperature": "hot"}',
+            "temperature",
+            "number",
+        ),
+        (
+            CHAT,
+            b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": "x"}], '
+            b'"max_tokens": 9000}',
+            "max_tokens",
+            "too large",
+        ),
         (COMPLETIONS, b'{"model": "llama-3-8b"}', "prompt", "non-empty string"),
         (COMPLETIONS, b'{"model": "llama-3-8b", "prompt": ["a", "b"]}', "prompt", "batched"),
         (COMPLETIONS, b'{"model": "llama-3-8b", "prompt": [1, -2]}', "prompt", "non-negative"),
@@ -73,9 +125,12 @@ def test_prompt_token_counts() -> None:
     assert p.prompt_tokens == 3 and p.max_tokens == 5
     p = parse(COMPLETIONS, b'{"model": "llama-3-8b", "prompt": "abcdefgh"}')
     assert p.prompt_tokens == 2 and p.max_tokens == 8192 - 2  # no cap given: the room left
-    p = parse(CHAT, b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": '
-                    b'[{"type": "text", "text": "abcd"}, {"type": "image_url", "image_url": {}}]}],'
-                    b' "max_completion_tokens": 7, "max_tokens": 100}')
+    p = parse(
+        CHAT,
+        b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": '
+        b'[{"type": "text", "text": "abcd"}, {"type": "image_url", "image_url": {}}]}],'
+        b' "max_completion_tokens": 7, "max_tokens": 100}',
+    )
     assert p.max_tokens == 7  # max_completion_tokens wins, as in the OpenAI API
     assert p.prompt_tokens >= 1
 
@@ -89,19 +144,28 @@ async def test_bad_input_over_http_gets_openai_errors(redis_prefix: str) -> None
         async with aiohttp.ClientSession() as s:
             cases = [
                 (b"{oops", 400),
-                (b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": "x"}], '
-                 b'"max_tokens": -3}', 400),
+                (
+                    b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": "x"}], '
+                    b'"max_tokens": -3}',
+                    400,
+                ),
                 (b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}', 404),
-                (b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": "'
-                 + b"x" * 8000 + b'"}]}', 413),
+                (
+                    b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": "'
+                    + b"x" * 8000
+                    + b'"}]}',
+                    413,
+                ),
             ]
             for raw, status in cases:
-                async with s.post(c.router_url + CHAT, data=raw,
-                                  headers={"Content-Type": "application/json"}) as resp:
+                async with s.post(
+                    c.router_url + CHAT, data=raw, headers={"Content-Type": "application/json"}
+                ) as resp:
                     assert resp.status == status, await resp.text()
                     body = await resp.json()
                     assert set(body["error"]) == {"message", "type", "param", "code"}
                     assert body["error"]["message"]
+
             # Chunked upload (no Content-Length) over the limit is refused the same way.
             async def gen():  # type: ignore[no-untyped-def]
                 for _ in range(10):

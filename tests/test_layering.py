@@ -15,17 +15,22 @@ def _modules(package: str) -> list[str]:
 
 
 def _imported_after(module: str) -> set[str]:
-    code = ("import sys, importlib; before = set(sys.modules); importlib.import_module(%r); "
-            "print('\\n'.join(sorted(set(sys.modules) - before)))" % module)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=ROOT, check=True)
+    code = (
+        "import sys, importlib; before = set(sys.modules); importlib.import_module(%r); "
+        "print('\\n'.join(sorted(set(sys.modules) - before)))" % module
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
+    )
     return set(out.stdout.split())
 
 
 def test_policies_import_no_io_libraries_nor_upper_layers() -> None:
     for module in ["policies"] + _modules("policies"):
         loaded = {m.split(".")[0] for m in _imported_after(module)}
-        assert not loaded & {"aiohttp", "redis", "router", "state", "sim", "bench", "asyncio"}, module
+        assert not loaded & {"aiohttp", "redis", "router", "state", "sim", "bench", "asyncio"}, (
+            module
+        )
 
 
 def test_state_knows_nothing_of_http_or_the_router() -> None:

@@ -22,8 +22,12 @@ def _client(url: str) -> AsyncOpenAI:
 
 
 def _chat_body(text: str, max_tokens: int = 40, **extra: object) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": text}],
-            "max_tokens": max_tokens, **extra}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        **extra,
+    }
 
 
 async def test_streaming_chat_is_exact_and_reservation_released(redis_prefix: str) -> None:
@@ -31,8 +35,12 @@ async def test_streaming_chat_is_exact_and_reservation_released(redis_prefix: st
         body = _chat_body("Tell me about disaggregated serving.", 48)
         want, n_tokens, finish = expected_answer(CHAT, body)
         stream = await client.chat.completions.create(
-            model=MODEL, messages=body["messages"], max_tokens=48, stream=True,
-            stream_options={"include_usage": True})
+            model=MODEL,
+            messages=body["messages"],
+            max_tokens=48,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         pieces, finishes, usage = [], [], None
         async for chunk in stream:
             if chunk.usage is not None:
@@ -55,16 +63,18 @@ async def test_non_streaming_chat_and_completions_are_exact(redis_prefix: str) -
     async with sim_cluster(redis_prefix=redis_prefix) as c, _client(c.router_url) as client:
         body = _chat_body("What is a KV cache?", 30)
         want, n_tokens, finish = expected_answer(CHAT, body)
-        resp = await client.chat.completions.create(model=MODEL, messages=body["messages"],
-                                                    max_tokens=30)
+        resp = await client.chat.completions.create(
+            model=MODEL, messages=body["messages"], max_tokens=30
+        )
         assert resp.choices[0].message.content == want
         assert resp.choices[0].finish_reason == finish
         assert resp.usage is not None and resp.usage.completion_tokens == n_tokens
 
         cbody = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 25}
         cwant, cn, _ = expected_answer(COMPLETIONS, cbody)
-        cresp = await client.completions.create(model=MODEL, prompt="Once upon a time",
-                                                max_tokens=25)
+        cresp = await client.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=25
+        )
         assert cresp.choices[0].text == cwant
         assert cresp.usage is not None and cresp.usage.completion_tokens == cn
 
@@ -72,10 +82,12 @@ async def test_non_streaming_chat_and_completions_are_exact(redis_prefix: str) -
 async def test_streaming_completions_with_token_ids_is_exact(redis_prefix: str) -> None:
     async with sim_cluster(redis_prefix=redis_prefix) as c, _client(c.router_url) as client:
         ids = [101, 2023, 2003, 1037, 3231]
-        want, n_tokens, _ = expected_answer(COMPLETIONS, {"model": MODEL, "prompt": ids,
-                                                          "max_tokens": 64})
-        stream = await client.completions.create(model=MODEL, prompt=ids, max_tokens=64,
-                                                 stream=True)
+        want, n_tokens, _ = expected_answer(
+            COMPLETIONS, {"model": MODEL, "prompt": ids, "max_tokens": 64}
+        )
+        stream = await client.completions.create(
+            model=MODEL, prompt=ids, max_tokens=64, stream=True
+        )
         pieces = [ch.choices[0].text async for ch in stream if ch.choices and ch.choices[0].text]
         assert "".join(pieces) == want and len(pieces) == n_tokens
 
@@ -84,17 +96,27 @@ async def test_wire_protocol_prefill_then_decode(redis_prefix: str) -> None:
     """Prefill got max_tokens 1 + do_remote_decode; decode got the prefill's params verbatim."""
     async with sim_cluster(redis_prefix=redis_prefix) as c, _client(c.router_url) as client:
         await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hello there"}], max_tokens=20,
-            stream=True, stream_options={"include_usage": True},
-            extra_body={"min_tokens": 2}, extra_headers={"X-Request-Id": "req-wire-1"})
+            model=MODEL,
+            messages=[{"role": "user", "content": "hello there"}],
+            max_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"min_tokens": 2},
+            extra_headers={"X-Request-Id": "req-wire-1"},
+        )
         (pre,) = await c.worker_requests("p0")
         (dec,) = await c.worker_requests("d0")
         pb, db = pre["body"], dec["body"]
         assert pb["max_tokens"] == 1 and pb["stream"] is False
         assert "min_tokens" not in pb and "stream_options" not in pb
         assert pb["kv_transfer_params"] == {
-            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-            "remote_block_ids": None, "remote_host": None, "remote_port": None}
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        }
         kv = db["kv_transfer_params"]
         assert kv["do_remote_prefill"] is True
         assert kv["remote_engine_id"] == c.configs["p0"].engine_id
@@ -111,18 +133,58 @@ async def test_wire_protocol_prefill_then_decode(redis_prefix: str) -> None:
 
 
 async def test_full_decode_pool_gives_429_and_sends_no_prefill(redis_prefix: str) -> None:
-    # 40 blocks of 16 tokens: room for 640 tokens, less than one request's prompt + max_tokens.
-    async with sim_cluster(redis_prefix=redis_prefix, kv_blocks=40,
-                           estimator="max_tokens") as c:
-        async with aiohttp.ClientSession() as s:
-            body = _chat_body("x" * 1600, 400)
-            async with s.post(c.router_url + CHAT, json=body) as resp:
-                assert resp.status == 429
-                assert int(resp.headers["Retry-After"]) >= 1
-                err = (await resp.json())["error"]
-                assert err["type"] == "rate_limit_exceeded" and err["message"]
-                assert set(err) == {"message", "type", "param", "code"}
+    # Another replica holds all of d0's room; this request waits briefly in the admission
+    # queue, then gets 429 + Retry-After, and no prefill was ever sent.
+    async with sim_cluster(
+        redis_prefix=redis_prefix,
+        kv_blocks=400,
+        estimator="max_tokens",
+        admission={"max_wait_s": 0.3},
+    ) as c:
+        store = c.gateway.store
+        assert await store.reserve("d0", "other-replica", 400, 30.0)
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(c.router_url + CHAT, json=_chat_body("hello", 40)) as resp:
+                    assert resp.status == 429
+                    assert int(resp.headers["Retry-After"]) >= 1
+                    err = (await resp.json())["error"]
+                    assert err["type"] == "rate_limit_exceeded" and "deadline" in err["message"]
+                    assert set(err) == {"message", "type", "param", "code"}
+                # Larger than the whole worker: refused at once, not after waiting.
+                async with s.post(c.router_url + CHAT, json=_chat_body("x" * 8000, 5000)) as resp:
+                    assert resp.status == 429
+                    assert "deadline" not in (await resp.json())["error"]["message"]
+        finally:
+            assert await store.release("d0", "other-replica") == 400
         assert await c.worker_requests("p0") == []
+        assert await c.reserved_blocks() == {"d0": 0}
+
+
+async def test_waiting_request_is_admitted_when_room_frees(redis_prefix: str) -> None:
+    async with (
+        sim_cluster(
+            redis_prefix=redis_prefix,
+            kv_blocks=400,
+            estimator="max_tokens",
+            admission={"max_wait_s": 10},
+        ) as c,
+        _client(c.router_url) as client,
+    ):
+        store = c.gateway.store
+        assert await store.reserve("d0", "other-replica", 400, 30.0)
+
+        async def free_later() -> None:
+            await asyncio.sleep(0.3)
+            assert await store.release("d0", "other-replica") == 400
+
+        body = _chat_body("patience", 20)
+        want, _, _ = expected_answer(CHAT, body)
+        resp, _ = await asyncio.gather(
+            client.chat.completions.create(model=MODEL, messages=body["messages"], max_tokens=20),
+            free_later(),
+        )
+        assert resp.choices[0].message.content == want
         assert await c.reserved_blocks() == {"d0": 0}
 
 
@@ -130,18 +192,20 @@ async def test_client_errors_through_openai_client(redis_prefix: str) -> None:
     async with sim_cluster(redis_prefix=redis_prefix) as c, _client(c.router_url) as client:
         with pytest.raises(openai.NotFoundError):
             await client.chat.completions.create(
-                model="no-such-model", messages=[{"role": "user", "content": "x"}])
+                model="no-such-model", messages=[{"role": "user", "content": "x"}]
+            )
         with pytest.raises(openai.BadRequestError) as bad:
             await client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=-5)
+                model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=-5
+            )
         assert bad.value.body["param"] == "max_tokens"  # type: ignore[index]
 
 
 async def test_many_concurrent_requests_with_disconnects_leave_nothing_reserved(
     redis_prefix: str,
 ) -> None:
-    async with sim_cluster(redis_prefix=redis_prefix, prefill=2, decode=2,
-                           time_scale=100.0) as c:
+    async with sim_cluster(redis_prefix=redis_prefix, prefill=2, decode=2, time_scale=100.0) as c:
+
         async def full(i: int, session: aiohttp.ClientSession) -> str:
             body = _chat_body(f"request number {i} " * (1 + i % 7), 30 + i % 50, stream=True)
             want, _, _ = expected_answer(CHAT, body)
@@ -154,14 +218,17 @@ async def test_many_concurrent_requests_with_disconnects_leave_nothing_reserved(
         async def abandon(i: int) -> None:
             # A client that reads a few bytes of the stream and hangs up.
             body = _chat_body(f"walk away {i}", 2000, stream=True, ignore_eos=True)
-            async with aiohttp.ClientSession() as own, own.post(c.router_url + CHAT,
-                                                                 json=body) as resp:
+            async with (
+                aiohttp.ClientSession() as own,
+                own.post(c.router_url + CHAT, json=body) as resp,
+            ):
                 assert resp.status == 200
                 await resp.content.readany()
 
         async with aiohttp.ClientSession() as session:
-            results = await asyncio.gather(*(full(i, session) for i in range(40)),
-                                           *(abandon(i) for i in range(12)))
+            results = await asyncio.gather(
+                *(full(i, session) for i in range(40)), *(abandon(i) for i in range(12))
+            )
         assert all(isinstance(r, str) for r in results[:40])
         # Releases run as the handlers unwind; give the cancelled ones a moment.
         for _ in range(100):

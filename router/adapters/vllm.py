@@ -39,7 +39,9 @@ class VllmNixlAdapter:
         return out
 
     def kv_params(self, prefill_answer: Any) -> dict[str, Any]:
-        params = prefill_answer.get("kv_transfer_params") if isinstance(prefill_answer, dict) else None
+        params = (
+            prefill_answer.get("kv_transfer_params") if isinstance(prefill_answer, dict) else None
+        )
         if not isinstance(params, dict):
             raise ProtocolViolation(
                 "the prefill worker's answer has no kv_transfer_params object: is it started "

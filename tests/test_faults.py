@@ -1,0 +1,208 @@
+"""The fault matrix: every failure mode of the split, streaming and not, on real sockets with a
+real Redis. For each: the client's outcome (exact text through retry or resume, or a clean
+error — never a hang), and nothing left reserved or stranded once the cluster is quiet."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from sim.textgen import expected_answer
+from tests.conftest import MODEL, SimCluster, sim_cluster
+
+CHAT = "/v1/chat/completions"
+FAST_RETRY = {"backoff_base_s": 0.005, "backoff_max_s": 0.02}
+
+
+async def set_faults(c: SimCluster, wid: str, **faults: Any) -> None:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(c.workers[wid] + "/sim/faults", json=faults) as r,
+    ):
+        assert r.status == 200, await r.text()
+
+
+def sse_text(raw: bytes) -> tuple[str, list[str], list[dict[str, Any]]]:
+    """(text, token pieces, error frames) of a chat SSE body; every event must be valid JSON."""
+    pieces, errors = [], []
+    assert raw.endswith(b"data: [DONE]\n\n"), raw[-200:]
+    for event in raw.split(b"\n\n"):
+        if not event or event == b"data: [DONE]":
+            continue
+        assert event.startswith(b"data: "), event
+        obj = orjson.loads(event[6:])  # a cut or spliced event would fail here
+        if "error" in obj:
+            errors.append(obj["error"])
+            continue
+        for choice in obj["choices"]:
+            content = choice["delta"].get("content")
+            if content:
+                pieces.append(content)
+    return "".join(pieces), pieces, errors
+
+
+async def call(c: SimCluster, body: dict[str, Any], stream: bool) -> tuple[int, Any]:
+    body = {**body, "stream": stream}
+    async with aiohttp.ClientSession() as s, s.post(c.router_url + CHAT, json=body) as r:
+        raw = await r.read()
+        if r.status != 200:
+            return r.status, orjson.loads(raw)
+        return 200, sse_text(raw) if stream else orjson.loads(raw)
+
+
+async def assert_quiet(c: SimCluster) -> None:
+    for _ in range(100):
+        if (
+            sum((await c.reserved_blocks()).values()) == 0
+            and sum((await c.stranded()).values()) == 0
+        ):
+            break
+        await asyncio.sleep(0.05)
+    assert set((await c.reserved_blocks()).values()) == {0}
+    assert set((await c.stranded()).values()) == {0}
+    assert c.gateway.leases.live == {}
+
+
+def body_for(i: int, max_tokens: int = 40) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": f"fault case {i}: tell me a long story"}],
+    }
+
+
+def check_exact(status: int, result: Any, body: dict[str, Any], stream: bool) -> None:
+    want, n, _ = expected_answer(CHAT, body)
+    assert status == 200, result
+    if stream:
+        text, pieces, errors = result
+        assert errors == []
+        assert text == want and len(pieces) == n  # no token lost, repeated or reordered
+    else:
+        assert result["choices"][0]["message"]["content"] == want
+
+
+# Faults on the only prefill (or decode) worker that fire once: the retry lands on the same
+# worker (nowhere else to go) after the fault is spent. `side` is where the fault is set.
+RETRIED = [
+    ("prefill", {"prefill_fail": True}),
+    ("prefill", {"prefill_die_after_kv": True}),
+    ("prefill", {"error_rate": 1.0, "error_status": 503}),
+    ("prefill", {"error_rate": 1.0, "error_status": 429}),
+    ("prefill", {"error_rate": 1.0, "error_status": "malformed"}),
+    ("prefill", {"hang": True}),
+    ("decode", {"decode_fail_before_first": True}),
+    ("decode", {"error_rate": 1.0, "error_status": 500}),
+    ("decode", {"hang": True}),
+]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+@pytest.mark.parametrize(
+    ("side", "fault"), RETRIED, ids=[f"{s}-{'-'.join(map(str, f.values()))}" for s, f in RETRIED]
+)
+async def test_leg_failure_is_retried_to_an_exact_answer(
+    redis_prefix: str, side: str, fault: dict[str, Any], stream: bool
+) -> None:
+    async with sim_cluster(
+        redis_prefix=redis_prefix, retry=FAST_RETRY, timeouts={"prefill_s": 1.0, "idle_s": 1.0}
+    ) as c:
+        await set_faults(c, "p0" if side == "prefill" else "d0", count=1, **fault)
+        body = body_for(1)
+        status, result = await call(c, body, stream)
+        check_exact(status, result, body, stream)
+        assert c.gateway.metrics.retries.labels(side=side)._value.get() == 1
+        await assert_quiet(c)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+async def test_decode_dies_mid_stream(redis_prefix: str, stream: bool) -> None:
+    """Streaming: resumed on the other decode worker, the client sees every token once.
+    Whole answers: nothing was sent yet, so the request is simply retried."""
+    async with sim_cluster(redis_prefix=redis_prefix, decode=2, retry=FAST_RETRY) as c:
+        for wid in ("d0", "d1"):
+            await set_faults(c, wid, decode_die_after_tokens=7, count=1)
+        body = body_for(2, max_tokens=30)
+        status, result = await call(c, body, stream)
+        check_exact(status, result, body, stream)
+        if stream:
+            assert c.gateway.metrics.resumes._value.get() >= 1
+            # The resumed leg carried the answer so far and said how many tokens it holds.
+            decode_bodies = [r for wid in ("d0", "d1") for r in await c.worker_requests(wid)]
+            resumed = [r for r in decode_bodies if r["body"].get("continue_final_message")]
+            assert resumed and resumed[0]["body"]["messages"][-1]["role"] == "assistant"
+        await assert_quiet(c)
+
+
+async def test_slow_worker_still_answers_exactly(redis_prefix: str) -> None:
+    async with sim_cluster(redis_prefix=redis_prefix) as c:
+        await set_faults(c, "d0", slow_factor=5.0)
+        body = body_for(3, 10)
+        status, result = await call(c, body, True)
+        check_exact(status, result, body, True)
+        await assert_quiet(c)
+
+
+async def test_worker_4xx_passes_through_without_retry(redis_prefix: str) -> None:
+    # The simulated decode worker refuses a prompt + max_tokens beyond its max_model_len with
+    # vLLM's 400; the router (configured with a larger limit) must pass that verdict through.
+    async with sim_cluster(
+        redis_prefix=redis_prefix,
+        max_model_len=100_000,
+        worker_overrides={"d0": {"max_model_len": 512}, "p0": {"max_model_len": 100_000}},
+    ) as c:
+        body = body_for(4, max_tokens=2000)
+        status, result = await call(c, body, False)
+        assert status == 400 and result["error"]["message"]
+        assert c.gateway.metrics.retries.labels(side="decode")._value.get() == 0
+        await assert_quiet(c)
+
+
+async def test_retries_stay_within_the_budget_when_every_prefill_fails(redis_prefix: str) -> None:
+    n = 40
+    retry = {**FAST_RETRY, "budget_ratio": 0.2, "budget_min_per_s": 0.5, "budget_window_s": 10}
+    async with sim_cluster(redis_prefix=redis_prefix, prefill=2, retry=retry) as c:
+        for wid in ("p0", "p1"):
+            await set_faults(c, wid, prefill_fail=True)
+        results = await asyncio.gather(*(call(c, body_for(i, 5), i % 2 == 0) for i in range(n)))
+        for status, result in results:
+            assert status == 503, result
+            assert set(result["error"]) == {"message", "type", "param", "code"}
+        sent = len(await c.worker_requests("p0")) + len(await c.worker_requests("p1"))
+        # First attempts plus at most ratio * requests + min_per_s * window retries.
+        assert n <= sent <= n + int(0.2 * n + 0.5 * 10)
+        assert c.gateway.metrics.retry_budget_exhausted._value.get() > 0
+        await assert_quiet(c)
+
+
+async def test_total_deadline_mid_stream_ends_with_an_error_frame(redis_prefix: str) -> None:
+    async with sim_cluster(
+        redis_prefix=redis_prefix, time_scale=5.0, timeouts={"total_s": 1.0}
+    ) as c:
+        status, (text, pieces, errors) = await call(c, body_for(5, 2000), True)
+        assert status == 200 and pieces  # some tokens arrived, then the deadline hit
+        assert len(errors) == 1 and errors[0]["type"] == "timeout"
+        await assert_quiet(c)
+
+
+async def test_client_gone_during_prefill_releases_everything(redis_prefix: str) -> None:
+    async with sim_cluster(redis_prefix=redis_prefix) as c:
+        await set_faults(c, "p0", hang=True)
+        async with aiohttp.ClientSession() as s:
+            with pytest.raises(asyncio.TimeoutError):
+                async with asyncio.timeout(0.5):
+                    async with s.post(c.router_url + CHAT, json={**body_for(6), "stream": True}):
+                        pass
+        await assert_quiet(c)
+        state = await c.worker_state("p0")
+        for _ in range(50):  # the router closed the prefill leg: the worker sees it go
+            if state.get("waiting_prefills", 0) == 0 and state.get("open_requests", 0) == 0:
+                break
+            await asyncio.sleep(0.05)
+            state = await c.worker_state("p0")
+        assert c.gateway.admission.inflight == 0
