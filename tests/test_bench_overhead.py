@@ -1,0 +1,152 @@
+"""The router-overhead instrument works: a tiny run produces complete, sane records.
+
+Smoke only (a handful of short streams at concurrency 1 and 4): no timed assertions. The full
+measurement is `python -m bench.overhead` (docs/benchmarks-overhead.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.overhead_client import StreamRecord, _Conn
+from bench.overhead_report import percentile, replace_between_markers
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKENS = 6
+
+
+def _run_bench(tmp_path: Path, targets: str, *extra: str) -> dict[str, Any]:
+    out = tmp_path / "overhead.json"
+    md = tmp_path / "overhead.md"
+    cmd = [sys.executable, "-m", "bench.overhead", "--targets", targets,
+           "--concurrency", "1,4", "--requests", "2", "--requests-c1", "2",
+           "--tokens", str(TOKENS), "--interval-ms", "2", "--prefill-ms", "1",
+           "--sat-concurrency", "4", "--sat-tokens", "16", "--sat-interval-ms", "1",
+           "--no-pin", "--json", str(out), "--markdown", str(md),
+           "--log-dir", str(tmp_path / "logs"), *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    result["_markdown"] = md.read_text()
+    return result
+
+
+def _check_run(r: dict[str, Any], tokens: int) -> None:
+    assert r["requests"] > 0 and r["complete"] == r["requests"], r["errors"]
+    assert r["tokens_measured"] == r["requests"] * tokens
+    assert r["ttft_ms"]["p50"] > 0 and r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"]
+    assert r["itl_samples"] == r["requests"] * (tokens - 1)
+    assert r["itl_ms"]["p50"] >= 0
+    if r["target"] != "baseline":
+        assert r["router_cpu_s"] is not None and r["router_cpu_s"] >= 0
+        assert r["cpu_s_per_1k_tokens"] is not None
+        # every answer took one prefill and one decode call upstream
+        assert r["upstream"]["decode_requests"] == r["requests"] + r["warmup_requests"]
+        assert r["upstream"]["prefill_requests"] == r["requests"] + r["warmup_requests"]
+    else:
+        assert r["router_cpu_s"] is None
+
+
+def test_smoke_baseline_and_our_router(tmp_path: Path) -> None:
+    result = _run_bench(tmp_path, "baseline,ours")
+    runs = result["runs"]
+    assert [(r["target"], r["concurrency"]) for r in runs] == [
+        ("baseline", 1), ("baseline", 4), ("ours", 1), ("ours", 4)]
+    for r in runs:
+        _check_run(r, TOKENS)
+    ours = [r for r in runs if r["target"] == "ours"]
+    assert all("added_ttft_ms" in r and "added_itl_ms" in r for r in ours)
+    sat = result["saturation"]
+    assert [r["target"] for r in sat] == ["baseline", "ours"]
+    for r in sat:
+        _check_run(r, 16)
+        assert r["tokens_per_s"] and r["tokens_per_s"] > 0
+    assert result["machine"]["cpus"] >= 1
+    md = result["_markdown"]
+    assert "<!-- overhead:begin -->" in md and "#### 4 concurrent streams" in md
+    assert "| ours |" in md and "#### Saturation" in md
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("peer,module", [("sglang", "sglang_router"), ("vllm", "vllm_router")])
+def test_smoke_peer_router(tmp_path: Path, peer: str, module: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed (scripts/install_peers.sh)")
+    result = _run_bench(tmp_path, peer, "--concurrency", "2", "--no-saturation")
+    (r,) = result["runs"]
+    assert r["target"] == peer
+    _check_run(r, TOKENS)
+
+
+# --- the pieces ---------------------------------------------------------------------------------
+
+
+def test_percentile_interpolates() -> None:
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([4.0, 1.0, 2.0, 3.0], 50) == 2.5
+    assert percentile([1.0, 2.0], 100) == 2.0
+
+
+def test_gaps_count_tokens_sharing_a_read_as_zero() -> None:
+    rec = StreamRecord(0, 0, warmup=False)
+    for t, n in ((1.0, 1), (1.02, 3), (1.05, 1)):
+        rec.reads.append(t)
+        rec.counts.append(n)
+    assert rec.gaps() == pytest.approx([0.02, 0.0, 0.0, 0.03])
+
+
+def test_markers_replace_only_the_generated_block() -> None:
+    doc = replace_between_markers(None, "one")
+    doc = doc.replace("# Router overhead", "# Router overhead\n\nhand-written reading")
+    doc2 = replace_between_markers(doc, "two")
+    assert "hand-written reading" in doc2 and "two" in doc2 and "one" not in doc2
+
+
+def _stream_bytes(tokens: int) -> bytes:
+    head = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n")
+    body = b""
+    for i in range(tokens):
+        fin = b'"length"' if i == tokens - 1 else b"null"
+        ev = b'data: {"choices":[{"index":0,"text":" t","finish_reason":%s}]}\n\n' % fin
+        body += b"%x\r\n%s\r\n" % (len(ev), ev)
+    done = b"data: [DONE]\n\n"
+    body += b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done)
+    return head + body
+
+
+async def test_client_parser_survives_any_split() -> None:
+    """Responses split at every byte offset (and byte by byte) parse to the same record."""
+    data = _stream_bytes(3)
+
+    class _Transport:
+        def write(self, data: bytes) -> None:
+            pass
+
+        def is_closing(self) -> bool:
+            return False
+
+        def get_extra_info(self, name: str) -> None:
+            return None
+
+    for pieces in [[data[:i], data[i:]] for i in range(1, len(data))] + [
+            [bytes([b]) for b in data]]:
+        conn = _Conn(chat=False)
+        conn.connection_made(_Transport())  # type: ignore[arg-type]
+        rec = StreamRecord(0, 0, warmup=False)
+        fut = conn.request(b"POST / HTTP/1.1\r\n\r\n", rec)
+        for piece in pieces:
+            conn.data_received(piece)
+        assert fut.done() and fut.result() == b""
+        assert (rec.status, rec.tokens, rec.done, rec.error) == (200, 3, True, None)
+        assert sum(rec.counts) == 3
+    await asyncio.sleep(0)
