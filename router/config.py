@@ -57,7 +57,9 @@ class WorkerSpec:
     id: str
     url: str
     role: str  # prefill | decode | both
-    adapter: str = "vllm"  # vllm | sim
+    adapter: str = "vllm"  # vllm | sim | sglang | mooncake
+    bootstrap_port: int | None = None  # SGLang / Mooncake: the prefill's KV bootstrap port
+    engine_id: str | None = None  # Mooncake: the prefill engine id (else asked at start-up)
     group: str = "default"
     layout: KVLayout = field(default_factory=KVLayout)
     perf: PerfModel | None = None
@@ -186,7 +188,14 @@ _WORKER_KEYS = {
     "kv_blocks",
     "stranded_cap_bytes",
     "api_key",
+    "bootstrap_port",
+    "engine_id",
 }
+_ADAPTERS = ("vllm", "sim", "sglang", "mooncake")
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def _parse_worker(i: int, raw: Any, default_perf: PerfModel | None, layout: KVLayout) -> WorkerSpec:
@@ -201,14 +210,16 @@ def _parse_worker(i: int, raw: Any, default_perf: PerfModel | None, layout: KVLa
             raise ConfigError(f"{where}: '{key}' is required")
     if raw["role"] not in ("prefill", "decode", "both"):
         raise ConfigError(f"{where}: role must be prefill, decode or both, not {raw['role']!r}")
-    if raw.get("adapter", "vllm") not in ("vllm", "sim"):
-        raise ConfigError(f"{where}: adapter must be vllm or sim")
+    if raw.get("adapter", "vllm") not in _ADAPTERS:
+        raise ConfigError(f"{where}: adapter must be one of {', '.join(_ADAPTERS)}")
     perf = _parse_perf(raw.get("perf"), where) or default_perf
     return WorkerSpec(
         id=str(raw["id"]),
         url=str(raw["url"]).rstrip("/"),
         role=raw["role"],
         adapter=raw.get("adapter", "vllm"),
+        bootstrap_port=_optional_int(raw.get("bootstrap_port")),
+        engine_id=raw.get("engine_id"),
         group=str(raw.get("group", "default")),
         layout=_parse_layout(raw.get("layout"), layout),
         perf=perf,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from policies.base import OutputLengthEstimator, PlacementPolicy
-from router.adapters import WorkerAdapter, adapter_for
+from router.adapters import ConcurrentAdapter, WorkerAdapter, adapter_for
 from router.admission import Admission
 from router.config import Settings
 from router.histograms import HistogramCache
@@ -33,7 +33,7 @@ class Gateway:
     leases: LeaseKeeper
     histograms: HistogramCache
     admission: Admission
-    adapters: dict[str, WorkerAdapter] = field(default_factory=dict)
+    adapters: dict[str, WorkerAdapter | ConcurrentAdapter] = field(default_factory=dict)
     clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self) -> None:

@@ -25,7 +25,7 @@ import orjson
 from aiohttp import web
 
 from policies.base import Candidate, Rejection, RequestInfo, blocks_for
-from router.adapters import ProtocolViolation
+from router.adapters import ProtocolViolation, prefill_target
 from router.admission import QueueFull
 from router.api import CHAT, ParsedRequest
 from router.errors import (
@@ -104,6 +104,7 @@ class Attempt:
         "candidate",
         "grow_at_tokens",
         "overran",
+        "partner",
     )
 
     def __init__(self, candidate: Candidate, reservation_id: str) -> None:
@@ -115,6 +116,7 @@ class Attempt:
         self.stranded_bytes = 0
         self.grow_at_tokens = 0
         self.overran = False
+        self.partner: asyncio.Task[bytes] | None = None  # a concurrent prefill leg
 
     def __repr__(self) -> str:
         return (
@@ -277,15 +279,15 @@ class RequestFlow:
                 )
 
     # -- the prefill leg ---------------------------------------------------------------------
-    async def prefill(
-        self, attempt: Attempt, body: dict[str, Any], prompt_tokens: int, resumed: int
-    ) -> dict[str, Any]:
+    async def _prefill_leg(
+        self, attempt: Attempt, wire_body: dict[str, Any], prompt_tokens: int, resumed: int
+    ) -> bytes:
+        """POST the prefill leg; its answer on 200, else a LegFailure charged to the prefill."""
         gw = self.gw
         worker = gw.pools.workers[attempt.candidate.prefill_id or ""]
         if attempt.decode_id is None:  # pragma: no cover - the invariant, checked loudly
             raise RuntimeError("refusing to prefill without a decode reservation")
         spec = worker.spec
-        adapter = gw.adapters[spec.adapter]
         probe = worker.breaker.on_dispatch()
         worker.queued_prompt_tokens += prompt_tokens
         worker.inflight += 1
@@ -294,54 +296,104 @@ class RequestFlow:
             async with asyncio.timeout(gw.settings.timeouts.prefill_s):
                 async with gw.session.post(
                     spec.url + self.parsed.path,
-                    data=orjson.dumps(adapter.prefill_body(body)),
+                    data=orjson.dumps(wire_body),
                     headers=self._headers(worker, resumed),
                 ) as resp:
                     data = await resp.read()
             if resp.status != 200:
                 raise upstream_failure("prefill", spec.id, resp.status, data)
-            try:
-                params = adapter.kv_params(orjson.loads(data))
-            except (orjson.JSONDecodeError, ProtocolViolation) as exc:
-                raise LegFailure(
-                    "prefill",
-                    spec.id,
-                    UpstreamError(f"prefill worker {spec.id} answered badly: {exc}"),
-                    True,
-                ) from exc
         except LegFailure as f:
             gw.metrics.upstream_errors.labels(side="prefill", kind=type(f.error).__name__).inc()
-            worker.breaker.on_failure(probe) if f.retryable else worker.breaker.on_success(probe)
+            if f.retryable:
+                worker.breaker.on_failure(probe)
+            else:
+                worker.breaker.on_success(probe)
             raise
         except aiohttp.ClientError as exc:  # before TimeoutError: some are TimeoutErrors too
             gw.metrics.upstream_errors.labels(side="prefill", kind="connection").inc()
             worker.breaker.on_failure(probe)
-            raise LegFailure(
-                "prefill", spec.id, UpstreamError(f"prefill worker {spec.id} failed: {exc!r}"), True
-            ) from exc
+            err = UpstreamError(f"prefill worker {spec.id} failed: {exc!r}")
+            raise LegFailure("prefill", spec.id, err, True) from exc
         except TimeoutError as exc:
             gw.metrics.upstream_errors.labels(side="prefill", kind="timeout").inc()
             worker.breaker.on_failure(probe)
-            raise LegFailure(
-                "prefill",
-                spec.id,
-                DeadlineExceeded(
-                    f"prefill worker {spec.id} did not answer within "
-                    f"{gw.settings.timeouts.prefill_s} s"
-                ),
-                True,
-            ) from exc
+            err = DeadlineExceeded(
+                f"prefill worker {spec.id} did not answer within "
+                f"{gw.settings.timeouts.prefill_s} s"
+            )
+            raise LegFailure("prefill", spec.id, err, True) from exc
         finally:
             worker.queued_prompt_tokens -= prompt_tokens
             worker.inflight -= 1
             gw.metrics.prefill_seconds.labels(worker=spec.id).observe(gw.clock() - t0)
         worker.breaker.on_success(probe)
+        return data
+
+    async def prefill(
+        self, attempt: Attempt, body: dict[str, Any], prompt_tokens: int, resumed: int
+    ) -> dict[str, Any]:
+        """vLLM NIXL pull mode: prefill first, then hand its kv_transfer_params to decode."""
+        gw = self.gw
+        worker = gw.pools.workers[attempt.candidate.prefill_id or ""]
+        adapter = gw.adapters[worker.spec.adapter]
+        wire_body = adapter.prefill_body(body)  # type: ignore[union-attr]
+        data = await self._prefill_leg(attempt, wire_body, prompt_tokens, resumed)
+        try:
+            params = adapter.kv_params(orjson.loads(data))  # type: ignore[union-attr]
+        except (orjson.JSONDecodeError, ProtocolViolation) as exc:
+            gw.metrics.upstream_errors.labels(side="prefill", kind="protocol").inc()
+            worker.breaker.on_failure()
+            err = UpstreamError(f"prefill worker {worker.spec.id} answered badly: {exc}")
+            raise LegFailure("prefill", worker.spec.id, err, True) from exc
         # The KV now lives on the prefill worker and no decode has it yet: it is stranded.
         nbytes = prompt_tokens * gw.settings.kv_bytes_per_token
-        attempt.stranded_on, attempt.stranded_bytes = spec.id, nbytes
-        gw.pools.note_stranded(spec.id, nbytes)
-        await gw.store.strand(spec.id, self.request_id, nbytes)
+        attempt.stranded_on, attempt.stranded_bytes = worker.spec.id, nbytes
+        gw.pools.note_stranded(worker.spec.id, nbytes)
+        await gw.store.strand(worker.spec.id, self.request_id, nbytes)
         return params
+
+    def _concurrent(self, prefill_id: str) -> bool:
+        spec = self.gw.pools.workers[prefill_id].spec
+        return bool(getattr(self.gw.adapters[spec.adapter], "concurrent_legs", False))
+
+    async def concurrent_legs(
+        self, attempt: Attempt, body: dict[str, Any], prompt_tokens: int, resumed: int
+    ) -> aiohttp.ClientResponse:
+        """SGLang rooms / vLLM Mooncake: both legs at once. The decode stream is returned as soon
+        as it starts (not after the prefill's answer); a leg that fails cancels the other."""
+        gw = self.gw
+        worker = gw.pools.workers[attempt.candidate.prefill_id or ""]
+        adapter = gw.adapters[worker.spec.adapter]
+        target = prefill_target(worker.spec.url, worker.spec.bootstrap_port, worker.spec.engine_id)
+        try:
+            p_body, d_body = adapter.legs(body, target, self.request_id)  # type: ignore[union-attr]
+        except ProtocolViolation as exc:
+            raise LegFailure("prefill", worker.spec.id, UpstreamError(str(exc)), False) from exc
+        loop = asyncio.get_running_loop()
+        prefill = loop.create_task(self._prefill_leg(attempt, p_body, prompt_tokens, resumed))
+        attempt.partner = prefill
+        decode = loop.create_task(self.open_decode(attempt, d_body, resumed))
+        try:
+            await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
+            if prefill.done() and prefill.exception() is not None:
+                raise prefill.exception()  # type: ignore[misc]
+            resp = await decode
+        except BaseException:
+            for task in (prefill, decode):
+                task.cancel()
+            done, _ = await asyncio.wait({prefill, decode})
+            if decode in done and not decode.cancelled() and decode.exception() is None:
+                decode.result().close()
+            raise
+
+        def prefill_ended(task: asyncio.Task[bytes]) -> None:
+            # The prefill leg failed while the decode streams: cut the decode (its KV will never
+            # come), so the stream is resumed or ended instead of hanging.
+            if not task.cancelled() and task.exception() is not None:
+                resp.close()
+
+        prefill.add_done_callback(prefill_ended)
+        return resp
 
     def _kv_accepted(self, attempt: Attempt) -> None:
         """The decode worker produced output, so it holds the KV: clear the stranded entry."""
@@ -401,7 +453,11 @@ class RequestFlow:
             attempt.grow_at_tokens = info.reserve_output_tokens
             try:
                 leg_body = body
-                if attempt.candidate.prefill_id is not None:
+                prefill_id = attempt.candidate.prefill_id
+                if prefill_id is not None and self._concurrent(prefill_id):
+                    legs = await self.concurrent_legs(attempt, body, prompt_tokens, resumed)
+                    return attempt, legs
+                if prefill_id is not None:
                     kv = await self.prefill(attempt, body, prompt_tokens, resumed)
                     decode_spec = gw.pools.workers[attempt.candidate.decode_id].spec
                     leg_body = gw.adapters[decode_spec.adapter].decode_body(body, kv)
@@ -579,17 +635,8 @@ class RequestFlow:
                 except (ConnectionError, RuntimeError):
                     gw.metrics.client_disconnects.inc()
                 return client
-            # The decode worker died mid-stream: resume on a new pair, same client stream.
-            worker.breaker.on_failure()
-            gw.metrics.upstream_errors.labels(side="decode", kind="stream_cut").inc()
-            failure = LegFailure(
-                "decode",
-                decode_id,
-                UpstreamError(
-                    f"decode worker {decode_id} ended the stream early: {result.upstream_error}"
-                ),
-                True,
-            )
+            # The stream broke mid-way: resume on a new pair, same client stream.
+            failure = self._stream_failure(attempt, worker, result)
             await self.release_attempt()
             try:
                 text, resumed = parse_sent_text(sent, chat)
@@ -602,6 +649,20 @@ class RequestFlow:
                 await self._write_error(client, err)
                 return client
             gw.metrics.resumes.inc()
+
+    def _stream_failure(
+        self, attempt: Attempt, worker: WorkerState, result: RelayResult
+    ) -> LegFailure:
+        """Whose fault a broken stream is: a failed concurrent prefill leg cut it, or the decode."""
+        partner = attempt.partner
+        if partner is not None and partner.done() and not partner.cancelled():
+            exc = partner.exception()
+            if isinstance(exc, LegFailure):
+                return exc
+        worker.breaker.on_failure()
+        self.gw.metrics.upstream_errors.labels(side="decode", kind="stream_cut").inc()
+        reason = f"decode worker {worker.spec.id} ended the stream early: {result.upstream_error}"
+        return LegFailure("decode", worker.spec.id, UpstreamError(reason), True)
 
     async def _write_error(self, client: web.StreamResponse, err: RouterError) -> None:
         """Headers are gone: end the stream with a valid SSE error frame, never a silent cut."""
@@ -619,6 +680,8 @@ class RequestFlow:
         if attempt is None:
             return
         gw = self.gw
+        if attempt.partner is not None and not attempt.partner.done():
+            attempt.partner.cancel()  # closes the prefill leg's connection
         if attempt.stranded_on is not None:
             prefill_id, attempt.stranded_on = attempt.stranded_on, None
             gw.pools.note_stranded(prefill_id, -attempt.stranded_bytes)

@@ -80,7 +80,7 @@ async def _wait_http(
 async def _spawn(
     cluster: LocalCluster, args: Sequence[str], log_name: str
 ) -> asyncio.subprocess.Process:
-    log = open(cluster.workdir / log_name, "wb")  # noqa: SIM115 - the child owns it
+    log = open(cluster.workdir / log_name, "wb")  # noqa: ASYNC230 - a local file, opened once
     try:
         proc = await asyncio.create_subprocess_exec(
             *args, stdout=log, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL

@@ -50,7 +50,8 @@ class WorkerState:
         return (
             f"WorkerState({self.spec.id} {self.spec.role} healthy={self.healthy} "
             f"queued={self.queued_prompt_tokens} seqs={self.resident_seqs} "
-            f"reserved={self.reserved_blocks}/{self.capacity_blocks} stranded={self.stranded_bytes})"
+            f"reserved={self.reserved_blocks}/{self.capacity_blocks} "
+            f"stranded={self.stranded_bytes})"
         )
 
 

@@ -53,9 +53,10 @@ async def relay_sse(
 ) -> RelayResult:
     """Forward `upstream`'s SSE body to `client` until it ends, either side fails, or is cancelled.
 
-    `on_first_token()` runs once, synchronously, when the first chunk arrives (the decode
-    worker has accepted the KV); `on_tokens(total)` after each forwarded piece. Deadlines are the caller's (aiohttp's sock_read timeout is the
-    idle deadline; an enclosing asyncio.timeout is the TTFT/total one).
+    `on_first_token()` runs once, synchronously, when the first chunk arrives (the decode worker
+    has accepted the KV); `on_tokens(total)` after each forwarded piece. Deadlines are the
+    caller's: aiohttp's sock_read timeout is the idle one, an enclosing asyncio.timeout the
+    TTFT/total one.
     """
     result = RelayResult()
     tail = b""

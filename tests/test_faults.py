@@ -199,10 +199,10 @@ async def test_client_gone_during_prefill_releases_everything(redis_prefix: str)
                     async with s.post(c.router_url + CHAT, json={**body_for(6), "stream": True}):
                         pass
         await assert_quiet(c)
-        state = await c.worker_state("p0")
-        for _ in range(50):  # the router closed the prefill leg: the worker sees it go
-            if state.get("waiting_prefills", 0) == 0 and state.get("open_requests", 0) == 0:
+        for _ in range(100):  # the router closed the prefill leg: the worker sees it go
+            state = await c.worker_state("p0")
+            if state["inflight_requests"] == 0:
                 break
             await asyncio.sleep(0.05)
-            state = await c.worker_state("p0")
+        assert state["inflight_requests"] == 0 and state["waiting_prefills"] == 0, state
         assert c.gateway.admission.inflight == 0
