@@ -1,0 +1,668 @@
+"""Scripted experiments behind docs/benchmarks.md: every table there comes from one command here.
+
+    python -m bench.experiments policies   [--traces conv,code,mooncake] [--shapes 8b-2p6d,70b-4p4d]
+    python -m bench.experiments admission
+    python -m bench.experiments scaling    [--sizes 16,64,256,1000]
+    python -m bench.experiments validate   [--requests 300 --time-scale 4]
+    python -m bench.experiments all        (the four above, then the Markdown tables)
+
+Each prints Markdown tables and writes JSON (and PNG plots) under `--out` (default
+`bench-results/`). `--quick` shrinks every run to a smoke test (tests/test_bench_experiments.py).
+
+The simulator (`sim`) and the live cluster (`router.localcluster`) are imported inside the
+functions that need them: `bench` is a client and imports neither at module import time
+(tests/test_layering.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.traces import TraceRequest, load_trace
+
+__all__ = [
+    "TRACES",
+    "SHAPES",
+    "CASES",
+    "TraceSpec",
+    "ShapeSpec",
+    "CaseSpec",
+    "goodput",
+    "policy_comparison",
+    "admission_comparison",
+    "scaling",
+    "validate",
+    "main",
+]
+
+_DEFAULT_TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+TRACE_DIR = Path(os.environ.get("DISAGG_TRACES", _DEFAULT_TRACES))
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSpec:
+    """A trace slice and the SLOs it is judged by (justified in docs/benchmarks.md)."""
+
+    name: str
+    file: str
+    limit: int | None
+    slo_ttft_s: float
+    slo_tpot_s: float
+    # The slice starts at row `start`; the rows before it warm the output-length statistics,
+    # as a long-running router's shared store would be warm (0 = start cold).
+    start: int = 0
+    # ClusterConfig overrides every run of this trace gets (e.g. a prefix cache for Mooncake).
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def load(self, limit: int | None = None) -> list[TraceRequest]:
+        return load_trace(TRACE_DIR / self.file, limit=limit or self.limit, start=self.start)
+
+    def warmup(self) -> list[TraceRequest]:
+        return load_trace(TRACE_DIR / self.file, limit=self.start) if self.start else []
+
+
+@dataclass(frozen=True, slots=True)
+class ShapeSpec:
+    name: str
+    n_prefill: int
+    n_decode: int
+    model: str = "llama-3-8b"
+    gpu: str = "h100"
+    tp_size: int | None = None
+    capacity_blocks: int | None = None
+    decode_gpu: str | None = None
+    note: str = ""
+
+    def config(self, **kw: Any) -> Any:
+        from sim.cluster_config import ClusterConfig
+
+        return ClusterConfig.homogeneous(
+            self.n_prefill, self.n_decode, self.model, self.gpu,
+            tp_size=self.tp_size, capacity_blocks=self.capacity_blocks,
+            decode_gpu=self.decode_gpu, **kw,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class CaseSpec:
+    """A policy run the way its router runs it. `case` is `sim.cluster_cli.parse_case` syntax."""
+
+    label: str
+    case: str
+    estimator: str = "online_quantile"
+    policy_args: dict[str, Any] = field(default_factory=dict)
+    estimator_args: dict[str, Any] = field(default_factory=dict)
+    baseline: bool = False
+
+
+TRACES: dict[str, TraceSpec] = {
+    # Chat: a person reads as it streams; 2 s to start, 10 tokens/s is reading speed.
+    "conv": TraceSpec("conv", "AzureLLMInferenceTrace_conv.csv", 3000, 2.0, 0.1, 2000),
+    # Code completion: an editor waits for a short answer (median 13 tokens): tighter TTFT.
+    "code": TraceSpec("code", "AzureLLMInferenceTrace_code.csv", 3000, 1.0, 0.1, 2000),
+    # Long context (mean 15 K, p99 66 K prompt tokens): the p99 prompt alone prefills in 4.5 s
+    # (8B) / 7.6 s (70B) on an idle GPU, so TTFT must be looser.
+    # Mooncake's trace exists to exercise prefix caching: each prefill worker keeps 2,000
+    # 512-token blocks (~1 M tokens, a DRAM tier as in Mooncake's pool).
+    "mooncake": TraceSpec("mooncake", "mooncake_synthetic_trace.jsonl", 1500, 10.0, 0.1, 1000,
+                          {"prefix_cache_blocks": 2000}),
+}
+
+SHAPES: dict[str, ShapeSpec] = {
+    "8b-2p6d": ShapeSpec("8b-2p6d", 2, 6, "llama-3-8b", note="8B, 2P:6D H100: ~400 K KV tokens "
+                         "per decode GPU, decode memory does not bind"),
+    "70b-4p4d": ShapeSpec("70b-4p4d", 4, 4, "llama-3-70b", tp_size=4, note="70B TP4, 4P:4D "
+                          "H100 (32 GPUs): 320 KiB/token, ~400 K KV tokens per decode worker"),
+    "8b-4p4d-l40s": ShapeSpec("8b-4p4d-l40s", 4, 4, "llama-3-8b", decode_gpu="l40s",
+                              note="8B, 4 H100 prefill : 4 L40S decode (48 GB): ~190 K KV "
+                              "tokens per decode GPU, decode memory binds on long contexts"),
+}
+
+CASES: tuple[CaseSpec, ...] = (
+    CaseSpec("random", "random/noreserve", baseline=True),
+    CaseSpec("round_robin", "round_robin/noreserve", baseline=True),
+    CaseSpec("least_loaded", "least_loaded/noreserve", baseline=True),
+    CaseSpec("power_of_two", "power_of_two/noreserve", baseline=True),
+    CaseSpec("least_loaded refuse", "least_loaded/noreserve/refuse", baseline=True),
+    CaseSpec("two_sided+online", "two_sided"),
+    CaseSpec("two_sided+oracle", "two_sided", estimator="oracle"),
+)
+
+# The investigation of docs/benchmarks.md: reservation quantile and admission, same policy.
+VARIANTS: tuple[CaseSpec, ...] = (
+    CaseSpec("two_sided+online q0.5", "two_sided", estimator_args={"quantile": 0.5}),
+    CaseSpec("two_sided+online q0.7", "two_sided", estimator_args={"quantile": 0.7}),
+    CaseSpec("two_sided+online predictive", "two_sided/predictive"),
+    CaseSpec("two_sided+online q0.7 predictive", "two_sided/predictive",
+             estimator_args={"quantile": 0.7}),
+)
+
+
+class WarmEstimator:
+    """An estimator whose statistics start from earlier traffic (`warm`: class key -> bucket ->
+    count) instead of empty, as a router with a shared, long-lived store would."""
+
+    def __init__(self, inner: Any, warm: dict[str, dict[int, int]]) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.warm = warm
+
+    def class_keys(self, request: Any) -> tuple[str, ...]:
+        return tuple(self.inner.class_keys(request))
+
+    def estimate(self, request: Any, histograms: Any) -> Any:
+        merged = {}
+        for key in self.class_keys(request):
+            h = dict(self.warm.get(key, {}))
+            for b, c in histograms.get(key, {}).items():
+                h[b] = h.get(b, 0) + c
+            merged[key] = h
+        return self.inner.estimate(request, merged)
+
+    def bucket_of(self, n: int) -> int:
+        return int(self.inner.bucket_of(n))
+
+    @classmethod
+    def from_requests(cls, inner: Any, warmup: Sequence[TraceRequest], model: str,
+                      max_tokens: int) -> WarmEstimator:  # fmt: skip
+        from policies.base import RequestInfo
+
+        warm: dict[str, dict[int, int]] = {}
+        for r in warmup:
+            info = RequestInfo(str(r.index), model, max(1, r.prompt_tokens), max_tokens)
+            b = inner.bucket_of(max(1, min(r.output_tokens, max_tokens)))
+            for key in inner.class_keys(info):
+                h = warm.setdefault(key, {})
+                h[b] = h.get(b, 0) + 1
+        return cls(inner, warm)
+
+
+# -- one simulation -------------------------------------------------------------------------------
+
+
+def run_case(
+    requests: Sequence[TraceRequest],
+    shape: ShapeSpec,
+    case: CaseSpec,
+    rate_scale: float,
+    trace: TraceSpec,
+    *,
+    seed: int = 0,
+    config_overrides: dict[str, Any] | None = None,
+    warmup: Sequence[TraceRequest] = (),
+) -> dict[str, Any]:
+    """One simulator run; the summary row (timing included). `warmup` requests pre-fill the
+    online estimator's statistics (not replayed)."""
+    from policies.registry import load_estimator, load_policy
+    from sim.cluster import simulate
+    from sim.cluster_cli import parse_case
+
+    c = parse_case(case.case)
+    overrides = {**trace.config, **(config_overrides or {})}
+    cfg = shape.config(reserve=c.reserve, on_full=c.on_full, admission=c.admission, **overrides)
+    policy = load_policy(c.policy, dict(case.policy_args))
+    est = load_estimator(case.estimator, dict(case.estimator_args)) if c.reserve else None
+    if est is not None and est.name == "online_quantile" and warmup:
+        est = WarmEstimator.from_requests(est, warmup, cfg.model, cfg.max_tokens)
+    res = simulate(
+        requests, cfg, policy, est, seed=seed, slo_ttft_s=trace.slo_ttft_s,
+        slo_tpot_s=trace.slo_tpot_s, rate_scale=rate_scale,
+    )  # fmt: skip
+    return {"case": case.label, "rate_scale": rate_scale, **res.summary(timing=True)}
+
+
+def goodput(
+    run_at: Callable[[float], float],
+    *,
+    start: float = 1.0,
+    target: float = 0.9,
+    precision: float = 1.05,
+    lo_limit: float = 1 / 64,
+    hi_limit: float = 256.0,
+) -> tuple[float, list[tuple[float, float]]]:
+    """DistServe goodput on the rate scale: the highest scale with attainment >= `target`.
+
+    Brackets from `start` by doubling/halving, then bisects geometrically until hi/lo <=
+    `precision`. Returns (scale, every (scale, attainment) probed); 0.0 if even `lo_limit` fails.
+    """
+    points: list[tuple[float, float]] = []
+
+    def ok(scale: float) -> bool:
+        att = run_at(scale)
+        points.append((scale, att))
+        return att >= target
+
+    lo: float | None = None
+    hi: float | None = None
+    s = start
+    if ok(s):
+        lo = s
+        while hi is None:
+            s *= 2
+            if s > hi_limit:
+                return lo, points
+            if ok(s):
+                lo = s
+            else:
+                hi = s
+    else:
+        hi = s
+        while lo is None:
+            s /= 2
+            if s < lo_limit:
+                return 0.0, points
+            if ok(s):
+                lo = s
+            else:
+                hi = s
+    while hi / lo > precision:
+        mid = math.sqrt(lo * hi)
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, points
+
+
+def _base_rps(requests: Sequence[TraceRequest]) -> float:
+    span = max(r.arrival_s for r in requests) - min(r.arrival_s for r in requests)
+    return len(requests) / span if span > 0 else 0.0
+
+
+def _goodput_task(args: tuple[str, str, CaseSpec, int | None, float, float]) -> dict[str, Any]:
+    trace_name, shape_name, case, limit, start, precision = args
+    trace, shape = TRACES[trace_name], SHAPES[shape_name]
+    requests = trace.load(limit)
+    warmup = trace.warmup()
+    t0 = time.perf_counter()
+    rows: dict[float, dict[str, Any]] = {}
+
+    def run_at(scale: float) -> float:
+        row = run_case(requests, shape, case, scale, trace, warmup=warmup)
+        rows[scale] = row
+        return float(row["slo_attainment"])
+
+    scale, points = goodput(run_at, start=start, precision=precision)
+    at = rows.get(scale)
+    return {
+        "trace": trace_name,
+        "shape": shape_name,
+        "case": case.label,
+        "baseline": case.baseline,
+        "requests": len(requests),
+        "base_rps": _base_rps(requests),
+        "goodput_scale": scale,
+        "goodput_rps": scale * _base_rps(requests),
+        "points": points,
+        "at_goodput": at,
+        "search_wall_s": time.perf_counter() - t0,
+    }
+
+
+def _at_rate_task(args: tuple[str, str, CaseSpec, int | None, float]) -> dict[str, Any]:
+    trace_name, shape_name, case, limit, scale = args
+    trace, shape = TRACES[trace_name], SHAPES[shape_name]
+    requests = trace.load(limit)
+    row = run_case(requests, shape, case, scale, trace, warmup=trace.warmup())
+    return {"trace": trace_name, "shape": shape_name, **row}
+
+
+def _pool(jobs: int) -> ProcessPoolExecutor:
+    return ProcessPoolExecutor(max_workers=jobs, initializer=_nice)
+
+
+def _nice() -> None:
+    try:
+        os.nice(10)
+    except OSError:
+        pass
+
+
+def policy_comparison(
+    traces: Sequence[str],
+    shapes: Sequence[str],
+    cases: Sequence[CaseSpec] = CASES,
+    *,
+    limit: int | None = None,
+    precision: float = 1.05,
+    jobs: int = 2,
+) -> dict[str, Any]:
+    """Goodput of every case on every (trace, shape); then every case at one common load (the
+    best baseline's goodput) for the latency/memory columns."""
+    tasks = [(t, s, c, limit, 1.0, precision) for t in traces for s in shapes for c in cases]
+    with _pool(jobs) as pool:
+        results = list(pool.map(_goodput_task, tasks))
+    common: list[tuple[str, str, CaseSpec, int | None, float]] = []
+    for t in traces:
+        for s in shapes:
+            base = [r for r in results if r["trace"] == t and r["shape"] == s and r["baseline"]]
+            best = max((r["goodput_scale"] for r in base), default=1.0) or 1.0
+            common += [(t, s, c, limit, best) for c in cases]
+    with _pool(jobs) as pool:
+        at_common = list(pool.map(_at_rate_task, common))
+    return {"goodput": results, "at_common_rate": at_common}
+
+
+# -- admission -------------------------------------------------------------------------------------
+
+
+def admission_comparison(
+    runs: Sequence[tuple[str, str, float]] = (
+        ("mooncake", "8b-4p4d-l40s", 3.0),
+        ("mooncake", "8b-4p4d-l40s", 5.0),
+        ("conv", "8b-4p4d-l40s", 30.0),
+    ),
+    *,
+    limit: int | None = None,
+    jobs: int = 2,
+) -> list[dict[str, Any]]:
+    """Instantaneous vs predictive admission (two_sided + online, reserving) on overloaded
+    replays: rejections, as Mooncake measured them. `runs` = (trace, shape, rate scale)."""
+    cases = (
+        CaseSpec("instant", "two_sided"),
+        CaseSpec("predictive", "two_sided/predictive"),
+    )
+    tasks = [(t, s, c, limit, scale) for t, s, scale in runs for c in cases]
+    with _pool(jobs) as pool:
+        return list(pool.map(_at_rate_task, tasks))
+
+
+# -- scaling ---------------------------------------------------------------------------------------
+
+
+def scaling(
+    sizes: Sequence[int] = (16, 64, 256, 1000),
+    *,
+    limit: int | None = None,
+    rate_scale: float = 1.0,
+    per_worker_load: bool = False,
+) -> list[dict[str, Any]]:
+    """Wall time and events/s of the simulator vs cluster size (P:D = 1:3) on the Azure conv
+    trace, two_sided + online_quantile. `per_worker_load` scales the rate with the cluster
+    (rate_scale x size/16) instead of replaying the same hour on every size."""
+    trace = TRACES["conv"]
+    requests = load_trace(TRACE_DIR / trace.file, limit=limit)
+    out = []
+    for n in sizes:
+        n_p = max(1, n // 4)
+        shape = ShapeSpec(f"{n}w", n_p, n - n_p)
+        scale = rate_scale * (n / 16 if per_worker_load else 1.0)
+        t0 = time.perf_counter()
+        row = run_case(requests, shape, CaseSpec("two_sided+online", "two_sided"), scale, trace)
+        row.update(workers=n, prefill=n_p, decode=n - n_p, total_wall_s=time.perf_counter() - t0)
+        out.append(row)
+        print(f"  {n} workers: {row['wall_s']:.1f} s, {row['events']:,} events, "
+              f"{row['events_per_s']:,.0f} events/s", flush=True)  # fmt: skip
+    return out
+
+
+# -- validation: live simulated cluster vs the simulator ------------------------------------------
+
+
+def validate(
+    *,
+    n_requests: int = 300,
+    time_scale: float = 4.0,
+    rate_scale: float = 1.0,
+    n_prefill: int = 2,
+    n_decode: int = 2,
+    policy: str = "two_sided",
+    estimator: str = "online_quantile",
+    start: int = 0,
+) -> dict[str, Any]:
+    """The same trace slice through router + simulated workers (time-scaled) and through the
+    simulator, same shape/policy/estimator: p50/p90 TTFT and ITL side by side."""
+    trace = TRACES["conv"]
+    requests = load_trace(TRACE_DIR / trace.file, limit=n_requests, start=start)
+    live = asyncio.run(_live(requests, time_scale, rate_scale, n_prefill, n_decode, policy,
+                             estimator))  # fmt: skip
+    simrow = _sim_same(requests, rate_scale, n_prefill, n_decode, policy, estimator, trace)
+    rows = []
+    for metric, lk, sk in (
+        ("TTFT p50", ("ttft_s", "p50"), "ttft_p50_s"),
+        ("TTFT p90", ("ttft_s", "p90"), "ttft_p90_s"),
+        ("ITL p50", ("itl_s", "p50"), "itl_p50_s"),
+        ("ITL p90", ("itl_s", "p90"), "itl_p90_s"),
+        ("TPOT p50", ("tpot_s", "p50"), "tpot_p50_s"),
+    ):
+        lv = live["summary"][lk[0]][lk[1]]
+        sv = simrow[sk]
+        rows.append({"metric": metric, "live_s": lv, "sim_s": sv,
+                     "rel_diff": (sv - lv) / lv if lv else None})  # fmt: skip
+    return {
+        "requests": len(requests),
+        "time_scale": time_scale,
+        "rate_scale": rate_scale,
+        "shape": f"{n_prefill}P:{n_decode}D llama-3-8b h100",
+        "policy": policy,
+        "estimator": estimator,
+        "rows": rows,
+        "live_outcomes": live["summary"]["requests"],
+        "sim_outcomes": {k: simrow[k] for k in ("ok", "rejected", "failed")},
+        "live_client_lag_p99_s": live["summary"]["client_send_lag_s"]["p99"],
+    }
+
+
+async def _live(
+    requests: Sequence[TraceRequest], time_scale: float, rate_scale: float, n_prefill: int,
+    n_decode: int, policy: str, estimator: str,
+) -> dict[str, Any]:  # fmt: skip
+    from bench.replay import replay
+    from bench.report import summarize
+    from router.localcluster import ClusterShape, local_cluster
+
+    shape = ClusterShape(n_prefill=n_prefill, n_decode=n_decode, time_scale=time_scale,
+                         policy=policy, estimator=estimator)  # fmt: skip
+    async with local_cluster(shape, redis_url=os.environ.get("REDIS_URL")) as cluster:
+        cap = 4096
+        result = await replay(cluster.router_url, requests, model=shape.model, endpoint="chat",
+                              max_tokens_cap=cap, time_scale=time_scale, rate_scale=rate_scale,
+                              timeout_s=600.0)  # fmt: skip
+    trace = TRACES["conv"]
+    return {"summary": summarize(result, slo_ttft_s=trace.slo_ttft_s, slo_tpot_s=trace.slo_tpot_s)}
+
+
+def _sim_same(
+    requests: Sequence[TraceRequest], rate_scale: float, n_prefill: int, n_decode: int,
+    policy: str, estimator: str, trace: TraceSpec,
+) -> dict[str, Any]:  # fmt: skip
+    shape = ShapeSpec("validate", n_prefill, n_decode)
+    case = CaseSpec(f"{policy}+{estimator}", policy, estimator=estimator)
+    # The live cluster's router sends max_tokens = 4096 (the replay's cap), like the simulator.
+    return run_case(requests, shape, case, rate_scale, trace)
+
+
+# -- plots and tables ------------------------------------------------------------------------------
+
+
+def plot_attainment(results: Sequence[dict[str, Any]], trace: str, shape: str, path: Path,
+                    slo: str = "") -> bool:  # fmt: skip
+    """Attainment vs offered req/s per policy, from the goodput searches' probes."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for r in results:
+        if r["trace"] != trace or r["shape"] != shape:
+            continue
+        pts = sorted(r["points"])
+        style = "-" if not r["baseline"] else "--"
+        ax.plot([s * r["base_rps"] for s, _ in pts], [a for _, a in pts], style, marker="o",
+                markersize=3, label=f"{r['case']} ({r['goodput_rps']:.1f} req/s)")  # fmt: skip
+    ax.axhline(0.9, color="grey", linestyle=":", label="90 % target")
+    ax.set_xscale("log")
+    ax.set_xlabel("offered load, requests/s (log)")
+    ax.set_ylabel("fraction meeting both SLOs")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(f"{trace} on {shape}{' — ' + slo if slo else ''}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _ms(v: float) -> str:
+    return f"{1e3 * v:,.0f}" if v >= 0.1 else f"{1e3 * v:.1f}"
+
+
+def goodput_table(data: dict[str, Any]) -> str:
+    out = []
+    keyed = {(r["trace"], r["shape"], r["case"]): r for r in data["at_common_rate"]}
+    combos = sorted({(r["trace"], r["shape"]) for r in data["goodput"]},
+                    key=lambda ts: (list(TRACES).index(ts[0]) if ts[0] in TRACES else 99, ts[1]))
+    for t, s in combos:
+        rows = [r for r in data["goodput"] if r["trace"] == t and r["shape"] == s]
+        best_base = max((r["goodput_rps"] for r in rows if r["baseline"]), default=0.0)
+        spec = TRACES.get(t)
+        slo = f"TTFT ≤ {spec.slo_ttft_s:g} s, TPOT ≤ {spec.slo_tpot_s * 1e3:g} ms" if spec else ""
+        common = next((keyed[(t, s, r["case"])]["rate_scale"] for r in rows
+                       if (t, s, r["case"]) in keyed), None)  # fmt: skip
+        out.append(f"\n**{t} × {s}** ({rows[0]['requests']} requests, {rows[0]['base_rps']:.2f} "
+                   f"req/s at ×1; {slo}; latency columns at the best baseline's goodput, "
+                   f"×{common:.2f})\n")  # fmt: skip
+        out.append("| policy | goodput req/s (×scale) | vs best baseline | SLO % | TTFT p99 ms "
+                   "| ITL p99 ms | rejected | preempt | refused handoffs | stranded GB·s "
+                   "| reserved-unused M blk·s |")  # fmt: skip
+        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            c = keyed.get((t, s, r["case"]), {})
+            ratio = r["goodput_rps"] / best_base if best_base else float("nan")
+            out.append(
+                f"| {r['case']} | {r['goodput_rps']:.2f} (×{r['goodput_scale']:.2f}) "
+                f"| {ratio:.2f} | {100 * c.get('slo_attainment', 0):.1f} "
+                f"| {_ms(c.get('ttft_p99_s', 0))} | {_ms(c.get('itl_p99_s', 0))} "
+                f"| {c.get('rejected', 0)} | {c.get('preemptions', 0)} "
+                f"| {int(c.get('handoff_refusals', 0))} | {c.get('stranded_byte_s', 0) / 1e9:.1f} "
+                f"| {c.get('reserved_unused_block_s', 0) / 1e6:.2f} |"
+            )
+    return "\n".join(out)
+
+
+def admission_table(rows: Sequence[dict[str, Any]]) -> str:
+    out = ["| trace × shape | rate | admission | rejected | SLO % | admitted on forecast "
+           "| TTFT p99 ms | preempt |", "|---|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        out.append(f"| {r['trace']} × {r['shape']} | ×{r['rate_scale']:g} | {r['case']} "
+                   f"| {r['rejected']} | {100 * r['slo_attainment']:.1f} "
+                   f"| {int(r['admitted_on_forecast'])} | {_ms(r['ttft_p99_s'])} "
+                   f"| {r['preemptions']} |")  # fmt: skip
+    return "\n".join(out)
+
+
+def scaling_table(rows: Sequence[dict[str, Any]]) -> str:
+    out = ["| workers (P+D) | rate | requests | events | wall s | events/s | SLO % |",
+           "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        out.append(f"| {r['workers']} ({r['prefill']}+{r['decode']}) | ×{r['rate_scale']:g} "
+                   f"| {r['requests']:,} | {r['events']:,} | {r['wall_s']:.1f} "
+                   f"| {r['events_per_s']:,.0f} | {100 * r['slo_attainment']:.1f} |")  # fmt: skip
+    return "\n".join(out)
+
+
+def validation_table(v: dict[str, Any]) -> str:
+    out = ["| metric | live (router + sim workers) ms | simulator ms | sim vs live |",
+           "|---|---:|---:|---:|"]  # fmt: skip
+    for r in v["rows"]:
+        d = r["rel_diff"]
+        out.append(f"| {r['metric']} | {1e3 * (r['live_s'] or 0):.1f} | {1e3 * r['sim_s']:.1f} "
+                   f"| {'' if d is None else f'{100 * d:+.1f} %'} |")  # fmt: skip
+    return "\n".join(out)
+
+
+# -- CLI -------------------------------------------------------------------------------------------
+
+
+def _write(out: Path, name: str, data: Any) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1, default=_jsonable))
+
+
+def _jsonable(o: Any) -> Any:
+    if hasattr(o, "__dataclass_fields__"):
+        return asdict(o)
+    raise TypeError(type(o))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.experiments", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=("policies", "admission", "scaling", "validate", "all",
+                                     "tables"))  # fmt: skip
+    ap.add_argument("--traces", default=",".join(TRACES))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--cases", default=None, help="comma-separated case labels (default: all)")
+    ap.add_argument("--limit", type=int, default=None, help="requests per trace (default: "
+                    "the slice in TRACES; scaling: the whole trace)")  # fmt: skip
+    ap.add_argument("--precision", type=float, default=1.05, help="goodput bisection hi/lo")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--sizes", default="16,64,256,1000")
+    ap.add_argument("--scaling-rate", type=float, default=1.0)
+    ap.add_argument("--per-worker-load", action="store_true")
+    ap.add_argument("--requests", type=int, default=300, help="validate: trace requests")
+    ap.add_argument("--time-scale", type=float, default=4.0, help="validate: live time scale")
+    ap.add_argument("--rate-scale", type=float, default=1.0, help="validate: arrival rate scale")
+    ap.add_argument("--out", default="bench-results")
+    ap.add_argument("--img", default="docs/img")
+    ns = ap.parse_args(argv)
+    out = Path(ns.out)
+    traces = [t for t in ns.traces.split(",") if t]
+    shapes = [s for s in ns.shapes.split(",") if s]
+    cases = CASES
+    if ns.cases:
+        want = set(ns.cases.split(","))
+        cases = tuple(c for c in (*CASES, *VARIANTS) if c.label in want)
+    if ns.what in ("policies", "all"):
+        data = policy_comparison(traces, shapes, cases, limit=ns.limit, precision=ns.precision,
+                                 jobs=ns.jobs)  # fmt: skip
+        _write(out, "policies", data)
+        for t in traces:
+            for s in shapes:
+                spec = TRACES[t]
+                slo = f"TTFT ≤ {spec.slo_ttft_s:g} s, TPOT ≤ {spec.slo_tpot_s * 1e3:g} ms"
+                png = Path(ns.img) / f"attainment-{t}-{s}.png"
+                plot_attainment(data["goodput"], t, s, png, slo)
+        print(goodput_table(data), flush=True)
+    if ns.what in ("admission", "all"):
+        rows = admission_comparison(limit=ns.limit, jobs=ns.jobs)
+        _write(out, "admission", rows)
+        print(admission_table(rows), flush=True)
+    if ns.what in ("scaling", "all"):
+        sizes = [int(x) for x in ns.sizes.split(",")]
+        rows = scaling(sizes, limit=ns.limit, rate_scale=ns.scaling_rate,
+                       per_worker_load=ns.per_worker_load)  # fmt: skip
+        _write(out, "scaling" + ("-per-worker" if ns.per_worker_load else ""), rows)
+        print(scaling_table(rows), flush=True)
+    if ns.what in ("validate", "all"):
+        v = validate(n_requests=ns.requests, time_scale=ns.time_scale, rate_scale=ns.rate_scale)
+        _write(out, "validate", v)
+        print(validation_table(v), flush=True)
+    if ns.what == "tables":
+        for name, fmt in (("policies", goodput_table), ("admission", admission_table),
+                          ("scaling", scaling_table), ("scaling-per-worker", scaling_table),
+                          ("validate", validation_table)):  # fmt: skip
+            p = out / f"{name}.json"
+            if p.exists():
+                print(f"\n### {name}\n")
+                print(fmt(json.loads(p.read_text())))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

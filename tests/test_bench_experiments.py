@@ -1,0 +1,115 @@
+"""Smoke tests of the benchmark instruments in bench/experiments.py: tiny traces, tiny clusters,
+seconds in all. They check that each instrument runs and yields complete, sane numbers, not the
+numbers themselves (docs/benchmarks.md holds those)."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from bench import experiments as ex
+from bench.traces import TraceRequest
+
+
+def _trace(n: int = 60, rate: float = 4.0, seed: int = 0) -> list[TraceRequest]:
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(rate)
+        out.append(TraceRequest(t, rng.randint(50, 2000), rng.randint(1, 300), (), i))
+    return out
+
+
+TINY = ex.ShapeSpec("tiny", 1, 2, "llama-3-8b", capacity_blocks=400)
+SPEC = ex.TraceSpec("t", "unused", None, 2.0, 0.1)
+
+
+def _sane(row: dict) -> None:
+    assert row["requests"] == row["ok"] + row["rejected"] + row["failed"]
+    assert 0.0 <= row["slo_attainment"] <= 1.0
+    for k in ("ttft_p99_s", "itl_p99_s", "stranded_byte_s", "reserved_unused_block_s"):
+        assert math.isfinite(row[k]) and row[k] >= 0, k
+    assert row["events"] > 0 and row["events_per_s"] > 0
+
+
+@pytest.mark.parametrize("case", [*ex.CASES, *ex.VARIANTS], ids=lambda c: c.label)
+def test_every_case_runs_on_a_tiny_cluster(case: ex.CaseSpec) -> None:
+    row = ex.run_case(_trace(), TINY, case, 2.0, SPEC, warmup=_trace(30, seed=1))
+    _sane(row)
+    assert row["case"] == case.label
+    if "noreserve" in case.case:
+        assert row["reserved_unused_block_s"] == 0
+
+
+def test_goodput_search_brackets_and_bisects() -> None:
+    def attainment(scale: float) -> float:  # falls with load, crosses 0.9 at 3.0
+        return 1.0 if scale <= 3.0 else 0.5
+
+    scale, points = ex.goodput(attainment, start=1.0, precision=1.05)
+    assert 3.0 / 1.05 <= scale <= 3.0
+    assert all(a in (1.0, 0.5) for _, a in points)
+    assert ex.goodput(lambda s: 0.0, lo_limit=0.25)[0] == 0.0
+    assert ex.goodput(lambda s: 1.0, hi_limit=8.0)[0] == 8.0
+
+
+def test_goodput_on_the_simulator_is_monotone_sane() -> None:
+    reqs = _trace(50)
+    case = ex.CaseSpec("least_loaded", "least_loaded/noreserve", baseline=True)
+    scale, points = ex.goodput(
+        lambda s: float(ex.run_case(reqs, TINY, case, s, SPEC)["slo_attainment"]), precision=1.5
+    )
+    assert scale > 0 and len(points) >= 2
+
+
+def test_warm_estimator_starts_from_the_warmup_statistics() -> None:
+    from policies.base import RequestInfo
+    from policies.estimators import OnlineQuantileEstimator
+
+    warmup = [TraceRequest(0.0, 500, 100, (), i) for i in range(50)]
+    est = ex.WarmEstimator.from_requests(OnlineQuantileEstimator(), warmup, "llama-3-8b", 4096)
+    got = est.estimate(RequestInfo("x", "llama-3-8b", 500, 4096), {})
+    assert 100 <= got.reserve_tokens < 120  # learned, not max_tokens
+    assert est.name == "online_quantile"
+
+
+def test_policy_comparison_tables_and_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(ex.TRACES, "tiny", ex.TraceSpec("tiny", "x", None, 2.0, 0.1))
+    monkeypatch.setitem(ex.SHAPES, "tiny", TINY)
+    monkeypatch.setattr(ex.TraceSpec, "load", lambda self, limit=None: _trace(40))
+    cases = (ex.CASES[2], ex.CASES[5])
+    data = ex.policy_comparison(["tiny"], ["tiny"], cases, precision=1.5, jobs=1)
+    assert len(data["goodput"]) == 2 and len(data["at_common_rate"]) == 2
+    for r in data["goodput"]:
+        assert r["goodput_rps"] >= 0 and r["points"]
+    for r in data["at_common_rate"]:
+        _sane(r)
+    table = ex.goodput_table(data)
+    assert "least_loaded" in table and "two_sided+online" in table
+    assert ex.plot_attainment(data["goodput"], "tiny", "tiny", tmp_path / "a.png")
+    assert (tmp_path / "a.png").stat().st_size > 1000
+
+
+def test_admission_and_scaling_instruments(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(ex.TRACES, "tiny", ex.TraceSpec("tiny", "x", None, 2.0, 0.1))
+    monkeypatch.setitem(ex.SHAPES, "tiny", TINY)
+    monkeypatch.setattr(ex.TraceSpec, "load", lambda self, limit=None: _trace(40))
+    rows = ex.admission_comparison((("tiny", "tiny", 8.0),), jobs=1)
+    assert [r["case"] for r in rows] == ["instant", "predictive"]
+    for r in rows:
+        _sane(r)
+    assert "predictive" in ex.admission_table(rows)
+
+    monkeypatch.setattr(ex, "load_trace", lambda path, limit=None, **kw: _trace(40))
+    rows = ex.scaling([4, 8])
+    assert [r["workers"] for r in rows] == [4, 8]
+    for r in rows:
+        _sane(r)
+    assert "events/s" in ex.scaling_table(rows)
+
+
+def test_validation_table_formats() -> None:
+    v = {"rows": [{"metric": "TTFT p50", "live_s": 0.1, "sim_s": 0.11, "rel_diff": 0.1}]}
+    assert "+10.0 %" in ex.validation_table(v)
