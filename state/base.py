@@ -57,9 +57,17 @@ class StateStore(Protocol):
         """Declare (or change) a decode worker's KV capacity in blocks."""
 
     async def reserve(
-        self, worker_id: str, reservation_id: str, blocks: int, lease_s: float
+        self,
+        worker_id: str,
+        reservation_id: str,
+        blocks: int,
+        lease_s: float,
+        overbook_blocks: int = 0,
     ) -> bool:
-        """Atomically: drop expired leases, then hold `blocks` if free >= blocks. Idempotent per id."""
+        """Atomically: drop expired leases, then hold `blocks` if free + overbook >= blocks.
+
+        Idempotent per id. `overbook_blocks` (prediction-based admission) lets a reservation
+        count on blocks forecast to free before its prefill ends; 0 = only room free now."""
 
     async def renew(self, worker_id: str, reservation_id: str, lease_s: float) -> bool:
         """Extend a live reservation's lease. False if it no longer exists (expired or released)."""
@@ -98,6 +106,13 @@ class StateStore(Protocol):
 
     async def output_histograms(self, class_keys: Sequence[str]) -> dict[str, Mapping[int, int]]:
         """{class key: {bucket: count}} for the keys asked (missing keys map to {})."""
+
+    # -- worker registry (dynamic pools, shared by every replica) ---------------------------
+    async def register_worker(self, worker_id: str, spec_json: str) -> None: ...
+
+    async def unregister_worker(self, worker_id: str) -> bool: ...
+
+    async def registered_workers(self) -> dict[str, str]: ...
 
     # -- lifecycle ------------------------------------------------------------------------
     async def ping(self) -> bool: ...

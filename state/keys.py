@@ -19,6 +19,7 @@ key                            type    meaning
 ``<p>{rb}:req``                hash    unix second -> first attempts counted in that second
 ``<p>{rb}:retry``              hash    unix second -> retries spent in that second
 ``<p>{os:<class>}``            hash    output-length bucket -> completed requests of that class
+``<p>{reg}:workers``           hash    worker id -> its registration (JSON), shared by replicas
 =============================  ======  =============================================================
 
 The retry-budget hashes keep one field per second; the scripts drop fields older than
@@ -161,6 +162,11 @@ class Keys:
     # -- output-length statistics ----------------------------------------------------------
     def output_stats(self, class_key: str) -> str:
         return f"{self.prefix}{{os:{check_id('class_key', class_key)}}}"
+
+    # -- worker registry ---------------------------------------------------------------------
+    @property
+    def workers(self) -> str:
+        return f"{self.prefix}{{reg}}:workers"
 
     def __repr__(self) -> str:
         return f"Keys(prefix={self.prefix!r})"

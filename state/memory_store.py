@@ -83,6 +83,7 @@ class MemoryStore:
     """The `StateStore` in this process's memory."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._registry: dict[str, str] = {}
         self._clock = clock
         self._decode: dict[str, _DecodeWorker] = {}
         self._ledgers: dict[str, _Ledger] = {}
@@ -103,7 +104,12 @@ class MemoryStore:
         self._worker(worker_id).capacity = int(capacity_blocks)
 
     async def reserve(
-        self, worker_id: str, reservation_id: str, blocks: int, lease_s: float
+        self,
+        worker_id: str,
+        reservation_id: str,
+        blocks: int,
+        lease_s: float,
+        overbook_blocks: int = 0,
     ) -> bool:
         check_count("blocks", blocks)
         check_lease(lease_s)
@@ -113,7 +119,7 @@ class MemoryStore:
         if held is not None:
             held.expiry = expiry
             return True
-        if worker.free < blocks:
+        if worker.free + max(0, int(overbook_blocks)) < blocks:
             return False
         worker.reservations[reservation_id] = _Reservation(int(blocks), expiry)
         worker.reserved += int(blocks)
@@ -222,6 +228,16 @@ class MemoryStore:
 
     async def output_histograms(self, class_keys: Sequence[str]) -> dict[str, Mapping[int, int]]:
         return {k: dict(self._outputs.get(check_id("class_key", k), {})) for k in class_keys}
+
+    # -- worker registry ---------------------------------------------------------------------
+    async def register_worker(self, worker_id: str, spec_json: str) -> None:
+        self._registry[check_id("worker_id", worker_id)] = spec_json
+
+    async def unregister_worker(self, worker_id: str) -> bool:
+        return self._registry.pop(worker_id, None) is not None
+
+    async def registered_workers(self) -> dict[str, str]:
+        return dict(self._registry)
 
     # -- lifecycle ------------------------------------------------------------------------
     async def ping(self) -> bool:

@@ -30,6 +30,7 @@ from state.keys import (
     RETRY_TTL_S,
     Keys,
     check_count,
+    check_id,
     check_lease,
     check_policy,
 )
@@ -80,6 +81,7 @@ end
 # Hold blocks for a reservation. A live id already held succeeds again without counting twice
 # and gets its lease renewed: a retried call must not leak or double-book capacity.
 # ARGV[1] now ('' = server TIME)  ARGV[2] reservation id  ARGV[3] blocks  ARGV[4] lease seconds
+# ARGV[5] overbook blocks (prediction-based admission: room forecast to free; 0 = none)
 # Returns 1 if held, 0 if there is no room.
 RESERVE_SCRIPT = (
     _LUA_CLOCK
@@ -93,7 +95,7 @@ if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 1 then
   return 1
 end
 local blocks = tonumber(ARGV[3])
-if free_blocks() < blocks then return 0 end
+if free_blocks() + tonumber(ARGV[5] or 0) < blocks then return 0 end
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
 redis.call('ZADD', KEYS[3], expiry, ARGV[2])
 redis.call('INCRBY', KEYS[4], ARGV[3])
@@ -349,12 +351,23 @@ class RedisStore:
         await self._client.set(self._keys.decode_capacity(worker_id), int(capacity_blocks))
 
     async def reserve(
-        self, worker_id: str, reservation_id: str, blocks: int, lease_s: float
+        self,
+        worker_id: str,
+        reservation_id: str,
+        blocks: int,
+        lease_s: float,
+        overbook_blocks: int = 0,
     ) -> bool:
         check_count("blocks", blocks)
         check_lease(lease_s)
         keys = self._keys.decode_worker(worker_id)
-        args: list[str | int] = [self._now(), reservation_id, int(blocks), repr(float(lease_s))]
+        args: list[str | int] = [
+            self._now(),
+            reservation_id,
+            int(blocks),
+            repr(float(lease_s)),
+            max(0, int(overbook_blocks)),
+        ]
         return bool(await self._reserve(keys=keys, args=args))
 
     async def renew(self, worker_id: str, reservation_id: str, lease_s: float) -> bool:
@@ -458,6 +471,20 @@ class RedisStore:
         return {
             class_key: {int(b): int(n) for b, n in row.items()}
             for class_key, row in zip(keys, rows, strict=True)
+        }
+
+    # -- worker registry ---------------------------------------------------------------------
+    async def register_worker(self, worker_id: str, spec_json: str) -> None:
+        await self._client.hset(self._keys.workers, check_id("worker_id", worker_id), spec_json)
+
+    async def unregister_worker(self, worker_id: str) -> bool:
+        return bool(await self._client.hdel(self._keys.workers, worker_id))
+
+    async def registered_workers(self) -> dict[str, str]:
+        raw = await self._client.hgetall(self._keys.workers)
+        return {
+            k.decode() if isinstance(k, bytes) else k: v.decode() if isinstance(v, bytes) else v
+            for k, v in raw.items()
         }
 
     # -- lifecycle ------------------------------------------------------------------------

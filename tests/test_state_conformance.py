@@ -557,3 +557,26 @@ async def test_redis_store_repr_hides_the_password() -> None:
         await store.close()
     assert "hunter2" not in text
     assert "prefix='dr:'" in text
+
+
+async def test_overbooking_counts_forecast_room(store: StateStore) -> None:
+    await store.set_capacity("d-ob", 10)
+    assert await store.reserve("d-ob", "a", 8, 30.0)
+    assert not await store.reserve("d-ob", "b", 5, 30.0)  # 2 free now
+    assert await store.reserve("d-ob", "b", 5, 30.0, overbook_blocks=3)  # 3 forecast to free
+    assert not await store.reserve("d-ob", "c", 1, 30.0, overbook_blocks=0)
+    assert (await store.decode_usage(["d-ob"]))["d-ob"].reserved_blocks == 13
+    assert await store.release("d-ob", "a") == 8
+    assert await store.release("d-ob", "b") == 5
+
+
+async def test_worker_registry_is_shared(store: StateStore) -> None:
+    assert await store.registered_workers() == {}
+    await store.register_worker("w1", '{"id": "w1"}')
+    await store.register_worker("w2", '{"id": "w2"}')
+    await store.register_worker("w1", '{"id": "w1", "v": 2}')
+    assert await store.registered_workers() == {"w1": '{"id": "w1", "v": 2}', "w2": '{"id": "w2"}'}
+    assert await store.unregister_worker("w1") is True
+    assert await store.unregister_worker("w1") is False
+    assert await store.registered_workers() == {"w2": '{"id": "w2"}'}
+    assert await store.unregister_worker("w2") is True
