@@ -23,14 +23,18 @@ class QueueFull(Exception):
 
 @dataclass(frozen=True, slots=True)
 class AdmissionSettings:
-    mode: str = "queue"  # queue: wait for room until the deadline | instant: refuse at once
+    # queue: wait for room until the deadline | instant: refuse at once | predictive: also admit
+    # on room forecast to free before the prefill ends (Mooncake), else wait like `queue`
+    mode: str = "queue"
     max_inflight: int = 4096  # requests being served at once by this replica
     max_waiters: int = 1024
     max_wait_s: float = 30.0  # never wait longer than this (nor past the TTFT deadline)
 
     def __post_init__(self) -> None:
-        if self.mode not in ("queue", "instant"):
-            raise ValueError(f"admission.mode must be queue or instant, not {self.mode!r}")
+        if self.mode not in ("queue", "instant", "predictive"):
+            raise ValueError(
+                f"admission.mode must be queue, instant or predictive, not {self.mode!r}"
+            )
         if self.max_inflight < 1 or self.max_waiters < 0 or self.max_wait_s < 0:
             raise ValueError("admission limits must be positive")
 

@@ -12,6 +12,7 @@ import orjson
 from aiohttp import web
 
 from policies.registry import load_estimator, load_policy
+from router.admin import add_admin_routes
 from router.admission import Admission
 from router.api import CHAT, COMPLETIONS, parse_request
 from router.config import Settings
@@ -93,7 +94,7 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
         parsed = parse_request(
             path,
             raw,
-            models=s.models,
+            models=served_models(gw),
             max_model_len=s.max_model_len,
             chars_per_token=s.chars_per_token,
         )
@@ -123,8 +124,18 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, COMPLETIONS)
 
 
+def served_models(gw: Gateway) -> tuple[str, ...]:
+    """The configured model names plus those of every worker in the pools (registered ones too)."""
+    names = dict.fromkeys(gw.settings.models)
+    for w in gw.pools.workers.values():
+        if w.spec.layout.model:
+            names.setdefault(w.spec.layout.model)
+    return tuple(names)
+
+
 async def models(request: web.Request) -> web.Response:
     s = request.app[SETTINGS]
+    gw = request.app[GATEWAY]
     now = int(time.time())
     data = [
         {
@@ -134,7 +145,7 @@ async def models(request: web.Request) -> web.Response:
             "owned_by": "disagg-router",
             "max_model_len": s.max_model_len,
         }
-        for m in s.models
+        for m in served_models(gw)
     ]
     return _json({"object": "list", "data": data})
 
@@ -161,39 +172,9 @@ async def metrics(request: web.Request) -> web.Response:
         else:
             m.stranded_bytes.labels(worker=w.spec.id).set(w.stranded_bytes)
     m.active_reservations.set(len(gw.leases.live))
+    m.unpaired_workers.set(len(gw.pools.unpaired()))
     m.stranded_byte_seconds.set(gw.pools.stranded_byte_seconds)
     return web.Response(body=m.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
-
-
-async def admin_state(request: web.Request) -> web.Response:
-    """What this replica believes: pools, load, reservations (read-only, for operators)."""
-    gw = request.app[GATEWAY]
-    workers = [
-        {
-            "id": w.spec.id,
-            "url": w.spec.url,
-            "role": w.spec.role,
-            "healthy": w.healthy,
-            "breaker": w.breaker.state,
-            "layout": w.spec.layout.key,
-            "queued_prompt_tokens": w.queued_prompt_tokens,
-            "resident_seqs": w.resident_seqs,
-            "capacity_blocks": w.capacity_blocks,
-            "reserved_blocks": w.reserved_blocks,
-            "stranded_bytes": w.stranded_bytes,
-        }
-        for w in gw.pools.workers.values()
-    ]
-    return _json(
-        {
-            "policy": gw.policy.name,
-            "estimator": gw.estimator.name,
-            "live_reservations": len(gw.leases.live),
-            "inflight": gw.admission.inflight,
-            "waiting": gw.admission.waiting,
-            "workers": workers,
-        }
-    )
 
 
 async def _reap_stranded(gw: Gateway) -> None:
@@ -262,12 +243,21 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
         )
         app[GATEWAY] = gw
         await pools.register_capacities()
+        await pools.sync_registry()
+        for wid in pools.unpaired():
+            log.warning(
+                "worker %s has no partner with the same KV layout: it will not be "
+                "used for a prefill/decode handoff",
+                wid,
+            )
         await pools.refresh_from_store()
         tasks = [
             # Each refresh may show room freed by other replicas: wake the admission queue.
             asyncio.create_task(pools.run_refresher(gw.admission.notify), name="pools-refresh"),
             asyncio.create_task(_reap_stranded(gw), name="stranded-reaper"),
             asyncio.create_task(pools.run_health_prober(session), name="health-probe"),
+            asyncio.create_task(pools.run_registry_sync(), name="registry-sync"),
+            asyncio.create_task(pools.run_load_poller(session), name="load-poller"),
             asyncio.create_task(gw.leases.run(), name="lease-keeper"),
         ]
         try:
@@ -298,5 +288,5 @@ def create_app(settings: Settings) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
-    app.router.add_get("/admin/state", admin_state)
+    add_admin_routes(app)
     return app

@@ -35,6 +35,7 @@ __all__ = [
     "RetrySettings",
     "Settings",
     "load_settings",
+    "parse_worker",
     "settings_from_mapping",
 ]
 
@@ -142,6 +143,13 @@ class Settings:
     api_keys: tuple[Secret, ...] = ()
     forward_client_auth: bool = False
     upstream_connections: int = 4096
+    # Token for the admin API's write side (register / remove workers); empty = disabled.
+    admin_token: Secret = Secret("")
+    registry_refresh_s: float = 1.0  # how often replicas re-read the shared worker registry
+    load_poll_s: float = 1.0  # read workers' /metrics (vLLM) or /get_load (SGLang); 0 = off
+    load_max_age_s: float = 3.0  # older load readings are not trusted (never taken as idle)
+    default_perf: PerfModel | None = None  # the `perf:` profile, for workers registered later
+    default_layout: KVLayout = field(default_factory=KVLayout)
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -198,8 +206,10 @@ def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def _parse_worker(i: int, raw: Any, default_perf: PerfModel | None, layout: KVLayout) -> WorkerSpec:
-    where = f"workers[{i}]"
+def parse_worker(
+    raw: Any, default_perf: PerfModel | None, layout: KVLayout, where: str = "worker"
+) -> WorkerSpec:
+    """One worker entry (YAML, or a registration through the admin API) -> WorkerSpec."""
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: expected a mapping")
     unknown = set(raw) - _WORKER_KEYS
@@ -272,7 +282,10 @@ def load_settings(
 
 def settings_from_mapping(raw: Mapping[str, Any]) -> Settings:
     raw = dict(raw)
-    known = {f.name for f in fields(Settings)} | {"model", "perf", "layout"}
+    known = ({f.name for f in fields(Settings)} | {"model", "perf", "layout"}) - {
+        "default_perf",
+        "default_layout",
+    }
     unknown = set(raw) - known
     if unknown:
         raise ConfigError(f"unknown settings {sorted(unknown)}")
@@ -292,7 +305,7 @@ def settings_from_mapping(raw: Mapping[str, Any]) -> Settings:
         ),
     )
     workers = tuple(
-        _parse_worker(i, w, default_perf, layout)
+        parse_worker(w, default_perf, layout, f"workers[{i}]")
         for i, w in enumerate(raw.pop("workers", []) or [])
     )
     nested = {}
@@ -314,9 +327,18 @@ def settings_from_mapping(raw: Mapping[str, Any]) -> Settings:
     for key in ("forward_headers",):
         if key in raw:
             raw[key] = tuple(str(h).lower() for h in raw[key])
+    if "admin_token" in raw:
+        raw["admin_token"] = Secret(raw["admin_token"] or "")
     if "api_keys" in raw:
         raw["api_keys"] = tuple(Secret(k) for k in raw["api_keys"] or ())
     try:
-        return Settings(models=tuple(models), workers=workers, **nested, **raw)
+        return Settings(
+            models=tuple(models),
+            workers=workers,
+            default_perf=default_perf,
+            default_layout=layout,
+            **nested,
+            **raw,
+        )
     except TypeError as exc:
         raise ConfigError(str(exc)) from exc

@@ -22,15 +22,35 @@ class LeaseKeeper:
         self.store = store
         self.lease_s = lease_s
         self.live: dict[str, str] = {}  # reservation id -> decode worker id
+        # reservation id -> (blocks, expected end on the monotonic clock): what prediction-based
+        # admission counts on freeing up (this replica's reservations; others' are not known)
+        self.expected: dict[str, tuple[int, float]] = {}
 
     def __repr__(self) -> str:
         return f"LeaseKeeper({len(self.live)} live, lease={self.lease_s}s)"
 
-    def hold(self, worker_id: str, reservation_id: str) -> None:
+    def hold(
+        self,
+        worker_id: str,
+        reservation_id: str,
+        blocks: int = 0,
+        expected_end: float = float("inf"),
+    ) -> None:
         self.live[reservation_id] = worker_id
+        self.expected[reservation_id] = (blocks, expected_end)
 
     def drop(self, reservation_id: str) -> None:
         self.live.pop(reservation_id, None)
+        self.expected.pop(reservation_id, None)
+
+    def freeing_by(self, when: float) -> dict[str, int]:
+        """Blocks per decode worker whose reservations are expected to end by `when`."""
+        out: dict[str, int] = {}
+        for rid, (blocks, end) in self.expected.items():
+            if end <= when and rid in self.live:
+                wid = self.live[rid]
+                out[wid] = out.get(wid, 0) + blocks
+        return out
 
     async def renew_all(self) -> int:
         """Renew every live lease; returns how many were already gone (expired under us)."""

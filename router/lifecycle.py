@@ -189,22 +189,52 @@ class RequestFlow:
         estimate = gw.estimator.estimate(info, await gw.histograms.get(keys))
         return replace(info, estimate=estimate)
 
+    def _forecast(self, info: RequestInfo) -> dict[str, int]:
+        """Prediction-based admission (Mooncake): blocks forecast to free on each decode worker
+        by the time this request's prefill would finish."""
+        gw = self.gw
+        speeds = [
+            w.spec.perf.prefill_tokens_per_s()
+            for w in gw.pools.prefill_workers
+            if w.available and w.spec.perf is not None
+        ] or [10_000.0]
+        queued = min((w.queued_prompt_tokens for w in gw.pools.prefill_workers), default=0)
+        horizon = (queued + info.prompt_tokens) / max(speeds)
+        return gw.leases.freeing_by(gw.clock() + horizon)
+
     async def _try_reserve(self, info: RequestInfo) -> Attempt | Rejection:
         gw = self.gw
-        decision = gw.policy.place(info, gw.pools.snapshot(frozenset(self.avoid)))
+        decision = gw.policy.place(info, gw.pools.snapshot(frozenset(self.avoid), info.model))
         if isinstance(decision, Rejection) and self.avoid:
             # Avoiding the workers that failed this request left nowhere to go: a worker that
             # failed once may well serve the retry (its circuit breaker decides, not this).
-            decision = gw.policy.place(info, gw.pools.snapshot())
+            decision = gw.policy.place(info, gw.pools.snapshot(model=info.model))
+        overbook: dict[str, int] = {}
+        if isinstance(decision, Rejection) and gw.admission.settings.mode == "predictive":
+            overbook = self._forecast(info)
+            if overbook:
+                view = gw.pools.snapshot(frozenset(self.avoid), info.model, freeing=overbook)
+                decision = gw.policy.place(info, view)
         if isinstance(decision, Rejection):
             return decision
         for cand in decision.candidates:
             rid = uuid.uuid4().hex  # ours alone: clients reuse X-Request-Id values
             if await gw.store.reserve(
-                cand.decode_id, rid, cand.reserve_blocks, gw.settings.reservation_lease_s
+                cand.decode_id,
+                rid,
+                cand.reserve_blocks,
+                gw.settings.reservation_lease_s,
+                overbook_blocks=overbook.get(cand.decode_id, 0),
             ):
+                if overbook:
+                    gw.metrics.admitted_on_forecast.inc()
                 gw.pools.note_reserved(cand.decode_id, cand.reserve_blocks)
-                gw.leases.hold(cand.decode_id, rid)
+                expected_end = (
+                    gw.clock()
+                    + cand.predicted_ttft_s
+                    + info.reserve_output_tokens * cand.predicted_itl_s
+                )
+                gw.leases.hold(cand.decode_id, rid, cand.reserve_blocks, expected_end)
                 gw.metrics.placements.labels(
                     prefill=cand.prefill_id or "local", decode=cand.decode_id
                 ).inc()
@@ -318,8 +348,7 @@ class RequestFlow:
             gw.metrics.upstream_errors.labels(side="prefill", kind="timeout").inc()
             worker.breaker.on_failure(probe)
             err = DeadlineExceeded(
-                f"prefill worker {spec.id} did not answer within "
-                f"{gw.settings.timeouts.prefill_s} s"
+                f"prefill worker {spec.id} did not answer within {gw.settings.timeouts.prefill_s} s"
             )
             raise LegFailure("prefill", spec.id, err, True) from exc
         finally:

@@ -130,6 +130,14 @@ class RouterMetrics:
         self.breaker_state = Gauge(
             p + "breaker_open", "1 if the worker's circuit is open", ["worker"], registry=r
         )
+        self.admitted_on_forecast = Counter(
+            p + "admitted_on_forecast",
+            "Reservations admitted on decode room forecast to free (predictive admission)",
+            registry=r,
+        )
+        self.unpaired_workers = Gauge(
+            p + "unpaired_workers", "Workers with no partner of the same KV layout", registry=r
+        )
         self.worker_healthy = Gauge(
             p + "worker_healthy", "1 if the worker is in rotation", ["worker", "role"], registry=r
         )

@@ -16,15 +16,24 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import aiohttp
+import orjson
 
 from policies.base import ClusterView, DecodeView, PrefillView
 from router.breaker import CircuitBreaker
-from router.config import Settings, WorkerSpec
+from router.config import ConfigError, Settings, WorkerSpec, parse_worker
+from router.discovery import LoadSnapshot, fetch_sglang_load, fetch_vllm_load
 from state.base import StateStore
 
 __all__ = ["WorkerState", "Pools"]
 
 log = logging.getLogger(__name__)
+
+
+def _serves(w: WorkerState, model: str) -> bool:
+    return not model or not w.spec.layout.model or w.spec.layout.model == model
+
+
+_NO_LOAD = LoadSnapshot(running=0, waiting=0, kv_usage=None, num_gpu_blocks=None, at=0.0)
 
 
 @dataclass(slots=True)
@@ -40,6 +49,8 @@ class WorkerState:
     stranded_bytes: int = 0
     recent_prefixes: set[int] = field(default_factory=set)
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    load: LoadSnapshot | None = None  # the worker's own report, when polled
+    dynamic: bool = False  # registered through the admin API (not from the config file)
 
     @property
     def available(self) -> bool:
@@ -61,10 +72,7 @@ class Pools:
         self.store = store
         self.workers: dict[str, WorkerState] = {}
         for spec in settings.workers:
-            cap = spec.capacity_blocks if spec.is_decode else 0
-            self.workers[spec.id] = WorkerState(
-                spec=spec, capacity_blocks=cap, breaker=CircuitBreaker(settings.breaker)
-            )
+            self.add(spec)
         self.stranded_byte_seconds = 0.0
         self._last_refresh: float | None = None
 
@@ -79,9 +87,108 @@ class Pools:
     def decode_workers(self) -> Iterable[WorkerState]:
         return (w for w in self.workers.values() if w.spec.is_decode)
 
+    # -- membership ---------------------------------------------------------------------------
+    def add(self, spec: WorkerSpec, dynamic: bool = False) -> WorkerState:
+        cap = spec.capacity_blocks if spec.is_decode else 0
+        state = WorkerState(
+            spec=spec,
+            capacity_blocks=cap,
+            dynamic=dynamic,
+            breaker=CircuitBreaker(self.settings.breaker),
+        )
+        self.workers[spec.id] = state
+        return state
+
+    def remove(self, worker_id: str) -> bool:
+        """Out of the pools at once; requests already on it finish (releases go by id)."""
+        return self.workers.pop(worker_id, None) is not None
+
+    def unpaired(self) -> list[str]:
+        """Workers whose KV layout matches no worker on the other side: never used for a
+        handoff (a 'both' worker can still serve alone), reported so operators see it."""
+        prefill_layouts = {w.spec.layout.key for w in self.prefill_workers}
+        decode_layouts = {w.spec.layout.key for w in self.decode_workers}
+        out = [w.spec.id for w in self.prefill_workers if w.spec.layout.key not in decode_layouts]
+        out += [
+            w.spec.id
+            for w in self.decode_workers
+            if w.spec.role == "decode" and w.spec.layout.key not in prefill_layouts
+        ]
+        return out
+
+    def parse_registration(self, raw: object) -> WorkerSpec:
+        s = self.settings
+        return parse_worker(raw, s.default_perf, s.default_layout, "registration")
+
+    async def sync_registry(self) -> None:
+        """Adopt workers registered (or removed) through any replica's admin API."""
+        registered = await self.store.registered_workers()
+        for wid, blob in registered.items():
+            try:
+                spec = self.parse_registration(orjson.loads(blob))
+            except (ConfigError, orjson.JSONDecodeError, TypeError, ValueError) as exc:
+                log.warning("ignoring bad registration of %s: %s", wid, exc)
+                continue
+            current = self.workers.get(wid)
+            if current is None or (current.dynamic and current.spec != spec):
+                self.add(spec, dynamic=True)
+                if spec.is_decode:
+                    await self.store.set_capacity(spec.id, spec.capacity_blocks)
+                log.info("worker %s (%s) joined the pools", wid, spec.role)
+        gone = [
+            w.spec.id for w in self.workers.values() if w.dynamic and w.spec.id not in registered
+        ]
+        for wid in gone:
+            self.remove(wid)
+            log.info("worker %s left the pools", wid)
+
+    async def run_registry_sync(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.registry_refresh_s)
+            try:
+                await self.sync_registry()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("registry sync failed: %s", exc)
+
+    # -- workers' own load reports -------------------------------------------------------------
+    def _fresh_load(self, w: WorkerState) -> LoadSnapshot | None:
+        if w.load is None or w.load.stale(time.monotonic(), self.settings.load_max_age_s):
+            return None  # stale data is not trusted, least of all as "idle"
+        return w.load
+
+    def _used_blocks(self, w: WorkerState) -> int:
+        load = self._fresh_load(w)
+        if load is None or load.kv_usage is None:
+            return 0
+        return int(load.kv_usage * w.capacity_blocks)
+
+    async def poll_load(self, session: aiohttp.ClientSession, w: WorkerState) -> None:
+        fetch = fetch_sglang_load if w.spec.adapter == "sglang" else fetch_vllm_load
+        try:
+            w.load = await fetch(session, w.spec.url)
+        except Exception as exc:  # no load endpoint: the router's own accounting stands
+            log.debug("load poll of %s failed: %s", w.spec.id, exc)
+
+    async def run_load_poller(self, session: aiohttp.ClientSession) -> None:
+        if self.settings.load_poll_s <= 0:
+            return
+        while True:
+            await asyncio.gather(*(self.poll_load(session, w) for w in list(self.workers.values())))
+            await asyncio.sleep(self.settings.load_poll_s)
+
     # -- the snapshot ------------------------------------------------------------------------
-    def snapshot(self, avoid: frozenset[str] = frozenset()) -> ClusterView:
-        """The pools as policies see them; `avoid` = workers that already failed this request."""
+    def snapshot(
+        self,
+        avoid: frozenset[str] = frozenset(),
+        model: str = "",
+        freeing: dict[str, int] | None = None,
+    ) -> ClusterView:
+        """The pools as policies see them: the workers serving `model` (all when empty);
+        `avoid` = workers that already failed this request; `freeing` = blocks per decode
+        worker forecast to be free by the time the prefill ends (prediction-based admission)."""
+        freeing = freeing or {}
         prefill = tuple(
             PrefillView(
                 worker_id=w.spec.id,
@@ -98,14 +205,16 @@ class Pools:
                 recent_prefixes=frozenset(w.recent_prefixes),
             )
             for w in self.prefill_workers
+            if _serves(w, model)
         )
         decode = tuple(
             DecodeView(
                 worker_id=w.spec.id,
                 layout=w.spec.layout,
                 capacity_blocks=w.capacity_blocks,
-                reserved_blocks=w.reserved_blocks,
-                resident_seqs=w.resident_seqs,
+                reserved_blocks=max(0, w.reserved_blocks - freeing.get(w.spec.id, 0)),
+                used_blocks=self._used_blocks(w),
+                resident_seqs=max(w.resident_seqs, (self._fresh_load(w) or _NO_LOAD).running),
                 healthy=w.available and w.spec.id not in avoid,
                 group=w.spec.group,
                 step_base_s=w.spec.perf.step_base_s if w.spec.perf else 0.005,
@@ -117,22 +226,25 @@ class Pools:
                 queued_prompt_tokens=w.queued_prompt_tokens,
             )
             for w in self.decode_workers
+            if _serves(w, model)
         )
         return ClusterView(
             prefill=prefill, decode=decode, kv_bytes_per_token=self.settings.kv_bytes_per_token
         )
 
     # -- local accounting ----------------------------------------------------------------------
+    # A worker removed while requests were on it: their releases still go to the store by id.
     def note_reserved(self, worker_id: str, blocks: int) -> None:
-        self.workers[worker_id].reserved_blocks += blocks
+        if (w := self.workers.get(worker_id)) is not None:
+            w.reserved_blocks += blocks
 
     def note_released(self, worker_id: str, blocks: int) -> None:
-        w = self.workers[worker_id]
-        w.reserved_blocks = max(0, w.reserved_blocks - blocks)
+        if (w := self.workers.get(worker_id)) is not None:
+            w.reserved_blocks = max(0, w.reserved_blocks - blocks)
 
     def note_stranded(self, worker_id: str, nbytes: int) -> None:
-        w = self.workers[worker_id]
-        w.stranded_bytes = max(0, w.stranded_bytes + nbytes)
+        if (w := self.workers.get(worker_id)) is not None:
+            w.stranded_bytes = max(0, w.stranded_bytes + nbytes)
 
     # -- background tasks ---------------------------------------------------------------------
     async def register_capacities(self) -> None:
@@ -145,14 +257,16 @@ class Pools:
         usage = await self.store.decode_usage(decode_ids)
         stranded = await self.store.stranded_bytes(prefill_ids) if prefill_ids else {}
         for wid, u in usage.items():
-            self.workers[wid].reserved_blocks = u.reserved_blocks
+            if (w := self.workers.get(wid)) is not None:
+                w.reserved_blocks = u.reserved_blocks
         now = time.monotonic()
         if self._last_refresh is not None:
             total = sum(w.stranded_bytes for w in self.prefill_workers)
             self.stranded_byte_seconds += total * (now - self._last_refresh)
         self._last_refresh = now
         for wid, nbytes in stranded.items():
-            self.workers[wid].stranded_bytes = nbytes
+            if (st := self.workers.get(wid)) is not None:
+                st.stranded_bytes = nbytes
 
     async def run_refresher(self, on_refresh=None) -> None:  # type: ignore[no-untyped-def]
         while True:
@@ -191,6 +305,6 @@ class Pools:
     async def run_health_prober(self, session: aiohttp.ClientSession) -> None:
         while True:
             started = time.monotonic()
-            await asyncio.gather(*(self.probe(session, w) for w in self.workers.values()))
+            await asyncio.gather(*(self.probe(session, w) for w in list(self.workers.values())))
             elapsed = time.monotonic() - started
             await asyncio.sleep(max(0.0, self.settings.health_interval_s - elapsed))

@@ -245,3 +245,23 @@ async def test_many_concurrent_requests_with_disconnects_leave_nothing_reserved(
                 await asyncio.sleep(0.05)
             assert (await c.worker_state(wid))["resident_sequences"] == 0
         assert c.gateway.leases.live == {}
+
+
+async def test_predictive_admission_counts_on_room_forecast_to_free(redis_prefix: str) -> None:
+    """A reservation of this replica that is expected to end before the new request's prefill
+    does lets the new request in (Mooncake's prediction-based admission); instant does not."""
+    for mode, admitted in (("predictive", True), ("instant", False)):
+        async with sim_cluster(redis_prefix=redis_prefix, kv_blocks=400, estimator="max_tokens",
+                               admission={"mode": mode}) as c:
+            gw = c.gateway
+            assert await gw.store.reserve("d0", "ending-soon", 400, 30.0)
+            gw.leases.hold("d0", "ending-soon", 400, gw.clock())  # expected to end now
+            try:
+                async with aiohttp.ClientSession() as s:
+                    async with s.post(c.router_url + CHAT, json=_chat_body("forecast", 8)) as r:
+                        assert (r.status == 200) is admitted, await r.text()
+                assert gw.metrics.admitted_on_forecast._value.get() == (1 if admitted else 0)
+            finally:
+                gw.leases.drop("ending-soon")
+                assert await gw.store.release("d0", "ending-soon") == 400
+            assert await c.reserved_blocks() == {"d0": 0}

@@ -1,0 +1,149 @@
+"""The admin API: what this replica sees, and (token-protected) worker registration.
+
+    GET    /admin/state            pools, load, reservations, admission (read-only)
+    GET    /admin/workers          every worker with health, breaker, layout and pairing
+    POST   /admin/workers          register a worker (the same fields as a config `workers:` entry)
+    DELETE /admin/workers/{id}     remove a worker registered through this API
+
+Registrations live in the shared store, so every replica adopts them within
+`registry_refresh_s`; the replica that takes the call applies it at once.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+import orjson
+from aiohttp import web
+
+from router.config import ConfigError
+from router.errors import InvalidRequest, RouterError, Unauthorized
+from router.gateway import Gateway
+from router.pools import WorkerState
+
+__all__ = ["add_admin_routes"]
+
+
+class Forbidden(RouterError):
+    status = 403
+    type = "permission_error"
+
+
+def _gateway(request: web.Request) -> Gateway:
+    from router.app import GATEWAY
+
+    return request.app[GATEWAY]
+
+
+def _json(data: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+def _require_token(gw: Gateway, request: web.Request) -> None:
+    token = gw.settings.admin_token
+    if not token:
+        raise Forbidden("the admin API's write side is disabled: set admin_token to enable it")
+    auth = request.headers.get("Authorization", "")
+    given = auth[7:] if auth.startswith("Bearer ") else ""
+    if not hmac.compare_digest(given.encode(), str(token).encode()):
+        raise Unauthorized("a valid admin token is required (Authorization: Bearer ...)")
+
+
+def describe(gw: Gateway, w: WorkerState) -> dict[str, object]:
+    unpaired = set(gw.pools.unpaired())
+    load = w.load
+    return {
+        "id": w.spec.id,
+        "url": w.spec.url,
+        "role": w.spec.role,
+        "adapter": w.spec.adapter,
+        "group": w.spec.group,
+        "healthy": w.healthy,
+        "breaker": w.breaker.state,
+        "layout": w.spec.layout.key,
+        "paired": w.spec.id not in unpaired,
+        "dynamic": w.dynamic,
+        "queued_prompt_tokens": w.queued_prompt_tokens,
+        "resident_seqs": w.resident_seqs,
+        "capacity_blocks": w.capacity_blocks,
+        "reserved_blocks": w.reserved_blocks,
+        "stranded_bytes": w.stranded_bytes,
+        "reported_load": None
+        if load is None
+        else {"running": load.running, "waiting": load.waiting, "kv_usage": load.kv_usage},
+    }
+
+
+async def admin_state(request: web.Request) -> web.Response:
+    gw = _gateway(request)
+    return _json(
+        {
+            "policy": gw.policy.name,
+            "estimator": gw.estimator.name,
+            "live_reservations": len(gw.leases.live),
+            "inflight": gw.admission.inflight,
+            "waiting": gw.admission.waiting,
+            "unpaired": gw.pools.unpaired(),
+            "workers": [describe(gw, w) for w in gw.pools.workers.values()],
+        }
+    )
+
+
+async def list_workers(request: web.Request) -> web.Response:
+    gw = _gateway(request)
+    return _json({"workers": [describe(gw, w) for w in gw.pools.workers.values()]})
+
+
+async def register_worker(request: web.Request) -> web.Response:
+    gw = _gateway(request)
+    _require_token(gw, request)
+    try:
+        raw = orjson.loads(await request.read())
+        spec = gw.pools.parse_registration(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"the registration is not valid JSON: {exc}") from exc
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise InvalidRequest(f"bad worker registration: {exc}") from exc
+    current = gw.pools.workers.get(spec.id)
+    if current is not None and not current.dynamic:
+        raise InvalidRequest(
+            f"worker {spec.id} comes from the configuration file; "
+            "it cannot be replaced through the API",
+            param="id",
+        )
+    await gw.store.register_worker(spec.id, orjson.dumps(raw).decode())
+    if spec.is_decode:
+        await gw.store.set_capacity(spec.id, spec.capacity_blocks)
+    state = gw.pools.add(spec, dynamic=True)
+    return _json(describe(gw, state), status=201)
+
+
+async def remove_worker(request: web.Request) -> web.Response:
+    gw = _gateway(request)
+    _require_token(gw, request)
+    wid = request.match_info["worker_id"]
+    current = gw.pools.workers.get(wid)
+    if current is not None and not current.dynamic:
+        raise InvalidRequest(f"worker {wid} comes from the configuration file", param="id")
+    removed = await gw.store.unregister_worker(wid)
+    gw.pools.remove(wid)
+    if not removed and current is None:
+        return _json(
+            {
+                "error": {
+                    "message": f"no registered worker {wid}",
+                    "type": "not_found_error",
+                    "param": "id",
+                    "code": None,
+                }
+            },
+            404,
+        )
+    return _json({"removed": wid})
+
+
+def add_admin_routes(app: web.Application) -> None:
+    app.router.add_get("/admin/state", admin_state)
+    app.router.add_get("/admin/workers", list_workers)
+    app.router.add_post("/admin/workers", register_worker)
+    app.router.add_delete("/admin/workers/{worker_id}", remove_worker)

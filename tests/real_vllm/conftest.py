@@ -1,0 +1,454 @@
+"""Fixtures for the suite against real vLLM engines (vLLM's CPU build, NIXL over loopback).
+
+One prefill and two decode vLLM servers are started once per session from the venv and the tiny
+model that `scripts/prepare_real_vllm.sh` prepares, and stopped at the end; a router (vLLM adapter,
+Redis state under a key prefix of its own) is started in this process for each test. When the
+prepared environment is absent every test here is skipped with the reason, so the main test run
+costs nothing; `REAL_VLLM=0` skips it even when it is present.
+
+Environment:
+  REAL_VLLM_HOME           where the venv and model are (default: <repo>/.real-vllm)
+  REAL_VLLM=0              skip this suite
+  REAL_VLLM_START_TIMEOUT  seconds to wait for the servers to be ready (default 900)
+  REAL_VLLM_KEEP_LOGS=1    print where the server logs are kept
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from openai import AsyncOpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.app import GATEWAY
+from router.config import settings_from_mapping
+from tests.conftest import REDIS_URL, running_router
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+HOME = Path(os.environ.get("REAL_VLLM_HOME") or REPO / ".real-vllm")
+PYTHON = HOME / "venv" / "bin" / "python"
+MODEL_DIR = HOME / "model"
+SERVED = "tiny-llama"
+VLLM_VERSION = "0.32.0"
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 1024
+START_TIMEOUT_S = float(os.environ.get("REAL_VLLM_START_TIMEOUT", "900"))
+# Every test here waits on engines that share 2 cores with NIXL's busy-polling threads.
+TEST_TIMEOUT_S = 900
+
+
+def missing_reason() -> str | None:
+    if os.environ.get("REAL_VLLM", "").strip() == "0":
+        return "REAL_VLLM=0"
+    if not (PYTHON.exists() and (HOME / "venv" / ".ready").exists()):
+        return (f"the real-vLLM venv is not prepared at {HOME / 'venv'}: "
+                "run scripts/prepare_real_vllm.sh (or set REAL_VLLM_HOME)")
+    if not (MODEL_DIR / ".ready").exists():
+        return f"the tiny model is not built at {MODEL_DIR}: run scripts/prepare_real_vllm.sh"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reason = missing_reason()
+    for item in items:
+        if HERE not in Path(str(item.path)).parents:
+            continue
+        item.add_marker(pytest.mark.real_vllm)
+        item.add_marker(pytest.mark.timeout(TEST_TIMEOUT_S))
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=f"real vLLM: {reason}"))
+
+
+# -- the vLLM servers --------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+@dataclass
+class VllmServer:
+    """One `python -m vllm.entrypoints.openai.api_server` process group on loopback."""
+
+    name: str
+    kv_role: str | None  # kv_producer | kv_consumer | None (no connector)
+    workdir: Path
+    port: int = field(default_factory=free_port)
+    side_port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    ready_after_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"{self.name}.log"
+
+    def command(self) -> list[str]:
+        cmd = [str(PYTHON), "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(MODEL_DIR), "--served-model-name", SERVED,
+               "--host", "127.0.0.1", "--port", str(self.port),
+               "--block-size", str(BLOCK_SIZE), "--enforce-eager",
+               "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0"]
+        if self.kv_role is not None:
+            cmd += ["--kv-transfer-config", json.dumps({
+                "kv_connector": "NixlConnector", "kv_role": self.kv_role,
+                "kv_buffer_device": "cpu"})]
+        return cmd
+
+    def environment(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items()
+               if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")
+               and not k.startswith(("VIRTUAL_ENV", "PYTEST", "DISAGG_"))}
+        cache = self.workdir / f"{self.name}-cache"
+        env.update(
+            PATH=f"{PYTHON.parent}:{env.get('PATH', '/usr/bin:/bin')}",
+            UCX_NET_DEVICES="lo",
+            VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+            VLLM_NIXL_SIDE_CHANNEL_PORT=str(self.side_port),
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            VLLM_CPU_KVCACHE_SPACE="1",
+            VLLM_CACHE_ROOT=str(cache / "vllm"),
+            TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
+            XDG_CACHE_HOME=str(cache),
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+            NO_PROXY="*",
+        )
+        return env
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, cwd=self.workdir)
+        self.started_at = time.monotonic()
+        self.ready_after_s = None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self) -> bool:
+        try:
+            return self.alive() and http_get(self.url + "/health", timeout=2.0)[0] == 200
+        except OSError:
+            return False
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def wait_ready(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"vLLM server {self.name} exited "
+                                   f"(code {self.proc.returncode if self.proc else None}):\n"
+                                   f"{self.log_tail()}")
+            if self.healthy():
+                self.ready_after_s = time.monotonic() - self.started_at
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"vLLM server {self.name} not ready after "
+                           f"{START_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+
+    def signal_group(self, sig: signal.Signals) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        """A crash: SIGKILL to the server and its engine process."""
+        self.signal_group(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.signal_group(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        # The engine core is a child in the same group: make sure nothing is left behind.
+        self.signal_group(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        status, data = http_get(self.url + "/metrics", timeout=10.0)
+        assert status == 200, f"{self.name} /metrics answered {status}"
+        out = {}
+        for family in text_string_to_metric_families(data.decode()):
+            for s in family.samples:
+                labels = tuple(sorted((k, v) for k, v in s.labels.items()
+                                      if k not in ("engine", "model_name")))
+                out[(s.name, labels)] = s.value
+        return out
+
+    def metric(self, name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return self.metrics().get(key, 0.0)
+
+    def prompt_tokens_by_source(self) -> dict[str, float]:
+        m = self.metrics()
+        return {dict(lbl)["source"]: v for (name, lbl), v in m.items()
+                if name == "vllm:prompt_tokens_by_source_total"}
+
+    def num_gpu_blocks(self) -> int:
+        for (name, labels), _ in self.metrics().items():
+            if name == "vllm:cache_config_info":
+                return int(dict(labels)["num_gpu_blocks"])
+        raise AssertionError(f"{self.name}: no vllm:cache_config_info in /metrics")
+
+
+@dataclass
+class VllmCluster:
+    prefill: VllmServer
+    decodes: list[VllmServer]
+    workdir: Path
+    startup_s: float = 0.0
+    restarts: int = 0
+
+    @property
+    def servers(self) -> list[VllmServer]:
+        return [self.prefill, *self.decodes]
+
+    def ensure_running(self) -> None:
+        """Restart any server a previous test killed (the resume test kills a decode server)."""
+        dead = [s for s in self.servers if not s.alive()]
+        for s in dead:
+            s.stop()
+            s.side_port = free_port()
+            s.start()
+            self.restarts += 1
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for s in dead:
+            s.wait_ready(deadline)
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_cluster() -> Iterator[VllmCluster]:
+    """p0 (kv_producer), d0 and d1 (kv_consumer), started together and waited for."""
+    reason = missing_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    workdir = Path(tempfile.mkdtemp(prefix="real-vllm-"))
+    cluster = VllmCluster(
+        prefill=VllmServer("p0", "kv_producer", workdir),
+        decodes=[VllmServer("d0", "kv_consumer", workdir),
+                 VllmServer("d1", "kv_consumer", workdir)],
+        workdir=workdir,
+    )
+    t0 = time.monotonic()
+    try:
+        for s in cluster.servers:
+            s.start()
+        deadline = t0 + START_TIMEOUT_S
+        for s in cluster.servers:
+            s.wait_ready(deadline)
+        cluster.startup_s = time.monotonic() - t0
+        print(f"\nreal vLLM: 3 servers ready in {cluster.startup_s:.1f} s "
+              f"({', '.join(f'{s.name} {s.ready_after_s:.1f} s' for s in cluster.servers)}); "
+              f"logs in {workdir}")
+        yield cluster
+    finally:
+        cluster.stop()
+        if os.environ.get("REAL_VLLM_KEEP_LOGS") == "1":
+            print(f"real vLLM: logs kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+# -- the router in front of them ---------------------------------------------------------------
+
+@dataclass
+class RealRouter:
+    url: str
+    app: web.Application
+    cluster: VllmCluster
+
+    @property
+    def gateway(self) -> Any:
+        return self.app[GATEWAY]
+
+    async def reserved_blocks(self) -> dict[str, int]:
+        usage = await self.gateway.store.decode_usage([s.name for s in self.cluster.decodes])
+        return {wid: u.reserved_blocks for wid, u in usage.items()}
+
+    async def stranded(self) -> dict[str, int]:
+        return dict(await self.gateway.store.stranded_bytes([self.cluster.prefill.name]))
+
+    def client(self, timeout: float = 300.0) -> AsyncOpenAI:
+        return AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0,
+                           timeout=timeout)
+
+
+def router_settings(cluster: VllmCluster, key_prefix: str, **overrides: Any) -> dict[str, Any]:
+    kv_blocks = cluster.decodes[0].num_gpu_blocks()
+    workers: list[dict[str, Any]] = [
+        {"id": cluster.prefill.name, "url": cluster.prefill.url, "role": "prefill",
+         "adapter": "vllm"}]
+    workers += [{"id": d.name, "url": d.url, "role": "decode", "adapter": "vllm",
+                 "kv_blocks": kv_blocks} for d in cluster.decodes]
+    raw: dict[str, Any] = {
+        "model": SERVED,
+        "perf": {"model": "tiny-llama", "gpu": "h100", "block_size": BLOCK_SIZE},
+        "layout": {"engine": "vllm", "engine_version": VLLM_VERSION},
+        "max_model_len": MAX_MODEL_LEN,
+        "redis_url": REDIS_URL,
+        "key_prefix": key_prefix,
+        "workers": workers,
+        "health_interval_s": 0.5,
+        "state_refresh_s": 0.05,
+        "timeouts": {"connect_s": 10, "prefill_s": 180, "ttft_s": 240, "idle_s": 120},
+    }
+    raw.update(overrides)
+    return raw
+
+
+@contextlib.asynccontextmanager
+async def real_router(cluster: VllmCluster, key_prefix: str,
+                      **overrides: Any) -> AsyncIterator[RealRouter]:
+    cluster.ensure_running()
+    settings = settings_from_mapping(router_settings(cluster, key_prefix, **overrides))
+    async with running_router(settings) as (url, app):
+        yield RealRouter(url=url, app=app, cluster=cluster)
+
+
+@pytest.fixture
+async def router(vllm_cluster: VllmCluster, redis_prefix: str) -> AsyncIterator[RealRouter]:
+    async with real_router(vllm_cluster, redis_prefix) as r:
+        yield r
+
+
+# -- requests and references -------------------------------------------------------------------
+
+def unique_prompt(words: int = 12, tag: str = "") -> str:
+    """A prompt no earlier request shares a block with: a fresh random word sequence."""
+    import random
+
+    rng = random.Random(uuid.uuid4().int)
+    vocab = ("router prefill decode cache block token stream request model server engine "
+             "transfer handoff latency queue batch lease reserve release worker cluster gateway "
+             "policy place replica memory bandwidth compute layer head attention vector hello "
+             "world quick brown fox jumps over lazy dog red green blue story poem").split()
+    body = " ".join(rng.choice(vocab) for _ in range(words))
+    return f"{tag} {body}".strip()
+
+
+def chat_messages(prompt: str, parts: bool = False) -> list[dict[str, Any]]:
+    content: Any = [{"type": "text", "text": prompt}] if parts else prompt
+    return [{"role": "system", "content": "answer the question"},
+            {"role": "user", "content": content}]
+
+
+async def reference(server: VllmServer, kind: str, prompt: str, max_tokens: int,
+                    *, parts: bool = False) -> str:
+    """The answer computed by one server alone, no disaggregation, its prefix cache bypassed
+    (`cache_salt`), greedy."""
+    async with AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
+                           timeout=300) as client:
+        salt = {"cache_salt": f"ref-{uuid.uuid4().hex}"}
+        if kind == "chat":
+            r = await client.chat.completions.create(
+                model=SERVED, messages=chat_messages(prompt, parts),  # type: ignore[arg-type]
+                max_tokens=max_tokens, temperature=0, extra_body=salt)
+            return r.choices[0].message.content or ""
+        c = await client.completions.create(model=SERVED, prompt=prompt, max_tokens=max_tokens,
+                                            temperature=0, extra_body=salt)
+        return c.choices[0].text
+
+
+async def ask(client: AsyncOpenAI, kind: str, prompt: str, max_tokens: int, *, stream: bool,
+              parts: bool = False, **extra: Any) -> tuple[str, Any]:
+    """(text, usage or None) of one request through `client`, greedy."""
+    if kind == "chat":
+        if stream:
+            text, usage = [], None
+            s = await client.chat.completions.create(
+                model=SERVED, messages=chat_messages(prompt, parts),  # type: ignore[arg-type]
+                max_tokens=max_tokens, temperature=0, stream=True,
+                stream_options={"include_usage": True}, **extra)
+            async for chunk in s:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    text.append(chunk.choices[0].delta.content)
+                if chunk.usage is not None:
+                    usage = chunk.usage
+            return "".join(text), usage
+        r = await client.chat.completions.create(
+            model=SERVED, messages=chat_messages(prompt, parts),  # type: ignore[arg-type]
+            max_tokens=max_tokens, temperature=0, **extra)
+        return r.choices[0].message.content or "", r.usage
+    if stream:
+        text, usage = [], None
+        cs = await client.completions.create(model=SERVED, prompt=prompt, max_tokens=max_tokens,
+                                             temperature=0, stream=True,
+                                             stream_options={"include_usage": True}, **extra)
+        async for chunk in cs:
+            if chunk.choices and chunk.choices[0].text:
+                text.append(chunk.choices[0].text)
+            if chunk.usage is not None:
+                usage = chunk.usage
+        return "".join(text), usage
+    c = await client.completions.create(model=SERVED, prompt=prompt, max_tokens=max_tokens,
+                                        temperature=0, **extra)
+    return c.choices[0].text, c.usage
+
+
+async def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.2) -> None:
+    """Poll an async or sync predicate until true; fail with `what` after `timeout` s."""
+    import asyncio
+    import inspect
+
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if inspect.isawaitable(last):
+            last = await last
+        if last is True:
+            return
+        await asyncio.sleep(interval)
+    raise AssertionError(f"{what} (still {last!r} after {timeout} s)")

@@ -1,0 +1,61 @@
+"""Issue 7, test 4: a client that disconnects mid-stream. The router closes its upstream decode
+connection (vLLM's abort signal): the decode engine stops generating — `num_requests_running`
+back to 0 long before the answer could have finished — and the router's reservation is released."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.real_vllm.conftest import SERVED, RealRouter, unique_prompt, wait_for
+
+pytestmark = pytest.mark.real_vllm
+
+MAX_TOKENS = 900  # ~10 ms/token at best on 2 cores: many seconds if it were not aborted
+
+
+def running(router: RealRouter) -> float:
+    return sum(d.metric("vllm:num_requests_running") + d.metric("vllm:num_requests_waiting")
+               for d in router.cluster.decodes)
+
+
+def generated(router: RealRouter) -> float:
+    return sum(d.metric("vllm:generation_tokens_total") for d in router.cluster.decodes)
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+async def test_client_disconnect_aborts_decode(router: RealRouter, kind: str) -> None:
+    tokens_before = generated(router)
+    prompt = unique_prompt(12, tag=f"disconnect {kind}")
+    async with router.client() as client:
+        if kind == "chat":
+            stream = await client.chat.completions.create(
+                model=SERVED, messages=[{"role": "user", "content": prompt}],
+                max_tokens=MAX_TOKENS, temperature=0, stream=True)
+        else:
+            stream = await client.completions.create(  # type: ignore[assignment]
+                model=SERVED, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 5:
+                break
+        # While the client is still there, the decode engine is generating for it.
+        assert running(router) >= 1
+        await stream.close()
+        gone_at = time.monotonic()
+
+    await wait_for(lambda: running(router) == 0 or running(router), 60,
+                   "the decode engines still run the abandoned request")
+    abort_s = time.monotonic() - gone_at
+
+    async def released() -> bool | dict[str, int]:
+        reserved = await router.reserved_blocks()
+        return not any(reserved.values()) or reserved
+
+    await wait_for(released, 10, "the router still holds the reservation")
+    wasted = generated(router) - tokens_before
+    print(f"\n{kind}: decode stopped {abort_s:.2f} s after the client left, "
+          f"{wasted:.0f} of {MAX_TOKENS} tokens generated")
+    assert wasted < MAX_TOKENS

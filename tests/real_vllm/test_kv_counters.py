@@ -1,0 +1,40 @@
+"""Issue 7, test 2: the KV really moved. On the decode servers, vLLM's
+`prompt_tokens_by_source{source="external_kv_transfer"}` rises by exactly the prompt tokens the
+router sent, `local_compute` (and `local_cache_hit`) by none; the prefill server computed them."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.real_vllm.conftest import RealRouter, ask, unique_prompt
+
+pytestmark = pytest.mark.real_vllm
+
+
+async def test_decode_pulls_every_prompt_token(router: RealRouter) -> None:
+    cluster = router.cluster
+    before = {s.name: s.prompt_tokens_by_source() for s in cluster.servers}
+    # Several lengths: under one block, several blocks, an exact multiple of the block size.
+    cases = [("completions", unique_prompt(5), False), ("chat", unique_prompt(40), True),
+             ("completions", unique_prompt(64), True), ("chat", unique_prompt(200), False),
+             ("completions", unique_prompt(300), False)]
+    sent = 0
+    async with router.client() as client:
+        for kind, prompt, stream in cases:
+            _, usage = await ask(client, kind, prompt, 8, stream=stream)
+            assert usage is not None
+            sent += usage.prompt_tokens
+    after = {s.name: s.prompt_tokens_by_source() for s in cluster.servers}
+
+    def delta(name: str, source: str) -> float:
+        return after[name].get(source, 0.0) - before[name].get(source, 0.0)
+
+    decodes = [d.name for d in cluster.decodes]
+    assert sum(delta(d, "external_kv_transfer") for d in decodes) == sent
+    assert [delta(d, "local_compute") for d in decodes] == [0, 0]
+    assert [delta(d, "local_cache_hit") for d in decodes] == [0, 0]
+    # The prefill server computed those prompts (fresh prompts: no prefix-cache hits there).
+    p = cluster.prefill.name
+    assert delta(p, "local_compute") + delta(p, "local_cache_hit") == sent
+    assert delta(p, "external_kv_transfer") == 0
+    assert await router.reserved_blocks() == {"d0": 0, "d1": 0}

@@ -1,0 +1,161 @@
+"""Dynamic pools through the token-protected admin API, shared by router replicas via Redis;
+layout pairing reported; model listing merged from the pools."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+from router.config import settings_from_mapping
+from sim.textgen import expected_answer
+from sim.worker import WorkerConfig, running_worker
+from tests.conftest import MODEL, REDIS_URL, running_router
+
+CHAT = "/v1/chat/completions"
+TOKEN = "s3cret-admin"
+
+
+def _settings(prefix: str, workers: list[dict[str, Any]], **extra: Any) -> Any:
+    return settings_from_mapping(
+        {
+            "model": MODEL,
+            "perf": {"model": MODEL, "gpu": "h100"},
+            "redis_url": REDIS_URL,
+            "key_prefix": prefix,
+            "workers": workers,
+            "admin_token": TOKEN,
+            "registry_refresh_s": 0.1,
+            "health_interval_s": 0.5,
+            **extra,
+        }
+    )
+
+
+@contextlib.asynccontextmanager
+async def two_replicas_with_prefill_only(prefix: str) -> AsyncIterator[tuple[str, str, str]]:
+    async with contextlib.AsyncExitStack() as stack:
+        p_url = await stack.enter_async_context(
+            running_worker(
+                WorkerConfig(
+                    role="prefill", worker_id="p0", model=MODEL, time_scale=500.0, kv_blocks=4096
+                )
+            )
+        )
+        workers = [{"id": "p0", "url": p_url, "role": "prefill", "adapter": "sim"}]
+        a, _ = await stack.enter_async_context(running_router(_settings(prefix, workers)))
+        b, _ = await stack.enter_async_context(running_router(_settings(prefix, workers)))
+        yield a, b, p_url
+
+
+async def _workers(s: aiohttp.ClientSession, url: str) -> dict[str, dict[str, Any]]:
+    async with s.get(url + "/admin/workers") as r:
+        return {w["id"]: w for w in (await r.json())["workers"]}
+
+
+async def test_registration_needs_the_token(redis_prefix: str) -> None:
+    async with (
+        two_replicas_with_prefill_only(redis_prefix) as (a, _, _),
+        aiohttp.ClientSession() as s,
+    ):
+        entry = {"id": "d9", "url": "http://127.0.0.1:9", "role": "decode", "kv_blocks": 10}
+        async with s.post(a + "/admin/workers", json=entry) as r:
+            assert r.status == 401 and (await r.json())["error"]["type"] == "authentication_error"
+        async with s.post(
+            a + "/admin/workers", json=entry, headers={"Authorization": "Bearer wrong"}
+        ) as r:
+            assert r.status == 401
+        async with s.post(
+            a + "/admin/workers",
+            json={"id": "x", "role": "decode"},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        ) as r:
+            assert r.status == 400 and "url" in (await r.json())["error"]["message"]
+        async with s.post(
+            a + "/admin/workers",
+            json={"id": "p0", "url": "http://h", "role": "prefill"},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        ) as r:
+            assert r.status == 400  # configured workers cannot be replaced
+
+
+async def test_write_side_is_off_without_a_token(redis_prefix: str) -> None:
+    settings = settings_from_mapping(
+        {"model": MODEL, "redis_url": REDIS_URL, "key_prefix": redis_prefix, "workers": []}
+    )
+    async with running_router(settings) as (url, _), aiohttp.ClientSession() as s:
+        async with s.delete(
+            url + "/admin/workers/x", headers={"Authorization": "Bearer anything"}
+        ) as r:
+            assert r.status == 403
+
+
+async def test_a_registered_decode_worker_serves_on_every_replica(redis_prefix: str) -> None:
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    async with (
+        two_replicas_with_prefill_only(redis_prefix) as (a, b, _),
+        running_worker(
+            WorkerConfig(
+                role="decode", worker_id="d-new", model=MODEL, time_scale=500.0, kv_blocks=4096
+            )
+        ) as d_url,
+        aiohttp.ClientSession() as s,
+    ):
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "new worker"}],
+            "max_tokens": 12,
+        }
+        async with s.post(b + CHAT, json=body) as r:
+            assert r.status == 503  # no decode worker at all yet: fail fast, clearly
+        entry = {"id": "d-new", "url": d_url, "role": "decode", "adapter": "sim", "kv_blocks": 4096}
+        async with s.post(a + "/admin/workers", json=entry, headers=auth) as r:
+            assert r.status == 201, await r.text()
+        for _ in range(100):  # replica b adopts it from the shared registry
+            if "d-new" in await _workers(s, b):
+                break
+            await asyncio.sleep(0.05)
+        assert (await _workers(s, b))["d-new"]["paired"] is True
+        async with s.post(b + CHAT, json=body) as r:
+            assert r.status == 200
+            answer = await r.json()
+        assert answer["choices"][0]["message"]["content"] == expected_answer(CHAT, body)[0]
+        async with s.delete(a + "/admin/workers/d-new", headers=auth) as r:
+            assert r.status == 200
+        for _ in range(100):
+            if "d-new" not in await _workers(s, b):
+                break
+            await asyncio.sleep(0.05)
+        assert "d-new" not in await _workers(s, b)
+        async with s.delete(a + "/admin/workers/d-new", headers=auth) as r:
+            assert r.status == 404
+
+
+async def test_unpaired_layouts_are_reported_and_models_merged(redis_prefix: str) -> None:
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    async with (
+        two_replicas_with_prefill_only(redis_prefix) as (a, _, _),
+        aiohttp.ClientSession() as s,
+    ):
+        entry = {
+            "id": "d-v2",
+            "url": "http://127.0.0.1:9",
+            "role": "decode",
+            "kv_blocks": 64,
+            "layout": {"engine": "vllm", "engine_version": "0.33.0", "model": "other-8b"},
+        }
+        async with s.post(a + "/admin/workers", json=entry, headers=auth) as r:
+            assert r.status == 201
+            assert (await r.json())["paired"] is False
+        workers = await _workers(s, a)
+        assert workers["p0"]["paired"] is False and workers["d-v2"]["paired"] is False
+        async with s.get(a + "/metrics") as r:
+            assert "disagg_router_unpaired_workers 2.0" in await r.text()
+        async with s.get(a + "/v1/models") as r:
+            ids = [m["id"] for m in (await r.json())["data"]]
+        assert ids == [MODEL, "other-8b"]
+        async with s.delete(a + "/admin/workers/d-v2", headers=auth) as r:
+            assert r.status == 200
