@@ -138,7 +138,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.command == "simulate":
         from sim.cluster_cli import run_simulate
 
-        return run_simulate(ns)
+        try:
+            return run_simulate(ns)
+        except ValueError as exc:  # a bad policy, trace or cluster shape: say so, no traceback
+            print(f"disagg-router: {exc}", file=sys.stderr)
+            return 2
     parser.error(f"unknown command {ns.command}")
     return 2
 

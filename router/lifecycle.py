@@ -73,6 +73,11 @@ def _error_fields(data: bytes) -> tuple[str, str | None, str | None, Any]:
 
 def upstream_failure(side: str, worker_id: str, status: int, data: bytes) -> LegFailure:
     msg, type_, param, code = _error_fields(data)
+    if 400 <= status < 500 and param == "kv_transfer_params":
+        # Not the client's fault: the KV handle the router passed is no longer good (its lease
+        # expired on the prefill worker, or it was pulled already). Re-prefill and retry.
+        err = UpstreamError(f"{side} worker {worker_id} could not use the KV handle: {msg}")
+        return LegFailure(side, worker_id, err, True)
     if 400 <= status < 500 and status not in (408, 429):
         # The worker judged the client's request bad: its verdict passes through, no retry.
         return LegFailure(

@@ -206,3 +206,16 @@ async def test_client_gone_during_prefill_releases_everything(redis_prefix: str)
             await asyncio.sleep(0.05)
         assert state["inflight_requests"] == 0 and state["waiting_prefills"] == 0, state
         assert c.gateway.admission.inflight == 0
+
+
+async def test_expired_kv_handle_is_re_prefilled(redis_prefix: str) -> None:
+    """The KV lease ran out on the prefill worker before the decode pulled it: the decode's 400
+    about kv_transfer_params is the router's problem, not the client's — re-prefill and retry."""
+    async with sim_cluster(redis_prefix=redis_prefix, retry=FAST_RETRY,
+                           worker_overrides={"p0": {"kv_lease_s": 1e-6}}) as c:
+        body = body_for(7, 8)
+        status, result = await call(c, body, True)
+        # Every attempt's KV expires at once, so the request runs out of attempts cleanly.
+        assert status == 503 and "KV handle" in result["error"]["message"], result
+        assert c.gateway.metrics.retries.labels(side="decode")._value.get() == 2
+        await assert_quiet(c)
