@@ -214,11 +214,16 @@ def run_case(
     est = load_estimator(case.estimator, dict(case.estimator_args)) if c.reserve else None
     if est is not None and est.name == "online_quantile" and warmup:
         est = WarmEstimator.from_requests(est, warmup, cfg.model, cfg.max_tokens)
+    cpu0 = time.process_time()
     res = simulate(
         requests, cfg, policy, est, seed=seed, slo_ttft_s=trace.slo_ttft_s,
         slo_tpot_s=trace.slo_tpot_s, rate_scale=rate_scale,
     )  # fmt: skip
-    return {"case": case.label, "rate_scale": rate_scale, **res.summary(timing=True)}
+    cpu = time.process_time() - cpu0
+    # CPU seconds beside wall seconds: on a shared machine the wall clock also counts the
+    # time other processes held the core.
+    return {"case": case.label, "rate_scale": rate_scale, **res.summary(timing=True),
+            "cpu_s": cpu, "events_per_cpu_s": res.events / cpu if cpu > 0 else 0.0}  # fmt: skip
 
 
 def goodput(
@@ -401,8 +406,9 @@ def scaling(
         row = run_case(requests, shape, CaseSpec("two_sided+online", "two_sided"), scale, trace)
         row.update(workers=n, prefill=n_p, decode=n - n_p, total_wall_s=time.perf_counter() - t0)
         out.append(row)
-        print(f"  {n} workers: {row['wall_s']:.1f} s, {row['events']:,} events, "
-              f"{row['events_per_s']:,.0f} events/s", flush=True)  # fmt: skip
+        print(f"  {n} workers: {row['wall_s']:.1f} s wall, {row['cpu_s']:.1f} s CPU, "
+              f"{row['events']:,} events, {row['events_per_cpu_s']:,.0f} events/CPU-s",
+              flush=True)  # fmt: skip
     return out
 
 
@@ -567,11 +573,14 @@ def admission_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def scaling_table(rows: Sequence[dict[str, Any]]) -> str:
-    out = ["| workers (P+D) | rate | requests | events | wall s | events/s | SLO % |",
-           "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    out = ["| workers (P+D) | rate | requests | events | wall s | CPU s | events/CPU-s "
+           "| events/wall-s | SLO % |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in rows:
         out.append(f"| {r['workers']} ({r['prefill']}+{r['decode']}) | ×{r['rate_scale']:g} "
                    f"| {r['requests']:,} | {r['events']:,} | {r['wall_s']:.1f} "
+                   f"| {r.get('cpu_s', float('nan')):.1f} "
+                   f"| {r.get('events_per_cpu_s', float('nan')):,.0f} "
                    f"| {r['events_per_s']:,.0f} | {100 * r['slo_attainment']:.1f} |")  # fmt: skip
     return "\n".join(out)
 
@@ -615,10 +624,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--sizes", default="16,64,256,1000")
     ap.add_argument("--scaling-rate", type=float, default=1.0)
     ap.add_argument("--per-worker-load", action="store_true")
+    ap.add_argument("--admission-runs", default=None,
+                    help="admission: trace:shape:rate_scale,... (default: see the function)")
     ap.add_argument("--requests", type=int, default=300, help="validate: trace requests")
     ap.add_argument("--time-scale", type=float, default=4.0, help="validate: live time scale")
     ap.add_argument("--rate-scale", type=float, default=1.0, help="validate: arrival rate scale")
     ap.add_argument("--out", default="bench-results")
+    ap.add_argument("--tag", default="", help="suffix for the JSON file names")
     ap.add_argument("--img", default="docs/img")
     ns = ap.parse_args(argv)
     out = Path(ns.out)
@@ -631,7 +643,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.what in ("policies", "all"):
         data = policy_comparison(traces, shapes, cases, limit=ns.limit, precision=ns.precision,
                                  jobs=ns.jobs)  # fmt: skip
-        _write(out, "policies", data)
+        _write(out, "policies" + ("-" + ns.tag if ns.tag else ""), data)
         for t in traces:
             for s in shapes:
                 spec = TRACES[t]
@@ -640,8 +652,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 plot_attainment(data["goodput"], t, s, png, slo)
         print(goodput_table(data), flush=True)
     if ns.what in ("admission", "all"):
-        rows = admission_comparison(limit=ns.limit, jobs=ns.jobs)
-        _write(out, "admission", rows)
+        kw: dict[str, Any] = {}
+        if ns.admission_runs:
+            kw["runs"] = [(t, sh, float(x)) for t, sh, x in
+                          (r.split(":") for r in ns.admission_runs.split(","))]  # fmt: skip
+        rows = admission_comparison(limit=ns.limit, jobs=ns.jobs, **kw)
+        _write(out, "admission" + ("-" + ns.tag if ns.tag else ""), rows)
         print(admission_table(rows), flush=True)
     if ns.what in ("scaling", "all"):
         sizes = [int(x) for x in ns.sizes.split(",")]
@@ -651,15 +667,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(scaling_table(rows), flush=True)
     if ns.what in ("validate", "all"):
         v = validate(n_requests=ns.requests, time_scale=ns.time_scale, rate_scale=ns.rate_scale)
-        _write(out, "validate", v)
+        _write(out, "validate" + ("-" + ns.tag if ns.tag else ""), v)
         print(validation_table(v), flush=True)
     if ns.what == "tables":
         for name, fmt in (("policies", goodput_table), ("admission", admission_table),
-                          ("scaling", scaling_table), ("scaling-per-worker", scaling_table),
-                          ("validate", validation_table)):  # fmt: skip
-            p = out / f"{name}.json"
-            if p.exists():
-                print(f"\n### {name}\n")
+                          ("scaling", scaling_table), ("validate", validation_table)):  # fmt: skip
+            for p in sorted(out.glob(f"{name}*.json")):
+                print(f"\n### {p.stem}\n")
                 print(fmt(json.loads(p.read_text())))
     return 0
 
