@@ -6,12 +6,15 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import aiohttp
 import orjson
 from aiohttp import web
 
 from policies.registry import load_estimator, load_policy
+from router.adapters import prefill_target, query_engine_ids
+from router.adapters.mooncake import DEFAULT_BOOTSTRAP_PORT
 from router.admin import add_admin_routes
 from router.admission import Admission
 from router.api import CHAT, COMPLETIONS, parse_request
@@ -177,6 +180,23 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=m.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
 
+async def _learn_mooncake_engines(pools: Pools, session: aiohttp.ClientSession) -> None:
+    """Mooncake prefill workers name their engine in `GET <bootstrap>/query`: read it once."""
+    for w in list(pools.prefill_workers):
+        spec = w.spec
+        if spec.adapter != "mooncake" or spec.engine_id:
+            continue
+        target = prefill_target(spec.url, spec.bootstrap_port or DEFAULT_BOOTSTRAP_PORT)
+        try:
+            ids = await query_engine_ids(session, target)
+        except Exception as exc:
+            log.error("Mooncake prefill %s: no engine id from %s:%s/query (%s); its requests "
+                      "will fail until it is configured", spec.id, target.host,
+                      target.bootstrap_port, exc)
+            continue
+        w.spec = replace(spec, engine_id=ids[min(ids)])
+
+
 async def _reap_stranded(gw: Gateway) -> None:
     """KV stranded longer than the KV lease is gone from the prefill worker: count and drop it.
 
@@ -243,6 +263,7 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
         )
         app[GATEWAY] = gw
         await pools.register_capacities()
+        await _learn_mooncake_engines(pools, session)
         await pools.sync_registry()
         for wid in pools.unpaired():
             log.warning(

@@ -201,3 +201,52 @@ async def test_mixed_version_pools_are_never_paired_across_versions(redis_prefix
         assert served["p0"] and served["p1"]  # both versions did serve (random policy)
         state = orjson.loads(orjson.dumps(await _json(url + "/admin/state")))
         assert {w["layout"].split("|")[1] for w in state["workers"]} == {"0.31.0", "0.32.0"}
+
+
+async def test_mooncake_prefill_engine_id_is_read_at_start_up(redis_prefix: str) -> None:
+    """The router asks a Mooncake prefill's bootstrap server for its engine id, then both legs
+    carry the vLLM Mooncake connector's fields."""
+    seen: list[dict[str, Any]] = []
+
+    async def query(request: web.Request) -> web.Response:
+        return web.json_response({"0": {"engine_id": "engine-7"}})
+
+    async def record(request: web.Request) -> web.Response:
+        seen.append(await request.json())
+        return web.json_response({"error": {"message": "stub", "type": "x", "param": None,
+                                            "code": 500}}, status=500)
+
+    app_ = web.Application()
+    app_.router.add_get("/query", query)
+    app_.router.add_post(CHAT, record)
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    app_.router.add_get("/health", health)
+    runner = web.AppRunner(app_)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
+    try:
+        stub = f"http://127.0.0.1:{port}"
+        settings = settings_from_mapping({
+            "model": MODEL, "redis_url": REDIS_URL, "key_prefix": redis_prefix,
+            "retry": {"max_attempts": 1},
+            "workers": [
+                {"id": "p0", "url": stub, "role": "prefill", "adapter": "mooncake",
+                 "bootstrap_port": port},
+                {"id": "d0", "url": stub, "role": "decode", "adapter": "mooncake",
+                 "kv_blocks": 1024}]})
+        async with running_router(settings) as (url, app), aiohttp.ClientSession() as s:
+            assert app[GATEWAY].pools.workers["p0"].spec.engine_id == "engine-7"
+            async with s.post(url + CHAT, json={**_body("mooncake"), "stream": False}) as r:
+                assert r.status in (502, 503)  # the stub fails both legs; the point is the wire
+        prefill = next(b for b in seen if b["kv_transfer_params"].get("do_remote_decode"))
+        decode = next(b for b in seen if b["kv_transfer_params"].get("do_remote_prefill"))
+        assert prefill["max_tokens"] == 1 and prefill["stream"] is False
+        kv = decode["kv_transfer_params"]
+        assert kv["remote_engine_id"] == "engine-7"
+        assert kv["remote_bootstrap_addr"] == f"http://127.0.0.1:{port}"
+        assert kv["transfer_id"] == prefill["kv_transfer_params"]["transfer_id"]
+    finally:
+        await runner.cleanup()
