@@ -39,6 +39,7 @@ from router.errors import (
 )
 from router.gateway import Gateway
 from router.pools import WorkerState
+from router.prefixes import prefix_hashes
 from router.relay import RelayResult, parse_sent_text, relay_sse
 from router.resume import resume_body
 from state.base import RetryBudgetPolicy
@@ -147,6 +148,7 @@ class RequestFlow:
         self.status = 200
         self.admitted = False
         self.ticket = gw.admission.ticket()
+        self.prefixes = prefix_hashes(parsed.path, parsed.body)
         self._rng = random.Random(self.request_id)
         self._deadline: Any = None
         self._client: web.StreamResponse | None = None  # once the client's stream has started
@@ -185,6 +187,7 @@ class RequestFlow:
             max_tokens=max_tokens,
             arrival_s=self.started,
             priority=priority if isinstance(priority, int) else 0,
+            prefix_hashes=self.prefixes,
             hint_output_tokens=int(hint) if hint and hint.isdigit() else None,
         )
 
@@ -326,6 +329,7 @@ class RequestFlow:
         probe = worker.breaker.on_dispatch()
         worker.queued_prompt_tokens += prompt_tokens
         worker.inflight += 1
+        worker.recent_prefixes.add(self.prefixes)
         t0 = gw.clock()
         try:
             async with asyncio.timeout(gw.settings.timeouts.prefill_s):

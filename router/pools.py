@@ -22,6 +22,7 @@ from policies.base import ClusterView, DecodeView, PrefillView
 from router.breaker import CircuitBreaker
 from router.config import ConfigError, Settings, WorkerSpec, parse_worker
 from router.discovery import LoadSnapshot, fetch_sglang_load, fetch_vllm_load
+from router.prefixes import RecentPrefixes
 from state.base import StateStore
 
 __all__ = ["WorkerState", "Pools"]
@@ -47,7 +48,7 @@ class WorkerState:
     capacity_blocks: int = 0
     reserved_blocks: int = 0  # all replicas, from the store, adjusted locally
     stranded_bytes: int = 0
-    recent_prefixes: set[int] = field(default_factory=set)
+    recent_prefixes: RecentPrefixes = field(default_factory=RecentPrefixes)
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     load: LoadSnapshot | None = None  # the worker's own report, when polled
     dynamic: bool = False  # registered through the admin API (not from the config file)
@@ -202,7 +203,7 @@ class Pools:
                 ),
                 stranded_bytes=w.stranded_bytes,
                 stranded_cap_bytes=w.spec.stranded_cap_bytes,
-                recent_prefixes=frozenset(w.recent_prefixes),
+                recent_prefixes=w.recent_prefixes.frozen,
             )
             for w in self.prefill_workers
             if _serves(w, model)

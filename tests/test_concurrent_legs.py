@@ -250,3 +250,35 @@ async def test_mooncake_prefill_engine_id_is_read_at_start_up(redis_prefix: str)
         assert kv["transfer_id"] == prefill["kv_transfer_params"]["transfer_id"]
     finally:
         await runner.cleanup()
+
+
+def test_prefix_hashes_share_exactly_the_shared_prefix() -> None:
+    from router.prefixes import BLOCK_CHARS, RecentPrefixes, prefix_hashes
+
+    common = "x" * (2 * BLOCK_CHARS)
+    a = prefix_hashes("/v1/completions", {"prompt": common + "a" * BLOCK_CHARS})
+    b = prefix_hashes("/v1/completions", {"prompt": common + "b" * BLOCK_CHARS})
+    assert len(a) == len(b) == 3 and a[:2] == b[:2] and a[2] != b[2]
+    assert prefix_hashes("/v1/completions", {"prompt": "short"}) == ()
+    recent = RecentPrefixes(limit=4)
+    recent.add(a)
+    recent.add(b)
+    assert recent.frozen == {a[1], a[2], b[2]} | {a[0]} and len(recent.frozen) == 4
+
+
+async def test_prompts_sharing_a_prefix_go_to_the_prefill_worker_that_has_it(
+    redis_prefix: str,
+) -> None:
+    from tests.conftest import sim_cluster
+
+    shared = "system prompt of a long agent session. " * 200  # ~8,000 characters: 3 blocks
+    async with sim_cluster(redis_prefix=redis_prefix, prefill=2) as c, \
+            aiohttp.ClientSession() as s:
+        for i in range(6):
+            body = {"model": MODEL, "max_tokens": 4, "messages": [
+                {"role": "system", "content": shared},
+                {"role": "user", "content": f"question {i}"}]}
+            async with s.post(c.router_url + CHAT, json=body) as r:
+                assert r.status == 200
+        served = {wid: len(await c.worker_requests(wid)) for wid in ("p0", "p1")}
+        assert sorted(served.values()) == [0, 6], served  # affinity, not a spread

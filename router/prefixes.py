@@ -1,0 +1,70 @@
+"""Prefix block hashes of a prompt, and the prefixes a prefill worker has recently seen.
+
+No tokenizer is at hand, so blocks are cut on characters (4 characters a token, 512-token
+blocks, as Mooncake's traces count them). Each hash covers the whole prompt up to the end of its
+block, so two prompts share their leading hashes exactly as far as they share a prefix — what a
+prefill worker's prefix cache would reuse. The two-sided policy prefers a prefill worker that
+recently prefilled the same prefix.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+from router.api import CHAT
+
+__all__ = ["BLOCK_CHARS", "prefix_hashes", "RecentPrefixes"]
+
+BLOCK_CHARS = 512 * 4
+_MAX_BLOCKS = 64  # enough to tell prompts apart; the rest would only cost time
+
+
+def _prompt_text(path: str, body: dict[str, Any]) -> str:
+    if path == CHAT:
+        parts = []
+        for msg in body.get("messages") or ():
+            content = msg.get("content")
+            if isinstance(content, list):
+                content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+            parts.append(f"{msg.get('role')}\n{content or ''}\n")
+        return "".join(parts)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        prompt = prompt[0] if prompt and isinstance(prompt[0], str) else " ".join(map(str, prompt))
+    return prompt if isinstance(prompt, str) else ""
+
+
+def prefix_hashes(path: str, body: dict[str, Any]) -> tuple[int, ...]:
+    data = _prompt_text(path, body).encode()
+    out, state = [], 0
+    for i in range(min(len(data) // BLOCK_CHARS, _MAX_BLOCKS)):
+        state = zlib.crc32(data[i * BLOCK_CHARS:(i + 1) * BLOCK_CHARS], state)
+        out.append(state)
+    return tuple(out)
+
+
+class RecentPrefixes:
+    """A bounded, insertion-ordered set of prefix hashes, with a frozen view for snapshots."""
+
+    def __init__(self, limit: int = 1024) -> None:
+        self.limit = limit
+        self._order: dict[int, None] = {}
+        self._frozen: frozenset[int] = frozenset()
+
+    def __repr__(self) -> str:
+        return f"RecentPrefixes({len(self._order)}/{self.limit})"
+
+    def add(self, hashes: tuple[int, ...]) -> None:
+        if not hashes:
+            return
+        for h in hashes:
+            self._order.pop(h, None)
+            self._order[h] = None
+        while len(self._order) > self.limit:
+            del self._order[next(iter(self._order))]
+        self._frozen = frozenset(self._order)
+
+    @property
+    def frozen(self) -> frozenset[int]:
+        return self._frozen
