@@ -57,6 +57,7 @@ class LegFailure(Exception):
     def __init__(self, side: str, worker_id: str, error: RouterError, retryable: bool) -> None:
         super().__init__(error.message)
         self.side, self.worker_id, self.error, self.retryable = side, worker_id, error, retryable
+        self.kv_handle = False  # the KV handle was bad (expired): nobody's breaker is charged
 
 
 def _error_fields(data: bytes) -> tuple[str, str | None, str | None, Any]:
@@ -78,7 +79,9 @@ def upstream_failure(side: str, worker_id: str, status: int, data: bytes) -> Leg
         # Not the client's fault: the KV handle the router passed is no longer good (its lease
         # expired on the prefill worker, or it was pulled already). Re-prefill and retry.
         err = UpstreamError(f"{side} worker {worker_id} could not use the KV handle: {msg}")
-        return LegFailure(side, worker_id, err, True)
+        failure = LegFailure(side, worker_id, err, True)
+        failure.kv_handle = True
+        return failure
     if 400 <= status < 500 and status not in (408, 429):
         # The worker judged the client's request bad: its verdict passes through, no retry.
         return LegFailure(
@@ -469,9 +472,10 @@ class RequestFlow:
             resp.release()
             failure = upstream_failure("decode", spec.id, resp.status, data)
             gw.metrics.upstream_errors.labels(side="decode", kind=str(resp.status)).inc()
-            worker.breaker.on_failure(probe) if failure.retryable else worker.breaker.on_success(
-                probe
-            )
+            if failure.retryable and not failure.kv_handle:
+                worker.breaker.on_failure(probe)
+            else:  # the worker is fine: the client's request, or the KV handle, was the problem
+                worker.breaker.on_success(probe)
             raise failure
         worker.breaker.on_success(probe)
         return resp

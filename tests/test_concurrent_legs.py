@@ -70,7 +70,7 @@ async def sglang_cluster(
     async with contextlib.AsyncExitStack() as stack:
         p_url = await stack.enter_async_context(running_worker(WorkerConfig(
             role="prefill", worker_id="p0", model=MODEL, time_scale=500.0, kv_blocks=4096,
-            bootstrap_port=0)))
+            bootstrap_port=0, kv_lease_s=30.0 * 500)))
         d_url = await stack.enter_async_context(running_worker(WorkerConfig(
             role="decode", worker_id="d0", model=MODEL, time_scale=500.0, kv_blocks=4096)))
         info = await _json(p_url + "/server_info")
@@ -174,7 +174,8 @@ async def test_mixed_version_pools_are_never_paired_across_versions(redis_prefix
         for wid, role, layout in [("p0", "prefill", v1), ("p1", "prefill", v2),
                                   ("d0", "decode", v1), ("d1", "decode", v2)]:
             u = await stack.enter_async_context(running_worker(WorkerConfig(
-                role=role, worker_id=wid, model=MODEL, time_scale=500.0, kv_blocks=4096)))
+                role=role, worker_id=wid, model=MODEL, time_scale=500.0, kv_blocks=4096,
+                kv_lease_s=30.0 * 500)))
             urls[wid] = u
             entry = {"id": wid, "url": u, "role": role, "adapter": "sim", "layout": layout}
             if role == "decode":

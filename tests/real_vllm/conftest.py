@@ -1,6 +1,6 @@
 """Fixtures for the suite against real vLLM engines (vLLM's CPU build, NIXL over loopback).
 
-One prefill and two decode vLLM servers are started once per session from the venv and the tiny
+One prefill and two decode vLLM servers are started once for this package from the venv and the tiny
 model that `scripts/prepare_real_vllm.sh` prepares, and stopped at the end; a router (vLLM adapter,
 Redis state under a key prefix of its own) is started in this process for each test. When the
 prepared environment is absent every test here is skipped with the reason, so the main test run
@@ -79,6 +79,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # -- the vLLM servers --------------------------------------------------------------------------
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the test process dies, however it dies, so no
+    orphaned engine keeps busy-polling a core (Linux prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -154,7 +163,8 @@ class VllmServer:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, cwd=self.workdir)
+                                         start_new_session=True, cwd=self.workdir,
+                                         preexec_fn=_die_with_parent)
         self.started_at = time.monotonic()
         self.ready_after_s = None
 
@@ -268,9 +278,11 @@ class VllmCluster:
             s.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def vllm_cluster() -> Iterator[VllmCluster]:
-    """p0 (kv_producer), d0 and d1 (kv_consumer), started together and waited for."""
+    """p0 (kv_producer), d0 and d1 (kv_consumer), started together and waited for; stopped
+    as soon as this package's tests are done (NIXL busy-polls a core even when idle, which
+    the rest of the test run should not pay for)."""
     reason = missing_reason()
     if reason is not None:
         pytest.skip(reason)
