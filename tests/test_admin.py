@@ -41,7 +41,12 @@ async def two_replicas_with_prefill_only(prefix: str) -> AsyncIterator[tuple[str
         p_url = await stack.enter_async_context(
             running_worker(
                 WorkerConfig(
-                    role="prefill", worker_id="p0", model=MODEL, time_scale=500.0, kv_blocks=4096
+                    role="prefill",
+                    worker_id="p0",
+                    model=MODEL,
+                    time_scale=500.0,
+                    kv_blocks=4096,
+                    kv_lease_s=30.0 * 500,
                 )
             )
         )
@@ -99,7 +104,12 @@ async def test_a_registered_decode_worker_serves_on_every_replica(redis_prefix: 
         two_replicas_with_prefill_only(redis_prefix) as (a, b, _),
         running_worker(
             WorkerConfig(
-                role="decode", worker_id="d-new", model=MODEL, time_scale=500.0, kv_blocks=4096
+                role="decode",
+                worker_id="d-new",
+                model=MODEL,
+                time_scale=500.0,
+                kv_blocks=4096,
+                kv_lease_s=30.0 * 500,
             )
         ) as d_url,
         aiohttp.ClientSession() as s,
