@@ -31,6 +31,9 @@ FAST = 1000.0
 def cfg(role: str = "both", **kw: Any) -> WorkerConfig:
     kw.setdefault("time_scale", FAST)
     kw.setdefault("mean_output_tokens", 16)
+    # The KV lease is in simulated seconds: keep vLLM's 30 s as 30 s of real time, or a loaded
+    # machine sees KV expire between the legs (the lease test sets its own short one).
+    kw.setdefault("kv_lease_s", 30.0 * kw["time_scale"])
     return WorkerConfig(role=role, **kw)
 
 
