@@ -168,6 +168,9 @@ async def _start_workers(cluster: LocalCluster, kv_blocks: int) -> list[dict[str
             str(shape.time_scale),
             "--kv-blocks",
             str(kv_blocks),
+            # vLLM's 30 s KV lease, in real seconds whatever the time scale
+            "--kv-lease-s",
+            str(30.0 * shape.time_scale),
         ]
         proc = await _spawn(cluster, args, f"worker-{wid}.log")
         url = f"http://127.0.0.1:{port}"
