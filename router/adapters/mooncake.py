@@ -21,11 +21,11 @@ from typing import Any, Literal
 import aiohttp
 
 from router.adapters.base import PrefillTarget, ProtocolViolation
+from router.adapters.vllm import VllmNixlAdapter
 
 __all__ = ["MooncakeAdapter", "DEFAULT_BOOTSTRAP_PORT", "query_engine_ids", "parse_query"]
 
 DEFAULT_BOOTSTRAP_PORT = 8998
-_DROP_FROM_PREFILL = ("min_tokens", "min_completion_tokens", "stream_options")
 
 
 def bootstrap_addr(prefill: PrefillTarget) -> str:
@@ -71,11 +71,8 @@ class MooncakeAdapter:
                 "no engine id for this Mooncake prefill worker: query its bootstrap /query first"
             )
         transfer_id = f"xfer-{request_id}"
-        p = {k: v for k, v in body.items() if k not in _DROP_FROM_PREFILL}
-        p["stream"] = False
-        p["max_tokens"] = 1
-        if "max_completion_tokens" in body:
-            p["max_completion_tokens"] = 1
+        # The prefill leg is shaped as in NIXL mode; only the KV handle differs.
+        p = VllmNixlAdapter().prefill_body(body)
         p["kv_transfer_params"] = {
             "do_remote_decode": True,
             "do_remote_prefill": False,
