@@ -27,7 +27,7 @@ def _run_bench(tmp_path: Path, targets: str, *extra: str) -> dict[str, Any]:
     out = tmp_path / "overhead.json"
     md = tmp_path / "overhead.md"
     cmd = [sys.executable, "-m", "bench.overhead", "--targets", targets,
-           "--concurrency", "1,4", "--requests", "2", "--requests-c1", "2",
+           "--concurrency", "1,4", "--rounds", "1", "--requests", "2", "--requests-c1", "2",
            "--tokens", str(TOKENS), "--interval-ms", "2", "--prefill-ms", "1",
            "--sat-concurrency", "4", "--sat-tokens", "16", "--sat-interval-ms", "1",
            "--no-pin", "--json", str(out), "--markdown", str(md),
