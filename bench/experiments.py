@@ -145,6 +145,9 @@ VARIANTS: tuple[CaseSpec, ...] = (
     CaseSpec("two_sided+online predictive", "two_sided/predictive"),
     CaseSpec("two_sided+online q0.7 predictive", "two_sided/predictive",
              estimator_args={"quantile": 0.7}),
+    CaseSpec("two_sided+online ttft-gate", "bench.experiments:TTFTGatedTwoSided"),
+    CaseSpec("two_sided+online ttft-gate q0.7 predictive",
+             "bench.experiments:TTFTGatedTwoSided/predictive", estimator_args={"quantile": 0.7}),
 )
 
 
@@ -185,6 +188,34 @@ class WarmEstimator:
                 h = warm.setdefault(key, {})
                 h[b] = h.get(b, 0) + 1
         return cls(inner, warm)
+
+
+class TTFTGatedTwoSided:
+    """EXPERIMENT (not a shipped policy): two_sided, but candidates whose predicted TTFT is over
+    the request's TTFT SLO (× `slack`) are dropped, and a request with none left is rejected
+    (it waits in the admission queue and is retried until its deadline). Sheds requests that
+    would miss anyway instead of letting them lengthen the prefill queues for everyone."""
+
+    name = "two_sided_ttft_gate"
+
+    def __init__(self, slack: float = 1.0, **kwargs: Any) -> None:
+        from policies.two_sided import TwoSidedPolicy
+
+        self.inner = TwoSidedPolicy(**kwargs)
+        self.slack = slack
+
+    def place(self, request: Any, view: Any) -> Any:
+        from policies.base import Placement, Rejection
+
+        decision = self.inner.place(request, view)
+        if not isinstance(decision, Placement) or request.slo_ttft_s is None:
+            return decision
+        limit = request.slo_ttft_s * self.slack
+        kept = tuple(c for c in decision.candidates if c.predicted_ttft_s <= limit)
+        if kept:
+            return Placement(kept)
+        best = min(c.predicted_ttft_s for c in decision.candidates)
+        return Rejection(f"predicted TTFT {best:.2f} s over the SLO", 0.5)
 
 
 # -- one simulation -------------------------------------------------------------------------------
@@ -425,14 +456,15 @@ def validate(
     policy: str = "two_sided",
     estimator: str = "online_quantile",
     start: int = 0,
+    model: str = "llama-3-8b",
 ) -> dict[str, Any]:
     """The same trace slice through router + simulated workers (time-scaled) and through the
     simulator, same shape/policy/estimator: p50/p90 TTFT and ITL side by side."""
     trace = TRACES["conv"]
     requests = load_trace(TRACE_DIR / trace.file, limit=n_requests, start=start)
     live = asyncio.run(_live(requests, time_scale, rate_scale, n_prefill, n_decode, policy,
-                             estimator))  # fmt: skip
-    simrow = _sim_same(requests, rate_scale, n_prefill, n_decode, policy, estimator, trace)
+                             estimator, model))  # fmt: skip
+    simrow = _sim_same(requests, rate_scale, n_prefill, n_decode, policy, estimator, trace, model)
     rows = []
     for metric, lk, sk in (
         ("TTFT p50", ("ttft_s", "p50"), "ttft_p50_s"),
@@ -449,7 +481,7 @@ def validate(
         "requests": len(requests),
         "time_scale": time_scale,
         "rate_scale": rate_scale,
-        "shape": f"{n_prefill}P:{n_decode}D llama-3-8b h100",
+        "shape": f"{n_prefill}P:{n_decode}D {model} h100",
         "policy": policy,
         "estimator": estimator,
         "rows": rows,
@@ -461,14 +493,14 @@ def validate(
 
 async def _live(
     requests: Sequence[TraceRequest], time_scale: float, rate_scale: float, n_prefill: int,
-    n_decode: int, policy: str, estimator: str,
+    n_decode: int, policy: str, estimator: str, model: str = "llama-3-8b",
 ) -> dict[str, Any]:  # fmt: skip
     from bench.replay import replay
     from bench.report import summarize
     from router.localcluster import ClusterShape, local_cluster
 
     shape = ClusterShape(n_prefill=n_prefill, n_decode=n_decode, time_scale=time_scale,
-                         policy=policy, estimator=estimator)  # fmt: skip
+                         policy=policy, estimator=estimator, model=model)  # fmt: skip
     async with local_cluster(shape, redis_url=os.environ.get("REDIS_URL")) as cluster:
         cap = 4096
         result = await replay(cluster.router_url, requests, model=shape.model, endpoint="chat",
@@ -480,9 +512,9 @@ async def _live(
 
 def _sim_same(
     requests: Sequence[TraceRequest], rate_scale: float, n_prefill: int, n_decode: int,
-    policy: str, estimator: str, trace: TraceSpec,
+    policy: str, estimator: str, trace: TraceSpec, model: str = "llama-3-8b",
 ) -> dict[str, Any]:  # fmt: skip
-    shape = ShapeSpec("validate", n_prefill, n_decode)
+    shape = ShapeSpec("validate", n_prefill, n_decode, model)
     case = CaseSpec(f"{policy}+{estimator}", policy, estimator=estimator)
     # The live cluster's router sends max_tokens = 4096 (the replay's cap), like the simulator.
     return run_case(requests, shape, case, rate_scale, trace)
@@ -511,6 +543,12 @@ def plot_attainment(results: Sequence[dict[str, Any]], trace: str, shape: str, p
                 markersize=3, label=f"{r['case']} ({r['goodput_rps']:.1f} req/s)")  # fmt: skip
     ax.axhline(0.9, color="grey", linestyle=":", label="90 % target")
     ax.set_xscale("log")
+    from matplotlib.ticker import ScalarFormatter
+
+    for axis in (ax.xaxis,):
+        axis.set_major_formatter(ScalarFormatter())
+        axis.set_minor_formatter(ScalarFormatter())
+    ax.tick_params(axis="x", which="minor", labelsize=7)
     ax.set_xlabel("offered load, requests/s (log)")
     ax.set_ylabel("fraction meeting both SLOs")
     ax.set_ylim(0, 1.02)
@@ -613,7 +651,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.experiments", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=("policies", "admission", "scaling", "validate", "all",
-                                     "tables"))  # fmt: skip
+                                     "tables", "plots"))  # fmt: skip
     ap.add_argument("--traces", default=",".join(TRACES))
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--cases", default=None, help="comma-separated case labels (default: all)")
@@ -629,6 +667,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=300, help="validate: trace requests")
     ap.add_argument("--time-scale", type=float, default=4.0, help="validate: live time scale")
     ap.add_argument("--rate-scale", type=float, default=1.0, help="validate: arrival rate scale")
+    ap.add_argument("--model", default="llama-3-8b", help="validate: model profile")
     ap.add_argument("--out", default="bench-results")
     ap.add_argument("--tag", default="", help="suffix for the JSON file names")
     ap.add_argument("--img", default="docs/img")
@@ -666,9 +705,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         _write(out, "scaling" + ("-per-worker" if ns.per_worker_load else ""), rows)
         print(scaling_table(rows), flush=True)
     if ns.what in ("validate", "all"):
-        v = validate(n_requests=ns.requests, time_scale=ns.time_scale, rate_scale=ns.rate_scale)
+        v = validate(n_requests=ns.requests, time_scale=ns.time_scale, rate_scale=ns.rate_scale,
+                     model=ns.model)  # fmt: skip
         _write(out, "validate" + ("-" + ns.tag if ns.tag else ""), v)
         print(validation_table(v), flush=True)
+    if ns.what == "plots":  # again from policies.json, without re-running anything
+        data = json.loads((out / "policies.json").read_text())
+        for t, s in sorted({(r["trace"], r["shape"]) for r in data["goodput"]}):
+            spec = TRACES[t]
+            slo = f"TTFT ≤ {spec.slo_ttft_s:g} s, TPOT ≤ {spec.slo_tpot_s * 1e3:g} ms"
+            plot_attainment(data["goodput"], t, s, Path(ns.img) / f"attainment-{t}-{s}.png", slo)
     if ns.what == "tables":
         for name, fmt in (("policies", goodput_table), ("admission", admission_table),
                           ("scaling", scaling_table), ("validate", validation_table)):  # fmt: skip

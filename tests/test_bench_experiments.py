@@ -107,7 +107,8 @@ def test_admission_and_scaling_instruments(monkeypatch: pytest.MonkeyPatch) -> N
     assert [r["workers"] for r in rows] == [4, 8]
     for r in rows:
         _sane(r)
-    assert "events/s" in ex.scaling_table(rows)
+    assert "events/CPU-s" in ex.scaling_table(rows)
+    assert all(r["cpu_s"] > 0 and r["events_per_cpu_s"] > 0 for r in rows)
 
 
 def test_validation_table_formats() -> None:
