@@ -26,6 +26,7 @@ from router.leases import LeaseKeeper
 from router.lifecycle import RequestFlow
 from router.metrics import RouterMetrics
 from router.pools import Pools
+from router.splice import SplicePool
 from state import open_store
 
 __all__ = ["create_app", "GATEWAY", "SETTINGS"]
@@ -260,6 +261,9 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
             leases=LeaseKeeper(store, settings.reservation_lease_s),
             histograms=HistogramCache(store, settings.histogram_refresh_s),
             admission=Admission(settings.admission),
+            splice=SplicePool(settings.upstream_connections)
+            if settings.relay == "splice"
+            else None,
         )
         app[GATEWAY] = gw
         await pools.register_capacities()
@@ -287,6 +291,8 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
             await _stop(tasks)
             await gw.histograms.close()
             await session.close()
+            if gw.splice is not None:
+                await gw.splice.close()
             await store.close()
 
     return ctx

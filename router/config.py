@@ -143,6 +143,10 @@ class Settings:
     api_keys: tuple[Secret, ...] = ()
     forward_client_auth: bool = False
     upstream_connections: int = 4096
+    # How decode streams reach the client: "aiohttp" (its client + StreamResponse.write) or
+    # "splice" (router/splice.py: a raw keep-alive client whose protocol callbacks write whole
+    # SSE events straight to the client's transport; ~30 % less relay CPU per token).
+    relay: str = "aiohttp"
     # Token for the admin API's write side (register / remove workers); empty = disabled.
     admin_token: Secret = Secret("")
     registry_refresh_s: float = 1.0  # how often replicas re-read the shared worker registry
@@ -161,6 +165,8 @@ class Settings:
             raise ConfigError(f"workers: duplicate ids in {ids}")
         if self.reservation_lease_s <= 0:
             raise ConfigError("reservation_lease_s must be > 0")
+        if self.relay not in ("aiohttp", "splice"):
+            raise ConfigError(f"relay: must be aiohttp or splice, not {self.relay!r}")
 
 
 def _parse_layout(raw: Mapping[str, Any] | None, defaults: KVLayout) -> KVLayout:
@@ -248,6 +254,7 @@ _ENV_SCALARS: dict[str, type] = {
     "estimator": str,
     "max_body_bytes": int,
     "reservation_lease_s": float,
+    "relay": str,
 }
 
 

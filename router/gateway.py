@@ -16,6 +16,7 @@ from router.histograms import HistogramCache
 from router.leases import LeaseKeeper
 from router.metrics import RouterMetrics
 from router.pools import Pools
+from router.splice import SplicePool
 from state.base import StateStore
 
 __all__ = ["Gateway"]
@@ -35,6 +36,7 @@ class Gateway:
     admission: Admission
     adapters: dict[str, WorkerAdapter | ConcurrentAdapter] = field(default_factory=dict)
     clock: Callable[[], float] = time.monotonic
+    splice: SplicePool | None = None  # the decode legs' raw client when settings.relay == "splice"
 
     def __post_init__(self) -> None:
         for spec in self.settings.workers:

@@ -42,6 +42,7 @@ from router.pools import WorkerState
 from router.prefixes import prefix_hashes
 from router.relay import RelayResult, parse_sent_text, relay_sse
 from router.resume import resume_body
+from router.splice import SpliceResponse, relay_splice
 from state.base import RetryBudgetPolicy
 
 __all__ = ["RequestFlow", "LegFailure", "upstream_failure"]
@@ -49,6 +50,9 @@ __all__ = ["RequestFlow", "LegFailure", "upstream_failure"]
 log = logging.getLogger(__name__)
 
 RESUMED_HEADER = "X-Resumed-Output-Tokens"
+
+# The decode leg's answer: aiohttp's, or the splice client's (`settings.relay == "splice"`).
+DecodeResponse = aiohttp.ClientResponse | SpliceResponse
 
 
 class LegFailure(Exception):
@@ -399,7 +403,7 @@ class RequestFlow:
 
     async def concurrent_legs(
         self, attempt: Attempt, body: dict[str, Any], prompt_tokens: int, resumed: int
-    ) -> aiohttp.ClientResponse:
+    ) -> DecodeResponse:
         """SGLang rooms / vLLM Mooncake: both legs at once. The decode stream is returned as soon
         as it starts (not after the prefill's answer); a leg that fails cancels the other."""
         gw = self.gw
@@ -448,19 +452,30 @@ class RequestFlow:
     # -- the decode leg ----------------------------------------------------------------------
     async def open_decode(
         self, attempt: Attempt, body: dict[str, Any], resumed: int
-    ) -> aiohttp.ClientResponse:
+    ) -> DecodeResponse:
         gw = self.gw
         worker = gw.pools.workers[attempt.candidate.decode_id]
         spec, t = worker.spec, gw.settings.timeouts
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, sock_read=t.idle_s)
         probe = worker.breaker.on_dispatch()
+        resp: DecodeResponse
         try:
-            resp = await gw.session.post(
-                spec.url + self.parsed.path,
-                data=orjson.dumps(body),
-                headers=self._headers(worker, resumed),
-                timeout=timeout,
-            )
+            if gw.splice is not None and gw.splice.supports(spec.url):
+                # Its errors are aiohttp.ClientConnectionErrors: the same retryable failures.
+                resp = await gw.splice.post(
+                    spec.url + self.parsed.path,
+                    orjson.dumps(body),
+                    self._headers(worker, resumed),
+                    connect_s=t.connect_s,
+                    idle_s=t.idle_s,
+                )
+            else:
+                resp = await gw.session.post(
+                    spec.url + self.parsed.path,
+                    data=orjson.dumps(body),
+                    headers=self._headers(worker, resumed),
+                    timeout=timeout,
+                )
         except aiohttp.ClientError as exc:
             gw.metrics.upstream_errors.labels(side="decode", kind="connection").inc()
             worker.breaker.on_failure(probe)
@@ -482,7 +497,7 @@ class RequestFlow:
 
     async def serve_attempt(
         self, body: dict[str, Any], prompt_tokens: int, max_tokens: int, resumed: int = 0
-    ) -> tuple[Attempt, aiohttp.ClientResponse]:
+    ) -> tuple[Attempt, DecodeResponse]:
         """Place, reserve, prefill and open the decode stream, retrying failed legs."""
         gw = self.gw
         info = await self._estimate(self._request_info(prompt_tokens, max_tokens))
@@ -560,7 +575,7 @@ class RequestFlow:
             )
             return self._client
 
-    async def _whole(self, attempt: Attempt, resp: aiohttp.ClientResponse) -> web.Response:
+    async def _whole(self, attempt: Attempt, resp: DecodeResponse) -> web.Response:
         """Non-streaming: nothing reaches the client until the answer is whole, so a broken
         answer is retried like a failed leg."""
         while True:
@@ -632,7 +647,7 @@ class RequestFlow:
                 attempt.decode_id,
             )
 
-    async def _stream(self, attempt: Attempt, resp: aiohttp.ClientResponse) -> web.StreamResponse:
+    async def _stream(self, attempt: Attempt, resp: DecodeResponse) -> web.StreamResponse:
         gw, chat = self.gw, self.parsed.path == CHAT
         client = web.StreamResponse(
             headers={
@@ -651,7 +666,8 @@ class RequestFlow:
             worker = gw.pools.workers[decode_id]
             worker.resident_seqs += 1
             try:
-                result: RelayResult = await relay_sse(
+                relay: Any = relay_splice if isinstance(resp, SpliceResponse) else relay_sse
+                result: RelayResult = await relay(
                     resp,
                     client,
                     chat=chat,
