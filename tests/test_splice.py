@@ -530,3 +530,31 @@ async def test_router_with_splice_relay_streams_and_answers_whole(redis_prefix: 
         # keep-alive: six decode legs, one after another, over very few connections
         assert len(c.gateway.splice._all) <= 2
         assert await c.reserved_blocks() == {"d0": 0}
+
+
+async def test_router_with_splice_relay_aborts_the_decode_when_the_client_leaves(
+    redis_prefix: str,
+) -> None:
+    async with sim_cluster(redis_prefix=redis_prefix, relay="splice") as c:
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "walk away"}],
+            "max_tokens": 5000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(c.router_url + "/v1/chat/completions", json=body) as r,
+        ):
+            assert r.status == 200
+            await r.content.readuntil(b"\n\n")
+        # Closing the upstream connection is vLLM's abort signal; the sim worker honours it.
+        for _ in range(int(WAIT / 0.05)):
+            state = await c.worker_state("d0")
+            if state["resident_sequences"] == 0 and await c.reserved_blocks() == {"d0": 0}:
+                break
+            await asyncio.sleep(0.05)
+        assert (await c.worker_state("d0"))["resident_sequences"] == 0
+        assert await c.reserved_blocks() == {"d0": 0}
+        assert c.gateway.leases.live == {}
