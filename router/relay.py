@@ -69,10 +69,11 @@ async def relay_sse(
             # Forward whole events only: if the worker dies mid-event, the client must not hold
             # half an event that the next (resumed) stream's bytes would corrupt.
             if not data.endswith(b"\n\n"):
-                cut = data.rfind(b"\n\n") + 2
-                data, pending = data[:cut], data[cut:]
-                if not data:
+                end = data.rfind(b"\n\n")
+                if end < 0:  # not one whole event yet: hold it all
+                    pending = data
                     continue
+                data, pending = data[: end + 2], data[end + 2 :]
             if result.first_token_at is None:
                 result.first_token_at = clock()
                 if on_first_token is not None:

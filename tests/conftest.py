@@ -7,7 +7,7 @@ import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -39,7 +39,9 @@ async def redis_prefix() -> AsyncIterator[str]:
 
 @contextlib.asynccontextmanager
 async def running_router(settings: Settings) -> AsyncIterator[tuple[str, web.Application]]:
-    app = create_app(settings)
+    # DR_TEST_RELAY=aiohttp|splice runs every router test with that decode-leg transport.
+    relay = os.environ.get("DR_TEST_RELAY")
+    app = create_app(replace(settings, relay=relay) if relay else settings)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -558,3 +558,46 @@ async def test_router_with_splice_relay_aborts_the_decode_when_the_client_leaves
         assert (await c.worker_state("d0"))["resident_sequences"] == 0
         assert await c.reserved_blocks() == {"d0": 0}
         assert c.gateway.leases.live == {}
+
+
+async def test_aiohttp_relay_forwards_whole_events_whatever_the_reads() -> None:
+    """The default relay, fed an SSE stream in awkward pieces (including reads with no event
+    boundary at all), forwards only whole events and in order."""
+    from aiohttp import web as _web
+
+    from router.relay import relay_sse
+
+    events = [b'data: {"choices":[{"delta":{"content":" w%d"}}]}\n\n' % i for i in range(6)]
+    stream = b"".join(events) + b"data: [DONE]\n\n"
+    pieces = [stream[i:i + 7] for i in range(0, len(stream), 7)]  # never aligned to events
+
+    async def upstream(request: _web.Request) -> _web.StreamResponse:
+        resp = _web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for p in pieces:
+            await resp.write(p)
+            await asyncio.sleep(0)
+        await resp.write_eof()
+        return resp
+
+    written: list[bytes] = []
+
+    class Client:
+        async def write(self, data: bytes) -> None:
+            written.append(bytes(data))
+
+    app = _web.Application()
+    app.router.add_get("/", upstream)
+    runner = _web.AppRunner(app)
+    await runner.setup()
+    await _web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        async with aiohttp.ClientSession() as s, s.get(
+            f"http://127.0.0.1:{runner.addresses[0][1]}/"
+        ) as r:
+            result = await relay_sse(r, Client(), chat=True, clock=lambda: 0.0)  # type: ignore[arg-type]
+    finally:
+        await runner.cleanup()
+    assert result.completed and result.tokens == 6
+    assert b"".join(written) == stream
+    assert all(w.endswith(b"\n\n") for w in written)  # every write ends on an event boundary
