@@ -34,8 +34,6 @@ def serving(router: RealRouter) -> VllmServer | None:
     return busy[0] if len(busy) == 1 else None
 
 
-@pytest.mark.xfail(strict=False, reason="resume seen passing against real engines for completions "
-                   "only so far (chat not yet run here: the loaded machine ran out of time)")
 @pytest.mark.parametrize("kind", ["completions", "chat"])
 async def test_decode_killed_mid_stream_resumes(router: RealRouter, kind: str) -> None:
     cluster = router.cluster
