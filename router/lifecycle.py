@@ -26,6 +26,7 @@ from aiohttp import web
 
 from policies.base import Candidate, Rejection, RequestInfo, blocks_for
 from router.adapters import ProtocolViolation, prefill_target
+from router.adapters.errors import parse_error_body
 from router.admission import QueueFull
 from router.api import CHAT, ParsedRequest
 from router.errors import (
@@ -64,21 +65,10 @@ class LegFailure(Exception):
         self.kv_handle = False  # the KV handle was bad (expired): nobody's breaker is charged
 
 
-def _error_fields(data: bytes) -> tuple[str, str | None, str | None, Any]:
-    """message, type, param, code from either vLLM error shape (nested or flat `object: error`)."""
-    try:
-        obj = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return data[:200].decode("utf-8", "replace") or "(empty body)", None, None, None
-    if isinstance(obj, dict):
-        err = obj.get("error") if isinstance(obj.get("error"), dict) else obj
-        msg = err.get("message") or err.get("detail") or str(obj)[:200]
-        return str(msg), err.get("type"), err.get("param"), err.get("code")
-    return str(obj)[:200], None, None, None
-
-
 def upstream_failure(side: str, worker_id: str, status: int, data: bytes) -> LegFailure:
-    msg, type_, param, code = _error_fields(data)
+    worker_error = parse_error_body(data, status)  # either vLLM shape, or plain text
+    msg, type_, param = worker_error.message, worker_error.type, worker_error.param
+    code = worker_error.code
     if 400 <= status < 500 and param == "kv_transfer_params":
         # Not the client's fault: the KV handle the router passed is no longer good (its lease
         # expired on the prefill worker, or it was pulled already). Re-prefill and retry.

@@ -12,7 +12,7 @@ Pure functions: the lifecycle decides what to do with a `WorkerError`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -26,6 +26,8 @@ class WorkerError:
     message: str
     type: str | None = None
     param: str | None = None
+    # The error's own `code`, as the worker sent it; carried along, not part of its identity.
+    code: Any = field(default=None, compare=False)
 
     def __repr__(self) -> str:
         return f"WorkerError({self.status}, {self.type}: {self.message[:60]!r})"
@@ -59,6 +61,7 @@ def _from_object(obj: Mapping[str, Any], status: int | None) -> WorkerError | No
         message if isinstance(message, str) else "unknown worker error",
         type_ if isinstance(type_, str) else None,
         param if isinstance(param, str) else None,
+        fields.get("code"),
     )
 
 
