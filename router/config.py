@@ -131,6 +131,9 @@ class Settings:
     kv_lease_s: float = 30.0
     state_refresh_s: float = 0.1
     health_interval_s: float = 2.0
+    # A probe slower than this counts as failed; two failures in a row take a worker out of
+    # rotation. Generous by default: a busy vLLM API server can be slow to answer /health.
+    health_timeout_s: float = 5.0
     histogram_refresh_s: float = 1.0
     timeouts: Timeouts = field(default_factory=Timeouts)
     retry: RetrySettings = field(default_factory=RetrySettings)
@@ -163,8 +166,9 @@ class Settings:
         ids = [w.id for w in self.workers]
         if len(ids) != len(set(ids)):
             raise ConfigError(f"workers: duplicate ids in {ids}")
-        if self.reservation_lease_s <= 0:
-            raise ConfigError("reservation_lease_s must be > 0")
+        for name in ("reservation_lease_s", "kv_lease_s", "health_interval_s", "health_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0")
         if self.relay not in ("aiohttp", "splice"):
             raise ConfigError(f"relay: must be aiohttp or splice, not {self.relay!r}")
 

@@ -39,6 +39,10 @@ class LeaseKeeper:
         self.live[reservation_id] = worker_id
         self.expected[reservation_id] = (blocks, expected_end)
 
+    def resized(self, reservation_id: str, blocks: int) -> None:
+        if reservation_id in self.expected:
+            self.expected[reservation_id] = (blocks, self.expected[reservation_id][1])
+
     def drop(self, reservation_id: str) -> None:
         self.live.pop(reservation_id, None)
         self.expected.pop(reservation_id, None)
@@ -53,7 +57,12 @@ class LeaseKeeper:
         return out
 
     async def renew_all(self) -> int:
-        """Renew every live lease; returns how many were already gone (expired under us)."""
+        """Renew every live lease; returns how many were already gone (expired under us).
+
+        A lease can expire under a live request when the store was unreachable for a whole
+        lease period. Its sequence still occupies the decode worker, so the reservation is
+        put back — over capacity if another request took the room meanwhile — rather than
+        left uncounted (which would let placement overfill that worker)."""
         items = list(self.live.items())
         results = await asyncio.gather(
             *(self.store.renew(wid, rid, self.lease_s) for rid, wid in items),
@@ -65,8 +74,25 @@ class LeaseKeeper:
                 log.warning("lease renewal of %s on %s failed: %s", rid, wid, ok)
             elif not ok and rid in self.live:
                 lost += 1
-                log.warning("reservation %s on %s expired while its request was alive", rid, wid)
+                await self._reinstate(rid, wid)
         return lost
+
+    async def _reinstate(self, rid: str, wid: str) -> None:
+        blocks = self.expected.get(rid, (0, 0.0))[0]
+        try:
+            # Overbooking by its own size always fits: the room is in use whatever the count.
+            ok = blocks > 0 and await self.store.reserve(
+                wid, rid, blocks, self.lease_s, overbook_blocks=blocks
+            )
+        except Exception as exc:
+            log.warning("reservation %s on %s expired and could not be put back: %s", rid, wid, exc)
+            return  # still live: the next tick tries again
+        if ok:
+            log.warning("reservation %s on %s expired while its request was alive: "
+                        "put back (%d blocks)", rid, wid, blocks)
+        else:
+            log.warning("reservation %s on %s expired while its request was alive", rid, wid)
+            self.drop(rid)
 
     async def run(self) -> None:
         while True:

@@ -41,7 +41,7 @@ from router.errors import (
 from router.gateway import Gateway
 from router.pools import WorkerState
 from router.prefixes import prefix_hashes
-from router.relay import RelayResult, parse_sent_text, relay_sse
+from router.relay import ERROR_EVENT, NO_FIRST_EVENT, RelayResult, parse_sent_text, relay_sse
 from router.resume import resume_body
 from router.splice import SpliceResponse, relay_splice
 from state.base import RetryBudgetPolicy
@@ -104,6 +104,7 @@ class Attempt:
         "blocks",
         "stranded_on",
         "stranded_bytes",
+        "handoff_by",
         "candidate",
         "grow_at_tokens",
         "overran",
@@ -117,6 +118,8 @@ class Attempt:
         self.blocks = candidate.reserve_blocks
         self.stranded_on: str | None = None
         self.stranded_bytes = 0
+        # Event-loop time by which the decode worker must show it took the KV (first event).
+        self.handoff_by: float | None = None
         self.grow_at_tokens = 0
         self.overran = False
         self.partner: asyncio.Task[bytes] | None = None  # a concurrent prefill leg
@@ -148,6 +151,7 @@ class RequestFlow:
         self.prefixes = prefix_hashes(parsed.path, parsed.body)
         self._rng = random.Random(self.request_id)
         self._deadline: Any = None
+        self._first_token_seen = False
         self._client: web.StreamResponse | None = None  # once the client's stream has started
 
     def __repr__(self) -> str:
@@ -383,6 +387,9 @@ class RequestFlow:
         # The KV now lives on the prefill worker and no decode has it yet: it is stranded.
         nbytes = prompt_tokens * gw.settings.kv_bytes_per_token
         attempt.stranded_on, attempt.stranded_bytes = worker.spec.id, nbytes
+        # The prefill worker holds this KV only for its lease: a decode that has not taken it by
+        # then never will, so the attempt fails (and is retried) instead of waiting out the TTFT.
+        attempt.handoff_by = asyncio.get_running_loop().time() + gw.settings.kv_lease_s
         gw.pools.note_stranded(worker.spec.id, nbytes)
         await gw.store.strand(worker.spec.id, self.request_id, nbytes)
         return params
@@ -559,10 +566,11 @@ class RequestFlow:
                     f"the request missed its deadline (time to first token {t.ttft_s} s)"
                 ) from exc
             # Mid-stream: the headers are gone, so the stream ends with a valid error frame.
-            await self._write_error(
-                self._client,
-                DeadlineExceeded(f"the request missed its total deadline ({t.total_s} s)"),
-            )
+            if self._first_token_seen:
+                message = f"the request missed its total deadline ({t.total_s} s)"
+            else:
+                message = f"the request missed its deadline (time to first token {t.ttft_s} s)"
+            await self._write_error(self._client, DeadlineExceeded(message))
             return self._client
 
     async def _whole(self, attempt: Attempt, resp: DecodeResponse) -> web.Response:
@@ -604,6 +612,9 @@ class RequestFlow:
     def _on_first_token(self, attempt: Attempt) -> None:
         gw, t = self.gw, self.gw.settings.timeouts
         self._kv_accepted(attempt)
+        if self._first_token_seen:  # a resumed stream: TTFT was the first attempt's
+            return
+        self._first_token_seen = True
         gw.metrics.ttft.observe(gw.clock() - self.started)
         total = self._loop_deadline(self.started + t.total_s) if t.total_s else None
         self._deadline.reschedule(total)
@@ -629,6 +640,7 @@ class RequestFlow:
             return
         if await self.gw.store.resize(attempt.decode_id, attempt.reservation_id, blocks):
             self.gw.pools.note_reserved(attempt.decode_id, blocks - attempt.blocks)
+            self.gw.leases.resized(attempt.reservation_id, blocks)
             attempt.blocks = blocks
         else:
             log.info(
@@ -666,6 +678,7 @@ class RequestFlow:
                     on_tokens=lambda n, a=attempt, b=resumed, p=prompt_tokens: self._on_tokens(
                         a, b, p, n
                     ),
+                    first_event_by=attempt.handoff_by,
                 )
             finally:
                 worker.resident_seqs -= 1
@@ -708,7 +721,13 @@ class RequestFlow:
             if isinstance(exc, LegFailure):
                 return exc
         worker.breaker.on_failure()
-        self.gw.metrics.upstream_errors.labels(side="decode", kind="stream_cut").inc()
+        if result.upstream_error == NO_FIRST_EVENT:
+            kind = "kv_handoff_timeout"
+        elif (result.upstream_error or "").startswith(ERROR_EVENT):
+            kind = "error_event"
+        else:
+            kind = "stream_cut"
+        self.gw.metrics.upstream_errors.labels(side="decode", kind=kind).inc()
         reason = f"decode worker {worker.spec.id} ended the stream early: {result.upstream_error}"
         return LegFailure("decode", worker.spec.id, UpstreamError(reason), True)
 

@@ -283,7 +283,7 @@ class Pools:
 
     async def probe(self, session: aiohttp.ClientSession, w: WorkerState) -> None:
         try:
-            timeout = aiohttp.ClientTimeout(total=max(1.0, self.settings.health_interval_s))
+            timeout = aiohttp.ClientTimeout(total=self.settings.health_timeout_s)
             async with session.get(w.spec.url + "/health", timeout=timeout) as resp:
                 ok = resp.status == 200
         except (TimeoutError, aiohttp.ClientError):

@@ -10,11 +10,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import asyncio
+
 import aiohttp
 import orjson
 from aiohttp import web
 
-__all__ = ["RelayResult", "relay_sse", "count_tokens", "parse_sent_text"]
+from router.adapters.errors import WorkerError, sse_data, stream_error
+
+__all__ = [
+    "RelayResult",
+    "relay_sse",
+    "count_tokens",
+    "parse_sent_text",
+    "split_at_error",
+    "NO_FIRST_EVENT",
+    "ERROR_EVENT",
+]
 
 _DONE = b"data: [DONE]"
 
@@ -24,7 +36,7 @@ class RelayResult:
     tokens: int = 0
     completed: bool = False  # saw `data: [DONE]`
     client_gone: bool = False
-    upstream_error: str | None = None  # the worker cut the stream or read failed
+    upstream_error: str | None = None  # the worker cut the stream, read failed or sent an error
     first_token_at: float | None = None
     chunks: list[bytes] = field(default_factory=list)
 
@@ -33,6 +45,34 @@ class RelayResult:
             f"RelayResult(tokens={self.tokens}, completed={self.completed}, "
             f"client_gone={self.client_gone}, upstream_error={self.upstream_error!r})"
         )
+
+
+NO_FIRST_EVENT = "no first token before the KV handoff deadline (the KV is presumed lost)"
+ERROR_EVENT = "decode worker reported an error mid-stream"
+
+
+def split_at_error(data: bytes) -> tuple[bytes, WorkerError | None]:
+    """Whole events `data` → (the part before a retryable error event, that error).
+
+    vLLM answers 200 and then reports a failed generation — a KV pull that failed, an engine
+    error — as `data: {"error": {..., "code": 500}}` followed by `[DONE]`. Forwarded as is, the
+    client would get a broken answer that a retry could have saved; so a server-side error
+    (5xx, or no code at all) ends the relay here and the caller retries or resumes. A 4xx in the
+    stream is the worker's verdict on the request itself and is passed through.
+    """
+    if b'"error"' not in data:  # the cheap check: this runs once per forwarded chunk
+        return data, None
+    start = 0
+    while start < len(data):
+        end = data.find(b"\n\n", start)
+        end = len(data) if end < 0 else end + 2
+        for line in data[start:end].split(b"\n"):
+            payload = sse_data(line)
+            err = stream_error(payload) if payload is not None else None
+            if err is not None and not (err.status is not None and 400 <= err.status < 500):
+                return data[:start], err
+        start = end
+    return data, None
 
 
 def count_tokens(data: bytes, chat: bool) -> int:
@@ -50,19 +90,36 @@ async def relay_sse(
     clock: Any,
     on_first_token: Any = None,
     on_tokens: Any = None,
+    first_event_by: float | None = None,
 ) -> RelayResult:
     """Forward `upstream`'s SSE body to `client` until it ends, either side fails, or is cancelled.
 
     `on_first_token()` runs once, synchronously, when the first chunk arrives (the decode worker
     has accepted the KV); `on_tokens(total)` after each forwarded piece. Deadlines are the
     caller's: aiohttp's sock_read timeout is the idle one, an enclosing asyncio.timeout the
-    TTFT/total one.
+    TTFT/total one, and `first_event_by` (event-loop time) the KV handoff's: a decode worker
+    that has not produced its first event by then ends the relay as an upstream error.
     """
     result = RelayResult()
     tail = b""
     pending = b""  # the start of an event whose end has not arrived yet
+    content = upstream.content
     try:
-        async for data in upstream.content.iter_any():
+        while True:
+            if result.first_token_at is None and first_event_by is not None:
+                window = asyncio.timeout_at(first_event_by)
+                try:
+                    async with window:
+                        data = await content.readany()
+                except TimeoutError:
+                    if not window.expired():
+                        raise  # aiohttp's own (idle) timeout: handled below
+                    result.upstream_error = NO_FIRST_EVENT
+                    return result
+            else:
+                data = await content.readany()
+            if not data:
+                break
             if pending:
                 data = pending + data
                 pending = b""
@@ -74,23 +131,28 @@ async def relay_sse(
                     pending = data
                     continue
                 data, pending = data[: end + 2], data[end + 2 :]
-            if result.first_token_at is None:
-                result.first_token_at = clock()
-                if on_first_token is not None:
-                    on_first_token()
-            result.chunks.append(data)
-            result.tokens += count_tokens(data, chat)
-            if on_tokens is not None:
-                on_tokens(result.tokens)
-            try:
-                await client.write(data)
-            except (ConnectionError, RuntimeError):
-                # The client went away (aiohttp raises ConnectionResetError, or RuntimeError
-                # once the transport is closed): stop reading so the caller closes upstream.
-                result.client_gone = True
+            data, error = split_at_error(data)
+            if data:
+                if result.first_token_at is None:
+                    result.first_token_at = clock()
+                    if on_first_token is not None:
+                        on_first_token()
+                result.chunks.append(data)
+                result.tokens += count_tokens(data, chat)
+                if on_tokens is not None:
+                    on_tokens(result.tokens)
+                try:
+                    await client.write(data)
+                except (ConnectionError, RuntimeError):
+                    # The client went away (aiohttp raises ConnectionResetError, or RuntimeError
+                    # once the transport is closed): stop reading so the caller closes upstream.
+                    result.client_gone = True
+                    return result
+                # The last bytes seen, to tell a finished stream (`[DONE]`) from a cut one.
+                tail = data[-32:] if len(data) >= 32 else (tail + data)[-32:]
+            if error is not None:
+                result.upstream_error = f"{ERROR_EVENT}: {error.message}"
                 return result
-            # The last bytes seen, to tell a finished stream (`[DONE]`) from a cut one.
-            tail = data[-32:] if len(data) >= 32 else (tail + data)[-32:]
     except aiohttp.ClientPayloadError as exc:
         result.upstream_error = f"decode stream broken: {exc}"
     except aiohttp.ClientConnectionError as exc:

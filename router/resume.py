@@ -20,6 +20,8 @@ def resume_body(
     parsed: ParsedRequest, sent_text: str, sent_tokens: int, chars_per_token: float
 ) -> tuple[dict[str, Any], int, int]:
     """(body, prompt tokens, max tokens) of the request that continues the answer."""
+    if sent_tokens == 0 and not sent_text:  # nothing reached the client: simply start again
+        return dict(parsed.body), parsed.prompt_tokens, parsed.max_tokens
     remaining = parsed.max_tokens - sent_tokens
     if remaining < 1:
         raise UpstreamError(

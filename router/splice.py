@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 
-from router.relay import RelayResult, count_tokens
+from router.relay import ERROR_EVENT, NO_FIRST_EVENT, RelayResult, count_tokens, split_at_error
 
 __all__ = [
     "SpliceError",
@@ -478,6 +478,7 @@ async def relay_splice(
     clock: Any,
     on_first_token: Any = None,
     on_tokens: Any = None,
+    first_event_by: float | None = None,
 ) -> RelayResult:
     """`router.relay.relay_sse`'s contract, done from the upstream protocol's callbacks.
 
@@ -540,6 +541,12 @@ async def relay_splice(
                 pending = data
                 return
             data, pending = data[:cut], data[cut:]
+        data, error = split_at_error(data)
+        if error is not None:
+            result.upstream_error = f"{ERROR_EVENT}: {error.message}"
+            conn._fail(SpliceDisconnected("the worker reported an error"))
+            if not data:
+                return
         if result.first_token_at is None:
             result.first_token_at = clock()
             if on_first_token is not None:
@@ -558,6 +565,12 @@ async def relay_splice(
             conn.pause()
             drainer = loop.create_task(drain())
 
+    def no_first_event() -> None:
+        if result.first_token_at is None and result.upstream_error is None:
+            result.upstream_error = NO_FIRST_EVENT
+            conn._fail(SpliceDisconnected("no first event before the KV handoff deadline"))
+
+    deadline = loop.call_at(first_event_by, no_first_event) if first_event_by is not None else None
     try:
         if conn.body:  # arrived between the head and now
             early = bytes(conn.body)
@@ -567,12 +580,14 @@ async def relay_splice(
             conn.sink, conn.on_tick = sink, check_client
         await done
     except SpliceError as exc:
-        if not result.client_gone:
+        if not result.client_gone and result.upstream_error is None:
             result.upstream_error = str(exc)
     except BaseException:
         conn._fail(SpliceDisconnected("relay cancelled"))  # vLLM's abort signal
         raise
     finally:
+        if deadline is not None:
+            deadline.cancel()
         conn.sink = conn.on_tick = None
         if drainer is not None:
             drainer.cancel()

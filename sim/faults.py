@@ -32,6 +32,8 @@ _EVENTS = (
     "prefill_die_after_kv",
     "decode_fail_before_first",
     "decode_die_after_tokens",
+    "decode_error_event_after_tokens",
+    "decode_stall_after_headers",
     "hang",
     "error",
 )
@@ -43,6 +45,11 @@ class FaultConfig:
     prefill_die_after_kv: bool = False  # KV entry created, then the connection drops: stranded KV
     decode_fail_before_first: bool = False  # 500 before any token
     decode_die_after_tokens: int | None = None  # drop the connection after N tokens
+    # As vLLM reports a failed generation (e.g. a KV pull that failed): 200, N tokens, then
+    # `data: {"error": {"message": "Internal server error", ..., "code": 500}}` and [DONE].
+    decode_error_event_after_tokens: int | None = None
+    # As vLLM while a KV pull hangs: a streaming decode sends its headers, then nothing.
+    decode_stall_after_headers: bool = False
     hang: bool = False  # accept and never answer, until the client goes away
     slow_factor: float = 1.0  # multiplies every simulated duration
     error_rate: float = 0.0  # fraction of generation requests answered with error_status
@@ -57,8 +64,10 @@ class FaultConfig:
             raise ValueError("error_rate must be within [0, 1]")
         if self.error_status not in ERROR_STATUSES:
             raise ValueError(f"error_status must be one of {ERROR_STATUSES}")
-        if self.decode_die_after_tokens is not None and self.decode_die_after_tokens < 0:
-            raise ValueError("decode_die_after_tokens must be >= 0")
+        for name in ("decode_die_after_tokens", "decode_error_event_after_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0")
         if self.count is not None and self.count < 0:
             raise ValueError("count must be >= 0")
 
@@ -83,9 +92,15 @@ class FaultConfig:
 
 
 def _check_type(name: str, value: object) -> None:
-    if name in ("prefill_fail", "prefill_die_after_kv", "decode_fail_before_first", "hang"):
+    if name in (
+        "prefill_fail",
+        "prefill_die_after_kv",
+        "decode_fail_before_first",
+        "decode_stall_after_headers",
+        "hang",
+    ):
         ok = isinstance(value, bool)
-    elif name in ("decode_die_after_tokens", "count"):
+    elif name in ("decode_die_after_tokens", "decode_error_event_after_tokens", "count"):
         ok = value is None or (isinstance(value, int) and not isinstance(value, bool))
     elif name in ("slow_factor", "error_rate"):
         ok = isinstance(value, int | float) and not isinstance(value, bool)
@@ -124,8 +139,14 @@ class FaultState:
         return self._take(name)
 
     def die_after_tokens(self) -> int | None:
-        n = self.config.decode_die_after_tokens
-        if n is None or not self._take("decode_die_after_tokens"):
+        return self._after_tokens("decode_die_after_tokens")
+
+    def error_event_after_tokens(self) -> int | None:
+        return self._after_tokens("decode_error_event_after_tokens")
+
+    def _after_tokens(self, name: str) -> int | None:
+        n = getattr(self.config, name)
+        if n is None or not self._take(name):
             return None
         return n
 

@@ -231,6 +231,9 @@ async def _decode(
     blocks = _take_blocks(worker, worker.engine.admission_blocks(spec.prompt_tokens))
     seq: Sequence | None = None
     try:
+        if fmt.stream and worker.faults.fire("decode_stall_after_headers"):
+            worker.metrics.inc("faults", label="decode_stall_after_headers")
+            return await _stall_after_headers(request)
         if worker.faults.fire("decode_fail_before_first"):
             worker.metrics.inc("faults", label="decode_fail_before_first")
             raise _Refusal(500, "injected fault: decode failed before the first token")
@@ -257,7 +260,8 @@ async def _decode(
         blocks = []
         worker.engine.join(seq)
         if fmt.stream:
-            return await _stream(worker, request, seq, fmt, die_after)
+            error_after = worker.faults.error_event_after_tokens()
+            return await _stream(worker, request, seq, fmt, die_after, error_after)
         return await _collect(worker, request, seq, fmt, die_after)
     except asyncio.CancelledError:
         worker.metrics.inc("aborted")
@@ -321,6 +325,7 @@ async def _stream(
     seq: Sequence,
     fmt: AnswerFormat | SglangFormat,
     die_after: int | None,
+    error_after: int | None = None,
 ) -> web.StreamResponse:
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -335,7 +340,14 @@ async def _stream(
             if not resp.prepared:
                 # Headers go out with the first token, so errors before it stay plain HTTP errors.
                 await resp.prepare(request)
-                await resp.write(fmt.role_event())
+                if error_after != 0:
+                    await resp.write(fmt.role_event())
+            if error_after is not None and sent >= error_after:
+                # vLLM's generation error after streaming began: an error event, then [DONE].
+                worker.metrics.inc("faults", label="decode_error_event_after_tokens")
+                await resp.write(_STREAM_ERROR + b"data: [DONE]\n\n")
+                await resp.write_eof()
+                return resp
             sent += 1 if tok else 0
             await resp.write(fmt.events(tok, finish, sent))
             if finish is not None:
@@ -346,6 +358,28 @@ async def _stream(
         # blocks; nothing more is written (never an error after body bytes have gone out).
         worker.metrics.inc("aborted")
         return resp
+
+
+_STREAM_ERROR = b"data: " + orjson.dumps(
+    {
+        "error": {
+            "message": "Internal server error",
+            "type": "InternalServerError",
+            "param": None,
+            "code": 500,
+        }
+    }
+) + b"\n\n"
+
+
+async def _stall_after_headers(request: web.Request) -> web.StreamResponse:
+    """Headers out, then silence until the client goes away (vLLM waiting on a lost KV pull)."""
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    await asyncio.Event().wait()  # cancelled when the client disconnects
+    return resp  # pragma: no cover - never reached
 
 
 async def _collect(

@@ -26,6 +26,7 @@ from router.adapters.errors import (
 from router.adapters.mooncake import MooncakeAdapter, parse_query, query_engine_ids
 from router.adapters.sglang import SglangAdapter, batch_size
 from router.adapters.vllm import VllmNixlAdapter
+from router.relay import split_at_error
 from sim.textgen import expected_answer
 from sim.worker import WorkerConfig, running_worker
 
@@ -328,3 +329,25 @@ def test_stream_error_frames() -> None:
     assert stream_error(b'{"choices": [{"text": "error"}]}') is None
     assert stream_error(b"[DONE]") is None
     assert stream_error(b'{"error": ') is None
+
+
+def test_split_at_error_stops_before_a_server_error_event() -> None:
+    good = b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+    error = b'data: {"error": {"message": "Internal server error", "type": "x", "code": 500}}\n\n'
+    done = b"data: [DONE]\n\n"
+    assert split_at_error(good + good) == (good + good, None)
+    head, err = split_at_error(good + error + done)
+    assert head == good and err is not None and err.message == "Internal server error"
+    head, err = split_at_error(error + done)
+    assert head == b"" and err is not None and err.status == 500
+    # Older vLLM's flat shape, and an error without a code: retryable too.
+    head, err = split_at_error(b'data: {"object": "error", "message": "boom"}\n\n')
+    assert head == b"" and err is not None and err.message == "boom"
+    # A 4xx in the stream is the worker's verdict on the request: passed through, not retried.
+    client_error = b'data: {"error": {"message": "bad", "type": "BadRequestError", "code": 400}}\n\n'
+    assert split_at_error(client_error + done) == (client_error + done, None)
+    # A token whose text is the word "error" (quoted in the text or not) is just a token.
+    token = b'data: {"choices": [{"text": "\\"error\\": error"}]}\n\n'
+    assert split_at_error(token) == (token, None)
+    finish = b'data: {"choices": [{"text": "", "finish_reason": "error"}]}\n\n'
+    assert split_at_error(finish) == (finish, None)

@@ -139,6 +139,51 @@ async def test_decode_dies_mid_stream(redis_prefix: str, stream: bool) -> None:
         await assert_quiet(c)
 
 
+def decode_errors(c: SimCluster, kind: str) -> float:
+    return c.gateway.metrics.upstream_errors.labels(side="decode", kind=kind)._value.get()
+
+
+async def test_error_event_before_any_token_is_retried(redis_prefix: str) -> None:
+    """vLLM answers 200 and reports a failed KV pull as an SSE error event: retried, not
+    forwarded, so the client gets the whole answer and never sees the failure."""
+    async with sim_cluster(redis_prefix=redis_prefix, retry=FAST_RETRY) as c:
+        await set_faults(c, "d0", decode_error_event_after_tokens=0, count=1)
+        body = body_for(7)
+        status, result = await call(c, body, True)
+        check_exact(status, result, body, True)
+        assert c.gateway.metrics.retries.labels(side="decode")._value.get() == 1
+        assert decode_errors(c, "error_event") == 1
+        await assert_quiet(c)
+
+
+async def test_error_event_mid_stream_is_resumed(redis_prefix: str) -> None:
+    async with sim_cluster(redis_prefix=redis_prefix, decode=2, retry=FAST_RETRY) as c:
+        for wid in ("d0", "d1"):
+            await set_faults(c, wid, decode_error_event_after_tokens=6, count=1)
+        body = body_for(8, max_tokens=30)
+        status, result = await call(c, body, True)
+        check_exact(status, result, body, True)  # the 6 tokens before the error, once each
+        assert c.gateway.metrics.resumes._value.get() >= 1
+        assert decode_errors(c, "error_event") >= 1
+        await assert_quiet(c)
+
+
+async def test_decode_that_never_takes_the_kv_is_retried(redis_prefix: str) -> None:
+    """Headers, then silence (vLLM waiting on a KV pull that will never finish): once the KV
+    lease is over the attempt is given up and retried with a fresh prefill, long before the
+    TTFT deadline."""
+    async with sim_cluster(
+        redis_prefix=redis_prefix, retry=FAST_RETRY, kv_lease_s=0.5, timeouts={"ttft_s": 60}
+    ) as c:
+        await set_faults(c, "d0", decode_stall_after_headers=True, count=1)
+        body = body_for(9)
+        status, result = await call(c, body, True)
+        check_exact(status, result, body, True)
+        assert decode_errors(c, "kv_handoff_timeout") == 1
+        assert len(await c.worker_requests("p0")) == 2  # the KV was built again
+        await assert_quiet(c)
+
+
 async def test_slow_worker_still_answers_exactly(redis_prefix: str) -> None:
     async with sim_cluster(redis_prefix=redis_prefix) as c:
         await set_faults(c, "d0", slow_factor=5.0)

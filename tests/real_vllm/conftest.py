@@ -355,6 +355,11 @@ def router_settings(cluster: VllmCluster, key_prefix: str, **overrides: Any) -> 
         "key_prefix": key_prefix,
         "workers": workers,
         "health_interval_s": 0.5,
+        # Three engines whose NIXL threads busy-poll share 2 cores: /health can take seconds.
+        "health_timeout_s": 10,
+        # vLLM's own lease on P's KV is 30 s, extended by D's heartbeats while D waits to pull;
+        # on these CPUs a queued decode can legitimately take longer than 30 s to start.
+        "kv_lease_s": 120,
         "state_refresh_s": 0.05,
         "timeouts": {"connect_s": 10, "prefill_s": 180, "ttft_s": 240, "idle_s": 120},
     }
