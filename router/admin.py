@@ -11,11 +11,10 @@ Registrations live in the shared store, so every replica adopts them within
 
 from __future__ import annotations
 
-import hmac
-
 import orjson
 from aiohttp import web
 
+from router.auth import bearer_token, token_matches
 from router.config import ConfigError
 from router.errors import InvalidRequest, RouterError, Unauthorized
 from router.gateway import Gateway
@@ -43,9 +42,7 @@ def _require_token(gw: Gateway, request: web.Request) -> None:
     token = gw.settings.admin_token
     if not token:
         raise Forbidden("the admin API's write side is disabled: set admin_token to enable it")
-    auth = request.headers.get("Authorization", "")
-    given = auth[7:] if auth.startswith("Bearer ") else ""
-    if not hmac.compare_digest(given.encode(), str(token).encode()):
+    if not token_matches(bearer_token(request), (token,)):
         raise Unauthorized("a valid admin token is required (Authorization: Bearer ...)")
 
 

@@ -17,6 +17,7 @@ from router.adapters import prefill_target, query_engine_ids
 from router.adapters.mooncake import DEFAULT_BOOTSTRAP_PORT
 from router.admin import add_admin_routes
 from router.admission import Admission
+from router.auth import bearer_token, token_matches
 from router.api import CHAT, COMPLETIONS, parse_request
 from router.config import Settings
 from router.errors import BodyTooLarge, RouterError, Unauthorized, error_body
@@ -80,9 +81,7 @@ async def error_middleware(request: web.Request, handler):  # type: ignore[no-un
 def _check_auth(settings: Settings, request: web.Request) -> None:
     if not settings.api_keys:
         return
-    auth = request.headers.get("Authorization", "")
-    token = auth[7:] if auth.startswith("Bearer ") else ""
-    if token not in settings.api_keys:
+    if not token_matches(bearer_token(request), settings.api_keys):
         raise Unauthorized("a valid API key is required (Authorization: Bearer ...)")
 
 

@@ -265,3 +265,29 @@ async def test_predictive_admission_counts_on_room_forecast_to_free(redis_prefix
                 gw.leases.drop("ending-soon")
                 assert await gw.store.release("d0", "ending-soon") == 400
             assert await c.reserved_blocks() == {"d0": 0}
+
+
+async def test_client_api_keys_are_checked_and_never_forwarded(redis_prefix: str) -> None:
+    async with sim_cluster(redis_prefix=redis_prefix, api_keys=["k-one", "k-two"]) as c:
+        url = c.router_url + CHAT
+        body = _chat_body("who may ask?", 5)
+        async with aiohttp.ClientSession() as s:
+            for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "k-one"},
+                            {"Authorization": "Basic k-one"}, {"Authorization": "Bearer "}):
+                async with s.post(url, json=body, headers=headers) as r:
+                    assert r.status == 401, headers
+                    err = (await r.json())["error"]
+                    assert set(err) == {"message", "type", "param", "code"}
+            # The scheme is case-insensitive (RFC 7235); either configured key works.
+            async with s.post(url, json=body, headers={"Authorization": "bearer k-two"}) as r:
+                assert r.status == 200, await r.text()
+        async with AsyncOpenAI(base_url=c.router_url + "/v1", api_key="k-one", max_retries=0,
+                               timeout=30) as client:
+            answer = await client.chat.completions.create(
+                model=MODEL, messages=body["messages"], max_tokens=5)
+            assert answer.choices[0].message.content == expected_answer(CHAT, body)[0]
+            with pytest.raises(openai.AuthenticationError):
+                await client.with_options(api_key="k-three").chat.completions.create(
+                    model=MODEL, messages=body["messages"], max_tokens=5)
+        sent = await c.worker_requests("p0") + await c.worker_requests("d0")
+        assert sent and all("Authorization" not in r["headers"] for r in sent)
