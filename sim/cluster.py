@@ -41,11 +41,11 @@ from policies.base import (
 )
 from sim.cluster_config import ClusterConfig
 from sim.cluster_metrics import GapHistogram, RequestRecord, SimResult
-from sim.cluster_workers import DecodeWorker, Job, PrefillWorker
+from sim.cluster_workers import DecodeWorker, Job, PrefillWorker, quantize
 
 __all__ = ["TraceLike", "simulate", "find_goodput"]
 
-_ARRIVAL, _PREFILL_DONE, _TRANSFER_DONE, _STEP, _DEADLINE = range(5)
+_ARRIVAL, _PREFILL_DONE, _TRANSFER_DONE, _STEP, _DEADLINE, _DISPATCH = range(6)
 
 
 class TraceLike(Protocol):
@@ -93,9 +93,12 @@ class _Engine:
             PrefillWorker(i, s, config.layout_of(s), cap, lru, config.prefix_block_tokens)
             for i, s in enumerate(config.prefill)
         ]
+        self.quantum = config.timer_quantum_s
         self.decodes = [
-            DecodeWorker(i, s, config.layout_of(s)) for i, s in enumerate(config.decode)
-        ]
+            DecodeWorker(i, s, config.layout_of(s), quantum=self.quantum,
+                         step_extra_s=config.step_overhead_s, join_mid_step=config.join_mid_step)
+            for i, s in enumerate(config.decode)
+        ]  # fmt: skip
         self.pmap = {p.wid: p for p in self.prefills}
         self.dmap = {d.wid: d for d in self.decodes}
         self.kvbpt = config.kv_bytes_per_token
@@ -143,8 +146,10 @@ class _Engine:
                 self._prefill_done(obj)  # type: ignore[arg-type]
             elif kind == _TRANSFER_DONE:
                 self._transfer_done(obj)  # type: ignore[arg-type]
-            else:
+            elif kind == _DEADLINE:
                 self._deadline(obj)  # type: ignore[arg-type]
+            else:
+                self._dispatched(obj)  # type: ignore[arg-type]
         wall = time.perf_counter() - wall0
         return self._result(n, wall)
 
@@ -268,6 +273,16 @@ class _Engine:
         job.admitted_at = self.now
         job.d = d
         job.p = p
+        if self.cfg.router_overhead_s > 0:
+            # The live path's fixed cost (hops, store round trips): the job reaches its prefill
+            # worker (or D, for a local prefill) that much later. Its room is already held.
+            self._push(self.now + self.cfg.router_overhead_s, _DISPATCH, job)
+            return
+        self._dispatched(job)
+
+    def _dispatched(self, job: Job) -> None:
+        p, d = job.p, job.d
+        assert d is not None
         if p is None:  # conditional disaggregation: D prefills it inside its next step
             job.local = True
             d.waiting.append(job)
@@ -306,6 +321,8 @@ class _Engine:
         if self.cfg.prefill_jitter:
             j = self.cfg.prefill_jitter
             dur *= self.rng.uniform(1.0 - j, 1.0 + j)
+        if self.quantum:
+            dur = quantize(dur, self.quantum)
         p.busy_s += dur
         self._push(self.now + dur, _PREFILL_DONE, p)
 
@@ -336,6 +353,8 @@ class _Engine:
         assert p is not None and d is not None
         bw = self.cfg.link_bytes_per_s(p.group, d.group)
         dur = self.cfg.link_latency_s + job.kv_bytes / bw
+        if self.quantum:
+            dur = quantize(dur, self.quantum)
         self._push(self.now + dur, _TRANSFER_DONE, job)
 
     def _transfer_done(self, job: Job) -> None:

@@ -74,6 +74,26 @@ class ClusterConfig:
     max_tokens: int = 4096
     # Multiplicative uniform noise on prefill times (0 = the cost model exactly).
     prefill_jitter: float = 0.0
+    # -- Mirroring the live simulated cluster (router + `sim.worker` processes); all off by
+    # default, so the simulator charges the cost model exactly. `bench.experiments validate
+    # --calibrate` measures and sets them. Times are simulated (real-cluster) seconds: a live
+    # cost of w wall seconds at time scale S is w * S here.
+    # Fixed per-request cost of the live path that the cost model does not know: HTTP hops
+    # (client -> router -> P -> router -> D -> P's KV endpoint ... -> router -> client), store
+    # round trips, router work, timer overshoot of the prefill and transfer sleeps. Charged as a
+    # delay between admission and the prefill worker's queue, so TTFT (and E2E) rise by it.
+    router_overhead_s: float = 0.0
+    # Extra time per decode step on top of the perf model's own `step_overhead_s` (the live
+    # worker's event-loop work per step and its sleep's overshoot); every token gap rises by it.
+    step_overhead_s: float = 0.0
+    # Timer granularity: each prefill, KV transfer and decode step lasts a whole number of
+    # quanta (rounded half to even), as uvloop rounds every sleep to whole milliseconds
+    # (live: 1 ms x time scale). 0 = exact.
+    timer_quantum_s: float = 0.0
+    # True: a sequence whose KV lands during a decode step gets its first token at the end of
+    # that step, as `sim.decode_engine.DecodeEngine` (the live simulated worker) adds it to the
+    # running set at once. False (vLLM): it joins at the next step boundary.
+    join_mid_step: bool = False
 
     def __post_init__(self) -> None:
         if not self.prefill and not self.decode:
@@ -89,6 +109,8 @@ class ClusterConfig:
             raise ValueError(f"admission must be 'instant' or 'predictive', not {self.admission!r}")
         if self.queue_limit < 0 or self.max_tokens < 1 or not 0 <= self.prefill_jitter < 1:
             raise ValueError("queue_limit >= 0, max_tokens >= 1, 0 <= prefill_jitter < 1")
+        if min(self.router_overhead_s, self.step_overhead_s, self.timer_quantum_s) < 0:
+            raise ValueError("router_overhead_s, step_overhead_s, timer_quantum_s must be >= 0")
         # A frozen config should not share a dict the caller can still mutate.
         object.__setattr__(self, "links", MappingProxyType(dict(self.links)))
 

@@ -29,7 +29,7 @@ from policies.base import DecodeView, KVLayout, PrefillView, RequestInfo, blocks
 from policies.costmodel import PerfModel
 from sim.cluster_config import WorkerSpec
 
-__all__ = ["Job", "PrefillWorker", "DecodeWorker"]
+__all__ = ["Job", "PrefillWorker", "DecodeWorker", "quantize"]
 
 _uid = count()  # heap tie-breaker; any unique increasing int will do
 
@@ -184,6 +184,31 @@ class PrefillWorker:
         return f"PrefillWorker({self.wid}, queued={self.queued_tokens}, stranded={self.stranded})"
 
 
+def quantize(dur: float, quantum: float) -> float:
+    """`dur` as a timer of granularity `quantum` runs it: a whole number of quanta, rounded half
+    to even (uvloop's `call_later` rounds its delay to whole milliseconds the same way)."""
+    return round(dur / quantum) * quantum
+
+
+def _with_live_costs(
+    step_s: Callable[[int, int], float], quantum: float, extra: float
+) -> Callable[[int, int], float]:
+    """A step as the live simulated worker runs it: its sleep rounded to the timer's quantum,
+    then `extra` of event-loop work and overshoot (ClusterConfig.timer_quantum_s,
+    step_overhead_s)."""
+    if quantum:
+
+        def live(kv_tokens: int, batch: int) -> float:
+            return round(step_s(kv_tokens, batch) / quantum) * quantum + extra
+
+    else:
+
+        def live(kv_tokens: int, batch: int) -> float:
+            return step_s(kv_tokens, batch) + extra
+
+    return live
+
+
 def _step_time_fn(perf: PerfModel) -> Callable[[int, int], float]:
     """`perf.decode_step_s` with its constants folded: it runs once per simulated decode step.
 
@@ -217,9 +242,11 @@ class DecodeWorker:
         "heap", "ph_used", "ph_held", "step", "used", "held", "kv_tokens", "durs", "durs_base",
         "stepping", "extra_s", "waiting", "handoff_wait", "reservations", "area", "last_t",
         "_view", "c_grown", "c_overran", "step_base", "step_per_block", "rate", "step_s",
+        "join_mid_step",
     )  # fmt: skip
 
-    def __init__(self, idx: int, spec: WorkerSpec, layout: KVLayout) -> None:
+    def __init__(self, idx: int, spec: WorkerSpec, layout: KVLayout, *, quantum: float = 0.0,
+                 step_extra_s: float = 0.0, join_mid_step: bool = False) -> None:  # fmt: skip
         self.idx = idx
         self.wid = spec.worker_id
         self.perf: PerfModel = spec.perf
@@ -253,6 +280,9 @@ class DecodeWorker:
         self.step_per_block = spec.perf.step_s_per_block
         self.rate = spec.perf.prefill_tokens_per_s()
         self.step_s = _step_time_fn(spec.perf)
+        if quantum or step_extra_s:
+            self.step_s = _with_live_costs(self.step_s, quantum, step_extra_s)
+        self.join_mid_step = join_mid_step
 
     # -- accounting -------------------------------------------------------------------------
     def _tick(self, now: float) -> None:
@@ -339,6 +369,13 @@ class DecodeWorker:
     def arrive(self, now: float, job: Job) -> bool:
         """The job's KV has landed. Returns True if the caller must schedule a step now."""
         if self.stepping:
+            if self.join_mid_step:
+                # The live worker's engine: in the running set at once, so its first token
+                # comes at the end of the step already under way (priced without it).
+                self._tick(now)
+                self._merge(job)
+                self._view = None
+                return False
             self.joining.append(job)
             self._view = None  # resident_seqs counts it already
             return False

@@ -319,3 +319,97 @@ def test_built_in_policies_and_learning_estimator_run_clean() -> None:
     for policy in (LeastLoadedPolicy(), PowerOfTwoPolicy(seed=1)):
         res = simulate(reqs, cfg.with_(reserve=False), policy, OnlineQuantileEstimator())
         assert_clean(res, len(reqs))
+
+
+# -- mirroring the live simulated cluster (ClusterConfig.router_overhead_s & co.) ---------------
+
+
+def _one(cfg: ClusterConfig, prompt: int = 1000, out: int = 5):
+    res = simulate([Req(3.0, prompt, out)], cfg, FirstFit(), Oracle())
+    (rec,) = res.records
+    assert rec.outcome == "ok"
+    assert_clean(res, 1)
+    return rec, res
+
+
+def test_live_overheads_default_to_off_and_reject_negatives() -> None:
+    cfg = ClusterConfig.homogeneous(1, 1)
+    assert (cfg.router_overhead_s, cfg.step_overhead_s, cfg.timer_quantum_s) == (0, 0, 0)
+    assert cfg.join_mid_step is False
+    for knob in ("router_overhead_s", "step_overhead_s", "timer_quantum_s"):
+        with pytest.raises(ValueError, match=knob):
+            ClusterConfig.homogeneous(1, 1, **{knob: -0.001})
+
+
+def test_router_overhead_adds_exactly_to_ttft_and_e2e_not_to_gaps() -> None:
+    base, _ = _one(ClusterConfig.homogeneous(1, 1))
+    rec, _ = _one(ClusterConfig.homogeneous(1, 1, router_overhead_s=0.0123))
+    assert rec.ttft_s == pytest.approx(base.ttft_s + 0.0123, abs=1e-12)
+    assert rec.e2e_s == pytest.approx(base.e2e_s + 0.0123, abs=1e-12)
+    assert rec.mean_gap_s == pytest.approx(base.mean_gap_s, abs=1e-12)
+    assert rec.queued_s == base.queued_s == 0.0  # admitted at once; the cost comes after
+
+
+def test_step_overhead_adds_to_every_decode_step() -> None:
+    out = 6
+    base, base_res = _one(ClusterConfig.homogeneous(1, 1), out=out)
+    rec, res = _one(ClusterConfig.homogeneous(1, 1, step_overhead_s=0.0004), out=out)
+    # The first token needs one step, each later token one more: out steps in all.
+    assert rec.ttft_s == pytest.approx(base.ttft_s + 0.0004, abs=1e-12)
+    assert rec.mean_gap_s == pytest.approx(base.mean_gap_s + 0.0004, abs=1e-12)
+    assert rec.e2e_s == pytest.approx(base.e2e_s + out * 0.0004, abs=1e-12)
+    assert res.gaps.mean == pytest.approx(base_res.gaps.mean + 0.0004, abs=1e-12)
+
+
+def test_timer_quantum_rounds_each_sleep_half_to_even() -> None:
+    cfg = ClusterConfig.homogeneous(1, 1, timer_quantum_s=0.002, link_latency_s=0.0)
+    perf = perf_model("llama-3-8b", "h100")
+    prompt, out = 1000, 5
+    rec, res = _one(cfg, prompt, out)
+
+    def q(d: float) -> float:
+        return round(d / 0.002) * 0.002
+
+    bw = cfg.link_bytes_per_s("prefill", "decode")
+    transfer = q(prompt * perf.kv_bytes_per_token / bw)
+    steps = [q(perf.decode_step_s(prompt + k, 1)) for k in range(out)]
+    assert rec.ttft_s == pytest.approx(q(perf.prefill_s(prompt)) + transfer + steps[0], rel=1e-9)
+    assert rec.e2e_s == pytest.approx(rec.ttft_s + sum(steps[1:]), rel=1e-9)
+    assert all(abs(g / 0.002 - round(g / 0.002)) < 1e-6 for g in (rec.max_gap_s, rec.mean_gap_s))
+    # uvloop's rounding of a 4.5 ms sleep at 1 ms resolution: 4 ms (half to even), 5.5 -> 6.
+    from sim.cluster_workers import quantize
+
+    assert quantize(0.0045, 0.001) == pytest.approx(0.004)
+    assert quantize(0.0055, 0.001) == pytest.approx(0.006)
+
+
+def test_join_mid_step_gives_the_first_token_at_the_running_steps_end() -> None:
+    # A long-running sequence keeps D stepping; a second one lands mid-step. vLLM (default)
+    # starts it at the next boundary; the live sim worker adds it to the running step.
+    perf = perf_model("llama-3-8b", "h100")
+    reqs = [Req(0.0, 100, 400), Req(0.5, 100, 3)]
+    base = simulate(reqs, ClusterConfig.homogeneous(1, 1), FirstFit(), Oracle())
+    mid = simulate(reqs, ClusterConfig.homogeneous(1, 1, join_mid_step=True), FirstFit(),
+                   Oracle())  # fmt: skip
+    assert_clean(base, 2)
+    assert_clean(mid, 2)
+    b, m = base.records[1], mid.records[1]
+    step = perf.decode_step_s(100 + 100, 2)  # about one step of the two-sequence batch
+    assert 0 < b.ttft_s - m.ttft_s <= 1.01 * step
+    assert m.mean_gap_s == pytest.approx(b.mean_gap_s, rel=0.01)
+    # The long request's tokens are unaffected in count; every request still finishes cleanly.
+    assert mid.records[0].output_tokens == base.records[0].output_tokens == 400
+
+
+def test_live_mirror_runs_clean_and_deterministic() -> None:
+    cfg = ClusterConfig.homogeneous(
+        2, 2, timer_quantum_s=0.002, join_mid_step=True, link_latency_s=0.0,
+        router_overhead_s=0.02, step_overhead_s=0.0008,
+    )  # fmt: skip
+    reqs = trace(120, seed=7, rate=20.0)
+    a = simulate(reqs, cfg, FirstFit(), Oracle(), seed=3)
+    b = simulate(reqs, cfg, FirstFit(), Oracle(), seed=3)
+    assert_clean(a, 120)
+    assert [(r.ttft_s, r.e2e_s) for r in a.records] == [(r.ttft_s, r.e2e_s) for r in b.records]
+    plain = simulate(reqs, ClusterConfig.homogeneous(2, 2), FirstFit(), Oracle(), seed=3)
+    assert a.summary()["ttft_p50_s"] > plain.summary()["ttft_p50_s"]
