@@ -42,6 +42,8 @@ __all__ = [
     "admission_comparison",
     "scaling",
     "validate",
+    "calibrate",
+    "live_mirror",
     "main",
 ]
 
@@ -234,6 +236,28 @@ def run_case(
 ) -> dict[str, Any]:
     """One simulator run; the summary row (timing included). `warmup` requests pre-fill the
     online estimator's statistics (not replayed)."""
+    cpu0 = time.process_time()
+    res = _simulate(requests, shape, case, rate_scale, trace, seed=seed,
+                    config_overrides=config_overrides, warmup=warmup)  # fmt: skip
+    cpu = time.process_time() - cpu0
+    # CPU seconds beside wall seconds: on a shared machine the wall clock also counts the
+    # time other processes held the core.
+    return {"case": case.label, "rate_scale": rate_scale, **res.summary(timing=True),
+            "cpu_s": cpu, "events_per_cpu_s": res.events / cpu if cpu > 0 else 0.0}  # fmt: skip
+
+
+def _simulate(
+    requests: Sequence[TraceRequest],
+    shape: ShapeSpec,
+    case: CaseSpec,
+    rate_scale: float,
+    trace: TraceSpec,
+    *,
+    seed: int = 0,
+    config_overrides: dict[str, Any] | None = None,
+    warmup: Sequence[TraceRequest] = (),
+) -> Any:
+    """One simulator run: the `sim.cluster_metrics.SimResult`."""
     from policies.registry import load_estimator, load_policy
     from sim.cluster import simulate
     from sim.cluster_cli import parse_case
@@ -245,16 +269,10 @@ def run_case(
     est = load_estimator(case.estimator, dict(case.estimator_args)) if c.reserve else None
     if est is not None and est.name == "online_quantile" and warmup:
         est = WarmEstimator.from_requests(est, warmup, cfg.model, cfg.max_tokens)
-    cpu0 = time.process_time()
-    res = simulate(
+    return simulate(
         requests, cfg, policy, est, seed=seed, slo_ttft_s=trace.slo_ttft_s,
         slo_tpot_s=trace.slo_tpot_s, rate_scale=rate_scale,
     )  # fmt: skip
-    cpu = time.process_time() - cpu0
-    # CPU seconds beside wall seconds: on a shared machine the wall clock also counts the
-    # time other processes held the core.
-    return {"case": case.label, "rate_scale": rate_scale, **res.summary(timing=True),
-            "cpu_s": cpu, "events_per_cpu_s": res.events / cpu if cpu > 0 else 0.0}  # fmt: skip
 
 
 def goodput(
@@ -446,6 +464,111 @@ def scaling(
 # -- validation: live simulated cluster vs the simulator ------------------------------------------
 
 
+def live_mirror(time_scale: float, router_overhead_s: float = 0.0,
+                step_overhead_s: float = 0.0) -> dict[str, Any]:
+    """ClusterConfig overrides that make the simulator run the live simulated cluster's
+    mechanics at `time_scale` (see `sim.cluster_config.ClusterConfig`): every sleep of the
+    simulated workers rounded to uvloop's 1 ms (× time scale in simulated time), a sequence
+    joins a decode batch mid-step, no extra link latency (the live KV pull has none beyond its
+    HTTP hop, which the router overhead covers), plus the two measured overheads."""
+    return {
+        "timer_quantum_s": 0.001 * time_scale,
+        "join_mid_step": True,
+        "link_latency_s": 0.0,
+        "router_overhead_s": router_overhead_s,
+        "step_overhead_s": step_overhead_s,
+    }
+
+
+def calibration_requests(time_scale: float) -> list[TraceRequest]:
+    """A synthetic workload, from no trace: 12 isolated requests (one in flight at a time,
+    prompts 64/512/2048, 48 output tokens), then 3 bursts of 8 at once (256 in, 96 out)."""
+    reqs: list[TraceRequest] = []
+    t = 0.0
+    for i in range(12):
+        reqs.append(TraceRequest(t, (64, 512, 2048)[i % 3], 48, index=len(reqs)))
+        t += 0.6 * time_scale  # wall gap 0.6 s: the previous request is done by then
+    for _ in range(3):
+        reqs += [TraceRequest(t, 256, 96, index=len(reqs) + k) for k in range(8)]
+        t += 2.0 * time_scale
+    return reqs
+
+
+N_ISOLATED = 12
+
+
+def calibrate(
+    *,
+    time_scale: float,
+    n_prefill: int = 2,
+    n_decode: int = 2,
+    policy: str = "two_sided",
+    estimator: str = "online_quantile",
+    model: str = "llama-3-8b",
+) -> dict[str, Any]:
+    """Measure the live path's fixed per-request cost and per-step overhead, independently of
+    any trace: `calibration_requests` through the live cluster and through the simulator with
+    the live mechanics but no overheads (`live_mirror(time_scale)`), request by request.
+
+    router_overhead_s = median TTFT difference of the isolated requests (no queueing, so the
+    difference is hops, store round trips, router work and timer overshoot);
+    step_overhead_s = median difference of the mean token gap, over all requests (batch 1
+    and the bursts' batches of ~4 per decode worker)."""
+    requests = calibration_requests(time_scale)
+    trace = TRACES["conv"]  # its SLOs only (admission deadlines); none is near
+    live = asyncio.run(_live(requests, time_scale, 1.0, n_prefill, n_decode, policy, estimator,
+                             model, records=True))  # fmt: skip
+    shape = ShapeSpec("validate", n_prefill, n_decode, model)
+    case = CaseSpec(f"{policy}+{estimator}", policy, estimator=estimator)
+    sim = _simulate(requests, shape, case, 1.0, trace,
+                    config_overrides=live_mirror(time_scale))  # fmt: skip
+    by_index = {r["index"]: r for r in live["records"]}
+    d_ttft: list[float] = []
+    d_gap: list[float] = []
+    d_gap_iso: list[float] = []
+    for i, sr in enumerate(sim.records):
+        lr = by_index.get(requests[i].index)
+        if lr is None or lr["outcome"] != "ok" or sr.outcome != "ok" or lr["ttft_s"] is None:
+            continue
+        if i < N_ISOLATED:
+            d_ttft.append(lr["ttft_s"] - sr.ttft_s)
+        if lr["tpot_s"] is not None and sr.output_tokens > 1:
+            d_gap.append(lr["tpot_s"] - sr.mean_gap_s)
+            if i < N_ISOLATED:
+                d_gap_iso.append(lr["tpot_s"] - sr.mean_gap_s)
+    if not d_ttft or not d_gap:
+        raise RuntimeError("calibration: no request completed on both sides")
+    router_s = max(0.0, _median(d_ttft))
+    step_s = max(0.0, _median(d_gap))
+    return {
+        "time_scale": time_scale,
+        "router_overhead_s": router_s,
+        "step_overhead_s": step_s,
+        "router_overhead_wall_s": router_s / time_scale,
+        "step_overhead_wall_s": step_s / time_scale,
+        "ttft_diff_s": sorted(d_ttft),
+        "gap_diff_isolated_s": sorted(d_gap_iso),
+        "gap_diff_s": sorted(d_gap),
+        "live_outcomes": live["summary"]["requests"],
+        "load_avg": os.getloadavg(),
+    }
+
+
+def _median(xs: Sequence[float]) -> float:
+    v = sorted(xs)
+    n = len(v)
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+
+
+_METRICS = (
+    ("TTFT p50", ("ttft_s", "p50"), "ttft_p50_s"),
+    ("TTFT p90", ("ttft_s", "p90"), "ttft_p90_s"),
+    ("ITL p50", ("itl_s", "p50"), "itl_p50_s"),
+    ("ITL p90", ("itl_s", "p90"), "itl_p90_s"),
+    ("TPOT p50", ("tpot_s", "p50"), "tpot_p50_s"),
+)
+
+
 def validate(
     *,
     n_requests: int = 300,
@@ -457,27 +580,51 @@ def validate(
     estimator: str = "online_quantile",
     start: int = 0,
     model: str = "llama-3-8b",
+    trace_name: str = "conv",
+    calibrate_first: bool = False,
+    overheads: tuple[float, float] | None = None,
 ) -> dict[str, Any]:
     """The same trace slice through router + simulated workers (time-scaled) and through the
-    simulator, same shape/policy/estimator: p50/p90 TTFT and ITL side by side."""
-    trace = TRACES["conv"]
+    simulator, same shape/policy/estimator: p50/p90 TTFT and ITL side by side.
+
+    The simulator runs three ways: the cost model exactly (`sim_s`), with the live cluster's
+    mechanics (`live_mirror`, no overheads: `mirror_s`), and with them plus the router and step
+    overheads (`cal_s`) — measured by `calibrate` first (`calibrate_first`, on a synthetic
+    workload, not this slice) or given as `overheads` = (router_overhead_s, step_overhead_s)."""
+    trace = TRACES[trace_name]
     requests = load_trace(TRACE_DIR / trace.file, limit=n_requests, start=start)
+    load0 = os.getloadavg()
+    cal = None
+    if calibrate_first:
+        cal = calibrate(time_scale=time_scale, n_prefill=n_prefill, n_decode=n_decode,
+                        policy=policy, estimator=estimator, model=model)  # fmt: skip
+        overheads = (cal["router_overhead_s"], cal["step_overhead_s"])
+        print(f"calibration at time scale {time_scale:g}: router_overhead_s = "
+              f"{1e3 * overheads[0]:.2f} ms, step_overhead_s = {1e3 * overheads[1]:.3f} ms "
+              f"(simulated; wall {1e3 * overheads[0] / time_scale:.2f} / "
+              f"{1e3 * overheads[1] / time_scale:.3f} ms)", flush=True)  # fmt: skip
     live = asyncio.run(_live(requests, time_scale, rate_scale, n_prefill, n_decode, policy,
-                             estimator, model))  # fmt: skip
-    simrow = _sim_same(requests, rate_scale, n_prefill, n_decode, policy, estimator, trace, model)
+                             estimator, model, trace_name=trace_name))  # fmt: skip
+    load1 = os.getloadavg()
+    variants = {"sim_s": None, "mirror_s": live_mirror(time_scale)}
+    if overheads is not None:
+        variants["cal_s"] = live_mirror(time_scale, *overheads)
+    sims = {k: _sim_same(requests, rate_scale, n_prefill, n_decode, policy, estimator, trace,
+                         model, overrides) for k, overrides in variants.items()}  # fmt: skip
     rows = []
-    for metric, lk, sk in (
-        ("TTFT p50", ("ttft_s", "p50"), "ttft_p50_s"),
-        ("TTFT p90", ("ttft_s", "p90"), "ttft_p90_s"),
-        ("ITL p50", ("itl_s", "p50"), "itl_p50_s"),
-        ("ITL p90", ("itl_s", "p90"), "itl_p90_s"),
-        ("TPOT p50", ("tpot_s", "p50"), "tpot_p50_s"),
-    ):
+    for metric, lk, sk in _METRICS:
         lv = live["summary"][lk[0]][lk[1]]
-        sv = simrow[sk]
-        rows.append({"metric": metric, "live_s": lv, "sim_s": sv,
-                     "rel_diff": (sv - lv) / lv if lv else None})  # fmt: skip
+        row: dict[str, Any] = {"metric": metric, "live_s": lv}
+        for k, simrow in sims.items():
+            sv = simrow[sk]
+            row[k] = sv
+            suffix = {"sim_s": "", "mirror_s": "_mirror", "cal_s": "_cal"}[k]
+            row["rel_diff" + suffix] = (sv - lv) / lv if lv else None
+        rows.append(row)
+    simrow = sims["sim_s"]
     return {
+        "trace": trace_name,
+        "start": start,
         "requests": len(requests),
         "time_scale": time_scale,
         "rate_scale": rate_scale,
@@ -485,15 +632,21 @@ def validate(
         "policy": policy,
         "estimator": estimator,
         "rows": rows,
+        "overheads": None if overheads is None else {
+            "router_overhead_s": overheads[0], "step_overhead_s": overheads[1]},
+        "calibration": cal,
+        "load_avg_before": load0,
+        "load_avg_after": load1,
         "live_outcomes": live["summary"]["requests"],
         "sim_outcomes": {k: simrow[k] for k in ("ok", "rejected", "failed")},
         "live_client_lag_p99_s": live["summary"]["client_send_lag_s"]["p99"],
-    }
+    }  # fmt: skip
 
 
 async def _live(
     requests: Sequence[TraceRequest], time_scale: float, rate_scale: float, n_prefill: int,
-    n_decode: int, policy: str, estimator: str, model: str = "llama-3-8b",
+    n_decode: int, policy: str, estimator: str, model: str = "llama-3-8b", *,
+    trace_name: str = "conv", records: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     from bench.replay import replay
     from bench.report import summarize
@@ -506,18 +659,23 @@ async def _live(
         result = await replay(cluster.router_url, requests, model=shape.model, endpoint="chat",
                               max_tokens_cap=cap, time_scale=time_scale, rate_scale=rate_scale,
                               timeout_s=600.0)  # fmt: skip
-    trace = TRACES["conv"]
-    return {"summary": summarize(result, slo_ttft_s=trace.slo_ttft_s, slo_tpot_s=trace.slo_tpot_s)}
+    trace = TRACES[trace_name]
+    summary = summarize(result, slo_ttft_s=trace.slo_ttft_s, slo_tpot_s=trace.slo_tpot_s)
+    out: dict[str, Any] = {"summary": summary}
+    if records:
+        out["records"] = [r.to_dict() for r in result.records]
+    return out
 
 
 def _sim_same(
     requests: Sequence[TraceRequest], rate_scale: float, n_prefill: int, n_decode: int,
     policy: str, estimator: str, trace: TraceSpec, model: str = "llama-3-8b",
+    overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     shape = ShapeSpec("validate", n_prefill, n_decode, model)
     case = CaseSpec(f"{policy}+{estimator}", policy, estimator=estimator)
     # The live cluster's router sends max_tokens = 4096 (the replay's cap), like the simulator.
-    return run_case(requests, shape, case, rate_scale, trace)
+    return run_case(requests, shape, case, rate_scale, trace, config_overrides=overrides)
 
 
 # -- plots and tables ------------------------------------------------------------------------------
@@ -624,12 +782,19 @@ def scaling_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def validation_table(v: dict[str, Any]) -> str:
-    out = ["| metric | live (router + sim workers) ms | simulator ms | sim vs live |",
-           "|---|---:|---:|---:|"]  # fmt: skip
+    def pct(d: float | None) -> str:
+        return "" if d is None else f"{100 * d:+.1f} %"
+
+    cols = [("sim_s", "rel_diff", "simulator (cost model)"),
+            ("mirror_s", "rel_diff_mirror", "sim + live mechanics"),
+            ("cal_s", "rel_diff_cal", "sim + mechanics + overheads")]  # fmt: skip
+    cols = [c for c in cols if v["rows"] and c[0] in v["rows"][0]]
+    head = "| metric | live (router + sim workers) ms |" + "".join(
+        f" {name} ms | vs live |" for _, _, name in cols)
+    out = [head, "|---|---:|" + "---:|---:|" * len(cols)]
     for r in v["rows"]:
-        d = r["rel_diff"]
-        out.append(f"| {r['metric']} | {1e3 * (r['live_s'] or 0):.1f} | {1e3 * r['sim_s']:.1f} "
-                   f"| {'' if d is None else f'{100 * d:+.1f} %'} |")  # fmt: skip
+        out.append(f"| {r['metric']} | {1e3 * (r['live_s'] or 0):.1f} |" + "".join(
+            f" {1e3 * r[k]:.1f} | {pct(r.get(d))} |" for k, d, _ in cols))  # fmt: skip
     return "\n".join(out)
 
 
@@ -668,6 +833,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--time-scale", type=float, default=4.0, help="validate: live time scale")
     ap.add_argument("--rate-scale", type=float, default=1.0, help="validate: arrival rate scale")
     ap.add_argument("--model", default="llama-3-8b", help="validate: model profile")
+    ap.add_argument("--trace", default="conv", help="validate: trace")
+    ap.add_argument("--start", type=int, default=0, help="validate: first trace row")
+    ap.add_argument("--calibrate", action="store_true", help="validate: measure the router and "
+                    "step overheads first (synthetic requests), then apply them to the simulator")
+    ap.add_argument("--overheads", default=None, help="validate: ROUTER_MS,STEP_MS (simulated "
+                    "ms) to apply instead of measuring them")  # fmt: skip
     ap.add_argument("--out", default="bench-results")
     ap.add_argument("--tag", default="", help="suffix for the JSON file names")
     ap.add_argument("--img", default="docs/img")
@@ -705,8 +876,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         _write(out, "scaling" + ("-per-worker" if ns.per_worker_load else ""), rows)
         print(scaling_table(rows), flush=True)
     if ns.what in ("validate", "all"):
+        given = None
+        if ns.overheads:
+            r_ms, s_ms = (float(x) for x in ns.overheads.split(","))
+            given = (r_ms / 1e3, s_ms / 1e3)
         v = validate(n_requests=ns.requests, time_scale=ns.time_scale, rate_scale=ns.rate_scale,
-                     model=ns.model)  # fmt: skip
+                     model=ns.model, trace_name=ns.trace, start=ns.start,
+                     calibrate_first=ns.calibrate, overheads=given)  # fmt: skip
+        print(f"load average before/after: {v['load_avg_before'][0]:.2f} / "
+              f"{v['load_avg_after'][0]:.2f}; client send lag p99 "
+              f"{1e3 * v['live_client_lag_p99_s']:.1f} ms; live {v['live_outcomes']}", flush=True)
         _write(out, "validate" + ("-" + ns.tag if ns.tag else ""), v)
         print(validation_table(v), flush=True)
     if ns.what == "plots":  # again from policies.json, without re-running anything

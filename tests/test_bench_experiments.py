@@ -114,3 +114,32 @@ def test_admission_and_scaling_instruments(monkeypatch: pytest.MonkeyPatch) -> N
 def test_validation_table_formats() -> None:
     v = {"rows": [{"metric": "TTFT p50", "live_s": 0.1, "sim_s": 0.11, "rel_diff": 0.1}]}
     assert "+10.0 %" in ex.validation_table(v)
+
+
+def test_validation_table_shows_the_mirrored_and_calibrated_simulator() -> None:
+    v = {"rows": [{"metric": "TTFT p50", "live_s": 0.1, "sim_s": 0.08, "rel_diff": -0.2,
+                   "mirror_s": 0.09, "rel_diff_mirror": -0.1, "cal_s": 0.105,
+                   "rel_diff_cal": 0.05}]}  # fmt: skip
+    table = ex.validation_table(v)
+    assert "sim + mechanics + overheads" in table
+    assert "-20.0 %" in table and "-10.0 %" in table and "+5.0 %" in table
+
+
+def test_calibration_workload_and_live_mirror_in_the_simulator() -> None:
+    reqs = ex.calibration_requests(2.0)
+    assert len(reqs) == ex.N_ISOLATED + 24
+    assert [r.index for r in reqs] == list(range(len(reqs)))
+    # Isolated requests are 0.6 s of wall time apart (1.2 s of trace time at time scale 2).
+    assert reqs[1].arrival_s - reqs[0].arrival_s == pytest.approx(1.2)
+    mirror = ex.live_mirror(2.0, 0.02, 0.001)
+    assert mirror["timer_quantum_s"] == pytest.approx(0.002) and mirror["join_mid_step"]
+    shape = ex.ShapeSpec("validate", 2, 2)
+    case = ex.CaseSpec("two_sided+online_quantile", "two_sided")
+    plain = ex._simulate(reqs, shape, case, 1.0, ex.TRACES["conv"],
+                         config_overrides=ex.live_mirror(2.0))  # fmt: skip
+    cal = ex._simulate(reqs, shape, case, 1.0, ex.TRACES["conv"], config_overrides=mirror)
+    assert all(r.outcome == "ok" for r in cal.records)
+    for a, b in zip(plain.records[: ex.N_ISOLATED], cal.records[: ex.N_ISOLATED], strict=True):
+        # Isolated: nothing queues, so the overheads add exactly (48 tokens = 48 steps).
+        assert b.ttft_s == pytest.approx(a.ttft_s + 0.02 + 0.001, abs=1e-9)
+        assert b.mean_gap_s == pytest.approx(a.mean_gap_s + 0.001, abs=1e-9)
