@@ -17,8 +17,8 @@ from router.adapters import prefill_target, query_engine_ids
 from router.adapters.mooncake import DEFAULT_BOOTSTRAP_PORT
 from router.admin import add_admin_routes
 from router.admission import Admission
-from router.auth import bearer_token, token_matches
 from router.api import CHAT, COMPLETIONS, parse_request
+from router.auth import bearer_token, token_matches
 from router.config import Settings
 from router.errors import BodyTooLarge, RouterError, Unauthorized, error_body
 from router.gateway import Gateway

@@ -7,10 +7,9 @@ chunks are kept so that a failure can later be told exactly what the client alre
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
-
-import asyncio
 
 import aiohttp
 import orjson
