@@ -524,6 +524,7 @@ def calibrate(
                     config_overrides=live_mirror(time_scale))  # fmt: skip
     by_index = {r["index"]: r for r in live["records"]}
     d_ttft: list[float] = []
+    by_prompt: list[tuple[int, float]] = []
     d_gap: list[float] = []
     d_gap_iso: list[float] = []
     for i, sr in enumerate(sim.records):
@@ -532,6 +533,7 @@ def calibrate(
             continue
         if i < N_ISOLATED:
             d_ttft.append(lr["ttft_s"] - sr.ttft_s)
+            by_prompt.append((requests[i].prompt_tokens, lr["ttft_s"] - sr.ttft_s))
         if lr["tpot_s"] is not None and sr.output_tokens > 1:
             d_gap.append(lr["tpot_s"] - sr.mean_gap_s)
             if i < N_ISOLATED:
@@ -547,6 +549,7 @@ def calibrate(
         "router_overhead_wall_s": router_s / time_scale,
         "step_overhead_wall_s": step_s / time_scale,
         "ttft_diff_s": sorted(d_ttft),
+        "ttft_diff_by_prompt_s": sorted(by_prompt),
         "gap_diff_isolated_s": sorted(d_gap_iso),
         "gap_diff_s": sorted(d_gap),
         "live_outcomes": live["summary"]["requests"],
