@@ -37,6 +37,8 @@ from aiohttp import web
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.adapters.base import ProtocolViolation
+from router.adapters.vllm import VllmNixlAdapter
 from router.app import GATEWAY
 from router.config import settings_from_mapping
 from tests.conftest import REDIS_URL, running_router
@@ -49,6 +51,10 @@ MODEL_DIR = HOME / "model"
 SERVED = "tiny-llama"
 VLLM_VERSION = "0.32.0"
 BLOCK_SIZE = 32
+# float32, not the model's bfloat16: with bfloat16 and 32-token blocks vLLM's CPU attention picks
+# its AMX kernels wherever the CPU advertises AMX, and on VMs that advertise it without granting
+# it the worker dies on its first forward pass. The router does not care; the test is the same.
+DTYPE = os.environ.get("REAL_VLLM_DTYPE", "float32")
 MAX_MODEL_LEN = 1024
 START_TIMEOUT_S = float(os.environ.get("REAL_VLLM_START_TIMEOUT", "900"))
 # Every test here waits on engines that share 2 cores with NIXL's busy-polling threads; the
@@ -105,6 +111,50 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
+def http_post_json(url: str, body: dict[str, Any], timeout: float) -> tuple[int, Any]:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with opener.open(request, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def nixl_handshake(prefill: VllmServer, decode: VllmServer, deadline: float) -> int:
+    """One direct prefill → decode handoff, repeated until it works; returns the attempts.
+
+    A decode server's first pull from a prefill server opens their NIXL side channel, with a
+    hard-coded 5 s answer timeout; on 2 loaded cores the first burst of a test can miss it, and
+    then every request of that burst fails inside vLLM ("Internal server error"). Tests measure
+    the router, not vLLM's cold start, so each pair shakes hands before the first test."""
+    adapter = VllmNixlAdapter()
+    body = {"model": SERVED, "prompt": "a handshake before the tests", "max_tokens": 2,
+            "temperature": 0}
+    attempts, last = 0, ""
+    while True:
+        attempts += 1
+        try:
+            status, answer = http_post_json(prefill.url + "/v1/completions",
+                                            adapter.prefill_body(body), timeout=120)
+            if status == 200:
+                params = adapter.kv_params(answer)
+                # Patient: the first pull of a pair can take minutes on loaded cores, and giving
+                # up aborts it — the next attempt then starts from scratch.
+                status, answer = http_post_json(decode.url + "/v1/completions",
+                                                adapter.decode_body(body, params), timeout=600)
+                if status == 200 and answer.get("choices"):
+                    return attempts
+            last = f"{status}: {str(answer)[:200]}"
+        except (OSError, ValueError, ProtocolViolation) as exc:
+            last = repr(exc)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"NIXL handshake {decode.name} -> {prefill.name} never worked "
+                               f"({attempts} attempts; last: {last})\n{decode.log_tail()}")
+        time.sleep(2.0)
+
+
 @dataclass
 class VllmServer:
     """One `python -m vllm.entrypoints.openai.api_server` process group on loopback."""
@@ -131,11 +181,16 @@ class VllmServer:
                "--model", str(MODEL_DIR), "--served-model-name", SERVED,
                "--host", "127.0.0.1", "--port", str(self.port),
                "--block-size", str(BLOCK_SIZE), "--enforce-eager",
-               "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0"]
+               "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0", "--dtype", DTYPE]
         if self.kv_role is not None:
+            # P holds a prefilled KV for kv_lease_duration (vLLM's default 30 s, extended by D's
+            # heartbeats once D has the request). On 2 loaded cores a queued decode can take
+            # longer than 30 s to start; the router gives up at its kv_lease_s (120 s, below
+            # this), never after P has freed the blocks (D would decode from garbage).
             cmd += ["--kv-transfer-config", json.dumps({
                 "kv_connector": "NixlConnector", "kv_role": self.kv_role,
-                "kv_buffer_device": "cpu"})]
+                "kv_buffer_device": "cpu",
+                "kv_connector_extra_config": {"kv_lease_duration": 300}})]
         return cmd
 
     def environment(self) -> dict[str, str]:
@@ -151,6 +206,11 @@ class VllmServer:
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
             VLLM_CPU_KVCACHE_SPACE="1",
+            # One unpinned OpenMP thread per engine: three engines and NIXL's polling threads
+            # share 2 cores, and OpenMP threads pinned to the same cores spin in barriers
+            # waiting for each other (engine steps that hung for minutes).
+            OMP_NUM_THREADS="1",
+            VLLM_CPU_OMP_THREADS_BIND="nobind",
             VLLM_CACHE_ROOT=str(cache / "vllm"),
             TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
             XDG_CACHE_HOME=str(cache),
@@ -274,6 +334,15 @@ class VllmCluster:
         deadline = time.monotonic() + START_TIMEOUT_S
         for s in dead:
             s.wait_ready(deadline)
+        if dead:
+            self.handshake(deadline)
+
+    def handshake(self, deadline: float) -> None:
+        for d in self.decodes:
+            n = nixl_handshake(self.prefill, d, deadline)
+            if n > 1:
+                print(f"\nreal vLLM: NIXL handshake {d.name} -> {self.prefill.name} "
+                      f"took {n} attempts")
 
     def stop(self) -> None:
         for s in self.servers:
@@ -302,6 +371,7 @@ def vllm_cluster() -> Iterator[VllmCluster]:
         deadline = t0 + START_TIMEOUT_S
         for s in cluster.servers:
             s.wait_ready(deadline)
+        cluster.handshake(deadline)
         cluster.startup_s = time.monotonic() - t0
         print(f"\nreal vLLM: 3 servers ready in {cluster.startup_s:.1f} s "
               f"({', '.join(f'{s.name} {s.ready_after_s:.1f} s' for s in cluster.servers)}); "
@@ -357,8 +427,8 @@ def router_settings(cluster: VllmCluster, key_prefix: str, **overrides: Any) -> 
         "health_interval_s": 0.5,
         # Three engines whose NIXL threads busy-poll share 2 cores: /health can take seconds.
         "health_timeout_s": 10,
-        # vLLM's own lease on P's KV is 30 s, extended by D's heartbeats while D waits to pull;
-        # on these CPUs a queued decode can legitimately take longer than 30 s to start.
+        # Below the engines' kv_lease_duration (300 s, see VllmServer.command): a decode that
+        # has not started by then is given up while P still holds the KV.
         "kv_lease_s": 120,
         "state_refresh_s": 0.05,
         "timeouts": {"connect_s": 10, "prefill_s": 180, "ttft_s": 240, "idle_s": 120},
