@@ -26,6 +26,9 @@ import sys
 from pathlib import Path
 
 VOCAB_SIZE = 2048
+# Room for answers long enough that a test can watch an engine abort one midway (a one-thread
+# CPU engine makes a few hundred tokens a second).
+MAX_POSITIONS = 8192
 SEED = 1234
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
 
@@ -89,14 +92,15 @@ def build(out: Path) -> None:
     ])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-        pad_token="<pad>", model_max_length=1024, clean_up_tokenization_spaces=False,
+        pad_token="<pad>", model_max_length=MAX_POSITIONS, clean_up_tokenization_spaces=False,
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
 
     cfg = LlamaConfig(
         vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=MAX_POSITIONS,
         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id, tie_word_embeddings=False,
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -55,7 +56,7 @@ BLOCK_SIZE = 32
 # its AMX kernels wherever the CPU advertises AMX, and on VMs that advertise it without granting
 # it the worker dies on its first forward pass. The router does not care; the test is the same.
 DTYPE = os.environ.get("REAL_VLLM_DTYPE", "float32")
-MAX_MODEL_LEN = 1024
+MAX_MODEL_LEN = 8192  # the tiny model's positions (scripts/build_tiny_model.py)
 START_TIMEOUT_S = float(os.environ.get("REAL_VLLM_START_TIMEOUT", "900"))
 # Every test here waits on engines that share 2 cores with NIXL's busy-polling threads; the
 # first one also pays for starting them (pytest-timeout counts fixture set-up), which took from
@@ -97,9 +98,19 @@ def _die_with_parent() -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port below the kernel's ephemeral range (32768+ by default). vLLM binds some of
+    its own ZMQ sockets to port 0; a port we picked there could be handed to another engine
+    before ours binds it ("Address already in use", and that engine never starts)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-31999")
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:

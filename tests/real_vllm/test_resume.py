@@ -25,7 +25,8 @@ from tests.real_vllm.conftest import (
 
 pytestmark = pytest.mark.real_vllm
 
-MAX_TOKENS = 200
+# Long enough to outlast the kill: a one-thread CPU engine makes a few hundred tokens a second.
+MAX_TOKENS = 2000
 KILL_AFTER = 12  # tokens received before the serving decode server is killed
 
 
@@ -69,7 +70,9 @@ async def test_decode_killed_mid_stream_resumes(router: RealRouter, kind: str) -
     text = "".join(chunks)
     print(f"\n{kind}: killed {killed.name} after {KILL_AFTER} tokens, resumed on "
           f"{survivor.name}; stream done {time.monotonic() - killed_at:.2f} s after the kill")
-    assert len(chunks) == MAX_TOKENS, f"{len(chunks)} chunks, not {MAX_TOKENS}"
+    # The router really resumed (not: the engine had finished before the kill). Chunks are not
+    # counted: vLLM merges several tokens into one chunk when its API server falls behind.
+    assert router.gateway.metrics.resumes._value.get() >= 1
     assert text == expected
 
     async def released() -> bool | dict[str, int]:
