@@ -625,6 +625,7 @@ class RequestFlow:
             await self.release_attempt()
             try:
                 text, resumed = parse_sent_text(sent, chat)
+                resumed = max(resumed, await self._tokens_in(text))
                 body, prompt_tokens, max_tokens = resume_body(
                     self.parsed, text, resumed, gw.settings.chars_per_token
                 )
@@ -634,6 +635,41 @@ class RequestFlow:
                 await self._write_error(client, err)
                 return client
             gw.metrics.resumes.inc()
+
+    async def _tokens_in(self, text: str) -> int:
+        """How many tokens `text` is, by a real vLLM worker's own tokenizer (`POST /tokenize`);
+        0 when no such worker answers.
+
+        Counting chunks undercounts what was sent: vLLM merges several tokens into one chunk when
+        its API server falls behind, and a resumed answer would then run past `max_tokens`. The
+        simulated worker always sends one token per chunk (and its /tokenize only approximates),
+        so it is not asked. Resuming is rare; one extra call then is cheap."""
+        gw = self.gw
+        if not text:
+            return 0
+        model = self.parsed.body.get("model")
+        asked = 0
+        for w in list(gw.pools.workers.values()):
+            if w.spec.adapter not in ("vllm", "mooncake") or not w.healthy or asked >= 2:
+                continue
+            asked += 1
+            try:
+                async with asyncio.timeout(gw.settings.timeouts.connect_s + 5.0):
+                    async with gw.session.post(
+                        w.spec.url + "/tokenize",
+                        data=orjson.dumps(
+                            {"model": model, "prompt": text, "add_special_tokens": False}
+                        ),
+                        headers={"Content-Type": "application/json"},
+                    ) as resp:
+                        if resp.status != 200:
+                            continue
+                        count = orjson.loads(await resp.read()).get("count")
+            except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, AttributeError):
+                continue
+            if isinstance(count, int) and count >= 0:
+                return count
+        return 0
 
     def _stream_failure(
         self, attempt: Attempt, worker: WorkerState, result: RelayResult
