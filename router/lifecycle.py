@@ -40,7 +40,7 @@ from router.errors import (
 from router.gateway import Gateway
 from router.pools import WorkerState
 from router.prefixes import prefix_hashes
-from router.relay import ERROR_EVENT, NO_FIRST_EVENT, RelayResult, parse_sent_text, relay_sse
+from router.relay import RelayResult, parse_sent_text, relay_sse
 from router.resume import resume_body
 from router.splice import SpliceResponse, relay_splice
 from state.base import RetryBudgetPolicy
@@ -681,12 +681,7 @@ class RequestFlow:
             if isinstance(exc, LegFailure):
                 return exc
         worker.breaker.on_failure()
-        if result.upstream_error == NO_FIRST_EVENT:
-            kind = "kv_handoff_timeout"
-        elif (result.upstream_error or "").startswith(ERROR_EVENT):
-            kind = "error_event"
-        else:
-            kind = "stream_cut"
+        kind = result.error_kind or "stream_cut"
         self.gw.metrics.upstream_errors.labels(side="decode", kind=kind).inc()
         reason = f"decode worker {worker.spec.id} ended the stream early: {result.upstream_error}"
         return LegFailure("decode", worker.spec.id, UpstreamError(reason), True)

@@ -36,6 +36,8 @@ class RelayResult:
     completed: bool = False  # saw `data: [DONE]`
     client_gone: bool = False
     upstream_error: str | None = None  # the worker cut the stream, read failed or sent an error
+    # Which failure, for the metrics: "kv_handoff_timeout", "error_event"; None = a cut stream.
+    error_kind: str | None = None
     first_token_at: float | None = None
     chunks: list[bytes] = field(default_factory=list)
 
@@ -113,7 +115,7 @@ async def relay_sse(
                 except TimeoutError:
                     if not window.expired():
                         raise  # aiohttp's own (idle) timeout: handled below
-                    result.upstream_error = NO_FIRST_EVENT
+                    result.upstream_error, result.error_kind = NO_FIRST_EVENT, "kv_handoff_timeout"
                     return result
             else:
                 data = await content.readany()
@@ -151,6 +153,7 @@ async def relay_sse(
                 tail = data[-32:] if len(data) >= 32 else (tail + data)[-32:]
             if error is not None:
                 result.upstream_error = f"{ERROR_EVENT}: {error.message}"
+                result.error_kind = "error_event"
                 return result
     except aiohttp.ClientPayloadError as exc:
         result.upstream_error = f"decode stream broken: {exc}"

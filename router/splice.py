@@ -544,6 +544,7 @@ async def relay_splice(
         data, error = split_at_error(data)
         if error is not None:
             result.upstream_error = f"{ERROR_EVENT}: {error.message}"
+            result.error_kind = "error_event"
             conn._fail(SpliceDisconnected("the worker reported an error"))
             if not data:
                 return
@@ -567,7 +568,7 @@ async def relay_splice(
 
     def no_first_event() -> None:
         if result.first_token_at is None and result.upstream_error is None:
-            result.upstream_error = NO_FIRST_EVENT
+            result.upstream_error, result.error_kind = NO_FIRST_EVENT, "kv_handoff_timeout"
             conn._fail(SpliceDisconnected("no first event before the KV handoff deadline"))
 
     deadline = loop.call_at(first_event_by, no_first_event) if first_event_by is not None else None

@@ -199,7 +199,7 @@ def _with_live_costs(
     if quantum:
 
         def live(kv_tokens: int, batch: int) -> float:
-            return round(step_s(kv_tokens, batch) / quantum) * quantum + extra
+            return quantize(step_s(kv_tokens, batch), quantum) + extra
 
     else:
 

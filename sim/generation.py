@@ -360,16 +360,8 @@ async def _stream(
         return resp
 
 
-_STREAM_ERROR = b"data: " + orjson.dumps(
-    {
-        "error": {
-            "message": "Internal server error",
-            "type": "InternalServerError",
-            "param": None,
-            "code": 500,
-        }
-    }
-) + b"\n\n"
+# vLLM's generation error in a stream (GenerationError: "Internal server error", code 500).
+_STREAM_ERROR = b"data: " + orjson.dumps(error_body(500, "Internal server error")) + b"\n\n"
 
 
 async def _stall_after_headers(request: web.Request) -> web.StreamResponse:
