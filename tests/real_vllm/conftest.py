@@ -45,6 +45,7 @@ from router.config import settings_from_mapping
 from tests.conftest import REDIS_URL, running_router
 
 HERE = Path(__file__).resolve().parent
+ENGINE_SITE = HERE / "engine_site"
 REPO = HERE.parents[1]
 HOME = Path(os.environ.get("REAL_VLLM_HOME") or REPO / ".real-vllm")
 PYTHON = HOME / "venv" / "bin" / "python"
@@ -58,7 +59,7 @@ BLOCK_SIZE = 32
 DTYPE = os.environ.get("REAL_VLLM_DTYPE", "float32")
 MAX_MODEL_LEN = 8192  # the tiny model's positions (scripts/build_tiny_model.py)
 START_TIMEOUT_S = float(os.environ.get("REAL_VLLM_START_TIMEOUT", "900"))
-# Every test here waits on engines that share 2 cores with NIXL's busy-polling threads; the
+# Every test here waits on engines that share 2 cores (NIXL's progress threads included); the
 # first one also pays for starting them (pytest-timeout counts fixture set-up), which took from
 # ~40 s on an idle machine to 430 s on a loaded one.
 TEST_TIMEOUT_S = int(os.environ.get("REAL_VLLM_TEST_TIMEOUT", "1800"))
@@ -222,6 +223,11 @@ class VllmServer:
             # waiting for each other (engine steps that hung for minutes).
             OMP_NUM_THREADS="1",
             VLLM_CPU_OMP_THREADS_BIND="nobind",
+            # NIXL's progress thread spins a core per engine unless given a poll timeout
+            # (engine_site/sitecustomize.py explains).
+            PYTHONPATH=os.pathsep.join(p for p in (str(ENGINE_SITE), env.get("PYTHONPATH"))
+                                       if p),
+            REAL_VLLM_NIXL_POLL_US=os.environ.get("REAL_VLLM_NIXL_POLL_US", "1000"),
             VLLM_CACHE_ROOT=str(cache / "vllm"),
             TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
             XDG_CACHE_HOME=str(cache),
@@ -249,6 +255,27 @@ class VllmServer:
             return self.alive() and http_get(self.url + "/health", timeout=2.0)[0] == 200
         except OSError:
             return False
+
+    def answers_health(self, within_s: float = 30.0) -> bool:
+        """Healthy now or within `within_s` (a loaded machine can be slow to answer once)."""
+        deadline = time.monotonic() + within_s
+        while self.alive():
+            if self.healthy():
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(1.0)
+        return False
+
+    def log_excerpt(self, errors: int = 30, tail: int = 15) -> str:
+        """What explains a failure: the log's error lines and its last lines."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        marks = ("ERROR", "Error", "Traceback", "WARNING", "Killed", "dead", "timed out")
+        flagged = [ln for ln in lines[:-tail] if any(m in ln for m in marks)][-errors:]
+        return "\n".join([*flagged, "...", *lines[-tail:]])
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -335,8 +362,14 @@ class VllmCluster:
         return [self.prefill, *self.decodes]
 
     def ensure_running(self) -> None:
-        """Restart any server a previous test killed (the resume test kills a decode server)."""
-        dead = [s for s in self.servers if not s.alive()]
+        """Restart any server a previous test killed (the resume test kills a decode server) or
+        that stopped answering /health: vLLM's API server lingers for a while after its engine
+        core died, its port already closed."""
+        dead = [s for s in self.servers if not s.alive() or not s.answers_health()]
+        for s in dead:
+            if s.alive():
+                print(f"\nreal vLLM: {s.name} is running but not healthy; restarting it:\n"
+                      f"{s.log_excerpt()}")
         for s in dead:
             s.stop()
             s.side_port = free_port()
@@ -360,11 +393,27 @@ class VllmCluster:
             s.stop()
 
 
+# The cluster of this run, for the failure report below.
+_CLUSTERS: list[VllmCluster] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test here shows what the engines logged: CI keeps no files, and most failures
+    on a loaded machine are an engine's, not the router's."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.failed and _CLUSTERS and HERE in Path(str(item.path)).parents:
+        for s in _CLUSTERS[-1].servers:
+            state = "running" if s.alive() else f"exited {s.proc.returncode if s.proc else None}"
+            report.sections.append((f"vLLM {s.name} ({state}) log excerpt", s.log_excerpt()))
+
+
 @pytest.fixture(scope="package")
 def vllm_cluster() -> Iterator[VllmCluster]:
     """p0 (kv_producer), d0 and d1 (kv_consumer), started together and waited for; stopped
-    as soon as this package's tests are done (NIXL busy-polls a core even when idle, which
-    the rest of the test run should not pay for)."""
+    as soon as this package's tests are done (three engines hold ~7 GB of memory, which the
+    rest of the test run should not pay for)."""
     reason = missing_reason()
     if reason is not None:
         pytest.skip(reason)
@@ -387,8 +436,11 @@ def vllm_cluster() -> Iterator[VllmCluster]:
         print(f"\nreal vLLM: 3 servers ready in {cluster.startup_s:.1f} s "
               f"({', '.join(f'{s.name} {s.ready_after_s:.1f} s' for s in cluster.servers)}); "
               f"logs in {workdir}")
+        _CLUSTERS.append(cluster)
         yield cluster
     finally:
+        if cluster in _CLUSTERS:
+            _CLUSTERS.remove(cluster)
         cluster.stop()
         if os.environ.get("REAL_VLLM_KEEP_LOGS") == "1":
             print(f"real vLLM: logs kept in {workdir}")
@@ -436,7 +488,7 @@ def router_settings(cluster: VllmCluster, key_prefix: str, **overrides: Any) -> 
         "key_prefix": key_prefix,
         "workers": workers,
         "health_interval_s": 0.5,
-        # Three engines whose NIXL threads busy-poll share 2 cores: /health can take seconds.
+        # Three engines share 2 cores: /health can take seconds.
         "health_timeout_s": 10,
         # Below the engines' kv_lease_duration (300 s, see VllmServer.command): a decode that
         # has not started by then is given up while P still holds the KV.

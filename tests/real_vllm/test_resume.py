@@ -30,8 +30,11 @@ MAX_TOKENS = 2000
 KILL_AFTER = 12  # tokens received before the serving decode server is killed
 
 
-def serving(router: RealRouter) -> VllmServer | None:
-    busy = [d for d in router.cluster.decodes if d.metric("vllm:num_requests_running") >= 1]
+async def serving(router: RealRouter) -> VllmServer | None:
+    """The decode server holding the stream: the one the router reserved on (the router's own
+    record; vLLM's running-requests gauge lags and needs every engine to answer /metrics)."""
+    reserved = await router.reserved_blocks()
+    busy = [d for d in router.cluster.decodes if reserved.get(d.name, 0) > 0]
     return busy[0] if len(busy) == 1 else None
 
 
@@ -59,8 +62,9 @@ async def test_decode_killed_mid_stream_resumes(router: RealRouter, kind: str) -
             if piece:
                 chunks.append(piece)
             if killed is None and len(chunks) == KILL_AFTER:
-                victim = serving(router)
-                assert victim is not None, "cannot tell which decode server is streaming"
+                victim = await serving(router)
+                assert victim is not None, ("cannot tell which decode server is streaming: "
+                                            f"reserved {await router.reserved_blocks()}")
                 victim.kill()
                 killed = victim
                 killed_at = time.monotonic()
