@@ -150,6 +150,10 @@ class Settings:
     # "splice" (router/splice.py: a raw keep-alive client whose protocol callbacks write whole
     # SSE events straight to the client's transport; ~30 % less relay CPU per token).
     relay: str = "aiohttp"
+    # Non-streaming requests are streamed from the decode worker and assembled into one JSON
+    # answer (router/assemble.py): the TTFT, idle and KV-handoff deadlines then hold for them
+    # too. False: the worker answers whole (for upstreams that cannot stream).
+    assemble_non_streaming: bool = True
     # Token for the admin API's write side (register / remove workers); empty = disabled.
     admin_token: Secret = Secret("")
     registry_refresh_s: float = 1.0  # how often replicas re-read the shared worker registry

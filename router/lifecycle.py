@@ -28,6 +28,7 @@ from policies.base import Rejection, RequestInfo, blocks_for
 from router.adapters import ProtocolViolation, prefill_target
 from router.admission import QueueFull
 from router.api import CHAT, ParsedRequest
+from router.assemble import StreamedAnswer, assemble, streamable, stream_upstream
 from router.attempt import Attempt, LegFailure, upstream_failure
 from router.errors import (
     DeadlineExceeded,
@@ -35,6 +36,7 @@ from router.errors import (
     RouterError,
     Unavailable,
     UpstreamError,
+    UpstreamRejected,
     sse_error_frame,
 )
 from router.gateway import Gateway
@@ -77,6 +79,10 @@ class RequestFlow:
         self._deadline: Any = None
         self._first_token_seen = False
         self._client: web.StreamResponse | None = None  # once the client's stream has started
+        # Asked for whole, streamed from the decode worker and assembled (router/assemble.py).
+        self.assembling = (
+            not parsed.stream and gw.settings.assemble_non_streaming and streamable(parsed.body)
+        )
 
     def __repr__(self) -> str:
         return f"RequestFlow({self.request_id}, attempts={self.attempts}, {self.attempt!r})"
@@ -381,7 +387,7 @@ class RequestFlow:
         probe = worker.breaker.on_dispatch()
         resp: DecodeResponse
         try:
-            if gw.splice is not None and gw.splice.supports(spec.url):
+            if not self.assembling and gw.splice is not None and gw.splice.supports(spec.url):
                 # Its errors are aiohttp.ClientConnectionErrors: the same retryable failures.
                 resp = await gw.splice.post(
                     spec.url + self.parsed.path,
@@ -477,29 +483,80 @@ class RequestFlow:
         try:
             async with asyncio.timeout_at(self._loop_deadline(first)) as deadline:
                 self._deadline = deadline
+                body = self.parsed.body
+                if self.assembling:
+                    body = stream_upstream(body)
                 attempt, resp = await self.serve_attempt(
-                    self.parsed.body, self.parsed.prompt_tokens, self.parsed.max_tokens
+                    body, self.parsed.prompt_tokens, self.parsed.max_tokens
                 )
+                if self.assembling:
+                    return await self._assembled(attempt, resp, body)
                 if not self.parsed.stream:
                     return await self._whole(attempt, resp)
                 return await self._stream(attempt, resp)
         except TimeoutError as exc:
             gw.metrics.upstream_errors.labels(side="any", kind="deadline").inc()
-            if self._client is None:
-                raise DeadlineExceeded(
-                    f"the request missed its deadline (time to first token {t.ttft_s} s)"
-                ) from exc
-            # Mid-stream: the headers are gone, so the stream ends with a valid error frame.
             if self._first_token_seen:
                 message = f"the request missed its total deadline ({t.total_s} s)"
             else:
                 message = f"the request missed its deadline (time to first token {t.ttft_s} s)"
+            if self._client is None:
+                raise DeadlineExceeded(message) from exc
+            # Mid-stream: the headers are gone, so the stream ends with a valid error frame.
             await self._write_error(self._client, DeadlineExceeded(message))
             return self._client
 
+    async def _assembled(
+        self, attempt: Attempt, resp: DecodeResponse, body: dict[str, Any]
+    ) -> web.Response:
+        """Asked for whole, streamed from the decode worker: the first token clears the stranded
+        KV and the TTFT deadline as in a stream. Nothing reaches the client before the answer is
+        whole, so a broken stream is retried from the start, never resumed."""
+        gw, chat = self.gw, self.parsed.path == CHAT
+        prompt_tokens = self.parsed.prompt_tokens
+        while True:
+            worker = gw.pools.workers[attempt.candidate.decode_id]
+            answer = StreamedAnswer()
+            worker.resident_seqs += 1
+            try:
+                result = await relay_sse(
+                    resp,
+                    answer,  # type: ignore[arg-type]
+                    chat=chat,
+                    clock=gw.clock,
+                    on_first_token=lambda a=attempt: self._on_first_token(a),
+                    on_tokens=lambda n, a=attempt: self._on_tokens(a, 0, prompt_tokens, n),
+                    first_event_by=attempt.handoff_by,
+                )
+            finally:
+                worker.resident_seqs -= 1
+                resp.close()
+            if result.completed:
+                whole = assemble(answer.chunks, chat)
+                if not isinstance(whole, dict):  # a 4xx the worker reported in the stream
+                    raise UpstreamRejected(
+                        whole.status or 400,
+                        whole.message,
+                        type_=whole.type or "invalid_request_error",
+                        param=whole.param,
+                        code=whole.code,
+                    )
+                usage = whole.get("usage") or {}
+                self.output_tokens = int(usage.get("completion_tokens") or result.tokens)
+                return web.Response(
+                    body=orjson.dumps(whole),
+                    content_type="application/json",
+                    headers={"X-Request-Id": self.request_id},
+                )
+            failure = self._stream_failure(attempt, worker, result)
+            await self.release_attempt()
+            await self._before_retry(failure)
+            attempt, resp = await self.serve_attempt(body, prompt_tokens, self.parsed.max_tokens)
+
     async def _whole(self, attempt: Attempt, resp: DecodeResponse) -> web.Response:
-        """Non-streaming: nothing reaches the client until the answer is whole, so a broken
-        answer is retried like a failed leg."""
+        """Non-streaming, answered whole by the decode worker (`assemble_non_streaming: false`,
+        or a request vLLM cannot stream): nothing reaches the client until the answer is whole,
+        so a broken answer is retried like a failed leg."""
         while True:
             try:
                 try:

@@ -167,6 +167,12 @@ def nixl_handshake(prefill: VllmServer, decode: VllmServer, deadline: float) -> 
         time.sleep(2.0)
 
 
+# Log lines that never explain a failure: probes, and start-up warnings every engine logs here.
+_ROUTINE = ('"GET /health', '"GET /metrics', "Found ulimit", "Enforce eager", "Inductor",
+            "Triton", "Model Runner V2", "Reset SSM", "KVConnectorBase_V1", "FutureWarning",
+            "NUMA binding", "LD_PRELOAD", "reduce_op")
+
+
 @dataclass
 class VllmServer:
     """One `python -m vllm.entrypoints.openai.api_server` process group on loopback."""
@@ -273,6 +279,7 @@ class VllmServer:
             lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return "(no log)"
+        lines = [ln for ln in lines if not any(q in ln for q in _ROUTINE)]
         marks = ("ERROR", "Error", "Traceback", "WARNING", "Killed", "dead", "timed out")
         flagged = [ln for ln in lines[:-tail] if any(m in ln for m in marks)][-errors:]
         return "\n".join([*flagged, "...", *lines[-tail:]])
