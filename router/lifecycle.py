@@ -158,13 +158,20 @@ class RequestFlow:
             return decision
         for cand in decision.candidates:
             rid = uuid.uuid4().hex  # ours alone: clients reuse X-Request-Id values
-            if await gw.store.reserve(
-                cand.decode_id,
-                rid,
-                cand.reserve_blocks,
-                gw.settings.reservation_lease_s,
-                overbook_blocks=overbook.get(cand.decode_id, 0),
-            ):
+            # Visible to placements made while the store call is under way (no await between
+            # the decision and this line).
+            gw.pools.note_pending(cand.decode_id, cand.reserve_blocks)
+            try:
+                reserved = await gw.store.reserve(
+                    cand.decode_id,
+                    rid,
+                    cand.reserve_blocks,
+                    gw.settings.reservation_lease_s,
+                    overbook_blocks=overbook.get(cand.decode_id, 0),
+                )
+            finally:
+                gw.pools.note_pending(cand.decode_id, -cand.reserve_blocks)
+            if reserved:
                 if overbook:
                     gw.metrics.admitted_on_forecast.inc()
                 gw.pools.note_reserved(cand.decode_id, cand.reserve_blocks)

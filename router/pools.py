@@ -47,6 +47,10 @@ class WorkerState:
     resident_seqs: int = 0  # decode streams open on this worker (this replica)
     capacity_blocks: int = 0
     reserved_blocks: int = 0  # all replicas, from the store, adjusted locally
+    # Reservations this replica has placed here and is still writing to the store: counted in
+    # placement so that a burst's concurrent placements see one another instead of all taking
+    # the same momentarily emptiest worker.
+    pending_blocks: int = 0
     stranded_bytes: int = 0
     recent_prefixes: RecentPrefixes = field(default_factory=RecentPrefixes)
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
@@ -213,7 +217,9 @@ class Pools:
                 worker_id=w.spec.id,
                 layout=w.spec.layout,
                 capacity_blocks=w.capacity_blocks,
-                reserved_blocks=max(0, w.reserved_blocks - freeing.get(w.spec.id, 0)),
+                reserved_blocks=max(
+                    0, w.reserved_blocks + w.pending_blocks - freeing.get(w.spec.id, 0)
+                ),
                 used_blocks=self._used_blocks(w),
                 resident_seqs=max(w.resident_seqs, (self._fresh_load(w) or _NO_LOAD).running),
                 healthy=w.available and w.spec.id not in avoid,
@@ -238,6 +244,10 @@ class Pools:
     def note_reserved(self, worker_id: str, blocks: int) -> None:
         if (w := self.workers.get(worker_id)) is not None:
             w.reserved_blocks += blocks
+
+    def note_pending(self, worker_id: str, blocks: int) -> None:
+        if (w := self.workers.get(worker_id)) is not None:
+            w.pending_blocks = max(0, w.pending_blocks + blocks)
 
     def note_released(self, worker_id: str, blocks: int) -> None:
         if (w := self.workers.get(worker_id)) is not None:

@@ -46,6 +46,9 @@ async def test_concurrent_requests_keep_their_own_kv(router: RealRouter) -> None
     placed = {d.name: d.prompt_tokens_by_source()["external_kv_transfer"]
               - before[d.name]["external_kv_transfer"] for d in cluster.decodes}
     print(f"\nprompt tokens pulled per decode server: {placed}")
+    # Two idle decode servers share a burst: the placements made while the others' reservations
+    # were still on their way to Redis saw them (before that fix: 1,416 and 10 tokens).
+    assert min(placed.values()) >= 0.2 * sent, placed
 
     async def settled() -> bool | tuple[dict[str, int], dict[str, int]]:
         reserved, stranded = await router.reserved_blocks(), await router.stranded()

@@ -44,6 +44,7 @@ async def test_what_real_clients_send(router: RealRouter) -> None:
                 last_usage = chunk.usage
     expected = await reference(router.cluster.decodes[0], "chat", prompt, MAX_TOKENS, parts=True)
     assert "".join(chunks) == expected
-    # One chunk per token: clients that re-tokenize chunks count ITL from them.
-    assert len(chunks) == MAX_TOKENS
+    # The router forwards vLLM's events as they are, never merging them; vLLM itself puts
+    # several tokens in one event when its API server falls behind, so this is a bound only.
+    assert 0 < len(chunks) <= MAX_TOKENS
     assert last_usage is not None and last_usage.completion_tokens == MAX_TOKENS
