@@ -2,7 +2,8 @@
 
     GET    /admin/state            pools, load, reservations, admission (read-only)
     GET    /admin/workers          every worker with health, breaker, layout and pairing
-    POST   /admin/workers          register a worker (the same fields as a config `workers:` entry)
+    POST   /admin/workers          register a worker (the same fields as a config `workers:` entry,
+                                   plus `discover_layout: true` to read its KV layout from it)
     DELETE /admin/workers/{id}     remove a worker registered through this API
 
 Registrations live in the shared store, so every replica adopts them within
@@ -11,11 +12,16 @@ Registrations live in the shared store, so every replica adopts them within
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
+import aiohttp
 import orjson
 from aiohttp import web
 
 from router.auth import bearer_token, token_matches
 from router.config import ConfigError
+from router.discovery import fetch_layout_facts
 from router.errors import InvalidRequest, RouterError, Unauthorized
 from router.gateway import Gateway
 from router.pools import WorkerState
@@ -57,7 +63,7 @@ def describe(gw: Gateway, w: WorkerState) -> dict[str, object]:
         "group": w.spec.group,
         "healthy": w.healthy,
         "breaker": w.breaker.state,
-        "layout": w.spec.layout.key,
+        "layout": w.spec.layout.key if w.layout_known else None,  # None: not read yet
         "paired": w.spec.id not in unpaired,
         "dynamic": w.dynamic,
         "queued_prompt_tokens": w.queued_prompt_tokens,
@@ -91,12 +97,35 @@ async def list_workers(request: web.Request) -> web.Response:
     return _json({"workers": [describe(gw, w) for w in gw.pools.workers.values()]})
 
 
+async def _discovered(gw: Gateway, raw: dict[str, Any], url: str, adapter: str) -> dict[str, Any]:
+    """The registration with the layout the worker reports, under what the caller configured.
+    Stored that way, so every replica pairs the worker alike without asking it again."""
+    try:
+        async with asyncio.timeout(2 * gw.settings.health_timeout_s):
+            facts = await fetch_layout_facts(gw.session, url, adapter)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        raise InvalidRequest(
+            f"could not read the KV layout of the worker at {url} ({exc!r}); register it "
+            "when it answers, or give its `layout` without discover_layout",
+            param="url",
+        ) from exc
+    return {**raw, "layout": {**facts, **(raw.get("layout") or {})}}
+
+
 async def register_worker(request: web.Request) -> web.Response:
     gw = _gateway(request)
     _require_token(gw, request)
     try:
         raw = orjson.loads(await request.read())
-        spec = gw.pools.parse_registration(raw)
+        if not isinstance(raw, dict):
+            raise TypeError("a registration is a JSON object")
+        discover = raw.pop("discover_layout", False)
+        if not isinstance(discover, bool):
+            raise InvalidRequest("discover_layout must be true or false", param="discover_layout")
+        spec = gw.pools.parse_registration(raw)  # checked before any call to the worker
+        if discover:
+            raw = await _discovered(gw, raw, spec.url, spec.adapter)
+            spec = gw.pools.parse_registration(raw)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"the registration is not valid JSON: {exc}") from exc
     except (ConfigError, TypeError, ValueError) as exc:

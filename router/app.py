@@ -268,6 +268,10 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
         await pools.register_capacities()
         await _learn_mooncake_engines(pools, session)
         await pools.sync_registry()
+        # Before serving: whatever does not answer yet is retried by the health prober.
+        await asyncio.gather(*(
+            pools.discover_layout(session, w) for w in pools.workers.values() if not w.layout_known
+        ))
         for wid in pools.unpaired():
             log.warning(
                 "worker %s has no partner with the same KV layout: it will not be "

@@ -67,6 +67,10 @@ class WorkerSpec:
     kv_blocks: int | None = None  # decode capacity; None = from the cost model
     stranded_cap_bytes: int = 0  # prefill backpressure; 0 = no cap
     api_key: Secret = Secret("")
+    # Read the layout from the worker (/version, /v1/models; SGLang /server_info) before using
+    # it; `layout_configured` are the fields its own entry set, which win over what it reports.
+    discover_layout: bool = False
+    layout_configured: tuple[tuple[str, Any], ...] = ()
 
     @property
     def is_prefill(self) -> bool:
@@ -212,6 +216,7 @@ _WORKER_KEYS = {
     "api_key",
     "bootstrap_port",
     "engine_id",
+    "discover_layout",
 }
 _ADAPTERS = ("vllm", "sim", "sglang", "mooncake")
 
@@ -237,6 +242,10 @@ def parse_worker(
     if raw.get("adapter", "vllm") not in _ADAPTERS:
         raise ConfigError(f"{where}: adapter must be one of {', '.join(_ADAPTERS)}")
     perf = _parse_perf(raw.get("perf"), where) or default_perf
+    discover = raw.get("discover_layout", False)
+    if not isinstance(discover, bool):
+        raise ConfigError(f"{where}: discover_layout must be true or false")
+    configured = raw.get("layout") or {}
     return WorkerSpec(
         id=str(raw["id"]),
         url=str(raw["url"]).rstrip("/"),
@@ -250,6 +259,8 @@ def parse_worker(
         kv_blocks=int(raw["kv_blocks"]) if raw.get("kv_blocks") is not None else None,
         stranded_cap_bytes=int(raw.get("stranded_cap_bytes", 0)),
         api_key=Secret(raw.get("api_key") or ""),
+        discover_layout=discover,
+        layout_configured=tuple(sorted(configured.items())) if discover else (),
     )
 
 

@@ -28,6 +28,7 @@ from policies.base import KVLayout
 
 __all__ = [
     "LoadSnapshot",
+    "fetch_layout_facts",
     "parse_vllm_metrics",
     "parse_sglang_load",
     "fetch_vllm_load",
@@ -173,8 +174,9 @@ def layout_facts_vllm(version: Any, models: Any) -> dict[str, Any]:
     data = models.get("data") if isinstance(models, Mapping) else None
     if isinstance(data, list) and data and isinstance(data[0], Mapping):
         card = data[0]
-        # `root` is the weights actually loaded; `id` may be a served alias.
-        model = card.get("root") or card.get("id")
+        # The served name (`id`, an alias when --served-model-name is set), not `root` (the
+        # weights' path): clients ask for the served name, and the router routes on it.
+        model = card.get("id") or card.get("root")
         if isinstance(model, str):
             facts["model"] = model
     return facts
@@ -187,8 +189,11 @@ def layout_facts_sglang(info: Any) -> dict[str, Any]:
     facts: dict[str, Any] = {"engine": "sglang"}
     if isinstance(info.get("version"), str):
         facts["engine_version"] = info["version"]
-    if isinstance(info.get("model_path"), str):
-        facts["model"] = info["model_path"]
+    # The served name when set (clients ask for it), else the model path (SGLang's default).
+    for key in ("served_model_name", "model_path"):
+        if isinstance(info.get(key), str) and info[key]:
+            facts["model"] = info[key]
+            break
     dtype = info.get("kv_cache_dtype")
     if not isinstance(dtype, str) or dtype == "auto":
         dtype = info.get("dtype")
@@ -219,6 +224,26 @@ def merge_layout(
     return dataclasses.replace(defaults, **{**discovered, **configured})
 
 
+async def fetch_layout_facts(
+    session: aiohttp.ClientSession, url: str, engine: str
+) -> dict[str, Any]:
+    """The layout fields one worker reports about itself.
+
+    `engine` is the worker's adapter: "vllm"/"sim"/"mooncake" read `/version` and `/v1/models`;
+    "sglang" reads `/server_info` (or `/get_server_info`).
+    """
+    if engine == "sglang":
+        return layout_facts_sglang(
+            await _get_json(session, url, "/server_info", "/get_server_info")
+        )
+    version = await _get_json(session, url, "/version")
+    models = await _get_json(session, url, "/v1/models")
+    facts = layout_facts_vllm(version, models)
+    if engine == "sim":
+        facts["engine"] = "sim"
+    return facts
+
+
 async def fetch_layout(
     session: aiohttp.ClientSession,
     url: str,
@@ -226,19 +251,6 @@ async def fetch_layout(
     defaults: KVLayout,
     configured: Mapping[str, Any] | None = None,
 ) -> KVLayout:
-    """The layout descriptor of one worker: what it reports, merged with configuration.
-
-    `engine` is the worker's adapter: "vllm"/"sim"/"mooncake" read `/version` and `/v1/models`;
-    "sglang" reads `/server_info` (or `/get_server_info`).
-    """
-    if engine == "sglang":
-        facts = layout_facts_sglang(
-            await _get_json(session, url, "/server_info", "/get_server_info")
-        )
-    else:
-        version = await _get_json(session, url, "/version")
-        models = await _get_json(session, url, "/v1/models")
-        facts = layout_facts_vllm(version, models)
-        if engine == "sim":
-            facts["engine"] = "sim"
+    """The layout descriptor of one worker: what it reports, merged with configuration."""
+    facts = await fetch_layout_facts(session, url, engine)
     return merge_layout(defaults, facts, configured or {})

@@ -28,7 +28,7 @@ from policies.base import Rejection, RequestInfo, blocks_for
 from router.adapters import ProtocolViolation, prefill_target
 from router.admission import QueueFull
 from router.api import CHAT, ParsedRequest
-from router.assemble import StreamedAnswer, assemble, streamable, stream_upstream
+from router.assemble import StreamedAnswer, assemble, stream_upstream, streamable
 from router.attempt import Attempt, LegFailure, upstream_failure
 from router.errors import (
     DeadlineExceeded,

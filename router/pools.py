@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 import orjson
@@ -21,7 +21,13 @@ import orjson
 from policies.base import ClusterView, DecodeView, PrefillView
 from router.breaker import CircuitBreaker
 from router.config import ConfigError, Settings, WorkerSpec, parse_worker
-from router.discovery import LoadSnapshot, fetch_sglang_load, fetch_vllm_load
+from router.discovery import (
+    LoadSnapshot,
+    fetch_layout_facts,
+    fetch_sglang_load,
+    fetch_vllm_load,
+    merge_layout,
+)
 from router.prefixes import RecentPrefixes
 from state.base import StateStore
 
@@ -56,11 +62,13 @@ class WorkerState:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     load: LoadSnapshot | None = None  # the worker's own report, when polled
     dynamic: bool = False  # registered through the admin API (not from the config file)
+    # False until a `discover_layout` worker has told its layout: never paired on a guess.
+    layout_known: bool = True
 
     @property
     def available(self) -> bool:
         """In rotation: passing health probes and its circuit breaker lets a request through."""
-        return self.healthy and self.breaker.allows()
+        return self.healthy and self.layout_known and self.breaker.allows()
 
     def __repr__(self) -> str:
         return (
@@ -100,6 +108,7 @@ class Pools:
             capacity_blocks=cap,
             dynamic=dynamic,
             breaker=CircuitBreaker(self.settings.breaker),
+            layout_known=not spec.discover_layout,
         )
         self.workers[spec.id] = state
         return state
@@ -291,6 +300,21 @@ class Pools:
                 log.warning("state refresh failed: %s", exc)
             await asyncio.sleep(self.settings.state_refresh_s)
 
+    async def discover_layout(self, session: aiohttp.ClientSession, w: WorkerState) -> bool:
+        """Read a `discover_layout` worker's layout from the worker itself; its own configured
+        fields stay on top. Until this succeeds the worker is out of rotation."""
+        try:
+            async with asyncio.timeout(self.settings.health_timeout_s):
+                facts = await fetch_layout_facts(session, w.spec.url, w.spec.adapter)
+            layout = merge_layout(w.spec.layout, facts, dict(w.spec.layout_configured))
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.warning("cannot read the KV layout of worker %s yet: %r", w.spec.id, exc)
+            return False
+        w.spec = replace(w.spec, layout=layout)
+        w.layout_known = True
+        log.info("worker %s reports its KV layout: %s", w.spec.id, layout.key)
+        return True
+
     async def probe(self, session: aiohttp.ClientSession, w: WorkerState) -> None:
         try:
             timeout = aiohttp.ClientTimeout(total=self.settings.health_timeout_s)
@@ -298,6 +322,8 @@ class Pools:
                 ok = resp.status == 200
         except (TimeoutError, aiohttp.ClientError):
             ok = False
+        if ok and not w.layout_known:
+            await self.discover_layout(session, w)
         if ok:
             if not w.healthy:
                 log.info("worker %s is healthy again", w.spec.id)

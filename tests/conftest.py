@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
+import socket
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -20,6 +22,25 @@ from router.config import Settings, settings_from_mapping
 from sim.worker import WorkerConfig, running_worker
 
 REDIS_URL = os.environ.get("DISAGG_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def free_port() -> int:
+    """A free loopback port below the kernel's ephemeral range (32768+ by default), for a
+    server started later: vLLM binds some of its own ZMQ sockets to port 0, and a port we
+    picked there could be handed to another engine before ours binds it ("Address already
+    in use", and that engine never starts)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-31999")
+
+
 MODEL = "llama-3-8b"
 
 

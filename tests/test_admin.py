@@ -13,7 +13,7 @@ import aiohttp
 from router.config import settings_from_mapping
 from sim.textgen import expected_answer
 from sim.worker import WorkerConfig, running_worker
-from tests.conftest import MODEL, REDIS_URL, running_router
+from tests.conftest import MODEL, REDIS_URL, free_port, running_router
 
 CHAT = "/v1/chat/completions"
 TOKEN = "s3cret-admin"
@@ -169,3 +169,109 @@ async def test_unpaired_layouts_are_reported_and_models_merged(redis_prefix: str
         assert ids == [MODEL, "other-8b"]
         async with s.delete(a + "/admin/workers/d-v2", headers=auth) as r:
             assert r.status == 200
+
+
+async def test_a_registration_can_read_the_layout_from_the_worker(redis_prefix: str) -> None:
+    """`discover_layout: true`: the router reads the worker's own /version and /v1/models, pairs
+    it by what the worker reports (configured fields win), and stores the result, so the other
+    replica pairs it alike. A worker that does not answer is refused with a 400, not half-added."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+
+    def sim(role: str, wid: str) -> Any:
+        return running_worker(WorkerConfig(role=role, worker_id=wid, model=MODEL,
+                                           time_scale=500.0, kv_blocks=4096,
+                                           kv_lease_s=30.0 * 500))
+
+    async with contextlib.AsyncExitStack() as stack:
+        p_url = await stack.enter_async_context(sim("prefill", "p0"))
+        d_url = await stack.enter_async_context(sim("decode", "d-new"))
+        # The prefill worker's layout is configured as what a sim worker reports about itself.
+        workers = [{"id": "p0", "url": p_url, "role": "prefill", "adapter": "sim",
+                    "layout": {"engine_version": "0.0.0-sim"}}]
+        a, _ = await stack.enter_async_context(running_router(_settings(redis_prefix, workers)))
+        b, _ = await stack.enter_async_context(running_router(_settings(redis_prefix, workers)))
+        s = await stack.enter_async_context(aiohttp.ClientSession())
+
+        entry = {"id": "d-new", "url": d_url, "role": "decode", "adapter": "sim",
+                 "kv_blocks": 4096, "discover_layout": True}
+        async with s.post(a + "/admin/workers", json=entry, headers=auth) as r:
+            assert r.status == 201, await r.text()
+            added = await r.json()
+        assert added["layout"].startswith(f"sim|0.0.0-sim|{MODEL}|")
+        assert added["paired"] is True
+        for _ in range(100):  # replica b adopts it, layout included, from the registry
+            if "d-new" in await _workers(s, b):
+                break
+            await asyncio.sleep(0.05)
+        assert (await _workers(s, b))["d-new"]["layout"] == added["layout"]
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "discovered"}],
+                "max_tokens": 8}
+        async with s.post(b + CHAT, json=body) as r:
+            assert r.status == 200, await r.text()
+            answer = await r.json()
+        assert answer["choices"][0]["message"]["content"] == expected_answer(CHAT, body)[0]
+
+        # Configured fields win over what the worker reports: another block size, unpaired.
+        other = {**entry, "id": "d-32", "layout": {"block_size": 32}}
+        async with s.post(a + "/admin/workers", json=other, headers=auth) as r:
+            assert r.status == 201, await r.text()
+            added32 = await r.json()
+        assert "|32|" in added32["layout"] and added32["paired"] is False
+
+        down = {**entry, "id": "d-down", "url": "http://127.0.0.1:9"}
+        async with s.post(a + "/admin/workers", json=down, headers=auth) as r:
+            assert r.status == 400
+            err = (await r.json())["error"]
+        assert err["param"] == "url" and "KV layout" in err["message"]
+        async with s.post(a + "/admin/workers", json={**entry, "discover_layout": "yes"},
+                          headers=auth) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["param"] == "discover_layout"
+        assert "d-down" not in await _workers(s, a)
+        for wid in ("d-new", "d-32"):
+            async with s.delete(a + f"/admin/workers/{wid}", headers=auth) as r:
+                assert r.status == 200
+
+
+async def test_configured_workers_can_discover_their_layout(redis_prefix: str) -> None:
+    """`discover_layout: true` in the configuration file: the layout is read from each worker
+    before the router serves; one that is not up yet stays out of rotation, and joins with its
+    reported layout once its health probe answers."""
+    def sim(role: str, wid: str, port: int = 0) -> Any:
+        return running_worker(WorkerConfig(role=role, worker_id=wid, model=MODEL,
+                                           time_scale=500.0, kv_blocks=4096, port=port,
+                                           kv_lease_s=30.0 * 500))
+
+    late_port = free_port()
+    async with contextlib.AsyncExitStack() as stack:
+        p_url = await stack.enter_async_context(sim("prefill", "p0"))
+        d_url = await stack.enter_async_context(sim("decode", "d0"))
+        workers = [
+            {"id": "p0", "url": p_url, "role": "prefill", "adapter": "sim",
+             "discover_layout": True},
+            {"id": "d0", "url": d_url, "role": "decode", "adapter": "sim",
+             "discover_layout": True, "layout": {"connector_version": "7"}},
+            {"id": "d1", "url": f"http://127.0.0.1:{late_port}", "role": "decode",
+             "adapter": "sim", "discover_layout": True},
+        ]
+        a, _ = await stack.enter_async_context(running_router(_settings(redis_prefix, workers)))
+        s = await stack.enter_async_context(aiohttp.ClientSession())
+        seen = await _workers(s, a)
+        assert seen["p0"]["layout"].startswith(f"sim|0.0.0-sim|{MODEL}|")
+        assert seen["d0"]["layout"].endswith("|7")  # its configured field won
+        assert seen["d0"]["paired"] is False  # p0 reports connector version 0
+        assert seen["d1"]["layout"] is None  # not up: out of rotation, never paired on a guess
+
+        await stack.enter_async_context(sim("decode", "d1", port=late_port))
+        for _ in range(100):
+            seen = await _workers(s, a)
+            if seen["d1"]["layout"] is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert seen["d1"]["layout"] == seen["p0"]["layout"] and seen["d1"]["paired"] is True
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "late"}], "max_tokens": 6}
+        async with s.post(a + CHAT, json=body) as r:
+            assert r.status == 200, await r.text()
+        async with s.get(a + "/metrics") as r:
+            text = await r.text()
+        assert 'disagg_router_placements_total{decode="d1",prefill="p0"} 1.0' in text

@@ -78,7 +78,8 @@ def test_chat_message_reasoning_and_usage() -> None:
     assert answer["system_fingerprint"] == "fp"
     assert answer["choices"] == [{
         "index": 0,
-        "message": {"role": "assistant", "content": "The answer", "reasoning_content": "think hard"},
+        "message": {"role": "assistant", "content": "The answer",
+                    "reasoning_content": "think hard"},
         "logprobs": None,
         "finish_reason": "stop",
     }]

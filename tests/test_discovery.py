@@ -156,8 +156,9 @@ async def test_layout_from_sim_over_vllm_endpoints() -> None:
     cfg = WorkerConfig(role="decode", model="llama-3-8b", served_model_name="alias")
     async with running_worker(cfg) as url, aiohttp.ClientSession() as s:
         layout = await fetch_layout(s, url, "sim", KVLayout(), {"kv_heads": 8, "head_dim": 128})
+    # The served name: what clients ask for and the router routes on.
     assert layout == KVLayout(
-        engine="sim", engine_version="0.0.0-sim", model="llama-3-8b", kv_heads=8, head_dim=128
+        engine="sim", engine_version="0.0.0-sim", model="alias", kv_heads=8, head_dim=128
     )
 
 

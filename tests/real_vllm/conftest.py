@@ -21,7 +21,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -42,7 +41,7 @@ from router.adapters.base import ProtocolViolation
 from router.adapters.vllm import VllmNixlAdapter
 from router.app import GATEWAY
 from router.config import settings_from_mapping
-from tests.conftest import REDIS_URL, running_router
+from tests.conftest import REDIS_URL, free_port, running_router
 
 HERE = Path(__file__).resolve().parent
 ENGINE_SITE = HERE / "engine_site"
@@ -96,22 +95,6 @@ def _die_with_parent() -> None:
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
-
-
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range (32768+ by default). vLLM binds some of
-    its own ZMQ sockets to port 0; a port we picked there could be handed to another engine
-    before ours binds it ("Address already in use", and that engine never starts)."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-31999")
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
@@ -526,7 +509,6 @@ async def router(vllm_cluster: VllmCluster, redis_prefix: str) -> AsyncIterator[
 
 def unique_prompt(words: int = 12, tag: str = "") -> str:
     """A prompt no earlier request shares a block with: a fresh random word sequence."""
-    import random
 
     rng = random.Random(uuid.uuid4().int)
     vocab = ("router prefill decode cache block token stream request model server engine "
