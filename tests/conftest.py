@@ -9,7 +9,7 @@ import random
 import socket
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -60,9 +60,7 @@ async def redis_prefix() -> AsyncIterator[str]:
 
 @contextlib.asynccontextmanager
 async def running_router(settings: Settings) -> AsyncIterator[tuple[str, web.Application]]:
-    # DR_TEST_RELAY=aiohttp|splice runs every router test with that decode-leg transport.
-    relay = os.environ.get("DR_TEST_RELAY")
-    app = create_app(replace(settings, relay=relay) if relay else settings)
+    app = create_app(settings)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -149,6 +147,10 @@ async def sim_cluster(
             "health_interval_s": 0.5,
             "state_refresh_s": 0.05,
         }
+        # DR_TEST_RELAY=aiohttp|splice: the decode-leg transport of every cluster whose test
+        # does not choose one itself.
+        if os.environ.get("DR_TEST_RELAY"):
+            raw["relay"] = os.environ["DR_TEST_RELAY"]
         raw.update(settings)
         url, app = await stack.enter_async_context(running_router(settings_from_mapping(raw)))
         yield SimCluster(router_url=url, app=app, workers=workers, configs=configs)

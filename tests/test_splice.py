@@ -500,10 +500,28 @@ async def test_connect_errors_are_aiohttp_connection_errors() -> None:
 
 
 def test_relay_setting_is_validated() -> None:
-    assert settings_from_mapping({}).relay == "aiohttp"
-    assert settings_from_mapping({"relay": "splice"}).relay == "splice"
+    assert settings_from_mapping({}).relay == "splice"  # the default
+    assert settings_from_mapping({"relay": "aiohttp"}).relay == "aiohttp"
     with pytest.raises(ConfigError, match="relay"):
         settings_from_mapping({"relay": "sendfile"})
+
+
+async def test_router_with_aiohttp_relay_streams_and_answers_whole(redis_prefix: str) -> None:
+    """The other transport, still a supported setting (and the one https:// workers use)."""
+    async with sim_cluster(redis_prefix=redis_prefix, relay="aiohttp") as c:
+        assert c.gateway.splice is None
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 12}
+        async with aiohttp.ClientSession() as s:
+            url = c.router_url + "/v1/chat/completions"
+            async with s.post(url, json={**body, "stream": True}) as r:
+                assert r.status == 200
+                raw = await r.read()
+            assert raw.endswith(DONE) and count_tokens(raw, True) == 12
+            async with s.post(url, json=body) as r:
+                assert r.status == 200
+                assert (await r.json())["usage"]["completion_tokens"] == 12
+        assert await c.reserved_blocks() == {"d0": 0}
 
 
 # -- the whole router on the splice relay ----------------------------------------------------

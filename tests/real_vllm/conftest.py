@@ -486,6 +486,8 @@ def router_settings(cluster: VllmCluster, key_prefix: str, **overrides: Any) -> 
         "state_refresh_s": 0.05,
         "timeouts": {"connect_s": 10, "prefill_s": 180, "ttft_s": 240, "idle_s": 120},
     }
+    if os.environ.get("DR_TEST_RELAY"):  # as tests/conftest.py's sim_cluster
+        raw["relay"] = os.environ["DR_TEST_RELAY"]
     raw.update(overrides)
     return raw
 
