@@ -338,6 +338,10 @@ class Pools:
                     w.consecutive_failures,
                 )
                 w.healthy = False
+                if w.spec.discover_layout:
+                    # It may come back upgraded (a rolling upgrade restarts workers in place):
+                    # its layout is read again before it is used again.
+                    w.layout_known = False
 
     async def run_health_prober(self, session: aiohttp.ClientSession) -> None:
         while True:

@@ -237,10 +237,10 @@ async def test_configured_workers_can_discover_their_layout(redis_prefix: str) -
     """`discover_layout: true` in the configuration file: the layout is read from each worker
     before the router serves; one that is not up yet stays out of rotation, and joins with its
     reported layout once its health probe answers."""
-    def sim(role: str, wid: str, port: int = 0) -> Any:
+    def sim(role: str, wid: str, port: int = 0, served: str | None = None) -> Any:
         return running_worker(WorkerConfig(role=role, worker_id=wid, model=MODEL,
                                            time_scale=500.0, kv_blocks=4096, port=port,
-                                           kv_lease_s=30.0 * 500))
+                                           kv_lease_s=30.0 * 500, served_model_name=served))
 
     late_port = free_port()
     async with contextlib.AsyncExitStack() as stack:
@@ -262,7 +262,8 @@ async def test_configured_workers_can_discover_their_layout(redis_prefix: str) -
         assert seen["d0"]["paired"] is False  # p0 reports connector version 0
         assert seen["d1"]["layout"] is None  # not up: out of rotation, never paired on a guess
 
-        await stack.enter_async_context(sim("decode", "d1", port=late_port))
+        late = contextlib.AsyncExitStack()
+        await late.enter_async_context(sim("decode", "d1", port=late_port))
         for _ in range(100):
             seen = await _workers(s, a)
             if seen["d1"]["layout"] is not None:
@@ -275,3 +276,18 @@ async def test_configured_workers_can_discover_their_layout(redis_prefix: str) -
         async with s.get(a + "/metrics") as r:
             text = await r.text()
         assert 'disagg_router_placements_total{decode="d1",prefill="p0"} 1.0' in text
+
+        # d1 goes down and comes back upgraded (another served model): read again, not reused.
+        await late.aclose()
+        for _ in range(100):
+            if (await _workers(s, a))["d1"]["layout"] is None:
+                break
+            await asyncio.sleep(0.05)
+        assert (await _workers(s, a))["d1"]["layout"] is None
+        async with sim("decode", "d1", port=late_port, served="llama-3-8b-v2"):
+            for _ in range(100):
+                seen = await _workers(s, a)
+                if seen["d1"]["layout"] is not None:
+                    break
+                await asyncio.sleep(0.05)
+            assert "|llama-3-8b-v2|" in seen["d1"]["layout"] and seen["d1"]["paired"] is False
