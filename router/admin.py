@@ -12,7 +12,6 @@ Registrations live in the shared store, so every replica adopts them within
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import aiohttp
@@ -21,7 +20,6 @@ from aiohttp import web
 
 from router.auth import bearer_token, token_matches
 from router.config import ConfigError
-from router.discovery import fetch_layout_facts
 from router.errors import InvalidRequest, RouterError, Unauthorized
 from router.gateway import Gateway
 from router.pools import WorkerState
@@ -101,8 +99,7 @@ async def _discovered(gw: Gateway, raw: dict[str, Any], url: str, adapter: str) 
     """The registration with the layout the worker reports, under what the caller configured.
     Stored that way, so every replica pairs the worker alike without asking it again."""
     try:
-        async with asyncio.timeout(2 * gw.settings.health_timeout_s):
-            facts = await fetch_layout_facts(gw.session, url, adapter)
+        facts = await gw.pools.layout_facts(gw.session, url, adapter)
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         raise InvalidRequest(
             f"could not read the KV layout of the worker at {url} ({exc!r}); register it "

@@ -22,7 +22,7 @@ import orjson
 
 from router.adapters.errors import WorkerError, sse_data, stream_error
 
-__all__ = ["StreamedAnswer", "assemble", "stream_upstream", "streamable"]
+__all__ = ["DISCARD", "assemble", "stream_upstream", "streamable"]
 
 _TOP_LEVEL = ("id", "created", "model", "system_fingerprint", "service_tier")
 
@@ -42,16 +42,17 @@ def stream_upstream(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class StreamedAnswer:
-    """Collects the relayed SSE bytes (it stands in for the client's stream in the relay)."""
+class _Discard:
+    """Stands in for the client's stream in the relay while an answer is assembled: the relay
+    already keeps every event it passes on (`RelayResult.chunks`)."""
 
-    __slots__ = ("chunks",)
-
-    def __init__(self) -> None:
-        self.chunks: list[bytes] = []
+    __slots__ = ()
 
     async def write(self, data: bytes) -> None:
-        self.chunks.append(data)
+        pass
+
+
+DISCARD = _Discard()
 
 
 def _events(raw: bytes) -> list[tuple[bytes, dict[str, Any]]]:

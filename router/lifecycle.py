@@ -28,7 +28,7 @@ from policies.base import Rejection, RequestInfo, blocks_for
 from router.adapters import ProtocolViolation, prefill_target
 from router.admission import QueueFull
 from router.api import CHAT, ParsedRequest
-from router.assemble import StreamedAnswer, assemble, stream_upstream, streamable
+from router.assemble import DISCARD, assemble, stream_upstream, streamable
 from router.attempt import Attempt, LegFailure, upstream_failure
 from router.errors import (
     DeadlineExceeded,
@@ -519,27 +519,14 @@ class RequestFlow:
         """Asked for whole, streamed from the decode worker: the first token clears the stranded
         KV and the TTFT deadline as in a stream. Nothing reaches the client before the answer is
         whole, so a broken stream is retried from the start, never resumed."""
-        gw, chat = self.gw, self.parsed.path == CHAT
+        chat = self.parsed.path == CHAT
         prompt_tokens = self.parsed.prompt_tokens
         while True:
-            worker = gw.pools.workers[attempt.candidate.decode_id]
-            answer = StreamedAnswer()
-            worker.resident_seqs += 1
-            try:
-                result = await relay_sse(
-                    resp,
-                    answer,  # type: ignore[arg-type]
-                    chat=chat,
-                    clock=gw.clock,
-                    on_first_token=lambda a=attempt: self._on_first_token(a),
-                    on_tokens=lambda n, a=attempt: self._on_tokens(a, 0, prompt_tokens, n),
-                    first_event_by=attempt.handoff_by,
-                )
-            finally:
-                worker.resident_seqs -= 1
-                resp.close()
+            # The relay keeps every whole event it passes on (`result.chunks`): the answer is
+            # assembled from those, so the sink keeps nothing.
+            worker, result = await self._relay_decode(attempt, resp, DISCARD, 0, prompt_tokens)
             if result.completed:
-                whole = assemble(answer.chunks, chat)
+                whole = assemble(result.chunks, chat)
                 if not isinstance(whole, dict):  # a 4xx the worker reported in the stream
                     raise UpstreamRejected(
                         whole.status or 400,
@@ -559,6 +546,31 @@ class RequestFlow:
             await self.release_attempt()
             await self._before_retry(failure)
             attempt, resp = await self.serve_attempt(body, prompt_tokens, self.parsed.max_tokens)
+
+    async def _relay_decode(
+        self, attempt: Attempt, resp: DecodeResponse, sink: Any, resumed: int, prompt_tokens: int
+    ) -> tuple[WorkerState, RelayResult]:
+        """One decode stream into `sink` (the client's stream, or DISCARD when assembling), with
+        the first-token and reservation-growth hooks; the connection is closed afterwards
+        (unfinished: dropping it is vLLM's abort signal)."""
+        gw = self.gw
+        worker = gw.pools.workers[attempt.candidate.decode_id]
+        worker.resident_seqs += 1
+        try:
+            relay: Any = relay_splice if isinstance(resp, SpliceResponse) else relay_sse
+            result: RelayResult = await relay(
+                resp,
+                sink,
+                chat=self.parsed.path == CHAT,
+                clock=gw.clock,
+                on_first_token=lambda a=attempt: self._on_first_token(a),
+                on_tokens=lambda n, a=attempt: self._on_tokens(a, resumed, prompt_tokens, n),
+                first_event_by=attempt.handoff_by,
+            )
+        finally:
+            worker.resident_seqs -= 1
+            resp.close()
+        return worker, result
 
     async def _whole(self, attempt: Attempt, resp: DecodeResponse) -> web.Response:
         """Non-streaming, answered whole by the decode worker (`assemble_non_streaming: false`,
@@ -652,25 +664,7 @@ class RequestFlow:
         resumed = 0
         prompt_tokens = self.parsed.prompt_tokens
         while True:
-            decode_id = attempt.candidate.decode_id
-            worker = gw.pools.workers[decode_id]
-            worker.resident_seqs += 1
-            try:
-                relay: Any = relay_splice if isinstance(resp, SpliceResponse) else relay_sse
-                result: RelayResult = await relay(
-                    resp,
-                    client,
-                    chat=chat,
-                    clock=gw.clock,
-                    on_first_token=lambda a=attempt: self._on_first_token(a),
-                    on_tokens=lambda n, a=attempt, b=resumed, p=prompt_tokens: self._on_tokens(
-                        a, b, p, n
-                    ),
-                    first_event_by=attempt.handoff_by,
-                )
-            finally:
-                worker.resident_seqs -= 1
-                resp.close()  # unfinished: drops the connection, vLLM's abort signal
+            worker, result = await self._relay_decode(attempt, resp, client, resumed, prompt_tokens)
             sent.extend(result.chunks)
             gw.metrics.tokens_relayed.inc(result.tokens)
             if result.client_gone:

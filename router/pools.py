@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import aiohttp
 import orjson
@@ -300,12 +301,19 @@ class Pools:
                 log.warning("state refresh failed: %s", exc)
             await asyncio.sleep(self.settings.state_refresh_s)
 
+    async def layout_facts(
+        self, session: aiohttp.ClientSession, url: str, adapter: str
+    ) -> dict[str, Any]:
+        """What the worker at `url` reports of its KV layout, within two health-probe timeouts
+        (it takes two requests for vLLM). Raises aiohttp.ClientError, TimeoutError, ValueError."""
+        async with asyncio.timeout(2 * self.settings.health_timeout_s):
+            return await fetch_layout_facts(session, url, adapter)
+
     async def discover_layout(self, session: aiohttp.ClientSession, w: WorkerState) -> bool:
         """Read a `discover_layout` worker's layout from the worker itself; its own configured
         fields stay on top. Until this succeeds the worker is out of rotation."""
         try:
-            async with asyncio.timeout(self.settings.health_timeout_s):
-                facts = await fetch_layout_facts(session, w.spec.url, w.spec.adapter)
+            facts = await self.layout_facts(session, w.spec.url, w.spec.adapter)
             layout = merge_layout(w.spec.layout, facts, dict(w.spec.layout_configured))
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             log.warning("cannot read the KV layout of worker %s yet: %r", w.spec.id, exc)

@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 
 from router.adapters.errors import WorkerError
-from router.assemble import StreamedAnswer, assemble, stream_upstream, streamable
+from router.assemble import assemble, stream_upstream, streamable
 
 
 def sse(*events: dict[str, Any]) -> list[bytes]:
@@ -137,13 +137,6 @@ def test_a_4xx_error_event_is_returned_as_the_error() -> None:
 def test_comment_lines_and_empty_streams() -> None:
     answer = assemble([b": keep-alive\n\ndata: [DONE]\n\n"], chat=False)
     assert answer == {"object": "text_completion", "choices": [], "usage": None}
-
-
-async def test_streamed_answer_collects_writes() -> None:
-    sink = StreamedAnswer()
-    await sink.write(b"a")
-    await sink.write(b"b")
-    assert sink.chunks == [b"a", b"b"]
 
 
 def test_upstream_body_streams_with_usage_and_keeps_the_rest() -> None:

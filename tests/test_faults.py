@@ -268,24 +268,22 @@ async def test_expired_kv_handle_is_re_prefilled(redis_prefix: str) -> None:
 
 @pytest.mark.parametrize("assembled", [True, False], ids=["assembled", "whole"])
 async def test_long_non_streamed_answer(redis_prefix: str, assembled: bool) -> None:
-    """A non-streamed answer that takes longer than the idle timeout and the KV lease. Streamed
-    from the decode worker and assembled (the default), the first token clears the stranded KV
-    and every token resets the idle timer: an exact answer, nothing expired, nothing retried.
-    Answered whole (`assemble_non_streaming: false`), the same silence is an idle timeout."""
+    """A non-streamed answer that takes longer than the idle timeout and the KV lease (the
+    `whole` case is the proof: answered whole, `assemble_non_streaming: false`, the same answer
+    is one silence longer than the idle timeout). Streamed from the decode worker and assembled
+    (the default), the first token clears the stranded KV and every token resets the idle
+    timer: an exact answer, nothing expired, nothing retried."""
     async with sim_cluster(
         redis_prefix=redis_prefix, retry={**FAST_RETRY, "max_attempts": 1}, kv_lease_s=1.0,
         timeouts={"idle_s": 1.0}, assemble_non_streaming=assembled,
     ) as c:
         await set_faults(c, "d0", slow_factor=1500.0)  # ~20 ms a token at time scale 500
         body = body_for(10, max_tokens=150)
-        started = asyncio.get_running_loop().time()
         status, result = await call(c, body, False)
-        took = asyncio.get_running_loop().time() - started
         decode_bodies = [r["body"] for r in await c.worker_requests("d0")]
         assert [b.get("stream") for b in decode_bodies] == [assembled]
         if assembled:
             check_exact(status, result, body, False)
-            assert took > 2.0  # the premise: well past the idle timeout and the KV lease
             assert result["object"] == "chat.completion"
             assert result["usage"]["completion_tokens"] == 150
             expired = c.gateway.metrics.stranded_expired.collect()[0].samples
