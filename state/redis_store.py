@@ -17,7 +17,7 @@ unix times to 0.1 ms; the scripts format scores themselves (``%.6f``) to keep mi
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, ParamSpec, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -55,7 +55,9 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
-def _store_call(fn: Callable[_P, Awaitable[_R]]) -> Callable[_P, Awaitable[_R]]:
+def _store_call(
+    fn: Callable[_P, Coroutine[Any, Any, _R]],
+) -> Callable[_P, Coroutine[Any, Any, _R]]:
     """Redis's and the socket's failures leave a store method as one `StoreError`, so callers
     (and the router's one error mapping) have a single thing to handle."""
 
@@ -461,7 +463,7 @@ class RedisStore:
     ) -> bool:
         check_count("blocks", blocks)
         keys = self._keys.decode_worker(worker_id)
-        args = [self._now(), reservation_id, int(blocks), "1" if force else "0"]
+        args: list[str | int] = [self._now(), reservation_id, int(blocks), "1" if force else "0"]
         return bool(await self._resize(keys=keys, args=args))
 
     @_store_call
