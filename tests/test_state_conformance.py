@@ -9,8 +9,8 @@ store, which exercises the Redis scripts' ``ARGV[1]`` clock path too.
 from __future__ import annotations
 
 import asyncio
-import socket
 import random
+import socket
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
