@@ -189,7 +189,9 @@ class LeaseKeeper:
                 put_back += len(back)
                 log.warning(
                     "%d reservation(s) on %s had been lost by the store under live requests: "
-                    "put back", len(back), wid
+                    "put back",
+                    len(back),
+                    wid,
                 )
         if failed:
             log.warning("lease renewal failed for %d worker(s): %s", len(failed), failed[0])
