@@ -1,4 +1,4 @@
-"""One request's life (design.md §2):
+"""One request's life (docs/design.md §2):
 
     admit → estimate → place (P and D together) → reserve on D → prefill on P → KV handoff
     → decode on D → relay the stream → release

@@ -1,6 +1,6 @@
 """The worker pools as this router replica sees them, and the snapshot policies place against.
 
-The router's own accounting is the primary load signal (design.md §4: the peers' counters miss
+The router's own accounting is the primary load signal (docs/design.md §4: the peers' counters miss
 requests still in prefill): queued prompt tokens per prefill worker are counted from dispatch to
 the prefill answer, reserved blocks per decode worker come from the shared store (every
 replica's reservations), refreshed in the background and adjusted locally at once after each

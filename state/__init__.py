@@ -1,4 +1,4 @@
-"""disagg-router: state shared by router replicas (design.md §5).
+"""disagg-router: state shared by router replicas (docs/design.md §5).
 
 `open_store(url)` picks the implementation: no URL means the in-process `MemoryStore`, a
 ``redis://``, ``rediss://`` or ``unix://`` URL a `RedisStore` (checked with a ping).

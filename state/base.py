@@ -1,4 +1,4 @@
-"""The state store interface shared by every router replica (design.md §5).
+"""The state store interface shared by every router replica (docs/design.md §5).
 
 Two implementations pass one conformance suite (tests/test_state_conformance.py):
 `RedisStore` (the default: Lua scripts, one hash tag per worker so it runs on Redis Cluster)

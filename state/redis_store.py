@@ -1,4 +1,4 @@
-"""`RedisStore`: the shared state of every router replica, kept in Redis (design.md §5).
+"""`RedisStore`: the shared state of every router replica, kept in Redis (docs/design.md §5).
 
 Every multi-key change is one Lua script below, registered once per store. Each script touches
 the keys of one hash tag only (see `state.keys`), so it runs on Redis Cluster too. Calls that

@@ -1,4 +1,4 @@
-"""One conformance suite for both state stores (design.md §5): `MemoryStore` and `RedisStore`.
+"""One conformance suite for both state stores (docs/design.md §5): `MemoryStore` and `RedisStore`.
 
 Redis tests use the real server on 127.0.0.1:6379, each under its own key prefix
 (``test:<uuid>:``), and delete their keys afterwards. Leases are real and short on both stores;
