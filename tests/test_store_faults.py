@@ -22,10 +22,10 @@ import aiohttp
 import orjson
 import pytest
 
-from state.base import StoreError
+from state.base import Finished, StoreError
 from tests.conftest import MODEL, SimCluster, sim_cluster
 from tests.redis_server import PrivateRedis
-from tests.test_faults import assert_quiet, body_for, call, check_exact
+from tests.test_faults import assert_quiet, body_for, call, check_exact, set_faults
 
 CHAT = "/v1/chat/completions"
 FAST = {"retry": {"backoff_base_s": 0.005, "backoff_max_s": 0.02}}
@@ -104,15 +104,34 @@ async def test_an_unstrand_that_always_fails_does_not_keep_the_reservation(
     """Before: release_attempt awaited the unstrand first, so when it raised the release never
     ran, the reservation stayed live and was renewed (and put back) forever."""
     async with sim_cluster(redis_prefix=redis_prefix, **FAST) as c:
-        injected = fail_calls(c.gateway.store, "unstrand", times=None)
+        # Decode failures before the first token: those attempts are released while their KV
+        # is still stranded, so the release path itself unstrands (the old bug's path).
+        await set_faults(c, "d0", count=2, decode_fail_before_first=True)
+        store = c.gateway.store
+        fail_calls(store, "unstrand", times=None)  # the first-token path
+        real_finish = store.finish
+        failed_steps = [0]
+
+        async def finish_failing_unstrand(release: Any, unstrand: Any, record: Any = None) -> Any:
+            # The end-of-request call whose unstrand step fails (as a pipeline step does, on
+            # its own); the release and record steps really run.
+            done = await real_finish(release, None, record)
+            if unstrand is None:
+                return done
+            failed_steps[0] += 1
+            return Finished(done.released_blocks, None, done.recorded)
+
+        store.finish = finish_failing_unstrand
         for i in range(5):
             body = body_for(i)
             check_exact(*await call(c, body, True), body, True)
-        assert injected[0] >= 1
+        assert c.gateway.metrics.retries.labels(side="decode")._value.get() == 2
+        assert failed_steps[0] >= 2  # the two attempts released before their first token
         assert c.gateway.leases.live == {}
         assert set((await c.reserved_blocks()).values()) == {0}
+        assert sum((await c.stranded()).values()) > 0  # the failed unstrands, owed
         # Healed: the owed unstrands land and the ledger is clean.
-        del c.gateway.store.unstrand
+        del store.unstrand, store.finish
         await settle(c)
         await assert_quiet(c)
 
