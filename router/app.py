@@ -27,6 +27,7 @@ from router.leases import LeaseKeeper
 from router.lifecycle import RequestFlow
 from router.metrics import RouterMetrics
 from router.pools import Pools
+from router.server import read_body
 from router.splice import SplicePool
 from state import open_store
 
@@ -93,7 +94,7 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
         _check_auth(s, request)
         if request.content_length is not None and request.content_length > s.max_body_bytes:
             raise BodyTooLarge(f"the request body is larger than {s.max_body_bytes} bytes")
-        raw = await request.read()
+        raw = await read_body(request, s.timeouts.body_s)  # 408 if slow, 400 if undecodable
         parsed = parse_request(
             path,
             raw,
