@@ -7,11 +7,12 @@ aiohttp's `RequestHandler` with these additions (`Timeouts` fields, 0 turns one 
 - `header_s`: a request head must be whole within this long of the connection opening, or
   of its first byte on a kept-alive connection; else 408 (or a plain close if it sent
   nothing). aiohttp's `keepalive_timeout` (`keepalive_s`) closes idle kept-alive ones.
-- `client_stall_s`: while the transport's write buffer is over its high-water mark (the
-  client takes nothing), a timer runs; when it fires the connection is aborted. aiohttp then
-  cancels the handler (`handler_cancellation`), which closes the decode leg (vLLM's abort)
-  and releases the reservation through the usual `finally` — for both decode-leg relays and
-  any other response, since both write through this transport.
+- `client_stall_s`: once the transport's write buffer is over its high-water mark, a client
+  that then takes no byte of it for this long has its connection aborted (one that takes
+  some, however slowly, gets another period). aiohttp then cancels the handler
+  (`handler_cancellation`), which closes the decode leg (vLLM's abort) and releases the
+  reservation through the usual `finally` — for both decode-leg relays and any other
+  response, since all of them write through this transport.
 - every error aiohttp answers itself (`handle_error`: the HTTP parser's 400s — control
   characters, a bad Content-Length, a 9 KB URL, a bad method — and a 500 that escapes the
   app) gets an OpenAI-style JSON body.
@@ -99,7 +100,14 @@ class _Protocol(web.RequestHandler):
     """One client connection: aiohttp's handler plus the head deadline, the write-stall
     deadline and OpenAI-style bodies for the errors aiohttp answers itself."""
 
-    __slots__ = ("_limits", "_between", "_head_bytes", "_head_timer", "_stall_timer")
+    __slots__ = (
+        "_limits",
+        "_between",
+        "_head_bytes",
+        "_head_timer",
+        "_stall_timer",
+        "_stall_queued",
+    )
 
     def __init__(self, manager: web.Server, limits: Timeouts, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -108,6 +116,7 @@ class _Protocol(web.RequestHandler):
         self._head_bytes = False  # some of it has come
         self._head_timer: asyncio.TimerHandle | None = None
         self._stall_timer: asyncio.TimerHandle | None = None
+        self._stall_queued = 0  # bytes queued for the client when the stall timer was armed
 
     def __repr__(self) -> str:
         return (
@@ -165,8 +174,13 @@ class _Protocol(web.RequestHandler):
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._limits.client_stall_s > 0 and self._stall_timer is None:
-            loop = asyncio.get_running_loop()
-            self._stall_timer = loop.call_later(self._limits.client_stall_s, self._stalled)
+            self._arm_stall()
+
+    def _arm_stall(self) -> None:
+        assert self.transport is not None
+        self._stall_queued = self.transport.get_write_buffer_size()
+        loop = asyncio.get_running_loop()
+        self._stall_timer = loop.call_later(self._limits.client_stall_s, self._stalled)
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -176,14 +190,18 @@ class _Protocol(web.RequestHandler):
 
     def _stalled(self) -> None:
         self._stall_timer = None
-        if self.transport is not None:
-            log.info(
-                "client %s took no bytes for %s s: connection aborted",
-                self.peername,
-                self._limits.client_stall_s,
-            )
-            # abort, not close: close would wait for the buffer to drain, i.e. forever.
-            self.transport.abort()
+        if self.transport is None:
+            return
+        if self.transport.get_write_buffer_size() < self._stall_queued:
+            self._arm_stall()  # slow, but it took some: a slow reader is not a stalled one
+            return
+        log.info(
+            "client %s took no bytes for %s s: connection aborted",
+            self.peername,
+            self._limits.client_stall_s,
+        )
+        # abort, not close: close would wait for the buffer to drain, i.e. forever.
+        self.transport.abort()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         for timer in (self._head_timer, self._stall_timer):
