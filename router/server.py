@@ -155,8 +155,10 @@ class _Protocol(web.RequestHandler):
             return await super().finish_response(request, resp, start_time)
         finally:
             # The next head's clock starts at its first byte; until then the connection is
-            # idle, which aiohttp's keepalive_timeout bounds.
-            self._between = True
+            # idle, which aiohttp's keepalive_timeout bounds. A body still coming (answered
+            # before it was read: 413, 408) is not a head: aiohttp reads it for at most
+            # lingering_time and then closes, or keepalive_timeout bounds what follows.
+            self._between = request.content.is_eof()
 
     def _head_overdue(self) -> None:
         self._head_timer = None

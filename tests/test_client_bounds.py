@@ -20,7 +20,7 @@ from aiohttp import web
 
 from router.app import GATEWAY
 from router.config import ConfigError, Timeouts, settings_from_mapping
-from router.server import RouterRunner, _Protocol, _Server, serving
+from router.server import RouterRunner, _adopt, _Protocol, _Server, serving
 from router.splice import HIGH_WATER, SplicePool
 from tests.conftest import MODEL, SimCluster, sim_cluster
 from tests.test_splice import SSE_HEAD, chunk, read_request, sse_event, upstream
@@ -195,6 +195,12 @@ async def test_the_server_really_runs_our_protocol_on_this_aiohttp() -> None:
             assert type(conn) is _Protocol
             assert conn.keepalive_timeout == 7.0
             assert runner.server.handler_cancellation
+
+    class Other(web.Server):
+        pass
+
+    with pytest.raises(RuntimeError, match="router/server.py must be updated"):
+        _adopt(Other(lambda _: None), timeouts)  # type: ignore[arg-type, return-value]
 
 
 # -- 2. junk bytes get OpenAI errors -------------------------------------------------------------
