@@ -29,6 +29,7 @@ from router.lifecycle import RequestFlow
 from router.metrics import RouterMetrics
 from router.pools import Pools
 from router.retry_budget import RetryBudget
+from router.server import read_body
 from router.splice import SplicePool
 from state import StoreError, open_store
 
@@ -99,7 +100,7 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
         _check_auth(s, request)
         if request.content_length is not None and request.content_length > s.max_body_bytes:
             raise BodyTooLarge(f"the request body is larger than {s.max_body_bytes} bytes")
-        raw = await request.read()
+        raw = await read_body(request, s.timeouts.body_s)  # 408 if slow, 400 if undecodable
         parsed = parse_request(
             path,
             raw,

@@ -96,6 +96,22 @@ class Timeouts:
     ttft_s: float = 120.0  # decode: from sending to the first byte of its answer
     idle_s: float = 60.0  # no byte from the decode stream for this long ends it
     total_s: float | None = None  # optional cap on a whole request
+    # The client side (router/server.py): a request head must be whole within header_s of the
+    # connection opening or of its first byte; its body within body_s of the handler asking
+    # for it (408); an idle keep-alive connection is closed after keepalive_s; a client that
+    # takes no bytes for client_stall_s while the router has some queued for it is dropped
+    # (its decode leg aborted, its reservation released). 0 turns one off.
+    header_s: float = 10.0
+    body_s: float = 30.0
+    keepalive_s: float = 75.0
+    client_stall_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("header_s", "body_s", "client_stall_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"timeouts.{name} must be >= 0 (0 turns it off)")
+        if self.keepalive_s <= 0:
+            raise ConfigError("timeouts.keepalive_s must be > 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -120,7 +120,12 @@ class RequestFlow:
             arrival_s=self.started,
             priority=priority if isinstance(priority, int) else 0,
             prefix_hashes=self.prefixes,
-            hint_output_tokens=int(hint) if hint and hint.isdigit() else None,
+            # A hint is advisory: one that is not a plain ASCII number (`²`, `①` pass isdigit()
+            # but not int(); 5,000 digits pass neither) is ignored like a missing one, as
+            # docs/policies.md says, rather than failing a request that is otherwise fine.
+            hint_output_tokens=(
+                int(hint) if hint and len(hint) <= 9 and hint.isascii() and hint.isdigit() else None
+            ),
         )
 
     async def _estimate(self, info: RequestInfo) -> RequestInfo:
@@ -684,7 +689,17 @@ class RequestFlow:
                 "X-Request-Id": self.request_id,
             }
         )
-        await client.prepare(self.http)
+        try:
+            await client.prepare(self.http)
+        except BaseException as exc:
+            # The client left while its decode leg was being opened: abort the leg now (closing
+            # is vLLM's abort signal) instead of leaving it to stream into memory unread.
+            resp.close()
+            if not isinstance(exc, ConnectionError):
+                raise
+            gw.metrics.client_disconnects.inc()
+            self.status = 499
+            return client
         self._client = client
         sent: list[bytes] = []
         resumed = 0
