@@ -57,27 +57,29 @@ def port_of(url: str) -> int:
     return int(url.rsplit(":", 1)[1])
 
 
-async def against_live_router(redis_prefix: str, work: Callable[[int], Any]) -> Any:
+async def against_live_router(
+    redis_prefix: str, work: Callable[[int], Any], **settings: Any
+) -> Any:
     """`work(port)` in a worker thread, against a fresh router; its result.
 
-    The router's cyclic garbage is collected before the test returns: on CPython 3.11.7,
-    finalizers that a collection runs in the middle of pytest's `ast.parse` of this file (to
-    show a failure or an xfail) break it ("SystemError: AST constructor recursion depth
-    mismatch", an INTERNALERROR instead of the report)."""
+    The router's garbage is collected before the test returns. Without that, on CPython
+    3.11.7, a test that fails or xfails after the router logged a 500 can break pytest's
+    `ast.parse` of this file for the report ("SystemError: AST constructor recursion depth
+    mismatch", an INTERNALERROR instead of the report); a collection here prevents it."""
     try:
-        async with cluster(redis_prefix) as c:
+        async with cluster(redis_prefix, **settings) as c:
             return await asyncio.to_thread(work, port_of(c.router_url))
     finally:
         gc.collect()
 
 
-async def exchange(redis_prefix: str, requests: list[bytes]) -> list[RawResponse]:
+async def exchange(redis_prefix: str, requests: list[bytes], **settings: Any) -> list[RawResponse]:
     """Send `requests` one after another to a fresh router; the answers."""
 
     def work(port: int) -> list[RawResponse]:
         return [send_raw(port, r, timeout=DEADLINE_S) for r in requests]
 
-    return list(await against_live_router(redis_prefix, work))
+    return list(await against_live_router(redis_prefix, work, **settings))
 
 
 def check_answer(resp: RawResponse) -> None:
@@ -108,11 +110,11 @@ def post(path: str, data: bytes, *headers: tuple[str | bytes, str | bytes]) -> b
 OK = body()
 # 16 MiB of JSON in 16 KiB of gzip: 16 times max_body_bytes once inflated.
 BOMB = gzip.compress(b'{"model": "' + b"a" * (16 << 20) + b'"}', compresslevel=9)
-NOT_GZIP = ("Content-Encoding", "gzip")
+GZIP_HEADER = ("Content-Encoding", "gzip")
 
 
 # -- the explicit table ---------------------------------------------------------------------
-# id -> (request bytes, expected status or None for "any below 500")
+# (request bytes, the status expected or None for "any below 500"), by id
 PARSER_PLAIN_TEXT = (
     "aiohttp's HTTP parser answers this itself, in plain text, before the middleware "
     "(parser-plain-text; wt-client is fixing it in router/server.py)"
@@ -131,22 +133,24 @@ REQUEST_ID_500 = (
     "(request-id-not-utf8; found by this fuzzing, not fixed: lifecycle.py is not this branch's)"
 )
 
+# The status the fix will choose (400, 413, 414, 431, ...) is its own: these assert only
+# the invariant.
 KNOWN_BUGS: list[Any] = [
     pytest.param(
-        post(CHAT, OK, NOT_GZIP),
-        400,
+        post(CHAT, OK, GZIP_HEADER),
+        None,
         id="gzip-not-gzip",
         marks=pytest.mark.xfail(strict=True, reason=GZIP_500),
     ),
     pytest.param(
-        post(CHAT, OK[:10] + b"\x1f\x8b", NOT_GZIP),
-        400,
+        post(CHAT, OK[:10] + b"\x1f\x8b", GZIP_HEADER),
+        None,
         id="gzip-garbage",
         marks=pytest.mark.xfail(strict=True, reason=GZIP_500),
     ),
     pytest.param(
         post(CHAT, OK, ("Content-Encoding", "deflate")),
-        400,
+        None,
         id="deflate-not-deflate",
         marks=pytest.mark.xfail(strict=True, reason=GZIP_500),
     ),
@@ -170,49 +174,49 @@ KNOWN_BUGS: list[Any] = [
     ),
     pytest.param(
         post(CHAT, OK, ("X-Foo", b"a\x01b")),
-        400,
+        None,
         id="header-control-char",
         marks=pytest.mark.xfail(strict=True, reason=PARSER_PLAIN_TEXT),
     ),
     pytest.param(
         post(CHAT, OK, ("X-Foo", b"a\x00b")),
-        400,
+        None,
         id="header-nul",
         marks=pytest.mark.xfail(strict=True, reason=PARSER_PLAIN_TEXT),
     ),
     pytest.param(
         post(CHAT, OK, ("X-Request-Id", b"a\x7fb")),
-        400,
+        None,
         id="header-del",
         marks=pytest.mark.xfail(strict=True, reason=PARSER_PLAIN_TEXT),
     ),
     pytest.param(
         post(CHAT, OK, ("Content-Length", "abc")),
-        400,
+        None,
         id="content-length-not-a-number",
         marks=pytest.mark.xfail(strict=True, reason=PARSER_PLAIN_TEXT),
     ),
     pytest.param(
         post(CHAT, OK, ("Content-Length", "-1")),
-        400,
+        None,
         id="content-length-negative",
         marks=pytest.mark.xfail(strict=True, reason=PARSER_PLAIN_TEXT),
     ),
     pytest.param(
         post(CHAT, OK, ("Content-Length", "3"), ("Content-Length", "5")),
-        400,
+        None,
         id="content-length-twice",
         marks=pytest.mark.xfail(strict=True, reason=PARSER_PLAIN_TEXT),
     ),
     pytest.param(
         build_request("GET", "/v1/models?q=" + "a" * 9 * 1024, []),
-        400,
+        None,
         id="url-9kb",
         marks=pytest.mark.xfail(strict=True, reason=PARSER_PLAIN_TEXT),
     ),
     pytest.param(
         post(CHAT, OK, ("X-Big", "a" * 9 * 1024)),
-        400,
+        None,
         id="header-9kb",
         marks=pytest.mark.xfail(strict=True, reason=PARSER_PLAIN_TEXT),
     ),
@@ -230,7 +234,7 @@ KNOWN_BUGS: list[Any] = [
     ),
     pytest.param(
         b"GARBAGE\r\n\r\n",
-        400,
+        None,
         id="request-line-garbage",
         marks=pytest.mark.xfail(strict=True, reason=PARSER_PLAIN_TEXT),
     ),
@@ -242,7 +246,7 @@ KNOWN_BUGS: list[Any] = [
             b"zz\r\n{}\r\n0\r\n\r\n",
             content_length=False,
         ),
-        400,
+        None,
         id="chunk-size-not-hex",
         marks=pytest.mark.xfail(strict=True, reason=PARSER_PLAIN_TEXT),
     ),
@@ -250,9 +254,9 @@ KNOWN_BUGS: list[Any] = [
 
 EXPLICIT: list[Any] = [
     # compression
-    pytest.param(post(CHAT, BOMB, NOT_GZIP), 413, id="gzip-bomb"),
-    pytest.param(post(CHAT, gzip.compress(OK), NOT_GZIP), 200, id="gzip-valid"),
-    pytest.param(post(CHAT, gzip.compress(OK)[:-12], NOT_GZIP), 400, id="gzip-truncated"),
+    pytest.param(post(CHAT, BOMB, GZIP_HEADER), 413, id="gzip-bomb"),
+    pytest.param(post(CHAT, gzip.compress(OK), GZIP_HEADER), 200, id="gzip-valid"),
+    pytest.param(post(CHAT, gzip.compress(OK)[:-12], GZIP_HEADER), 400, id="gzip-truncated"),
     pytest.param(
         post(CHAT, zlib.compress(OK), ("Content-Encoding", "deflate")), 200, id="deflate-valid"
     ),
@@ -470,6 +474,31 @@ async def test_explicit_case(redis_prefix: str, request_bytes: bytes, expected: 
     check_answer(resp)
     if expected is not None:
         assert resp.status == expected, resp
+
+
+API_KEY = "fuzz-api-key"
+
+
+@pytest.mark.parametrize(
+    ("authorization", "expected"),
+    [
+        (None, 401),
+        ("Bearer wrong", 401),
+        ("Bearer", 401),
+        ("Basic " + API_KEY, 401),
+        (f"bearer {API_KEY}", 200),
+        (f"Bearer  {API_KEY} ", 200),
+        ("Bearer ☃", 401),
+        (f"Bearer {API_KEY}\t", 200),
+        (f"Bearer {API_KEY}x", 401),
+    ],
+)
+async def test_api_keys(redis_prefix: str, authorization: str | None, expected: int) -> None:
+    """With `api_keys` set, the generation routes take only a configured bearer key."""
+    headers = [] if authorization is None else [("Authorization", authorization)]
+    (resp,) = await exchange(redis_prefix, [post(CHAT, OK, *headers)], api_keys=[API_KEY])
+    check_answer(resp)
+    assert resp.status == expected, resp
 
 
 # -- found by fuzzing in router/api.py, fixed there ------------------------------------------
@@ -692,6 +721,10 @@ def generation_bodies(draw: st.DrawFn) -> tuple[str, bytes]:
     fields added, and now and then the bytes broken."""
     path = draw(st.sampled_from([CHAT, COMPLETIONS]))
     fields = json.loads(body(path))
+    if draw(st.booleans()):  # half of them streamed, some with a usage event
+        fields["stream"] = True
+        if draw(st.booleans()):
+            fields["stream_options"] = {"include_usage": True}
     for key in draw(st.lists(st.sampled_from(VALIDATED), max_size=3, unique=True)):
         if draw(st.booleans()):
             fields.pop(key, None)
@@ -824,7 +857,7 @@ async def test_fuzzed_headers(redis_prefix: str) -> None:
             extra: list[tuple[str | bytes, str | bytes]] = list(headers)
             if gzipped:
                 data = gzip.compress(data)
-                extra.append(NOT_GZIP)
+                extra.append(GZIP_HEADER)
             check_answer(
                 send_raw(port, build_request("POST", path, extra, data), timeout=DEADLINE_S)
             )
