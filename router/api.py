@@ -118,7 +118,7 @@ def _message_text(i: int, content: Any) -> str:
 def _prompt_tokens_chat(messages: Any, cpt: float) -> int:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list", param="messages")
-    total = 0
+    total = 0.0
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise InvalidRequest(f"messages[{i}] must be an object", param="messages")

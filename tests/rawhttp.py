@@ -58,7 +58,7 @@ def build_request(
 
 
 def _recv_all(sock: socket.socket, deadline: float) -> bytes:
-    chunks = []
+    chunks: list[bytes] = []
     while True:
         left = deadline - time.monotonic()
         if left <= 0:

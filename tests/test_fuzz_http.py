@@ -18,7 +18,7 @@ import os
 import zlib
 from collections.abc import Callable
 from importlib.resources import files
-from typing import Any
+from typing import Any, cast
 
 import hypothesis
 import jsonschema_rs  # comes with schemathesis
@@ -347,18 +347,21 @@ EXPLICIT: list[Any] = [
             400,
             id=f"completions-prompt-{label}",
         )
-        for value, label in [
-            (5, "int"),
-            (None, "null"),
-            ([], "empty"),
-            ([-1], "negative-id"),
-            ([1, "a"], "mixed"),
-            (["a", "b"], "batch"),
-            ([[1], [2]], "batch-ids"),
-            ({}, "object"),
-            ([2**63], "id-beyond-int64"),
-            ([1.5], "fractional-id"),
-        ]
+        for value, label in cast(
+            list[tuple[Any, str]],
+            [
+                (5, "int"),
+                (None, "null"),
+                ([], "empty"),
+                ([-1], "negative-id"),
+                ([1, "a"], "mixed"),
+                (["a", "b"], "batch"),
+                ([[1], [2]], "batch-ids"),
+                ({}, "object"),
+                ([2**63], "id-beyond-int64"),
+                ([1.5], "fractional-id"),
+            ],
+        )
     ),
     # huge numbers
     pytest.param(post(CHAT, body(max_tokens=2**63 - 1)), 400, id="max_tokens-int64-max"),
@@ -794,8 +797,7 @@ SINGLETON_HEADERS = {
 # Header values aiohttp's parser takes (it refuses control characters: parser-plain-text,
 # strict xfails above): visible ASCII, space, tab and any non-ASCII character (sent as UTF-8).
 header_text = st.text(
-    st.characters(blacklist_categories=("Cs",), blacklist_characters="\r\n\x7f", min_codepoint=0x20)
-    | st.just("\t"),
+    st.characters(codec="utf-8", exclude_characters="\r\n\x7f", min_codepoint=0x20) | st.just("\t"),
     max_size=40,
 )
 token = st.text(
