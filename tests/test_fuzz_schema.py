@@ -102,7 +102,7 @@ def specialised_document(served: set[tuple[str, str]]) -> dict[str, Any]:
     """The shipped document, for this cluster: the model names are configuration (the document
     says "any of GET /v1/models"), so name the one model served, or nearly every generated
     request would be a 404 that never reaches a worker. Operations the app does not register
-    yet (GET /ready, until it lands) are left out."""
+    (none, when the document and the app agree: test_openapi.py) are left out."""
     doc = json.loads(json.dumps(_DOC))
     doc["components"]["schemas"]["ModelName"] = {"enum": [MODEL]}
     for path in list(doc["paths"]):

@@ -60,18 +60,9 @@ def test_every_registered_route_is_documented() -> None:
     assert not missing, f"routes missing from router/openapi.json: {sorted(missing)}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="GET /ready is documented but not registered yet: the lead is adding it (Hardening)",
-)
 def test_every_documented_route_is_registered() -> None:
     stale = documented_routes() - registered_routes()
     assert not stale, f"documented routes the app does not serve: {sorted(stale)}"
-
-
-def test_only_ready_is_documented_ahead_of_the_code() -> None:
-    """Until /ready lands, it is the only documented route not served (the xfail above)."""
-    assert documented_routes() - registered_routes() <= {("GET", "/ready")}
 
 
 def test_error_statuses_use_the_openai_error_schema() -> None:
