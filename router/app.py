@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from importlib.resources import files
 
 import aiohttp
 import orjson
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 SETTINGS = web.AppKey("settings", Settings)
 GATEWAY = web.AppKey("gateway", Gateway)
 METRICS = web.AppKey("metrics", RouterMetrics)
+_OPENAPI = files("router").joinpath("openapi.json")
 
 
 def _json(data: object, status: int = 200) -> web.Response:
@@ -200,6 +202,11 @@ async def ready(request: web.Request) -> web.Response:
     if not store_ok:
         body["store_error"] = "the shared state store does not answer"
     return _json(body, status=200 if pools_ok and store_ok else 503)
+
+
+async def openapi(request: web.Request) -> web.Response:
+    """The hand-written API description shipped with the package (router/openapi.json)."""
+    return web.Response(body=_OPENAPI.read_bytes(), content_type="application/json")
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -381,5 +388,6 @@ def create_app(settings: Settings) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
     add_admin_routes(app)
     return app
