@@ -562,28 +562,27 @@ class RedisStore:
         client = self._client
         if not independent or not isinstance(client, RedisCluster):
             return await self._pipeline(cmds)
-        # One pipeline per node, all at once: redis-py's cluster pipeline does the same but
-        # fails as a whole when one node does not answer.
+        # One pipeline per node, one node after the other: redis-py's cluster pipeline fails as
+        # a whole when one node does not answer, and then closes every connection of the client,
+        # which would cut a healthy node's pipeline sent alongside. In turn, each node's answer
+        # counts on its own (a round trip per node all the same).
         await client.initialize()  # a no-op once the slots are known
         groups: dict[str, list[int]] = {}
         for i, cmd in enumerate(cmds):
             node = client.get_node_from_key(cmd.key)
             groups.setdefault(node.name if node else "", []).append(i)
-        outcomes = await asyncio.gather(
-            *(self._pipeline([cmds[i] for i in idx]) for idx in groups.values()),
-            return_exceptions=True,
-        )
         results: list[Any] = [None] * len(cmds)
-        failed = 0
-        for idx, outcome in zip(groups.values(), outcomes, strict=True):
-            if isinstance(outcome, BaseException):
-                if not isinstance(outcome, Exception):
-                    raise outcome  # a cancellation is not a failed node
-                failed += 1
-            for j, i in enumerate(idx):
-                results[i] = outcome if isinstance(outcome, Exception) else outcome[j]
-        if failed == len(groups):
-            raise next(o for o in outcomes if isinstance(o, Exception))
+        errors: list[Exception] = []
+        for idx in groups.values():
+            try:
+                rows = await self._pipeline([cmds[i] for i in idx])
+            except _FAILURES as exc:
+                errors.append(exc)
+                rows = [exc] * len(idx)
+            for i, row in zip(idx, rows, strict=True):
+                results[i] = row
+        if len(errors) == len(groups):
+            raise errors[0]
         return results
 
     async def _pipeline(self, cmds: Sequence[_Cmd]) -> list[Any]:
