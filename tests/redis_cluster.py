@@ -24,12 +24,13 @@ import time
 
 import pytest
 
-__all__ = ["PrivateRedisCluster", "redis_cluster", "shared_cluster"]
+__all__ = ["PrivateRedisCluster", "die_with_parent", "redis_cluster", "shared_cluster"]
 
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:
+    """For `preexec_fn`: the child gets SIGKILL when the test process goes (Linux)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
@@ -117,7 +118,7 @@ class PrivateRedisCluster:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,  # its own process group: no terminal signal reaches it
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
 
     def _wait(self, port: int, command: bytes, expect: bytes) -> None:
