@@ -19,20 +19,25 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 import redis.asyncio as aioredis
 import yaml
 
 from sim.textgen import expected_answer
 from sim.worker import WorkerConfig, running_worker
 from state import Keys
-from tests.conftest import MODEL, REDIS_URL, free_port
-from tests.redis_cluster import die_with_parent
+from tests.conftest import MODEL, REDIS_URL, free_port, sim_cluster
+from tests.redis_cluster import die_with_parent, redis_cluster
+from tests.redis_server import PrivateRedis
+
+__all__ = ["redis_cluster"]  # the session fixture
 
 CHAT = "/v1/chat/completions"
 DECODE = ("d0", "d1")
@@ -255,3 +260,63 @@ async def test_two_router_processes_never_overbook_a_small_decode_pool(
         assert max(sampler.max_reserved.values()) > KV_BLOCKS // 2, report  # it did contend
         assert sampler.samples > 10, report
         assert not any(left.values()), left
+
+
+# -- what one request costs the store (docs/scaling.md §2) ------------------------------------
+
+
+def _calls(ports: list[int]) -> dict[str, int]:
+    import redis as sync_redis  # the sync client: a snapshot between two awaits
+
+    total: dict[str, int] = {}
+    for port in ports:
+        with sync_redis.Redis(port=port) as client:
+            for name, row in client.info("commandstats").items():
+                command = name.removeprefix("cmdstat_")
+                total[command] = total.get(command, 0) + int(row["calls"])
+    return total
+
+
+@pytest.mark.parametrize("where", ["redis", "cluster"])
+async def test_a_request_costs_four_scripts_and_a_statistic_per_class(
+    where: str, request: pytest.FixtureRequest
+) -> None:
+    """reserve, strand, unstrand, release: four EVALSHA per request, plus one HINCRBY per
+    statistics class (three for a request without a hint); no SCRIPT EXISTS round trips. The
+    background loops are slowed down so that only the requests count (the retry-budget tally,
+    four times a second, is the one left: at most a few more)."""
+    if where == "redis":
+        server = PrivateRedis()
+        server.start()
+        request.addfinalizer(server.kill)
+        url, ports = server.url, [server.port]
+    else:
+        cluster = request.getfixturevalue("redis_cluster")
+        url, ports = cluster.url, cluster.ports
+    prefix = f"test:{uuid.uuid4().hex[:12]}:"
+    quiet = {
+        "state_refresh_s": 30.0,
+        "registry_refresh_s": 30.0,
+        "histogram_refresh_s": 30.0,
+        "stranded_reap_s": 30.0,
+        "load_poll_s": 0,
+    }
+    n = 30
+    async with sim_cluster(redis_prefix=prefix, redis_url=url, **quiet) as c:
+        async with aiohttp.ClientSession() as session:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "warm"}]}
+            async with session.post(c.router_url + CHAT, json={**body, "max_tokens": 8}) as r:
+                assert r.status == 200  # the statistics classes are cached from here on
+            before = _calls(ports)
+            for i in range(n):
+                payload = {**body, "max_tokens": 8 + i % 5, "stream": i % 2 == 0}
+                async with session.post(c.router_url + CHAT, json=payload) as r:
+                    assert r.status == 200
+                    await r.read()
+            await asyncio.sleep(0.1)  # the last finish runs as its handler unwinds
+            after = _calls(ports)
+        assert await c.reserved_blocks() == {"d0": 0}
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert 4 * n <= delta["evalsha"] <= 4 * n + n // 2, delta
+    assert 3 * n <= delta["hincrby"] <= 3 * n + n // 2, delta  # + the tally's, inside its script
+    assert delta.get("script|exists", 0) == 0, delta
