@@ -294,15 +294,16 @@ async def test_a_request_costs_four_scripts_and_a_statistic_per_class(
         cluster = request.getfixturevalue("redis_cluster")
         url, ports = cluster.url, cluster.ports
     prefix = f"test:{uuid.uuid4().hex[:12]}:"
-    quiet = {
-        "state_refresh_s": 30.0,
-        "registry_refresh_s": 30.0,
-        "histogram_refresh_s": 30.0,
-        "stranded_reap_s": 30.0,
-        "load_poll_s": 0,
-    }
     n = 30
-    async with sim_cluster(redis_prefix=prefix, redis_url=url, **quiet) as c:
+    async with sim_cluster(
+        redis_prefix=prefix,
+        redis_url=url,
+        state_refresh_s=30.0,
+        registry_refresh_s=30.0,
+        histogram_refresh_s=30.0,
+        stranded_reap_s=30.0,
+        load_poll_s=0,
+    ) as c:
         async with aiohttp.ClientSession() as session:
             body = {"model": MODEL, "messages": [{"role": "user", "content": "warm"}]}
             async with session.post(c.router_url + CHAT, json={**body, "max_tokens": 8}) as r:
