@@ -4,7 +4,7 @@ Every multi-key change is one Lua script below, registered once per store. Each 
 the keys of one hash tag only (see `state.keys`), so it runs on Redis Cluster too. Calls that
 span workers (usage of many decode workers, histograms of many classes, the end of a request)
 are pipelines of single-slot commands, not transactions: on a cluster, one pipeline per node,
-sent at once (docs/scaling.md).
+sent at once (for `finish`, one node after the other: see `_send`; docs/scaling.md §4).
 
 One client or the other: `redis.asyncio.Redis` for one server, `redis.asyncio.RedisCluster` for
 a cluster (a ``redis+cluster://`` URL, see `from_url`). Scripts inside a pipeline are sent as
