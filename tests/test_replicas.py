@@ -1,12 +1,13 @@
 """Two router replicas, one Redis, a flood (docs/scaling.md).
 
-Two `disagg-router serve --config FILE` processes share one key prefix on the real Redis and
-front the same small decode pool (simulated workers in this process, a few dozen KV blocks
-each). A few hundred streaming requests go to both at once, half each, while a sampler reads
-every decode worker's reserved sum and capacity from Redis every ~20 ms. The reservations the
-two replicas make must never add up past a worker's capacity (answers stay within the
-estimate: the `max_tokens` estimator, so nothing grows past it); every request ends in 200 with
-the exact text or a clean 429; afterwards nothing is reserved, leased or stranded.
+Two `disagg-router serve --config FILE` processes share one key prefix on the real Redis (in
+the "cluster" variant, on the private 3-node Redis Cluster) and front the same small decode
+pool (simulated workers in this process, a few dozen KV blocks each). A few hundred streaming
+requests go to both at once, half each, while a sampler reads every decode worker's reserved
+sum and capacity from Redis every ~20 ms. The reservations the two replicas make must never
+add up past a worker's capacity (answers stay within the estimate: the `max_tokens` estimator,
+so nothing grows past it); every request ends in 200 with the exact text or a clean 429;
+afterwards nothing is reserved, leased or stranded.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 import yaml
+from redis.asyncio.cluster import RedisCluster
 
 from sim.textgen import expected_answer
 from sim.worker import WorkerConfig, running_worker
@@ -100,7 +102,7 @@ async def _wait_ready(url: str, proc: asyncio.subprocess.Process, log: Path) -> 
 class Sampler:
     """Reads every decode worker's `:sum` and `:cap` every `period_s` until stopped."""
 
-    client: aioredis.Redis
+    client: aioredis.Redis | RedisCluster
     keys: Keys
     period_s: float = 0.02
     samples: int = 0
@@ -108,11 +110,12 @@ class Sampler:
     over: list[tuple[str, int, int]] = field(default_factory=list)  # (worker, sum, cap)
 
     async def run(self, stop: asyncio.Event) -> None:
-        names = [k for w in DECODE for k in (self.keys.decode_sum(w), self.keys.decode_capacity(w))]
         while not stop.is_set():
-            values = await self.client.mget(names)  # one slot per worker, one server here
-            for i, w in enumerate(DECODE):
-                reserved, cap = int(values[2 * i] or 0), int(values[2 * i + 1] or 0)
+            for w in DECODE:
+                # Both keys of a worker share its tag: one MGET, on a cluster too.
+                names = [self.keys.decode_sum(w), self.keys.decode_capacity(w)]
+                values = await self.client.mget(names)
+                reserved, cap = int(values[0] or 0), int(values[1] or 0)
                 self.max_reserved[w] = max(self.max_reserved[w], reserved)
                 if reserved > cap:
                     self.over.append((w, reserved, cap))
@@ -161,7 +164,7 @@ async def _workers() -> AsyncIterator[list[dict[str, Any]]]:
         yield entries
 
 
-async def _leftovers(client: aioredis.Redis, keys: Keys) -> dict[str, int]:
+async def _leftovers(client: aioredis.Redis | RedisCluster, keys: Keys) -> dict[str, int]:
     out: dict[str, int] = {}
     for w in DECODE:
         out[f"{w} sum"] = int(await client.get(keys.decode_sum(w)) or 0)
@@ -173,11 +176,28 @@ async def _leftovers(client: aioredis.Redis, keys: Keys) -> dict[str, int]:
     return out
 
 
+async def _delete_prefix(client: aioredis.Redis | RedisCluster, prefix: str) -> None:
+    keys = [k async for k in client.scan_iter(match=prefix + "*", count=1000)]
+    if keys:
+        await client.delete(*keys)
+
+
+@pytest.mark.parametrize("where", ["redis", "cluster"])
 async def test_two_router_processes_never_overbook_a_small_decode_pool(
-    redis_prefix: str, tmp_path: Path
+    where: str, redis_prefix: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     keys = Keys(redis_prefix)
+    client: aioredis.Redis | RedisCluster
+    if where == "redis":
+        url, client = REDIS_URL, aioredis.Redis.from_url(REDIS_URL)
+    else:  # the same on the private 3-node cluster: the decode workers' tags on their nodes
+        cluster = request.getfixturevalue("redis_cluster")
+        host, port = cluster.seed
+        url, client = cluster.url, RedisCluster(host=host, port=port)
     async with _workers() as workers, contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(client.aclose)
+        if where == "cluster":
+            stack.push_async_callback(_delete_prefix, client, redis_prefix)
         urls = []
         for i in range(2):
             port = free_port()
@@ -187,7 +207,7 @@ async def test_two_router_processes_never_overbook_a_small_decode_pool(
                 "port": port,
                 "model": MODEL,
                 "perf": {"model": MODEL, "gpu": "h100"},
-                "redis_url": REDIS_URL,
+                "redis_url": url,
                 "key_prefix": redis_prefix,
                 "workers": workers,
                 "estimator": "max_tokens",  # no answer outgrows its reservation
@@ -203,8 +223,6 @@ async def test_two_router_processes_never_overbook_a_small_decode_pool(
         for url, proc, log in urls:
             await _wait_ready(url, proc, log)
 
-        client = aioredis.Redis.from_url(REDIS_URL)
-        stack.push_async_callback(client.aclose)
         sampler = Sampler(client, keys)
         stop = asyncio.Event()
         sampling = asyncio.create_task(sampler.run(stop))
@@ -249,7 +267,7 @@ async def test_two_router_processes_never_overbook_a_small_decode_pool(
         caps = [int(await client.get(keys.decode_capacity(w)) or 0) for w in DECODE]
         capacity = dict(zip(DECODE, caps, strict=True))
         report = (
-            f"{REQUESTS} requests: {statuses}; {sampler.samples} samples; "
+            f"{where}: {REQUESTS} requests: {statuses}; {sampler.samples} samples; "
             f"max reserved {sampler.max_reserved} of capacity {capacity}"
         )
         print(report)
