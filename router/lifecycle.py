@@ -58,6 +58,14 @@ RESUMED_HEADER = "X-Resumed-Output-Tokens"
 DecodeResponse = aiohttp.ClientResponse | SpliceResponse
 
 
+def _client_request_id(value: str | None) -> str:
+    """The client's X-Request-Id when it is a sane token (visible ASCII, at most 128
+    characters: it goes into upstream headers, logs and the ledger), else one of ours."""
+    if value and len(value) <= 128 and value.isascii() and value.isprintable() and " " not in value:
+        return value
+    return f"dr-{uuid.uuid4().hex}"
+
+
 class RequestFlow:
     """Serves one validated request. `run()` returns the response; `cleanup()` runs after."""
 
@@ -65,7 +73,7 @@ class RequestFlow:
         self.gw = gw
         self.parsed = parsed
         self.http = http
-        self.request_id = http.headers.get("X-Request-Id") or f"dr-{uuid.uuid4().hex}"
+        self.request_id = _client_request_id(http.headers.get("X-Request-Id"))
         self.started = gw.clock()
         self.info: RequestInfo | None = None
         self.attempt: Attempt | None = None
