@@ -88,6 +88,7 @@ class RequestFlow:
         self._deadline: Any = None
         self._first_token_seen = False
         self._client: web.StreamResponse | None = None  # once the client's stream has started
+        self._settled = False  # released and recorded (settle)
         # Asked for whole, streamed from the decode worker and assembled (router/assemble.py).
         self.assembling = (
             not parsed.stream and gw.settings.assemble_non_streaming and streamable(parsed.body)
@@ -722,6 +723,9 @@ class RequestFlow:
                 return client
             if result.completed:
                 self.output_tokens = resumed + result.tokens
+                # The decode worker is done with the sequence: give its room back now, not
+                # once a slow client has taken the last bytes from our send buffer.
+                await asyncio.shield(self.settle())
                 try:
                     await client.write_eof()
                 except (ConnectionError, RuntimeError):
@@ -830,7 +834,12 @@ class RequestFlow:
             if gw.admission.waiting:
                 gw.admission.notify()
 
-    async def cleanup(self) -> None:
+    async def settle(self) -> None:
+        """Release what the request holds and record its output length: once (the stream does
+        it as soon as the decode is over; `cleanup` for every other ending)."""
+        if self._settled:
+            return
+        self._settled = True
         gw = self.gw
         try:
             record = None
@@ -846,6 +855,11 @@ class RequestFlow:
             await self.release_attempt(record)
         except Exception:  # a bug: the reservation's lease still frees it, but say so loudly
             log.exception("cleanup of %s failed (its lease will expire)", self.request_id)
+
+    async def cleanup(self) -> None:
+        gw = self.gw
+        try:
+            await self.settle()
         finally:
             if self.admitted:
                 self.admitted = False
