@@ -541,8 +541,13 @@ class RequestFlow:
             # The relay keeps every whole event it passes on (`result.chunks`): the answer is
             # assembled from those, so the sink keeps nothing.
             worker, result = await self._relay_decode(attempt, resp, DISCARD, 0, prompt_tokens)
-            if result.completed:
-                whole = assemble(result.chunks, chat)
+            whole = assemble(result.chunks, chat) if result.completed else None
+            if isinstance(whole, dict) and not whole["choices"]:
+                # A stream that ended well but spelled no answer (events that do not parse):
+                # nothing reached the client, so it is retried like a broken one.
+                result.completed, result.error_kind = False, "malformed"
+                result.upstream_error = "the decode stream held no answer that parses"
+            elif whole is not None:
                 if not isinstance(whole, dict):  # a 4xx the worker reported in the stream
                     raise UpstreamRejected(
                         whole.status or 400,
