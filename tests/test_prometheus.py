@@ -36,6 +36,8 @@ from tests.compose_services import ROOT, ComposeCluster, load_compose
 
 CHAT = "/v1/chat/completions"
 DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
+ROUTERS = ("router-a", "router-b")
+WORKERS = ("prefill-0", "prefill-1", "decode-0", "decode-1")
 DECODE_BLOCKS = 256  # as the routers see it: 4,096 tokens
 
 
@@ -132,7 +134,7 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
         raw = await resp.read()
         if resp.status != 200:
             return resp.status
-    pieces = []
+    pieces: list[str] = []
     for line in raw.decode().splitlines():
         if line.startswith("data: {"):
             event = json.loads(line[6:])
@@ -150,12 +152,52 @@ async def _answers(session: aiohttp.ClientSession, url: str) -> bool:
         return False
 
 
-async def _router_counter(session: aiohttp.ClientSession, url: str, prefix: str) -> float:
+async def _router_counter(session: aiohttp.ClientSession, url: str, name: str) -> float:
+    """The sum of a labelled counter's series on one router's /metrics."""
     async with session.get(url + "/metrics") as resp:
         text = await resp.text()
-    return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)
-    )
+    lines = [line for line in text.splitlines() if line.startswith(name + "_total{")]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+async def _drive(session: aiohttp.ClientSession, cluster: ComposeCluster) -> dict[int, int]:
+    """Rounds through both replicas, each with answers, two refused long prompts (429
+    `no_room`) and a failing prefill on each prefill worker (retried), until a retry was
+    counted and the rounds have spanned several scrapes: a series born and finished between
+    two scrapes has a rate of 0, as Prometheus does not assume a new series started at 0."""
+    statuses: dict[int, int] = {}
+    huge = {
+        "model": "llama-3-8b",
+        "messages": [{"role": "user", "content": "long " * 5000}],  # > 256 blocks of 16
+        "max_tokens": 16,
+        "stream": True,
+    }
+    started = time.monotonic()
+    for round_ in range(30):
+        for name in ("prefill-0", "prefill-1"):
+            fault = {"prefill_fail": True, "count": 1}
+            async with session.post(cluster.url(name) + "/sim/faults", json=fault) as resp:
+                assert resp.status == 200
+        bodies = [
+            {
+                "model": "llama-3-8b",
+                "messages": [{"role": "user", "content": f"round {round_} request {i}"}],
+                "max_tokens": 16 + i,
+                "stream": True,
+            }
+            for i in range(6)
+        ]
+        calls = [_stream(session, cluster.url(ROUTERS[i % 2]), b) for i, b in enumerate(bodies)]
+        calls += [_stream(session, cluster.url(router), huge) for router in ROUTERS]
+        for status in await asyncio.gather(*calls):
+            statuses[status] = statuses.get(status, 0) + 1
+        retried = 0.0
+        for router in ROUTERS:
+            retried += await _router_counter(session, cluster.url(router), "disagg_router_retries")
+        if retried > 0 and time.monotonic() - started > 5:
+            return statuses
+        await asyncio.sleep(0.3)
+    raise AssertionError(f"no retry was counted: {statuses}")
 
 
 async def test_every_dashboard_query_returns_data(tmp_path: Path) -> None:
@@ -164,8 +206,6 @@ async def test_every_dashboard_query_returns_data(tmp_path: Path) -> None:
             pytest.skip(f"{binary} is not installed (.ci/run installs it)")
     services = [name for name in load_compose() if name != "grafana"]
     edits = {"deploy/cluster.yaml": _edit_cluster, "deploy/prometheus.yml": _edit_prometheus}
-    routers = ["router-a", "router-b"]
-    workers = ["prefill-0", "prefill-1", "decode-0", "decode-1"]
     with ComposeCluster(tmp_path, services=services, edits=edits) as cluster:
         prom = cluster.url("prometheus")
         timeout = aiohttp.ClientTimeout(total=30)
@@ -178,53 +218,15 @@ async def test_every_dashboard_query_returns_data(tmp_path: Path) -> None:
             # Every target of deploy/prometheus.yml is a live process, scraped and up.
             while True:
                 with_up = await _query(session, prom, "up == 1")
-                if len(with_up) == len(routers) + len(workers):
+                if len(with_up) == len(ROUTERS) + len(WORKERS):
                     break
                 assert time.monotonic() < deadline, (with_up, cluster.tail("prometheus"))
                 await asyncio.sleep(0.5)
             jobs = {r["metric"]["job"] for r in with_up}
             assert jobs == {"disagg-router", "workers"}, jobs
 
-            # Traffic through both replicas: answers, a retried prefill failure, 429s.
-            statuses: dict[int, int] = {}
-            # Rounds over several scrapes: a series born and finished between two scrapes
-            # has a rate of 0, as Prometheus does not assume a new series started at 0.
-            started = time.monotonic()
-            for round_ in range(30):
-                for name in ("prefill-0", "prefill-1"):
-                    fault = {"prefill_fail": True, "count": 1}
-                    async with session.post(cluster.url(name) + "/sim/faults", json=fault) as r:
-                        assert r.status == 200
-                bodies = [
-                    {
-                        "model": "llama-3-8b",
-                        "messages": [{"role": "user", "content": f"round {round_} req {i}"}],
-                        "max_tokens": 16 + i,
-                        "stream": True,
-                    }
-                    for i in range(6)
-                ]
-                huge = {
-                    "model": "llama-3-8b",
-                    "messages": [{"role": "user", "content": "long " * 5000}],
-                    "max_tokens": 16,
-                    "stream": True,
-                }
-                jobs_ = [
-                    _stream(session, cluster.url(routers[i % 2]), b) for i, b in enumerate(bodies)
-                ]
-                jobs_ += [_stream(session, cluster.url(r), huge) for r in routers]
-                for status in await asyncio.gather(*jobs_):
-                    statuses[status] = statuses.get(status, 0) + 1
-                retried = 0.0
-                for r in routers:
-                    retried += await _router_counter(
-                        session, cluster.url(r), "disagg_router_retries_total{"
-                    )
-                if retried > 0 and time.monotonic() - started > 5:
-                    break
-                await asyncio.sleep(0.3)
-            assert set(statuses) == {200, 429} and retried > 0, (statuses, retried)
+            statuses = await _drive(session, cluster)
+            assert set(statuses) == {200, 429}, statuses
 
             # Scrapes after the traffic: a rate over [1m] needs two samples of each series, so
             # wait until the newest series of every metric the dashboards use has three.
@@ -244,10 +246,10 @@ async def test_every_dashboard_query_returns_data(tmp_path: Path) -> None:
             def by(expr: str, label: str) -> set[str]:
                 return {r["metric"].get(label, "") for r in results[expr]}
 
-            r = "disagg_router_"
-            assert by(f"sum by (status) (rate({r}requests_total[1m]))", "status") == {"200", "429"}
-            assert "no_room" in by(f"sum by (reason) (rate({r}rejections_total[1m]))", "reason")
-            assert "prefill" in by(f"sum by (side) (rate({r}retries_total[1m]))", "side")
+            p = "disagg_router_"
+            assert by(f"sum by (status) (rate({p}requests_total[1m]))", "status") == {"200", "429"}
+            assert "no_room" in by(f"sum by (reason) (rate({p}rejections_total[1m]))", "reason")
+            assert "prefill" in by(f"sum by (side) (rate({p}retries_total[1m]))", "side")
 
     report = []
     for _, title, expr in queries:
