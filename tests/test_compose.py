@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from openai import AsyncOpenAI
 
 from sim.textgen import expected_answer
 from state import Keys
-from tests.compose_services import ROOT, ComposeCluster, load_compose
+from tests.compose_services import ROOT, ComposeCluster, ComposeError, load_compose
 
 CHAT = "/v1/chat/completions"
 OURS = [name for name, svc in load_compose().items() if "build" in svc]
@@ -60,6 +61,8 @@ async def _leftovers(redis_url: str, config: dict[str, object]) -> dict[str, int
 
 
 async def test_every_service_of_the_compose_file_serves(tmp_path: Path) -> None:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (.ci/run installs it)")
     services = [*OURS, "redis"]
     with ComposeCluster(tmp_path, services=services) as cluster:
         assert set(cluster.running) == set(services)
@@ -128,3 +131,14 @@ def test_grafana_provisioning_points_at_the_files_services() -> None:
 @pytest.mark.parametrize("name", OURS)
 def test_our_services_have_healthchecks(name: str) -> None:
     assert load_compose()[name]["healthcheck"]["test"][0] == "CMD"
+
+
+def test_the_mapping_rewrites_service_addresses_and_refuses_wrong_ports(tmp_path: Path) -> None:
+    cluster = ComposeCluster(tmp_path)
+    p, r = cluster.ports["prefill-0"], cluster.ports["redis"]
+    assert cluster.rewrite("http://prefill-0:8000/x") == f"http://127.0.0.1:{p}/x"
+    assert cluster.rewrite("redis://redis:6379/0") == f"redis://127.0.0.1:{r}/0"
+    # A healthcheck runs inside its container: its own 127.0.0.1 is the service.
+    assert cluster.rewrite("http://127.0.0.1:8000/health", own="prefill-0").endswith(f":{p}/health")
+    with pytest.raises(ComposeError, match="does not listen on 9999"):
+        cluster.rewrite("http://decode-0:9999")
