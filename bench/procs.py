@@ -231,6 +231,7 @@ class ClusterSpec:
     shared_redis_url: str = "redis://127.0.0.1:6379/0"
     worker_kv_lease_s: float = 30.0  # real seconds (scaled to simulated for the worker)
     router: dict[str, Any] = field(default_factory=dict)  # extra router settings
+    worker_args: dict[str, list[str]] = field(default_factory=dict)  # worker id -> extra flags
     log_level: str = "WARNING"
 
 
@@ -277,6 +278,7 @@ class Cluster:
             str(s.mean_output_tokens),
             "--kv-lease-s",
             str(s.worker_kv_lease_s * s.time_scale),
+            *s.worker_args.get(wid, []),
         ]
 
     async def start(self) -> None:
