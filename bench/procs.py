@@ -233,6 +233,7 @@ class ClusterSpec:
     router: dict[str, Any] = field(default_factory=dict)  # extra router settings
     worker_args: dict[str, list[str]] = field(default_factory=dict)  # worker id -> extra flags
     log_level: str = "WARNING"
+    key_prefix: str | None = None  # None: a fresh `load:<pid>:<hex>:` prefix
 
 
 class Cluster:
@@ -243,7 +244,7 @@ class Cluster:
         self.workdir = workdir
         self.redis: PrivateRedis | None = None
         self.redis_url = ""
-        self.key_prefix = f"load:{os.getpid()}:{uuid.uuid4().hex[:8]}:"
+        self.key_prefix = spec.key_prefix or f"load:{os.getpid()}:{uuid.uuid4().hex[:8]}:"
         self.workers: dict[str, Child] = {}
         self.worker_urls: dict[str, str] = {}
         self.router: Child | None = None

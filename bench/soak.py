@@ -93,6 +93,7 @@ class SoakSpec:
     lease_s: float = 6.0
     deadline_s: float = 60.0
     recovery_s: float | None = None  # None: 2 lease periods + 10 s
+    quiet_s: float | None = None  # None: one lease period + 5 s
     seed: int = 0
 
     @property
@@ -365,7 +366,7 @@ async def run(spec: SoakSpec, *, workdir: Path | None = None) -> dict[str, Any]:
                 await asyncio.gather(*monitors, return_exceptions=True)
                 await rss.stop()
             traffic_end = r.now()
-            quiet_bound = spec.lease_s + 5.0
+            quiet_bound = spec.quiet_s if spec.quiet_s is not None else spec.lease_s + 5.0
             left, waited = await wait_quiet(
                 session, cluster.router_url, cluster.redis_url, cluster.key_prefix, quiet_bound
             )
