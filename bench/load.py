@@ -43,6 +43,7 @@ import aiohttp
 from bench.loadclient import (
     LoadRequest,
     Result,
+    failure_examples,
     make_request,
     new_session,
     outcome_counts,
@@ -144,35 +145,32 @@ async def _gather_bounded(tasks: list[asyncio.Task[Any]], timeout_s: float) -> l
 
 
 def git_commit(path: Path | None = None) -> str:
-    root = path or Path(__file__).resolve().parent.parent
+    """HEAD, and the last commit that changed the product code (what the numbers measure)."""
+    root = str(path or Path(__file__).resolve().parent.parent)
+    code = ("router", "state", "sim", "policies")
     try:
-        out = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
+        head = subprocess.run(
+            ["git", "-C", root, "rev-parse", "--short=12", "HEAD"],
             capture_output=True,
             text=True,
             check=True,
             timeout=10,
         )
+        last = subprocess.run(
+            ["git", "-C", root, "log", "-1", "--format=%h", "--abbrev=12", "--", *code],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         dirty = subprocess.run(
-            [
-                "git",
-                "-C",
-                str(root),
-                "status",
-                "--porcelain",
-                "--",
-                "router",
-                "state",
-                "sim",
-                "policies",
-            ],
+            ["git", "-C", root, "status", "--porcelain", "--", *code],
             capture_output=True,
             text=True,
             timeout=10,
         ).stdout.strip()
-        return out.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+    return f"{head.stdout.strip()} (code {last.stdout.strip()}{'+dirty' if dirty else ''})"
 
 
 def summarize(
@@ -224,7 +222,7 @@ def summarize(
         ),
         "leftovers": left.to_dict(),
         "quiet_wait_s": round(quiet_wait_s, 1),
-        "failure_examples": [repr(r) for r in results if r.outcome not in spec.allowed][:12],
+        "failure_examples": failure_examples(results, spec.allowed),
     }
     violations = []
     bad = {k: v for k, v in counts.items() if k not in spec.allowed}
@@ -259,7 +257,7 @@ async def run(spec: LoadSpec, *, workdir: Path | None = None) -> dict[str, Any]:
             rss = RssSampler(lambda: router.pid, period_s=0.5)
             rss.start()
             cmds0 = await redis_commands(cluster.redis_url)
-            cpu0 = proc_cpu_s(router.pid)
+            cpu0, client0 = proc_cpu_s(router.pid), proc_cpu_s(os.getpid())
             t0 = time.perf_counter()
             if spec.mode == "burst":
                 results = await _burst(session, url, spec)
@@ -269,6 +267,7 @@ async def run(spec: LoadSpec, *, workdir: Path | None = None) -> dict[str, Any]:
                 sent = len(results)
             wall = max((r.t_end for r in results), default=t0) - t0
             cpu = proc_cpu_s(router.pid) - cpu0
+            client_cpu = proc_cpu_s(os.getpid()) - client0
             commands = command_delta(cmds0, await redis_commands(cluster.redis_url))
             await rss.stop()
             left, waited = await wait_quiet(
@@ -280,6 +279,7 @@ async def run(spec: LoadSpec, *, workdir: Path | None = None) -> dict[str, Any]:
         )
         if not router.alive():
             report["violations"].append(f"the router died:\n{router.tail()}")
+        report["client_cpu_s"] = round(client_cpu, 2)
         report["router_log_tail"] = router.tail(15)
         return report
     finally:
@@ -306,7 +306,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"  ITL ms          p50/p90/p99 {pct(r['itl_s'])}",
         f"  router          {r['router_cpu_s']} CPU-s, {r['router_cpu_s_per_1k_tokens']} "
         f"CPU-s/1k tokens, peak RSS {r['router_rss_peak_mb']} MB, 5xx counted "
-        f"{r['router_5xx']:.0f}",
+        f"{r['router_5xx']:.0f}; client {r.get('client_cpu_s')} CPU-s",
         f"  redis           {r['redis_commands_per_request']} commands/request "
         f"(top: {r['redis_top_commands']})",
         f"  left over       reserved_blocks={left['reserved_blocks']} "

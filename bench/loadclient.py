@@ -41,6 +41,7 @@ __all__ = [
     "ORACLE_HEADER",
     "LoadRequest",
     "Result",
+    "failure_examples",
     "make_request",
     "outcome_counts",
     "new_session",
@@ -191,13 +192,18 @@ async def send(
                     await _stream(resp, req, res, vanish_after_tokens, on_token)
                 else:
                     await _whole(resp, req, res)
+    except aiohttp.ServerTimeoutError as exc:  # connect or read timeout of the connector
+        res.outcome = "cut" if res.status == 200 else "conn_error"
+        res.detail = f"{type(exc).__name__} after {_clock() - res.t_send:.1f} s: {exc}"
     except TimeoutError:
-        res.outcome, res.detail = "hang", f"no end within {deadline_s:.0f} s"
+        res.outcome = "hang"
+        res.detail = f"no end within {deadline_s:.0f} s (status {res.status}, {res.tokens} tokens)"
     except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
         res.outcome = "cut" if res.status == 200 else "conn_error"
-        res.detail = f"{type(exc).__name__}: {exc}"
+        res.detail = f"{type(exc).__name__} after {_clock() - res.t_send:.1f} s: {exc}"
     except (aiohttp.ClientError, OSError) as exc:
-        res.outcome, res.detail = "conn_error", f"{type(exc).__name__}: {exc}"
+        res.outcome = "conn_error"
+        res.detail = f"{type(exc).__name__} after {_clock() - res.t_send:.1f} s: {exc}"
     finally:
         res.t_end = _clock()
     return res
@@ -322,6 +328,19 @@ def percentiles(
     ordered = sorted(values)
     n = len(ordered)
     return {f"p{p:g}": ordered[min(n - 1, max(0, round(p / 100 * n + 0.5) - 1))] for p in ps}
+
+
+def failure_examples(
+    results: list[Result], allowed: tuple[str, ...], per_kind: int = 3
+) -> list[str]:
+    """A few failures of each kind, so a rare kind is not hidden behind a common one."""
+    seen: Counter[str] = Counter()
+    out = []
+    for r in results:
+        if r.outcome not in allowed and seen[r.outcome] < per_kind:
+            seen[r.outcome] += 1
+            out.append(repr(r))
+    return out
 
 
 def outcome_counts(results: list[Result]) -> dict[str, int]:

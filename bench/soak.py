@@ -56,6 +56,7 @@ from bench.load import git_commit
 from bench.loadclient import (
     CLEAN,
     Result,
+    failure_examples,
     make_request,
     new_session,
     outcome_counts,
@@ -424,7 +425,7 @@ def _report(
         [f"router counted {five_hundred:.0f} responses with status 500"] if five_hundred else []
     )
     ok = [x for x in r.results if x.outcome == "ok"]
-    examples = [repr(x) for x in r.results if x.outcome not in CLEAN][:12]
+    examples = failure_examples(r.results, CLEAN)
     return {
         "minutes": spec.minutes,
         "commit": git_commit(),
