@@ -43,7 +43,8 @@ def client_body(model: str, max_tokens: int) -> dict[str, Any]:
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """What a PD-aware client sends to the prefill worker (vLLM NIXL pull mode, design.md §3)."""
+    """What a PD-aware client sends to the prefill worker (vLLM NIXL pull mode,
+    docs/design.md §3)."""
     out = {k: v for k, v in body.items()
            if k not in ("min_tokens", "min_completion_tokens", "stream_options")}
     out.update(stream=False, max_tokens=1, kv_transfer_params={

@@ -2,7 +2,7 @@
 
 Everything here is pure data: a policy gets a frozen snapshot of the request and of the
 cluster and returns a decision. No I/O, no clocks, no HTTP objects, so the same policy object
-runs in the live router and in the discrete-event cluster simulator (design.md §6).
+runs in the live router and in the discrete-event cluster simulator (docs/design.md §6).
 
     RequestInfo ─┐
                  ├─> PlacementPolicy.place() ─> Placement(candidates) | Rejection(reason, retry_after)
@@ -44,7 +44,7 @@ def blocks_for(tokens: int, block_size: int) -> int:
 class KVLayout:
     """What must match between a prefill and a decode worker for a KV handoff to be valid.
 
-    vLLM checks this only inside its KV handshake, invisible over HTTP (design.md §3), so the
+    vLLM checks this only inside its KV handshake, invisible over HTTP (docs/design.md §3), so the
     router pairs only workers whose descriptors are identical.
     """
 

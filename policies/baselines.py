@@ -1,4 +1,4 @@
-"""The peers' placement policies, kept as baselines for comparison (design.md §4, §6).
+"""The peers' placement policies, kept as baselines for comparison (docs/design.md §4, §6).
 
 SGLang's and vLLM's routers pick a prefill and a decode worker independently. These baselines do
 the same (random, round-robin, least-loaded, power-of-two choices on each side) but obey the

@@ -2,7 +2,7 @@
 
 One model serves three users, so their numbers agree: placement policies predict TTFT and
 inter-token latency with it, the simulated GPU workers time their work with it, and the cluster
-simulator advances its clock with it (design.md §1).
+simulator advances its clock with it (docs/design.md §1).
 
 - Prefill is compute-bound: 2 × params × tokens FLOPs plus causal attention, at `mfu` of peak.
 - A decode step is bandwidth-bound: it reads every weight once plus the KV of every resident
@@ -47,7 +47,7 @@ class GPUProfile:
     nic_bytes_per_s: float  # scale-out NIC, per GPU
 
 
-# Public spec-sheet figures (design.md §1).
+# Public spec-sheet figures (docs/design.md §1).
 GPUS: dict[str, GPUProfile] = {
     "a100": GPUProfile("a100", 312e12, 80e9, 2.0e12, 200e9 / 8),
     "h100": GPUProfile("h100", 989e12, 80e9, 3.35e12, 400e9 / 8),

@@ -1,8 +1,8 @@
 """Output-length estimators: how much decode room to hold for an answer not yet written.
 
 Learned predictors get only ~75 % of answers into the right 200-token bucket (TetriInfer), so the
-router reserves against an upper quantile and corrects online (design.md §6). Every router replica
-learns from every completion through histograms in the state store:
+router reserves against an upper quantile and corrects online (docs/design.md §6). Every router
+replica learns from every completion through histograms in the state store:
 
     class_keys(request) ──> store.output_histograms(keys) ──> estimate(request, histograms)
     request done ──> store.record_output(class_keys(request), bucket_of(true length))
@@ -263,7 +263,7 @@ class EstimateScore:
 
     `overrun`: the answer outgrew its reservation (the router had to grow it, or over-committed).
     `unused_tokens`: reserved but never written, the "reserved-but-unused decode capacity" of
-    design.md §7. `error_tokens` = predicted - actual (positive: over-reserved).
+    docs/design.md §7. `error_tokens` = predicted - actual (positive: over-reserved).
     """
 
     predicted_tokens: int

@@ -1,4 +1,4 @@
-"""Two-sided placement: choose the prefill and the decode worker together (design.md §6).
+"""Two-sided placement: choose the prefill and the decode worker together (docs/design.md §6).
 
 The peers choose each side alone. Here one cost ranks every feasible (P, D) pair: the request's
 predicted time to first token,

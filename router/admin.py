@@ -134,10 +134,11 @@ async def register_worker(request: web.Request) -> web.Response:
             "it cannot be replaced through the API",
             param="id",
         )
-    await gw.store.register_worker(spec.id, orjson.dumps(raw).decode())
+    registration = orjson.dumps(raw).decode()
+    await gw.store.register_worker(spec.id, registration)
     if spec.is_decode:
         await gw.store.set_capacity(spec.id, spec.capacity_blocks)
-    state = gw.pools.add(spec, dynamic=True)
+    state = gw.pools.add(spec, dynamic=True, registration=registration)
     return _json(describe(gw, state), status=201)
 
 

@@ -19,16 +19,18 @@ from router.admin import add_admin_routes
 from router.admission import Admission
 from router.api import CHAT, COMPLETIONS, parse_request
 from router.auth import bearer_token, token_matches
+from router.background import BackgroundTasks
 from router.config import Settings
-from router.errors import BodyTooLarge, RouterError, Unauthorized, error_body
+from router.errors import BodyTooLarge, RouterError, Unauthorized, as_router_error, error_body
 from router.gateway import Gateway
 from router.histograms import HistogramCache
 from router.leases import LeaseKeeper
 from router.lifecycle import RequestFlow
 from router.metrics import RouterMetrics
 from router.pools import Pools
+from router.retry_budget import RetryBudget
 from router.splice import SplicePool
-from state import open_store
+from state import StoreError, open_store
 
 __all__ = ["create_app", "GATEWAY", "SETTINGS"]
 
@@ -48,7 +50,11 @@ async def error_middleware(request: web.Request, handler):  # type: ignore[no-un
     """The one place errors become responses; anything unexpected is still an OpenAI body."""
     try:
         return await handler(request)
-    except RouterError as err:
+    except (RouterError, StoreError) as exc:
+        err = as_router_error(exc)
+        assert err is not None
+        if isinstance(exc, StoreError):
+            log.debug("%s %s: %s", request.method, request.path, exc)
         return web.Response(
             body=err.body(),
             status=err.status,
@@ -111,6 +117,9 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
     except RouterError as err:
         status = err.status
         raise
+    except StoreError:
+        status = 503
+        raise
     except asyncio.CancelledError:
         status = 499  # the client went away
         gw.metrics.client_disconnects.inc()
@@ -153,15 +162,43 @@ async def models(request: web.Request) -> web.Response:
     return _json({"object": "list", "data": data})
 
 
-async def health(request: web.Request) -> web.Response:
-    gw = request.app[GATEWAY]
+def _pools_usable(gw: Gateway) -> tuple[bool, bool, bool]:
     prefill = any(w.healthy for w in gw.pools.prefill_workers)
     decode = any(w.healthy for w in gw.pools.decode_workers)
     ok = decode and (prefill or any(w.spec.role == "both" for w in gw.pools.decode_workers))
+    return ok, prefill, decode
+
+
+async def health(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    ok, prefill, decode = _pools_usable(gw)
     return _json(
-        {"status": "ok" if ok else "degraded", "prefill": prefill, "decode": decode},
+        {
+            "status": "ok" if ok else "degraded",
+            "prefill": prefill,
+            "decode": decode,
+            "store": gw.pools.store_ok,
+        },
         status=200 if ok else 503,
     )
+
+
+async def ready(request: web.Request) -> web.Response:
+    """Ready to serve: a worker in rotation on each side and the shared store answering (as
+    the state refresher last saw it, a tenth of a second ago). A load balancer takes a replica
+    out while this says 503."""
+    gw = request.app[GATEWAY]
+    pools_ok, prefill, decode = _pools_usable(gw)
+    store_ok = gw.pools.store_ok
+    body: dict[str, object] = {
+        "status": "ready" if pools_ok and store_ok else "not_ready",
+        "prefill": prefill,
+        "decode": decode,
+        "store": store_ok,
+    }
+    if not store_ok:
+        body["store_error"] = "the shared state store does not answer"
+    return _json(body, status=200 if pools_ok and store_ok else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -175,6 +212,9 @@ async def metrics(request: web.Request) -> web.Response:
         else:
             m.stranded_bytes.labels(worker=w.spec.id).set(w.stranded_bytes)
     m.active_reservations.set(len(gw.leases.live))
+    m.store_up.set(1 if gw.pools.store_ok else 0)
+    owed = gw.leases.owed_releases, gw.leases.owed_unstrands, gw.leases.owed_strands
+    m.owed_store_steps.set(sum(len(o) for o in owed))
     m.unpaired_workers.set(len(gw.pools.unpaired()))
     m.stranded_byte_seconds.set(gw.pools.stranded_byte_seconds)
     return web.Response(body=m.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
@@ -210,8 +250,10 @@ async def _reap_stranded(gw: Gateway) -> None:
                 expired = await gw.store.reap_stranded(w.spec.id, gw.settings.kv_lease_s)
             except asyncio.CancelledError:
                 raise
+            except StoreError:
+                continue  # the refresher reports the outage once
             except Exception as exc:
-                log.warning("reaping stranded KV on %s failed: %s", w.spec.id, exc)
+                log.warning("reaping stranded KV on %s failed: %r", w.spec.id, exc)
                 continue
             for entry in expired:
                 log.warning(
@@ -224,24 +266,29 @@ async def _reap_stranded(gw: Gateway) -> None:
                 gw.metrics.stranded_expired.labels(worker=w.spec.id).inc()
 
 
-async def _stop(tasks: list[asyncio.Task[None]]) -> None:
-    """Cancel background loops and wait for them. A library that swallows one cancellation
-    (redis-py can, inside a command) must not hang shutdown: cancel again until they end."""
-    for _ in range(50):
-        pending = [t for t in tasks if not t.done()]
-        if not pending:
-            break
-        for t in pending:
-            t.cancel()
-        await asyncio.wait(pending, timeout=0.1)
-    for t in tasks:
-        if t.done() and not t.cancelled() and t.exception() is not None:
-            log.warning("background task %s failed: %r", t.get_name(), t.exception())
+async def _tally_requests(gw: Gateway) -> None:
+    """Add this replica's count of first attempts to the shared retry budget, a few times a
+    second (router/retry_budget.py)."""
+    while True:
+        await asyncio.sleep(0.25)
+        try:
+            await gw.retry_budget.flush()
+        except StoreError:
+            pass  # kept for the next flush; the refresher reports the outage
 
 
 def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        store = await open_store(settings.redis_url, settings.key_prefix)
+        store = await open_store(
+            settings.redis_url,
+            settings.key_prefix,
+            max_connections=settings.redis_max_connections,
+            pool_timeout_s=settings.redis_pool_timeout_s,
+        )
+        metrics = app[METRICS]
+        tasks = BackgroundTasks(
+            on_failure=lambda name: metrics.background_task_failures.labels(task=name).inc()
+        )
         connector = aiohttp.TCPConnector(
             limit=settings.upstream_connections, limit_per_host=0, enable_cleanup_closed=True
         )
@@ -255,16 +302,26 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
             session=session,
             policy=app[_POLICY],
             estimator=app[_ESTIMATOR],
-            metrics=app[METRICS],
+            metrics=metrics,
             pools=pools,
-            leases=LeaseKeeper(store, settings.reservation_lease_s),
-            histograms=HistogramCache(store, settings.histogram_refresh_s),
+            leases=LeaseKeeper(
+                store, settings.reservation_lease_s, stranded_lease_s=settings.kv_lease_s
+            ),
+            histograms=HistogramCache(store, settings.histogram_refresh_s, tasks),
             admission=Admission(settings.admission),
+            tasks=tasks,
+            retry_budget=RetryBudget(store, settings.retry),
             splice=SplicePool(settings.upstream_connections)
             if settings.relay == "splice"
             else None,
         )
         app[GATEWAY] = gw
+
+        async def on_store_reset() -> None:
+            metrics.store_resets.inc()
+            await gw.leases.reassert()
+
+        pools.on_store_reset = on_store_reset
         await pools.register_capacities()
         await _learn_mooncake_engines(pools, session)
         await pools.sync_registry()
@@ -279,20 +336,24 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
                 wid,
             )
         await pools.refresh_from_store()
-        tasks = [
-            # Each refresh may show room freed by other replicas: wake the admission queue.
-            asyncio.create_task(pools.run_refresher(gw.admission.notify), name="pools-refresh"),
-            asyncio.create_task(_reap_stranded(gw), name="stranded-reaper"),
-            asyncio.create_task(pools.run_health_prober(session), name="health-probe"),
-            asyncio.create_task(pools.run_registry_sync(), name="registry-sync"),
-            asyncio.create_task(pools.run_load_poller(session), name="load-poller"),
-            asyncio.create_task(gw.leases.run(), name="lease-keeper"),
-        ]
+        # Each refresh may show room freed by other replicas: wake the admission queue.
+        tasks.loop(pools.run_refresher(gw.admission.notify), "pools-refresh")
+        tasks.loop(_reap_stranded(gw), "stranded-reaper")
+        tasks.loop(pools.run_health_prober(session), "health-probe")
+        tasks.loop(pools.run_registry_sync(), "registry-sync")
+        tasks.loop(pools.run_load_poller(session), "load-poller")
+        tasks.loop(gw.leases.run(), "lease-keeper")
+        tasks.loop(_tally_requests(gw), "retry-tally")
         try:
             yield
         finally:
-            await _stop(tasks)
-            await gw.histograms.close()
+            await tasks.close()
+            # What the lease keeper still owes gets one last try before the store closes.
+            try:
+                await gw.leases.settle_owed()
+                await gw.retry_budget.flush()
+            except StoreError:
+                pass  # leases expire by themselves
             await session.close()
             if gw.splice is not None:
                 await gw.splice.close()
@@ -317,6 +378,7 @@ def create_app(settings: Settings) -> web.Application:
     app.router.add_post(COMPLETIONS, completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     add_admin_routes(app)
     return app

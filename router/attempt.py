@@ -68,6 +68,7 @@ class Attempt:
         "candidate",
         "grow_at_tokens",
         "overran",
+        "growing",
         "partner",
     )
 
@@ -82,6 +83,7 @@ class Attempt:
         self.handoff_by: float | None = None
         self.grow_at_tokens = 0
         self.overran = False
+        self.growing = False  # a reservation growth is on its way to the store
         self.partner: asyncio.Task[bytes] | None = None  # a concurrent prefill leg
 
     def __repr__(self) -> str:

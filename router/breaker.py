@@ -6,7 +6,7 @@
                                           └──(a probe fails: cooldown doubles, up to a cap)
 
 SGLang's router charges both workers of a pair for one side's failure and lets all traffic in
-when half-open (design.md §4); here a prefill failure opens only the prefill worker's breaker,
+when half-open (docs/design.md §4); here a prefill failure opens only the prefill worker's breaker,
 and half-open admits a bounded number of probe requests.
 """
 

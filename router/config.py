@@ -123,6 +123,10 @@ class Settings:
     max_model_len: int | None = None
     redis_url: str | None = None  # None = in-process store (single router only)
     key_prefix: str = "dr:"
+    # Connections to Redis: at most this many; a call finding them all busy waits up to
+    # redis_pool_timeout_s, then the request gets a 503 (docs/reliability.md sizes them).
+    redis_max_connections: int = 64
+    redis_pool_timeout_s: float = 2.0
     policy: str = "two_sided"
     policy_args: Mapping[str, Any] = field(default_factory=dict)
     estimator: str = "online_quantile"
@@ -175,7 +179,15 @@ class Settings:
         ids = [w.id for w in self.workers]
         if len(ids) != len(set(ids)):
             raise ConfigError(f"workers: duplicate ids in {ids}")
-        for name in ("reservation_lease_s", "kv_lease_s", "health_interval_s", "health_timeout_s"):
+        if self.redis_max_connections < 1:
+            raise ConfigError("redis_max_connections must be >= 1")
+        for name in (
+            "reservation_lease_s",
+            "kv_lease_s",
+            "health_interval_s",
+            "health_timeout_s",
+            "redis_pool_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
         if self.relay not in ("aiohttp", "splice"):
@@ -275,6 +287,7 @@ _ENV_SCALARS: dict[str, type] = {
     "max_body_bytes": int,
     "reservation_lease_s": float,
     "relay": str,
+    "redis_max_connections": int,
 }
 
 

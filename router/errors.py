@@ -12,7 +12,9 @@
     └── DeadlineExceeded             504 timeout
 
 Errors are mapped to responses in exactly one place (`router.app`'s middleware); code that
-catches a foreign exception converts it here with `raise ... from exc`.
+catches a foreign exception converts it here with `raise ... from exc`. The one foreign error
+mapped rather than converted is the state store's `StoreError`, which can rise from any store
+call: `as_router_error` turns it into a 503 (the middleware, and a stream's error frame).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import math
 from typing import Any
 
 import orjson
+
+from state.base import StoreError
 
 __all__ = [
     "RouterError",
@@ -35,7 +39,12 @@ __all__ = [
     "DeadlineExceeded",
     "error_body",
     "sse_error_frame",
+    "as_router_error",
+    "STORE_RETRY_AFTER_S",
 ]
+
+# A store outage is usually a restart or a failover: seconds.
+STORE_RETRY_AFTER_S = 2.0
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: Any = None) -> bytes:
@@ -130,3 +139,17 @@ class Unavailable(_RetryAfter):
 class DeadlineExceeded(RouterError):
     status = 504
     type = "timeout"
+
+
+def as_router_error(exc: BaseException) -> RouterError | None:
+    """The response for `exc`: itself if a RouterError, a 503 for a StoreError (its detail,
+    which names hosts, stays in the log), None for anything else (a bug: the caller's 500)."""
+    if isinstance(exc, RouterError):
+        return exc
+    if isinstance(exc, StoreError):
+        return Unavailable(
+            "the router's shared state store is unavailable; retry shortly",
+            retry_after_s=STORE_RETRY_AFTER_S,
+            code="store_unavailable",
+        )
+    return None

@@ -11,11 +11,13 @@ import aiohttp
 from policies.base import OutputLengthEstimator, PlacementPolicy
 from router.adapters import ConcurrentAdapter, WorkerAdapter, adapter_for
 from router.admission import Admission
+from router.background import BackgroundTasks
 from router.config import Settings
 from router.histograms import HistogramCache
 from router.leases import LeaseKeeper
 from router.metrics import RouterMetrics
 from router.pools import Pools
+from router.retry_budget import RetryBudget
 from router.splice import SplicePool
 from state.base import StateStore
 
@@ -34,6 +36,8 @@ class Gateway:
     leases: LeaseKeeper
     histograms: HistogramCache
     admission: Admission
+    tasks: BackgroundTasks
+    retry_budget: RetryBudget
     adapters: dict[str, WorkerAdapter | ConcurrentAdapter] = field(default_factory=dict)
     clock: Callable[[], float] = time.monotonic
     splice: SplicePool | None = None  # the decode legs' raw client when settings.relay == "splice"

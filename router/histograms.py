@@ -7,25 +7,32 @@ most every `refresh_s`, so every replica learns from every completion within abo
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Mapping, Sequence
 
+from router.background import BackgroundTasks
 from state.base import StateStore
 
 __all__ = ["HistogramCache"]
 
 
 class HistogramCache:
-    def __init__(self, store: StateStore, refresh_s: float) -> None:
+    def __init__(self, store: StateStore, refresh_s: float, tasks: BackgroundTasks) -> None:
         self.store = store
         self.refresh_s = refresh_s
+        self.tasks = tasks
         self._data: dict[str, Mapping[int, int]] = {}
         self._fetched_at: dict[str, float] = {}
-        self._refreshing: asyncio.Task[None] | None = None
+        self._refreshing = False
 
     def __repr__(self) -> str:
         return f"HistogramCache({len(self._data)} classes)"
+
+    async def _refresh(self, keys: Sequence[str]) -> None:
+        try:
+            await self._fetch(keys)
+        finally:
+            self._refreshing = False
 
     async def _fetch(self, keys: Sequence[str]) -> None:
         fresh = await self.store.output_histograms(keys)
@@ -40,14 +47,8 @@ class HistogramCache:
             await self._fetch(missing)
         now = time.monotonic()
         stale = [k for k in keys if now - self._fetched_at.get(k, 0.0) > self.refresh_s]
-        if stale and (self._refreshing is None or self._refreshing.done()):
-            self._refreshing = asyncio.create_task(self._fetch(stale))
+        if stale and not self._refreshing:
+            # One refresh at a time; a failed one is tried again on a later request.
+            self._refreshing = True
+            self.tasks.job(self._refresh(stale), "histogram-refresh")
         return {k: self._data.get(k, {}) for k in keys}
-
-    async def close(self) -> None:
-        if self._refreshing is not None and not self._refreshing.done():
-            self._refreshing.cancel()
-            try:
-                await self._refreshing
-            except (asyncio.CancelledError, Exception):
-                pass

@@ -1,34 +1,75 @@
-"""Keeps this replica's decode reservations alive while their requests are.
+"""What this router replica holds in the shared store, kept true whatever the store does.
 
-One task renews every live lease each third of the lease period, so a streaming request keeps
-its room, and a router that dies stops renewing: its reservations expire by themselves
-(design.md §2). Renewal is batched per tick, not a task per request.
+- **Live reservations** are renewed each third of the lease period, one `renew_many` call per
+  decode worker per tick (not one per reservation), so a streaming request keeps its room and a
+  router that dies stops renewing: its reservations expire by themselves (docs/design.md §5).
+  A reservation the store lost under a live request (an outage longer than the lease, or a
+  Redis restarted empty) is put back, over capacity if need be: its sequence really occupies
+  the worker.
+- **Stranded entries** of this replica's requests are remembered, so they can be written again
+  when the store lost them.
+- **Owed steps**: an end-of-request release or unstrand that failed (the store was down, or one
+  step errored) is retried every second until it lands or its lease has run out anyway. An owed
+  release is never renewed: it is out of `live` the moment its request let go of it.
+
+Nothing here raises into a request: store failures are logged (once per tick, not per item)
+and retried.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from state.base import StateStore
+from state.base import StateStore, StoreError
 
 __all__ = ["LeaseKeeper"]
 
 log = logging.getLogger(__name__)
 
+# How often owed steps are retried, and the renewal tick's granularity.
+_OWED_RETRY_S = 1.0
+
+
+@dataclass(slots=True)
+class _Owed:
+    worker_id: str
+    since: float  # monotonic time of the failed attempt
+
 
 class LeaseKeeper:
-    def __init__(self, store: StateStore, lease_s: float) -> None:
+    def __init__(
+        self,
+        store: StateStore,
+        lease_s: float,
+        *,
+        stranded_lease_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.store = store
         self.lease_s = lease_s
+        self.stranded_lease_s = stranded_lease_s
+        self.clock = clock
         self.live: dict[str, str] = {}  # reservation id -> decode worker id
         # reservation id -> (blocks, expected end on the monotonic clock): what prediction-based
         # admission counts on freeing up (this replica's reservations; others' are not known)
         self.expected: dict[str, tuple[int, float]] = {}
+        self.strands: dict[str, tuple[str, int]] = {}  # request id -> (prefill id, bytes)
+        self.owed_releases: dict[str, _Owed] = {}  # reservation id -> its decode worker
+        self.owed_unstrands: dict[str, _Owed] = {}  # request id -> its prefill worker
+        self.owed_strands: set[str] = set()  # request ids whose strand() did not land
+        self.put_back = 0  # reservations put back after the store lost them (all time)
 
     def __repr__(self) -> str:
-        return f"LeaseKeeper({len(self.live)} live, lease={self.lease_s}s)"
+        return (
+            f"LeaseKeeper({len(self.live)} live, {len(self.strands)} stranded, "
+            f"owed={len(self.owed_releases)}+{len(self.owed_unstrands)}, lease={self.lease_s}s)"
+        )
 
+    # -- reservations ------------------------------------------------------------------------
     def hold(
         self,
         worker_id: str,
@@ -47,6 +88,11 @@ class LeaseKeeper:
         self.live.pop(reservation_id, None)
         self.expected.pop(reservation_id, None)
 
+    def owe_release(self, worker_id: str, reservation_id: str) -> None:
+        """A release that did not land (or a reserve whose answer was lost): retried."""
+        self.drop(reservation_id)
+        self.owed_releases[reservation_id] = _Owed(worker_id, self.clock())
+
     def freeing_by(self, when: float) -> dict[str, int]:
         """Blocks per decode worker whose reservations are expected to end by `when`."""
         out: dict[str, int] = {}
@@ -56,50 +102,163 @@ class LeaseKeeper:
                 out[wid] = out.get(wid, 0) + blocks
         return out
 
-    async def renew_all(self) -> int:
-        """Renew every live lease; returns how many were already gone (expired under us).
+    # -- stranded KV -------------------------------------------------------------------------
+    async def strand(self, prefill_id: str, request_id: str, nbytes: int) -> None:
+        """Record stranded KV. Best effort: the ledger is bookkeeping, not a safety reservation,
+        so a store failure here does not fail the request; the entry is written on a later tick."""
+        self.strands[request_id] = (prefill_id, nbytes)
+        try:
+            await self.store.strand(prefill_id, request_id, nbytes)
+        except StoreError as exc:
+            log.debug("strand of %s on %s deferred: %s", request_id, prefill_id, exc)
+            self.owed_strands.add(request_id)
 
-        A lease can expire under a live request when the store was unreachable for a whole
-        lease period. Its sequence still occupies the decode worker, so the reservation is
-        put back — over capacity if another request took the room meanwhile — rather than
-        left uncounted (which would let placement overfill that worker)."""
-        items = list(self.live.items())
+    async def unstrand(self, prefill_id: str, request_id: str) -> None:
+        """The decode took the KV (first token): clear the entry, now or on a later tick."""
+        self.strands.pop(request_id, None)
+        if request_id in self.owed_strands:  # never written: nothing to clear
+            self.owed_strands.discard(request_id)
+            return
+        try:
+            await self.store.unstrand(prefill_id, request_id)
+        except StoreError:
+            self.owed_unstrands[request_id] = _Owed(prefill_id, self.clock())
+
+    # -- the end of an attempt -----------------------------------------------------------------
+    async def finish(
+        self,
+        release: tuple[str, str] | None,
+        unstrand: tuple[str, str] | None,
+        record: tuple[Sequence[str], int] | None = None,
+    ) -> int:
+        """Release, unstrand and record in one store call. Never raises: a step that failed is
+        owed and retried. Returns the blocks released now (0 when owed or already gone)."""
+        if release is not None:
+            self.drop(release[1])  # never renewed again, whatever the store says
+        if unstrand is not None:
+            self.strands.pop(unstrand[1], None)
+            if unstrand[1] in self.owed_strands:
+                self.owed_strands.discard(unstrand[1])
+                unstrand = None
+        try:
+            done = await self.store.finish(release, unstrand, record)
+        except StoreError as exc:
+            log.debug("end-of-request bookkeeping deferred: %s", exc)
+            self._owe(release, unstrand)
+            return 0
+        self._owe(
+            release if done.released_blocks is None else None,
+            unstrand if done.unstranded_bytes is None else None,
+        )
+        if not done.recorded:
+            log.debug("an output-length statistic was not recorded")
+        return done.released_blocks or 0
+
+    def _owe(self, release: tuple[str, str] | None, unstrand: tuple[str, str] | None) -> None:
+        now = self.clock()
+        if release is not None:
+            self.owed_releases[release[1]] = _Owed(release[0], now)
+        if unstrand is not None:
+            self.owed_unstrands[unstrand[1]] = _Owed(unstrand[0], now)
+
+    # -- the background work ---------------------------------------------------------------------
+    async def renew_all(self) -> int:
+        """Renew every live lease, one call per decode worker; returns how many the store had
+        lost and were put back."""
+        by_worker: dict[str, dict[str, int]] = {}
+        for rid, wid in list(self.live.items()):
+            by_worker.setdefault(wid, {})[rid] = self.expected.get(rid, (0, 0.0))[0]
+        wids = list(by_worker)
         results = await asyncio.gather(
-            *(self.store.renew(wid, rid, self.lease_s) for rid, wid in items),
+            *(self.store.renew_many(wid, by_worker[wid], self.lease_s) for wid in wids),
             return_exceptions=True,
         )
-        lost = 0
-        for (rid, wid), ok in zip(items, results, strict=True):
-            if isinstance(ok, BaseException):
-                log.warning("lease renewal of %s on %s failed: %s", rid, wid, ok)
-            elif not ok and rid in self.live:
-                lost += 1
-                await self._reinstate(rid, wid)
-        return lost
+        put_back = 0
+        failed: list[str] = []
+        for wid, result in zip(wids, results, strict=True):
+            if isinstance(result, BaseException):
+                failed.append(f"{wid}: {result}")
+                continue
+            back = [rid for rid in result if rid in self.live]
+            for rid in result:
+                if rid not in self.live and rid not in self.owed_releases:
+                    # Released while this renewal was on its way, and put back by it after the
+                    # release ran: release it again rather than leave it for its lease.
+                    self.owed_releases[rid] = _Owed(wid, self.clock())
+            if back:
+                put_back += len(back)
+                log.warning(
+                    "%d reservation(s) on %s had been lost by the store under live requests: "
+                    "put back",
+                    len(back),
+                    wid,
+                )
+        if failed:
+            log.warning("lease renewal failed for %d worker(s): %s", len(failed), failed[0])
+        self.put_back += put_back
+        return put_back
 
-    async def _reinstate(self, rid: str, wid: str) -> None:
-        blocks = self.expected.get(rid, (0, 0.0))[0]
-        try:
-            # Overbooking by its own size always fits: the room is in use whatever the count.
-            ok = blocks > 0 and await self.store.reserve(
-                wid, rid, blocks, self.lease_s, overbook_blocks=blocks
+    async def settle_owed(self) -> int:
+        """Retry owed releases and unstrands (and deferred strands); returns how many are
+        still owed. A release owed longer than a lease is moot (the lease expired): dropped."""
+        now = self.clock()
+        for rid, owed in list(self.owed_releases.items()):
+            if now - owed.since > self.lease_s:
+                del self.owed_releases[rid]
+        for req, owed in list(self.owed_unstrands.items()):
+            if now - owed.since > self.stranded_lease_s:
+                del self.owed_unstrands[req]  # the reaper has taken it by now
+        releases = list(self.owed_releases.items())
+        unstrands = list(self.owed_unstrands.items())
+        strands = [r for r in self.owed_strands if r in self.strands]
+        self.owed_strands.intersection_update(strands)
+        calls = [self.store.finish(release=(o.worker_id, rid)) for rid, o in releases]
+        calls += [self.store.finish(unstrand=(o.worker_id, req)) for req, o in unstrands]
+        calls += [self.store.strand(*self._strand_args(req)) for req in strands]
+        if not calls:
+            return 0
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        keys = [("release", rid) for rid, _ in releases]
+        keys += [("unstrand", req) for req, _ in unstrands]
+        keys += [("strand", req) for req in strands]
+        for (kind, key), result in zip(keys, results, strict=True):
+            if isinstance(result, BaseException):
+                continue
+            if kind == "release" and result.released_blocks is not None:
+                self.owed_releases.pop(key, None)
+            elif kind == "unstrand" and result.unstranded_bytes is not None:
+                self.owed_unstrands.pop(key, None)
+            elif kind == "strand":
+                self.owed_strands.discard(key)
+        return len(self.owed_releases) + len(self.owed_unstrands) + len(self.owed_strands)
+
+    def _strand_args(self, request_id: str) -> tuple[str, str, int]:
+        prefill_id, nbytes = self.strands[request_id]
+        return prefill_id, request_id, nbytes
+
+    async def reassert(self) -> None:
+        """The store lost its data: put back every live reservation and stranded entry."""
+        await self.renew_all()
+        if self.strands:
+            results = await asyncio.gather(
+                *(self.store.strand(*self._strand_args(r)) for r in list(self.strands)),
+                return_exceptions=True,
             )
-        except Exception as exc:
-            log.warning("reservation %s on %s expired and could not be put back: %s", rid, wid, exc)
-            return  # still live: the next tick tries again
-        if ok:
-            log.warning("reservation %s on %s expired while its request was alive: "
-                        "put back (%d blocks)", rid, wid, blocks)
-        else:
-            log.warning("reservation %s on %s expired while its request was alive", rid, wid)
-            self.drop(rid)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:
+                log.warning("%d stranded entries could not be put back: %s", len(failed), failed[0])
 
     async def run(self) -> None:
+        renew_every = max(_OWED_RETRY_S, self.lease_s / 3)
+        next_renewal = self.clock() + renew_every
         while True:
-            await asyncio.sleep(self.lease_s / 3)
+            await asyncio.sleep(min(_OWED_RETRY_S, renew_every))
             try:
-                await self.renew_all()
+                await self.settle_owed()
+                if self.clock() >= next_renewal:
+                    next_renewal = self.clock() + renew_every
+                    await self.renew_all()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:
-                log.warning("lease renewal tick failed: %s", exc)
+            except Exception as exc:  # a bug here must not end renewals for the process
+                log.warning("lease keeper tick failed: %r", exc)

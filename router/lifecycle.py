@@ -1,4 +1,4 @@
-"""One request's life (design.md §2):
+"""One request's life (docs/design.md §2):
 
     admit → estimate → place (P and D together) → reserve on D → prefill on P → KV handoff
     → decode on D → relay the stream → release
@@ -37,6 +37,7 @@ from router.errors import (
     Unavailable,
     UpstreamError,
     UpstreamRejected,
+    as_router_error,
     sse_error_frame,
 )
 from router.gateway import Gateway
@@ -45,7 +46,7 @@ from router.prefixes import prefix_hashes
 from router.relay import RelayResult, parse_sent_text, relay_sse
 from router.resume import resume_body
 from router.splice import SpliceResponse, relay_splice
-from state.base import RetryBudgetPolicy
+from state.base import StoreError
 
 __all__ = ["RequestFlow"]
 
@@ -169,6 +170,11 @@ class RequestFlow:
                     gw.settings.reservation_lease_s,
                     overbook_blocks=overbook.get(cand.decode_id, 0),
                 )
+            except StoreError:
+                # The answer was lost, not necessarily the reservation: release it later. No
+                # prefill is sent without a reservation in hand, so the request ends in a 503.
+                gw.leases.owe_release(cand.decode_id, rid)
+                raise
             finally:
                 gw.pools.note_pending(cand.decode_id, -cand.reserve_blocks)
             if reserved:
@@ -328,7 +334,7 @@ class RequestFlow:
         # then never will, so the attempt fails (and is retried) instead of waiting out the TTFT.
         attempt.handoff_by = asyncio.get_running_loop().time() + gw.settings.kv_lease_s
         gw.pools.note_stranded(worker.spec.id, nbytes)
-        await gw.store.strand(worker.spec.id, self.request_id, nbytes)
+        await gw.leases.strand(worker.spec.id, self.request_id, nbytes)
         return params
 
     def _concurrent(self, prefill_id: str) -> bool:
@@ -379,9 +385,7 @@ class RequestFlow:
         if attempt.stranded_on is not None:
             prefill_id, attempt.stranded_on = attempt.stranded_on, None
             self.gw.pools.note_stranded(prefill_id, -attempt.stranded_bytes)
-            asyncio.get_running_loop().create_task(
-                self.gw.store.unstrand(prefill_id, self.request_id)
-            )
+            self.gw.tasks.job(self.gw.leases.unstrand(prefill_id, self.request_id), "unstrand")
 
     # -- the decode leg ----------------------------------------------------------------------
     async def open_decode(
@@ -468,8 +472,7 @@ class RequestFlow:
                 f"gave up after {self.attempts} attempts; last: {failure.error.message}",
                 retry_after_s=1.0,
             ) from failure
-        budget = RetryBudgetPolicy(r.budget_ratio, r.budget_min_per_s, r.budget_window_s)
-        if not await gw.store.try_retry(budget):
+        if not await gw.retry_budget.try_retry():
             gw.metrics.retry_budget_exhausted.inc()
             raise Unavailable(
                 f"the cluster-wide retry budget is spent; not retrying: {failure.error.message}",
@@ -485,8 +488,7 @@ class RequestFlow:
         first = self.started + t.ttft_s
         if t.total_s:
             first = min(first, self.started + t.total_s)
-        # A failed request counts toward the budget's window like any other.
-        asyncio.get_running_loop().create_task(gw.store.note_request())
+        gw.retry_budget.note_request()
         try:
             async with asyncio.timeout_at(self._loop_deadline(first)) as deadline:
                 self._deadline = deadline
@@ -623,31 +625,55 @@ class RequestFlow:
         self, attempt: Attempt, base_tokens: int, prompt_tokens: int, tokens: int
     ) -> None:
         """Grow the reservation as the answer outgrows it (never silently smaller than use)."""
-        if tokens <= attempt.grow_at_tokens or attempt.decode_id is None:
+        if tokens <= attempt.grow_at_tokens or attempt.decode_id is None or attempt.growing:
             return
         gw = self.gw
-        block = gw.pools.workers[attempt.decode_id].spec.layout.block_size
+        worker = gw.pools.workers.get(attempt.decode_id)
+        if worker is None:  # removed from the pools mid-stream: its release goes by id
+            return
         if not attempt.overran:
             attempt.overran = True
             gw.metrics.reservation_overruns.inc()
         # Grow by a quarter at a time, so a long overrun costs a few store calls, not one a block.
-        attempt.grow_at_tokens = max(tokens + 1, int(attempt.grow_at_tokens * 1.25))
-        new_blocks = blocks_for(prompt_tokens + base_tokens + attempt.grow_at_tokens, block)
-        asyncio.get_running_loop().create_task(self._grow(attempt, new_blocks))
+        grow_at = max(tokens + 1, int(attempt.grow_at_tokens * 1.25))
+        block = worker.spec.layout.block_size
+        new_blocks = blocks_for(prompt_tokens + base_tokens + grow_at, block)
+        attempt.growing = True
+        gw.tasks.job(self._grow(attempt, new_blocks, grow_at), "grow-reservation")
 
-    async def _grow(self, attempt: Attempt, blocks: int) -> None:
-        if attempt.decode_id is None or blocks <= attempt.blocks:
-            return
-        if await self.gw.store.resize(attempt.decode_id, attempt.reservation_id, blocks):
-            self.gw.pools.note_reserved(attempt.decode_id, blocks - attempt.blocks)
-            self.gw.leases.resized(attempt.reservation_id, blocks)
-            attempt.blocks = blocks
-        else:
-            log.info(
-                "request %s outgrew its reservation and %s has no room to grow it",
-                self.request_id,
-                attempt.decode_id,
-            )
+    async def _grow(self, attempt: Attempt, blocks: int, grow_at: int) -> None:
+        """Grow into free room if there is some, else past capacity: the tokens exist on the
+        worker whatever the count says, and a count below use would let placement overfill it.
+        A store failure leaves `grow_at_tokens` where it was, so the next token tries again."""
+        gw = self.gw
+        try:
+            decode_id = attempt.decode_id
+            if decode_id is None or blocks <= attempt.blocks:
+                return
+            rid = attempt.reservation_id
+            grown = await gw.store.resize(decode_id, rid, blocks)
+            if not grown:
+                grown = await gw.store.resize(decode_id, rid, blocks, force=True)
+                if grown:
+                    gw.metrics.reservation_forced_growth.inc()
+                    log.info(
+                        "request %s outgrew its reservation on %s, which has no free room: "
+                        "grown past capacity to %d blocks (the tokens are there)",
+                        self.request_id,
+                        decode_id,
+                        blocks,
+                    )
+            # The store answered: the next growth waits for the next threshold. Not grown even
+            # when forced means the store lost the reservation; the lease keeper puts it back,
+            # at this size.
+            attempt.grow_at_tokens = grow_at
+            if attempt.decode_id == decode_id:  # not released meanwhile
+                gw.leases.resized(rid, blocks)
+                if grown:
+                    gw.pools.note_reserved(decode_id, blocks - attempt.blocks)
+                attempt.blocks = blocks
+        finally:
+            attempt.growing = False
 
     async def _stream(self, attempt: Attempt, resp: DecodeResponse) -> web.StreamResponse:
         gw, chat = self.gw, self.parsed.path == CHAT
@@ -689,7 +715,9 @@ class RequestFlow:
                 )
                 await self._before_retry(failure)
                 attempt, resp = await self.serve_attempt(body, prompt_tokens, max_tokens, resumed)
-            except RouterError as err:
+            except (RouterError, StoreError) as exc:
+                err = as_router_error(exc)
+                assert err is not None
                 await self._write_error(client, err)
                 return client
             gw.metrics.resumes.inc()
@@ -754,30 +782,35 @@ class RequestFlow:
             pass
 
     # -- the end ----------------------------------------------------------------------------
-    async def release_attempt(self) -> None:
-        """Give back what the current attempt holds; safe to call twice."""
+    async def release_attempt(self, record: tuple[list[str], int] | None = None) -> None:
+        """Give back what the current attempt holds (and record the output length, at the
+        end), in one store call; safe to call twice. Cannot half-fail: a step the store did not
+        take is owed and retried by the lease keeper, never renewed."""
         attempt, self.attempt = self.attempt, None
-        if attempt is None:
-            return
         gw = self.gw
-        if attempt.partner is not None and not attempt.partner.done():
-            attempt.partner.cancel()  # closes the prefill leg's connection
-        if attempt.stranded_on is not None:
-            prefill_id, attempt.stranded_on = attempt.stranded_on, None
-            gw.pools.note_stranded(prefill_id, -attempt.stranded_bytes)
-            await gw.store.unstrand(prefill_id, self.request_id)
-        if attempt.decode_id is not None:
-            decode_id, attempt.decode_id = attempt.decode_id, None
-            gw.leases.drop(attempt.reservation_id)
-            released = await gw.store.release(decode_id, attempt.reservation_id)
-            gw.pools.note_released(decode_id, released)
+        release = unstrand = None
+        if attempt is not None:
+            if attempt.partner is not None and not attempt.partner.done():
+                attempt.partner.cancel()  # closes the prefill leg's connection
+            if attempt.stranded_on is not None:
+                prefill_id, attempt.stranded_on = attempt.stranded_on, None
+                gw.pools.note_stranded(prefill_id, -attempt.stranded_bytes)
+                unstrand = (prefill_id, self.request_id)
+            if attempt.decode_id is not None:
+                decode_id, attempt.decode_id = attempt.decode_id, None
+                release = (decode_id, attempt.reservation_id)
+        if release is None and unstrand is None and record is None:
+            return
+        released = await gw.leases.finish(release, unstrand, record)
+        if release is not None:
+            gw.pools.note_released(release[0], released)
             if gw.admission.waiting:
                 gw.admission.notify()
 
     async def cleanup(self) -> None:
         gw = self.gw
         try:
-            await self.release_attempt()
+            record = None
             if self.output_tokens is not None and self.info is not None:
                 gw.metrics.output_tokens.observe(self.output_tokens)
                 if self.output_tokens > 0:
@@ -785,11 +818,11 @@ class RequestFlow:
                     gw.metrics.estimate_relative_error.observe(
                         (reserved - self.output_tokens) / self.output_tokens
                     )
-                await gw.store.record_output(
-                    gw.estimator.class_keys(self.info), gw.estimator.bucket_of(self.output_tokens)
-                )
-        except Exception as exc:  # the store is down: leases and the reaper clean up later
-            log.warning("cleanup of %s failed (leases will expire): %s", self.request_id, exc)
+                keys = list(gw.estimator.class_keys(self.info))
+                record = (keys, gw.estimator.bucket_of(self.output_tokens))
+            await self.release_attempt(record)
+        except Exception:  # a bug: the reservation's lease still frees it, but say so loudly
+            log.exception("cleanup of %s failed (its lease will expire)", self.request_id)
         finally:
             if self.admitted:
                 self.admitted = False

@@ -96,6 +96,12 @@ class RouterMetrics:
         self.reservation_overruns = Counter(
             p + "reservation_overruns", "Sequences that outgrew their reservation", registry=r
         )
+        self.reservation_forced_growth = Counter(
+            p + "reservation_forced_growth",
+            "Reservations grown past the decode worker's capacity (the answer outgrew the "
+            "estimate and the worker had no free room: the count follows use)",
+            registry=r,
+        )
         self.retries = Counter(
             p + "retries", "Attempts after the first, by the side that failed", ["side"], registry=r
         )
@@ -140,6 +146,27 @@ class RouterMetrics:
         )
         self.worker_healthy = Gauge(
             p + "worker_healthy", "1 if the worker is in rotation", ["worker", "role"], registry=r
+        )
+
+        self.store_up = Gauge(
+            p + "store_up", "1 while the shared state store answers this replica", registry=r
+        )
+        self.store_resets = Counter(
+            p + "store_resets",
+            "Times the store was found to have lost its data (e.g. Redis restarted empty) and "
+            "this replica put back what it holds",
+            registry=r,
+        )
+        self.owed_store_steps = Gauge(
+            p + "owed_store_steps",
+            "Releases, unstrands and strands the store has not taken yet (retried every second)",
+            registry=r,
+        )
+        self.background_task_failures = Counter(
+            p + "background_task_failures",
+            "Background tasks that ended with an error, by task",
+            ["task"],
+            registry=r,
         )
 
     def render(self) -> bytes:

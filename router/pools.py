@@ -1,6 +1,6 @@
 """The worker pools as this router replica sees them, and the snapshot policies place against.
 
-The router's own accounting is the primary load signal (design.md §4: the peers' counters miss
+The router's own accounting is the primary load signal (docs/design.md §4: the peers' counters miss
 requests still in prefill): queued prompt tokens per prefill worker are counted from dispatch to
 the prefill answer, reserved blocks per decode worker come from the shared store (every
 replica's reservations), refreshed in the background and adjusted locally at once after each
@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -30,7 +30,7 @@ from router.discovery import (
     merge_layout,
 )
 from router.prefixes import RecentPrefixes
-from state.base import StateStore
+from state.base import StateStore, StoreError
 
 __all__ = ["WorkerState", "Pools"]
 
@@ -63,6 +63,7 @@ class WorkerState:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     load: LoadSnapshot | None = None  # the worker's own report, when polled
     dynamic: bool = False  # registered through the admin API (not from the config file)
+    registration: str | None = None  # a dynamic worker's registry entry, to put back if lost
     # False until a `discover_layout` worker has told its layout: never paired on a guess.
     layout_known: bool = True
 
@@ -89,6 +90,14 @@ class Pools:
             self.add(spec)
         self.stranded_byte_seconds = 0.0
         self._last_refresh: float | None = None
+        # The store's health as the refresher last saw it (for /ready and the metrics), and
+        # what to do when it turns out to have lost its data (the lease keeper's reassert).
+        self.store_ok = False
+        self.store_error = "not checked yet"
+        self.store_resets = 0
+        self.on_store_reset: Callable[[], Awaitable[None]] | None = None
+        self._marker_seen = False
+        self._store_lock = asyncio.Lock()
 
     def __repr__(self) -> str:
         return f"Pools({list(self.workers.values())!r})"
@@ -102,12 +111,15 @@ class Pools:
         return (w for w in self.workers.values() if w.spec.is_decode)
 
     # -- membership ---------------------------------------------------------------------------
-    def add(self, spec: WorkerSpec, dynamic: bool = False) -> WorkerState:
+    def add(
+        self, spec: WorkerSpec, dynamic: bool = False, registration: str | None = None
+    ) -> WorkerState:
         cap = spec.capacity_blocks if spec.is_decode else 0
         state = WorkerState(
             spec=spec,
             capacity_blocks=cap,
             dynamic=dynamic,
+            registration=registration,
             breaker=CircuitBreaker(self.settings.breaker),
             layout_known=not spec.discover_layout,
         )
@@ -137,6 +149,9 @@ class Pools:
 
     async def sync_registry(self) -> None:
         """Adopt workers registered (or removed) through any replica's admin API."""
+        # A store that lost its data has lost the registry too: put ours back first, or every
+        # dynamic worker would look removed.
+        await self.check_store()
         registered = await self.store.registered_workers()
         for wid, blob in registered.items():
             try:
@@ -146,7 +161,7 @@ class Pools:
                 continue
             current = self.workers.get(wid)
             if current is None or (current.dynamic and current.spec != spec):
-                self.add(spec, dynamic=True)
+                self.add(spec, dynamic=True, registration=blob)
                 if spec.is_decode:
                     await self.store.set_capacity(spec.id, spec.capacity_blocks)
                 log.info("worker %s (%s) joined the pools", wid, spec.role)
@@ -164,8 +179,10 @@ class Pools:
                 await self.sync_registry()
             except asyncio.CancelledError:
                 raise
+            except StoreError as exc:  # the refresher reports the outage once
+                log.debug("registry sync failed: %s", exc)
             except Exception as exc:
-                log.warning("registry sync failed: %s", exc)
+                log.warning("registry sync failed: %r", exc)
 
     # -- workers' own load reports -------------------------------------------------------------
     def _fresh_load(self, w: WorkerState) -> LoadSnapshot | None:
@@ -269,10 +286,45 @@ class Pools:
 
     # -- background tasks ---------------------------------------------------------------------
     async def register_capacities(self) -> None:
-        for w in self.decode_workers:
-            await self.store.set_capacity(w.spec.id, w.capacity_blocks)
+        await asyncio.gather(
+            *(self.store.set_capacity(w.spec.id, w.capacity_blocks) for w in self.decode_workers)
+        )
+
+    async def check_store(self) -> None:
+        """Notice a store that lost its data (Redis restarted empty, a failover to an empty
+        replica) by its marker key, and put back what this replica knows: capacities, the
+        dynamic workers' registrations, then (`on_store_reset`) reservations and stranded
+        entries. Every replica does the same for its own, within one state refresh."""
+        async with self._store_lock:
+            lost = await self.store.check_marker(max(60.0, 10 * self.settings.reservation_lease_s))
+            first, self._marker_seen = not self._marker_seen, True
+            if not lost or first:  # first use: start-up registers everything anyway
+                return
+            self.store_resets += 1
+            log.warning("the state store has lost its data (restarted empty?): putting back "
+                        "capacities, registrations, reservations and stranded entries")
+            await self.register_capacities()
+            dynamic = [w for w in self.workers.values() if w.dynamic and w.registration]
+            await asyncio.gather(
+                *(self.store.register_worker(w.spec.id, w.registration or "") for w in dynamic)
+            )
+            if self.on_store_reset is not None:
+                await self.on_store_reset()
 
     async def refresh_from_store(self) -> None:
+        try:
+            await self._refresh_from_store()
+        except StoreError as exc:
+            if self.store_ok:
+                log.warning("the state store stopped answering: %s", exc)
+            self.store_ok, self.store_error = False, str(exc)
+            raise
+        if not self.store_ok:
+            log.info("the state store answers")
+        self.store_ok, self.store_error = True, ""
+
+    async def _refresh_from_store(self) -> None:
+        await self.check_store()
         decode_ids = [w.spec.id for w in self.decode_workers]
         prefill_ids = [w.spec.id for w in self.prefill_workers]
         usage = await self.store.decode_usage(decode_ids)
@@ -280,6 +332,10 @@ class Pools:
         for wid, u in usage.items():
             if (w := self.workers.get(wid)) is not None:
                 w.reserved_blocks = u.reserved_blocks
+                if u.capacity_blocks == 0 and w.capacity_blocks > 0:
+                    # This worker's keys are gone (one shard of a cluster lost them, or the
+                    # marker check has not run since): its room would read as none at all.
+                    await self.store.set_capacity(wid, w.capacity_blocks)
         now = time.monotonic()
         if self._last_refresh is not None:
             total = sum(w.stranded_bytes for w in self.prefill_workers)
@@ -297,8 +353,10 @@ class Pools:
                     on_refresh()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # a store hiccup must not kill the loop
-                log.warning("state refresh failed: %s", exc)
+            except StoreError:
+                pass  # logged once when it starts failing (refresh_from_store)
+            except Exception as exc:  # a bug must not kill the loop
+                log.warning("state refresh failed: %r", exc)
             await asyncio.sleep(self.settings.state_refresh_s)
 
     async def layout_facts(

@@ -1,4 +1,5 @@
-"""Discrete-event simulator of a disaggregated cluster behind the router (design.md §2, §6, §7).
+"""Discrete-event simulator of a disaggregated cluster behind the router
+(docs/design.md §2, §6, §7).
 
 It runs the same `PlacementPolicy` and `OutputLengthEstimator` objects as the live router, on
 `ClusterView` snapshots built from its own accounting, and times work with the same `PerfModel`

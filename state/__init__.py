@@ -1,4 +1,4 @@
-"""disagg-router: state shared by router replicas (design.md §5).
+"""disagg-router: state shared by router replicas (docs/design.md §5).
 
 `open_store(url)` picks the implementation: no URL means the in-process `MemoryStore`, a
 ``redis://``, ``rediss://`` or ``unix://`` URL a `RedisStore` (checked with a ping).
@@ -6,18 +6,33 @@
 
 from __future__ import annotations
 
-from state.base import DecodeUsage, RetryBudgetPolicy, StateStore, StrandedEntry
+from state.base import (
+    DecodeUsage,
+    Finished,
+    RetryBudgetPolicy,
+    StateStore,
+    StoreError,
+    StrandedEntry,
+)
 from state.keys import DEFAULT_PREFIX, Keys
 from state.memory_store import MemoryStore
-from state.redis_store import RedisStore, StoreUnavailableError, redact_url
+from state.redis_store import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_POOL_TIMEOUT_S,
+    RedisStore,
+    StoreUnavailableError,
+    redact_url,
+)
 
 __all__ = [
     "DecodeUsage",
+    "Finished",
     "Keys",
     "MemoryStore",
     "RedisStore",
     "RetryBudgetPolicy",
     "StateStore",
+    "StoreError",
     "StoreUnavailableError",
     "StrandedEntry",
     "open_store",
@@ -27,7 +42,13 @@ __all__ = [
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
-async def open_store(url: str | None, prefix: str = DEFAULT_PREFIX) -> StateStore:
+async def open_store(
+    url: str | None,
+    prefix: str = DEFAULT_PREFIX,
+    *,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    pool_timeout_s: float = DEFAULT_POOL_TIMEOUT_S,
+) -> StateStore:
     """The store for `url`: `MemoryStore` when it is None or empty, else a pinged `RedisStore`.
 
     Raises `StoreUnavailableError` (naming the URL, password hidden) when Redis does not answer,
@@ -38,7 +59,9 @@ async def open_store(url: str | None, prefix: str = DEFAULT_PREFIX) -> StateStor
     if not url.startswith(_REDIS_SCHEMES):
         schemes = ", ".join(_REDIS_SCHEMES)
         raise ValueError(f"state store URL must start with one of {schemes}: {redact_url(url)}")
-    store = RedisStore.from_url(url, prefix)
+    store = RedisStore.from_url(
+        url, prefix, max_connections=max_connections, pool_timeout_s=pool_timeout_s
+    )
     try:
         await store.ensure_reachable()
     except StoreUnavailableError:

@@ -1,4 +1,4 @@
-"""The state store interface shared by every router replica (design.md §5).
+"""The state store interface shared by every router replica (docs/design.md §5).
 
 Two implementations pass one conformance suite (tests/test_state_conformance.py):
 `RedisStore` (the default: Lua scripts, one hash tag per worker so it runs on Redis Cluster)
@@ -19,7 +19,20 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-__all__ = ["DecodeUsage", "StrandedEntry", "RetryBudgetPolicy", "StateStore"]
+__all__ = [
+    "DecodeUsage",
+    "Finished",
+    "StrandedEntry",
+    "RetryBudgetPolicy",
+    "StateStore",
+    "StoreError",
+]
+
+
+class StoreError(Exception):
+    """A store call failed: the store is unreachable, timed out, its connection pool stayed
+    full past its timeout, or it answered with an error. The router answers 503 with
+    Retry-After (router.errors maps it); nothing the call was to record may be assumed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +63,22 @@ class RetryBudgetPolicy:
     window_s: float = 10.0
 
 
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """What `StateStore.finish` did, step by step: None where that step failed (the others
+    still ran), so the caller retries exactly the steps that did not happen."""
+
+    released_blocks: int | None = 0  # blocks the reservation held (0: already gone)
+    unstranded_bytes: int | None = 0
+    recorded: bool = True
+
+    @property
+    def complete(self) -> bool:
+        return (
+            self.released_blocks is not None and self.unstranded_bytes is not None and self.recorded
+        )
+
+
 @runtime_checkable
 class StateStore(Protocol):
     # -- decode reservations -------------------------------------------------------------
@@ -72,8 +101,19 @@ class StateStore(Protocol):
     async def renew(self, worker_id: str, reservation_id: str, lease_s: float) -> bool:
         """Extend a live reservation's lease. False if it no longer exists (expired or released)."""
 
-    async def resize(self, worker_id: str, reservation_id: str, blocks: int) -> bool:
-        """Grow or shrink a live reservation to `blocks`. Growth needs free room; False if not."""
+    async def resize(
+        self, worker_id: str, reservation_id: str, blocks: int, *, force: bool = False
+    ) -> bool:
+        """Grow or shrink a live reservation to `blocks`. Growth needs free room (False if
+        not) unless `force`: the answer already occupies that room, so the count follows use."""
+
+    async def renew_many(
+        self, worker_id: str, reservations: Mapping[str, int], lease_s: float
+    ) -> list[str]:
+        """Extend the leases of `reservations` ({id: blocks}) on one worker in one call; an id
+        the store no longer holds (it lost it: expired while unreachable, or restarted empty)
+        is put back at its blocks, over capacity if need be, because its sequence really
+        occupies the worker. Returns the ids that were put back."""
 
     async def release(self, worker_id: str, reservation_id: str) -> int:
         """Drop a reservation; returns the blocks it held (0 if it was already gone)."""
@@ -93,9 +133,21 @@ class StateStore(Protocol):
     async def reap_stranded(self, prefill_id: str, older_than_s: float) -> list[StrandedEntry]:
         """Remove and return entries older than `older_than_s` seconds (the KV lease)."""
 
+    # -- the end of a request ---------------------------------------------------------------
+    async def finish(
+        self,
+        release: tuple[str, str] | None = None,
+        unstrand: tuple[str, str] | None = None,
+        record: tuple[Sequence[str], int] | None = None,
+    ) -> Finished:
+        """The end-of-request bookkeeping in one round trip, each step independent of the
+        others: release `(decode worker, reservation id)`, unstrand `(prefill worker, request
+        id)`, record `(class keys, bucket)`. A step that fails is None/False in the result;
+        raises StoreError only when the store could not be reached at all."""
+
     # -- retry budget ----------------------------------------------------------------------
-    async def note_request(self) -> None:
-        """Count one first attempt toward the budget's window."""
+    async def note_request(self, count: int = 1) -> None:
+        """Count `count` first attempts toward the budget's window."""
 
     async def try_retry(self, policy: RetryBudgetPolicy) -> bool:
         """Atomically spend one retry if the cluster-wide budget allows it."""
@@ -115,6 +167,11 @@ class StateStore(Protocol):
     async def registered_workers(self) -> dict[str, str]: ...
 
     # -- lifecycle ------------------------------------------------------------------------
+    async def check_marker(self, ttl_s: float) -> bool:
+        """Keep a marker key alive for `ttl_s`; True when it was missing, i.e. on first use or
+        when the store lost its data (a Redis restarted empty): then every replica puts back
+        what it holds (capacities, registrations, reservations, stranded entries)."""
+
     async def ping(self) -> bool: ...
 
     async def close(self) -> None: ...

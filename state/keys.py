@@ -20,6 +20,7 @@ key                            type    meaning
 ``<p>{rb}:retry``              hash    unix second -> retries spent in that second
 ``<p>{os:<class>}``            hash    output-length bucket -> completed requests of that class
 ``<p>{reg}:workers``           hash    worker id -> its registration (JSON), shared by replicas
+``<p>{reg}:marker``            string  present while the store keeps its data (TTL, refreshed)
 =============================  ======  =============================================================
 
 The retry-budget hashes keep one field per second; the scripts drop fields older than
@@ -167,6 +168,12 @@ class Keys:
     @property
     def workers(self) -> str:
         return f"{self.prefix}{{reg}}:workers"
+
+    # -- store-loss marker: under the registry's tag, so the shard that would lose the
+    # registrations is the shard whose loss it reveals.
+    @property
+    def marker(self) -> str:
+        return f"{self.prefix}{{reg}}:marker"
 
     def __repr__(self) -> str:
         return f"Keys(prefix={self.prefix!r})"

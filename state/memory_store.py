@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from state.base import DecodeUsage, RetryBudgetPolicy, StrandedEntry
+from state.base import DecodeUsage, Finished, RetryBudgetPolicy, StrandedEntry
 from state.keys import RETRY_RETENTION_S, check_count, check_id, check_lease, check_policy
 
 __all__ = ["MemoryStore"]
@@ -90,6 +90,7 @@ class MemoryStore:
         self._requests = _Buckets()
         self._retries = _Buckets()
         self._outputs: dict[str, Counter[int]] = {}
+        self._marker_until: float | None = None
 
     def _worker(self, worker_id: str) -> _DecodeWorker:
         worker = self._decode.get(check_id("worker_id", worker_id))
@@ -133,14 +134,34 @@ class MemoryStore:
         held.expiry = self._clock() + lease_s
         return True
 
-    async def resize(self, worker_id: str, reservation_id: str, blocks: int) -> bool:
+    async def renew_many(
+        self, worker_id: str, reservations: Mapping[str, int], lease_s: float
+    ) -> list[str]:
+        check_lease(lease_s)
+        worker = self._worker(worker_id)
+        expiry = self._clock() + lease_s
+        back = []
+        for rid, blocks in reservations.items():
+            check_count("blocks", blocks)
+            held = worker.reservations.get(rid)
+            if held is not None:
+                held.expiry = expiry
+            elif blocks > 0:
+                worker.reservations[rid] = _Reservation(int(blocks), expiry)
+                worker.reserved += int(blocks)
+                back.append(rid)
+        return back
+
+    async def resize(
+        self, worker_id: str, reservation_id: str, blocks: int, *, force: bool = False
+    ) -> bool:
         check_count("blocks", blocks)
         worker = self._worker(worker_id)
         held = worker.reservations.get(reservation_id)
         if held is None:
             return False
         delta = int(blocks) - held.blocks
-        if delta > 0 and worker.free < delta:
+        if delta > 0 and not force and worker.free < delta:
             return False
         held.blocks = int(blocks)
         worker.reserved += delta
@@ -203,9 +224,24 @@ class MemoryStore:
             ledger.total -= entry.nbytes
         return [StrandedEntry(prefill_id, rid, e.nbytes, e.since) for rid, e in old]
 
+    # -- the end of a request ---------------------------------------------------------------
+    async def finish(
+        self,
+        release: tuple[str, str] | None = None,
+        unstrand: tuple[str, str] | None = None,
+        record: tuple[Sequence[str], int] | None = None,
+    ) -> Finished:
+        released = await self.release(*release) if release is not None else 0
+        unstranded = await self.unstrand(*unstrand) if unstrand is not None else 0
+        if record is not None:
+            await self.record_output(*record)
+        return Finished(released_blocks=released, unstranded_bytes=unstranded, recorded=True)
+
     # -- retry budget ----------------------------------------------------------------------
-    async def note_request(self) -> None:
-        self._requests.count(math.floor(self._clock()))
+    async def note_request(self, count: int = 1) -> None:
+        check_count("count", count)
+        for _ in range(count):
+            self._requests.count(math.floor(self._clock()))
 
     async def try_retry(self, policy: RetryBudgetPolicy) -> bool:
         check_policy(policy)
@@ -240,6 +276,12 @@ class MemoryStore:
         return dict(self._registry)
 
     # -- lifecycle ------------------------------------------------------------------------
+    async def check_marker(self, ttl_s: float) -> bool:
+        now = self._clock()
+        missing = self._marker_until is None or self._marker_until <= now
+        self._marker_until = now + max(1, int(ttl_s))
+        return missing
+
     async def ping(self) -> bool:
         return True
 

@@ -1,4 +1,4 @@
-"""`RedisStore`: the shared state of every router replica, kept in Redis (design.md §5).
+"""`RedisStore`: the shared state of every router replica, kept in Redis (docs/design.md §5).
 
 Every multi-key change is one Lua script below, registered once per store. Each script touches
 the keys of one hash tag only (see `state.keys`), so it runs on Redis Cluster too. Calls that
@@ -16,14 +16,15 @@ unix times to 0.1 ms; the scripts format scores themselves (``%.6f``) to keep mi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+import functools
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from typing import Any, ParamSpec, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from state.base import DecodeUsage, RetryBudgetPolicy, StrandedEntry
+from state.base import DecodeUsage, Finished, RetryBudgetPolicy, StoreError, StrandedEntry
 from state.keys import (
     DEFAULT_PREFIX,
     RETRY_RETENTION_S,
@@ -38,8 +39,36 @@ from state.keys import (
 __all__ = ["RedisStore", "StoreUnavailableError", "redact_url"]
 
 
-class StoreUnavailableError(ConnectionError):
+class StoreUnavailableError(StoreError, ConnectionError):
     """The configured Redis did not answer; the message names the URL with the password hidden."""
+
+
+# Connection sizing. redis-py's asyncio pool, unbounded in waiting, RAISES once its connection
+# cap is reached: a burst of requests then fails with 500s. A blocking pool makes a burst queue
+# for a connection instead, up to `pool_timeout_s`, after which the call is a StoreError (503).
+# Each call holds a connection for one round trip (~0.1 ms on a LAN), so a few dozen
+# connections carry thousands of calls per second (docs/reliability.md measures it).
+DEFAULT_MAX_CONNECTIONS = 64
+DEFAULT_POOL_TIMEOUT_S = 2.0
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _store_call(
+    fn: Callable[_P, Coroutine[Any, Any, _R]],
+) -> Callable[_P, Coroutine[Any, Any, _R]]:
+    """Redis's and the socket's failures leave a store method as one `StoreError`, so callers
+    (and the router's one error mapping) have a single thing to handle."""
+
+    @functools.wraps(fn)
+    async def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return await fn(*args, **kwargs)
+        except (RedisError, OSError) as exc:
+            raise StoreError(f"the state store failed ({fn.__name__}): {exc!r}") from exc
+
+    return call
 
 
 # Shared Lua fragments: the clock, and dropping a decode worker's expired leases. Both are
@@ -118,8 +147,38 @@ return 1
 """
 )
 
+# Renew many leases of one worker in one call, putting back those the store lost.
+# ARGV[1] now  ARGV[2] lease seconds  ARGV[3..] pairs of reservation id, blocks
+# A missing id is held again at its blocks without a capacity check: its sequence occupies the
+# worker whatever the count says. Returns the ids put back.
+RENEW_MANY_SCRIPT = (
+    _LUA_CLOCK
+    + _LUA_PURGE
+    + """
+local now = clock()
+purge(now)
+local expiry = score(now + tonumber(ARGV[2]))
+local back = {}
+local added = 0
+for i = 3, #ARGV, 2 do
+  local id, blocks = ARGV[i], tonumber(ARGV[i + 1])
+  local held = redis.call('HEXISTS', KEYS[2], id) == 1
+  if not held and blocks > 0 then
+    redis.call('HSET', KEYS[2], id, ARGV[i + 1])
+    added = added + blocks
+    back[#back + 1] = id
+    held = true
+  end
+  if held then redis.call('ZADD', KEYS[3], expiry, id) end
+end
+if added > 0 then redis.call('INCRBY', KEYS[4], added) end
+return back
+"""
+)
+
 # Change a live reservation's blocks; growth needs the extra blocks free, shrinking always works.
-# ARGV[1] now  ARGV[2] reservation id  ARGV[3] new blocks
+# ARGV[1] now  ARGV[2] reservation id  ARGV[3] new blocks  ARGV[4] '1' = grow even past capacity
+# (the tokens already exist on the worker: the count must not stay below use)
 # Returns 1 if resized, 0 if gone or if growth does not fit.
 RESIZE_SCRIPT = (
     _LUA_CLOCK
@@ -130,7 +189,7 @@ purge(now)
 local old = redis.call('HGET', KEYS[2], ARGV[2])
 if not old then return 0 end
 local delta = tonumber(ARGV[3]) - tonumber(old)
-if delta > 0 and free_blocks() < delta then return 0 end
+if delta > 0 and ARGV[4] ~= '1' and free_blocks() < delta then return 0 end
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
 redis.call('INCRBY', KEYS[4], delta)
 return 1
@@ -226,8 +285,9 @@ return out
 # Retry-budget buckets: a hash field per unix second. Pruning fields older than the retention
 # runs only when a second's first count lands, so it costs one HKEYS per second, not per call.
 _LUA_BUCKETS = """
-local function count(key, sec, retention)
-  if redis.call('HINCRBY', key, string.format('%d', sec), 1) == 1 then
+local function count(key, sec, retention, n)
+  local now_count = redis.call('HINCRBY', key, string.format('%d', sec), n)
+  if now_count == n then
     for _, f in ipairs(redis.call('HKEYS', key)) do
       if tonumber(f) <= sec - retention then redis.call('HDEL', key, f) end
     end
@@ -244,14 +304,14 @@ local function window_sum(key, first)
 end
 """
 
-# Count one first attempt.
+# Count first attempts (a router sends its count once per state refresh, not once per request).
 # KEYS[1] requests per second (hash, tag {rb})
-# ARGV[1] now  ARGV[2] retention seconds  ARGV[3] TTL seconds
+# ARGV[1] now  ARGV[2] retention seconds  ARGV[3] TTL seconds  ARGV[4] how many
 NOTE_REQUEST_SCRIPT = (
     _LUA_CLOCK
     + _LUA_BUCKETS
     + """
-count(KEYS[1], math.floor(clock()), tonumber(ARGV[2]))
+count(KEYS[1], math.floor(clock()), tonumber(ARGV[2]), tonumber(ARGV[4]))
 return 1
 """
 )
@@ -272,7 +332,7 @@ local first = sec - math.ceil(window) + 1
 local requests = window_sum(KEYS[1], first)
 local retries = window_sum(KEYS[2], first)
 if retries + 1 > tonumber(ARGV[4]) * requests + tonumber(ARGV[5]) * window then return 0 end
-count(KEYS[2], sec, tonumber(ARGV[2]))
+count(KEYS[2], sec, tonumber(ARGV[2]), 1)
 return 1
 """
 )
@@ -322,6 +382,7 @@ class RedisStore:
         register = client.register_script
         self._reserve = register(RESERVE_SCRIPT)
         self._renew = register(RENEW_SCRIPT)
+        self._renew_many = register(RENEW_MANY_SCRIPT)
         self._resize = register(RESIZE_SCRIPT)
         self._release = register(RELEASE_SCRIPT)
         self._usage = register(USAGE_SCRIPT)
@@ -332,10 +393,27 @@ class RedisStore:
         self._try_retry = register(TRY_RETRY_SCRIPT)
 
     @classmethod
-    def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX) -> RedisStore:
-        """A store on a client of its own (closed by `close`). Does no I/O: `ping` to check."""
+    def from_url(
+        cls,
+        url: str,
+        prefix: str = DEFAULT_PREFIX,
+        *,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        pool_timeout_s: float = DEFAULT_POOL_TIMEOUT_S,
+    ) -> RedisStore:
+        """A store on a client of its own (closed by `close`). Does no I/O: `ping` to check.
+
+        At most `max_connections` connections; a call finding them all busy waits up to
+        `pool_timeout_s` for one, then fails with StoreError."""
         # URL query options (e.g. ?socket_connect_timeout=1) override these defaults.
-        client = aioredis.Redis.from_url(url, socket_connect_timeout=5.0, socket_timeout=10.0)
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            timeout=pool_timeout_s,
+            socket_connect_timeout=5.0,
+            socket_timeout=10.0,
+        )
+        client = aioredis.Redis.from_pool(pool)  # owns the pool: aclose() disconnects it
         return cls(client, Keys(prefix), _owns_client=True, _url=url)
 
     @property
@@ -346,10 +424,12 @@ class RedisStore:
         return "" if self._clock is None else repr(float(self._clock()))
 
     # -- decode reservations -------------------------------------------------------------
+    @_store_call
     async def set_capacity(self, worker_id: str, capacity_blocks: int) -> None:
         check_count("capacity_blocks", capacity_blocks)
         await self._client.set(self._keys.decode_capacity(worker_id), int(capacity_blocks))
 
+    @_store_call
     async def reserve(
         self,
         worker_id: str,
@@ -370,21 +450,42 @@ class RedisStore:
         ]
         return bool(await self._reserve(keys=keys, args=args))
 
+    @_store_call
     async def renew(self, worker_id: str, reservation_id: str, lease_s: float) -> bool:
         check_lease(lease_s)
         keys = self._keys.decode_worker(worker_id)
         args = [self._now(), reservation_id, repr(float(lease_s))]
         return bool(await self._renew(keys=keys, args=args))
 
-    async def resize(self, worker_id: str, reservation_id: str, blocks: int) -> bool:
+    @_store_call
+    async def resize(
+        self, worker_id: str, reservation_id: str, blocks: int, *, force: bool = False
+    ) -> bool:
         check_count("blocks", blocks)
         keys = self._keys.decode_worker(worker_id)
-        return bool(await self._resize(keys=keys, args=[self._now(), reservation_id, int(blocks)]))
+        args: list[str | int] = [self._now(), reservation_id, int(blocks), "1" if force else "0"]
+        return bool(await self._resize(keys=keys, args=args))
 
+    @_store_call
+    async def renew_many(
+        self, worker_id: str, reservations: Mapping[str, int], lease_s: float
+    ) -> list[str]:
+        check_lease(lease_s)
+        if not reservations:
+            return []
+        args: list[str | int] = [self._now(), repr(float(lease_s))]
+        for rid, blocks in reservations.items():
+            check_count("blocks", blocks)
+            args += [rid, int(blocks)]
+        back = await self._renew_many(keys=self._keys.decode_worker(worker_id), args=args)
+        return [_text(rid) for rid in back]
+
+    @_store_call
     async def release(self, worker_id: str, reservation_id: str) -> int:
         keys = self._keys.decode_worker(worker_id)
         return int(await self._release(keys=keys, args=[self._now(), reservation_id]))
 
+    @_store_call
     async def decode_usage(self, worker_ids: Iterable[str]) -> dict[str, DecodeUsage]:
         ids = list(dict.fromkeys(worker_ids))
         if not ids:
@@ -400,15 +501,18 @@ class RedisStore:
         }
 
     # -- stranded KV ledger --------------------------------------------------------------
+    @_store_call
     async def strand(self, prefill_id: str, request_id: str, nbytes: int) -> None:
         check_count("nbytes", nbytes)
         keys = self._keys.stranded_worker(prefill_id)
         await self._strand(keys=keys, args=[self._now(), request_id, int(nbytes)])
 
+    @_store_call
     async def unstrand(self, prefill_id: str, request_id: str) -> int:
         keys = self._keys.stranded_worker(prefill_id)
         return int(await self._unstrand(keys=keys, args=[request_id]))
 
+    @_store_call
     async def stranded_bytes(self, prefill_ids: Iterable[str]) -> dict[str, int]:
         ids = list(dict.fromkeys(prefill_ids))
         if not ids:
@@ -419,6 +523,7 @@ class RedisStore:
             sums = await pipe.execute()
         return {p: int(s or 0) for p, s in zip(ids, sums, strict=True)}
 
+    @_store_call
     async def reap_stranded(self, prefill_id: str, older_than_s: float) -> list[StrandedEntry]:
         keys = self._keys.stranded_worker(prefill_id)
         flat = await self._reap(keys=keys, args=[self._now(), repr(float(older_than_s))])
@@ -427,13 +532,58 @@ class RedisStore:
             for i in range(0, len(flat), 3)
         ]
 
-    # -- retry budget ----------------------------------------------------------------------
-    async def note_request(self) -> None:
-        await self._note_request(
-            keys=[self._keys.retry_requests],
-            args=[self._now(), RETRY_RETENTION_S, RETRY_TTL_S],
+    # -- the end of a request ---------------------------------------------------------------
+    @_store_call
+    async def finish(
+        self,
+        release: tuple[str, str] | None = None,
+        unstrand: tuple[str, str] | None = None,
+        record: tuple[Sequence[str], int] | None = None,
+    ) -> Finished:
+        # A pipeline, not a transaction: the steps touch different hash tags (slots), and one
+        # step's error (say a key of the wrong type) must not stop the others.
+        steps: list[str] = []
+        async with self._client.pipeline(transaction=False) as pipe:
+            if release is not None:
+                worker_id, reservation_id = release
+                keys = self._keys.decode_worker(worker_id)
+                await self._release(keys=keys, args=[self._now(), reservation_id], client=pipe)
+                steps.append("release")
+            if unstrand is not None:
+                prefill_id, request_id = unstrand
+                keys = self._keys.stranded_worker(prefill_id)
+                await self._unstrand(keys=keys, args=[request_id], client=pipe)
+                steps.append("unstrand")
+            if record is not None:
+                class_keys, bucket = record
+                for class_key in class_keys:
+                    pipe.hincrby(self._keys.output_stats(class_key), str(int(bucket)), 1)
+                    steps.append("record")
+            rows = await pipe.execute(raise_on_error=False) if steps else []
+        outcome: dict[str, Any] = {"record": True}
+        for step, row in zip(steps, rows, strict=True):
+            if step == "record":
+                outcome["record"] = outcome["record"] and not isinstance(row, Exception)
+            else:
+                outcome[step] = None if isinstance(row, Exception) else int(row)
+        return Finished(
+            released_blocks=outcome.get("release", 0),
+            unstranded_bytes=outcome.get("unstrand", 0),
+            recorded=outcome["record"],
         )
 
+    # -- retry budget ----------------------------------------------------------------------
+    @_store_call
+    async def note_request(self, count: int = 1) -> None:
+        check_count("count", count)
+        if count == 0:
+            return
+        await self._note_request(
+            keys=[self._keys.retry_requests],
+            args=[self._now(), RETRY_RETENTION_S, RETRY_TTL_S, int(count)],
+        )
+
+    @_store_call
     async def try_retry(self, policy: RetryBudgetPolicy) -> bool:
         check_policy(policy)
         allowed = await self._try_retry(
@@ -450,6 +600,7 @@ class RedisStore:
         return bool(allowed)
 
     # -- output-length statistics ----------------------------------------------------------
+    @_store_call
     async def record_output(self, class_keys: Sequence[str], bucket: int) -> None:
         if not class_keys:
             return
@@ -460,6 +611,7 @@ class RedisStore:
                 pipe.hincrby(self._keys.output_stats(class_key), str(int(bucket)), 1)
             await pipe.execute()
 
+    @_store_call
     async def output_histograms(self, class_keys: Sequence[str]) -> dict[str, Mapping[int, int]]:
         keys = list(dict.fromkeys(class_keys))
         if not keys:
@@ -474,12 +626,15 @@ class RedisStore:
         }
 
     # -- worker registry ---------------------------------------------------------------------
+    @_store_call
     async def register_worker(self, worker_id: str, spec_json: str) -> None:
         await self._client.hset(self._keys.workers, check_id("worker_id", worker_id), spec_json)
 
+    @_store_call
     async def unregister_worker(self, worker_id: str) -> bool:
         return bool(await self._client.hdel(self._keys.workers, worker_id))
 
+    @_store_call
     async def registered_workers(self) -> dict[str, str]:
         raw = await self._client.hgetall(self._keys.workers)
         return {
@@ -488,6 +643,12 @@ class RedisStore:
         }
 
     # -- lifecycle ------------------------------------------------------------------------
+    @_store_call
+    async def check_marker(self, ttl_s: float) -> bool:
+        # SET ... GET answers the old value: None means the key was not there.
+        old = await self._client.set(self._keys.marker, "1", ex=max(1, int(ttl_s)), get=True)
+        return old is None
+
     async def ping(self) -> bool:
         try:
             return bool(await self._client.ping())

@@ -1,4 +1,4 @@
-"""Worker adapters, field by field against design.md §3, and the error/SSE helpers.
+"""Worker adapters, field by field against docs/design.md §3, and the error/SSE helpers.
 
 The SGLang legs are also sent to real simulated workers, both at once, to show that the bodies
 the adapter shapes are the ones the protocol's workers act on.

@@ -55,7 +55,7 @@ def client_body(path: str, stream: bool, **extra: Any) -> dict[str, Any]:
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The router's first leg (design.md §3)."""
+    """The router's first leg (docs/design.md §3)."""
     out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
     out.update(stream=False, max_tokens=1)
     if "max_completion_tokens" in out:

@@ -1,4 +1,4 @@
-"""One conformance suite for both state stores (design.md §5): `MemoryStore` and `RedisStore`.
+"""One conformance suite for both state stores (docs/design.md §5): `MemoryStore` and `RedisStore`.
 
 Redis tests use the real server on 127.0.0.1:6379, each under its own key prefix
 (``test:<uuid>:``), and delete their keys afterwards. Leases are real and short on both stores;
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,6 +26,7 @@ from state import (
     RedisStore,
     RetryBudgetPolicy,
     StateStore,
+    StoreError,
     StoreUnavailableError,
     StrandedEntry,
     open_store,
@@ -580,3 +582,136 @@ async def test_worker_registry_is_shared(store: StateStore) -> None:
     assert await store.unregister_worker("w1") is False
     assert await store.registered_workers() == {"w2": '{"id": "w2"}'}
     assert await store.unregister_worker("w2") is True
+
+
+# -- hardening: batched renewal, forced growth, the end-of-request call, the loss marker ------
+
+
+async def test_renew_many_renews_and_puts_back_what_was_lost(
+    clocked: tuple[StateStore, SteppedClock],
+) -> None:
+    store, clock = clocked
+    await store.set_capacity("d1", 10)
+    assert await store.reserve("d1", "r1", 4, 10.0)
+    assert await store.reserve("d1", "r2", 6, 10.0)
+    clock.advance(8.0)
+    # r1 renewed; r2 released behind our back (as by a store that restarted empty); r3 unknown
+    # with 0 blocks is not invented.
+    assert await store.release("d1", "r2") == 6
+    assert await store.reserve("d1", "other", 5, 10.0)
+    back = await store.renew_many("d1", {"r1": 4, "r2": 6, "r3": 0}, 10.0)
+    assert back == ["r2"]
+    clock.advance(8.0)  # past r1's first lease: it lives because it was renewed
+    # r1 + r2 + other: over capacity, but true (r2's sequence occupies the worker).
+    assert await _usage(store, "d1") == DecodeUsage(10, 15, 3)
+    assert await store.renew_many("d1", {}, 10.0) == []
+
+
+async def test_forced_growth_follows_use_past_capacity(store: StateStore) -> None:
+    await store.set_capacity("d1", 10)
+    assert await store.reserve("d1", "r1", 8, LONG)
+    assert not await store.resize("d1", "r1", 12)
+    assert await store.resize("d1", "r1", 12, force=True)
+    assert await _usage(store, "d1") == DecodeUsage(10, 12, 1)
+    assert not await store.resize("d1", "gone", 3, force=True)  # never invents a reservation
+
+
+async def test_finish_releases_unstrands_and_records_in_one_call(store: StateStore) -> None:
+    await store.set_capacity("d1", 10)
+    assert await store.reserve("d1", "r1", 7, LONG)
+    await store.strand("p1", "q1", 1000)
+    done = await store.finish(("d1", "r1"), ("p1", "q1"), (["c1", "c2"], 3))
+    assert done.complete
+    assert (done.released_blocks, done.unstranded_bytes, done.recorded) == (7, 1000, True)
+    assert await _usage(store, "d1") == DecodeUsage(10, 0, 0)
+    assert await store.stranded_bytes(["p1"]) == {"p1": 0}
+    assert await store.output_histograms(["c1", "c2"]) == {"c1": {3: 1}, "c2": {3: 1}}
+    again = await store.finish(("d1", "r1"), ("p1", "q1"))
+    assert (again.released_blocks, again.unstranded_bytes) == (0, 0)
+    assert (await store.finish()).complete
+
+
+async def test_finish_step_failures_do_not_stop_the_others(
+    redis_client: aioredis.Redis, prefix: str
+) -> None:
+    """A step that fails in Redis (here: a key of the wrong type) is reported as failed while
+    the other steps still happen: the reservation is freed whatever the ledger does."""
+    store = RedisStore(redis_client, Keys(prefix))
+    keys = Keys(prefix)
+    await store.set_capacity("d1", 10)
+    assert await store.reserve("d1", "r1", 7, LONG)
+    await redis_client.set(keys.stranded_bytes("p1"), "not a hash")
+    await redis_client.set(keys.output_stats("c1"), "not a hash")
+    done = await store.finish(("d1", "r1"), ("p1", "q1"), (["c1"], 3))
+    assert done.released_blocks == 7
+    assert done.unstranded_bytes is None and not done.recorded and not done.complete
+    assert await _usage(store, "d1") == DecodeUsage(10, 0, 0)
+
+    await store.strand("p2", "q2", 50)
+    await redis_client.set(keys.decode_blocks("d2"), "not a hash")
+    done = await store.finish(("d2", "r2"), ("p2", "q2"))
+    assert done.released_blocks is None and done.unstranded_bytes == 50
+
+
+async def test_note_request_counts_in_batches(clocked: tuple[StateStore, SteppedClock]) -> None:
+    store, _ = clocked
+    policy = RetryBudgetPolicy(ratio=0.5, min_per_s=0.0, window_s=10.0)
+    await store.note_request(10)
+    await store.note_request(0)
+    allowed = [await store.try_retry(policy) for _ in range(7)]
+    assert allowed == [True] * 5 + [False] * 2
+
+
+async def test_marker_reveals_a_store_that_lost_its_data(
+    clocked: tuple[StateStore, SteppedClock],
+) -> None:
+    store, clock = clocked
+    assert await store.check_marker(30.0)  # first use
+    assert not await store.check_marker(30.0)
+    clock.advance(5.0)
+    assert not await store.check_marker(30.0)
+
+
+async def test_marker_missing_after_redis_lost_the_keys(
+    redis_client: aioredis.Redis, prefix: str
+) -> None:
+    store = RedisStore(redis_client, Keys(prefix))
+    assert await store.check_marker(30.0)
+    assert not await store.check_marker(30.0)
+    assert 0 < await redis_client.ttl(Keys(prefix).marker) <= 30
+    await _delete_prefix(redis_client, prefix)  # what a restart with no persistence does
+    assert await store.check_marker(30.0)
+
+
+async def test_store_failures_are_store_errors() -> None:
+    """An unreachable Redis surfaces as StoreError from every call (the router's 503)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    store = RedisStore.from_url(f"redis://127.0.0.1:{port}/0?socket_connect_timeout=0.5")
+    try:
+        with pytest.raises(StoreError):
+            await store.reserve("d1", "r1", 1, LONG)
+        with pytest.raises(StoreError):
+            await store.finish(("d1", "r1"))
+        with pytest.raises(StoreError):
+            await store.renew_many("d1", {"r1": 1}, LONG)
+        with pytest.raises(StoreError):
+            await store.check_marker(30.0)
+    finally:
+        await store.close()
+
+
+async def test_a_full_connection_pool_waits_instead_of_failing(prefix: str) -> None:
+    """redis-py's default asyncio pool raises MaxConnectionsError past its cap; the store's
+    pool makes the excess wait for a connection, so a burst larger than the pool succeeds."""
+    store = RedisStore.from_url(REDIS_URL, prefix, max_connections=4, pool_timeout_s=10.0)
+    try:
+        await store.set_capacity("d1", 10_000)
+        results = await asyncio.gather(*(store.reserve("d1", f"r{i}", 1, LONG) for i in range(300)))
+        assert all(results)
+        assert (await _usage(store, "d1")).reserved_blocks == 300
+    finally:
+        async with _redis(prefix):
+            pass
+        await store.close()

@@ -1,4 +1,4 @@
-"""SGLang PD (design.md §3): bootstrap rooms, both legs at once.
+"""SGLang PD (docs/design.md §3): bootstrap rooms, both legs at once.
 
 Both workers get the client's body unchanged plus `bootstrap_host` (the prefill's host, as the
 decode reaches it), `bootstrap_port` (the prefill's bootstrap server; null when it has none) and

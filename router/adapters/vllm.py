@@ -1,4 +1,4 @@
-"""vLLM with the NIXL connector in pull mode (design.md §3): three plain OpenAI HTTP calls.
+"""vLLM with the NIXL connector in pull mode (docs/design.md §3): three plain OpenAI HTTP calls.
 
 1. prefill: the client's body with `stream: false`, `max_tokens: 1` (and `max_completion_tokens: 1`
    when present), `min_tokens`/`min_completion_tokens`/`stream_options` removed, and the null

@@ -1,0 +1,44 @@
+"""The cluster-wide retry budget as one replica uses it.
+
+Spending a retry is a store call (the budget is shared by every replica: Finagle's rule of
+`ratio` × recent requests + a floor). Counting requests toward the window is not: each replica
+tallies its first attempts locally and adds the tally to the store once per state refresh, so
+a request costs no store call for it and nothing is left running per request. The window is
+10 s; a count that lands 0.1 s late does not move it.
+"""
+
+from __future__ import annotations
+
+from router.config import RetrySettings
+from state.base import RetryBudgetPolicy, StateStore
+
+__all__ = ["RetryBudget"]
+
+
+class RetryBudget:
+    def __init__(self, store: StateStore, settings: RetrySettings) -> None:
+        self.store = store
+        self.policy = RetryBudgetPolicy(
+            settings.budget_ratio, settings.budget_min_per_s, settings.budget_window_s
+        )
+        self._untallied = 0
+
+    def __repr__(self) -> str:
+        return f"RetryBudget({self.policy}, untallied={self._untallied})"
+
+    def note_request(self) -> None:
+        """One first attempt (a failed request counts toward the window like any other)."""
+        self._untallied += 1
+
+    async def flush(self) -> None:
+        """Add the local tally to the store's window; kept for the next flush if it fails."""
+        count, self._untallied = self._untallied, 0
+        try:
+            await self.store.note_request(count)
+        except BaseException:
+            self._untallied += count
+            raise
+
+    async def try_retry(self) -> bool:
+        """Spend one retry if the cluster-wide budget allows it (StoreError if unreachable)."""
+        return await self.store.try_retry(self.policy)
