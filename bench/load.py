@@ -50,7 +50,14 @@ from bench.loadclient import (
     percentiles,
     send,
 )
-from bench.probes import RssSampler, command_delta, metric_sums, redis_commands, wait_quiet
+from bench.probes import (
+    RssSampler,
+    command_delta,
+    listen_overflows,
+    metric_sums,
+    redis_commands,
+    wait_quiet,
+)
 from bench.procs import Cluster, ClusterSpec, proc_cpu_s, raise_nofile
 
 __all__ = ["LoadSpec", "build_parser", "main", "run", "format_report"]
@@ -258,6 +265,7 @@ async def run(spec: LoadSpec, *, workdir: Path | None = None) -> dict[str, Any]:
             rss.start()
             cmds0 = await redis_commands(cluster.redis_url)
             cpu0, client0 = proc_cpu_s(router.pid), proc_cpu_s(os.getpid())
+            overflows0 = listen_overflows()
             t0 = time.perf_counter()
             if spec.mode == "burst":
                 results = await _burst(session, url, spec)
@@ -268,6 +276,7 @@ async def run(spec: LoadSpec, *, workdir: Path | None = None) -> dict[str, Any]:
             wall = max((r.t_end for r in results), default=t0) - t0
             cpu = proc_cpu_s(router.pid) - cpu0
             client_cpu = proc_cpu_s(os.getpid()) - client0
+            overflows = listen_overflows() - overflows0
             commands = command_delta(cmds0, await redis_commands(cluster.redis_url))
             await rss.stop()
             left, waited = await wait_quiet(
@@ -280,6 +289,7 @@ async def run(spec: LoadSpec, *, workdir: Path | None = None) -> dict[str, Any]:
         if not router.alive():
             report["violations"].append(f"the router died:\n{router.tail()}")
         report["client_cpu_s"] = round(client_cpu, 2)
+        report["listen_overflows"] = overflows
         report["router_log_tail"] = router.tail(15)
         return report
     finally:
@@ -307,6 +317,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"  router          {r['router_cpu_s']} CPU-s, {r['router_cpu_s_per_1k_tokens']} "
         f"CPU-s/1k tokens, peak RSS {r['router_rss_peak_mb']} MB, 5xx counted "
         f"{r['router_5xx']:.0f}; client {r.get('client_cpu_s')} CPU-s",
+        f"  tcp             {r.get('listen_overflows')} listen-queue overflows on this machine "
+        "during the run (TcpExt ListenOverflows)",
         f"  redis           {r['redis_commands_per_request']} commands/request "
         f"(top: {r['redis_top_commands']})",
         f"  left over       reserved_blocks={left['reserved_blocks']} "

@@ -27,6 +27,7 @@ __all__ = [
     "RssSampler",
     "admin_state",
     "leftovers",
+    "listen_overflows",
     "metric_sums",
     "redis_commands",
     "wait_quiet",
@@ -74,6 +75,21 @@ async def redis_commands(url: str) -> dict[str, int]:
         if isinstance(value, dict):
             out[name] = int(value.get("calls", 0))
     return out
+
+
+def listen_overflows() -> int:
+    """TcpExt ListenOverflows of this machine (every listener, not only the router's): SYNs
+    or handshake ACKs dropped because an accept queue was full."""
+    try:
+        with open("/proc/net/netstat") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return 0
+    for names, values in zip(lines[::2], lines[1::2], strict=False):
+        if names.startswith("TcpExt:"):
+            table = dict(zip(names.split()[1:], values.split()[1:], strict=False))
+            return int(table.get("ListenOverflows", 0))
+    return 0
 
 
 def command_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
