@@ -361,6 +361,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=YAML",
         help="extra router setting, e.g. admission='{max_waiters: 4096}'",
     )
+    p.add_argument(
+        "--router-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra environment variable of the router process",
+    )
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--keep-logs", action="store_true", help="keep the work directory")
     return p
@@ -379,6 +386,7 @@ def spec_from_args(ns: argparse.Namespace) -> LoadSpec:
         time_scale=ns.time_scale,
         redis=ns.redis,
         router=extra,
+        router_env=dict(item.partition("=")[::2] for item in ns.router_env),
     )
     return LoadSpec(
         mode="burst" if ns.burst else "ramp",

@@ -85,9 +85,12 @@ def proc_rss_bytes(pid: int) -> int:
 class Child:
     """A subprocess in its own session, logging to a file; `stop` never raises."""
 
-    def __init__(self, name: str, cmd: list[str], log_dir: Path) -> None:
+    def __init__(
+        self, name: str, cmd: list[str], log_dir: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.name = name
         self.cmd = cmd
+        self.env = {**os.environ, **env} if env else None
         self.log_path = log_dir / f"{name}.log"
         self._log_dir = log_dir
         self.popen: subprocess.Popen[bytes] | None = None
@@ -102,6 +105,7 @@ class Child:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                env=self.env,
             )
         self.starts += 1
 
@@ -234,6 +238,7 @@ class ClusterSpec:
     worker_args: dict[str, list[str]] = field(default_factory=dict)  # worker id -> extra flags
     log_level: str = "WARNING"
     key_prefix: str | None = None  # None: a fresh `load:<pid>:<hex>:` prefix
+    router_env: dict[str, str] = field(default_factory=dict)  # extra environment of the router
 
 
 class Cluster:
@@ -333,7 +338,7 @@ class Cluster:
             "--config",
             str(cfg),
         ]
-        self.router = Child("router", cmd, self.workdir)
+        self.router = Child("router", cmd, self.workdir, env=s.router_env)
         self.router_url = f"http://{HOST}:{port}"
         await wait_http(self.router_url + "/health", self.router)
 
