@@ -44,6 +44,7 @@ from bench.loadclient import (
     LoadRequest,
     Result,
     failure_examples,
+    failure_kinds,
     make_request,
     new_session,
     outcome_counts,
@@ -230,6 +231,7 @@ def summarize(
         "leftovers": left.to_dict(),
         "quiet_wait_s": round(quiet_wait_s, 1),
         "failure_examples": failure_examples(results, spec.allowed),
+        "failure_kinds": failure_kinds(results, spec.allowed),
     }
     violations = []
     bad = {k: v for k, v in counts.items() if k not in spec.allowed}
@@ -326,6 +328,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"redis leases={left['redis_live_leases']} "
         f"redis stranded={left['redis_stranded_entries']} (after {r['quiet_wait_s']} s)",
     ]
+    for kind, count in r.get("failure_kinds", {}).items():
+        lines.append(f"  failures        {count:6d} x {kind}")
     for ex in r["failure_examples"]:
         lines.append(f"  failure         {ex}")
     lines.append("  INVARIANTS      " + ("all hold" if not r["violations"] else "VIOLATED"))

@@ -25,6 +25,7 @@ one outcome:
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from array import array
 from collections import Counter
@@ -42,6 +43,7 @@ __all__ = [
     "LoadRequest",
     "Result",
     "failure_examples",
+    "failure_kinds",
     "make_request",
     "outcome_counts",
     "new_session",
@@ -341,6 +343,15 @@ def failure_examples(
             seen[r.outcome] += 1
             out.append(repr(r))
     return out
+
+
+def failure_kinds(results: list[Result], allowed: tuple[str, ...]) -> dict[str, int]:
+    """Failures counted by outcome and the start of their detail (numbers masked)."""
+    kinds: Counter[str] = Counter()
+    for r in results:
+        if r.outcome not in allowed:
+            kinds[f"{r.outcome}: {re.sub(r'[0-9.]+', 'N', r.detail)[:60]}"] += 1
+    return dict(kinds.most_common(10))
 
 
 def outcome_counts(results: list[Result]) -> dict[str, int]:

@@ -57,6 +57,7 @@ from bench.loadclient import (
     CLEAN,
     Result,
     failure_examples,
+    failure_kinds,
     make_request,
     new_session,
     outcome_counts,
@@ -466,6 +467,7 @@ def _report(
         "leftovers": left.to_dict(),
         "quiet_wait_s": round(waited, 1),
         "failure_examples": examples,
+        "failure_kinds": failure_kinds(r.results, CLEAN),
         "invariants": inv,
         "violations": [f"{k}: {v}" for k, vs in inv.items() for v in vs],
     }
@@ -484,6 +486,8 @@ def format_report(rep: dict[str, Any]) -> str:
         "  fault log",
         *rep["fault_lines"],
     ]
+    for kind, count in rep.get("failure_kinds", {}).items():
+        lines.append(f"  failures        {count:6d} x {kind}")
     for ex in rep["failure_examples"]:
         lines.append(f"  failure         {ex}")
     lines.append("  invariants")
