@@ -68,10 +68,22 @@ from bench.probes import RssSampler, metric_sums, wait_quiet
 from bench.procs import Cluster, ClusterSpec, raise_nofile
 from bench.traces import TraceRequest, load_trace, prompt_text
 
-__all__ = ["SoakSpec", "build_parser", "main", "run", "format_report"]
+__all__ = ["DEFAULT_TRACE", "SoakSpec", "build_parser", "main", "run", "format_report"]
 
 MODEL = "llama-3-8b"
-DEFAULT_TRACE = Path("/work/shared/traces/AzureLLMInferenceTrace_conv.csv")
+TRACE_NAME = "AzureLLMInferenceTrace_conv.csv"
+
+
+def default_trace() -> Path:
+    """The Azure conversation trace in ../shared/traces beside the repository or the cwd."""
+    for base in (Path(__file__).resolve().parent.parent, Path.cwd()):
+        candidate = base.parent / "shared" / "traces" / TRACE_NAME
+        if candidate.is_file():
+            return candidate
+    return Path("/work/shared/traces") / TRACE_NAME
+
+
+DEFAULT_TRACE = default_trace()
 _ERROR_STATUS = {"p0": "500", "d0": "500", "p1": "503", "d1": "malformed"}
 _KILL_ORDER = ("p0", "d0", "p1", "d1")
 

@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from bench.soak import SoakSpec, format_report, run
+from bench.soak import DEFAULT_TRACE, SoakSpec, format_report, run
 
 pytestmark = [
     pytest.mark.slow,
@@ -20,6 +20,7 @@ pytestmark = [
 ]
 
 
+@pytest.mark.skipif(not DEFAULT_TRACE.is_file(), reason=f"no trace at {DEFAULT_TRACE}")
 @pytest.mark.timeout(240)
 async def test_soak_60s_with_faults_keeps_every_invariant() -> None:
     spec = SoakSpec(minutes=1.0, recovery_s=math.inf, quiet_s=3 * 6.0 + 10.0)
