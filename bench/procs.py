@@ -13,6 +13,7 @@ Nothing here imports the router: the router and the workers are subprocesses.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import os
 import resource
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,6 +84,32 @@ def proc_rss_bytes(pid: int) -> int:
         return 0
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the process that started it dies (Linux), so a
+    run that is itself killed (a pytest timeout, ^C twice) leaves no cluster behind. Each child
+    has a session of its own, so a signal to our group would not reach it. Some sandboxes
+    ignore it (this one's PID 1 does): `_LIVE` and the atexit hook below are the fallback."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+# Every Child still running, killed at interpreter exit: a run cut short (a pytest timeout that
+# abandons its event loop) must not leave workers, routers or a Redis behind. The one piece of
+# module state here, and a safety net only: `stop()` is the normal way out.
+_LIVE: weakref.WeakSet[Child] = weakref.WeakSet()
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for child in list(_LIVE):
+        if child.alive():
+            child.kill()
+
+
 class Child:
     """A subprocess in its own session, logging to a file; `stop` never raises."""
 
@@ -106,8 +134,10 @@ class Child:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
                 env=self.env,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )
         self.starts += 1
+        _LIVE.add(self)
 
     @property
     def pid(self) -> int:
