@@ -235,8 +235,12 @@ async def _whole(resp: aiohttp.ClientResponse, req: LoadRequest, res: Result) ->
         choice = body["choices"][0]
         text = choice["message"]["content"] if "message" in choice else choice["text"]
         finish = choice.get("finish_reason")
-    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
-        res.outcome, res.detail = "cut", f"not an OpenAI answer ({exc!r}): {raw[:200]!r}"
+    except orjson.JSONDecodeError as exc:
+        res.outcome, res.detail = "cut", f"truncated or invalid JSON ({exc}): {raw[:200]!r}"
+        return
+    except (KeyError, IndexError, TypeError) as exc:
+        # Valid JSON, but not one answer (e.g. `"choices": []`): a wrong answer, not a cut one.
+        res.outcome, res.detail = "wrong_text", f"not an OpenAI answer ({exc!r}): {raw[:200]!r}"
         return
     res.tokens = req.expected_tokens if text == req.expected_text else 0
     _verdict(req, res, text, finish)

@@ -142,3 +142,45 @@ async def test_client_verdict_on_refusals(
         )
 
     assert await _verdict(handler) == outcome
+
+
+WHOLE = make_request(8, model="llama-3-8b", prompt_tokens=8, output_tokens=5, stream=False)
+
+
+@pytest.mark.parametrize(
+    ("answer", "outcome"),
+    [
+        (
+            {
+                "choices": [
+                    {
+                        "message": {"content": WHOLE.expected_text},
+                        "finish_reason": WHOLE.expected_finish,
+                    }
+                ]
+            },
+            "ok",
+        ),
+        (
+            {
+                "choices": [
+                    {
+                        "message": {"content": WHOLE.expected_text[:-3]},
+                        "finish_reason": WHOLE.expected_finish,
+                    }
+                ]
+            },
+            "wrong_text",
+        ),
+        ({"object": "chat.completion", "choices": [], "usage": None}, "wrong_text"),
+        (b'{"id": "cmpl-broken", "choices": [', "cut"),
+    ],
+)
+async def test_client_verdict_on_whole_answers(answer: object, outcome: str) -> None:
+    body = answer if isinstance(answer, bytes) else orjson.dumps(answer)
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(body=body, content_type="application/json")
+
+    async with _server(handler) as url, new_session(4) as session:
+        assert (await send(session, url, WHOLE, deadline_s=10)).outcome == outcome
