@@ -41,8 +41,21 @@ class ParsedRequest:
         )
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+# Validated integers must fit a signed 64-bit integer, as they do in the workers.
+_INT_MAX = 2**63 - 1
+
+
+def _as_int(v: Any) -> int | None:
+    """`v` as an integer if it is one, else None. JSON has one number type: `16.0` is the
+    integer 16 to JSON Schema (and so to router/openapi.json) and to the workers' pydantic
+    models, so it is one here too. Booleans are not integers."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return None
 
 
 def _is_number(v: Any) -> bool:
@@ -57,9 +70,14 @@ def _prompt_tokens_completions(prompt: Any, cpt: float) -> int:
     if isinstance(prompt, str):
         return _text_tokens(prompt, cpt)
     if isinstance(prompt, list) and prompt:
-        if all(_is_int(t) for t in prompt):
-            if any(t < 0 for t in prompt):
-                raise InvalidRequest("prompt token ids must be non-negative", param="prompt")
+        ids = [t for t in map(_as_int, prompt) if t is not None]
+        if len(ids) == len(prompt):
+            if any(not 0 <= t <= _INT_MAX for t in ids):
+                raise InvalidRequest(
+                    f"prompt token ids must be non-negative and at most {_INT_MAX}",
+                    param="prompt",
+                )
+            prompt[:] = ids  # 7.0 -> 7 for the workers
             return len(prompt)
         if len(prompt) == 1 and isinstance(prompt[0], str):
             return _text_tokens(prompt[0], cpt)
@@ -100,7 +118,7 @@ def _message_text(i: int, content: Any) -> str:
 def _prompt_tokens_chat(messages: Any, cpt: float) -> int:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list", param="messages")
-    total = 0
+    total = 0.0
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise InvalidRequest(f"messages[{i}] must be an object", param="messages")
@@ -115,11 +133,15 @@ def _optional_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
     v = body.get(key)
     if v is None:
         return None
-    if not _is_int(v):
+    n = _as_int(v)
+    if n is None:
         raise InvalidRequest(f"'{key}' must be an integer, not {type(v).__name__}", param=key)
-    if v < minimum:
-        raise InvalidRequest(f"'{key}' must be at least {minimum}, got {v}", param=key)
-    return int(v)
+    if n < minimum:
+        raise InvalidRequest(f"'{key}' must be at least {minimum}, got {v!r}", param=key)
+    if n > _INT_MAX:
+        raise InvalidRequest(f"'{key}' must be at most {_INT_MAX}, got {v!r}", param=key)
+    body[key] = n  # 16.0 -> 16 for the workers
+    return n
 
 
 def parse_request(
@@ -160,9 +182,10 @@ def parse_request(
             )
     include_usage = bool(stream_options and stream_options.get("include_usage"))
 
-    n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise InvalidRequest("only n=1 is supported", param="n")
+    if body.get("n") is not None:
+        if _as_int(body["n"]) != 1:
+            raise InvalidRequest("only n=1 is supported", param="n")
+        body["n"] = 1
     for key in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
         if key in body and body[key] is not None and not _is_number(body[key]):
             raise InvalidRequest(f"'{key}' must be a number", param=key)

@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from importlib.resources import files
 
 import aiohttp
 import orjson
@@ -29,6 +30,7 @@ from router.lifecycle import RequestFlow
 from router.metrics import RouterMetrics
 from router.pools import Pools
 from router.retry_budget import RetryBudget
+from router.server import read_body
 from router.splice import SplicePool
 from state import StoreError, open_store
 
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 SETTINGS = web.AppKey("settings", Settings)
 GATEWAY = web.AppKey("gateway", Gateway)
 METRICS = web.AppKey("metrics", RouterMetrics)
+_OPENAPI = files("router").joinpath("openapi.json")
 
 
 def _json(data: object, status: int = 200) -> web.Response:
@@ -99,7 +102,7 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
         _check_auth(s, request)
         if request.content_length is not None and request.content_length > s.max_body_bytes:
             raise BodyTooLarge(f"the request body is larger than {s.max_body_bytes} bytes")
-        raw = await request.read()
+        raw = await read_body(request, s.timeouts.body_s)  # 408 if slow, 400 if undecodable
         parsed = parse_request(
             path,
             raw,
@@ -199,6 +202,11 @@ async def ready(request: web.Request) -> web.Response:
     if not store_ok:
         body["store_error"] = "the shared state store does not answer"
     return _json(body, status=200 if pools_ok and store_ok else 503)
+
+
+async def openapi(request: web.Request) -> web.Response:
+    """The hand-written API description shipped with the package (router/openapi.json)."""
+    return web.Response(body=_OPENAPI.read_bytes(), content_type="application/json")
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -380,5 +388,6 @@ def create_app(settings: Settings) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
     add_admin_routes(app)
     return app

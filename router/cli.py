@@ -11,7 +11,11 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from router.config import Timeouts
 
 __all__ = ["main", "run_app_until_signal"]
 
@@ -24,26 +28,29 @@ def _use_uvloop() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
-async def run_app_until_signal(app, host: str, port: int, *, on_ready=None) -> None:  # type: ignore[no-untyped-def]
-    """Serve `app` until SIGINT/SIGTERM, then shut down gracefully (streams drain first)."""
-    from aiohttp import web
+async def run_app_until_signal(
+    app: Any,
+    host: str,
+    port: int,
+    *,
+    timeouts: Timeouts | None = None,
+    on_ready: Callable[[list[Any]], None] | None = None,
+) -> None:
+    """Serve `app` until SIGINT/SIGTERM, then shut down gracefully (streams drain first).
 
-    # handler_cancellation: a client that disconnects cancels its request at once, so both
-    # upstream legs are closed and its reservation released without waiting for the workers.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, shutdown_timeout=10.0)
-    await site.start()
+    The server bounds the client side (router/server.py): head, body, idle and stall timeouts.
+    """
+    from router.config import Timeouts
+    from router.server import serving
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    try:
+    async with serving(app, host, port, timeouts or Timeouts(), shutdown_timeout=10.0) as runner:
         if on_ready is not None:
             on_ready(runner.addresses)
         await stop.wait()
-    finally:
-        await runner.cleanup()
 
 
 def _serve(ns: argparse.Namespace) -> int:
@@ -73,7 +80,11 @@ def _serve(ns: argparse.Namespace) -> int:
         )
 
     _use_uvloop()
-    asyncio.run(run_app_until_signal(app, settings.host, settings.port, on_ready=ready))
+    asyncio.run(
+        run_app_until_signal(
+            app, settings.host, settings.port, timeouts=settings.timeouts, on_ready=ready
+        )
+    )
     return 0
 
 

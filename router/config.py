@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -96,6 +97,22 @@ class Timeouts:
     ttft_s: float = 120.0  # decode: from sending to the first byte of its answer
     idle_s: float = 60.0  # no byte from the decode stream for this long ends it
     total_s: float | None = None  # optional cap on a whole request
+    # The client side (router/server.py): a request head must be whole within header_s of the
+    # connection opening or of its first byte; its body within body_s of the handler asking
+    # for it (408); an idle keep-alive connection is closed after keepalive_s; a client that
+    # takes no bytes for client_stall_s while the router has some queued for it is dropped
+    # (its decode leg aborted, its reservation released). 0 turns one off.
+    header_s: float = 10.0
+    body_s: float = 30.0
+    keepalive_s: float = 75.0
+    client_stall_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("header_s", "body_s", "client_stall_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"timeouts.{name} must be >= 0 (0 turns it off)")
+        if self.keepalive_s <= 0:
+            raise ConfigError("timeouts.keepalive_s must be > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,11 +214,42 @@ class Settings:
 def _parse_layout(raw: Mapping[str, Any] | None, defaults: KVLayout) -> KVLayout:
     if not raw:
         return defaults
+    if not isinstance(raw, Mapping):
+        raise ConfigError("layout: expected a mapping")
     known = {f.name for f in fields(KVLayout)}
     unknown = set(raw) - known
     if unknown:
         raise ConfigError(f"layout: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    for key, value in raw.items():
+        # Each field keeps its type: the layout is compared and shown (model names in
+        # /v1/models), so a number where a name belongs must not slip through.
+        want = type(getattr(defaults, key))
+        if want is int:
+            _check_int(f"layout.{key}", value, 0, _MAX_COUNT)
+        elif not isinstance(value, str) or len(value) > 256:
+            raise ConfigError(f"layout.{key}: expected a string (at most 256 characters)")
     return replace(defaults, **raw)
+
+
+# Counts (blocks, bytes) beyond this are configuration mistakes, and would not fit the int64
+# that Redis and the JSON answers carry.
+_MAX_COUNT = 2**53
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ConfigError(f"{name}: expected an integer from {low} to {high}, not {value!r}")
+    return value
+
+
+def _check_str(name: str, value: Any, max_len: int = 256) -> str:
+    if not isinstance(value, str) or not value or len(value) > max_len:
+        raise ConfigError(f"{name}: expected a non-empty string of at most {max_len} characters")
+    if any(ch.isspace() or not ch.isprintable() for ch in value):
+        raise ConfigError(f"{name}: must not contain spaces or control characters")
+    return value
 
 
 def _parse_perf(raw: Any, where: str) -> PerfModel | None:
@@ -210,8 +258,11 @@ def _parse_perf(raw: Any, where: str) -> PerfModel | None:
     if not isinstance(raw, Mapping) or "model" not in raw or "gpu" not in raw:
         raise ConfigError(f"{where}.perf: expected {{model: NAME, gpu: NAME[, tp_size: N]}}")
     kw = dict(raw)
+    tp_size = kw.pop("tp_size", None)
+    if tp_size is not None:
+        tp_size = _check_int(f"{where}.perf.tp_size", tp_size, 1, 1024)
     try:
-        return perf_model(kw.pop("model"), kw.pop("gpu"), kw.pop("tp_size", None), **kw)
+        return perf_model(kw.pop("model"), kw.pop("gpu"), tp_size, **kw)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}.perf: {exc}") from exc
 
@@ -234,8 +285,8 @@ _WORKER_KEYS = {
 _ADAPTERS = ("vllm", "sim", "sglang", "mooncake")
 
 
-def _optional_int(value: Any) -> int | None:
-    return None if value is None else int(value)
+def _optional_int(name: str, value: Any, low: int, high: int) -> int | None:
+    return None if value is None else _check_int(name, value, low, high)
 
 
 def parse_worker(
@@ -248,8 +299,23 @@ def parse_worker(
     if unknown:
         raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
     for key in ("id", "url", "role"):
-        if not raw.get(key):
+        if raw.get(key) in (None, ""):
             raise ConfigError(f"{where}: '{key}' is required")
+    # An id names Redis keys inside a Redis Cluster hash tag: no braces (state/keys.py).
+    wid = _check_str(f"{where}.id", str(raw["id"]) if isinstance(raw["id"], int) else raw["id"])
+    if "{" in wid or "}" in wid or len(wid) > 128:
+        raise ConfigError(f"{where}.id: at most 128 characters, no '{{' or '}}'")
+    url = _check_str(f"{where}.url", raw["url"], 2048)
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{where}.url: expected http://host:port or https://..., not {url!r}")
+    try:
+        parts.port  # noqa: B018 - a bad port raises here, not on the first request
+    except ValueError as exc:
+        raise ConfigError(f"{where}.url: {exc}") from exc
+    for key in ("group", "engine_id", "api_key"):
+        if raw.get(key) is not None:
+            _check_str(f"{where}.{key}", raw[key], 4096 if key == "api_key" else 256)
     if raw["role"] not in ("prefill", "decode", "both"):
         raise ConfigError(f"{where}: role must be prefill, decode or both, not {raw['role']!r}")
     if raw.get("adapter", "vllm") not in _ADAPTERS:
@@ -259,22 +325,34 @@ def parse_worker(
     if not isinstance(discover, bool):
         raise ConfigError(f"{where}: discover_layout must be true or false")
     configured = raw.get("layout") or {}
-    return WorkerSpec(
-        id=str(raw["id"]),
-        url=str(raw["url"]).rstrip("/"),
+    kv_blocks = _optional_int(f"{where}.kv_blocks", raw.get("kv_blocks"), 1, _MAX_COUNT)
+    stranded_cap = _check_int(
+        f"{where}.stranded_cap_bytes", raw.get("stranded_cap_bytes", 0), 0, _MAX_COUNT
+    )
+    spec = WorkerSpec(
+        id=wid,
+        url=url.rstrip("/"),
         role=raw["role"],
         adapter=raw.get("adapter", "vllm"),
-        bootstrap_port=_optional_int(raw.get("bootstrap_port")),
+        bootstrap_port=_optional_int(
+            f"{where}.bootstrap_port", raw.get("bootstrap_port"), 1, 65535
+        ),
         engine_id=raw.get("engine_id"),
         group=str(raw.get("group", "default")),
         layout=_parse_layout(raw.get("layout"), layout),
         perf=perf,
-        kv_blocks=int(raw["kv_blocks"]) if raw.get("kv_blocks") is not None else None,
-        stranded_cap_bytes=int(raw.get("stranded_cap_bytes", 0)),
+        kv_blocks=kv_blocks,
+        stranded_cap_bytes=stranded_cap,
         api_key=Secret(raw.get("api_key") or ""),
         discover_layout=discover,
         layout_configured=tuple(sorted(configured.items())) if discover else (),
     )
+    if spec.is_decode:
+        try:
+            _check_int(f"{where}: its KV capacity", spec.capacity_blocks, 1, _MAX_COUNT)
+        except TypeError as exc:  # a perf profile whose numbers do not multiply
+            raise ConfigError(f"{where}: cannot compute its KV capacity: {exc}") from exc
+    return spec
 
 
 _ENV_SCALARS: dict[str, type] = {

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from policies.base import OutputLengthEstimator, PlacementPolicy
-from router.adapters import ConcurrentAdapter, WorkerAdapter, adapter_for
+from router.adapters import ADAPTERS, ConcurrentAdapter, WorkerAdapter, adapter_for
 from router.admission import Admission
 from router.background import BackgroundTasks
 from router.config import Settings
@@ -43,9 +43,10 @@ class Gateway:
     splice: SplicePool | None = None  # the decode legs' raw client when settings.relay == "splice"
 
     def __post_init__(self) -> None:
-        for spec in self.settings.workers:
-            if spec.adapter not in self.adapters:
-                self.adapters[spec.adapter] = adapter_for(spec.adapter)
+        # Every adapter, not only those of configured workers: a worker registered at run time
+        # may speak another protocol (stateless objects, so this costs nothing).
+        for name in ADAPTERS:
+            self.adapters.setdefault(name, adapter_for(name))
 
     def __repr__(self) -> str:
         return (

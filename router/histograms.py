@@ -7,6 +7,7 @@ most every `refresh_s`, so every replica learns from every completion within abo
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping, Sequence
 
@@ -24,6 +25,9 @@ class HistogramCache:
         self._data: dict[str, Mapping[int, int]] = {}
         self._fetched_at: dict[str, float] = {}
         self._refreshing = False
+        # Cold classes being fetched, so that a burst of requests of a new class makes one
+        # store call, not one each (a 2,000-request burst would otherwise be 2,000 fetches).
+        self._cold: dict[str, asyncio.Task[None]] = {}
 
     def __repr__(self) -> str:
         return f"HistogramCache({len(self._data)} classes)"
@@ -33,6 +37,23 @@ class HistogramCache:
             await self._fetch(keys)
         finally:
             self._refreshing = False
+
+    async def _fetch_cold(self, keys: list[str]) -> None:
+        new = [k for k in keys if k not in self._cold]
+        if new:
+            task = self.tasks.job(self._fetch(new), "histogram-fetch")
+            for k in new:
+                self._cold[k] = task
+
+            def fetched(_task: asyncio.Task[None]) -> None:
+                for k in new:
+                    self._cold.pop(k, None)
+
+            task.add_done_callback(fetched)
+        pending = {t for k in keys if (t := self._cold.get(k)) is not None}
+        # Shielded: a request cancelled here (its client left) stops waiting at once, and the
+        # shared fetch goes on for the others. A failed fetch fails every waiter (StoreError).
+        await asyncio.gather(*(asyncio.shield(t) for t in pending))
 
     async def _fetch(self, keys: Sequence[str]) -> None:
         fresh = await self.store.output_histograms(keys)
@@ -44,7 +65,7 @@ class HistogramCache:
     async def get(self, keys: Sequence[str]) -> dict[str, Mapping[int, int]]:
         missing = [k for k in keys if k not in self._data]
         if missing:
-            await self._fetch(missing)
+            await self._fetch_cold(missing)
         now = time.monotonic()
         stale = [k for k in keys if now - self._fetched_at.get(k, 0.0) > self.refresh_s]
         if stale and not self._refreshing:

@@ -58,6 +58,14 @@ RESUMED_HEADER = "X-Resumed-Output-Tokens"
 DecodeResponse = aiohttp.ClientResponse | SpliceResponse
 
 
+def _client_request_id(value: str | None) -> str:
+    """The client's X-Request-Id when it is a sane token (visible ASCII, at most 128
+    characters: it goes into upstream headers, logs and the ledger), else one of ours."""
+    if value and len(value) <= 128 and value.isascii() and value.isprintable() and " " not in value:
+        return value
+    return f"dr-{uuid.uuid4().hex}"
+
+
 class RequestFlow:
     """Serves one validated request. `run()` returns the response; `cleanup()` runs after."""
 
@@ -65,7 +73,7 @@ class RequestFlow:
         self.gw = gw
         self.parsed = parsed
         self.http = http
-        self.request_id = http.headers.get("X-Request-Id") or f"dr-{uuid.uuid4().hex}"
+        self.request_id = _client_request_id(http.headers.get("X-Request-Id"))
         self.started = gw.clock()
         self.info: RequestInfo | None = None
         self.attempt: Attempt | None = None
@@ -120,7 +128,12 @@ class RequestFlow:
             arrival_s=self.started,
             priority=priority if isinstance(priority, int) else 0,
             prefix_hashes=self.prefixes,
-            hint_output_tokens=int(hint) if hint and hint.isdigit() else None,
+            # A hint is advisory: one that is not a plain ASCII number (`²`, `①` pass isdigit()
+            # but not int(); 5,000 digits pass neither) is ignored like a missing one, as
+            # docs/policies.md says, rather than failing a request that is otherwise fine.
+            hint_output_tokens=(
+                int(hint) if hint and len(hint) <= 9 and hint.isascii() and hint.isdigit() else None
+            ),
         )
 
     async def _estimate(self, info: RequestInfo) -> RequestInfo:
@@ -684,7 +697,17 @@ class RequestFlow:
                 "X-Request-Id": self.request_id,
             }
         )
-        await client.prepare(self.http)
+        try:
+            await client.prepare(self.http)
+        except BaseException as exc:
+            # The client left while its decode leg was being opened: abort the leg now (closing
+            # is vLLM's abort signal) instead of leaving it to stream into memory unread.
+            resp.close()
+            if not isinstance(exc, ConnectionError):
+                raise
+            gw.metrics.client_disconnects.inc()
+            self.status = 499
+            return client
         self._client = client
         sent: list[bytes] = []
         resumed = 0

@@ -94,7 +94,10 @@ class _Conn(asyncio.Protocol):
         self.keep_alive = True
         self.head: asyncio.Future[None] | None = None
         self.done: asyncio.Future[None] | None = None
-        self.body = bytearray()  # what arrived while no sink was attached
+        # What arrived while no sink was attached: at most ~HIGH_WATER, then reading pauses
+        # until a relay attaches (or the answer is closed), unless read() wants it whole.
+        self.body = bytearray()
+        self.whole = False  # read() is collecting the whole body
         self.sink: Callable[[bytes], None] | None = None
         self.on_tick: Callable[[], None] | None = None  # the relay's client check
         self.idle_s = 0.0
@@ -160,6 +163,7 @@ class _Conn(asyncio.Protocol):
         assert self.transport is not None and self.state in (_IDLE, _DONE_STATE)
         self.head, self.done = self.loop.create_future(), self.loop.create_future()
         self.state, self.status, self.sink, self.on_tick = _HEAD, 0, None, None
+        self.whole = False
         self.buf.clear()
         self.body.clear()
         self.requests += 1
@@ -180,10 +184,13 @@ class _Conn(asyncio.Protocol):
             if self.state not in (_HEAD, _LENGTH, _CHUNKED, _UNTIL_CLOSE):
                 return
         now = self.loop.time()
-        if self.seen or self.paused:  # a client too slow to read is not an idle worker
+        # A client too slow to read is not an idle worker (the server's client_stall_s bounds
+        # that client); an answer paused with no relay attached is idle: nobody will read it.
+        if self.seen or (self.paused and self.sink is not None):
             self.seen, self.last = False, now
         elif self.idle_s > 0 and now - self.last >= self.idle_s:
-            self._fail(SpliceIdleTimeout(f"no byte from the decode worker for {self.idle_s} s"))
+            what = "no relay read the answer" if self.paused else "no byte from the decode worker"
+            self._fail(SpliceIdleTimeout(f"{what} for {self.idle_s} s"))
             return
         self._arm()
 
@@ -283,8 +290,10 @@ class _Conn(asyncio.Protocol):
     def _deliver(self, payload: bytes) -> None:
         if self.sink is not None:
             self.sink(payload)
-        else:
-            self.body += payload
+            return
+        self.body += payload
+        if not self.whole and len(self.body) > HIGH_WATER:
+            self.pause()  # the worker waits (TCP back-pressure) until a relay takes it
 
     def _finish(self) -> None:
         self.state = _DONE_STATE
@@ -328,6 +337,11 @@ class _Conn(asyncio.Protocol):
             self.transport.resume_reading()
 
     @property
+    def busy(self) -> bool:
+        """A request is in flight on it (its answer not yet whole)."""
+        return self.state in (_HEAD, _LENGTH, _CHUNKED, _UNTIL_CLOSE)
+
+    @property
     def reusable(self) -> bool:
         return (
             self.state in (_IDLE, _DONE_STATE)
@@ -354,6 +368,8 @@ class SpliceResponse:
         """The whole body (Content-Length, chunked or until close)."""
         conn = self._conn
         assert conn.done is not None
+        conn.whole = True
+        conn.resume()
         await conn.done
         return bytes(conn.body)
 
@@ -579,6 +595,8 @@ async def relay_splice(
             sink(early)
         if not done.done():
             conn.sink, conn.on_tick = sink, check_client
+            if drainer is None:
+                conn.resume()  # paused while nobody read it (see _Conn.body)
         await done
     except SpliceError as exc:
         if not result.client_gone and result.upstream_error is None:

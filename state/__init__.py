@@ -1,7 +1,9 @@
 """disagg-router: state shared by router replicas (docs/design.md §5).
 
 `open_store(url)` picks the implementation: no URL means the in-process `MemoryStore`, a
-``redis://``, ``rediss://`` or ``unix://`` URL a `RedisStore` (checked with a ping).
+``redis://``, ``rediss://`` or ``unix://`` URL a `RedisStore` on one server, a
+``redis+cluster://host:port[,host:port...]`` (or ``rediss+cluster://``) URL a `RedisStore` on a
+Redis Cluster (checked with a ping).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from state.base import (
 from state.keys import DEFAULT_PREFIX, Keys
 from state.memory_store import MemoryStore
 from state.redis_store import (
+    CLUSTER_SCHEMES,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_POOL_TIMEOUT_S,
     RedisStore,
@@ -39,7 +42,7 @@ __all__ = [
     "redact_url",
 ]
 
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)
 
 
 async def open_store(
@@ -49,7 +52,8 @@ async def open_store(
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     pool_timeout_s: float = DEFAULT_POOL_TIMEOUT_S,
 ) -> StateStore:
-    """The store for `url`: `MemoryStore` when it is None or empty, else a pinged `RedisStore`.
+    """The store for `url`: `MemoryStore` when it is None or empty, else a pinged `RedisStore`
+    (on a cluster: `max_connections` per node).
 
     Raises `StoreUnavailableError` (naming the URL, password hidden) when Redis does not answer,
     and `ValueError` for a URL of another scheme.

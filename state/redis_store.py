@@ -2,8 +2,17 @@
 
 Every multi-key change is one Lua script below, registered once per store. Each script touches
 the keys of one hash tag only (see `state.keys`), so it runs on Redis Cluster too. Calls that
-span workers (usage of many decode workers, histograms of many classes) are pipelines of
-single-slot commands, not transactions.
+span workers (usage of many decode workers, histograms of many classes, the end of a request)
+are pipelines of single-slot commands, not transactions: on a cluster, one pipeline per node,
+sent at once (for `finish`, one node after the other: see `_send`; docs/scaling.md §4).
+
+One client or the other: `redis.asyncio.Redis` for one server, `redis.asyncio.RedisCluster` for
+a cluster (a ``redis+cluster://`` URL, see `from_url`). Scripts inside a pipeline are sent as
+``EVALSHA`` by hand, for both: redis-py's single-node pipeline would first ask ``SCRIPT EXISTS``
+(one more round trip per call), and its cluster pipeline refuses `evalsha` outright because it
+cannot load a missing script. Here a ``NOSCRIPT`` answer (a node restarted, or failed over to a
+replica that never saw the script) loads the scripts (on every primary of a cluster) and sends
+again just the commands that got it: a command that answered ``NOSCRIPT`` never ran.
 
 Clocks: leases, ledger times and retry buckets use the Redis server's clock (`TIME`) inside the
 scripts, so replicas whose clocks disagree still agree on which lease has expired. Every script
@@ -16,13 +25,17 @@ unix times to 0.1 ms; the scripts format scores themselves (``%.6f``) to keep mi
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
-from typing import Any, ParamSpec, TypeVar
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
+from typing import Any, Concatenate, ParamSpec, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from state.base import DecodeUsage, Finished, RetryBudgetPolicy, StoreError, StrandedEntry
 from state.keys import (
@@ -36,7 +49,11 @@ from state.keys import (
     check_policy,
 )
 
-__all__ = ["RedisStore", "StoreUnavailableError", "redact_url"]
+__all__ = ["CLUSTER_SCHEMES", "RedisStore", "StoreUnavailableError", "is_cluster_url", "redact_url"]
+
+# A cluster is named by its URL: ``redis+cluster://host:port[,host:port...]`` (``rediss+`` for
+# TLS), every listed node a seed the client may start from.
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 
 
 class StoreUnavailableError(StoreError, ConnectionError):
@@ -48,27 +65,69 @@ class StoreUnavailableError(StoreError, ConnectionError):
 # for a connection instead, up to `pool_timeout_s`, after which the call is a StoreError (503).
 # Each call holds a connection for one round trip (~0.1 ms on a LAN), so a few dozen
 # connections carry thousands of calls per second (docs/reliability.md measures it).
+# redis-py's cluster client has no blocking pool: each node's pool raises past its cap. On a
+# cluster the store itself admits at most `max_connections` calls at once (a call uses at most
+# one connection per node), and a call waits up to `pool_timeout_s` for its turn: the same
+# bound per node and the same wait as the single-node pool.
 DEFAULT_MAX_CONNECTIONS = 64
 DEFAULT_POOL_TIMEOUT_S = 2.0
+
+# What the clients raise: RedisClusterException (no node reachable, slots not covered) is not a
+# RedisError; OSError covers the sockets and TimeoutError.
+_FAILURES = (RedisError, RedisClusterException, OSError)
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
 def _store_call(
-    fn: Callable[_P, Coroutine[Any, Any, _R]],
-) -> Callable[_P, Coroutine[Any, Any, _R]]:
+    fn: Callable[Concatenate[RedisStore, _P], Coroutine[Any, Any, _R]],
+) -> Callable[Concatenate[RedisStore, _P], Coroutine[Any, Any, _R]]:
     """Redis's and the socket's failures leave a store method as one `StoreError`, so callers
     (and the router's one error mapping) have a single thing to handle."""
 
     @functools.wraps(fn)
-    async def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+    async def call(self: RedisStore, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         try:
-            return await fn(*args, **kwargs)
-        except (RedisError, OSError) as exc:
+            if self._gate is None:  # one server: its blocking pool bounds the wait
+                return await fn(self, *args, **kwargs)
+            async with self._admitted():
+                return await fn(self, *args, **kwargs)
+        except _FAILURES as exc:
             raise StoreError(f"the state store failed ({fn.__name__}): {exc!r}") from exc
 
     return call
+
+
+def is_cluster_url(url: str) -> bool:
+    return url.startswith(CLUSTER_SCHEMES)
+
+
+def _cluster_client(url: str, max_connections: int) -> RedisCluster:
+    """A `RedisCluster` for ``redis+cluster://[user:pass@]h1:p1[,h2:p2...][/0][?options]``."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.removesuffix("+cluster")
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    seeds = []
+    for host in hosts.split(","):
+        seed = urlsplit(f"{scheme}://{host}")
+        if not seed.hostname:
+            raise ValueError(f"no host in the cluster URL {redact_url(url)}")
+        seeds.append((seed.hostname, seed.port or 6379))
+    # The first seed and the options go through redis-py's own URL parsing (credentials, TLS,
+    # ?socket_timeout=...); URL options override these defaults, as for one server.
+    netloc = f"{userinfo}@{hosts.split(',')[0]}" if userinfo else hosts.split(",")[0]
+    first = urlunsplit((scheme, netloc, parts.path, parts.query, ""))
+    try:
+        return RedisCluster.from_url(
+            first,
+            startup_nodes=[ClusterNode(host, port) for host, port in seeds[1:]],
+            max_connections=max_connections,
+            socket_connect_timeout=5.0,
+            socket_timeout=10.0,
+        )
+    except RedisClusterException as exc:  # e.g. a database other than 0
+        raise ValueError(f"bad cluster URL {redact_url(url)}: {exc}") from exc
 
 
 # Shared Lua fragments: the clock, and dropping a decode worker's expired leases. Both are
@@ -360,17 +419,45 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+class _Cmd:
+    """One command of a pipeline, as sent; `script` is set for an ``EVALSHA`` (to load it
+    again after ``NOSCRIPT``), `key` is the key that places it on a cluster node."""
+
+    __slots__ = ("args", "key", "script")
+
+    def __init__(self, args: tuple[Any, ...], key: str, script: AsyncScript | None = None):
+        self.args = args
+        self.key = key
+        self.script = script
+
+    @classmethod
+    def run(cls, script: AsyncScript, keys: Sequence[str], args: Sequence[Any]) -> _Cmd:
+        return cls(("EVALSHA", script.sha, len(keys), *keys, *args), keys[0], script)
+
+    def __repr__(self) -> str:
+        return f"_Cmd({self.args[0]} {self.key})"
+
+
+def _raise_first(results: list[Any]) -> list[Any]:
+    for row in results:
+        if isinstance(row, Exception):
+            raise row
+    return results
+
+
 class RedisStore:
-    """The `StateStore` on Redis. Owns its client only when built by `from_url`."""
+    """The `StateStore` on Redis or Redis Cluster. Owns its client only when built by `from_url`."""
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: aioredis.Redis | RedisCluster,
         keys: Keys,
         clock: Callable[[], float] | None = None,
         *,
         _owns_client: bool = False,
         _url: str | None = None,
+        _max_calls: int | None = None,
+        _pool_timeout_s: float = DEFAULT_POOL_TIMEOUT_S,
     ) -> None:
         self._client = client
         self._keys = keys
@@ -379,6 +466,10 @@ class RedisStore:
         self._clock = clock
         self._owns_client = _owns_client
         self._url = _url
+        # The cluster client's bounded wait (see DEFAULT_MAX_CONNECTIONS); None: the client's
+        # own pool does it.
+        self._gate = None if _max_calls is None else asyncio.Semaphore(_max_calls)
+        self._pool_timeout_s = _pool_timeout_s
         register = client.register_script
         self._reserve = register(RESERVE_SCRIPT)
         self._renew = register(RENEW_SCRIPT)
@@ -403,8 +494,20 @@ class RedisStore:
     ) -> RedisStore:
         """A store on a client of its own (closed by `close`). Does no I/O: `ping` to check.
 
-        At most `max_connections` connections; a call finding them all busy waits up to
-        `pool_timeout_s` for one, then fails with StoreError."""
+        At most `max_connections` connections (per node on a cluster); a call finding them all
+        busy waits up to `pool_timeout_s` for one, then fails with StoreError.
+        ``redis+cluster://`` and ``rediss+cluster://`` URLs name a Redis Cluster by one or more
+        comma-separated seed nodes."""
+        if is_cluster_url(url):
+            cluster = _cluster_client(url, max_connections)
+            return cls(
+                cluster,
+                Keys(prefix),
+                _owns_client=True,
+                _url=url,
+                _max_calls=max_connections,
+                _pool_timeout_s=pool_timeout_s,
+            )
         # URL query options (e.g. ?socket_connect_timeout=1) override these defaults.
         pool = aioredis.BlockingConnectionPool.from_url(
             url,
@@ -415,6 +518,78 @@ class RedisStore:
         )
         client = aioredis.Redis.from_pool(pool)  # owns the pool: aclose() disconnects it
         return cls(client, Keys(prefix), _owns_client=True, _url=url)
+
+    @property
+    def is_cluster(self) -> bool:
+        return isinstance(self._client, RedisCluster)
+
+    @contextlib.asynccontextmanager
+    async def _admitted(self) -> AsyncIterator[None]:
+        if self._gate is None:
+            yield
+            return
+        try:
+            async with asyncio.timeout(self._pool_timeout_s):
+                await self._gate.acquire()
+        except TimeoutError:
+            raise StoreError(
+                f"no Redis connection came free within {self._pool_timeout_s} s"
+            ) from None
+        try:
+            yield
+        finally:
+            self._gate.release()
+
+    # -- pipelines ---------------------------------------------------------------------------
+    async def _pipelined(self, cmds: Sequence[_Cmd], *, independent: bool = False) -> list[Any]:
+        """The answers to `cmds` in order, an Exception in the place of a command that failed.
+
+        `independent`: on a cluster, a node that cannot be reached fails its own commands only
+        (the others' answers still count); raises only when no node answered."""
+        results = await self._send(cmds, independent)
+        lost = [i for i, row in enumerate(results) if isinstance(row, NoScriptError)]
+        if lost:
+            scripts = {id(cmds[i].script): cmds[i].script for i in lost}
+            for script in scripts.values():
+                if script is not None:
+                    await self._client.script_load(script.script)
+            again = await self._send([cmds[i] for i in lost], independent)
+            for i, row in zip(lost, again, strict=True):
+                results[i] = row
+        return results
+
+    async def _send(self, cmds: Sequence[_Cmd], independent: bool) -> list[Any]:
+        client = self._client
+        if not independent or not isinstance(client, RedisCluster):
+            return await self._pipeline(cmds)
+        # One pipeline per node, one node after the other: redis-py's cluster pipeline fails as
+        # a whole when one node does not answer, and then closes every connection of the client,
+        # which would cut a healthy node's pipeline sent alongside. In turn, each node's answer
+        # counts on its own (a round trip per node all the same).
+        await client.initialize()  # a no-op once the slots are known
+        groups: dict[str, list[int]] = {}
+        for i, cmd in enumerate(cmds):
+            node = client.get_node_from_key(cmd.key)
+            groups.setdefault(node.name if node else "", []).append(i)
+        results: list[Any] = [None] * len(cmds)
+        errors: list[Exception] = []
+        for idx in groups.values():
+            try:
+                rows = await self._pipeline([cmds[i] for i in idx])
+            except _FAILURES as exc:
+                errors.append(exc)
+                rows = [exc] * len(idx)
+            for i, row in zip(idx, rows, strict=True):
+                results[i] = row
+        if len(errors) == len(groups):
+            raise errors[0]
+        return results
+
+    async def _pipeline(self, cmds: Sequence[_Cmd]) -> list[Any]:
+        async with self._client.pipeline(transaction=False) as pipe:
+            for cmd in cmds:
+                pipe.execute_command(*cmd.args)
+            return list(await pipe.execute(raise_on_error=False))
 
     @property
     def keys(self) -> Keys:
@@ -491,10 +666,8 @@ class RedisStore:
         if not ids:
             return {}
         now = self._now()
-        async with self._client.pipeline(transaction=False) as pipe:
-            for worker_id in ids:
-                await self._usage(keys=self._keys.decode_worker(worker_id), args=[now], client=pipe)
-            rows = await pipe.execute()
+        cmds = [_Cmd.run(self._usage, self._keys.decode_worker(w), [now]) for w in ids]
+        rows = _raise_first(await self._pipelined(cmds))
         return {
             worker_id: DecodeUsage(int(cap), int(reserved), int(count))
             for worker_id, (cap, reserved, count) in zip(ids, rows, strict=True)
@@ -517,10 +690,8 @@ class RedisStore:
         ids = list(dict.fromkeys(prefill_ids))
         if not ids:
             return {}
-        async with self._client.pipeline(transaction=False) as pipe:
-            for prefill_id in ids:
-                pipe.get(self._keys.stranded_sum(prefill_id))
-            sums = await pipe.execute()
+        keys = [self._keys.stranded_sum(p) for p in ids]
+        sums = _raise_first(await self._pipelined([_Cmd(("GET", k), k) for k in keys]))
         return {p: int(s or 0) for p, s in zip(ids, sums, strict=True)}
 
     @_store_call
@@ -541,25 +712,27 @@ class RedisStore:
         record: tuple[Sequence[str], int] | None = None,
     ) -> Finished:
         # A pipeline, not a transaction: the steps touch different hash tags (slots), and one
-        # step's error (say a key of the wrong type) must not stop the others.
+        # step's error (say a key of the wrong type, or on a cluster a node that is down) must
+        # not stop the others.
         steps: list[str] = []
-        async with self._client.pipeline(transaction=False) as pipe:
-            if release is not None:
-                worker_id, reservation_id = release
-                keys = self._keys.decode_worker(worker_id)
-                await self._release(keys=keys, args=[self._now(), reservation_id], client=pipe)
-                steps.append("release")
-            if unstrand is not None:
-                prefill_id, request_id = unstrand
-                keys = self._keys.stranded_worker(prefill_id)
-                await self._unstrand(keys=keys, args=[request_id], client=pipe)
-                steps.append("unstrand")
-            if record is not None:
-                class_keys, bucket = record
-                for class_key in class_keys:
-                    pipe.hincrby(self._keys.output_stats(class_key), str(int(bucket)), 1)
-                    steps.append("record")
-            rows = await pipe.execute(raise_on_error=False) if steps else []
+        cmds: list[_Cmd] = []
+        if release is not None:
+            worker_id, reservation_id = release
+            keys = self._keys.decode_worker(worker_id)
+            cmds.append(_Cmd.run(self._release, keys, [self._now(), reservation_id]))
+            steps.append("release")
+        if unstrand is not None:
+            prefill_id, request_id = unstrand
+            keys = self._keys.stranded_worker(prefill_id)
+            cmds.append(_Cmd.run(self._unstrand, keys, [request_id]))
+            steps.append("unstrand")
+        if record is not None:
+            class_keys, bucket = record
+            for class_key in class_keys:
+                key = self._keys.output_stats(class_key)
+                cmds.append(_Cmd(("HINCRBY", key, str(int(bucket)), 1), key))
+                steps.append("record")
+        rows = await self._pipelined(cmds, independent=True) if cmds else []
         outcome: dict[str, Any] = {"record": True}
         for step, row in zip(steps, rows, strict=True):
             if step == "record":
@@ -606,20 +779,18 @@ class RedisStore:
             return
         # One HINCRBY per class: each is atomic on its own and the classes live in different
         # slots, so a pipeline (not a transaction) is all that is needed.
-        async with self._client.pipeline(transaction=False) as pipe:
-            for class_key in class_keys:
-                pipe.hincrby(self._keys.output_stats(class_key), str(int(bucket)), 1)
-            await pipe.execute()
+        keys = [self._keys.output_stats(c) for c in class_keys]
+        _raise_first(
+            await self._pipelined([_Cmd(("HINCRBY", k, str(int(bucket)), 1), k) for k in keys])
+        )
 
     @_store_call
     async def output_histograms(self, class_keys: Sequence[str]) -> dict[str, Mapping[int, int]]:
         keys = list(dict.fromkeys(class_keys))
         if not keys:
             return {}
-        async with self._client.pipeline(transaction=False) as pipe:
-            for class_key in keys:
-                pipe.hgetall(self._keys.output_stats(class_key))
-            rows = await pipe.execute()
+        names = [self._keys.output_stats(c) for c in keys]
+        rows = _raise_first(await self._pipelined([_Cmd(("HGETALL", k), k) for k in names]))
         return {
             class_key: {int(b): int(n) for b, n in row.items()}
             for class_key, row in zip(keys, rows, strict=True)
@@ -651,15 +822,16 @@ class RedisStore:
 
     async def ping(self) -> bool:
         try:
-            return bool(await self._client.ping())
-        except (RedisError, OSError):
+            async with self._admitted():
+                return bool(await self._client.ping())
+        except (*_FAILURES, StoreError):
             return False
 
     async def ensure_reachable(self) -> None:
         """Ping, raising `StoreUnavailableError` (URL shown, password hidden) if Redis is silent."""
         try:
             await self._client.ping()
-        except (RedisError, OSError) as exc:
+        except _FAILURES as exc:
             where = redact_url(self._url) if self._url else _describe(self._client)
             raise StoreUnavailableError(f"Redis at {where} did not answer: {exc}") from exc
 
@@ -676,7 +848,9 @@ class RedisStore:
         )
 
 
-def _describe(client: aioredis.Redis) -> str:
+def _describe(client: aioredis.Redis | RedisCluster) -> str:
+    if isinstance(client, RedisCluster):
+        return "cluster:" + ",".join(n.name for n in client.startup_nodes)
     kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
     if "path" in kwargs:
         return f"unix:{kwargs['path']}"

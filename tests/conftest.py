@@ -19,6 +19,7 @@ from aiohttp import web
 
 from router.app import GATEWAY, create_app
 from router.config import Settings, settings_from_mapping
+from router.server import serving
 from sim.worker import WorkerConfig, running_worker
 
 REDIS_URL = os.environ.get("DISAGG_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -60,16 +61,10 @@ async def redis_prefix() -> AsyncIterator[str]:
 
 @contextlib.asynccontextmanager
 async def running_router(settings: Settings) -> AsyncIterator[tuple[str, web.Application]]:
+    """The router as the CLI serves it (router/server.py: client-side bounds included)."""
     app = create_app(settings)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield f"http://127.0.0.1:{port}", app
-    finally:
-        await runner.cleanup()
+    async with serving(app, "127.0.0.1", 0, settings.timeouts) as runner:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}", app
 
 
 @dataclass

@@ -1,9 +1,12 @@
-"""One conformance suite for both state stores (docs/design.md §5): `MemoryStore` and `RedisStore`.
+"""One conformance suite for both state stores (docs/design.md §5): `MemoryStore` and `RedisStore`,
+the latter on one server and on a Redis Cluster.
 
 Redis tests use the real server on 127.0.0.1:6379, each under its own key prefix
-(``test:<uuid>:``), and delete their keys afterwards. Leases are real and short on both stores;
-where a test needs to step time exactly (ages, budget windows) it injects a clock into either
-store, which exercises the Redis scripts' ``ARGV[1]`` clock path too.
+(``test:<uuid>:``), and delete their keys afterwards. The "cluster" variants run on a private
+3-node cluster started once per session (tests/redis_cluster.py), skipped without redis-server.
+Leases are real and short on every store; where a test needs to step time exactly (ages, budget
+windows) it injects a clock into the store, which exercises the Redis scripts' ``ARGV[1]``
+clock path too.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
 from state import (
@@ -33,6 +37,9 @@ from state import (
     redact_url,
 )
 from state.keys import RETRY_TTL_S
+from tests.redis_cluster import PrivateRedisCluster, redis_cluster
+
+__all__ = ["redis_cluster"]  # the session fixture, imported so the "cluster" variants find it
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 LONG = 60.0  # a lease no test outlives
@@ -56,7 +63,8 @@ class SteppedClock:
         return f"SteppedClock(now={self.now})"
 
 
-async def _delete_prefix(client: aioredis.Redis, prefix: str) -> None:
+async def _delete_prefix(client: aioredis.Redis | RedisCluster, prefix: str) -> None:
+    # On a cluster, SCAN visits every primary and DEL is split by slot.
     keys = [key async for key in client.scan_iter(match=f"{prefix}*", count=500)]
     if keys:
         await client.delete(*keys)
@@ -68,10 +76,17 @@ def prefix() -> str:
 
 
 @asynccontextmanager
-async def _redis(prefix: str) -> AsyncIterator[aioredis.Redis]:
+async def _redis(
+    prefix: str, cluster: PrivateRedisCluster | None = None
+) -> AsyncIterator[aioredis.Redis | RedisCluster]:
     # The client's default connection pool opens a connection per concurrent command, so the
     # race tests really interleave scripts on the server.
-    client = aioredis.Redis.from_url(REDIS_URL)
+    client: aioredis.Redis | RedisCluster
+    if cluster is None:
+        client = aioredis.Redis.from_url(REDIS_URL)
+    else:
+        host, port = cluster.seed
+        client = RedisCluster(host=host, port=port)
     try:
         yield client
     finally:
@@ -79,22 +94,32 @@ async def _redis(prefix: str) -> AsyncIterator[aioredis.Redis]:
         await client.aclose()
 
 
-@pytest.fixture
-async def redis_client(prefix: str) -> AsyncIterator[aioredis.Redis]:
-    async with _redis(prefix) as client:
+def _cluster_of(request: pytest.FixtureRequest) -> PrivateRedisCluster | None:
+    """The session's cluster for a "cluster" variant (started on first use), else None."""
+    if request.param != "cluster":
+        return None
+    cluster: PrivateRedisCluster = request.getfixturevalue("redis_cluster")
+    return cluster
+
+
+@pytest.fixture(params=["redis", "cluster"])
+async def redis_client(
+    request: pytest.FixtureRequest, prefix: str
+) -> AsyncIterator[aioredis.Redis | RedisCluster]:
+    async with _redis(prefix, _cluster_of(request)) as client:
         yield client
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 async def store(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[StateStore]:
     if request.param == "memory":
         yield MemoryStore()
         return
-    async with _redis(prefix) as client:
+    async with _redis(prefix, _cluster_of(request)) as client:
         yield RedisStore(client, Keys(prefix))
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 async def clocked(
     request: pytest.FixtureRequest, prefix: str
 ) -> AsyncIterator[tuple[StateStore, SteppedClock]]:
@@ -102,7 +127,7 @@ async def clocked(
     if request.param == "memory":
         yield MemoryStore(clock=clock), clock
         return
-    async with _redis(prefix) as client:
+    async with _redis(prefix, _cluster_of(request)) as client:
         yield RedisStore(client, Keys(prefix), clock=clock), clock
 
 
@@ -400,7 +425,7 @@ async def test_bad_arguments_are_rejected_alike(store: StateStore) -> None:
 
 
 async def test_memory_and_redis_agree_on_random_operations(
-    redis_client: aioredis.Redis, prefix: str
+    redis_client: aioredis.Redis | RedisCluster, prefix: str
 ) -> None:
     keys = Keys(prefix)
     stores: list[StateStore] = [MemoryStore(), RedisStore(redis_client, keys)]
@@ -477,7 +502,7 @@ async def test_two_replicas_share_reservations_and_budget(prefix: str) -> None:
 
 
 async def test_each_script_touches_one_cluster_slot(
-    redis_client: aioredis.Redis, prefix: str
+    redis_client: aioredis.Redis | RedisCluster, prefix: str
 ) -> None:
     store = RedisStore(redis_client, Keys(prefix))
     await store.set_capacity("d1", 10)
@@ -498,7 +523,9 @@ async def test_each_script_touches_one_cluster_slot(
     assert len(found) == 4 + 4 + 3 + 2 + 2
 
 
-async def test_retry_buckets_expire_when_quiet(redis_client: aioredis.Redis, prefix: str) -> None:
+async def test_retry_buckets_expire_when_quiet(
+    redis_client: aioredis.Redis | RedisCluster, prefix: str
+) -> None:
     keys = Keys(prefix)
     store = RedisStore(redis_client, keys)
     await store.note_request()
@@ -508,7 +535,7 @@ async def test_retry_buckets_expire_when_quiet(redis_client: aioredis.Redis, pre
 
 
 async def test_retry_buckets_pruned_past_retention(
-    redis_client: aioredis.Redis, prefix: str
+    redis_client: aioredis.Redis | RedisCluster, prefix: str
 ) -> None:
     clock = SteppedClock()
     keys = Keys(prefix)
@@ -632,7 +659,7 @@ async def test_finish_releases_unstrands_and_records_in_one_call(store: StateSto
 
 
 async def test_finish_step_failures_do_not_stop_the_others(
-    redis_client: aioredis.Redis, prefix: str
+    redis_client: aioredis.Redis | RedisCluster, prefix: str
 ) -> None:
     """A step that fails in Redis (here: a key of the wrong type) is reported as failed while
     the other steps still happen: the reservation is freed whatever the ledger does."""
@@ -673,7 +700,7 @@ async def test_marker_reveals_a_store_that_lost_its_data(
 
 
 async def test_marker_missing_after_redis_lost_the_keys(
-    redis_client: aioredis.Redis, prefix: str
+    redis_client: aioredis.Redis | RedisCluster, prefix: str
 ) -> None:
     store = RedisStore(redis_client, Keys(prefix))
     assert await store.check_marker(30.0)
