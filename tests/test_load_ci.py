@@ -20,8 +20,6 @@ from bench.loadclient import make_request, new_session, send
 from bench.procs import ClusterSpec
 from tests.conftest import REDIS_URL
 
-AWAITING = pytest.mark.xfail(strict=False, reason="awaiting store hardening on main")
-
 
 def _spec(redis_prefix: str, *, stream: bool) -> LoadSpec:
     cluster = ClusterSpec(redis="shared", shared_redis_url=REDIS_URL, key_prefix=redis_prefix)
@@ -38,7 +36,6 @@ def _spec(redis_prefix: str, *, stream: bool) -> LoadSpec:
 
 
 @pytest.mark.slow
-@AWAITING
 @pytest.mark.timeout(300)
 async def test_burst_of_500_streams_all_exact_and_nothing_left(redis_prefix: str) -> None:
     report = await run(_spec(redis_prefix, stream=True))
@@ -48,7 +45,6 @@ async def test_burst_of_500_streams_all_exact_and_nothing_left(redis_prefix: str
 
 
 @pytest.mark.slow
-@AWAITING
 @pytest.mark.timeout(300)
 async def test_burst_of_500_whole_answers_all_exact_and_nothing_left(redis_prefix: str) -> None:
     report = await run(_spec(redis_prefix, stream=False))
