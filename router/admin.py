@@ -139,6 +139,7 @@ async def register_worker(request: web.Request) -> web.Response:
     if spec.is_decode:
         await gw.store.set_capacity(spec.id, spec.capacity_blocks)
     state = gw.pools.add(spec, dynamic=True, registration=registration)
+    await gw.pools.probe(gw.session, state)  # in rotation now if it answers, else when it does
     return _json(describe(gw, state), status=201)
 
 

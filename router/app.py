@@ -120,8 +120,8 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
     except RouterError as err:
         status = err.status
         raise
-    except StoreError:
-        status = 503
+    except StoreError as exc:
+        status = as_router_error(exc).status  # type: ignore[union-attr]
         raise
     except asyncio.CancelledError:
         status = 499  # the client went away
@@ -332,7 +332,7 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
         pools.on_store_reset = on_store_reset
         await pools.register_capacities()
         await _learn_mooncake_engines(pools, session)
-        await pools.sync_registry()
+        await pools.sync_registry(session)
         # Before serving: whatever does not answer yet is retried by the health prober.
         await asyncio.gather(*(
             pools.discover_layout(session, w) for w in pools.workers.values() if not w.layout_known
@@ -348,7 +348,7 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
         tasks.loop(pools.run_refresher(gw.admission.notify), "pools-refresh")
         tasks.loop(_reap_stranded(gw), "stranded-reaper")
         tasks.loop(pools.run_health_prober(session), "health-probe")
-        tasks.loop(pools.run_registry_sync(), "registry-sync")
+        tasks.loop(pools.run_registry_sync(session), "registry-sync")
         tasks.loop(pools.run_load_poller(session), "load-poller")
         tasks.loop(gw.leases.run(), "lease-keeper")
         tasks.loop(_tally_requests(gw), "retry-tally")

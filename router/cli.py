@@ -34,6 +34,7 @@ async def run_app_until_signal(
     port: int,
     *,
     timeouts: Timeouts | None = None,
+    backlog: int = 4096,
     on_ready: Callable[[list[Any]], None] | None = None,
 ) -> None:
     """Serve `app` until SIGINT/SIGTERM, then shut down gracefully (streams drain first).
@@ -47,7 +48,9 @@ async def run_app_until_signal(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with serving(app, host, port, timeouts or Timeouts(), shutdown_timeout=10.0) as runner:
+    async with serving(
+        app, host, port, timeouts or Timeouts(), shutdown_timeout=10.0, backlog=backlog
+    ) as runner:
         if on_ready is not None:
             on_ready(runner.addresses)
         await stop.wait()
@@ -79,13 +82,36 @@ def _serve(ns: argparse.Namespace) -> int:
             flush=True,
         )
 
+    _raise_open_files_limit()
     _use_uvloop()
     asyncio.run(
         run_app_until_signal(
-            app, settings.host, settings.port, timeouts=settings.timeouts, on_ready=ready
+            app,
+            settings.host,
+            settings.port,
+            timeouts=settings.timeouts,
+            backlog=settings.listen_backlog,
+            on_ready=ready,
         )
     )
     return 0
+
+
+def _raise_open_files_limit() -> None:
+    """Each stream holds a client socket and a decode-worker socket: the common default of
+    1,024 open files would cap a router near 500 streams. Raise the soft limit to the hard one
+    (what the operator allows), as servers do."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            pass  # keep what we have
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -141,9 +141,12 @@ class Settings:
     redis_url: str | None = None  # None = in-process store (single router only)
     key_prefix: str = "dr:"
     # Connections to Redis: at most this many; a call finding them all busy waits up to
-    # redis_pool_timeout_s, then the request gets a 503 (docs/reliability.md sizes them).
+    # redis_pool_timeout_s, then the request is shed with 429 (docs/reliability.md).
     redis_max_connections: int = 64
-    redis_pool_timeout_s: float = 2.0
+    redis_pool_timeout_s: float = 10.0
+    # The listening socket's accept queue: a burst of connections beyond it is dropped by the
+    # kernel and retried by clients after 1, 2, 4... s (the kernel caps it at somaxconn).
+    listen_backlog: int = 4096
     policy: str = "two_sided"
     policy_args: Mapping[str, Any] = field(default_factory=dict)
     estimator: str = "online_quantile"

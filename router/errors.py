@@ -14,7 +14,8 @@
 Errors are mapped to responses in exactly one place (`router.app`'s middleware); code that
 catches a foreign exception converts it here with `raise ... from exc`. The one foreign error
 mapped rather than converted is the state store's `StoreError`, which can rise from any store
-call: `as_router_error` turns it into a 503 (the middleware, and a stream's error frame).
+call: `as_router_error` turns it into a 503 — or a 429 for `StoreBusy`, the router's own
+overload — for the middleware and a stream's error frame alike.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from state.base import StoreError
+from state.base import StoreBusy, StoreError
 
 __all__ = [
     "RouterError",
@@ -146,6 +147,12 @@ def as_router_error(exc: BaseException) -> RouterError | None:
     which names hosts, stays in the log), None for anything else (a bug: the caller's 500)."""
     if isinstance(exc, RouterError):
         return exc
+    if isinstance(exc, StoreBusy):
+        return NoCapacity(
+            "the router is overloaded (no state-store connection came free in time); retry",
+            retry_after_s=1.0,
+            code="router_overloaded",
+        )
     if isinstance(exc, StoreError):
         return Unavailable(
             "the router's shared state store is unavailable; retry shortly",

@@ -88,6 +88,7 @@ class RequestFlow:
         self._deadline: Any = None
         self._first_token_seen = False
         self._client: web.StreamResponse | None = None  # once the client's stream has started
+        self._settled = False  # released and recorded (settle)
         # Asked for whole, streamed from the decode worker and assembled (router/assemble.py).
         self.assembling = (
             not parsed.stream and gw.settings.assemble_non_streaming and streamable(parsed.body)
@@ -540,8 +541,13 @@ class RequestFlow:
             # The relay keeps every whole event it passes on (`result.chunks`): the answer is
             # assembled from those, so the sink keeps nothing.
             worker, result = await self._relay_decode(attempt, resp, DISCARD, 0, prompt_tokens)
-            if result.completed:
-                whole = assemble(result.chunks, chat)
+            whole = assemble(result.chunks, chat) if result.completed else None
+            if isinstance(whole, dict) and not whole["choices"]:
+                # A stream that ended well but spelled no answer (events that do not parse):
+                # nothing reached the client, so it is retried like a broken one.
+                result.completed, result.error_kind = False, "malformed"
+                result.upstream_error = "the decode stream held no answer that parses"
+            elif whole is not None:
                 if not isinstance(whole, dict):  # a 4xx the worker reported in the stream
                     raise UpstreamRejected(
                         whole.status or 400,
@@ -722,6 +728,9 @@ class RequestFlow:
                 return client
             if result.completed:
                 self.output_tokens = resumed + result.tokens
+                # The decode worker is done with the sequence: give its room back now, not
+                # once a slow client has taken the last bytes from our send buffer.
+                await asyncio.shield(self.settle())
                 try:
                     await client.write_eof()
                 except (ConnectionError, RuntimeError):
@@ -830,7 +839,12 @@ class RequestFlow:
             if gw.admission.waiting:
                 gw.admission.notify()
 
-    async def cleanup(self) -> None:
+    async def settle(self) -> None:
+        """Release what the request holds and record its output length: once (the stream does
+        it as soon as the decode is over; `cleanup` for every other ending)."""
+        if self._settled:
+            return
+        self._settled = True
         gw = self.gw
         try:
             record = None
@@ -846,6 +860,11 @@ class RequestFlow:
             await self.release_attempt(record)
         except Exception:  # a bug: the reservation's lease still frees it, but say so loudly
             log.exception("cleanup of %s failed (its lease will expire)", self.request_id)
+
+    async def cleanup(self) -> None:
+        gw = self.gw
+        try:
+            await self.settle()
         finally:
             if self.admitted:
                 self.admitted = False

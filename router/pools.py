@@ -122,6 +122,9 @@ class Pools:
             registration=registration,
             breaker=CircuitBreaker(self.settings.breaker),
             layout_known=not spec.discover_layout,
+            # A worker that joins at run time enters rotation once a health probe passes
+            # (the admin API probes it at once; other replicas' probers within an interval).
+            healthy=not dynamic,
         )
         self.workers[spec.id] = state
         return state
@@ -147,12 +150,15 @@ class Pools:
         s = self.settings
         return parse_worker(raw, s.default_perf, s.default_layout, "registration")
 
-    async def sync_registry(self) -> None:
-        """Adopt workers registered (or removed) through any replica's admin API."""
+    async def sync_registry(self, session: aiohttp.ClientSession | None = None) -> None:
+        """Adopt workers registered (or removed) through any replica's admin API; with a
+        `session`, a newly adopted worker is probed at once (it enters rotation when it
+        answers)."""
         # A store that lost its data has lost the registry too: put ours back first, or every
         # dynamic worker would look removed.
         await self.check_store()
         registered = await self.store.registered_workers()
+        joined: list[WorkerState] = []
         for wid, blob in registered.items():
             try:
                 spec = self.parse_registration(orjson.loads(blob))
@@ -161,7 +167,7 @@ class Pools:
                 continue
             current = self.workers.get(wid)
             if current is None or (current.dynamic and current.spec != spec):
-                self.add(spec, dynamic=True, registration=blob)
+                joined.append(self.add(spec, dynamic=True, registration=blob))
                 if spec.is_decode:
                     await self.store.set_capacity(spec.id, spec.capacity_blocks)
                 log.info("worker %s (%s) joined the pools", wid, spec.role)
@@ -171,12 +177,14 @@ class Pools:
         for wid in gone:
             self.remove(wid)
             log.info("worker %s left the pools", wid)
+        if session is not None and joined:
+            await asyncio.gather(*(self.probe(session, w) for w in joined))
 
-    async def run_registry_sync(self) -> None:
+    async def run_registry_sync(self, session: aiohttp.ClientSession | None = None) -> None:
         while True:
             await asyncio.sleep(self.settings.registry_refresh_s)
             try:
-                await self.sync_registry()
+                await self.sync_registry(session)
             except asyncio.CancelledError:
                 raise
             except StoreError as exc:  # the refresher reports the outage once

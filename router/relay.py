@@ -25,6 +25,8 @@ __all__ = [
     "split_at_error",
     "NO_FIRST_EVENT",
     "ERROR_EVENT",
+    "MALFORMED_FIRST_EVENT",
+    "malformed",
 ]
 
 _DONE = b"data: [DONE]"
@@ -50,6 +52,24 @@ class RelayResult:
 
 NO_FIRST_EVENT = "no first token before the KV handoff deadline (the KV is presumed lost)"
 ERROR_EVENT = "decode worker reported an error mid-stream"
+MALFORMED_FIRST_EVENT = "decode worker's first event is not a JSON object"
+
+
+def malformed(data: bytes) -> bool:
+    """True if a data line of these whole events is not a JSON object (`[DONE]` and comments
+    aside). Run on the first forwarded piece only: a worker that answers 200 with garbage does
+    so from the start (a broken engine, a proxy's error page), and nothing has reached the
+    client then, so the request is retried; parsing every event would cost CPU per token."""
+    for line in data.split(b"\n"):
+        payload = sse_data(line)
+        if payload is None or payload == b"[DONE]":
+            continue
+        try:
+            if not isinstance(orjson.loads(payload), dict):
+                return True
+        except orjson.JSONDecodeError:
+            return True
+    return False
 
 
 def split_at_error(data: bytes) -> tuple[bytes, WorkerError | None]:
@@ -133,6 +153,9 @@ async def relay_sse(
                     continue
                 data, pending = data[: end + 2], data[end + 2 :]
             data, error = split_at_error(data)
+            if data and result.first_token_at is None and malformed(data):
+                result.upstream_error, result.error_kind = MALFORMED_FIRST_EVENT, "malformed"
+                return result
             if data:
                 if result.first_token_at is None:
                     result.first_token_at = clock()

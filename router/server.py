@@ -340,13 +340,16 @@ async def serving(
     timeouts: Timeouts,
     *,
     shutdown_timeout: float = 10.0,
+    backlog: int = 4096,
 ) -> AsyncIterator[RouterRunner]:
     """Serve `app` on `host:port` (0: any free port, see `runner.addresses`) until exit; then
     shut down gracefully (streams drain for up to `shutdown_timeout`)."""
     runner = RouterRunner(app, timeouts, shutdown_timeout=shutdown_timeout)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        # aiohttp's default accept queue is 128: a burst of clients beyond it is dropped by the
+        # kernel and each retries its handshake after 1, 2, 4, 8... s.
+        await web.TCPSite(runner, host, port, backlog=backlog).start()
         yield runner
     finally:
         await runner.cleanup()

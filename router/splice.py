@@ -38,7 +38,15 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 
-from router.relay import ERROR_EVENT, NO_FIRST_EVENT, RelayResult, count_tokens, split_at_error
+from router.relay import (
+    ERROR_EVENT,
+    MALFORMED_FIRST_EVENT,
+    NO_FIRST_EVENT,
+    RelayResult,
+    count_tokens,
+    malformed,
+    split_at_error,
+)
 
 __all__ = [
     "SpliceError",
@@ -565,6 +573,10 @@ async def relay_splice(
             if not data:
                 return
         if result.first_token_at is None:
+            if malformed(data):
+                result.upstream_error, result.error_kind = MALFORMED_FIRST_EVENT, "malformed"
+                conn._fail(SpliceDisconnected("the worker's first event is malformed"))
+                return
             result.first_token_at = clock()
             if on_first_token is not None:
                 on_first_token()

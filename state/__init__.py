@@ -13,6 +13,7 @@ from state.base import (
     Finished,
     RetryBudgetPolicy,
     StateStore,
+    StoreBusy,
     StoreError,
     StrandedEntry,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "RedisStore",
     "RetryBudgetPolicy",
     "StateStore",
+    "StoreBusy",
     "StoreError",
     "StoreUnavailableError",
     "StrandedEntry",

@@ -25,6 +25,7 @@ __all__ = [
     "StrandedEntry",
     "RetryBudgetPolicy",
     "StateStore",
+    "StoreBusy",
     "StoreError",
 ]
 
@@ -33,6 +34,12 @@ class StoreError(Exception):
     """A store call failed: the store is unreachable, timed out, its connection pool stayed
     full past its timeout, or it answered with an error. The router answers 503 with
     Retry-After (router.errors maps it); nothing the call was to record may be assumed."""
+
+
+class StoreBusy(StoreError):
+    """No store connection came free within the pool's wait: the store answers, but this
+    router has more calls in flight than connections — an overload of the router, shed with
+    429 + Retry-After like any other (the call was not sent)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +63,8 @@ class StrandedEntry:
 
 @dataclass(frozen=True, slots=True)
 class RetryBudgetPolicy:
-    """Finagle-style budget: retries allowed while retries <= ratio * requests + min_per_s * window."""
+    """Finagle-style budget: retries are allowed while
+    retries <= ratio * requests + min_per_s * window."""
 
     ratio: float = 0.2
     min_per_s: float = 10.0

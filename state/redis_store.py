@@ -35,9 +35,17 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
-from state.base import DecodeUsage, Finished, RetryBudgetPolicy, StoreError, StrandedEntry
+from state.base import (
+    DecodeUsage,
+    Finished,
+    RetryBudgetPolicy,
+    StoreBusy,
+    StoreError,
+    StrandedEntry,
+)
 from state.keys import (
     DEFAULT_PREFIX,
     RETRY_RETENTION_S,
@@ -62,15 +70,17 @@ class StoreUnavailableError(StoreError, ConnectionError):
 
 # Connection sizing. redis-py's asyncio pool, unbounded in waiting, RAISES once its connection
 # cap is reached: a burst of requests then fails with 500s. A blocking pool makes a burst queue
-# for a connection instead, up to `pool_timeout_s`, after which the call is a StoreError (503).
-# Each call holds a connection for one round trip (~0.1 ms on a LAN), so a few dozen
-# connections carry thousands of calls per second (docs/reliability.md measures it).
+# for a connection instead, up to `pool_timeout_s`, after which the call is a StoreBusy (the
+# router sheds it with 429: it is overloaded, the store is not down). Each call holds a
+# connection for one round trip (~0.1 ms on a LAN), so a few dozen connections carry thousands
+# of calls per second; the wait is long (10 s) because under a burst it is the event loop, not
+# Redis, that returns connections late (docs/reliability.md measures it).
 # redis-py's cluster client has no blocking pool: each node's pool raises past its cap. On a
 # cluster the store itself admits at most `max_connections` calls at once (a call uses at most
 # one connection per node), and a call waits up to `pool_timeout_s` for its turn: the same
 # bound per node and the same wait as the single-node pool.
 DEFAULT_MAX_CONNECTIONS = 64
-DEFAULT_POOL_TIMEOUT_S = 2.0
+DEFAULT_POOL_TIMEOUT_S = 10.0
 
 # What the clients raise: RedisClusterException (no node reachable, slots not covered) is not a
 # RedisError; OSError covers the sockets and TimeoutError.
@@ -93,7 +103,13 @@ def _store_call(
                 return await fn(self, *args, **kwargs)
             async with self._admitted():
                 return await fn(self, *args, **kwargs)
+        except StoreBusy:
+            raise
         except _FAILURES as exc:
+            if isinstance(exc, RedisConnectionError) and isinstance(exc.__cause__, TimeoutError):
+                # The blocking pool's wait ran out ("No connection available."): nothing was
+                # sent, the store is not at fault.
+                raise StoreBusy(f"no Redis connection came free ({fn.__name__})") from exc
             raise StoreError(f"the state store failed ({fn.__name__}): {exc!r}") from exc
 
     return call
@@ -532,7 +548,7 @@ class RedisStore:
             async with asyncio.timeout(self._pool_timeout_s):
                 await self._gate.acquire()
         except TimeoutError:
-            raise StoreError(
+            raise StoreBusy(
                 f"no Redis connection came free within {self._pool_timeout_s} s"
             ) from None
         try:

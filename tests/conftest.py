@@ -63,7 +63,9 @@ async def redis_prefix() -> AsyncIterator[str]:
 async def running_router(settings: Settings) -> AsyncIterator[tuple[str, web.Application]]:
     """The router as the CLI serves it (router/server.py: client-side bounds included)."""
     app = create_app(settings)
-    async with serving(app, "127.0.0.1", 0, settings.timeouts) as runner:
+    async with serving(
+        app, "127.0.0.1", 0, settings.timeouts, backlog=settings.listen_backlog
+    ) as runner:
         yield f"http://127.0.0.1:{runner.addresses[0][1]}", app
 
 

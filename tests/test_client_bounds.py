@@ -282,6 +282,44 @@ async def test_a_client_that_stops_reading_loses_its_stream_and_reservation(rela
         writer.close()
 
 
+@pytest.mark.parametrize("relay", ["splice", "aiohttp"])
+async def test_the_reservation_is_given_back_when_the_decode_ends_not_when_the_client_drains(
+    relay: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole answer is in: the decode worker holds nothing more for it. A client slow to
+    take the last bytes (here: the stream's end waits until the test lets it go) must not keep
+    the room reserved meanwhile."""
+    ending = asyncio.Event()
+    write_eof = web.StreamResponse.write_eof
+
+    async def slow_eof(self: web.StreamResponse, data: bytes = b"") -> None:
+        # The router's stream only: the simulated workers answer in this process too.
+        request = self._req  # noqa: SLF001 - a test's probe
+        if request is not None and GATEWAY in request.app:
+            await ending.wait()
+        await write_eof(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write_eof", slow_eof)
+    async with sim_cluster(redis_prefix=None, relay=relay) as c:
+        reader, writer = await _connect(c)
+        writer.write(_stream_request(200, Connection="close"))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
+        assert head.startswith(b"HTTP/1.1 200")
+        await _until(_no_reservation(c), "the room given back while the stream's end waits")
+        assert not ending.is_set()
+        ending.set()
+        body = await _read_to_eof(reader)
+        assert body.endswith(b"0\r\n\r\n") and b"data: [DONE]" in body  # the whole answer
+        writer.close()
+
+
+def _no_reservation(c: SimCluster) -> Any:
+    async def check() -> bool:
+        return not c.gateway.leases.live and not any((await c.reserved_blocks()).values())
+
+    return check
+
+
 # -- 5. clients that hang up before their stream starts ----------------------------------------
 
 

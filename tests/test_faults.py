@@ -98,6 +98,9 @@ RETRIED = [
     ("prefill", {"hang": True}),
     ("decode", {"decode_fail_before_first": True}),
     ("decode", {"error_rate": 1.0, "error_status": 500}),
+    # A 200 whose first SSE event does not parse (or, whole, a body that does not): nothing
+    # has reached the client, so it is retried, never forwarded (found by the soak).
+    ("decode", {"error_rate": 1.0, "error_status": "malformed"}),
     ("decode", {"hang": True}),
 ]
 
