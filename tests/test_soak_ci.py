@@ -14,16 +14,7 @@ import pytest
 
 from bench.soak import DEFAULT_TRACE, SoakSpec, format_report, run
 
-pytestmark = [
-    pytest.mark.slow,
-    # The store hardening is merged (2d05ee0) and every other invariant holds; what still fails
-    # is the relay forwarding a decode worker's malformed answer (docs/reliability-load.md).
-    pytest.mark.xfail(
-        strict=False,
-        reason="awaiting the fix: a malformed decode answer is "
-        "relayed to the client instead of retried",
-    ),
-]
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.skipif(not DEFAULT_TRACE.is_file(), reason=f"no trace at {DEFAULT_TRACE}")
