@@ -214,6 +214,7 @@ async def metrics(request: web.Request) -> web.Response:
     m = gw.metrics
     for w in gw.pools.workers.values():
         m.worker_healthy.labels(worker=w.spec.id, role=w.spec.role).set(1 if w.healthy else 0)
+        m.worker_drained.labels(worker=w.spec.id, role=w.spec.role).set(1 if w.drained else 0)
         m.breaker_state.labels(worker=w.spec.id).set(0 if w.breaker.allows() else 1)
         if w.spec.is_decode:
             m.reserved_blocks.labels(worker=w.spec.id).set(w.reserved_blocks)

@@ -147,6 +147,12 @@ class RouterMetrics:
         self.worker_healthy = Gauge(
             p + "worker_healthy", "1 if the worker is in rotation", ["worker", "role"], registry=r
         )
+        self.worker_drained = Gauge(
+            p + "worker_drained",
+            "1 while an operator has drained the worker (no new placements)",
+            ["worker", "role"],
+            registry=r,
+        )
 
         self.store_up = Gauge(
             p + "store_up", "1 while the shared state store answers this replica", registry=r
