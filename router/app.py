@@ -31,6 +31,7 @@ from router.metrics import RouterMetrics
 from router.pools import Pools
 from router.retry_budget import RetryBudget
 from router.server import read_body
+from router.shutdown import SHUTDOWN, Shutdown
 from router.splice import SplicePool
 from state import StoreError, open_store
 
@@ -99,6 +100,7 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
     s = gw.settings
     status = 500
     try:
+        request.app[SHUTDOWN].check()  # 503 once this replica is shutting down
         _check_auth(s, request)
         if request.content_length is not None and request.content_length > s.max_body_bytes:
             raise BodyTooLarge(f"the request body is larger than {s.max_body_bytes} bytes")
@@ -111,12 +113,13 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
             chars_per_token=s.chars_per_token,
         )
         flow = RequestFlow(gw, parsed, request)
-        try:
-            resp = await flow.run()
-            status = flow.status
-            return resp
-        finally:
-            await asyncio.shield(flow.cleanup())
+        with request.app[SHUTDOWN].track(flow):
+            try:
+                resp = await flow.run()
+                status = flow.status
+                return resp
+            finally:
+                await asyncio.shield(flow.cleanup())
     except RouterError as err:
         status = err.status
         raise
@@ -193,15 +196,18 @@ async def ready(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     pools_ok, prefill, decode = _pools_usable(gw)
     store_ok = gw.pools.store_ok
+    stopping = request.app[SHUTDOWN].stopping
+    ok = pools_ok and store_ok and not stopping
     body: dict[str, object] = {
-        "status": "ready" if pools_ok and store_ok else "not_ready",
+        "status": "ready" if ok else "not_ready",
         "prefill": prefill,
         "decode": decode,
         "store": store_ok,
+        "shutting_down": stopping,
     }
     if not store_ok:
         body["store_error"] = "the shared state store does not answer"
-    return _json(body, status=200 if pools_ok and store_ok else 503)
+    return _json(body, status=200 if ok else 503)
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -239,9 +245,14 @@ async def _learn_mooncake_engines(pools: Pools, session: aiohttp.ClientSession) 
         try:
             ids = await query_engine_ids(session, target)
         except Exception as exc:
-            log.error("Mooncake prefill %s: no engine id from %s:%s/query (%s); its requests "
-                      "will fail until it is configured", spec.id, target.host,
-                      target.bootstrap_port, exc)
+            log.error(
+                "Mooncake prefill %s: no engine id from %s:%s/query (%s); its requests "
+                "will fail until it is configured",
+                spec.id,
+                target.host,
+                target.bootstrap_port,
+                exc,
+            )
             continue
         w.spec = replace(spec, engine_id=ids[min(ids)])
 
@@ -335,9 +346,13 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
         await _learn_mooncake_engines(pools, session)
         await pools.sync_registry(session)
         # Before serving: whatever does not answer yet is retried by the health prober.
-        await asyncio.gather(*(
-            pools.discover_layout(session, w) for w in pools.workers.values() if not w.layout_known
-        ))
+        await asyncio.gather(
+            *(
+                pools.discover_layout(session, w)
+                for w in pools.workers.values()
+                if not w.layout_known
+            )
+        )
         for wid in pools.unpaired():
             log.warning(
                 "worker %s has no partner with the same KV layout: it will not be "
@@ -380,6 +395,7 @@ def create_app(settings: Settings) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
     app[METRICS] = RouterMetrics()
+    app[SHUTDOWN] = Shutdown(settings.shutdown_grace_s)
     app[_POLICY] = load_policy(settings.policy, settings.policy_args)
     app[_ESTIMATOR] = load_estimator(settings.estimator, settings.estimator_args)
     app.cleanup_ctx.append(_gateway_context(settings))

@@ -186,6 +186,9 @@ class Settings:
     # Token for the admin API's write side (register / remove workers); empty = disabled.
     admin_token: Secret = Secret("")
     registry_refresh_s: float = 1.0  # how often replicas re-read the shared worker registry
+    # On SIGTERM, running requests get this long to finish; the rest end with an SSE error
+    # frame (router/shutdown.py). Below Kubernetes' default 30 s termination grace period.
+    shutdown_grace_s: float = 20.0
     load_poll_s: float = 1.0  # read workers' /metrics (vLLM) or /get_load (SGLang); 0 = off
     load_max_age_s: float = 3.0  # older load readings are not trusted (never taken as idle)
     default_perf: PerfModel | None = None  # the `perf:` profile, for workers registered later
@@ -210,6 +213,8 @@ class Settings:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
+        if self.shutdown_grace_s < 0:
+            raise ConfigError("shutdown_grace_s must be >= 0")
         if self.relay not in ("aiohttp", "splice"):
             raise ConfigError(f"relay: must be aiohttp or splice, not {self.relay!r}")
 

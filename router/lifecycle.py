@@ -14,6 +14,7 @@ closed (closing is vLLM's abort signal); a client never gets a token twice nor m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import uuid
@@ -89,6 +90,7 @@ class RequestFlow:
         self._first_token_seen = False
         self._client: web.StreamResponse | None = None  # once the client's stream has started
         self._settled = False  # released and recorded (settle)
+        self._interrupted: RouterError | None = None  # the replica shuts down (interrupt)
         # Asked for whole, streamed from the decode worker and assembled (router/assemble.py).
         self.assembling = (
             not parsed.stream and gw.settings.assemble_non_streaming and streamable(parsed.body)
@@ -506,6 +508,8 @@ class RequestFlow:
         try:
             async with asyncio.timeout_at(self._loop_deadline(first)) as deadline:
                 self._deadline = deadline
+                if self._interrupted is not None:
+                    deadline.reschedule(asyncio.get_running_loop().time())
                 body = self.parsed.body
                 if self.assembling:
                     body = stream_upstream(body)
@@ -518,16 +522,27 @@ class RequestFlow:
                     return await self._whole(attempt, resp)
                 return await self._stream(attempt, resp)
         except TimeoutError as exc:
-            gw.metrics.upstream_errors.labels(side="any", kind="deadline").inc()
-            if self._first_token_seen:
-                message = f"the request missed its total deadline ({t.total_s} s)"
-            else:
-                message = f"the request missed its deadline (time to first token {t.ttft_s} s)"
+            err = self._interrupted
+            if err is None:
+                gw.metrics.upstream_errors.labels(side="any", kind="deadline").inc()
+                if self._first_token_seen:
+                    message = f"the request missed its total deadline ({t.total_s} s)"
+                else:
+                    message = f"the request missed its deadline (time to first token {t.ttft_s} s)"
+                err = DeadlineExceeded(message)
             if self._client is None:
-                raise DeadlineExceeded(message) from exc
+                raise err from exc
             # Mid-stream: the headers are gone, so the stream ends with a valid error frame.
-            await self._write_error(self._client, DeadlineExceeded(message))
+            await self._write_error(self._client, err)
             return self._client
+
+    def interrupt(self, err: RouterError) -> None:
+        """End the request now with `err` (router/shutdown.py), by the path of a missed
+        deadline: a stream ends with an error frame and [DONE]; cleanup releases as always."""
+        self._interrupted = err
+        if self._deadline is not None:
+            with contextlib.suppress(RuntimeError):  # the timeout block is over: nothing to cut
+                self._deadline.reschedule(asyncio.get_running_loop().time())
 
     async def _assembled(
         self, attempt: Attempt, resp: DecodeResponse, body: dict[str, Any]
