@@ -27,6 +27,7 @@ from router.gateway import Gateway
 from router.histograms import HistogramCache
 from router.leases import LeaseKeeper
 from router.lifecycle import RequestFlow
+from router.logs import bind_request_id
 from router.metrics import RouterMetrics
 from router.pools import Pools
 from router.retry_budget import RetryBudget
@@ -113,6 +114,7 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
             chars_per_token=s.chars_per_token,
         )
         flow = RequestFlow(gw, parsed, request)
+        bind_request_id(flow.request_id)  # on every log line of this request (router/logs.py)
         with request.app[SHUTDOWN].track(flow):
             try:
                 resp = await flow.run()
@@ -132,6 +134,7 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
         raise
     finally:
         gw.metrics.requests.labels(route=path, status=str(status)).inc()
+        log.debug("%s answered %d", path, status)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

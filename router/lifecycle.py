@@ -206,6 +206,7 @@ class RequestFlow:
                 gw.metrics.placements.labels(
                     prefill=cand.prefill_id or "local", decode=cand.decode_id
                 ).inc()
+                log.debug("placed on %s -> %s", cand.prefill_id or "local", cand.decode_id)
                 return Attempt(cand, rid)
             gw.metrics.reserve_conflicts.inc()
         return Rejection(
