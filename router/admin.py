@@ -2,6 +2,7 @@
 
     GET    /admin/state            pools, load, reservations, admission (read-only)
     GET    /admin/workers          every worker with health, breaker, layout and pairing
+    GET    /admin/scaling          per model and pool: demand and the recommended replica count
     POST   /admin/workers          register a worker (the same fields as a config `workers:` entry,
                                    plus `discover_layout: true` to read its KV layout from it)
     DELETE /admin/workers/{id}     remove a worker registered through this API
@@ -26,6 +27,7 @@ from router.drain import set_drained
 from router.errors import InvalidRequest, RouterError, Unauthorized
 from router.gateway import Gateway
 from router.pools import WorkerState
+from router.scaling import scaling_report
 
 __all__ = ["add_admin_routes"]
 
@@ -97,6 +99,21 @@ async def admin_state(request: web.Request) -> web.Response:
 async def list_workers(request: web.Request) -> web.Response:
     gw = _gateway(request)
     return _json({"workers": [describe(gw, w) for w in gw.pools.workers.values()]})
+
+
+async def scaling(request: web.Request) -> web.Response:
+    gw = _gateway(request)
+    return _json({"slo": _slo(gw), "models": scaling_report(gw)})
+
+
+def _slo(gw: Gateway) -> dict[str, object]:
+    slo = gw.settings.scaling
+    return {
+        "ttft_slo_s": slo.ttft_slo_s,
+        "itl_slo_s": slo.itl_slo_s,
+        "utilization": slo.utilization,
+        "window_s": slo.window_s,
+    }
 
 
 async def _discovered(gw: Gateway, raw: dict[str, Any], url: str, adapter: str) -> dict[str, Any]:
@@ -207,6 +224,7 @@ async def undrain_worker(request: web.Request) -> web.Response:
 def add_admin_routes(app: web.Application) -> None:
     app.router.add_get("/admin/state", admin_state)
     app.router.add_get("/admin/workers", list_workers)
+    app.router.add_get("/admin/scaling", scaling)
     app.router.add_post("/admin/workers", register_worker)
     app.router.add_delete("/admin/workers/{worker_id}", remove_worker)
     app.router.add_post("/admin/workers/{worker_id}/drain", drain_worker)

@@ -31,6 +31,7 @@ from router.logs import bind_request_id
 from router.metrics import RouterMetrics
 from router.pools import Pools
 from router.retry_budget import RetryBudget
+from router.scaling import export_scaling, scaling_report
 from router.server import read_body
 from router.shutdown import SHUTDOWN, Shutdown
 from router.splice import SplicePool
@@ -115,6 +116,8 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
         )
         flow = RequestFlow(gw, parsed, request)
         bind_request_id(flow.request_id)  # on every log line of this request (router/logs.py)
+        model = parsed.model or s.models[0]
+        gw.demand.note_arrival(model, parsed.prompt_tokens)  # autoscaling (router/scaling.py)
         with request.app[SHUTDOWN].track(flow):
             try:
                 resp = await flow.run()
@@ -122,6 +125,7 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
                 return resp
             finally:
                 await asyncio.shield(flow.cleanup())
+                gw.demand.note_output(model, flow.output_tokens or 0)
     except RouterError as err:
         status = err.status
         raise
@@ -235,6 +239,7 @@ async def metrics(request: web.Request) -> web.Response:
     m.owed_store_steps.set(sum(len(o) for o in owed))
     m.unpaired_workers.set(len(gw.pools.unpaired()))
     m.stranded_byte_seconds.set(gw.pools.stranded_byte_seconds)
+    export_scaling(scaling_report(gw), m)
     return web.Response(body=m.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
 

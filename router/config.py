@@ -25,6 +25,7 @@ import yaml
 
 from policies.base import KVLayout
 from policies.costmodel import PerfModel, perf_model
+from policies.scaling import ScalingSLO
 from router.admission import AdmissionSettings
 from router.breaker import BreakerSettings
 
@@ -189,6 +190,8 @@ class Settings:
     # On SIGTERM, running requests get this long to finish; the rest end with an SSE error
     # frame (router/shutdown.py). Below Kubernetes' default 30 s termination grace period.
     shutdown_grace_s: float = 20.0
+    # The SLOs and headroom the autoscaling recommendation sizes each pool for (router/scaling.py).
+    scaling: ScalingSLO = field(default_factory=ScalingSLO)
     load_poll_s: float = 1.0  # read workers' /metrics (vLLM) or /get_load (SGLang); 0 = off
     load_max_age_s: float = 3.0  # older load readings are not trusted (never taken as idle)
     default_perf: PerfModel | None = None  # the `perf:` profile, for workers registered later
@@ -440,6 +443,7 @@ def settings_from_mapping(raw: Mapping[str, Any]) -> Settings:
         ("retry", RetrySettings),
         ("admission", AdmissionSettings),
         ("breaker", BreakerSettings),
+        ("scaling", ScalingSLO),
     ):
         value = raw.pop(key, None) or {}
         try:

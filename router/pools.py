@@ -55,6 +55,7 @@ class WorkerState:
     resident_seqs: int = 0  # decode streams open on this worker (this replica)
     capacity_blocks: int = 0
     reserved_blocks: int = 0  # all replicas, from the store, adjusted locally
+    reservations: int = 0  # live reservations of all replicas, at the last refresh
     # Reservations this replica has placed here and is still writing to the store: counted in
     # placement so that a burst's concurrent placements see one another instead of all taking
     # the same momentarily emptiest worker.
@@ -354,7 +355,7 @@ class Pools:
         stranded = await self.store.stranded_bytes(prefill_ids) if prefill_ids else {}
         for wid, u in usage.items():
             if (w := self.workers.get(wid)) is not None:
-                w.reserved_blocks = u.reserved_blocks
+                w.reserved_blocks, w.reservations = u.reserved_blocks, u.reservations
                 if u.capacity_blocks == 0 and w.capacity_blocks > 0:
                     # This worker's keys are gone (one shard of a cluster lost them, or the
                     # marker check has not run since): its room would read as none at all.
