@@ -35,6 +35,7 @@ from router.scaling import export_scaling, scaling_report
 from router.server import read_body
 from router.shutdown import SHUTDOWN, Shutdown
 from router.splice import SplicePool
+from router.tracing import Tracing
 from state import StoreError, open_store
 
 __all__ = ["create_app", "GATEWAY", "SETTINGS"]
@@ -342,6 +343,7 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
             splice=SplicePool(settings.upstream_connections)
             if settings.relay == "splice"
             else None,
+            tracing=Tracing(settings.tracing, app[_TRACER_PROVIDER]),
         )
         app[GATEWAY] = gw
 
@@ -395,15 +397,18 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
 
 
 _POLICY = web.AppKey("policy", object)
+_TRACER_PROVIDER = web.AppKey("tracer_provider", object)
 _ESTIMATOR = web.AppKey("estimator", object)
 
 
-def create_app(settings: Settings) -> web.Application:
-    """Build the router. Policies load (and are smoke-tested) here, so a bad plugin fails now."""
+def create_app(settings: Settings, *, tracer_provider: object = None) -> web.Application:
+    """Build the router. Policies load (and are smoke-tested) here, so a bad plugin fails now.
+    `tracer_provider`: OpenTelemetry's, when `settings.tracing` (default: the global one)."""
     app = web.Application(middlewares=[error_middleware], client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
     app[METRICS] = RouterMetrics()
     app[SHUTDOWN] = Shutdown(settings.shutdown_grace_s)
+    app[_TRACER_PROVIDER] = tracer_provider
     app[_POLICY] = load_policy(settings.policy, settings.policy_args)
     app[_ESTIMATOR] = load_estimator(settings.estimator, settings.estimator_args)
     app.cleanup_ctx.append(_gateway_context(settings))

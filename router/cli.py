@@ -75,6 +75,10 @@ def _serve(ns: argparse.Namespace) -> int:
         return 2
     # Now that the secrets are known, they are scrubbed from every line.
     configure_logging(ns.log_level, ns.log_format, secrets=secrets_of(settings))
+    if settings.tracing:
+        from router.tracing import configure_sdk
+
+        configure_sdk()
     try:
         app = create_app(settings)
     except (ConfigError, ValueError) as exc:

@@ -192,6 +192,9 @@ class Settings:
     shutdown_grace_s: float = 20.0
     # The SLOs and headroom the autoscaling recommendation sizes each pool for (router/scaling.py).
     scaling: ScalingSLO = field(default_factory=ScalingSLO)
+    # OpenTelemetry spans per request, traceparent to the workers (router/tracing.py; needs
+    # the `otel` extra).
+    tracing: bool = False
     load_poll_s: float = 1.0  # read workers' /metrics (vLLM) or /get_load (SGLang); 0 = off
     load_max_age_s: float = 3.0  # older load readings are not trusted (never taken as idle)
     default_perf: PerfModel | None = None  # the `perf:` profile, for workers registered later

@@ -20,6 +20,7 @@ from router.pools import Pools
 from router.retry_budget import RetryBudget
 from router.scaling import DemandMeter
 from router.splice import SplicePool
+from router.tracing import Tracing
 from state.base import StateStore
 
 __all__ = ["Gateway"]
@@ -43,6 +44,7 @@ class Gateway:
     clock: Callable[[], float] = time.monotonic
     splice: SplicePool | None = None  # the decode legs' raw client when settings.relay == "splice"
     demand: DemandMeter = field(init=False)  # autoscaling signals (router/scaling.py)
+    tracing: Tracing = field(default_factory=lambda: Tracing(False))  # router/tracing.py
 
     def __post_init__(self) -> None:
         self.demand = DemandMeter(self.settings.scaling.window_s, self.clock)

@@ -86,6 +86,7 @@ class RequestFlow:
         self.ticket = gw.admission.ticket()
         self.prefixes = prefix_hashes(parsed.path, parsed.body)
         self._rng = random.Random(self.request_id)
+        self.trace = gw.tracing.request(parsed.path, http.headers, self.request_id)
         self._deadline: Any = None
         self._first_token_seen = False
         self._client: web.StreamResponse | None = None  # once the client's stream has started
@@ -113,6 +114,7 @@ class RequestFlow:
             headers["Authorization"] = f"Bearer {worker.spec.api_key}"
         elif s.forward_client_auth and "Authorization" in self.http.headers:
             headers["Authorization"] = self.http.headers["Authorization"]
+        self.trace.inject(headers, "prefill" if worker.spec.role == "prefill" else "decode")
         return headers
 
     def _loop_deadline(self, flow_time: float) -> float:
@@ -292,6 +294,7 @@ class RequestFlow:
         worker.inflight += 1
         worker.recent_prefixes.add(self.prefixes)
         t0 = gw.clock()
+        self.trace.begin("prefill", worker=spec.id, prompt_tokens=prompt_tokens)
         try:
             async with asyncio.timeout(gw.settings.timeouts.prefill_s):
                 async with gw.session.post(
@@ -322,6 +325,7 @@ class RequestFlow:
             )
             raise LegFailure("prefill", spec.id, err, True) from exc
         finally:
+            self.trace.finish("prefill")
             worker.queued_prompt_tokens -= prompt_tokens
             worker.inflight -= 1
             gw.metrics.prefill_seconds.labels(worker=spec.id).observe(gw.clock() - t0)
@@ -351,6 +355,7 @@ class RequestFlow:
         # then never will, so the attempt fails (and is retried) instead of waiting out the TTFT.
         attempt.handoff_by = asyncio.get_running_loop().time() + gw.settings.kv_lease_s
         gw.pools.note_stranded(worker.spec.id, nbytes)
+        self.trace.begin("kv_handoff", prefill=worker.spec.id, kv_bytes=nbytes)
         await gw.leases.strand(worker.spec.id, self.request_id, nbytes)
         return params
 
@@ -399,6 +404,7 @@ class RequestFlow:
 
     def _kv_accepted(self, attempt: Attempt) -> None:
         """The decode worker produced output, so it holds the KV: clear the stranded entry."""
+        self.trace.finish("kv_handoff")
         if attempt.stranded_on is not None:
             prefill_id, attempt.stranded_on = attempt.stranded_on, None
             self.gw.pools.note_stranded(prefill_id, -attempt.stranded_bytes)
@@ -413,6 +419,7 @@ class RequestFlow:
         spec, t = worker.spec, gw.settings.timeouts
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, sock_read=t.idle_s)
         probe = worker.breaker.on_dispatch()
+        self.trace.begin("decode", worker=spec.id)
         resp: DecodeResponse
         try:
             if not self.assembling and gw.splice is not None and gw.splice.supports(spec.url):
@@ -461,7 +468,8 @@ class RequestFlow:
             gw.metrics.predicted_output_tokens.observe(info.reserve_output_tokens)
         while True:
             self.attempts += 1
-            attempt = self.attempt = await self.admit_and_reserve(info)
+            with self.trace.span("admission"):
+                attempt = self.attempt = await self.admit_and_reserve(info)
             attempt.grow_at_tokens = info.reserve_output_tokens
             try:
                 leg_body = body
@@ -886,3 +894,4 @@ class RequestFlow:
                 self.admitted = False
                 gw.admission.leave()
             gw.metrics.duration.observe(gw.clock() - self.started)
+            self.trace.close(self.status)
