@@ -540,10 +540,14 @@ class RequestFlow:
                     message = f"the request missed its deadline (time to first token {t.ttft_s} s)"
                 err = DeadlineExceeded(message)
             if self._client is None:
+                self.status = err.status
                 raise err from exc
             # Mid-stream: the headers are gone, so the stream ends with a valid error frame.
             await self._write_error(self._client, err)
             return self._client
+        except RouterError as err:
+            self.status = err.status  # for the trace; the middleware answers it
+            raise
 
     def interrupt(self, err: RouterError) -> None:
         """End the request now with `err` (router/shutdown.py), by the path of a missed

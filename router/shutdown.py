@@ -74,7 +74,9 @@ class Shutdown:
 
     @contextlib.contextmanager
     def track(self, flow: _Interruptible) -> Iterator[None]:
-        """Count `flow` as running, from its start to the end of its cleanup."""
+        """Count `flow` as running, from its start to the end of its cleanup. A request whose
+        body was still arriving when the shutdown began is refused here."""
+        self.check()
         self._running.add(flow)
         self._idle.clear()
         try:
