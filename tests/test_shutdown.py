@@ -139,6 +139,7 @@ async def test_sigterm_finishes_short_streams_and_ends_long_ones(
         async with kept.post(url + CHAT, json=body) as r:
             assert r.status == 503
             assert int(r.headers["Retry-After"]) >= 1
+            assert r.headers.get("Connection", "").lower() == "close"
             assert (await r.json())["error"]["code"] == "shutting_down"
         # The listening socket is closed: a new connection is refused.
         fresh = await stack.enter_async_context(aiohttp.ClientSession())
@@ -155,6 +156,9 @@ async def test_sigterm_finishes_short_streams_and_ends_long_ones(
         assert proc.stderr is not None
         stderr = (await proc.stderr.read()).decode()
         assert "Traceback" not in stderr, stderr
+        logged = [orjson.loads(line) for line in stderr.splitlines() if line.strip()]  # JSON
+        messages = [r["message"] for r in logged]
+        assert any("ending 3 requests still running" in m for m in messages), messages
 
         for n, (req, events) in zip(lengths, results, strict=True):
             assert events[-1] == b"[DONE]"

@@ -97,15 +97,17 @@ async def test_one_request_makes_a_span_tree_and_parents_the_workers() -> None:
     # The client's trace continues: the router's span is the child of the client's.
     assert format(root.context.trace_id, "032x") == CLIENT_TRACE
     assert root.parent is not None and format(root.parent.span_id, "016x") == CLIENT_PARENT
+    times = {n: (sp.start_time or 0, sp.end_time or 0) for n, sp in spans.items()}
+    r0, r1 = times["POST /v1/chat/completions"]
     for name in ("admission", "prefill", "kv_handoff", "decode"):
         child = spans[name]
         assert child.parent is not None and child.parent.span_id == root.context.span_id, name
         assert child.context.trace_id == root.context.trace_id
-        assert root.start_time <= child.start_time <= child.end_time <= root.end_time, name
-    assert spans["admission"].end_time <= spans["prefill"].start_time
-    assert spans["prefill"].end_time <= spans["kv_handoff"].start_time
-    assert spans["prefill"].attributes["worker"] == "p0"
-    assert spans["decode"].attributes["worker"] == "d0"
+        assert r0 <= times[name][0] <= times[name][1] <= r1, name
+    assert times["admission"][1] <= times["prefill"][0]
+    assert times["prefill"][1] <= times["kv_handoff"][0]
+    assert dict(spans["prefill"].attributes or {})["worker"] == "p0"
+    assert dict(spans["decode"].attributes or {})["worker"] == "d0"
     # Each worker got its own leg's span as parent (W3C traceparent), not the client's.
     for wid, leg in (("p0", "prefill"), ("d0", "decode")):
         ctx = spans[leg].context
