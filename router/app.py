@@ -232,6 +232,7 @@ async def metrics(request: web.Request) -> web.Response:
         m.breaker_state.labels(worker=w.spec.id).set(0 if w.breaker.allows() else 1)
         if w.spec.is_decode:
             m.reserved_blocks.labels(worker=w.spec.id).set(w.reserved_blocks)
+            m.capacity_blocks.labels(worker=w.spec.id).set(w.capacity_blocks)
         else:
             m.stranded_bytes.labels(worker=w.spec.id).set(w.stranded_bytes)
     m.active_reservations.set(len(gw.leases.live))

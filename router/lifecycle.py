@@ -92,6 +92,7 @@ class RequestFlow:
         self._client: web.StreamResponse | None = None  # once the client's stream has started
         self._settled = False  # released and recorded (settle)
         self._interrupted: RouterError | None = None  # the replica shuts down (interrupt)
+        self._first_token_at: float | None = None
         # Asked for whole, streamed from the decode worker and assembled (router/assemble.py).
         self.assembling = (
             not parsed.stream and gw.settings.assemble_non_streaming and streamable(parsed.body)
@@ -664,7 +665,8 @@ class RequestFlow:
         if self._first_token_seen:  # a resumed stream: TTFT was the first attempt's
             return
         self._first_token_seen = True
-        gw.metrics.ttft.observe(gw.clock() - self.started)
+        self._first_token_at = gw.clock()
+        gw.metrics.ttft.observe(self._first_token_at - self.started)
         total = self._loop_deadline(self.started + t.total_s) if t.total_s else None
         self._deadline.reschedule(total)
 
@@ -878,6 +880,10 @@ class RequestFlow:
             record = None
             if self.output_tokens is not None and self.info is not None:
                 gw.metrics.output_tokens.observe(self.output_tokens)
+                if self._first_token_at is not None and self.output_tokens > 1:
+                    gw.metrics.time_per_output_token.observe(
+                        (gw.clock() - self._first_token_at) / (self.output_tokens - 1)
+                    )
                 if self.output_tokens > 0:
                     reserved = self.info.reserve_output_tokens
                     gw.metrics.estimate_relative_error.observe(

@@ -63,6 +63,19 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
+        self.capacity_blocks = Gauge(
+            p + "decode_capacity_blocks",
+            "Decode KV capacity in blocks, per worker (what reservations count against)",
+            ["worker"],
+            registry=r,
+        )
+        self.time_per_output_token = Histogram(
+            p + "time_per_output_token_seconds",
+            "Per request: (end - first token) / (output tokens - 1), the mean inter-token "
+            "latency the client saw (observed once a request, not per token)",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1),
+            registry=r,
+        )
         self.active_reservations = Gauge(
             p + "active_reservations", "Reservations held by this replica", registry=r
         )
