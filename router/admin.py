@@ -2,9 +2,12 @@
 
     GET    /admin/state            pools, load, reservations, admission (read-only)
     GET    /admin/workers          every worker with health, breaker, layout and pairing
+    GET    /admin/scaling          per model and pool: demand and the recommended replica count
     POST   /admin/workers          register a worker (the same fields as a config `workers:` entry,
                                    plus `discover_layout: true` to read its KV layout from it)
     DELETE /admin/workers/{id}     remove a worker registered through this API
+    POST   /admin/workers/{id}/drain    no new placements on it; its running streams finish
+    POST   /admin/workers/{id}/undrain  back in use
 
 Registrations live in the shared store, so every replica adopts them within
 `registry_refresh_s`; the replica that takes the call applies it at once.
@@ -20,9 +23,11 @@ from aiohttp import web
 
 from router.auth import bearer_token, token_matches
 from router.config import ConfigError
+from router.drain import set_drained
 from router.errors import InvalidRequest, RouterError, Unauthorized
 from router.gateway import Gateway
 from router.pools import WorkerState
+from router.scaling import scaling_report
 
 __all__ = ["add_admin_routes"]
 
@@ -64,6 +69,7 @@ def describe(gw: Gateway, w: WorkerState) -> dict[str, object]:
         "layout": w.spec.layout.key if w.layout_known else None,  # None: not read yet
         "paired": w.spec.id not in unpaired,
         "dynamic": w.dynamic,
+        "drained": w.drained,
         "queued_prompt_tokens": w.queued_prompt_tokens,
         "resident_seqs": w.resident_seqs,
         "capacity_blocks": w.capacity_blocks,
@@ -93,6 +99,21 @@ async def admin_state(request: web.Request) -> web.Response:
 async def list_workers(request: web.Request) -> web.Response:
     gw = _gateway(request)
     return _json({"workers": [describe(gw, w) for w in gw.pools.workers.values()]})
+
+
+async def scaling(request: web.Request) -> web.Response:
+    gw = _gateway(request)
+    return _json({"slo": _slo(gw), "models": scaling_report(gw)})
+
+
+def _slo(gw: Gateway) -> dict[str, object]:
+    slo = gw.settings.scaling
+    return {
+        "ttft_slo_s": slo.ttft_slo_s,
+        "itl_slo_s": slo.itl_slo_s,
+        "utilization": slo.utilization,
+        "window_s": slo.window_s,
+    }
 
 
 async def _discovered(gw: Gateway, raw: dict[str, Any], url: str, adapter: str) -> dict[str, Any]:
@@ -167,8 +188,44 @@ async def remove_worker(request: web.Request) -> web.Response:
     return _json({"removed": wid})
 
 
+def _not_found(wid: str) -> web.Response:
+    return _json(
+        {
+            "error": {
+                "message": f"no worker {wid}",
+                "type": "not_found_error",
+                "param": "id",
+                "code": None,
+            }
+        },
+        404,
+    )
+
+
+async def _drain(request: web.Request, drained: bool) -> web.Response:
+    gw = _gateway(request)
+    _require_token(gw, request)
+    wid = request.match_info["worker_id"]
+    state = gw.pools.workers.get(wid)
+    if state is None:
+        return _not_found(wid)
+    changed = await set_drained(gw.store, gw.pools.workers.values(), wid, drained)
+    return _json({**describe(gw, state), "changed": changed})
+
+
+async def drain_worker(request: web.Request) -> web.Response:
+    return await _drain(request, True)
+
+
+async def undrain_worker(request: web.Request) -> web.Response:
+    return await _drain(request, False)
+
+
 def add_admin_routes(app: web.Application) -> None:
     app.router.add_get("/admin/state", admin_state)
     app.router.add_get("/admin/workers", list_workers)
+    app.router.add_get("/admin/scaling", scaling)
     app.router.add_post("/admin/workers", register_worker)
     app.router.add_delete("/admin/workers/{worker_id}", remove_worker)
+    app.router.add_post("/admin/workers/{worker_id}/drain", drain_worker)
+    app.router.add_post("/admin/workers/{worker_id}/undrain", undrain_worker)

@@ -27,11 +27,15 @@ from router.gateway import Gateway
 from router.histograms import HistogramCache
 from router.leases import LeaseKeeper
 from router.lifecycle import RequestFlow
+from router.logs import bind_request_id
 from router.metrics import RouterMetrics
 from router.pools import Pools
 from router.retry_budget import RetryBudget
+from router.scaling import export_scaling, scaling_report
 from router.server import read_body
+from router.shutdown import SHUTDOWN, Shutdown
 from router.splice import SplicePool
+from router.tracing import Tracing
 from state import StoreError, open_store
 
 __all__ = ["create_app", "GATEWAY", "SETTINGS"]
@@ -99,6 +103,7 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
     s = gw.settings
     status = 500
     try:
+        request.app[SHUTDOWN].check()  # 503 once this replica is shutting down
         _check_auth(s, request)
         if request.content_length is not None and request.content_length > s.max_body_bytes:
             raise BodyTooLarge(f"the request body is larger than {s.max_body_bytes} bytes")
@@ -111,12 +116,17 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
             chars_per_token=s.chars_per_token,
         )
         flow = RequestFlow(gw, parsed, request)
-        try:
-            resp = await flow.run()
-            status = flow.status
-            return resp
-        finally:
-            await asyncio.shield(flow.cleanup())
+        bind_request_id(flow.request_id)  # on every log line of this request (router/logs.py)
+        model = parsed.model or s.models[0]
+        gw.demand.note_arrival(model, parsed.prompt_tokens)  # autoscaling (router/scaling.py)
+        with request.app[SHUTDOWN].track(flow):
+            try:
+                resp = await flow.run()
+                status = flow.status
+                return resp
+            finally:
+                await asyncio.shield(flow.cleanup())
+                gw.demand.note_output(model, flow.output_tokens or 0)
     except RouterError as err:
         status = err.status
         raise
@@ -129,6 +139,7 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
         raise
     finally:
         gw.metrics.requests.labels(route=path, status=str(status)).inc()
+        log.debug("%s answered %d", path, status)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -193,15 +204,18 @@ async def ready(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     pools_ok, prefill, decode = _pools_usable(gw)
     store_ok = gw.pools.store_ok
+    stopping = request.app[SHUTDOWN].stopping
+    ok = pools_ok and store_ok and not stopping
     body: dict[str, object] = {
-        "status": "ready" if pools_ok and store_ok else "not_ready",
+        "status": "ready" if ok else "not_ready",
         "prefill": prefill,
         "decode": decode,
         "store": store_ok,
+        "shutting_down": stopping,
     }
     if not store_ok:
         body["store_error"] = "the shared state store does not answer"
-    return _json(body, status=200 if pools_ok and store_ok else 503)
+    return _json(body, status=200 if ok else 503)
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -214,6 +228,7 @@ async def metrics(request: web.Request) -> web.Response:
     m = gw.metrics
     for w in gw.pools.workers.values():
         m.worker_healthy.labels(worker=w.spec.id, role=w.spec.role).set(1 if w.healthy else 0)
+        m.worker_drained.labels(worker=w.spec.id, role=w.spec.role).set(1 if w.drained else 0)
         m.breaker_state.labels(worker=w.spec.id).set(0 if w.breaker.allows() else 1)
         if w.spec.is_decode:
             m.reserved_blocks.labels(worker=w.spec.id).set(w.reserved_blocks)
@@ -226,6 +241,7 @@ async def metrics(request: web.Request) -> web.Response:
     m.owed_store_steps.set(sum(len(o) for o in owed))
     m.unpaired_workers.set(len(gw.pools.unpaired()))
     m.stranded_byte_seconds.set(gw.pools.stranded_byte_seconds)
+    export_scaling(scaling_report(gw), m)
     return web.Response(body=m.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
 
@@ -239,9 +255,14 @@ async def _learn_mooncake_engines(pools: Pools, session: aiohttp.ClientSession) 
         try:
             ids = await query_engine_ids(session, target)
         except Exception as exc:
-            log.error("Mooncake prefill %s: no engine id from %s:%s/query (%s); its requests "
-                      "will fail until it is configured", spec.id, target.host,
-                      target.bootstrap_port, exc)
+            log.error(
+                "Mooncake prefill %s: no engine id from %s:%s/query (%s); its requests "
+                "will fail until it is configured",
+                spec.id,
+                target.host,
+                target.bootstrap_port,
+                exc,
+            )
             continue
         w.spec = replace(spec, engine_id=ids[min(ids)])
 
@@ -323,6 +344,7 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
             splice=SplicePool(settings.upstream_connections)
             if settings.relay == "splice"
             else None,
+            tracing=Tracing(settings.tracing, app[_TRACER_PROVIDER]),
         )
         app[GATEWAY] = gw
 
@@ -335,9 +357,13 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
         await _learn_mooncake_engines(pools, session)
         await pools.sync_registry(session)
         # Before serving: whatever does not answer yet is retried by the health prober.
-        await asyncio.gather(*(
-            pools.discover_layout(session, w) for w in pools.workers.values() if not w.layout_known
-        ))
+        await asyncio.gather(
+            *(
+                pools.discover_layout(session, w)
+                for w in pools.workers.values()
+                if not w.layout_known
+            )
+        )
         for wid in pools.unpaired():
             log.warning(
                 "worker %s has no partner with the same KV layout: it will not be "
@@ -372,14 +398,18 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
 
 
 _POLICY = web.AppKey("policy", object)
+_TRACER_PROVIDER = web.AppKey("tracer_provider", object)
 _ESTIMATOR = web.AppKey("estimator", object)
 
 
-def create_app(settings: Settings) -> web.Application:
-    """Build the router. Policies load (and are smoke-tested) here, so a bad plugin fails now."""
+def create_app(settings: Settings, *, tracer_provider: object = None) -> web.Application:
+    """Build the router. Policies load (and are smoke-tested) here, so a bad plugin fails now.
+    `tracer_provider`: OpenTelemetry's, when `settings.tracing` (default: the global one)."""
     app = web.Application(middlewares=[error_middleware], client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
     app[METRICS] = RouterMetrics()
+    app[SHUTDOWN] = Shutdown(settings.shutdown_grace_s)
+    app[_TRACER_PROVIDER] = tracer_provider
     app[_POLICY] = load_policy(settings.policy, settings.policy_args)
     app[_ESTIMATOR] = load_estimator(settings.estimator, settings.estimator_args)
     app.cleanup_ctx.append(_gateway_context(settings))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import signal
 import sys
@@ -67,8 +66,20 @@ def _serve(ns: argparse.Namespace) -> int:
         "policy": ns.policy,
         "estimator": ns.estimator,
     }
+    from router.logs import configure_logging, secrets_of
+
     try:
         settings = load_settings(ns.config, env=os.environ, overrides=overrides)
+    except (ConfigError, ValueError) as exc:
+        print(f"disagg-router: {exc}", file=sys.stderr)
+        return 2
+    # Now that the secrets are known, they are scrubbed from every line.
+    configure_logging(ns.log_level, ns.log_format, secrets=secrets_of(settings))
+    if settings.tracing:
+        from router.tracing import configure_sdk
+
+        configure_sdk()
+    try:
         app = create_app(settings)
     except (ConfigError, ValueError) as exc:
         print(f"disagg-router: {exc}", file=sys.stderr)
@@ -126,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--redis-url", dest="redis_url")
     serve.add_argument("--policy")
     serve.add_argument("--estimator")
+    serve.add_argument(
+        "--log-format",
+        choices=("json", "text"),
+        default=os.environ.get("DISAGG_ROUTER_LOG_FORMAT", "json"),
+        help="json (one object a line, the default for serve) or text",
+    )
 
     from sim.worker import add_worker_arguments
 
@@ -151,9 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    logging.basicConfig(
-        level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    from router.logs import configure_logging
+
+    configure_logging(ns.log_level, "text")  # `serve` sets its own format once it has settings
     if ns.command == "serve":
         return _serve(ns)
     if ns.command == "worker":

@@ -25,6 +25,7 @@ import yaml
 
 from policies.base import KVLayout
 from policies.costmodel import PerfModel, perf_model
+from policies.scaling import ScalingSLO
 from router.admission import AdmissionSettings
 from router.breaker import BreakerSettings
 
@@ -186,6 +187,14 @@ class Settings:
     # Token for the admin API's write side (register / remove workers); empty = disabled.
     admin_token: Secret = Secret("")
     registry_refresh_s: float = 1.0  # how often replicas re-read the shared worker registry
+    # On SIGTERM, running requests get this long to finish; the rest end with an SSE error
+    # frame (router/shutdown.py). Below Kubernetes' default 30 s termination grace period.
+    shutdown_grace_s: float = 20.0
+    # The SLOs and headroom the autoscaling recommendation sizes each pool for (router/scaling.py).
+    scaling: ScalingSLO = field(default_factory=ScalingSLO)
+    # OpenTelemetry spans per request, traceparent to the workers (router/tracing.py; needs
+    # the `otel` extra).
+    tracing: bool = False
     load_poll_s: float = 1.0  # read workers' /metrics (vLLM) or /get_load (SGLang); 0 = off
     load_max_age_s: float = 3.0  # older load readings are not trusted (never taken as idle)
     default_perf: PerfModel | None = None  # the `perf:` profile, for workers registered later
@@ -210,6 +219,8 @@ class Settings:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
+        if self.shutdown_grace_s < 0:
+            raise ConfigError("shutdown_grace_s must be >= 0")
         if self.relay not in ("aiohttp", "splice"):
             raise ConfigError(f"relay: must be aiohttp or splice, not {self.relay!r}")
 
@@ -435,6 +446,7 @@ def settings_from_mapping(raw: Mapping[str, Any]) -> Settings:
         ("retry", RetrySettings),
         ("admission", AdmissionSettings),
         ("breaker", BreakerSettings),
+        ("scaling", ScalingSLO),
     ):
         value = raw.pop(key, None) or {}
         try:

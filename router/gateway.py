@@ -18,7 +18,9 @@ from router.leases import LeaseKeeper
 from router.metrics import RouterMetrics
 from router.pools import Pools
 from router.retry_budget import RetryBudget
+from router.scaling import DemandMeter
 from router.splice import SplicePool
+from router.tracing import Tracing
 from state.base import StateStore
 
 __all__ = ["Gateway"]
@@ -41,8 +43,11 @@ class Gateway:
     adapters: dict[str, WorkerAdapter | ConcurrentAdapter] = field(default_factory=dict)
     clock: Callable[[], float] = time.monotonic
     splice: SplicePool | None = None  # the decode legs' raw client when settings.relay == "splice"
+    demand: DemandMeter = field(init=False)  # autoscaling signals (router/scaling.py)
+    tracing: Tracing = field(default_factory=lambda: Tracing(False))  # router/tracing.py
 
     def __post_init__(self) -> None:
+        self.demand = DemandMeter(self.settings.scaling.window_s, self.clock)
         # Every adapter, not only those of configured workers: a worker registered at run time
         # may speak another protocol (stateless objects, so this costs nothing).
         for name in ADAPTERS:

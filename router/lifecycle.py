@@ -14,6 +14,7 @@ closed (closing is vLLM's abort signal); a client never gets a token twice nor m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import uuid
@@ -85,10 +86,12 @@ class RequestFlow:
         self.ticket = gw.admission.ticket()
         self.prefixes = prefix_hashes(parsed.path, parsed.body)
         self._rng = random.Random(self.request_id)
+        self.trace = gw.tracing.request(parsed.path, http.headers, self.request_id)
         self._deadline: Any = None
         self._first_token_seen = False
         self._client: web.StreamResponse | None = None  # once the client's stream has started
         self._settled = False  # released and recorded (settle)
+        self._interrupted: RouterError | None = None  # the replica shuts down (interrupt)
         self._first_token_at: float | None = None
         # Asked for whole, streamed from the decode worker and assembled (router/assemble.py).
         self.assembling = (
@@ -112,6 +115,7 @@ class RequestFlow:
             headers["Authorization"] = f"Bearer {worker.spec.api_key}"
         elif s.forward_client_auth and "Authorization" in self.http.headers:
             headers["Authorization"] = self.http.headers["Authorization"]
+        self.trace.inject(headers, "prefill" if worker.spec.role == "prefill" else "decode")
         return headers
 
     def _loop_deadline(self, flow_time: float) -> float:
@@ -205,6 +209,7 @@ class RequestFlow:
                 gw.metrics.placements.labels(
                     prefill=cand.prefill_id or "local", decode=cand.decode_id
                 ).inc()
+                log.debug("placed on %s -> %s", cand.prefill_id or "local", cand.decode_id)
                 return Attempt(cand, rid)
             gw.metrics.reserve_conflicts.inc()
         return Rejection(
@@ -290,6 +295,7 @@ class RequestFlow:
         worker.inflight += 1
         worker.recent_prefixes.add(self.prefixes)
         t0 = gw.clock()
+        self.trace.begin("prefill", worker=spec.id, prompt_tokens=prompt_tokens)
         try:
             async with asyncio.timeout(gw.settings.timeouts.prefill_s):
                 async with gw.session.post(
@@ -320,6 +326,7 @@ class RequestFlow:
             )
             raise LegFailure("prefill", spec.id, err, True) from exc
         finally:
+            self.trace.finish("prefill")
             worker.queued_prompt_tokens -= prompt_tokens
             worker.inflight -= 1
             gw.metrics.prefill_seconds.labels(worker=spec.id).observe(gw.clock() - t0)
@@ -349,6 +356,7 @@ class RequestFlow:
         # then never will, so the attempt fails (and is retried) instead of waiting out the TTFT.
         attempt.handoff_by = asyncio.get_running_loop().time() + gw.settings.kv_lease_s
         gw.pools.note_stranded(worker.spec.id, nbytes)
+        self.trace.begin("kv_handoff", prefill=worker.spec.id, kv_bytes=nbytes)
         await gw.leases.strand(worker.spec.id, self.request_id, nbytes)
         return params
 
@@ -397,6 +405,7 @@ class RequestFlow:
 
     def _kv_accepted(self, attempt: Attempt) -> None:
         """The decode worker produced output, so it holds the KV: clear the stranded entry."""
+        self.trace.finish("kv_handoff")
         if attempt.stranded_on is not None:
             prefill_id, attempt.stranded_on = attempt.stranded_on, None
             self.gw.pools.note_stranded(prefill_id, -attempt.stranded_bytes)
@@ -411,6 +420,7 @@ class RequestFlow:
         spec, t = worker.spec, gw.settings.timeouts
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, sock_read=t.idle_s)
         probe = worker.breaker.on_dispatch()
+        self.trace.begin("decode", worker=spec.id)
         resp: DecodeResponse
         try:
             if not self.assembling and gw.splice is not None and gw.splice.supports(spec.url):
@@ -459,7 +469,8 @@ class RequestFlow:
             gw.metrics.predicted_output_tokens.observe(info.reserve_output_tokens)
         while True:
             self.attempts += 1
-            attempt = self.attempt = await self.admit_and_reserve(info)
+            with self.trace.span("admission"):
+                attempt = self.attempt = await self.admit_and_reserve(info)
             attempt.grow_at_tokens = info.reserve_output_tokens
             try:
                 leg_body = body
@@ -507,6 +518,8 @@ class RequestFlow:
         try:
             async with asyncio.timeout_at(self._loop_deadline(first)) as deadline:
                 self._deadline = deadline
+                if self._interrupted is not None:
+                    deadline.reschedule(asyncio.get_running_loop().time())
                 body = self.parsed.body
                 if self.assembling:
                     body = stream_upstream(body)
@@ -519,16 +532,31 @@ class RequestFlow:
                     return await self._whole(attempt, resp)
                 return await self._stream(attempt, resp)
         except TimeoutError as exc:
-            gw.metrics.upstream_errors.labels(side="any", kind="deadline").inc()
-            if self._first_token_seen:
-                message = f"the request missed its total deadline ({t.total_s} s)"
-            else:
-                message = f"the request missed its deadline (time to first token {t.ttft_s} s)"
+            err = self._interrupted
+            if err is None:
+                gw.metrics.upstream_errors.labels(side="any", kind="deadline").inc()
+                if self._first_token_seen:
+                    message = f"the request missed its total deadline ({t.total_s} s)"
+                else:
+                    message = f"the request missed its deadline (time to first token {t.ttft_s} s)"
+                err = DeadlineExceeded(message)
             if self._client is None:
-                raise DeadlineExceeded(message) from exc
+                self.status = err.status
+                raise err from exc
             # Mid-stream: the headers are gone, so the stream ends with a valid error frame.
-            await self._write_error(self._client, DeadlineExceeded(message))
+            await self._write_error(self._client, err)
             return self._client
+        except RouterError as err:
+            self.status = err.status  # for the trace; the middleware answers it
+            raise
+
+    def interrupt(self, err: RouterError) -> None:
+        """End the request now with `err` (router/shutdown.py), by the path of a missed
+        deadline: a stream ends with an error frame and [DONE]; cleanup releases as always."""
+        self._interrupted = err
+        if self._deadline is not None:
+            with contextlib.suppress(RuntimeError):  # the timeout block is over: nothing to cut
+                self._deadline.reschedule(asyncio.get_running_loop().time())
 
     async def _assembled(
         self, attempt: Attempt, resp: DecodeResponse, body: dict[str, Any]
@@ -876,3 +904,4 @@ class RequestFlow:
                 self.admitted = False
                 gw.admission.leave()
             gw.metrics.duration.observe(gw.clock() - self.started)
+            self.trace.close(self.status)

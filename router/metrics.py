@@ -160,6 +160,12 @@ class RouterMetrics:
         self.worker_healthy = Gauge(
             p + "worker_healthy", "1 if the worker is in rotation", ["worker", "role"], registry=r
         )
+        self.worker_drained = Gauge(
+            p + "worker_drained",
+            "1 while an operator has drained the worker (no new placements)",
+            ["worker", "role"],
+            registry=r,
+        )
 
         self.store_up = Gauge(
             p + "store_up", "1 while the shared state store answers this replica", registry=r
@@ -179,6 +185,49 @@ class RouterMetrics:
             p + "background_task_failures",
             "Background tasks that ended with an error, by task",
             ["task"],
+            registry=r,
+        )
+        # -- autoscaling signals (router/scaling.py), set at each scrape ---------------------
+        self.prefill_arriving_tokens = Gauge(
+            p + "scaling_prefill_arriving_tokens_per_second",
+            "Prompt tokens arriving for prefill per second (this replica, over scaling.window_s)",
+            ["model"],
+            registry=r,
+        )
+        self.prefill_queued_tokens = Gauge(
+            p + "scaling_prefill_queued_tokens",
+            "Prompt tokens dispatched for prefill and not answered yet (this replica)",
+            ["model"],
+            registry=r,
+        )
+        self.decode_resident_seqs = Gauge(
+            p + "scaling_decode_resident_sequences",
+            "Sequences holding decode room (every replica's reservations)",
+            ["model"],
+            registry=r,
+        )
+        self.decode_kv_blocks = Gauge(
+            p + "scaling_decode_kv_blocks",
+            "Decode KV blocks: kind=reserved (all replicas) or capacity (workers in rotation)",
+            ["model", "kind"],
+            registry=r,
+        )
+        self.decode_output_tokens = Gauge(
+            p + "scaling_decode_output_tokens_per_second",
+            "Output tokens streamed per second (this replica, over scaling.window_s)",
+            ["model"],
+            registry=r,
+        )
+        self.pool_replicas = Gauge(
+            p + "scaling_pool_replicas",
+            "Workers in rotation in the pool (healthy, not drained)",
+            ["pool", "model"],
+            registry=r,
+        )
+        self.recommended_replicas = Gauge(
+            p + "scaling_recommended_replicas",
+            "Workers the pool needs for its demand at the SLOs (policies/scaling.py)",
+            ["pool", "model"],
             registry=r,
         )
 

@@ -29,6 +29,7 @@ from router.discovery import (
     fetch_vllm_load,
     merge_layout,
 )
+from router.drain import apply_drained
 from router.prefixes import RecentPrefixes
 from state.base import StateStore, StoreError
 
@@ -54,6 +55,7 @@ class WorkerState:
     resident_seqs: int = 0  # decode streams open on this worker (this replica)
     capacity_blocks: int = 0
     reserved_blocks: int = 0  # all replicas, from the store, adjusted locally
+    reservations: int = 0  # live reservations of all replicas, at the last refresh
     # Reservations this replica has placed here and is still writing to the store: counted in
     # placement so that a burst's concurrent placements see one another instead of all taking
     # the same momentarily emptiest worker.
@@ -66,11 +68,17 @@ class WorkerState:
     registration: str | None = None  # a dynamic worker's registry entry, to put back if lost
     # False until a `discover_layout` worker has told its layout: never paired on a guess.
     layout_known: bool = True
+    drained: bool = False  # an operator's drain (router/drain.py): no new placements
+
+    @property
+    def worker_id(self) -> str:
+        return self.spec.id
 
     @property
     def available(self) -> bool:
-        """In rotation: passing health probes and its circuit breaker lets a request through."""
-        return self.healthy and self.layout_known and self.breaker.allows()
+        """In rotation: passing health probes, its circuit breaker lets a request through, and
+        not drained."""
+        return self.healthy and self.layout_known and not self.drained and self.breaker.allows()
 
     def __repr__(self) -> str:
         return (
@@ -177,6 +185,7 @@ class Pools:
         for wid in gone:
             self.remove(wid)
             log.info("worker %s left the pools", wid)
+        apply_drained(self.workers.values(), await self.store.drained_workers())
         if session is not None and joined:
             await asyncio.gather(*(self.probe(session, w) for w in joined))
 
@@ -309,12 +318,19 @@ class Pools:
             if not lost or first:  # first use: start-up registers everything anyway
                 return
             self.store_resets += 1
-            log.warning("the state store has lost its data (restarted empty?): putting back "
-                        "capacities, registrations, reservations and stranded entries")
+            log.warning(
+                "the state store has lost its data (restarted empty?): putting back "
+                "capacities, registrations, reservations and stranded entries"
+            )
             await self.register_capacities()
             dynamic = [w for w in self.workers.values() if w.dynamic and w.registration]
             await asyncio.gather(
-                *(self.store.register_worker(w.spec.id, w.registration or "") for w in dynamic)
+                *(self.store.register_worker(w.spec.id, w.registration or "") for w in dynamic),
+                *(
+                    self.store.set_drained(w.spec.id, True)
+                    for w in self.workers.values()
+                    if w.drained
+                ),
             )
             if self.on_store_reset is not None:
                 await self.on_store_reset()
@@ -339,7 +355,7 @@ class Pools:
         stranded = await self.store.stranded_bytes(prefill_ids) if prefill_ids else {}
         for wid, u in usage.items():
             if (w := self.workers.get(wid)) is not None:
-                w.reserved_blocks = u.reserved_blocks
+                w.reserved_blocks, w.reservations = u.reserved_blocks, u.reservations
                 if u.capacity_blocks == 0 and w.capacity_blocks > 0:
                     # This worker's keys are gone (one shard of a cluster lost them, or the
                     # marker check has not run since): its room would read as none at all.

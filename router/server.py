@@ -343,7 +343,12 @@ async def serving(
     backlog: int = 4096,
 ) -> AsyncIterator[RouterRunner]:
     """Serve `app` on `host:port` (0: any free port, see `runner.addresses`) until exit; then
-    shut down gracefully (streams drain for up to `shutdown_timeout`)."""
+    shut down gracefully: the router's own shutdown first when the app has one
+    (router/shutdown.py: refuse new work, let streams finish up to the grace period, end the
+    rest with an error frame), then aiohttp's (whatever still runs after `shutdown_timeout`
+    is cancelled)."""
+    from router.shutdown import SHUTDOWN
+
     runner = RouterRunner(app, timeouts, shutdown_timeout=shutdown_timeout)
     await runner.setup()
     try:
@@ -352,4 +357,7 @@ async def serving(
         await web.TCPSite(runner, host, port, backlog=backlog).start()
         yield runner
     finally:
+        shutdown = app.get(SHUTDOWN)
+        if shutdown is not None:
+            await shutdown.stop(runner.sites)
         await runner.cleanup()

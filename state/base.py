@@ -174,6 +174,13 @@ class StateStore(Protocol):
 
     async def registered_workers(self) -> dict[str, str]: ...
 
+    # -- drained workers (no new placements; shared by every replica) -----------------------
+    async def set_drained(self, worker_id: str, drained: bool) -> bool:
+        """Mark `worker_id` drained (True) or back in use (False); True if that changed it."""
+
+    async def drained_workers(self) -> set[str]:
+        """The ids of every drained worker."""
+
     # -- lifecycle ------------------------------------------------------------------------
     async def check_marker(self, ttl_s: float) -> bool:
         """Keep a marker key alive for `ttl_s`; True when it was missing, i.e. on first use or

@@ -21,6 +21,7 @@ key                            type    meaning
 ``<p>{os:<class>}``            hash    output-length bucket -> completed requests of that class
 ``<p>{reg}:workers``           hash    worker id -> its registration (JSON), shared by replicas
 ``<p>{reg}:marker``            string  present while the store keeps its data (TTL, refreshed)
+``<p>{reg}:drained``           set     ids of drained workers: no new placements, shared by replicas
 =============================  ======  =============================================================
 
 The retry-budget hashes keep one field per second; the scripts drop fields older than
@@ -168,6 +169,10 @@ class Keys:
     @property
     def workers(self) -> str:
         return f"{self.prefix}{{reg}}:workers"
+
+    @property
+    def drained(self) -> str:
+        return f"{self.prefix}{{reg}}:drained"
 
     # -- store-loss marker: under the registry's tag, so the shard that would lose the
     # registrations is the shard whose loss it reveals.

@@ -84,6 +84,7 @@ class MemoryStore:
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._registry: dict[str, str] = {}
+        self._drained: set[str] = set()
         self._clock = clock
         self._decode: dict[str, _DecodeWorker] = {}
         self._ledgers: dict[str, _Ledger] = {}
@@ -274,6 +275,20 @@ class MemoryStore:
 
     async def registered_workers(self) -> dict[str, str]:
         return dict(self._registry)
+
+    # -- drained workers ----------------------------------------------------------------------
+    async def set_drained(self, worker_id: str, drained: bool) -> bool:
+        wid = check_id("worker_id", worker_id)
+        if drained == (wid in self._drained):
+            return False
+        if drained:
+            self._drained.add(wid)
+        else:
+            self._drained.discard(wid)
+        return True
+
+    async def drained_workers(self) -> set[str]:
+        return set(self._drained)
 
     # -- lifecycle ------------------------------------------------------------------------
     async def check_marker(self, ttl_s: float) -> bool:

@@ -829,6 +829,19 @@ class RedisStore:
             for k, v in raw.items()
         }
 
+    # -- drained workers ----------------------------------------------------------------------
+    @_store_call
+    async def set_drained(self, worker_id: str, drained: bool) -> bool:
+        wid = check_id("worker_id", worker_id)
+        if drained:
+            return bool(await self._client.sadd(self._keys.drained, wid))
+        return bool(await self._client.srem(self._keys.drained, wid))
+
+    @_store_call
+    async def drained_workers(self) -> set[str]:
+        raw = await self._client.smembers(self._keys.drained)
+        return {m.decode() if isinstance(m, bytes) else m for m in raw}
+
     # -- lifecycle ------------------------------------------------------------------------
     @_store_call
     async def check_marker(self, ttl_s: float) -> bool:

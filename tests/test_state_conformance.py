@@ -611,6 +611,21 @@ async def test_worker_registry_is_shared(store: StateStore) -> None:
     assert await store.unregister_worker("w2") is True
 
 
+async def test_drained_workers_are_shared(store: StateStore) -> None:
+    assert await store.drained_workers() == set()
+    assert await store.set_drained("d1", True) is True
+    assert await store.set_drained("d1", True) is False  # already drained
+    assert await store.set_drained("p1", True) is True
+    assert await store.drained_workers() == {"d1", "p1"}
+    assert await store.set_drained("d1", False) is True
+    assert await store.set_drained("d1", False) is False
+    assert await store.drained_workers() == {"p1"}
+    assert await store.set_drained("p1", False) is True
+    assert await store.drained_workers() == set()
+    with pytest.raises(ValueError):
+        await store.set_drained("bad{id}", True)
+
+
 # -- hardening: batched renewal, forced growth, the end-of-request call, the loss marker ------
 
 
