@@ -366,6 +366,25 @@ class DecodeWorker:
             job.last_t = now
         return ctx
 
+    def take(self, job: Job, now: float) -> int:
+        """Take a running sequence out at a step boundary to resume it elsewhere (a drain past
+        its deadline). Like an eviction, it keeps its tokens: context = prompt + generated.
+        Returns that context."""
+        self._tick(now)
+        s = self.step
+        ctx = self._remove(job, now)
+        job.ver += 1
+        job.gen += s - job.s0
+        job.ctx0 = ctx
+        if job in self.fresh:
+            self.fresh.remove(job)
+        if not self.seqs:
+            self.stepping = False
+            self.durs = []
+            self.durs_base = s + 1
+        self._view = None
+        return ctx
+
     def arrive(self, now: float, job: Job) -> bool:
         """The job's KV has landed. Returns True if the caller must schedule a step now."""
         if self.stepping:
