@@ -303,6 +303,9 @@ class RoleSnapshot:
     workers: tuple[RoleWorkerView, ...]
     # Prompt tokens arriving per second that prefill must compute (prefix-cache hits excluded).
     prefill_demand_tokens_per_s: float = 0.0
+    # The largest prompt-token queue of the prefill pool in the recent window (decayed peak):
+    # bursty traffic breaks the TTFT SLO at a low mean load, and the peak is what shows it.
+    peak_queued_prompt_tokens: float = 0.0
     # KV blocks wanted by requests the router is holding back for lack of decode room.
     decode_waiting_blocks: int = 0
     # KV blocks the decode pool should hold at the current arrival rate (Little's law: blocks

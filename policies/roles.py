@@ -12,7 +12,8 @@ means "at the load where this phase starts to break its SLO":
     prefill = max(D / (rho_target · R),  Q / (wait_fraction · TTFT SLO · R))
     decode  = (H + W) / Σ min(kv_target · capacity, blocks where a step = itl_fraction · ITL SLO)
 
-with D the prompt tokens/s arriving, R the prefill pool's tokens/s, Q the prompt tokens queued,
+with D the prompt tokens/s arriving, R the prefill pool's tokens/s, Q the prompt tokens queued
+(now, or the recent peak if larger: bursts break the TTFT SLO at a low mean load),
 H the KV blocks held on decode workers (reserved or used; or, if larger, the blocks the pool
 should hold at the current arrival rate, `decode_demand_blocks`) and W the blocks wanted by
 requests held back for lack of room. Both scale as 1 / pool size, so moving one worker changes them
@@ -79,7 +80,10 @@ def role_pressures(
         else:
             cap += _decode_capacity(w, kv_target, itl)
     demand = snapshot.prefill_demand_tokens_per_s
-    p_load = max(demand / rho_target, queued / (wait_fraction * max(snapshot.slo_ttft_s, 1e-9)))
+    queued_peak = max(float(queued), snapshot.peak_queued_prompt_tokens)
+    p_load = max(
+        demand / rho_target, queued_peak / (wait_fraction * max(snapshot.slo_ttft_s, 1e-9))
+    )
     d_load = max(float(held), snapshot.decode_demand_blocks) + snapshot.decode_waiting_blocks
     return _ratio(p_load, rate), _ratio(d_load, cap)
 
@@ -125,15 +129,16 @@ class ElasticRoles:
         self,
         *,
         rho_target: float = 0.85,
-        wait_fraction: float = 0.25,
+        wait_fraction: float = 0.5,
         kv_target: float = 0.9,
         itl_fraction: float = 0.8,
         hysteresis: float = 0.15,
         pause_horizon_s: float = 600.0,
         min_time_in_role_s: float = 20.0,
         dwell_pauses: float = 3.0,
-        max_switches_per_minute: int = 4,
-        activate_above: float = 0.5,
+        max_switches_per_minute: int = 6,
+        max_switches_per_decision: int = 2,
+        activate_above: float = 0.3,
         min_prefill: int = 1,
         min_decode: int = 1,
         seed: int = 0,
@@ -157,6 +162,7 @@ class ElasticRoles:
         self.min_time_in_role_s = min_time_in_role_s
         self.dwell_pauses = dwell_pauses
         self.max_switches_per_minute = max_switches_per_minute
+        self.max_switches_per_decision = max_switches_per_decision
         self.activate_above = activate_above
         self.min_prefill = min_prefill
         self.min_decode = min_decode
@@ -184,6 +190,7 @@ class ElasticRoles:
         budget = self.max_switches_per_minute - sum(
             1 for t in snapshot.recent_switches_s if now - 60.0 < t <= now
         )
+        budget = min(budget, self.max_switches_per_decision)
         if budget <= 0:
             return RolePlan((), p0, d0, "switch budget for this minute spent")
         if max(p, d) < self.activate_above:

@@ -359,6 +359,8 @@ class _Engine:
             # Its prefill worker started draining while the job was on its way: the next best.
             p = job.p = min(self.p_live, key=lambda w: (w.queued_tokens, w.idx))
         p.enqueue(job)
+        if self.roles is not None:
+            self.roles.on_dispatch(self.now)
         self._start_prefill(p)
 
     def _drain_queue(self) -> None:

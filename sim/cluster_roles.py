@@ -126,6 +126,8 @@ class RoleController:
         self.tokens_in = _Decayed(tau)  # their output estimates (tokens)
         self.n_out = _Decayed(tau)  # completions
         self.life_out = _Decayed(tau)  # their decode lifetimes, seconds
+        self.peak_q = 0.0  # decayed peak of the prefill pool's queued prompt tokens
+        self.peak_t = 0.0
         self.ref_perf = slots[0].p.perf
         self.ref_rate = self.ref_perf.prefill_tokens_per_s()
         self.starts: list[float] = []  # switch start times (the per-minute cap)
@@ -138,6 +140,14 @@ class RoleController:
     # -- demand ------------------------------------------------------------------------------
     def on_arrival(self, now: float, job: Job) -> None:
         self.arrived.add(now, job.prompt)
+
+    def on_dispatch(self, now: float) -> None:
+        q = float(sum(p.queued_tokens for p in self.e.p_live))
+        peak = self.peak_q * math.exp(-(now - self.peak_t) / self.arrived.tau)
+        self.peak_q, self.peak_t = max(peak, q), now
+
+    def _peak(self, now: float) -> float:
+        return self.peak_q * math.exp(-(now - self.peak_t) / self.arrived.tau)
 
     def on_reserve(self, now: float, job: Job, blocks: int) -> None:
         self.blocks_in.add(now, blocks)
@@ -212,6 +222,7 @@ class RoleController:
             now_s=now,
             workers=workers,
             prefill_demand_tokens_per_s=self.arrived.rate(now) * (1.0 - hit),
+            peak_queued_prompt_tokens=self._peak(now),
             decode_waiting_blocks=waiting,
             decode_demand_blocks=self._decode_demand(now),
             slo_ttft_s=e.slo_ttft_s,
