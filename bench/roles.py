@@ -3,6 +3,7 @@
 
     python -m bench.roles cells [--traces conv,code,mooncake] [--shapes 8b-2p6d,70b-4p4d]
     python -m bench.roles mix   [--mix conv-mooncake,conv-code] [--shape 8b-2p6d]
+    python -m bench.roles arrangements [--traces conv,mooncake] [--links 25,100,400]
     python -m bench.roles tables | plots       (again from the JSON under --out)
 
 **cells**: on each trace × shape (fixed GPU count), the goodput of (a) the peers' policies and
@@ -14,6 +15,12 @@ two_sided+online at the shape's own split, (b) two_sided+online at every split 1
 conversation again, each phase's rate normalised so that every phase alone saturates at about
 the same rate scale at its own best split (so no phase is idle). Goodput of every single fixed
 split against elastic roles; per-window attainment and the split over time are plotted.
+
+**arrangements**: both arrangements under one cost model, per model × link × trace: every GPU
+serving both phases of its own requests (`local`, the time-shared arrangement: no transfer, a
+prefill stalls that worker's decode batch), the pools at every split with KV moved over the link
+(`pool`; transfers queue on the NICs), and the pools with kv_both decode workers that may also
+prefill locally (`hybrid`: two_sided chooses per request), at the pool's best split.
 
 Every run replays a **warm-up** first: the trace rows just before the measured slice, their load
 ramping from 30 % to 100 % of the measured rate, not counted (the router has been serving this
@@ -48,7 +55,7 @@ from bench.experiments import (
 )
 from bench.traces import TraceRequest, load_trace
 
-__all__ = ["Workload", "ramped", "mix_workload", "run", "cells", "mix", "main"]
+__all__ = ["Workload", "ramped", "mix_workload", "run", "cells", "mix", "arrangements", "main"]
 
 ELASTIC = "elastic"
 RAMP_FROM = 0.3
@@ -325,6 +332,78 @@ def mix(names: Sequence[str], shape: str, *, jobs: int = 2, precision: float = 1
     return _map(tasks, jobs)
 
 
+# The models of the arrangement study, as shapes with 8 workers each (the split is searched).
+ARRANGEMENT_SHAPES = ("8b-2p6d", "70b-4p4d")
+
+
+def _link_config(gbps: float, shape: str, **extra: Any) -> tuple[tuple[str, Any], ...]:
+    """A per-GPU link of `gbps` (a TP worker has one NIC per GPU), transfers queueing."""
+    tp = SHAPES[shape].tp_size or 1
+    bw = gbps * 1e9 / 8 * tp
+    cfg = {"link_contention": True, "default_link_bytes_per_s": bw,
+           "links": {("prefill", "decode"): bw}, **extra}  # fmt: skip
+    return tuple(sorted(cfg.items()))
+
+
+def arrangements(traces: Sequence[str], links: Sequence[float], *, jobs: int = 2,
+                 precision: float = 1.05,
+                 shapes: Sequence[str] = ARRANGEMENT_SHAPES) -> list[dict[str, Any]]:  # fmt: skip
+    """Local (every GPU both phases) vs pools at every split vs hybrid at the best split."""
+    first: list[Task] = []
+    for t in traces:
+        for s in shapes:
+            n = SHAPES[s].n_prefill + SHAPES[s].n_decode
+            for g in links:
+                first.append(Task(t, s, f"local @{g:g}G", TWO_SIDED, 0, precision=precision,
+                                  config=_link_config(g, s, local_prefill=True)))  # fmt: skip
+                first += [Task(t, s, f"pool {k}P:{n - k}D @{g:g}G", TWO_SIDED, k,
+                               precision=precision, config=_link_config(g, s))
+                          for k in range(1, n)]  # fmt: skip
+    res = _map(first, jobs)
+    second: list[Task] = []
+    for t in traces:
+        for s in shapes:
+            for g in links:
+                tail = f"@{g:g}G"
+                pools = [
+                    r for r in res
+                    if (r["workload"], r["shape"]) == (t, s)
+                    and r["label"].startswith("pool") and r["label"].endswith(tail)
+                ]  # fmt: skip
+                best = max(pools, key=lambda r: r["goodput_rps"])
+                k = int(best["split"].split("P")[0])
+                second.append(Task(t, s, f"hybrid {best['split']} @{g:g}G", TWO_SIDED, k,
+                                   precision=precision,
+                                   config=_link_config(g, s, local_prefill=True)))  # fmt: skip
+    for r in (res := res + _map(second, jobs)):
+        r["arrangement"] = r["label"].split()[0]
+        r["link_gbps"] = float(r["label"].rsplit("@", 1)[1][:-1])
+    return res
+
+
+def arrangement_table(results: Sequence[dict[str, Any]]) -> str:
+    rows = [r for r in results if r.get("arrangement")]
+    out = ["| trace × model | link Gb/s per GPU | local (time-shared) | best pool split "
+           "| hybrid at that split | local / best pool | winner |",
+           "|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    keys = sorted({(r["workload"], r["shape"], r["link_gbps"]) for r in rows},
+                  key=lambda k: (_order((k[0], k[1])), k[2]))  # fmt: skip
+    for w, s, g in keys:
+        rs = [r for r in rows if (r["workload"], r["shape"], r["link_gbps"]) == (w, s, g)]
+        loc = next((r for r in rs if r["arrangement"] == "local"), None)
+        pools = [r for r in rs if r["arrangement"] == "pool"]
+        hyb = next((r for r in rs if r["arrangement"] == "hybrid"), None)
+        bp = max(pools, key=lambda r: r["goodput_rps"], default=None)
+        lv = loc["goodput_rps"] if loc else 0.0
+        pv = bp["goodput_rps"] if bp else 0.0
+        hv = hyb["goodput_rps"] if hyb else 0.0
+        best = max(("local", lv), ("pool", pv), ("hybrid", hv), key=lambda x: x[1])[0]
+        out.append(f"| {w} × {s.split('-')[0]} | {g:g} | {lv:.2f} "
+                   f"| {pv:.2f} ({bp['split'] if bp else '-'}) | {hv:.2f} "
+                   f"| {lv / pv if pv else float('nan'):.2f} | {best} |")  # fmt: skip
+    return "\n".join(out)
+
+
 # -- tables and plots ------------------------------------------------------------------------------
 
 
@@ -335,6 +414,7 @@ def cell_table(results: Sequence[dict[str, Any]]) -> str:
            "| best fixed split (hindsight) | elastic | elastic / best peer | elastic / best fixed "
            "| switches | migrated |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    results = [r for r in results if not r.get("arrangement")]
     keys = sorted({(r["workload"], r["shape"]) for r in results}, key=_order)
     for w, s in keys:
         rs = [r for r in results if r["workload"] == w and r["shape"] == s]
@@ -366,6 +446,7 @@ def cell_table(results: Sequence[dict[str, Any]]) -> str:
 
 def splits_table(results: Sequence[dict[str, Any]]) -> str:
     """Goodput (req/s) of every fixed split and elastic, per (workload, shape)."""
+    results = [r for r in results if not r.get("arrangement")]
     keys = sorted({(r["workload"], r["shape"]) for r in results}, key=_order)
     splits = sorted({r["split"] for r in results if r["label"].startswith("fixed")},
                     key=lambda x: int(x.split("P")[0]))  # fmt: skip
@@ -448,6 +529,7 @@ def plot_run(result: dict[str, Any], path: Path, title: str,
 
 def plots(results: Sequence[dict[str, Any]], img: Path) -> list[Path]:
     made = []
+    results = [r for r in results if not r.get("arrangement")]
     for w, s in sorted({(r["workload"], r["shape"]) for r in results}):
         rs = [r for r in results if r["workload"] == w and r["shape"] == s]
         el = next((r for r in rs if r["label"] == ELASTIC), None)
@@ -470,7 +552,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("what", choices=("cells", "mix", "tables", "plots"))
+    ap.add_argument("what", choices=("cells", "mix", "arrangements", "tables", "plots"))
+    ap.add_argument("--links", default="25,100,400", help="arrangements: Gb/s per GPU")
     ap.add_argument("--traces", default="conv,code,mooncake")
     ap.add_argument("--shapes", default="8b-2p6d,70b-4p4d")
     ap.add_argument("--shape", default="8b-2p6d", help="mix: the cluster shape")
@@ -497,6 +580,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         res = mix(ns.mix.split(","), ns.shape, jobs=ns.jobs, precision=ns.precision,
                   role_args=role_args)  # fmt: skip
         (out / f"roles-mix{tag}.json").write_text(json.dumps(res, indent=1))
+    elif ns.what == "arrangements":
+        res = arrangements(ns.traces.split(","), [float(x) for x in ns.links.split(",")],
+                           jobs=ns.jobs, precision=ns.precision)  # fmt: skip
+        (out / f"roles-arrangements{tag}.json").write_text(json.dumps(res, indent=1))
     else:
         res = []
         for p in sorted(out.glob("roles-*.json")):
@@ -505,6 +592,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(cell_table(res))
         print()
         print(splits_table(res))
+    if ns.what in ("arrangements", "tables"):
+        print()
+        print(arrangement_table(res))
     if ns.what in ("cells", "mix", "plots"):
         for p in plots(res, Path(ns.img)):
             print(f"wrote {p}")

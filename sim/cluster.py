@@ -104,7 +104,8 @@ class _Engine:
         def decode_worker(i: int, s: WorkerSpec) -> DecodeWorker:
             return DecodeWorker(i, s, config.layout_of(s), quantum=self.quantum,
                                 step_extra_s=config.step_overhead_s,
-                                join_mid_step=config.join_mid_step)  # fmt: skip
+                                join_mid_step=config.join_mid_step,
+                                can_prefill=config.local_prefill)  # fmt: skip
 
         self.roles: RoleController | None = None
         if config.elastic:
@@ -432,7 +433,12 @@ class _Engine:
         dur = self.cfg.link_latency_s + job.kv_bytes / bw
         if self.quantum:
             dur = quantize(dur, self.quantum)
-        self._push(self.now + dur, _TRANSFER_DONE, job)
+        start = self.now
+        if self.cfg.link_contention:
+            # One transfer at a time out of P's NIC and into D's: it waits for both.
+            start = max(start, p.nic_free, d.nic_free)
+            p.nic_free = d.nic_free = start + dur
+        self._push(start + dur, _TRANSFER_DONE, job)
 
     def _transfer_done(self, job: Job) -> None:
         p, d = job.p, job.d

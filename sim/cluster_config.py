@@ -105,12 +105,22 @@ class ClusterConfig:
     # How often the role policy decides, and the window its demand rates are smoothed over.
     role_interval_s: float = 1.0
     role_window_s: float = 15.0
+    # -- Both arrangements, one cost model. `local_prefill`: decode workers are `kv_both` and may
+    # prefill a request themselves (`DecodeView.can_prefill`; the placement policy chooses per
+    # request: local, no transfer, the batch stalls for it; or remote through the prefill pool).
+    # With no prefill workers that is the time-shared arrangement (every request on one GPU).
+    local_prefill: bool = False
+    # KV transfers queue on the links they use: one at a time out of a prefill worker's NIC and
+    # into a decode worker's (False: every transfer gets the whole link, as before).
+    link_contention: bool = False
 
     def __post_init__(self) -> None:
         if not self.prefill and not self.decode:
             raise ValueError("a cluster needs workers")
         if not self.decode:
             raise ValueError("a cluster needs at least one decode worker")
+        if not self.prefill and not self.local_prefill:
+            raise ValueError("with no prefill worker, decode workers must prefill (local_prefill)")
         ids = [w.worker_id for w in (*self.prefill, *self.decode)]
         if len(set(ids)) != len(ids):
             raise ValueError("worker ids must be unique")

@@ -152,3 +152,28 @@ def test_attainment_by_window_covers_every_counted_request() -> None:
     assert all(0.0 <= a <= 1.0 for *_, a in wins)
     with pytest.raises(ValueError):
         res.attainment_by_window(0.0)
+
+
+def test_transfers_queue_on_the_nics_with_link_contention() -> None:
+    reqs = [Req(0.0, 8000, 2), Req(0.0, 8000, 2)]
+    cfg = ClusterConfig.homogeneous(1, 2, link_bytes_per_s=1e9)
+    free = simulate(reqs, cfg, TwoSidedPolicy())
+    queued = simulate(reqs, cfg.with_(link_contention=True), TwoSidedPolicy())
+    clean(queued, 2)
+    transfer = 8000 * cfg.kv_bytes_per_token / 1e9
+    first, second = sorted(r.ttft_s for r in free.records)
+    q_first, q_second = sorted(r.ttft_s for r in queued.records)
+    assert q_first == pytest.approx(first)
+    # The second KV leaves P only when the first is through: one transfer time after it.
+    assert q_second - q_first == pytest.approx(transfer, rel=0.05)
+    assert q_second > second
+
+
+def test_every_gpu_both_phases_needs_local_prefill() -> None:
+    with pytest.raises(ValueError, match="local_prefill"):
+        ClusterConfig.homogeneous(0, 4)
+    reqs = trace(300, 20.0)
+    res = simulate(reqs, ClusterConfig.homogeneous(0, 4, local_prefill=True), TwoSidedPolicy())
+    s = clean(res, len(reqs))
+    assert s["ok"] == len(reqs)
+    assert s["stranded_byte_s"] == 0  # no KV ever left a GPU
