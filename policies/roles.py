@@ -23,9 +23,11 @@ by whichever phase breaks first (DistServe's offline choice, made online).
 **Why it does not flap.** A move is made only when it lowers the larger pressure by a factor of
 at least 1 + hysteresis (+ pause / pause_horizon_s, so a long pause needs a larger gain); with
 whole workers the move back is then never an improvement of that size. A worker stays in a role
-at least max(min_time_in_role_s, dwell_pauses × pause); at most `max_switches_per_minute` start
-per minute cluster-wide; nothing moves while both phases are below `activate_above` (light load:
-any split serves). During a switch the giving side has already lost the worker and the taking
+at least max(min_time_in_role_s, dwell_pauses × pause); within `reverse_after_s` of a switch, a
+move the other way is made only if it ends an overload (worst pressure > 1, and < 1 after it): a
+swap pays two drains for nothing; at most `max_switches_per_minute` start per minute
+cluster-wide; nothing moves while both phases are below `activate_above` (light load: any split
+serves). During a switch the giving side has already lost the worker and the taking
 side has not gained it yet; the hysteresis test bounds the giving side's new pressure below the
 current maximum, so the transition never raises the worst phase's pressure.
 
@@ -130,11 +132,12 @@ class ElasticRoles:
         *,
         rho_target: float = 0.85,
         wait_fraction: float = 0.5,
-        kv_target: float = 0.9,
+        kv_target: float = 1.0,
         itl_fraction: float = 0.8,
         hysteresis: float = 0.15,
         pause_horizon_s: float = 600.0,
         min_time_in_role_s: float = 20.0,
+        reverse_after_s: float = 60.0,
         dwell_pauses: float = 3.0,
         max_switches_per_minute: int = 6,
         max_switches_per_decision: int = 2,
@@ -147,9 +150,12 @@ class ElasticRoles:
                             ("kv_target", kv_target), ("itl_fraction", itl_fraction)):  # fmt: skip
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{name} must be within (0, 1], got {value}")
-        if hysteresis < 0 or pause_horizon_s <= 0 or min_time_in_role_s < 0 or dwell_pauses < 0:
+        if min(hysteresis, min_time_in_role_s, reverse_after_s, dwell_pauses) < 0 or (
+            pause_horizon_s <= 0
+        ):
             raise ValueError(
-                "hysteresis, min_time_in_role_s, dwell_pauses >= 0; pause_horizon_s > 0"
+                "hysteresis, min_time_in_role_s, reverse_after_s, dwell_pauses >= 0; "
+                "pause_horizon_s > 0"
             )
         if max_switches_per_minute < 0 or min_prefill < 0 or min_decode < 1:
             raise ValueError("max_switches_per_minute >= 0, min_prefill >= 0, min_decode >= 1")
@@ -160,6 +166,7 @@ class ElasticRoles:
         self.hysteresis = hysteresis
         self.pause_horizon_s = pause_horizon_s
         self.min_time_in_role_s = min_time_in_role_s
+        self.reverse_after_s = reverse_after_s
         self.dwell_pauses = dwell_pauses
         self.max_switches_per_minute = max_switches_per_minute
         self.max_switches_per_decision = max_switches_per_decision
@@ -198,6 +205,12 @@ class ElasticRoles:
         pause = snapshot.reconfig_pause_s
         dwell = max(self.min_time_in_role_s, self.dwell_pauses * pause)
         gain = 1.0 + self.hysteresis + pause / self.pause_horizon_s
+        # The last switch toward each role: a move the other way soon after is a swap that pays
+        # two drains and two pauses for nothing (the demand signals are noisy; the split is not).
+        last_to: dict[Role, float] = {"prefill": -math.inf, "decode": -math.inf}
+        for w in snapshot.workers:
+            if w.can_switch and w.since_s > last_to[w.role]:
+                last_to[w.role] = w.since_s
         switches: list[RoleSwitch] = []
         moved: set[str] = set()
         note = "balanced"
@@ -233,6 +246,10 @@ class ElasticRoles:
                 note = "no move lowers the worst pressure enough" if note == "balanced" else note
                 break
             new, _, _, w, p2, d2 = best
+            if now - last_to[give] < self.reverse_after_s and not (worst > 1.0 > new):
+                # Reversing a recent switch only to end an overload it caused, never to fine-tune.
+                note = f"a worker moved to {give} {now - last_to[give]:.0f} s ago: not reversing"
+                break
             before = split_of(roles)
             roles[w.worker_id] = take
             after = split_of(roles)

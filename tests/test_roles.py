@@ -109,11 +109,24 @@ def test_hysteresis_keeps_a_balanced_split() -> None:
 def test_minimum_time_in_role_grows_with_the_pause() -> None:
     s = snap(1, 3, demand=60_000.0, held=100, now=100.0)
     recent = replace(s, workers=tuple(replace(w, since_s=90.0) for w in s.workers))
-    assert ElasticRoles(min_time_in_role_s=5.0).decide(recent).switches
-    assert not ElasticRoles(min_time_in_role_s=20.0).decide(recent).switches
+    assert ElasticRoles(min_time_in_role_s=5.0, reverse_after_s=0).decide(recent).switches
+    assert not ElasticRoles(min_time_in_role_s=20.0, reverse_after_s=0).decide(recent).switches
     # 3 × a 10 s pause = 30 s in role before a move, whatever min_time_in_role_s says.
     paused = replace(recent, reconfig_pause_s=10.0)
-    assert not ElasticRoles(min_time_in_role_s=5.0).decide(paused).switches
+    assert not ElasticRoles(min_time_in_role_s=5.0, reverse_after_s=0).decide(paused).switches
+
+
+def test_a_recent_switch_is_reversed_only_to_end_an_overload() -> None:
+    # d0 left prefill for decode 30 s ago; now prefill reads a little heavier than decode.
+    base = snap(2, 4, demand=0.7 * 0.85 * 2 * RATE, held=int(0.3 * 4 * CAP), now=100.0)
+    ws = tuple(replace(w, since_s=70.0) if w.worker_id == "d0" else w for w in base.workers)
+    mild = replace(base, workers=ws)
+    assert ElasticRoles(reverse_after_s=0).decide(mild).switches
+    plan = ElasticRoles(reverse_after_s=60).decide(mild)
+    assert not plan.switches and "not reversing" in plan.note
+    # An overload (prefill 1.2) that one move ends (-> 0.8) is reversed at once.
+    hot = replace(mild, prefill_demand_tokens_per_s=1.2 * 0.85 * 2 * RATE)
+    assert ElasticRoles(reverse_after_s=60, max_switches_per_decision=1).decide(hot).switches
 
 
 def test_switches_per_minute_are_capped() -> None:
