@@ -277,6 +277,37 @@ def _search(task: Task) -> dict[str, Any]:
     }
 
 
+def _same_rate_task(args: tuple[str, str, int, float, int | None]) -> dict[str, Any]:
+    """The best fixed split re-run at the elastic run's goodput rate, for the plots."""
+    workload, shape_name, k, scale, limit = args
+    wl = _workload(workload, limit)
+    base = SHAPES[shape_name]
+    n = base.n_prefill + base.n_decode
+    shape = replace(base, n_prefill=k, n_decode=n - k)
+    out = run(wl, shape, TWO_SIDED, scale, detail=True)
+    out["label"] = f"fixed {k}P:{n - k}D"
+    return out
+
+
+def _with_same_rate(results: list[dict[str, Any]], jobs: int,
+                    limit: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """Attach to each elastic result the best fixed split run at the same (elastic) rate."""
+    todo: list[tuple[dict[str, Any], tuple[str, str, int, float, int | None]]] = []
+    for el in results:
+        if el["label"] != ELASTIC or not el["goodput_scale"]:
+            continue
+        fixed = [r for r in results if r["label"].startswith("fixed")
+                 and (r["workload"], r["shape"]) == (el["workload"], el["shape"])]  # fmt: skip
+        if fixed:
+            bf = max(fixed, key=lambda r: r["goodput_rps"])
+            k = int(bf["split"].split("P")[0])
+            todo.append((el, (el["workload"], el["shape"], k, el["goodput_scale"], limit)))
+    with ProcessPoolExecutor(max_workers=jobs, initializer=_nice) as pool:
+        for (el, _), row in zip(todo, pool.map(_same_rate_task, [t for _, t in todo]), strict=True):
+            el["best_fixed_same_rate"] = row
+    return results
+
+
 def _nice() -> None:
     import os
 
@@ -315,7 +346,7 @@ def cell_tasks(traces: Sequence[str], shapes: Sequence[str], *, precision: float
 
 def cells(traces: Sequence[str], shapes: Sequence[str], *, jobs: int = 2,
           **kw: Any) -> list[dict[str, Any]]:  # fmt: skip
-    return _map(cell_tasks(traces, shapes, **kw), jobs)
+    return _with_same_rate(_map(cell_tasks(traces, shapes, **kw), jobs), jobs, kw.get("limit"))
 
 
 def mix(names: Sequence[str], shape: str, *, jobs: int = 2, precision: float = 1.05,
@@ -329,7 +360,7 @@ def mix(names: Sequence[str], shape: str, *, jobs: int = 2, precision: float = 1
                        precision=precision) for k in range(1, n)]  # fmt: skip
         tasks.append(Task(f"mix:{m}", shape, ELASTIC, TWO_SIDED, base.n_prefill, role=ELASTIC,
                           role_args=ra, precision=precision))  # fmt: skip
-    return _map(tasks, jobs)
+    return _with_same_rate(_map(tasks, jobs), jobs)
 
 
 # The models of the arrangement study, as shapes with 8 workers each (the split is searched).
@@ -491,16 +522,23 @@ def plot_run(result: dict[str, Any], path: Path, title: str,
         return False
     fig, (ax, bx) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True,
                                  gridspec_kw={"height_ratios": [2, 1]})  # fmt: skip
-    scale = at["scale"]
-    xs = [w[0] / scale for w in at["windows"]]
+    xs = [w[0] for w in at["windows"]]  # simulated seconds (arrival times are scaled already)
     ax.plot(xs, [w[2] for w in at["windows"]], "-o", ms=2.5,
-            label=f"{result['label']} at {result['goodput_rps']:.1f} req/s")  # fmt: skip
-    if compare and (compare.get("at_goodput") or {}).get("windows"):
+            label=f"{result['label']} at its goodput, {result['goodput_rps']:.1f} req/s "
+                  f"({at.get('attainment', 0.0):.1%} overall)")  # fmt: skip
+    same = result.get("best_fixed_same_rate")
+    if same and same.get("windows"):
+        cw = same["windows"]
+        lab = f"{same['label']} at the same rate ({same['attainment']:.1%} overall)"
+        ax.plot([w[0] for w in cw], [w[2] for w in cw], "--", lw=1, label=lab)
+    elif compare and (compare.get("at_goodput") or {}).get("windows"):
         cw = compare["at_goodput"]["windows"]
-        cs = compare["at_goodput"]["scale"]
-        ax.plot([w[0] / cs for w in cw], [w[2] for w in cw], "--", lw=1,
-                label=f"{compare['label']} at {compare['goodput_rps']:.1f} req/s")  # fmt: skip
+        lab = f"{compare['label']} at its goodput {compare['goodput_rps']:.1f} req/s"
+        ax.plot([w[0] for w in cw], [w[2] for w in cw], "--", lw=1, label=lab)
     ax.axhline(0.9, color="grey", ls=":", lw=1)
+    if at.get("t_measured_s") is not None:
+        for axis in (ax, bx):
+            axis.axvline(at["t_measured_s"], color="black", lw=0.8, ls="--")
     ax.set_ylim(0, 1.03)
     ax.set_ylabel("attainment per window")
     ax.set_title(title, fontsize=10)
@@ -517,7 +555,7 @@ def plot_run(result: dict[str, Any], path: Path, title: str,
         bx.axvspan(sw["t"], end, color="orange", alpha=0.25, lw=0)
         ax.axvspan(sw["t"], end, color="orange", alpha=0.12, lw=0)
     bx.set_ylabel("workers")
-    bx.set_xlabel("simulated seconds (orange: a switch draining or paused)")
+    bx.set_xlabel("simulated seconds (orange: a switch draining or paused; dashed: end of warm-up)")
     bx.legend(fontsize=7, loc="upper left")
     bx.grid(alpha=0.3)
     fig.tight_layout()
@@ -587,7 +625,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         res = []
         for p in sorted(out.glob("roles-*.json")):
-            res += json.loads(p.read_text())
+            part = json.loads(p.read_text())
+            missing = any(r["label"] == ELASTIC and "best_fixed_same_rate" not in r for r in part)
+            if ns.what == "plots" and missing:  # runs made before the same-rate comparison
+                part = _with_same_rate(part, ns.jobs)
+                p.write_text(json.dumps(part, indent=1))
+            res += part
     if ns.what in ("cells", "mix", "tables"):
         print(cell_table(res))
         print()
