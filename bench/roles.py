@@ -326,10 +326,12 @@ TWO_SIDED = CaseSpec("two_sided+online", "two_sided")
 
 
 def cell_tasks(traces: Sequence[str], shapes: Sequence[str], *, precision: float = 1.05,
-               limit: int | None = None, peers: bool = True,
-               role_args: dict[str, Any] | None = None) -> list[Task]:  # fmt: skip
+               limit: int | None = None, peers: bool = True, fixed: bool = True,
+               role_args: dict[str, Any] | None = None,
+               config: dict[str, Any] | None = None) -> list[Task]:  # fmt: skip
     tasks: list[Task] = []
     ra = tuple(sorted((role_args or {}).items()))
+    cf = tuple(sorted((config or {}).items()))
     for t in traces:
         for s in shapes:
             shape = SHAPES[s]
@@ -337,30 +339,37 @@ def cell_tasks(traces: Sequence[str], shapes: Sequence[str], *, precision: float
             if peers:
                 tasks += [Task(t, s, f"peer {c.label}", c, shape.n_prefill, precision=precision,
                                limit=limit) for c in CASES if c.baseline]  # fmt: skip
-            tasks += [Task(t, s, f"fixed {k}P:{n - k}D", TWO_SIDED, k, precision=precision,
-                           limit=limit) for k in range(1, n)]  # fmt: skip
+            if fixed:
+                tasks += [Task(t, s, f"fixed {k}P:{n - k}D", TWO_SIDED, k, precision=precision,
+                               limit=limit) for k in range(1, n)]  # fmt: skip
             tasks.append(Task(t, s, ELASTIC, TWO_SIDED, shape.n_prefill, role=ELASTIC,
-                              role_args=ra, precision=precision, limit=limit))  # fmt: skip
+                              role_args=ra, config=cf, precision=precision,
+                              limit=limit))  # fmt: skip
     return tasks
 
 
 def cells(traces: Sequence[str], shapes: Sequence[str], *, jobs: int = 2,
           **kw: Any) -> list[dict[str, Any]]:  # fmt: skip
-    return _with_same_rate(_map(cell_tasks(traces, shapes, **kw), jobs), jobs, kw.get("limit"))
+    res = _map(cell_tasks(traces, shapes, **kw), jobs)
+    return _with_same_rate(res, jobs, kw.get("limit")) if kw.get("fixed", True) else res
 
 
 def mix(names: Sequence[str], shape: str, *, jobs: int = 2, precision: float = 1.05,
-        role_args: dict[str, Any] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+        fixed: bool = True, role_args: dict[str, Any] | None = None,
+        config: dict[str, Any] | None = None) -> list[dict[str, Any]]:  # fmt: skip
     base = SHAPES[shape]
     n = base.n_prefill + base.n_decode
     ra = tuple(sorted((role_args or {}).items()))
+    cf = tuple(sorted((config or {}).items()))
     tasks = []
     for m in names:
-        tasks += [Task(f"mix:{m}", shape, f"fixed {k}P:{n - k}D", TWO_SIDED, k,
-                       precision=precision) for k in range(1, n)]  # fmt: skip
+        if fixed:
+            tasks += [Task(f"mix:{m}", shape, f"fixed {k}P:{n - k}D", TWO_SIDED, k,
+                           precision=precision) for k in range(1, n)]  # fmt: skip
         tasks.append(Task(f"mix:{m}", shape, ELASTIC, TWO_SIDED, base.n_prefill, role=ELASTIC,
-                          role_args=ra, precision=precision))  # fmt: skip
-    return _with_same_rate(_map(tasks, jobs), jobs)
+                          role_args=ra, config=cf, precision=precision))  # fmt: skip
+    res = _map(tasks, jobs)
+    return _with_same_rate(res, jobs) if fixed else res
 
 
 # The models of the arrangement study, as shapes with 8 workers each (the split is searched).
@@ -600,6 +609,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--precision", type=float, default=1.05)
     ap.add_argument("--no-peers", action="store_true", help="cells: skip the peer policies")
     ap.add_argument("--role-args", default="{}", help="JSON: ElasticRoles arguments")
+    ap.add_argument(
+        "--config",
+        default="{}",
+        help="JSON: ClusterConfig overrides of the elastic runs (e.g. reconfig_pause_s)",
+    )
+    ap.add_argument("--only-elastic", action="store_true", help="cells/mix: elastic runs only")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default="bench-results")
     ap.add_argument("--tag", default="")
@@ -611,12 +626,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     tag = f"-{ns.tag}" if ns.tag else ""
     if ns.what == "cells":
         res = cells(ns.traces.split(","), ns.shapes.split(","), jobs=ns.jobs,
-                    precision=ns.precision, limit=ns.limit, peers=not ns.no_peers,
-                    role_args=role_args)  # fmt: skip
+                    precision=ns.precision, limit=ns.limit,
+                    peers=not (ns.no_peers or ns.only_elastic), fixed=not ns.only_elastic,
+                    role_args=role_args, config=json.loads(ns.config))  # fmt: skip
         (out / f"roles-cells{tag}.json").write_text(json.dumps(res, indent=1))
     elif ns.what == "mix":
         res = mix(ns.mix.split(","), ns.shape, jobs=ns.jobs, precision=ns.precision,
-                  role_args=role_args)  # fmt: skip
+                  fixed=not ns.only_elastic, role_args=role_args,
+                  config=json.loads(ns.config))  # fmt: skip
         (out / f"roles-mix{tag}.json").write_text(json.dumps(res, indent=1))
     elif ns.what == "arrangements":
         res = arrangements(ns.traces.split(","), [float(x) for x in ns.links.split(",")],
