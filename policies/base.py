@@ -279,6 +279,9 @@ class RoleWorkerView:
     # use, whichever is larger), resident sequences, and its linear step-time model.
     capacity_blocks: int = 0
     held_blocks: int = 0
+    # Of those, blocks reserved for requests whose KV has not arrived yet (queued for, or in,
+    # prefill): held because the prefill pool has not got to them, not because decode is busy.
+    pending_blocks: int = 0
     resident_seqs: int = 0
     step_base_s: float = 0.005
     step_s_per_block: float = 0.0
@@ -308,10 +311,15 @@ class RoleSnapshot:
     peak_queued_prompt_tokens: float = 0.0
     # KV blocks wanted by requests the router is holding back for lack of decode room.
     decode_waiting_blocks: int = 0
+    # Prompt tokens of those held-back requests (they will need prefill too).
+    decode_waiting_prompt_tokens: int = 0
     # KV blocks the decode pool should hold at the current arrival rate (Little's law: blocks
     # reserved per second × how long a request holds them); 0 = not known. The held blocks
     # lag a rise in demand by a request's lifetime; this does not.
     decode_demand_blocks: float = 0.0
+    # How long a request holds its decode room (seconds; 0 = not known): turns the blocks of
+    # requests waiting for room into the wait they see, judged against the TTFT SLO.
+    decode_hold_s: float = 0.0
     slo_ttft_s: float = 2.0
     slo_itl_s: float = 0.1
     # The modelled pause between a drained worker and its first work in the new role.

@@ -10,15 +10,20 @@ role. Like placement it is pure: a frozen `RoleSnapshot` in, a `RolePlan` out.
 means "at the load where this phase starts to break its SLO":
 
     prefill = max(D / (rho_target · R),  Q / (wait_fraction · TTFT SLO · R))
-    decode  = (H + W) / Σ min(kv_target · capacity, blocks where a step = itl_fraction · ITL SLO)
+    decode  = max(H, W · hold / (wait_fraction · TTFT SLO)) / C
+    C       = Σ min(kv_target · capacity, blocks where a step = itl_fraction · ITL SLO)
 
 with D the prompt tokens/s arriving, R the prefill pool's tokens/s, Q the prompt tokens queued
 (now, or the recent peak if larger: bursts break the TTFT SLO at a low mean load),
 H the KV blocks held on decode workers (reserved or used; or, if larger, the blocks the pool
-should hold at the current arrival rate, `decode_demand_blocks`) and W the blocks wanted by
-requests held back for lack of room. Both scale as 1 / pool size, so moving one worker changes them
-predictably, and the best split is the one minimising max(prefill, decode): the goodput is set
-by whichever phase breaks first (DistServe's offline choice, made online).
+should hold at the current arrival rate, `decode_demand_blocks`), W the blocks wanted by
+requests held back for lack of room and `hold` how long a request holds its room: W · hold / C is
+the wait those requests see, judged like a prefill queue's (without `hold`, W adds to H). Room
+held for requests still waiting for prefill is prefill's backlog, not decode's load: it is
+taken out of H, and that share of W (and of its prompt tokens) counts on the prefill side. Both
+scale as 1 / pool size, so moving one worker changes them predictably, and the best split is the
+one minimising max(prefill, decode): the goodput is set by whichever phase breaks first
+(DistServe's offline choice, made online).
 
 **Why it does not flap.** A move is made only when it lowers the larger pressure by a factor of
 at least 1 + hysteresis (+ pause / pause_horizon_s, so a long pause needs a larger gain); with
@@ -27,9 +32,12 @@ at least max(min_time_in_role_s, dwell_pauses × pause); within `reverse_after_s
 move the other way is made only if it ends an overload (worst pressure > 1, and < 1 after it): a
 swap pays two drains for nothing; at most `max_switches_per_minute` start per minute
 cluster-wide; nothing moves while both phases are below `activate_above` (light load: any split
-serves). During a switch the giving side has already lost the worker and the taking
-side has not gained it yet; the hysteresis test bounds the giving side's new pressure below the
-current maximum, so the transition never raises the worst phase's pressure.
+serves); a move may not push the giving phase past 1.0 unless the other is at twice that (when
+both phases are overloaded the cluster needs GPUs, not a re-role, and the transition would cost
+the overloaded giving phase a worker before the other gains it). During a switch the giving side
+has already lost the worker and the taking side has not gained it yet; the hysteresis test
+bounds the giving side's new pressure below the current maximum, so the transition never raises
+the worst phase's pressure.
 
 Which worker moves: the one whose move helps most, then the cheapest to drain (fewest held
 blocks leaving decode, fewest queued tokens leaving prefill), then a seeded hash of its id.
@@ -71,23 +79,37 @@ def role_pressures(
     rate = 0.0
     queued = 0
     held = 0
+    pending = 0
     cap = 0.0
     itl = itl_fraction * snapshot.slo_itl_s
     for w in snapshot.workers:
         role = w.role if roles is None else roles.get(w.worker_id, w.role)
         queued += w.queued_prompt_tokens
         held += w.held_blocks
+        pending += w.pending_blocks
         if role == "prefill":
             rate += w.prefill_tokens_per_s
         else:
             cap += _decode_capacity(w, kv_target, itl)
     demand = snapshot.prefill_demand_tokens_per_s
+    # Decode room held for requests prefill has not reached is the prefill pool's backlog, and
+    # so is that share of the requests held back for room: blaming decode for it would move
+    # workers the wrong way exactly when prefill is the bottleneck.
+    share = min(1.0, pending / held) if held > 0 else 0.0
+    queued = queued + int(share * snapshot.decode_waiting_prompt_tokens)
+    held -= pending
     queued_peak = max(float(queued), snapshot.peak_queued_prompt_tokens)
     p_load = max(
         demand / rho_target, queued_peak / (wait_fraction * max(snapshot.slo_ttft_s, 1e-9))
     )
-    d_load = max(float(held), snapshot.decode_demand_blocks) + snapshot.decode_waiting_blocks
-    return _ratio(p_load, rate), _ratio(d_load, cap)
+    d_held = max(float(held), snapshot.decode_demand_blocks)
+    waiting = (1.0 - share) * snapshot.decode_waiting_blocks
+    if snapshot.decode_hold_s <= 0:
+        return _ratio(p_load, rate), _ratio(d_held + waiting, cap)
+    # Requests waiting for room wait until that many blocks are freed (capacity / hold time per
+    # second): a wait like a prefill queue's, against the same fraction of the TTFT SLO.
+    d_wait = waiting * snapshot.decode_hold_s / (wait_fraction * max(snapshot.slo_ttft_s, 1e-9))
+    return _ratio(p_load, rate), max(_ratio(d_held, cap), _ratio(d_wait, cap))
 
 
 def _decode_capacity(w: RoleWorkerView, kv_target: float, itl_s: float) -> float:
@@ -238,6 +260,9 @@ class ElasticRoles:
                 new = max(p2, d2)
                 if new * gain > worst:
                     continue
+                after = p2 if give == "prefill" else d2
+                if after > 1.0 and worst < 2.0 * after:
+                    continue  # it would push the giving phase past its SLO to ease the other
                 drain = w.held_blocks if give == "decode" else w.queued_prompt_tokens
                 key = (new, drain, _tie(self.seed, w.worker_id), w, p2, d2)
                 if best is None or key[:3] < best[:3]:
@@ -250,12 +275,12 @@ class ElasticRoles:
                 # Reversing a recent switch only to end an overload it caused, never to fine-tune.
                 note = f"a worker moved to {give} {now - last_to[give]:.0f} s ago: not reversing"
                 break
-            before = split_of(roles)
+            n0 = split_of(roles)
             roles[w.worker_id] = take
-            after = split_of(roles)
+            n1 = split_of(roles)
             switches.append(RoleSwitch(w.worker_id, take, (
-                f"prefill pressure {p:.2f}, decode {d:.2f}: {before[0]}P:{before[1]}D -> "
-                f"{after[0]}P:{after[1]}D, worst {worst:.2f} -> {new:.2f}"
+                f"prefill pressure {p:.2f}, decode {d:.2f}: {n0[0]}P:{n0[1]}D -> "
+                f"{n1[0]}P:{n1[1]}D, worst {worst:.2f} -> {new:.2f}"
             )))  # fmt: skip
             moved.add(w.worker_id)
             p, d = p2, d2

@@ -161,6 +161,11 @@ class RoleController:
         self.n_out.add(now, 1.0)
         self.life_out.add(now, life)
 
+    def _hold_s(self, now: float) -> float:
+        """Mean decode-room holding time of recent completions (0 until there are some)."""
+        n = self.n_out.value(now)
+        return self.life_out.value(now) / n if n >= 5.0 else 0.0
+
     def _decode_demand(self, now: float) -> float:
         """Little's law: blocks reserved per second × seconds a request holds them. Until the
         completions have caught up with the reservations of the window (the first to complete
@@ -208,23 +213,28 @@ class RoleController:
                 prefill_tokens_per_s=s.p.rate * mix,
                 capacity_blocks=s.d.capacity,
                 held_blocks=s.d.held,
+                pending_blocks=_pending(s.d),
                 resident_seqs=len(s.d.seqs),
                 step_base_s=s.d.step_base,
                 step_s_per_block=s.d.step_per_block,
             )
             for s in self.slots
         )
-        waiting = 0
+        waiting = waiting_tokens = 0
         if e.q_live:
             bs = e.cfg.layout.block_size
-            waiting = sum(blocks_for(j.prompt + j.est_tokens, bs) for j in e.queue if j.queued)
+            held_back = [j for j in e.queue if j.queued]
+            waiting = sum(blocks_for(j.prompt + j.est_tokens, bs) for j in held_back)
+            waiting_tokens = sum(j.prompt for j in held_back)
         return RoleSnapshot(
             now_s=now,
             workers=workers,
             prefill_demand_tokens_per_s=self.arrived.rate(now) * (1.0 - hit),
             peak_queued_prompt_tokens=self._peak(now),
             decode_waiting_blocks=waiting,
+            decode_waiting_prompt_tokens=waiting_tokens,
             decode_demand_blocks=self._decode_demand(now),
+            decode_hold_s=self._hold_s(now),
             slo_ttft_s=e.slo_ttft_s,
             slo_itl_s=e.slo_tpot_s,
             reconfig_pause_s=self.pause,
@@ -439,6 +449,16 @@ class RoleController:
             "retargeted": self.c_retargeted,
             "redispatched": self.c_redispatched,
         }
+
+
+def _pending(d: DecodeWorker) -> int:
+    """Blocks reserved on `d` for requests whose KV has not started to land (in prefill)."""
+    n = 0
+    seqs = d.seqs
+    for j in d.reservations.values():
+        if not j.alloc and j.idx not in seqs and not j.local:
+            n += j.res
+    return n
 
 
 def _insert(live: list[Any], w: Any, key: Callable[[Any], int]) -> None:
