@@ -267,3 +267,17 @@ def test_dotted_path_role_policy() -> None:
 def test_broken_role_policy_specs_fail_at_load(spec: str, kwargs: Any, message: str) -> None:
     with pytest.raises(PolicyLoadError, match=message):
         load_role_policy(spec, kwargs)
+
+
+def test_room_held_for_requests_still_in_prefill_is_prefill_backlog() -> None:
+    ws = (worker("p0", "prefill"), worker("d0", "decode", held_blocks=9000, pending_blocks=6000))
+    s = RoleSnapshot(now_s=10.0, workers=ws, decode_waiting_blocks=3000,
+                     decode_waiting_prompt_tokens=40_000)  # fmt: skip
+    p, d = role_pressures(s, wait_fraction=0.5)
+    # Decode: 3,000 blocks really decoding plus a third of the waiting ones (W adds to H when the
+    # hold time is unknown); prefill: two thirds of the waiting prompts.
+    assert d == pytest.approx((3000 + 1000) / (0.9 * CAP))
+    assert p == pytest.approx((40_000 * 2 / 3) / (0.5 * 2.0 * RATE), rel=1e-3)
+    # With a hold time, waiting room is the wait it causes: 1,000 blocks × 4 s / (1 s × 9,000).
+    p2, d2 = role_pressures(replace(s, decode_hold_s=4.0), wait_fraction=0.5)
+    assert d2 == pytest.approx(max(3000 / 9000, 1000 * 4.0 / (0.5 * 2.0 * 9000)))
