@@ -386,8 +386,8 @@ def _link_config(gbps: float, shape: str, **extra: Any) -> tuple[tuple[str, Any]
 
 
 def arrangements(traces: Sequence[str], links: Sequence[float], *, jobs: int = 2,
-                 precision: float = 1.05,
-                 shapes: Sequence[str] = ARRANGEMENT_SHAPES) -> list[dict[str, Any]]:  # fmt: skip
+                 precision: float = 1.05, shapes: Sequence[str] = ARRANGEMENT_SHAPES,
+                 splits: Sequence[int] | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """Local (every GPU both phases) vs pools at every split vs hybrid at the best split."""
     first: list[Task] = []
     for t in traces:
@@ -398,7 +398,7 @@ def arrangements(traces: Sequence[str], links: Sequence[float], *, jobs: int = 2
                                   config=_link_config(g, s, local_prefill=True)))  # fmt: skip
                 first += [Task(t, s, f"pool {k}P:{n - k}D @{g:g}G", TWO_SIDED, k,
                                precision=precision, config=_link_config(g, s))
-                          for k in range(1, n)]  # fmt: skip
+                          for k in (splits or range(1, n)) if 0 < k < n]  # fmt: skip
     res = _map(first, jobs)
     second: list[Task] = []
     for t in traces:
@@ -601,6 +601,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("what", choices=("cells", "mix", "arrangements", "tables", "plots"))
     ap.add_argument("--links", default="25,100,400", help="arrangements: Gb/s per GPU")
+    ap.add_argument("--splits", default=None, help="arrangements: prefill counts (default: all)")
     ap.add_argument("--traces", default="conv,code,mooncake")
     ap.add_argument("--shapes", default="8b-2p6d,70b-4p4d")
     ap.add_argument("--shape", default="8b-2p6d", help="mix: the cluster shape")
@@ -637,7 +638,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         (out / f"roles-mix{tag}.json").write_text(json.dumps(res, indent=1))
     elif ns.what == "arrangements":
         res = arrangements(ns.traces.split(","), [float(x) for x in ns.links.split(",")],
-                           jobs=ns.jobs, precision=ns.precision)  # fmt: skip
+                           jobs=ns.jobs, precision=ns.precision,
+                           splits=[int(x) for x in ns.splits.split(",")] if ns.splits else None,
+                           shapes=ns.shapes.split(","))  # fmt: skip
         (out / f"roles-arrangements{tag}.json").write_text(json.dumps(res, indent=1))
     else:
         res = []
