@@ -505,6 +505,38 @@ def splits_table(results: Sequence[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def switch_table(results: Sequence[dict[str, Any]], window_s: float = 10.0) -> str:
+    """Did attainment collapse while a worker switched? Per elastic run at its goodput: the
+    windows (of measured requests) that overlap a switch's drain or pause, their lowest and mean
+    attainment, and the same windows of the best fixed split run at the same rate."""
+    out = ["| trace × shape | rate req/s | switches (measured part) | drain s (median, max) "
+           "| windows in a switch | elastic min / mean | best fixed, same windows: min / mean "
+           "| elastic overall | fixed overall |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for el in sorted((r for r in results if r["label"] == ELASTIC and r.get("at_goodput")),
+                     key=lambda r: _order((r["workload"], r["shape"]))):  # fmt: skip
+        at = el["at_goodput"]
+        same = el.get("best_fixed_same_rate") or {}
+        t0 = at.get("t_measured_s", 0.0)
+        sws = [x for x in (at.get("roles") or {}).get("switches", [])
+               if (x["active_t"] or x["t"]) >= t0]  # fmt: skip
+        spans = [(x["t"], x["active_t"] or x["drained_t"] or x["t"]) for x in sws]
+        drains = sorted((x["drained_t"] or x["t"]) - x["t"] for x in sws)
+        hit = {w[0] for w in at["windows"]
+               if any(a < w[0] + window_s and b >= w[0] for a, b in spans)}  # fmt: skip
+        ew = [w[2] for w in at["windows"] if w[0] in hit]
+        fw = [w[2] for w in same.get("windows", []) if w[0] in hit]
+
+        def mm(v: list[float]) -> str:
+            return f"{min(v):.2f} / {sum(v) / len(v):.2f}" if v else "-"
+
+        med = f"{drains[len(drains) // 2]:.1f}, {drains[-1]:.1f}" if drains else "-"
+        overall = f"{at.get('attainment', 0):.3f} | {same.get('attainment', 0):.3f}"
+        out.append(f"| {el['workload']} × {el['shape']} | {el['goodput_rps']:.2f} | {len(sws)} "
+                   f"| {med} | {len(hit)} | {mm(ew)} | {mm(fw)} | {overall} |")  # fmt: skip
+    return "\n".join(out)
+
+
 def _bold(v: float, top: float) -> str:
     return f"**{v:.2f}**" if v == top and v > 0 else f"{v:.2f}"
 
@@ -655,6 +687,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(cell_table(res))
         print()
         print(splits_table(res))
+        print()
+        print(switch_table(res))
     if ns.what in ("arrangements", "tables"):
         print()
         print(arrangement_table(res))
