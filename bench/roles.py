@@ -114,10 +114,10 @@ def _restretch(rows: Sequence[TraceRequest], stretch: Sequence[float]) -> list[T
 # A mix: (trace, first row, rows, rate multiplier); the conv phases run at the trace's own rate.
 MIXES: dict[str, tuple[tuple[str, int, int, float], ...]] = {
     # Each phase alone saturates 8 H100 (8B) near the same rate scale at its own best split
-    "conv-mooncake": (("conv", 2000, 8000, 1.0), ("mooncake", 1000, 1500, 0.115),
-                      ("conv", 10000, 8000, 1.0)),
-    "conv-code": (("conv", 2000, 8000, 1.0), ("code", 2000, 3000, 0.19),
-                  ("conv", 10000, 8000, 1.0)),
+    "conv-mooncake": (("conv", 2000, 6000, 1.0), ("mooncake", 1000, 1000, 0.115),
+                      ("conv", 8000, 6000, 1.0)),
+    "conv-code": (("conv", 2000, 6000, 1.0), ("code", 2000, 1500, 0.19),
+                  ("conv", 8000, 6000, 1.0)),
 }  # fmt: skip
 
 
@@ -356,7 +356,8 @@ def cells(traces: Sequence[str], shapes: Sequence[str], *, jobs: int = 2,
 
 def mix(names: Sequence[str], shape: str, *, jobs: int = 2, precision: float = 1.05,
         fixed: bool = True, role_args: dict[str, Any] | None = None,
-        config: dict[str, Any] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+        config: dict[str, Any] | None = None,
+        splits: Sequence[int] | None = None) -> list[dict[str, Any]]:  # fmt: skip
     base = SHAPES[shape]
     n = base.n_prefill + base.n_decode
     ra = tuple(sorted((role_args or {}).items()))
@@ -365,7 +366,8 @@ def mix(names: Sequence[str], shape: str, *, jobs: int = 2, precision: float = 1
     for m in names:
         if fixed:
             tasks += [Task(f"mix:{m}", shape, f"fixed {k}P:{n - k}D", TWO_SIDED, k,
-                           precision=precision) for k in range(1, n)]  # fmt: skip
+                           precision=precision)
+                      for k in (splits or range(1, n)) if 0 < k < n]  # fmt: skip
         tasks.append(Task(f"mix:{m}", shape, ELASTIC, TWO_SIDED, base.n_prefill, role=ELASTIC,
                           role_args=ra, config=cf, precision=precision))  # fmt: skip
     res = _map(tasks, jobs)
@@ -633,7 +635,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("what", choices=("cells", "mix", "arrangements", "tables", "plots"))
     ap.add_argument("--links", default="25,100,400", help="arrangements: Gb/s per GPU")
-    ap.add_argument("--splits", default=None, help="arrangements: prefill counts (default: all)")
+    ap.add_argument(
+        "--splits",
+        default=None,
+        help="arrangements, mix: prefill counts of the fixed splits (default: all)",
+    )
     ap.add_argument("--traces", default="conv,code,mooncake")
     ap.add_argument("--shapes", default="8b-2p6d,70b-4p4d")
     ap.add_argument("--shape", default="8b-2p6d", help="mix: the cluster shape")
@@ -665,8 +671,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         (out / f"roles-cells{tag}.json").write_text(json.dumps(res, indent=1))
     elif ns.what == "mix":
         res = mix(ns.mix.split(","), ns.shape, jobs=ns.jobs, precision=ns.precision,
-                  fixed=not ns.only_elastic, role_args=role_args,
-                  config=json.loads(ns.config))  # fmt: skip
+                  fixed=not ns.only_elastic, role_args=role_args, config=json.loads(ns.config),
+                  splits=[int(x) for x in ns.splits.split(",")] if ns.splits else None)  # fmt: skip
         (out / f"roles-mix{tag}.json").write_text(json.dumps(res, indent=1))
     elif ns.what == "arrangements":
         res = arrangements(ns.traces.split(","), [float(x) for x in ns.links.split(",")],
