@@ -238,6 +238,7 @@ class Task:
     config: tuple[tuple[str, Any], ...] = ()
     precision: float = 1.05
     limit: int | None = None
+    start: float = 1.0  # where the goodput search starts bracketing (a hint saves probes)
 
 
 def _workload(name: str, limit: int | None) -> Workload:
@@ -260,7 +261,7 @@ def _search(task: Task) -> dict[str, Any]:
         rows[scale] = run(wl, shape, task.case, scale, **kw)  # type: ignore[arg-type]
         return float(rows[scale]["attainment"])
 
-    scale, points = goodput(at, precision=task.precision)
+    scale, points = goodput(at, precision=task.precision, start=task.start)
     best = run(wl, shape, task.case, scale, detail=True, **kw) if scale > 0 else {}  # type: ignore[arg-type]
     return {
         "workload": task.workload,
@@ -356,8 +357,8 @@ def cells(traces: Sequence[str], shapes: Sequence[str], *, jobs: int = 2,
 
 def mix(names: Sequence[str], shape: str, *, jobs: int = 2, precision: float = 1.05,
         fixed: bool = True, role_args: dict[str, Any] | None = None,
-        config: dict[str, Any] | None = None,
-        splits: Sequence[int] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+        config: dict[str, Any] | None = None, splits: Sequence[int] | None = None,
+        start: float = 16.0) -> list[dict[str, Any]]:  # fmt: skip
     base = SHAPES[shape]
     n = base.n_prefill + base.n_decode
     ra = tuple(sorted((role_args or {}).items()))
@@ -366,16 +367,20 @@ def mix(names: Sequence[str], shape: str, *, jobs: int = 2, precision: float = 1
     for m in names:
         if fixed:
             tasks += [Task(f"mix:{m}", shape, f"fixed {k}P:{n - k}D", TWO_SIDED, k,
-                           precision=precision)
+                           precision=precision, start=start)
                       for k in (splits or range(1, n)) if 0 < k < n]  # fmt: skip
         tasks.append(Task(f"mix:{m}", shape, ELASTIC, TWO_SIDED, base.n_prefill, role=ELASTIC,
-                          role_args=ra, config=cf, precision=precision))  # fmt: skip
+                          role_args=ra, config=cf, precision=precision, start=start))  # fmt: skip
     res = _map(tasks, jobs)
     return _with_same_rate(res, jobs) if fixed else res
 
 
 # The models of the arrangement study, as shapes with 8 workers each (the split is searched).
 ARRANGEMENT_SHAPES = ("8b-2p6d", "70b-4p4d")
+# Rate scales near the cells' goodputs: the searches start bracketing there.
+START_HINTS = {("conv", "8b-2p6d"): 16.0, ("mooncake", "8b-2p6d"): 2.0,
+               ("conv", "70b-4p4d"): 8.0, ("mooncake", "70b-4p4d"): 1.0,
+               ("code", "8b-2p6d"): 4.0, ("code", "70b-4p4d"): 1.0}  # fmt: skip
 
 
 def _link_config(gbps: float, shape: str, **extra: Any) -> tuple[tuple[str, Any], ...]:
@@ -396,10 +401,11 @@ def arrangements(traces: Sequence[str], links: Sequence[float], *, jobs: int = 2
         for s in shapes:
             n = SHAPES[s].n_prefill + SHAPES[s].n_decode
             for g in links:
+                h = START_HINTS.get((t, s), 1.0)
                 first.append(Task(t, s, f"local @{g:g}G", TWO_SIDED, 0, precision=precision,
-                                  config=_link_config(g, s, local_prefill=True)))  # fmt: skip
+                                  config=_link_config(g, s, local_prefill=True), start=h))  # fmt: skip
                 first += [Task(t, s, f"pool {k}P:{n - k}D @{g:g}G", TWO_SIDED, k,
-                               precision=precision, config=_link_config(g, s))
+                               precision=precision, config=_link_config(g, s), start=h)
                           for k in (splits or range(1, n)) if 0 < k < n]  # fmt: skip
     res = _map(first, jobs)
     second: list[Task] = []
@@ -415,7 +421,7 @@ def arrangements(traces: Sequence[str], links: Sequence[float], *, jobs: int = 2
                 best = max(pools, key=lambda r: r["goodput_rps"])
                 k = int(best["split"].split("P")[0])
                 second.append(Task(t, s, f"hybrid {best['split']} @{g:g}G", TWO_SIDED, k,
-                                   precision=precision,
+                                   precision=precision, start=best["goodput_scale"] or 1.0,
                                    config=_link_config(g, s, local_prefill=True)))  # fmt: skip
     for r in (res := res + _map(second, jobs)):
         r["arrangement"] = r["label"].split()[0]
