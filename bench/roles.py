@@ -402,8 +402,9 @@ def arrangements(traces: Sequence[str], links: Sequence[float], *, jobs: int = 2
             n = SHAPES[s].n_prefill + SHAPES[s].n_decode
             for g in links:
                 h = START_HINTS.get((t, s), 1.0)
+                local = _link_config(g, s, local_prefill=True)
                 first.append(Task(t, s, f"local @{g:g}G", TWO_SIDED, 0, precision=precision,
-                                  config=_link_config(g, s, local_prefill=True), start=h))  # fmt: skip
+                                  config=local, start=h))  # fmt: skip
                 first += [Task(t, s, f"pool {k}P:{n - k}D @{g:g}G", TWO_SIDED, k,
                                precision=precision, config=_link_config(g, s), start=h)
                           for k in (splits or range(1, n)) if 0 < k < n]  # fmt: skip
