@@ -430,6 +430,61 @@ def arrangements(traces: Sequence[str], links: Sequence[float], *, jobs: int = 2
     return res
 
 
+# The cells' best fixed split and its goodput rate scale (docs/elastic-roles.md, default link).
+BEST_SPLITS = {("conv", "8b-2p6d"): (5, 21.67), ("mooncake", "8b-2p6d"): (6, 2.49),
+               ("conv", "70b-4p4d"): (6, 12.34), ("mooncake", "70b-4p4d"): (7, 1.30)}  # fmt: skip
+
+
+def _at_rate_task(args: tuple[str, str, str, int, float, float]) -> dict[str, Any]:
+    trace, shape_name, arrangement, k, scale, gbps = args
+    wl = _workload(trace, None)
+    base = SHAPES[shape_name]
+    n = base.n_prefill + base.n_decode
+    shape = replace(base, n_prefill=k, n_decode=n - k)
+    cfg = dict(_link_config(gbps, shape_name, local_prefill=arrangement != "pool"))
+    row = run(wl, shape, TWO_SIDED, scale, config=cfg)
+    return {"workload": trace, "shape": shape_name, "arrangement": arrangement,
+            "split": f"{k}P:{n - k}D", "scale": scale, "link_gbps": gbps,
+            "rps": scale * wl.base_rps, **row}  # fmt: skip
+
+
+def arrangements_at_rate(
+    traces: Sequence[str], links: Sequence[float], *, jobs: int = 2,
+    shapes: Sequence[str] = ARRANGEMENT_SHAPES,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Cheaper than goodput searches: SLO attainment of local (every GPU both phases), the pool
+    at the cells' best split and hybrid at that split, all at the rate where that pool split
+    reached its goodput on the default link."""
+    tasks = []
+    for t in traces:
+        for s in shapes:
+            if (t, s) not in BEST_SPLITS:
+                continue
+            k, scale = BEST_SPLITS[(t, s)]
+            for g in links:
+                tasks += [(t, s, "local", 0, scale, g), (t, s, "pool", k, scale, g),
+                          (t, s, "hybrid", k, scale, g)]  # fmt: skip
+    with ProcessPoolExecutor(max_workers=jobs, initializer=_nice) as pool:
+        return list(pool.map(_at_rate_task, tasks))
+
+
+def at_rate_table(rows: Sequence[dict[str, Any]]) -> str:
+    out = ["| trace × model | rate req/s | link Gb/s per GPU | local (time-shared) | pool "
+           "| hybrid | winner |", "|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    keys = sorted({(r["workload"], r["shape"], r["link_gbps"]) for r in rows},
+                  key=lambda k: (k[1], k[0], k[2]))  # fmt: skip
+    for w, s, g in keys:
+        rs = {r["arrangement"]: r for r in rows if (r["workload"], r["shape"], r["link_gbps"])
+              == (w, s, g)}  # fmt: skip
+        att = {a: rs[a]["attainment"] for a in rs}
+        win = max(att, key=lambda a: att[a])
+        pool = rs.get("pool", {})
+        out.append(f"| {w} × {s.split('-')[0]} | {pool.get('rps', 0):.2f} | {g:g} "
+                   f"| {att.get('local', 0):.1%} | {att.get('pool', 0):.1%} ({pool.get('split')}) "
+                   f"| {att.get('hybrid', 0):.1%} | {win} |")  # fmt: skip
+    return "\n".join(out)
+
+
 def arrangement_table(results: Sequence[dict[str, Any]]) -> str:
     rows = [r for r in results if r.get("arrangement")]
     out = ["| trace × model | link Gb/s per GPU | local (time-shared) | best pool split "
@@ -640,7 +695,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("what", choices=("cells", "mix", "arrangements", "tables", "plots"))
+    ap.add_argument(
+        "what", choices=("cells", "mix", "arrangements", "arrangements-at-rate", "tables", "plots")
+    )
     ap.add_argument("--links", default="25,100,400", help="arrangements: Gb/s per GPU")
     ap.add_argument(
         "--splits",
@@ -687,6 +744,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                            splits=[int(x) for x in ns.splits.split(",")] if ns.splits else None,
                            shapes=ns.shapes.split(","))  # fmt: skip
         (out / f"roles-arrangements{tag}.json").write_text(json.dumps(res, indent=1))
+    elif ns.what == "arrangements-at-rate":
+        rows = arrangements_at_rate(ns.traces.split(","), [float(x) for x in ns.links.split(",")],
+                                    jobs=ns.jobs, shapes=ns.shapes.split(","))  # fmt: skip
+        (out / f"arrangements-at-rate{tag}.json").write_text(json.dumps(rows, indent=1))
+        print(at_rate_table(rows))
+        return 0
     else:
         res = []
         for p in sorted(out.glob("roles-*.json")):
