@@ -166,6 +166,7 @@ class ElasticRoles:
         activate_above: float = 0.3,
         min_prefill: int = 1,
         min_decode: int = 1,
+        max_in_flight_per_role: int | None = None,
         seed: int = 0,
     ) -> None:
         for name, value in (("rho_target", rho_target), ("wait_fraction", wait_fraction),
@@ -195,6 +196,9 @@ class ElasticRoles:
         self.activate_above = activate_above
         self.min_prefill = min_prefill
         self.min_decode = min_decode
+        # At most this many switches toward one role under way at once (None: no limit): the
+        # next one is decided only once the pressure shows what the first one changed.
+        self.max_in_flight_per_role = max_in_flight_per_role
         self.seed = seed
 
     def __repr__(self) -> str:
@@ -241,6 +245,12 @@ class ElasticRoles:
             take: Role = "prefill" if p >= d else "decode"
             give = _OTHER[take]
             n_give = sum(1 for r in roles.values() if r == give)
+            cap = self.max_in_flight_per_role
+            if cap is not None:
+                under_way = sum(1 for w in snapshot.workers if w.role == take and not w.serving)
+                if under_way + sum(1 for x in switches if x.to_role == take) >= cap:
+                    note = f"a switch to {take} is under way"
+                    break
             if n_give - 1 < (self.min_prefill if give == "prefill" else self.min_decode):
                 note = f"{give} pool at its minimum"
                 break

@@ -281,3 +281,15 @@ def test_room_held_for_requests_still_in_prefill_is_prefill_backlog() -> None:
     # With a hold time, waiting room is the wait it causes: 1,000 blocks × 4 s / (1 s × 9,000).
     p2, d2 = role_pressures(replace(s, decode_hold_s=4.0), wait_fraction=0.5)
     assert d2 == pytest.approx(max(3000 / 9000, 1000 * 4.0 / (0.5 * 2.0 * 9000)))
+
+
+def test_one_switch_toward_a_role_at_a_time_when_asked() -> None:
+    s = snap(2, 6, demand=60_000.0, held=6000)
+    assert len(ElasticRoles().decide(s).switches) == 2
+    one = ElasticRoles(max_in_flight_per_role=1)
+    assert len(one.decide(s).switches) == 1
+    under_way = replace(s, workers=tuple(
+        replace(w, role="prefill", state="draining") if w.worker_id == "d0" else w
+        for w in s.workers))  # fmt: skip
+    plan = one.decide(under_way)
+    assert plan.switches == () and "under way" in plan.note
