@@ -14,6 +14,13 @@ from policies.base import (
     PrefillView,
     Rejection,
     RequestInfo,
+    Role,
+    RolePlan,
+    RolePolicy,
+    RoleSnapshot,
+    RoleState,
+    RoleSwitch,
+    RoleWorkerView,
     blocks_for,
 )
 from policies.baselines import LeastLoadedPolicy, PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy
@@ -26,7 +33,8 @@ from policies.estimators import (
     bucket_of,
     score_estimate,
 )
-from policies.registry import PolicyLoadError, load_estimator, load_policy
+from policies.registry import PolicyLoadError, load_estimator, load_policy, load_role_policy
+from policies.roles import ElasticRoles, StaticRoles, role_pressures
 from policies.two_sided import TwoSidedPolicy
 
 __all__ = [
@@ -44,6 +52,16 @@ __all__ = [
     "Rejection",
     "RequestInfo",
     "blocks_for",
+    "Role",
+    "RolePlan",
+    "RolePolicy",
+    "RoleSnapshot",
+    "RoleState",
+    "RoleSwitch",
+    "RoleWorkerView",
+    "ElasticRoles",
+    "StaticRoles",
+    "role_pressures",
     "LeastLoadedPolicy",
     "PowerOfTwoPolicy",
     "RandomPolicy",
@@ -59,4 +77,5 @@ __all__ = [
     "PolicyLoadError",
     "load_estimator",
     "load_policy",
+    "load_role_policy",
 ]

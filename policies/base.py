@@ -5,17 +5,19 @@ cluster and returns a decision. No I/O, no clocks, no HTTP objects, so the same 
 runs in the live router and in the discrete-event cluster simulator (docs/design.md §6).
 
     RequestInfo ─┐
-                 ├─> PlacementPolicy.place() ─> Placement(candidates) | Rejection(reason, retry_after)
+                 ├─> PlacementPolicy.place() ─> Placement(candidates) | Rejection(reason, retry)
     ClusterView ─┘
 
     RequestInfo + OutputHistograms ─> OutputLengthEstimator.estimate() ─> OutputEstimate
+
+    RoleSnapshot ─> RolePolicy.decide() ─> RolePlan(switches: RoleSwitch(worker, to_role, reason))
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 __all__ = [
     "KVLayout",
@@ -32,6 +34,13 @@ __all__ = [
     "OutputLengthEstimator",
     "OutputHistograms",
     "blocks_for",
+    "Role",
+    "RoleState",
+    "RoleWorkerView",
+    "RoleSnapshot",
+    "RoleSwitch",
+    "RolePlan",
+    "RolePolicy",
 ]
 
 
@@ -237,3 +246,113 @@ class OutputLengthEstimator(Protocol):
     def estimate(self, request: RequestInfo, histograms: OutputHistograms) -> OutputEstimate: ...
 
     def bucket_of(self, output_tokens: int) -> int: ...
+
+
+# -- roles: which kv_both workers serve prefill and which decode -------------------------------
+
+Role = Literal["prefill", "decode"]
+# active: serving `role`; draining: leaving the other role for `role` (finishing what it holds,
+# taking nothing new); paused: drained, in the reconfiguration pause before serving `role`.
+RoleState = Literal["active", "draining", "paused"]
+
+
+@dataclass(frozen=True, slots=True)
+class RoleWorkerView:
+    """One worker as a role policy sees it. `role` is where it serves or is heading to.
+
+    Both sides' load fields are filled for whatever the worker holds now: a worker draining out
+    of decode still shows its resident blocks, one draining out of prefill its queue.
+    """
+
+    worker_id: str
+    role: Role
+    state: RoleState = "active"
+    # False: a worker started for one role only (not `kv_both`); it counts, but never moves.
+    can_switch: bool = True
+    # When it entered `role` (the start of its drain, for a worker in transition).
+    since_s: float = float("-inf")
+    # Prefill side: prompt tokens queued (incl. the one in prefill) and its throughput on the
+    # recent mix of prompts (tokens/s, prefix-cache hits excluded).
+    queued_prompt_tokens: int = 0
+    prefill_tokens_per_s: float = 10_000.0
+    # Decode side: KV blocks and what the router's accounting holds of them (reservations or
+    # use, whichever is larger), resident sequences, and its linear step-time model.
+    capacity_blocks: int = 0
+    held_blocks: int = 0
+    # Of those, blocks reserved for requests whose KV has not arrived yet (queued for, or in,
+    # prefill): held because the prefill pool has not got to them, not because decode is busy.
+    pending_blocks: int = 0
+    resident_seqs: int = 0
+    step_base_s: float = 0.005
+    step_s_per_block: float = 0.0
+
+    @property
+    def serving(self) -> bool:
+        return self.state == "active"
+
+    def step_time_s(self) -> float:
+        return self.step_base_s + self.step_s_per_block * self.held_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class RoleSnapshot:
+    """The cluster's demand on both phases, as the router's accounting saw it at `now_s`.
+
+    Rates are smoothed by the caller over a window much longer than a reconfiguration pause
+    (the simulator: an exponential window of `ClusterConfig.role_window_s`).
+    """
+
+    now_s: float
+    workers: tuple[RoleWorkerView, ...]
+    # Prompt tokens arriving per second that prefill must compute (prefix-cache hits excluded).
+    prefill_demand_tokens_per_s: float = 0.0
+    # The largest prompt-token queue of the prefill pool in the recent window (decayed peak):
+    # bursty traffic breaks the TTFT SLO at a low mean load, and the peak is what shows it.
+    peak_queued_prompt_tokens: float = 0.0
+    # KV blocks wanted by requests the router is holding back for lack of decode room.
+    decode_waiting_blocks: int = 0
+    # Prompt tokens of those held-back requests (they will need prefill too).
+    decode_waiting_prompt_tokens: int = 0
+    # KV blocks the decode pool should hold at the current arrival rate (Little's law: blocks
+    # reserved per second × how long a request holds them); 0 = not known. The held blocks
+    # lag a rise in demand by a request's lifetime; this does not.
+    decode_demand_blocks: float = 0.0
+    # How long a request holds its decode room (seconds; 0 = not known): turns the blocks of
+    # requests waiting for room into the wait they see, judged against the TTFT SLO.
+    decode_hold_s: float = 0.0
+    slo_ttft_s: float = 2.0
+    slo_itl_s: float = 0.1
+    # The modelled pause between a drained worker and its first work in the new role.
+    reconfig_pause_s: float = 0.0
+    # Start times of the switches of the last minute (every replica's, through the store).
+    recent_switches_s: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RoleSwitch:
+    """Start draining `worker_id` out of its role; it serves `to_role` after the pause."""
+
+    worker_id: str
+    to_role: Role
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RolePlan:
+    """A role policy's answer: the switches to start now (often none) and the pressures it saw
+    (1.0 = the phase at its SLO-bound capacity), for metrics and the admin API."""
+
+    switches: tuple[RoleSwitch, ...] = ()
+    prefill_pressure: float = 0.0
+    decode_pressure: float = 0.0
+    note: str = ""
+
+
+@runtime_checkable
+class RolePolicy(Protocol):
+    """Decides which kv_both workers serve prefill and which decode. Pure and synchronous;
+    deterministic under its seed (no clock but `snapshot.now_s`, no I/O)."""
+
+    name: str
+
+    def decide(self, snapshot: RoleSnapshot) -> RolePlan: ...

@@ -114,7 +114,9 @@ class PerfModel:
         """One continuous-batching step: every resident sequence advances one token."""
         if batch_size <= 0:
             return 0.0
-        memory = (self.model.weight_bytes + batch_kv_tokens * self.kv_bytes_per_token) / self._bandwidth
+        memory = (
+            self.model.weight_bytes + batch_kv_tokens * self.kv_bytes_per_token
+        ) / self._bandwidth
         compute = 2.0 * self.model.params * batch_size / self._flops
         return self.step_overhead_s + max(memory, compute)
 
@@ -139,8 +141,7 @@ class PerfModel:
         free = usable - self.model.weight_bytes - 0.05 * self.gpu.hbm_bytes * self.tp_size
         if free <= 0:
             raise ValueError(
-                f"{self.model.name} does not fit on {self.tp_size} x {self.gpu.name}: "
-                "raise tp_size"
+                f"{self.model.name} does not fit on {self.tp_size} x {self.gpu.name}: raise tp_size"
             )
         return int(free // self.kv_bytes_per_block)
 

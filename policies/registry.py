@@ -1,4 +1,4 @@
-"""Name → placement policy or output-length estimator, validated when loaded.
+"""Name → placement policy, output-length estimator or role policy, validated when loaded.
 
 A spec is a built-in name or a dotted path `"pkg.mod:Name"` to a class or factory, called with
 the configured keyword arguments. Everything that can go wrong with a plugin is found here, at
@@ -28,6 +28,9 @@ from policies.base import (
     PrefillView,
     Rejection,
     RequestInfo,
+    RolePlan,
+    RoleSnapshot,
+    RoleWorkerView,
 )
 from policies.baselines import LeastLoadedPolicy, PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy
 from policies.estimators import (
@@ -36,20 +39,25 @@ from policies.estimators import (
     OnlineQuantileEstimator,
     OracleEstimator,
 )
+from policies.roles import ElasticRoles, StaticRoles
 from policies.two_sided import TwoSidedPolicy
 
 __all__ = [
     "PolicyLoadError",
     "BUILTIN_POLICIES",
     "BUILTIN_ESTIMATORS",
+    "BUILTIN_ROLE_POLICIES",
     "DEFAULT_POLICY",
     "DEFAULT_ESTIMATOR",
+    "DEFAULT_ROLE_POLICY",
     "load_policy",
     "load_estimator",
+    "load_role_policy",
 ]
 
 DEFAULT_POLICY = "two_sided"
 DEFAULT_ESTIMATOR = "online_quantile"
+DEFAULT_ROLE_POLICY = "static"
 
 BUILTIN_POLICIES: Mapping[str, Callable[..., Any]] = {
     "two_sided": TwoSidedPolicy,
@@ -64,6 +72,11 @@ BUILTIN_ESTIMATORS: Mapping[str, Callable[..., Any]] = {
     "online_quantile": OnlineQuantileEstimator,
     "hint": HintEstimator,
     "oracle": OracleEstimator,
+}
+
+BUILTIN_ROLE_POLICIES: Mapping[str, Callable[..., Any]] = {
+    "static": StaticRoles,
+    "elastic": ElasticRoles,
 }
 
 
@@ -102,6 +115,18 @@ def load_estimator(
     )
     _smoke_estimator(spec, estimator)
     return estimator  # type: ignore[no-any-return]
+
+
+def load_role_policy(spec: str | None, kwargs: Mapping[str, Any] | None = None) -> Any:
+    """Build and validate the role policy named by `spec` (default: static, never switches).
+
+    Returns a `policies.base.RolePolicy`; smoke-tested on a 2-worker snapshot under load.
+    """
+    spec = (spec or DEFAULT_ROLE_POLICY).strip()
+    policy = _build(spec, kwargs, BUILTIN_ROLE_POLICIES, "role policy")
+    _require(spec, policy, "role policy", "a role policy", ("decide",))
+    _smoke_role_policy(spec, policy)
+    return policy
 
 
 # -- building ---------------------------------------------------------------------------------
@@ -240,3 +265,30 @@ def _smoke_estimator(spec: str, estimator: Any) -> None:
             f"estimator {spec!r}: bucket_of(100) returned {bucket!r}; "
             "buckets are ints, named by their upper bound"
         )
+
+
+def _smoke_role_policy(spec: str, policy: Any) -> None:
+    """One decision on a 1-prefill, 1-decode snapshot with a loaded prefill side."""
+    try:
+        probe = copy.deepcopy(policy)
+    except Exception:
+        probe = policy
+    workers = (
+        RoleWorkerView("smoke-a", "prefill", queued_prompt_tokens=50_000, capacity_blocks=1024),
+        RoleWorkerView("smoke-b", "decode", capacity_blocks=1024, held_blocks=10),
+    )
+    snapshot = RoleSnapshot(now_s=100.0, workers=workers, prefill_demand_tokens_per_s=20_000.0)
+    try:
+        plan = probe.decide(snapshot)
+    except Exception as exc:
+        raise PolicyLoadError(
+            f"role policy {spec!r} raised {exc!r} on a smoke snapshot (2 workers)"
+        ) from exc
+    if not isinstance(plan, RolePlan):
+        raise PolicyLoadError(f"role policy {spec!r} returned {plan!r}; expected a RolePlan")
+    known = {w.worker_id for w in workers}
+    for sw in plan.switches:
+        if getattr(sw, "worker_id", None) not in known or sw.to_role not in ("prefill", "decode"):
+            raise PolicyLoadError(
+                f"role policy {spec!r} returned {sw!r}, naming an unknown worker or role"
+            )

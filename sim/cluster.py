@@ -18,6 +18,9 @@ One request's life in the simulator:
 Two router modes: `reserve=True` (ours) holds `Candidate.reserve_blocks` on D before prefill;
 `reserve=False` (the peers) reserves nothing and gives the policy no output-length estimate, so a
 policy's room check covers the prompt only ("place and hope").
+
+With `ClusterConfig.elastic` every worker is `kv_both`: a `RolePolicy` moves workers between the
+pools, with drain and a reconfiguration pause (`sim.cluster_roles`).
 """
 
 from __future__ import annotations
@@ -38,15 +41,17 @@ from policies.base import (
     Placement,
     PlacementPolicy,
     RequestInfo,
+    RolePolicy,
     blocks_for,
 )
-from sim.cluster_config import ClusterConfig
+from sim.cluster_config import ClusterConfig, WorkerSpec
 from sim.cluster_metrics import GapHistogram, RequestRecord, SimResult
+from sim.cluster_roles import RoleController, Slot
 from sim.cluster_workers import DecodeWorker, Job, PrefillWorker, quantize
 
 __all__ = ["TraceLike", "simulate", "find_goodput"]
 
-_ARRIVAL, _PREFILL_DONE, _TRANSFER_DONE, _STEP, _DEADLINE, _DISPATCH = range(6)
+_ARRIVAL, _PREFILL_DONE, _TRANSFER_DONE, _STEP, _DEADLINE, _DISPATCH, _CALL = range(7)
 
 
 class TraceLike(Protocol):
@@ -74,6 +79,7 @@ class _Engine:
         slo_tpot_s: float,
         rate_scale: float,
         send_hints: bool | None,
+        role_policy: RolePolicy | None = None,
     ) -> None:
         if rate_scale <= 0:
             raise ValueError(f"rate_scale must be > 0, got {rate_scale}")
@@ -90,16 +96,42 @@ class _Engine:
         self.slo_ttft_s = slo_ttft_s
         self.slo_tpot_s = slo_tpot_s
         cap, lru = config.stranded_cap_bytes, config.prefix_cache_blocks
-        self.prefills = [
-            PrefillWorker(i, s, config.layout_of(s), cap, lru, config.prefix_block_tokens)
-            for i, s in enumerate(config.prefill)
-        ]
         self.quantum = config.timer_quantum_s
-        self.decodes = [
-            DecodeWorker(i, s, config.layout_of(s), quantum=self.quantum,
-                         step_extra_s=config.step_overhead_s, join_mid_step=config.join_mid_step)
-            for i, s in enumerate(config.decode)
-        ]  # fmt: skip
+
+        def prefill_worker(i: int, s: WorkerSpec) -> PrefillWorker:
+            return PrefillWorker(i, s, config.layout_of(s), cap, lru, config.prefix_block_tokens)
+
+        def decode_worker(i: int, s: WorkerSpec) -> DecodeWorker:
+            return DecodeWorker(i, s, config.layout_of(s), quantum=self.quantum,
+                                step_extra_s=config.step_overhead_s,
+                                join_mid_step=config.join_mid_step,
+                                can_prefill=config.local_prefill)  # fmt: skip
+
+        self.roles: RoleController | None = None
+        if config.elastic:
+            # Each worker is one GPU with both personas; only the one of its role is live.
+            specs = (*config.prefill, *config.decode)
+            self.prefills = [prefill_worker(i, s) for i, s in enumerate(specs)]
+            self.decodes = [decode_worker(i, s) for i, s in enumerate(specs)]
+            n_p = len(config.prefill)
+            self.p_live = self.prefills[:n_p]
+            self.d_live = self.decodes[n_p:]
+            slots = [
+                Slot(i, p, d, "prefill" if i < n_p else "decode")
+                for i, (p, d) in enumerate(zip(self.prefills, self.decodes, strict=True))
+            ]
+            if role_policy is None:
+                from policies.roles import StaticRoles
+
+                role_policy = StaticRoles()
+            self.roles = RoleController(self, role_policy, slots)
+        else:
+            if role_policy is not None:
+                raise ValueError("a role policy needs ClusterConfig(elastic=True)")
+            self.prefills = [prefill_worker(i, s) for i, s in enumerate(config.prefill)]
+            self.decodes = [decode_worker(i, s) for i, s in enumerate(config.decode)]
+            self.p_live = self.prefills
+            self.d_live = self.decodes
         self.pmap = {p.wid: p for p in self.prefills}
         self.dmap = {d.wid: d for d in self.decodes}
         self.kvbpt = config.kv_bytes_per_token
@@ -116,6 +148,8 @@ class _Engine:
         self.n_learned = 0  # completions recorded in the output-length histograms
         self.t_last = 0.0  # last request outcome (a stale deadline event may come later)
         self.c_queued = 0
+        self.n_done = 0
+        self.n_requests = len(requests)
         self.jobs: list[Job] = []
         t0 = min((r.arrival_s for r in requests), default=0.0)
         for i, r in enumerate(requests):
@@ -124,11 +158,38 @@ class _Engine:
             job = Job(i, arrival, max(1, int(r.prompt_tokens)), out, tuple(r.prefix_hash_ids))
             job.kv_bytes = job.prompt * self.kvbpt
             self._push(arrival, _ARRIVAL, job)
+        if self.roles is not None and requests:
+            self.roles.start()
 
     # -- event plumbing ---------------------------------------------------------------------
     def _push(self, t: float, kind: int, obj: object) -> None:
         self.seq += 1
         heapq.heappush(self.events, (t, self.seq, kind, obj))
+
+    # Hooks for `sim.cluster_roles.RoleController`.
+    def push_call(self, t: float, fn: Callable[[], None]) -> None:
+        self._push(t, _CALL, fn)
+
+    def schedule_step(self, d: DecodeWorker) -> None:
+        self._push(self.now + d.current_step_s, _STEP, d)
+
+    def start_prefill(self, p: PrefillWorker) -> None:
+        self._start_prefill(p)
+
+    def drain_queue(self) -> None:
+        self._drain_queue()
+
+    def handoff(self, job: Job) -> None:
+        """Hand the job's KV to its decode worker now, or queue the handoff there."""
+        d = job.d
+        assert d is not None
+        need = blocks_for(job.prompt, d.bs)
+        if d.capacity - d.used >= need:
+            d.allocate(self.now, job, need)
+            self._start_transfer(job)
+        else:
+            job.refusals += 1
+            d.handoff_wait.append(job)
 
     def run(self) -> SimResult:
         events = self.events
@@ -149,8 +210,10 @@ class _Engine:
                 self._transfer_done(obj)  # type: ignore[arg-type]
             elif kind == _DEADLINE:
                 self._deadline(obj)  # type: ignore[arg-type]
-            else:
+            elif kind == _DISPATCH:
                 self._dispatched(obj)  # type: ignore[arg-type]
+            else:
+                obj()  # type: ignore[operator]
         wall = time.perf_counter() - wall0
         return self._result(n, wall)
 
@@ -169,6 +232,8 @@ class _Engine:
             hint_output_tokens=job.out if self.send_hints else None,
         )
         job.info = info
+        if self.roles is not None:
+            self.roles.on_arrival(self.now, job)
         self._estimate(job)
         job.deadline = job.arrival + self.slo_ttft_s
         if self.q_live == 0 and self._admit(job):
@@ -203,11 +268,11 @@ class _Engine:
     def _view(self, forecast_at: float | None = None) -> ClusterView:
         cfg = self.cfg
         if forecast_at is None:
-            decode = tuple([d.view() for d in self.decodes])
+            decode = tuple([d.view() for d in self.d_live])
         else:
-            decode = tuple([self._forecast(d, forecast_at) for d in self.decodes])
+            decode = tuple([self._forecast(d, forecast_at) for d in self.d_live])
         return ClusterView(
-            prefill=tuple([p.view() for p in self.prefills]),
+            prefill=tuple([p.view() for p in self.p_live]),
             decode=decode,
             kv_bytes_per_token=self.kvbpt,
             links=cfg.links,
@@ -244,9 +309,7 @@ class _Engine:
             return True
         if self.cfg.admission == "predictive" and self.cfg.reserve:
             # Mooncake-style: admit on the room forecast when this prefill should complete.
-            wait = min(
-                ((p.queued_tokens + job.prompt) / p.rate for p in self.prefills), default=0.0
-            )
+            wait = min(((p.queued_tokens + job.prompt) / p.rate for p in self.p_live), default=0.0)
             decision = self.policy.place(info, self._view(self.now + wait))
             if isinstance(decision, Placement) and self._take(job, decision, forecast=True):
                 self.c_forecast += 1
@@ -263,6 +326,8 @@ class _Engine:
                 if not forecast and d.free_held < need:
                     continue  # the snapshot is ours, so this only happens if a policy ignores room
                 d.reserve(self.now, job, need)
+                if self.roles is not None:
+                    self.roles.on_reserve(self.now, job, need)
                 step = d.step_estimate()
                 ttft = cand.predicted_ttft_s or job.prompt / max(1.0, d.rate)
                 job.exp_end = self.now + ttft + job.est_tokens * step
@@ -291,7 +356,12 @@ class _Engine:
             if d.poll(self.now):
                 self._push(self.now + d.current_step_s, _STEP, d)
             return
+        if self.roles is not None and p not in self.p_live and self.p_live:
+            # Its prefill worker started draining while the job was on its way: the next best.
+            p = job.p = min(self.p_live, key=lambda w: (w.queued_tokens, w.idx))
         p.enqueue(job)
+        if self.roles is not None:
+            self.roles.on_dispatch(self.now)
         self._start_prefill(p)
 
     def _drain_queue(self) -> None:
@@ -318,7 +388,10 @@ class _Engine:
         job = p.next_job()
         if job is None:
             return
-        dur = p.perf.prefill_s(job.prompt, p.cached_tokens(job))
+        cached = p.cached_tokens(job)
+        dur = p.perf.prefill_s(job.prompt, cached)
+        if self.roles is not None:
+            self.roles.on_prefill_start(self.now, job, cached)
         if self.cfg.prefill_jitter:
             j = self.cfg.prefill_jitter
             dur *= self.rng.uniform(1.0 - j, 1.0 + j)
@@ -332,6 +405,8 @@ class _Engine:
         assert job is not None and job.d is not None
         p.finish(self.now, job)
         self._start_prefill(p)
+        if self.roles is not None:
+            self._check_p(p)
         d = job.d
         need = blocks_for(job.prompt, d.bs)
         if need > d.capacity:
@@ -339,6 +414,8 @@ class _Engine:
             d.cancel(self.now, job)
             self._finish(job, "failed", "prompt larger than the decode worker's KV")
             self._start_prefill(p)
+            if self.roles is not None:
+                self._check_p(p)
             return
         # Our router never pushes KV at a full D (room was reserved, or admitted on a forecast
         # that has not come true yet): the KV waits on P. The peers follow `on_full`.
@@ -356,13 +433,20 @@ class _Engine:
         dur = self.cfg.link_latency_s + job.kv_bytes / bw
         if self.quantum:
             dur = quantize(dur, self.quantum)
-        self._push(self.now + dur, _TRANSFER_DONE, job)
+        start = self.now
+        if self.cfg.link_contention:
+            # One transfer at a time out of P's NIC and into D's: it waits for both.
+            start = max(start, p.nic_free, d.nic_free)
+            p.nic_free = d.nic_free = start + dur
+        self._push(start + dur, _TRANSFER_DONE, job)
 
     def _transfer_done(self, job: Job) -> None:
         p, d = job.p, job.d
         assert p is not None and d is not None
         p.release(self.now, job)
         self._start_prefill(p)  # the stranded cap may have held it back
+        if self.roles is not None:
+            self._check_p(p)
         step = d.step_estimate()
         job.exp_end = self.now + max(1, job.est_tokens) * step
         if d.arrive(self.now, job):
@@ -374,6 +458,8 @@ class _Engine:
     def _step(self, d: DecodeWorker) -> None:
         now = self.now
         finished, evicted, failed, handoffs = d.boundary(now, self.gaps.add)
+        if self.roles is not None and d not in self.d_live:
+            self.roles.after_boundary(d)
         if d.stepping:
             self._push(now + d.durs[-1], _STEP, d)
         for job in finished:
@@ -386,7 +472,15 @@ class _Engine:
         if (finished or evicted or failed) and self.q_live:
             self._drain_queue()
 
+    def _check_p(self, p: PrefillWorker) -> None:
+        assert self.roles is not None
+        slot = self.roles.p_slot(p)
+        if slot is not None and slot.state == "draining":
+            self.roles.check(slot)
+
     def _complete(self, job: Job) -> None:
+        if self.roles is not None:
+            self.roles.on_complete(self.now, job)
         est = self.estimator
         if est is not None and job.info is not None:
             bucket = est.bucket_of(job.out)
@@ -398,6 +492,7 @@ class _Engine:
 
     def _finish(self, job: Job, outcome: str, reason: str = "") -> None:
         job.done = True
+        self.n_done += 1
         self.t_last = self.now
         ok = outcome == "ok"
         n = job.out
@@ -441,6 +536,18 @@ class _Engine:
             "end_stranded_bytes": sum(p.stranded for p in self.prefills),
             "prefill_busy_s": sum(p.busy_s for p in self.prefills),
         }
+        roles = None
+        if self.roles is not None:
+            roles = self.roles.summary()
+            counters["role_switches"] = len(roles["switches"])
+            counters["role_migrated"] = roles["migrated"]
+            counters["role_retargeted"] = roles["retargeted"]
+            if (
+                counters["end_reserved_blocks"]
+                or counters["end_used_blocks"]
+                or counters["end_stranded_bytes"]
+            ):
+                raise RuntimeError(f"accounting not empty after the run: {counters}")
         records = [r for r in self.records if r is not None]
         return SimResult(
             records=records,
@@ -451,6 +558,7 @@ class _Engine:
             counters=counters,
             events=n_events,
             wall_s=wall,
+            roles=roles,
         )
 
 
@@ -465,16 +573,27 @@ def simulate(
     slo_tpot_s: float = 0.1,
     rate_scale: float = 1.0,
     send_hints: bool | None = None,
+    role_policy: RolePolicy | None = None,
 ) -> SimResult:
     """Replay `requests` (arrival times divided by `rate_scale`) through the cluster.
 
     `policy` and `estimator` are used as given (the caller builds fresh ones per run when they
     keep state, e.g. round-robin's counter). The admission-queue deadline is the TTFT SLO.
     `send_hints` puts each request's true output length in `RequestInfo.hint_output_tokens`
-    (None = only for an estimator named "oracle").
+    (None = only for an estimator named "oracle"). `role_policy` moves workers between the
+    pools of an elastic cluster (`ClusterConfig.elastic`; default there: static).
     """
     engine = _Engine(
-        requests, config, policy, estimator, seed, slo_ttft_s, slo_tpot_s, rate_scale, send_hints
+        requests,
+        config,
+        policy,
+        estimator,
+        seed,
+        slo_ttft_s,
+        slo_tpot_s,
+        rate_scale,
+        send_hints,
+        role_policy,
     )
     return engine.run()
 

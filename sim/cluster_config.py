@@ -94,12 +94,33 @@ class ClusterConfig:
     # that step, as `sim.decode_engine.DecodeEngine` (the live simulated worker) adds it to the
     # running set at once. False (vLLM): it joins at the next step boundary.
     join_mid_step: bool = False
+    # -- Elastic roles (docs/elastic-roles.md): every worker is `kv_both` and a `RolePolicy`
+    # (passed to `simulate`) moves workers between the pools; `prefill` and `decode` give the
+    # initial split. A switch drains the worker, pauses it `reconfig_pause_s`, then serves.
+    elastic: bool = False
+    reconfig_pause_s: float = 2.0
+    # Past this much draining, sequences still resident on a worker leaving decode are resumed
+    # on another decode worker with their exact tokens (None = they always finish where they are).
+    drain_deadline_s: float | None = 5.0
+    # How often the role policy decides, and the window its demand rates are smoothed over.
+    role_interval_s: float = 1.0
+    role_window_s: float = 15.0
+    # -- Both arrangements, one cost model. `local_prefill`: decode workers are `kv_both` and may
+    # prefill a request themselves (`DecodeView.can_prefill`; the placement policy chooses per
+    # request: local, no transfer, the batch stalls for it; or remote through the prefill pool).
+    # With no prefill workers that is the time-shared arrangement (every request on one GPU).
+    local_prefill: bool = False
+    # KV transfers queue on the links they use: one at a time out of a prefill worker's NIC and
+    # into a decode worker's (False: every transfer gets the whole link, as before).
+    link_contention: bool = False
 
     def __post_init__(self) -> None:
         if not self.prefill and not self.decode:
             raise ValueError("a cluster needs workers")
         if not self.decode:
             raise ValueError("a cluster needs at least one decode worker")
+        if not self.prefill and not self.local_prefill:
+            raise ValueError("with no prefill worker, decode workers must prefill (local_prefill)")
         ids = [w.worker_id for w in (*self.prefill, *self.decode)]
         if len(set(ids)) != len(ids):
             raise ValueError("worker ids must be unique")
@@ -111,6 +132,12 @@ class ClusterConfig:
             raise ValueError("queue_limit >= 0, max_tokens >= 1, 0 <= prefill_jitter < 1")
         if min(self.router_overhead_s, self.step_overhead_s, self.timer_quantum_s) < 0:
             raise ValueError("router_overhead_s, step_overhead_s, timer_quantum_s must be >= 0")
+        if self.elastic and not self.prefill:
+            raise ValueError("an elastic cluster starts with at least one prefill worker")
+        if self.reconfig_pause_s < 0 or (self.drain_deadline_s or 0.0) < 0:
+            raise ValueError("reconfig_pause_s and drain_deadline_s must be >= 0")
+        if self.role_interval_s <= 0 or self.role_window_s <= 0:
+            raise ValueError("role_interval_s and role_window_s must be > 0")
         # A frozen config should not share a dict the caller can still mutate.
         object.__setattr__(self, "links", MappingProxyType(dict(self.links)))
 
@@ -155,7 +182,11 @@ class ClusterConfig:
             block_size=d_perf.block_size,
             tp_size=p_perf.tp_size,
         )
-        prefill = tuple(WorkerSpec(f"p{i}", p_perf, "prefill") for i in range(n_prefill))
+        # A prefill spec carries the decode capacity too: an elastic worker may decode.
+        prefill = tuple(
+            WorkerSpec(f"p{i}", p_perf, "prefill", capacity_blocks=capacity_blocks)
+            for i in range(n_prefill)
+        )
         decode = tuple(
             WorkerSpec(f"d{i}", d_perf, "decode", capacity_blocks=capacity_blocks)
             for i in range(n_decode)
@@ -170,5 +201,7 @@ class ClusterConfig:
     def __repr__(self) -> str:
         return (
             f"ClusterConfig({len(self.prefill)}P+{len(self.decode)}D {self.model}, "
-            f"reserve={self.reserve}, on_full={self.on_full}, admission={self.admission})"
+            f"reserve={self.reserve}, on_full={self.on_full}, admission={self.admission}"
+            + (f", elastic, pause={self.reconfig_pause_s}s" if self.elastic else "")
+            + ")"
         )

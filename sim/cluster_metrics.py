@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = ["GapHistogram", "RequestRecord", "SimResult", "percentile", "Outcome"]
 
@@ -127,6 +127,25 @@ class SimResult:
     counters: dict[str, float] = field(default_factory=dict)
     events: int = 0
     wall_s: float = 0.0  # host time; never part of the deterministic summary
+    # Elastic runs: the switch log, the split and pressures per role tick (sim.cluster_roles).
+    roles: dict[str, Any] | None = None
+
+    def attainment_by_window(
+        self, window_s: float, *, first_index: int = 0
+    ) -> list[tuple[float, int, float]]:
+        """(window start, requests, fraction meeting both SLOs) per `window_s` of arrival time,
+        over the requests with trace position >= `first_index` (to leave out a warm-up)."""
+        if window_s <= 0:
+            raise ValueError("window_s must be > 0")
+        n: dict[int, int] = {}
+        good: dict[int, int] = {}
+        for r in self.records:
+            if r.index < first_index:
+                continue
+            k = int(r.arrival_s // window_s)
+            n[k] = n.get(k, 0) + 1
+            good[k] = good.get(k, 0) + r.meets(self.slo_ttft_s, self.slo_tpot_s)
+        return [(k * window_s, n[k], good[k] / n[k]) for k in sorted(n)]
 
     @property
     def events_per_s(self) -> float:

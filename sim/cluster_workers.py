@@ -88,7 +88,7 @@ class PrefillWorker:
     __slots__ = (
         "idx", "wid", "perf", "group", "layout", "cap", "queue", "busy", "queued_tokens",
         "stranded", "peak_stranded", "area", "last_t", "lru", "lru_cap", "block_tokens",
-        "rate", "_view", "busy_s",
+        "rate", "_view", "busy_s", "nic_free",
     )  # fmt: skip
 
     def __init__(self, idx: int, spec: WorkerSpec, layout: KVLayout, cap: int, lru_cap: int,
@@ -112,6 +112,7 @@ class PrefillWorker:
         self.rate = spec.perf.prefill_tokens_per_s()
         self._view: PrefillView | None = None
         self.busy_s = 0.0
+        self.nic_free = 0.0  # when its NIC is free for the next KV transfer (link contention)
 
     def _tick(self, now: float) -> None:
         self.area += self.stranded * (now - self.last_t)
@@ -242,11 +243,12 @@ class DecodeWorker:
         "heap", "ph_used", "ph_held", "step", "used", "held", "kv_tokens", "durs", "durs_base",
         "stepping", "extra_s", "waiting", "handoff_wait", "reservations", "area", "last_t",
         "_view", "c_grown", "c_overran", "step_base", "step_per_block", "rate", "step_s",
-        "join_mid_step",
+        "join_mid_step", "can_prefill", "nic_free",
     )  # fmt: skip
 
     def __init__(self, idx: int, spec: WorkerSpec, layout: KVLayout, *, quantum: float = 0.0,
-                 step_extra_s: float = 0.0, join_mid_step: bool = False) -> None:  # fmt: skip
+                 step_extra_s: float = 0.0, join_mid_step: bool = False,
+                 can_prefill: bool = False) -> None:  # fmt: skip
         self.idx = idx
         self.wid = spec.worker_id
         self.perf: PerfModel = spec.perf
@@ -283,6 +285,8 @@ class DecodeWorker:
         if quantum or step_extra_s:
             self.step_s = _with_live_costs(self.step_s, quantum, step_extra_s)
         self.join_mid_step = join_mid_step
+        self.can_prefill = can_prefill
+        self.nic_free = 0.0
 
     # -- accounting -------------------------------------------------------------------------
     def _tick(self, now: float) -> None:
@@ -364,6 +368,25 @@ class DecodeWorker:
             if s + 1 - self.durs_base > lo:
                 job.max_gap = max(job.max_gap, max(self.durs[lo : s + 1 - self.durs_base]))
             job.last_t = now
+        return ctx
+
+    def take(self, job: Job, now: float) -> int:
+        """Take a running sequence out at a step boundary to resume it elsewhere (a drain past
+        its deadline). Like an eviction, it keeps its tokens: context = prompt + generated.
+        Returns that context."""
+        self._tick(now)
+        s = self.step
+        ctx = self._remove(job, now)
+        job.ver += 1
+        job.gen += s - job.s0
+        job.ctx0 = ctx
+        if job in self.fresh:
+            self.fresh.remove(job)
+        if not self.seqs:
+            self.stepping = False
+            self.durs = []
+            self.durs_base = s + 1
+        self._view = None
         return ctx
 
     def arrive(self, now: float, job: Job) -> bool:
@@ -524,6 +547,7 @@ class DecodeWorker:
                 step_s_per_block=self.step_per_block,
                 prefill_tokens_per_s=self.rate,
                 queued_prompt_tokens=sum(j.ctx0 for j in self.waiting),
+                can_prefill=self.can_prefill,
             )
         return v
 
