@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import subprocess
@@ -59,7 +58,7 @@ from bench.probes import (
     redis_commands,
     wait_quiet,
 )
-from bench.procs import Cluster, ClusterSpec, proc_cpu_s, raise_nofile
+from bench.procs import Cluster, ClusterSpec, proc_cpu_s, raise_nofile, run_and_report
 
 __all__ = ["LoadSpec", "build_parser", "main", "run", "format_report"]
 
@@ -410,20 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     spec = spec_from_args(ns)
     workdir = Path(tempfile.mkdtemp(prefix="bench-load-")) if ns.keep_logs else None
-    try:
-        import uvloop
-
-        loop_factory = uvloop.new_event_loop
-    except ImportError:
-        loop_factory = None
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        report = runner.run(run(spec, workdir=workdir))
-    print(format_report(report))
-    if workdir is not None:
-        print(f"  logs            {workdir}")
-    if ns.json:
-        ns.json.write_text(json.dumps(report, indent=2))
-    return 1 if report["violations"] else 0
+    return run_and_report(
+        run(spec, workdir=workdir), format_report, workdir=workdir, json_path=ns.json
+    )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import json
 import os
 import resource
 import shutil
@@ -25,6 +26,7 @@ import sys
 import time
 import uuid
 import weakref
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -399,3 +401,29 @@ class Cluster:
                 await client.delete(*keys)
         finally:
             await client.aclose()
+
+
+def run_and_report(
+    coro: Coroutine[Any, Any, dict[str, Any]],
+    format_report: Callable[[dict[str, Any]], str],
+    *,
+    workdir: Path | None,
+    json_path: Path | None,
+) -> int:
+    """The bench tools' entry: run `coro` on uvloop when it is installed (the router's own
+    loop), print the report, write it as JSON if asked; the exit code says whether any
+    invariant was violated."""
+    try:
+        import uvloop
+
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        report = runner.run(coro)
+    print(format_report(report))
+    if workdir is not None:
+        print(f"  logs            {workdir}")
+    if json_path is not None:
+        json_path.write_text(json.dumps(report, indent=2))
+    return 1 if report["violations"] else 0

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import shutil
 import sys
@@ -65,7 +64,7 @@ from bench.loadclient import (
     send,
 )
 from bench.probes import RssSampler, metric_sums, wait_quiet
-from bench.procs import Cluster, ClusterSpec, raise_nofile
+from bench.procs import Cluster, ClusterSpec, raise_nofile, run_and_report
 from bench.traces import TraceRequest, load_trace, prompt_text
 
 __all__ = ["DEFAULT_TRACE", "SoakSpec", "build_parser", "main", "run", "format_report"]
@@ -566,20 +565,9 @@ def main(argv: list[str] | None = None) -> int:
         seed=ns.seed,
     )
     workdir = Path(tempfile.mkdtemp(prefix="bench-soak-")) if ns.keep_logs else None
-    try:
-        import uvloop
-
-        loop_factory = uvloop.new_event_loop
-    except ImportError:
-        loop_factory = None
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        report = runner.run(run(spec, workdir=workdir))
-    print(format_report(report))
-    if workdir is not None:
-        print(f"  logs            {workdir}")
-    if ns.json:
-        ns.json.write_text(json.dumps(report, indent=2))
-    return 1 if report["violations"] else 0
+    return run_and_report(
+        run(spec, workdir=workdir), format_report, workdir=workdir, json_path=ns.json
+    )
 
 
 if __name__ == "__main__":
