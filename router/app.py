@@ -59,7 +59,6 @@ async def error_middleware(request: web.Request, handler):  # type: ignore[no-un
         return await handler(request)
     except (RouterError, StoreError) as exc:
         err = as_router_error(exc)
-        assert err is not None
         if isinstance(exc, StoreError):
             log.debug("%s %s: %s", request.method, request.path, exc)
         return web.Response(
@@ -131,7 +130,7 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
         status = err.status
         raise
     except StoreError as exc:
-        status = as_router_error(exc).status  # type: ignore[union-attr]
+        status = as_router_error(exc).status
         raise
     except asyncio.CancelledError:
         status = 499  # the client went away
@@ -237,8 +236,7 @@ async def metrics(request: web.Request) -> web.Response:
             m.stranded_bytes.labels(worker=w.spec.id).set(w.stranded_bytes)
     m.active_reservations.set(len(gw.leases.live))
     m.store_up.set(1 if gw.pools.store_ok else 0)
-    owed = gw.leases.owed_releases, gw.leases.owed_unstrands, gw.leases.owed_strands
-    m.owed_store_steps.set(sum(len(o) for o in owed))
+    m.owed_store_steps.set(gw.leases.owed)
     m.unpaired_workers.set(len(gw.pools.unpaired()))
     m.stranded_byte_seconds.set(gw.pools.stranded_byte_seconds)
     export_scaling(scaling_report(gw), m)

@@ -142,9 +142,9 @@ class DeadlineExceeded(RouterError):
     type = "timeout"
 
 
-def as_router_error(exc: BaseException) -> RouterError | None:
-    """The response for `exc`: itself if a RouterError, a 503 for a StoreError (its detail,
-    which names hosts, stays in the log), None for anything else (a bug: the caller's 500)."""
+def as_router_error(exc: RouterError | StoreError) -> RouterError:
+    """The response for `exc`: itself if a RouterError; for a StoreError a 503 (its detail,
+    which names hosts, stays in the log), or a 429 when the router itself is overloaded."""
     if isinstance(exc, RouterError):
         return exc
     if isinstance(exc, StoreBusy):
@@ -153,10 +153,8 @@ def as_router_error(exc: BaseException) -> RouterError | None:
             retry_after_s=1.0,
             code="router_overloaded",
         )
-    if isinstance(exc, StoreError):
-        return Unavailable(
-            "the router's shared state store is unavailable; retry shortly",
-            retry_after_s=STORE_RETRY_AFTER_S,
-            code="store_unavailable",
-        )
-    return None
+    return Unavailable(
+        "the router's shared state store is unavailable; retry shortly",
+        retry_after_s=STORE_RETRY_AFTER_S,
+        code="store_unavailable",
+    )

@@ -21,10 +21,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from state.base import StateStore, StoreError
+from state.base import Finished, StateStore, StoreError
 
 __all__ = ["LeaseKeeper"]
 
@@ -61,7 +61,6 @@ class LeaseKeeper:
         self.owed_releases: dict[str, _Owed] = {}  # reservation id -> its decode worker
         self.owed_unstrands: dict[str, _Owed] = {}  # request id -> its prefill worker
         self.owed_strands: set[str] = set()  # request ids whose strand() did not land
-        self.put_back = 0  # reservations put back after the store lost them (all time)
 
     def __repr__(self) -> str:
         return (
@@ -91,7 +90,7 @@ class LeaseKeeper:
     def owe_release(self, worker_id: str, reservation_id: str) -> None:
         """A release that did not land (or a reserve whose answer was lost): retried."""
         self.drop(reservation_id)
-        self.owed_releases[reservation_id] = _Owed(worker_id, self.clock())
+        self._owe((worker_id, reservation_id), None)
 
     def freeing_by(self, when: float) -> dict[str, int]:
         """Blocks per decode worker whose reservations are expected to end by `when`."""
@@ -195,7 +194,6 @@ class LeaseKeeper:
                 )
         if failed:
             log.warning("lease renewal failed for %d worker(s): %s", len(failed), failed[0])
-        self.put_back += put_back
         return put_back
 
     async def settle_owed(self) -> int:
@@ -212,7 +210,9 @@ class LeaseKeeper:
         unstrands = list(self.owed_unstrands.items())
         strands = [r for r in self.owed_strands if r in self.strands]
         self.owed_strands.intersection_update(strands)
-        calls = [self.store.finish(release=(o.worker_id, rid)) for rid, o in releases]
+        calls: list[Awaitable[object]] = [
+            self.store.finish(release=(o.worker_id, rid)) for rid, o in releases
+        ]
         calls += [self.store.finish(unstrand=(o.worker_id, req)) for req, o in unstrands]
         calls += [self.store.strand(*self._strand_args(req)) for req in strands]
         if not calls:
@@ -224,12 +224,18 @@ class LeaseKeeper:
         for (kind, key), result in zip(keys, results, strict=True):
             if isinstance(result, BaseException):
                 continue
-            if kind == "release" and result.released_blocks is not None:
-                self.owed_releases.pop(key, None)
-            elif kind == "unstrand" and result.unstranded_bytes is not None:
-                self.owed_unstrands.pop(key, None)
-            elif kind == "strand":
+            if kind == "strand":
                 self.owed_strands.discard(key)
+            elif isinstance(result, Finished):
+                if kind == "release" and result.released_blocks is not None:
+                    self.owed_releases.pop(key, None)
+                elif kind == "unstrand" and result.unstranded_bytes is not None:
+                    self.owed_unstrands.pop(key, None)
+        return self.owed
+
+    @property
+    def owed(self) -> int:
+        """Store steps not taken yet: releases, unstrands and strands."""
         return len(self.owed_releases) + len(self.owed_unstrands) + len(self.owed_strands)
 
     def _strand_args(self, request_id: str) -> tuple[str, str, int]:

@@ -778,9 +778,7 @@ class RequestFlow:
                 await self._before_retry(failure)
                 attempt, resp = await self.serve_attempt(body, prompt_tokens, max_tokens, resumed)
             except (RouterError, StoreError) as exc:
-                err = as_router_error(exc)
-                assert err is not None
-                await self._write_error(client, err)
+                await self._write_error(client, as_router_error(exc))
                 return client
             gw.metrics.resumes.inc()
 

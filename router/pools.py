@@ -101,8 +101,6 @@ class Pools:
         # The store's health as the refresher last saw it (for /ready and the metrics), and
         # what to do when it turns out to have lost its data (the lease keeper's reassert).
         self.store_ok = False
-        self.store_error = "not checked yet"
-        self.store_resets = 0
         self.on_store_reset: Callable[[], Awaitable[None]] | None = None
         self._marker_seen = False
         self._store_lock = asyncio.Lock()
@@ -317,7 +315,6 @@ class Pools:
             first, self._marker_seen = not self._marker_seen, True
             if not lost or first:  # first use: start-up registers everything anyway
                 return
-            self.store_resets += 1
             log.warning(
                 "the state store has lost its data (restarted empty?): putting back "
                 "capacities, registrations, reservations and stranded entries"
@@ -341,11 +338,11 @@ class Pools:
         except StoreError as exc:
             if self.store_ok:
                 log.warning("the state store stopped answering: %s", exc)
-            self.store_ok, self.store_error = False, str(exc)
+            self.store_ok = False
             raise
         if not self.store_ok:
             log.info("the state store answers")
-        self.store_ok, self.store_error = True, ""
+        self.store_ok = True
 
     async def _refresh_from_store(self) -> None:
         await self.check_store()
