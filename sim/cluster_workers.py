@@ -370,18 +370,25 @@ class DecodeWorker:
             job.last_t = now
         return ctx
 
+    def _evict(self, job: Job, now: float) -> int:
+        """Remove a running sequence at the current step keeping its tokens (a preemption, or
+        a drain's take): its context becomes prompt + generated, and a stale event of it is
+        told apart by `ver`. Returns that context."""
+        ctx = self._remove(job, now)
+        job.ver += 1
+        job.gen += self.step - job.s0
+        job.ctx0 = ctx
+        if job in self.fresh:
+            self.fresh.remove(job)
+        return ctx
+
     def take(self, job: Job, now: float) -> int:
         """Take a running sequence out at a step boundary to resume it elsewhere (a drain past
         its deadline). Like an eviction, it keeps its tokens: context = prompt + generated.
         Returns that context."""
         self._tick(now)
         s = self.step
-        ctx = self._remove(job, now)
-        job.ver += 1
-        job.gen += s - job.s0
-        job.ctx0 = ctx
-        if job in self.fresh:
-            self.fresh.remove(job)
+        ctx = self._evict(job, now)
         if not self.seqs:
             self.stepping = False
             self.durs = []
@@ -490,12 +497,7 @@ class DecodeWorker:
         failed: list[Job] = []
         while self.used > self.capacity and self.seqs:
             job = self.seqs[next(reversed(self.seqs))]
-            ctx = self._remove(job, now)
-            job.ver += 1
-            job.gen += s - job.s0
-            job.ctx0 = ctx
-            if job in self.fresh:
-                self.fresh.remove(job)
+            ctx = self._evict(job, now)
             if not self.seqs and blocks_for(ctx, self.bs) >= self.capacity:
                 failed.append(job)  # it cannot fit even alone: never finishes here
                 continue
