@@ -13,13 +13,12 @@ import orjson
 from aiohttp import web
 
 from router.app import GATEWAY
-from router.config import settings_from_mapping
 from sim.textgen import expected_answer
 from sim.worker import WorkerConfig, running_worker
-from tests.conftest import MODEL, REDIS_URL, running_router
+from tests.conftest import MODEL, running_router
+from tests.test_admin import TOKEN, _settings
 
 CHAT = "/v1/chat/completions"
-TOKEN = "drain-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
@@ -49,18 +48,9 @@ async def _two_replicas(prefix: str) -> AsyncIterator[tuple[str, str, web.Applic
             if role == "decode":
                 entry["kv_blocks"] = 4096
             workers.append(entry)
-        raw = {
-            "model": MODEL,
-            "perf": {"model": MODEL, "gpu": "h100"},
-            "redis_url": REDIS_URL,
-            "key_prefix": prefix,
-            "workers": workers,
-            "admin_token": TOKEN,
-            "registry_refresh_s": 0.1,
-            "health_interval_s": 0.5,
-        }
-        a, _ = await stack.enter_async_context(running_router(settings_from_mapping(raw)))
-        b, app_b = await stack.enter_async_context(running_router(settings_from_mapping(raw)))
+        settings = _settings(prefix, workers)  # the admin tests' replicas, same token
+        a, _ = await stack.enter_async_context(running_router(settings))
+        b, app_b = await stack.enter_async_context(running_router(settings))
         yield a, b, app_b
 
 
