@@ -126,10 +126,7 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
             finally:
                 await asyncio.shield(flow.cleanup())
                 gw.demand.note_output(model, flow.output_tokens or 0)
-    except RouterError as err:
-        status = err.status
-        raise
-    except StoreError as exc:
+    except (RouterError, StoreError) as exc:
         status = as_router_error(exc).status
         raise
     except asyncio.CancelledError:
