@@ -19,6 +19,7 @@ from router.adapters.mooncake import DEFAULT_BOOTSTRAP_PORT
 from router.admin import add_admin_routes
 from router.admission import Admission
 from router.api import CHAT, COMPLETIONS, parse_request
+from router.appkeys import GATEWAY
 from router.auth import bearer_token, token_matches
 from router.background import BackgroundTasks
 from router.config import Settings
@@ -43,7 +44,6 @@ __all__ = ["create_app", "GATEWAY", "SETTINGS"]
 log = logging.getLogger(__name__)
 
 SETTINGS = web.AppKey("settings", Settings)
-GATEWAY = web.AppKey("gateway", Gateway)
 METRICS = web.AppKey("metrics", RouterMetrics)
 _OPENAPI = files("router").joinpath("openapi.json")
 

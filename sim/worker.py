@@ -29,6 +29,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+import uvrun
+
 from .bootstrap import bootstrap_listener
 from .faults import FaultConfig, error_response
 from .generation import handle_generation, handle_kv_pull, json_response
@@ -234,11 +236,4 @@ async def _serve(config: WorkerConfig) -> None:
 
 def run_worker(config: WorkerConfig) -> None:
     """Process entry: serve until SIGTERM/SIGINT, on uvloop when it is installed."""
-    try:
-        import uvloop
-    except ImportError:
-        loop_factory = None
-    else:
-        loop_factory = uvloop.new_event_loop
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(_serve(config))
+    uvrun.run(_serve(config))

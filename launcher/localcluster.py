@@ -150,7 +150,7 @@ async def _start_workers(cluster: LocalCluster, kv_blocks: int) -> list[dict[str
         args = [
             sys.executable,
             "-m",
-            "router.cli",
+            "launcher.cli",
             "--log-level",
             "WARNING",
             "worker",

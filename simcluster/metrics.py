@@ -127,7 +127,7 @@ class SimResult:
     counters: dict[str, float] = field(default_factory=dict)
     events: int = 0
     wall_s: float = 0.0  # host time; never part of the deterministic summary
-    # Elastic runs: the switch log, the split and pressures per role tick (sim.cluster_roles).
+    # Elastic runs: the switch log, the split and pressures per role tick (simcluster.roles).
     roles: dict[str, Any] | None = None
 
     def attainment_by_window(
@@ -167,7 +167,7 @@ class SimResult:
             "failed": sum(1 for r in recs if r.outcome == "failed"),
             "slo_attainment": good / len(recs) if recs else 0.0,
             # Requests/s that met both SLOs over the arrival span; the DistServe goodput is the
-            # highest *offered* rate with attainment >= 0.9 (see sim.cluster.find_goodput).
+            # highest *offered* rate with attainment >= 0.9 (see bench.goodput).
             "slo_met_rps": good / span if span > 0 else float(good),
             "ttft_p50_s": percentile(ttft, 0.5),
             "ttft_p90_s": percentile(ttft, 0.9),
