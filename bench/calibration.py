@@ -5,11 +5,14 @@ the simulator settings that mirror the live mechanics, and the calibration workl
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
+from bench.replay import RequestRecord
 from bench.traces import TraceRequest
+from simcluster.metrics import GapHistogram, percentile
 
-__all__ = ["N_ISOLATED", "calibration_requests", "live_mirror"]
+__all__ = ["N_ISOLATED", "calibration_requests", "live_metrics", "live_mirror"]
 
 
 def live_mirror(
@@ -44,3 +47,25 @@ def calibration_requests(time_scale: float) -> list[TraceRequest]:
 
 
 N_ISOLATED = 12
+
+
+def live_metrics(records: Iterable[RequestRecord]) -> dict[str, float | None]:
+    """A live replay's latencies under the simulator's summary keys, computed as the simulator
+    computes them, so validation compares like with like: TTFT and TPOT percentiles with the one
+    `percentile` over the requests that finished (TPOT where there are two tokens or more), ITL
+    from the same log-bucket `GapHistogram` the simulator streams its gaps into (it keeps no
+    list of gaps, so the live side is binned the same way instead)."""
+    ok = [r for r in records if r.outcome == "ok" and r.ttft_s is not None]
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    tpot = [t for t in (r.tpot_s for r in ok) if t is not None]
+    gaps = GapHistogram()
+    for r in ok:
+        for g in r.itl_s:
+            gaps.add(g)
+    return {
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p90_s": percentile(ttft, 90),
+        "tpot_p50_s": percentile(tpot, 50),
+        "itl_p50_s": gaps.quantile(0.5) if gaps.count else None,
+        "itl_p90_s": gaps.quantile(0.9) if gaps.count else None,
+    }

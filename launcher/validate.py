@@ -5,8 +5,9 @@ and through the simulator (`bench.simruns`), same shape, policy and estimator; p
 ITL side by side (docs/benchmarks.md, "Validation"). With `--calibrate` the router's fixed
 per-request cost and the per-step overhead are measured first on a synthetic workload.
 
-Both sides' percentiles come from the same definition (`bench.report.percentile`), the live
-side from the replay's records, the simulator side from its request records.
+Like is compared with like: TTFT and TPOT percentiles on both sides are
+`simcluster.metrics.percentile` over the requests that finished, and the live ITL goes through
+the simulator's own gap histogram (`bench.calibration.live_metrics`).
 
     python -m launcher.validate --requests 300 --time-scale 2 [--calibrate | --overheads R_MS,S_MS]
 """
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.calibration import N_ISOLATED, calibration_requests, live_mirror
+from bench.calibration import N_ISOLATED, calibration_requests, live_metrics, live_mirror
 from bench.experiments import write_json
 from bench.replay import replay
 from bench.report import summarize
@@ -28,6 +29,7 @@ from bench.simruns import run_case, simulate_case
 from bench.specs import TRACE_DIR, TRACES, CaseSpec, ShapeSpec, TraceSpec
 from bench.tables import validation_table
 from bench.traces import TraceRequest, load_trace
+from launcher.localcluster import ClusterShape, local_cluster
 
 __all__ = ["calibrate", "main", "validate"]
 
@@ -98,12 +100,13 @@ def _median(xs: Sequence[float]) -> float:
     return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
 
 
+# Both sides under the simulator's summary keys, computed the same way (bench.calibration).
 _METRICS = (
-    ("TTFT p50", ("ttft_s", "p50"), "ttft_p50_s"),
-    ("TTFT p90", ("ttft_s", "p90"), "ttft_p90_s"),
-    ("ITL p50", ("itl_s", "p50"), "itl_p50_s"),
-    ("ITL p90", ("itl_s", "p90"), "itl_p90_s"),
-    ("TPOT p50", ("tpot_s", "p50"), "tpot_p50_s"),
+    ("TTFT p50", "ttft_p50_s"),
+    ("TTFT p90", "ttft_p90_s"),
+    ("ITL p50", "itl_p50_s"),
+    ("ITL p90", "itl_p90_s"),
+    ("TPOT p50", "tpot_p50_s"),
 )
 
 
@@ -150,8 +153,8 @@ def validate(
     sims = {k: _sim_same(requests, rate_scale, n_prefill, n_decode, policy, estimator, trace,
                          model, overrides) for k, overrides in variants.items()}  # fmt: skip
     rows = []
-    for metric, lk, sk in _METRICS:
-        lv = live["summary"][lk[0]][lk[1]]
+    for metric, sk in _METRICS:
+        lv = live["metrics"][sk]
         row: dict[str, Any] = {"metric": metric, "live_s": lv}
         for k, simrow in sims.items():
             sv = simrow[sk]
@@ -186,8 +189,6 @@ async def _live(
     n_decode: int, policy: str, estimator: str, model: str = "llama-3-8b", *,
     trace_name: str = "conv", records: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
-    from router.localcluster import ClusterShape, local_cluster
-
     shape = ClusterShape(n_prefill=n_prefill, n_decode=n_decode, time_scale=time_scale,
                          policy=policy, estimator=estimator, model=model)  # fmt: skip
     async with local_cluster(shape, redis_url=os.environ.get("REDIS_URL")) as cluster:
@@ -197,7 +198,7 @@ async def _live(
                               timeout_s=600.0)  # fmt: skip
     trace = TRACES[trace_name]
     summary = summarize(result, slo_ttft_s=trace.slo_ttft_s, slo_tpot_s=trace.slo_tpot_s)
-    out: dict[str, Any] = {"summary": summary}
+    out: dict[str, Any] = {"summary": summary, "metrics": live_metrics(result.records)}
     if records:
         out["records"] = [r.to_dict() for r in result.records]
     return out

@@ -148,3 +148,33 @@ def test_calibration_workload_and_live_mirror_in_the_simulator() -> None:
         # Isolated: nothing queues, so the overheads add exactly (48 tokens = 48 steps).
         assert b.ttft_s == pytest.approx(a.ttft_s + 0.02 + 0.001, abs=1e-9)
         assert b.mean_gap_s == pytest.approx(a.mean_gap_s + 0.001, abs=1e-9)
+
+
+def test_validation_measures_the_live_side_as_the_simulator_does() -> None:
+    """Like with like: the live TTFT/TPOT percentiles are the one `percentile`, the live ITL is
+    binned in the simulator's own gap histogram, and unfinished requests count for neither."""
+    from array import array
+
+    from bench.replay import RequestRecord
+    from simcluster.metrics import GapHistogram, percentile
+
+    recs = []
+    for i in range(10):
+        gaps = array("d", [0.01 * (i + 1)] * 4)
+        ttft = 0.1 * (i + 1)
+        rec = RequestRecord(i, 0.0, 10, 5, outcome="ok", ttft_s=ttft, itl_s=gaps, tokens=5)
+        rec.e2e_s = ttft + sum(gaps)
+        recs.append(rec)
+    recs.append(RequestRecord(10, 0.0, 10, 5, outcome="error", ttft_s=9.0, tokens=1))
+    got = calibration.live_metrics(recs)
+    ok = recs[:10]
+    assert got["ttft_p50_s"] == percentile([r.ttft_s for r in ok], 50) == pytest.approx(0.55)
+    assert got["ttft_p90_s"] == pytest.approx(0.91)
+    assert got["tpot_p50_s"] == pytest.approx(0.055)
+    hist = GapHistogram()
+    for r in ok:
+        for g in r.itl_s:
+            hist.add(g)
+    assert got["itl_p50_s"] == hist.quantile(0.5)
+    assert got["itl_p90_s"] == hist.quantile(0.9)
+    assert calibration.live_metrics([])["itl_p50_s"] is None
