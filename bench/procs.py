@@ -294,10 +294,9 @@ class Cluster:
         return [
             sys.executable,
             "-m",
-            "router.cli",
+            "sim.worker",
             "--log-level",
             s.log_level,
-            "worker",
             "--role",
             role,
             "--host",

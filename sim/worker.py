@@ -18,12 +18,16 @@ This module builds the app and runs it; `sim.generation` serves the generation r
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import logging
+import os
 import signal
+import sys
 import time
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import aiohttp
 import orjson
@@ -237,3 +241,22 @@ async def _serve(config: WorkerConfig) -> None:
 def run_worker(config: WorkerConfig) -> None:
     """Process entry: serve until SIGTERM/SIGINT, on uvloop when it is installed."""
     uvrun.run(_serve(config))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m sim.worker [--log-level L] --role ...`: the worker's own entry, the same flags
+    as the umbrella's `disagg-router worker`, for the tools below the launcher that spawn
+    workers (bench/procs.py, launcher/localcluster.py)."""
+    parser = argparse.ArgumentParser(prog="python -m sim.worker", description=__doc__)
+    parser.add_argument("--log-level", default=os.environ.get("DISAGG_ROUTER_LOG_LEVEL", "INFO"))
+    add_worker_arguments(parser)
+    ns = parser.parse_args(argv)
+    logging.basicConfig(
+        level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    run_worker(config_from_args(ns))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
