@@ -19,8 +19,8 @@ from policies.base import (
     blocks_for,
 )
 from policies.costmodel import perf_model
-from simcluster.engine import simulate
 from simcluster.config import ClusterConfig
+from simcluster.engine import simulate
 from simcluster.metrics import GapHistogram
 from simcluster.workers import _step_time_fn
 

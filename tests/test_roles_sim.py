@@ -10,8 +10,8 @@ import pytest
 from policies.base import RolePlan, RoleSnapshot, RoleSwitch
 from policies.roles import ElasticRoles, StaticRoles
 from policies.two_sided import TwoSidedPolicy
-from simcluster.engine import simulate
 from simcluster.config import ClusterConfig
+from simcluster.engine import simulate
 from simcluster.roles import RoleAccountingError
 
 
