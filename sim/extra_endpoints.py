@@ -310,7 +310,13 @@ async def _handle_responses(request: web.Request) -> web.StreamResponse:
 
     start = _response_object(body, rid, model, "in_progress", None, None)
     await emit({"type": "response.created", "response": start})
-    for tok in tokens:
+    die_after = worker.faults.die_after_tokens()  # a dying GPU process, as for generation
+    for i, tok in enumerate(tokens):
+        if die_after is not None and i >= die_after:
+            worker.metrics.inc("faults", label="decode_die_after_tokens")
+            if request.transport is not None:
+                request.transport.abort()
+            return resp
         await emit(
             {
                 "type": "response.output_text.delta",

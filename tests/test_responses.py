@@ -108,3 +108,24 @@ async def test_unknown_model_and_bad_stream_flag(redis_prefix: str) -> None:
             async with s.post(c.router_url + RESPONSES, json=bad) as r:
                 assert r.status == 400
                 assert (await r.json())["error"]["message"].startswith("'input' must be")
+
+
+async def test_a_stream_the_worker_breaks_ends_with_an_error_event(redis_prefix: str) -> None:
+    async with sim_cluster(redis_prefix=redis_prefix) as c, aiohttp.ClientSession() as s:
+        fault = {"decode_die_after_tokens": 2}
+        async with s.post(c.workers["d0"] + "/sim/faults", json=fault) as r:
+            assert r.status == 200
+        body = {"model": MODEL, "input": "break it", "max_output_tokens": 6, "stream": True}
+        async with s.post(c.router_url + RESPONSES, json=body) as r:
+            assert r.status == 200
+            raw = (await r.read()).decode()
+        events = [e for e in raw.split("\n\n") if e]
+        assert [e.split("\n")[0] for e in events] == [
+            "event: response.created",
+            "event: response.output_text.delta",
+            "event: response.output_text.delta",
+            "event: error",
+        ]
+        assert "ended the stream early" in events[-1]
+        # Charged to the worker that broke it.
+        assert c.gateway.pools.workers["d0"].breaker.failures == 1
