@@ -30,7 +30,9 @@ from router.leases import LeaseKeeper
 from router.lifecycle import RequestFlow
 from router.logs import bind_request_id
 from router.metrics import RouterMetrics
+from router.passthrough import PASSTHROUGH_ROUTES, add_passthrough_routes
 from router.pools import Pools
+from router.responses import RESPONSES_ROUTE
 from router.retry_budget import RetryBudget
 from router.scaling import export_scaling, scaling_report
 from router.server import read_body
@@ -411,6 +413,10 @@ def create_app(settings: Settings, *, tracer_provider: object = None) -> web.App
     app.router.add_post(CHAT, chat_completions)
     app.router.add_post(COMPLETIONS, completions)
     app.router.add_get("/v1/models", models)
+    # Embeddings, (de)tokenize, responses: served whole by one worker (router/passthrough.py)
+    add_passthrough_routes(
+        app, lambda a: a[GATEWAY], served_models, (*PASSTHROUGH_ROUTES, RESPONSES_ROUTE)
+    )
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
