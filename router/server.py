@@ -33,7 +33,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 from aiohttp import web
@@ -311,11 +311,11 @@ def _aiohttp_private(
     value = getattr(obj, name, _MISSING)
     if value is None and optional:
         return None
-    if not isinstance(value, kind):
+    if value is _MISSING or not isinstance(value, kind):
         raise AiohttpChanged(
             f"aiohttp {aiohttp.__version__}: {type(obj).__qualname__}.{name} is "
-            f"{type(value).__qualname__}, not {kind!r}; router/server.py must be updated for "
-            "this aiohttp version"
+            f"{'missing' if value is _MISSING else type(value).__qualname__}, not {kind!r}; "
+            "router/server.py must be updated for this aiohttp version"
         )
     return value
 
@@ -329,13 +329,13 @@ def prepared_writer(client: web.StreamResponse) -> tuple[AbstractStreamWriter, a
     transport = getattr(writer, "transport", None)
     if writer is None or transport is None or transport.is_closing():
         raise ConnectionResetError("the client's connection is closed")
-    if not isinstance(transport, asyncio.Transport):
+    if not callable(getattr(transport, "get_write_buffer_size", None)):
         raise AiohttpChanged(
             f"aiohttp {aiohttp.__version__}: the payload writer's transport is "
-            f"{type(transport).__qualname__}, not an asyncio.Transport: router/server.py "
-            "must be updated for this aiohttp version"
+            f"{type(transport).__qualname__}, not a transport: router/server.py must be "
+            "updated for this aiohttp version"
         )
-    return writer, transport
+    return writer, cast(asyncio.Transport, transport)  # uvloop's are not subclasses
 
 
 def _adopt(server: web.Server, limits: Timeouts) -> _Server:

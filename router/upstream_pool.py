@@ -32,7 +32,7 @@ import asyncio
 import socket
 from collections import deque
 from collections.abc import Callable
-from typing import Final
+from typing import Final, cast
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -112,8 +112,8 @@ class UpstreamConn(asyncio.Protocol):
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses, but they are one.
+        self.transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
