@@ -49,9 +49,7 @@ __all__ = [
 class _Splice:
     """One relayed stream: the upstream connection's sink and watchdog check."""
 
-    __slots__ = (
-        "conn", "writer", "transport", "result", "cutter", "clock", "observer", "drainer",
-    )  # fmt: skip
+    __slots__ = ("conn", "writer", "transport", "result", "cutter", "clock", "observer", "drainer")
 
     def __init__(
         self,

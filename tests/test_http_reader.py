@@ -63,7 +63,7 @@ RESPONSES = {
         200,
         b"all of it\r\n0\r\n",
         False,
-    ),  # fmt: skip
+    ),  # read until the close
     "after 100 Continue": (
         b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nabc",
         200,
