@@ -202,10 +202,34 @@ class ResponseReader:
         events.append(END)
 
     # -- chunked bodies -----------------------------------------------------------------------
+    def _whole_chunk(self, data: bytes, events: list[Event]) -> bool:
+        """The per-token fast path: `data` is exactly one whole chunk (maybe followed by the
+        last chunk), as a streaming worker writes one event per chunk. False: take the loop."""
+        eol = data.find(b"\r\n", 0, 18)
+        if eol <= 0:
+            return False
+        size_field = data[:eol]
+        if size_field.strip(_HEX):  # extensions, or not hex: the loop decides
+            return False
+        end = eol + 2 + int(size_field, 16)
+        if end == eol + 2 or data[end : end + 2] != b"\r\n":
+            return False
+        rest = len(data) - end - 2
+        if rest == 0:
+            events.append(data[eol + 2 : end])
+            return True
+        if rest == 5 and data.endswith(b"0\r\n\r\n"):
+            events.append(data[eol + 2 : end])
+            self._end(events)
+            return True
+        return False
+
     def _chunked(self, data: bytes, events: list[Event]) -> None:
         """Decode chunk framing; chunk data goes out as it comes (a chunk split over reads is
         not held back), all of this read's data as one piece."""
         buf = self._buf
+        if not buf and self._state == _SIZE and self._whole_chunk(data, events):
+            return
         view: bytes | bytearray
         if buf:
             buf += data

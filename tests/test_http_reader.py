@@ -186,3 +186,13 @@ def test_a_close_before_the_end_is_an_incomplete_response(raw: bytes) -> None:
     reader.feed(raw)
     with pytest.raises(IncompleteResponse):
         reader.feed_eof()
+
+
+def test_one_chunk_per_read_the_streaming_fast_path() -> None:
+    """A streaming worker writes one event per chunk: each read is one whole chunk, the last
+    one maybe with the last chunk after it."""
+    framed = [b"%x\r\n%s\r\n" % (len(e), e) for e in SSE]
+    reads = [CHUNKED_HEAD, *framed[:-1], framed[-1] + b"0\r\n\r\n"]
+    reader = ResponseReader()
+    events = [e for read in reads for e in reader.feed(read)]
+    assert events[1:] == [*SSE, END] and reader.done and reader.keep_alive
