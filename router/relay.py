@@ -1,8 +1,11 @@
-"""The lean SSE byte relay: decode worker → client, as bytes arrive.
+"""The aiohttp decode-leg relay (`settings.relay: aiohttp`, and https:// workers), and what
+both relays share with their caller: `RelayResult` and `RelayObserver`.
 
-No per-chunk JSON parsing: chunks are forwarded as read (so a burst the client is too slow for
-is coalesced by the socket, not by us), tokens are counted with byte searches, and the raw
-chunks are kept so that a failure can later be told exactly what the client already has.
+No per-chunk JSON parsing: each read of aiohttp's body stream goes through the shared SSE
+cutter (router/sse_cut.py) and what it gives back is forwarded as read (so a burst the client
+is too slow for is coalesced by the socket, not by us); the forwarded pieces are kept so that a
+failure can later be told exactly what the client already has (`parse_sent_text`). The splice
+relay (router/splice.py) keeps the same contract from the upstream protocol's callbacks.
 """
 
 from __future__ import annotations
