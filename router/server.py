@@ -20,11 +20,9 @@ aiohttp's `RequestHandler` with these additions (`Timeouts` fields, 0 turns one 
 `body_s` is the handler's (`read_body`), as is mapping a body aiohttp cannot decode to 400.
 
 aiohttp offers no hook for its protocol class, so `_adopt` rebuilds the `Server` that
-`AppRunner` made as a `_Server`; and the splice relay (router/splice.py) writes its chunks
-straight onto the transport a prepared `StreamResponse` holds (`prepared_writer`). Both read
-aiohttp's private state through `_aiohttp_private`, the one function that does, which fails
-with a clear message when an aiohttp upgrade moves it (tests/test_client_bounds.py and
-tests/test_aiohttp_private.py check both against the installed aiohttp).
+`AppRunner` made as a `_Server`, reading aiohttp's private state through the one function
+that does (router/aiohttp_private.py), checked by tests/test_client_bounds.py so that an
+aiohttp upgrade that moves it fails loudly.
 """
 
 from __future__ import annotations
@@ -33,13 +31,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from typing import Any, cast
+from typing import Any
 
-import aiohttp
 from aiohttp import web
-from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_exceptions import ContentEncodingError
 
+from router.aiohttp_private import AiohttpChanged, aiohttp_private
 from router.config import Timeouts
 from router.errors import InvalidRequest, error_body
 
@@ -292,52 +289,6 @@ class _Server(web.Server):
         return _Protocol(self, self.limits, loop=self.protocol_loop, **self.protocol_kwargs)
 
 
-_MISSING = object()
-
-
-class AiohttpChanged(RuntimeError):
-    """The installed aiohttp no longer has the private state this module relies on."""
-
-
-def _aiohttp_private(
-    obj: object, name: str, kind: type | tuple[type, ...], *, optional: bool = False
-) -> Any:
-    """`obj.<name>`, one of aiohttp's private attributes, checked to be a `kind` (or None, if
-    `optional`: it exists but is unset).
-
-    The one function in router/ that reads aiohttp's private state: if an upgrade renames or
-    retypes it, this raises `AiohttpChanged` saying what moved, instead of the router failing
-    somewhere later (tests/test_aiohttp_private.py runs it against the installed aiohttp)."""
-    value = getattr(obj, name, _MISSING)
-    if value is None and optional:
-        return None
-    if value is _MISSING or not isinstance(value, kind):
-        raise AiohttpChanged(
-            f"aiohttp {aiohttp.__version__}: {type(obj).__qualname__}.{name} is "
-            f"{'missing' if value is _MISSING else type(value).__qualname__}, not {kind!r}; "
-            "router/server.py must be updated for this aiohttp version"
-        )
-    return value
-
-
-def prepared_writer(client: web.StreamResponse) -> tuple[AbstractStreamWriter, asyncio.Transport]:
-    """The payload writer and transport of `client`, a prepared (headers sent) response, for
-    writing body bytes without aiohttp's per-write overhead (router/splice.py). Raises
-    `ConnectionResetError` if the client has gone already."""
-    # None once the body is ended (write_eof) or before prepare: nothing may be written then.
-    writer = _aiohttp_private(client, "_payload_writer", AbstractStreamWriter, optional=True)
-    transport = getattr(writer, "transport", None)
-    if writer is None or transport is None or transport.is_closing():
-        raise ConnectionResetError("the client's connection is closed")
-    if not callable(getattr(transport, "get_write_buffer_size", None)):
-        raise AiohttpChanged(
-            f"aiohttp {aiohttp.__version__}: the payload writer's transport is "
-            f"{type(transport).__qualname__}, not a transport: router/server.py must be "
-            "updated for this aiohttp version"
-        )
-    return writer, cast(asyncio.Transport, transport)  # uvloop's are not subclasses
-
-
 def _adopt(server: web.Server, limits: Timeouts) -> _Server:
     """`server` (made by `AppRunner`) rebuilt as a `_Server` with the same handler, factory
     and protocol arguments."""
@@ -346,8 +297,8 @@ def _adopt(server: web.Server, limits: Timeouts) -> _Server:
             f"AppRunner made a {type(server).__qualname__}, not a web.Server: "
             "router/server.py must be updated for this aiohttp version"
         )
-    kwargs = _aiohttp_private(server, "_kwargs", dict)
-    loop = _aiohttp_private(server, "_loop", asyncio.AbstractEventLoop)
+    kwargs = aiohttp_private(server, "_kwargs", dict)
+    loop = aiohttp_private(server, "_loop", asyncio.AbstractEventLoop)
     return _Server(
         server.request_handler,
         limits=limits,

@@ -4,7 +4,7 @@
 router/upstream_pool.py instead of aiohttp's. While a stream is relayed, each body piece the
 upstream connection reads goes, in its `data_received`, through the shared SSE cutter
 (router/sse_cut.py) and, re-framed as one chunk, straight onto the client's transport that
-aiohttp prepared (router/server.py `prepared_writer`): no task wake-up per read.
+aiohttp prepared (router/aiohttp_private.py `prepared_writer`): no task wake-up per read.
 
 Back-pressure: above HIGH_WATER queued towards the client, the worker's connection stops
 being read until the client has drained it (TCP holds the rest at the worker).
@@ -18,8 +18,8 @@ from collections.abc import Callable
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 
+from router.aiohttp_private import prepared_writer
 from router.relay import NO_FIRST_EVENT, RelayObserver, RelayResult
-from router.server import prepared_writer
 from router.sse_cut import SseCutter
 from router.upstream_pool import (
     HIGH_WATER,

@@ -1,4 +1,4 @@
-"""The one function that reads aiohttp's private state (router/server.py `_aiohttp_private`),
+"""The one function that reads aiohttp's private state (router/aiohttp_private.py),
 checked against the installed aiohttp: if an upgrade moves what the splice relay writes
 through, this fails here with a clear message, not as garbled streams in production."""
 
@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from router.server import AiohttpChanged, _aiohttp_private, prepared_writer
+from router.aiohttp_private import AiohttpChanged, aiohttp_private, prepared_writer
 
 PIECES = [b"data: %d\n\n" % i for i in range(50)]
 
@@ -27,7 +27,7 @@ async def test_a_prepared_response_exposes_a_writable_transport_on_this_aiohttp(
         await resp.prepare(request)
         assert hasattr(resp, "_payload_writer"), (
             f"aiohttp {aiohttp.__version__} renamed StreamResponse._payload_writer: "
-            "router/server.py prepared_writer must be updated"
+            "router/aiohttp_private.py prepared_writer must be updated"
         )
         writer, transport = prepared_writer(resp)
         seen.append(type(writer).__qualname__)
@@ -62,8 +62,11 @@ def test_a_moved_attribute_fails_loudly() -> None:
     class Moved:
         _payload_writer_v2 = object()
 
-    with pytest.raises(AiohttpChanged, match=r"Moved\._payload_writer .*router/server.py must"):
-        _aiohttp_private(Moved(), "_payload_writer", object, optional=False)
+    with pytest.raises(
+        AiohttpChanged,
+        match=r"Moved\._payload_writer .*router/aiohttp_private.py and its caller must",
+    ):
+        aiohttp_private(Moved(), "_payload_writer", object, optional=False)
     with pytest.raises(AiohttpChanged, match="not"):
-        _aiohttp_private(Moved(), "_payload_writer_v2", dict)
-    assert _aiohttp_private(Moved(), "_payload_writer_v2", object) is Moved._payload_writer_v2
+        aiohttp_private(Moved(), "_payload_writer_v2", dict)
+    assert aiohttp_private(Moved(), "_payload_writer_v2", object) is Moved._payload_writer_v2
