@@ -18,7 +18,7 @@ import contextlib
 import logging
 import random
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -613,8 +613,7 @@ class RequestFlow:
                 sink,
                 chat=self.parsed.path == CHAT,
                 clock=gw.clock,
-                on_first_token=lambda a=attempt: self._on_first_token(a),
-                on_tokens=lambda n, a=attempt: self._on_tokens(a, resumed, prompt_tokens, n),
+                observer=_AttemptObserver(self, attempt, resumed, prompt_tokens),
                 first_event_by=attempt.handoff_by,
             )
         finally:
@@ -903,3 +902,19 @@ class RequestFlow:
                 gw.admission.leave()
             gw.metrics.duration.observe(gw.clock() - self.started)
             self.trace.close(self.status)
+
+
+@dataclass(slots=True)
+class _AttemptObserver:
+    """What the relay reports (router/relay.py `RelayObserver`), for one decode attempt."""
+
+    flow: RequestFlow
+    attempt: Attempt
+    resumed: int
+    prompt_tokens: int
+
+    def first_token(self) -> None:
+        self.flow._on_first_token(self.attempt)
+
+    def tokens(self, total: int) -> None:
+        self.flow._on_tokens(self.attempt, self.resumed, self.prompt_tokens, total)

@@ -1,23 +1,35 @@
-"""The lean SSE byte relay: decode worker → client, as bytes arrive.
+"""The aiohttp decode-leg relay (`settings.relay: aiohttp`, and https:// workers), and what
+both relays share with their caller: `RelayResult` and `RelayObserver`.
 
-No per-chunk JSON parsing: chunks are forwarded as read (so a burst the client is too slow for
-is coalesced by the socket, not by us), tokens are counted with byte searches, and the raw
-chunks are kept so that a failure can later be told exactly what the client already has.
+No per-chunk JSON parsing: each read of aiohttp's body stream goes through the shared SSE
+cutter (router/sse_cut.py) and what it gives back is forwarded as read (so a burst the client
+is too slow for is coalesced by the socket, not by us); the forwarded pieces are kept so that a
+failure can later be told exactly what the client already has (`parse_sent_text`). The splice
+relay (router/splice.py) keeps the same contract from the upstream protocol's callbacks.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-from router.adapters.errors import WorkerError, sse_data, stream_error
+from router.sse_cut import (
+    ERROR_EVENT,
+    MALFORMED_FIRST_EVENT,
+    SseCutter,
+    count_tokens,
+    malformed,
+    split_at_error,
+)
 
 __all__ = [
+    "RelayObserver",
     "RelayResult",
     "relay_sse",
     "count_tokens",
@@ -51,56 +63,16 @@ class RelayResult:
 
 
 NO_FIRST_EVENT = "no first token before the KV handoff deadline (the KV is presumed lost)"
-ERROR_EVENT = "decode worker reported an error mid-stream"
-MALFORMED_FIRST_EVENT = "decode worker's first event is not a JSON object"
 
 
-def malformed(data: bytes) -> bool:
-    """True if a data line of these whole events is not a JSON object (`[DONE]` and comments
-    aside). Run on the first forwarded piece only: a worker that answers 200 with garbage does
-    so from the start (a broken engine, a proxy's error page), and nothing has reached the
-    client then, so the request is retried; parsing every event would cost CPU per token."""
-    for line in data.split(b"\n"):
-        payload = sse_data(line)
-        if payload is None or payload == b"[DONE]":
-            continue
-        try:
-            if not isinstance(orjson.loads(payload), dict):
-                return True
-        except orjson.JSONDecodeError:
-            return True
-    return False
+class RelayObserver(Protocol):
+    """What a relay tells its caller as the stream goes (both called synchronously)."""
 
+    def first_token(self) -> None:
+        """The first event reached the client (the decode worker accepted the KV); once."""
 
-def split_at_error(data: bytes) -> tuple[bytes, WorkerError | None]:
-    """Whole events `data` → (the part before a retryable error event, that error).
-
-    vLLM answers 200 and then reports a failed generation — a KV pull that failed, an engine
-    error — as `data: {"error": {..., "code": 500}}` followed by `[DONE]`. Forwarded as is, the
-    client would get a broken answer that a retry could have saved; so a server-side error
-    (5xx, or no code at all) ends the relay here and the caller retries or resumes. A 4xx in the
-    stream is the worker's verdict on the request itself and is passed through.
-    """
-    if b'"error"' not in data:  # the cheap check: this runs once per forwarded chunk
-        return data, None
-    start = 0
-    while start < len(data):
-        end = data.find(b"\n\n", start)
-        end = len(data) if end < 0 else end + 2
-        for line in data[start:end].split(b"\n"):
-            payload = sse_data(line)
-            err = stream_error(payload) if payload is not None else None
-            if err is not None and not (err.status is not None and 400 <= err.status < 500):
-                return data[:start], err
-        start = end
-    return data, None
-
-
-def count_tokens(data: bytes, chat: bool) -> int:
-    """Token chunks in `data`: one non-empty `content` (chat) or `text` (completions) per token."""
-    if chat:
-        return data.count(b'"content":"') - data.count(b'"content":""')
-    return data.count(b'"text":"') - data.count(b'"text":""')
+    def tokens(self, total: int) -> None:
+        """`total` tokens forwarded so far; after each forwarded read."""
 
 
 async def relay_sse(
@@ -108,22 +80,20 @@ async def relay_sse(
     client: web.StreamResponse,
     *,
     chat: bool,
-    clock: Any,
-    on_first_token: Any = None,
-    on_tokens: Any = None,
+    clock: Callable[[], float],
+    observer: RelayObserver | None = None,
     first_event_by: float | None = None,
 ) -> RelayResult:
     """Forward `upstream`'s SSE body to `client` until it ends, either side fails, or is cancelled.
 
-    `on_first_token()` runs once, synchronously, when the first chunk arrives (the decode worker
-    has accepted the KV); `on_tokens(total)` after each forwarded piece. Deadlines are the
-    caller's: aiohttp's sock_read timeout is the idle one, an enclosing asyncio.timeout the
-    TTFT/total one, and `first_event_by` (event-loop time) the KV handoff's: a decode worker
-    that has not produced its first event by then ends the relay as an upstream error.
+    What is forwarded is what `router.sse_cut.SseCutter` gives back; `observer` hears the first
+    token and the running token count. Deadlines are the caller's: aiohttp's sock_read timeout
+    is the idle one, an enclosing asyncio.timeout the TTFT/total one, and `first_event_by`
+    (event-loop time) the KV handoff's: a decode worker that has not produced its first event by
+    then ends the relay as an upstream error.
     """
     result = RelayResult()
-    tail = b""
-    pending = b""  # the start of an event whose end has not arrived yet
+    cutter = SseCutter(chat)
     content = upstream.content
     try:
         while True:
@@ -141,49 +111,32 @@ async def relay_sse(
                 data = await content.readany()
             if not data:
                 break
-            if pending:
-                data = pending + data
-                pending = b""
-            # Forward whole events only: if the worker dies mid-event, the client must not hold
-            # half an event that the next (resumed) stream's bytes would corrupt.
-            if not data.endswith(b"\n\n"):
-                end = data.rfind(b"\n\n")
-                if end < 0:  # not one whole event yet: hold it all
-                    pending = data
-                    continue
-                data, pending = data[: end + 2], data[end + 2 :]
-            data, error = split_at_error(data)
-            if data and result.first_token_at is None and malformed(data):
-                result.upstream_error, result.error_kind = MALFORMED_FIRST_EVENT, "malformed"
-                return result
-            if data:
+            out = cutter.feed(data)
+            if out:
                 if result.first_token_at is None:
                     result.first_token_at = clock()
-                    if on_first_token is not None:
-                        on_first_token()
-                result.chunks.append(data)
-                result.tokens += count_tokens(data, chat)
-                if on_tokens is not None:
-                    on_tokens(result.tokens)
+                    if observer is not None:
+                        observer.first_token()
+                result.chunks.append(out)
+                result.tokens = cutter.tokens
+                if observer is not None:
+                    observer.tokens(cutter.tokens)
                 try:
-                    await client.write(data)
+                    await client.write(out)
                 except (ConnectionError, RuntimeError):
                     # The client went away (aiohttp raises ConnectionResetError, or RuntimeError
                     # once the transport is closed): stop reading so the caller closes upstream.
                     result.client_gone = True
                     return result
-                # The last bytes seen, to tell a finished stream (`[DONE]`) from a cut one.
-                tail = data[-32:] if len(data) >= 32 else (tail + data)[-32:]
-            if error is not None:
-                result.upstream_error = f"{ERROR_EVENT}: {error.message}"
-                result.error_kind = "error_event"
+            if cutter.stop is not None:
+                result.upstream_error, result.error_kind = cutter.stop, cutter.stop_kind
                 return result
     except aiohttp.ClientPayloadError as exc:
         result.upstream_error = f"decode stream broken: {exc}"
     except aiohttp.ClientConnectionError as exc:
         # Includes the idle deadline (aiohttp's sock_read timeout).
         result.upstream_error = f"decode connection lost: {exc!r}"
-    result.completed = _DONE in tail
+    result.completed = cutter.finished
     if not result.completed and result.upstream_error is None:
         result.upstream_error = "decode stream ended without [DONE]"
     return result

@@ -20,8 +20,9 @@ aiohttp's `RequestHandler` with these additions (`Timeouts` fields, 0 turns one 
 `body_s` is the handler's (`read_body`), as is mapping a body aiohttp cannot decode to 400.
 
 aiohttp offers no hook for its protocol class, so `_adopt` rebuilds the `Server` that
-`AppRunner` made as a `_Server`: the one place that reads aiohttp's private state, checked by
-tests/test_client_bounds.py so that an aiohttp upgrade that moves it fails loudly.
+`AppRunner` made as a `_Server`, reading aiohttp's private state through the one function
+that does (router/aiohttp_private.py), checked by tests/test_client_bounds.py so that an
+aiohttp upgrade that moves it fails loudly.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 
+from router.aiohttp_private import AiohttpChanged, aiohttp_private
 from router.config import Timeouts
 from router.errors import InvalidRequest, error_body
 
@@ -289,14 +291,14 @@ class _Server(web.Server):
 
 def _adopt(server: web.Server, limits: Timeouts) -> _Server:
     """`server` (made by `AppRunner`) rebuilt as a `_Server` with the same handler, factory
-    and protocol arguments. The one function that reads aiohttp's private state."""
-    kwargs = getattr(server, "_kwargs", None)
-    loop = getattr(server, "_loop", None)
-    if type(server) is not web.Server or not isinstance(kwargs, dict) or loop is None:
-        raise RuntimeError(
-            "aiohttp's web.Server no longer keeps its protocol arguments in `_kwargs` and "
-            "`_loop`: router/server.py must be updated for this aiohttp version"
+    and protocol arguments."""
+    if type(server) is not web.Server:
+        raise AiohttpChanged(
+            f"AppRunner made a {type(server).__qualname__}, not a web.Server: "
+            "router/server.py must be updated for this aiohttp version"
         )
+    kwargs = aiohttp_private(server, "_kwargs", dict)
+    loop = aiohttp_private(server, "_loop", asyncio.AbstractEventLoop)
     return _Server(
         server.request_handler,
         limits=limits,

@@ -147,8 +147,7 @@ class Front:
                 client,
                 chat=True,
                 clock=asyncio.get_running_loop().time,
-                on_first_token=self._first,
-                on_tokens=self.token_totals.append,
+                observer=self,
             )
             self.results.append(result)
             if result.completed:
@@ -161,8 +160,11 @@ class Front:
             resp.close()
             self.finished.set()
 
-    def _first(self) -> None:
+    def first_token(self) -> None:  # RelayObserver
         self.first_tokens += 1
+
+    def tokens(self, total: int) -> None:  # RelayObserver
+        self.token_totals.append(total)
 
 
 @contextlib.asynccontextmanager

@@ -1,0 +1,133 @@
+"""The SSE event cutter both decode-leg relays share (router/relay.py, router/splice.py).
+
+A relay hands it each read of the worker's body (framing removed) and forwards what it gives
+back. The cutter's rules, once:
+
+- whole events only: the start of an event whose end has not come yet is held back, so a
+  worker that dies mid-event never leaves half an event at the client that the resumed
+  stream's bytes would corrupt;
+- a server-side error event (vLLM answers 200, then reports a failed KV pull or engine error
+  as `data: {"error": ...}`) ends the stream: what came before it is forwarded, the rest not,
+  and the caller retries or resumes;
+- a first event that is not a JSON object (a broken engine, a proxy's error page) ends the
+  stream before anything reached the client, so the request can be retried;
+- tokens are counted with byte searches over the whole read, and the last bytes are kept to
+  tell a finished stream (`data: [DONE]`) from a cut one.
+
+The per-read cost is a few `bytes` methods over the read (`endswith`, `count`, one `in`); no
+Python object per event. JSON is parsed only for the first forwarded piece and for a read that
+mentions `"error"`.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import orjson
+
+from router.adapters.errors import WorkerError, sse_data, stream_error
+
+__all__ = [
+    "SseCutter",
+    "count_tokens",
+    "malformed",
+    "split_at_error",
+    "ERROR_EVENT",
+    "MALFORMED_FIRST_EVENT",
+]
+
+ERROR_EVENT: Final = "decode worker reported an error mid-stream"
+MALFORMED_FIRST_EVENT: Final = "decode worker's first event is not a JSON object"
+_DONE: Final = b"data: [DONE]"
+_TAIL: Final = 32  # bytes kept to find `[DONE]` at the end, even when split over reads
+
+
+def malformed(data: bytes) -> bool:
+    """True if a data line of these whole events is not a JSON object (`[DONE]` and comments
+    aside). Run on the first forwarded piece only: a worker that answers 200 with garbage does
+    so from the start, and parsing every event would cost CPU per token."""
+    for line in data.split(b"\n"):
+        payload = sse_data(line)
+        if payload is None or payload == b"[DONE]":
+            continue
+        try:
+            if not isinstance(orjson.loads(payload), dict):
+                return True
+        except orjson.JSONDecodeError:
+            return True
+    return False
+
+
+def split_at_error(data: bytes) -> tuple[bytes, WorkerError | None]:
+    """Whole events `data` → (the part before a retryable error event, that error).
+
+    A server-side error (5xx, or no code at all) ends the relay there; a 4xx in the stream is
+    the worker's verdict on the request itself and is passed through.
+    """
+    if b'"error"' not in data:  # the cheap check: this runs once per read
+        return data, None
+    start = 0
+    while start < len(data):
+        end = data.find(b"\n\n", start)
+        end = len(data) if end < 0 else end + 2
+        for line in data[start:end].split(b"\n"):
+            payload = sse_data(line)
+            err = stream_error(payload) if payload is not None else None
+            if err is not None and not (err.status is not None and 400 <= err.status < 500):
+                return data[:start], err
+        start = end
+    return data, None
+
+
+def count_tokens(data: bytes, chat: bool) -> int:
+    """Token chunks in `data`: one non-empty `content` (chat) or `text` (completions) per token."""
+    if chat:
+        return data.count(b'"content":"') - data.count(b'"content":""')
+    return data.count(b'"text":"') - data.count(b'"text":""')
+
+
+class SseCutter:
+    """One stream's cutting state. `feed(read)` → the bytes to forward now (b"" for none);
+    after it, `stop` set means the stream ends here (its text for `RelayResult.upstream_error`,
+    `stop_kind` for the metrics), once the returned bytes are forwarded."""
+
+    __slots__ = ("chat", "pending", "tail", "tokens", "forwarded", "stop", "stop_kind")
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.pending = b""  # the start of an event whose end has not arrived yet
+        self.tail = b""
+        self.tokens = 0
+        self.forwarded = False
+        self.stop: str | None = None
+        self.stop_kind: str | None = None
+
+    def feed(self, data: bytes) -> bytes:
+        if self.pending:
+            data = self.pending + data
+            self.pending = b""
+        if not data.endswith(b"\n\n"):
+            end = data.rfind(b"\n\n")
+            if end < 0:  # not one whole event yet: hold it all
+                self.pending = data
+                return b""
+            data, self.pending = data[: end + 2], data[end + 2 :]
+        if b'"error"' in data:  # split_at_error's own cheap check, without the call per read
+            data, error = split_at_error(data)
+            if error is not None:
+                self.stop, self.stop_kind = f"{ERROR_EVENT}: {error.message}", "error_event"
+            if not data:
+                return b""
+        if not self.forwarded:
+            if malformed(data):
+                self.stop, self.stop_kind = MALFORMED_FIRST_EVENT, "malformed"
+                return b""
+            self.forwarded = True
+        self.tokens += count_tokens(data, self.chat)
+        self.tail = data[-_TAIL:] if len(data) >= _TAIL else (self.tail + data)[-_TAIL:]
+        return data
+
+    @property
+    def finished(self) -> bool:
+        """The forwarded stream ended with `data: [DONE]`."""
+        return _DONE in self.tail
