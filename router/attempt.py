@@ -77,33 +77,27 @@ def upstream_failure(side: str, worker_id: str, status: int, data: bytes) -> Leg
     worker_error = parse_error_body(data, status)  # either vLLM shape, or plain text
     msg, type_, param = worker_error.message, worker_error.type, worker_error.param
     code = worker_error.code
+    retryable, kv_handle = True, False
+    err: RouterError
     if 400 <= status < 500 and param == "kv_transfer_params":
         # Not the client's fault: the KV handle the router passed is no longer good (its lease
         # expired on the prefill worker, or it was pulled already). Re-prefill and retry.
         err = UpstreamError(f"{side} worker {worker_id} could not use the KV handle: {msg}")
-        failure = LegFailure(side, worker_id, err, True)
-        failure.kv_handle, failure.status = True, status
-        return failure
-    if 400 <= status < 500 and status not in (408, 429):
+        kv_handle = True
+    elif 400 <= status < 500 and status not in (408, 429):
         # The worker judged the client's request bad: its verdict passes through, no retry.
-        failure = LegFailure(
-            side,
-            worker_id,
-            UpstreamRejected(
-                status, msg, type_=type_ or "invalid_request_error", param=param, code=code
-            ),
-            False,
+        err = UpstreamRejected(
+            status, msg, type_=type_ or "invalid_request_error", param=param, code=code
         )
-        failure.status = status
-        return failure
-    if status in (429, 503):
-        err: RouterError = Unavailable(
+        retryable = False
+    elif status in (429, 503):
+        err = Unavailable(
             f"{side} worker {worker_id} is overloaded (HTTP {status}): {msg}", retry_after_s=1.0
         )
     else:
         err = UpstreamError(f"{side} worker {worker_id} failed with HTTP {status}: {msg}")
-    failure = LegFailure(side, worker_id, err, True)
-    failure.status = status
+    failure = LegFailure(side, worker_id, err, retryable)
+    failure.kv_handle, failure.status = kv_handle, status
     return failure
 
 

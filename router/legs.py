@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from router.adapters import ProtocolViolation, prefill_target
+from router.adapters import ConcurrentAdapter, ProtocolViolation, WorkerAdapter, prefill_target
 from router.attempt import Ask, Attempt, Call, LegFailure, upstream_failure
 from router.errors import DeadlineExceeded, UpstreamError
 from router.gateway import Gateway
@@ -52,9 +52,18 @@ async def open_legs(call: Call, attempt: Attempt, ask: Ask) -> DecodeResponse:
     body = ask.body
     if prefill_id is not None:
         kv = await _prefill(call, attempt, ask)
-        decode_spec = gw.pools.workers[attempt.candidate.decode_id].spec
-        body = gw.adapters[decode_spec.adapter].decode_body(ask.body, kv)
+        decode = gw.pools.workers[attempt.candidate.decode_id]
+        body = _pull_adapter(gw, decode).decode_body(ask.body, kv)
     return await _open_decode(call, attempt, body, ask.resumed)
+
+
+def _pull_adapter(gw: Gateway, worker: WorkerState) -> WorkerAdapter:
+    """`worker`'s adapter in NIXL pull mode (prefill first, its KV handle to the decode)."""
+    adapter = gw.adapters[worker.spec.adapter]
+    if isinstance(adapter, ConcurrentAdapter):  # pragma: no cover - pairs share one protocol
+        err = UpstreamError(f"worker {worker.spec.id} cannot take part in a pulled KV handoff")
+        raise LegFailure(worker.spec.role, worker.spec.id, err, False)
+    return adapter
 
 
 @contextlib.asynccontextmanager
@@ -148,11 +157,11 @@ async def _prefill(call: Call, attempt: Attempt, ask: Ask) -> dict[str, Any]:
     """vLLM NIXL pull mode: prefill first, then hand its kv_transfer_params to decode."""
     gw = call.gw
     worker = gw.pools.workers[attempt.candidate.prefill_id or ""]
-    adapter = gw.adapters[worker.spec.adapter]
-    wire_body = adapter.prefill_body(ask.body)  # type: ignore[union-attr]
+    adapter = _pull_adapter(gw, worker)
+    wire_body = adapter.prefill_body(ask.body)
     data = await _prefill_leg(call, attempt, wire_body, ask)
     try:
-        params = adapter.kv_params(orjson.loads(data))  # type: ignore[union-attr]
+        params = adapter.kv_params(orjson.loads(data))
     except (orjson.JSONDecodeError, ProtocolViolation) as exc:
         gw.metrics.upstream_errors.labels(side="prefill", kind="protocol").inc()
         worker.breaker.on_failure()
@@ -183,7 +192,9 @@ async def _concurrent_legs(call: Call, attempt: Attempt, ask: Ask) -> DecodeResp
     adapter = gw.adapters[worker.spec.adapter]
     target = prefill_target(worker.spec.url, worker.spec.bootstrap_port, worker.spec.engine_id)
     try:
-        p_body, d_body = adapter.legs(ask.body, target, call.request_id)  # type: ignore[union-attr]
+        if not isinstance(adapter, ConcurrentAdapter):  # pragma: no cover - `_concurrent` said so
+            raise ProtocolViolation(f"worker {worker.spec.id} has no concurrent legs")
+        p_body, d_body = adapter.legs(ask.body, target, call.request_id)
     except ProtocolViolation as exc:
         raise LegFailure("prefill", worker.spec.id, UpstreamError(str(exc)), False) from exc
     loop = asyncio.get_running_loop()
@@ -192,8 +203,9 @@ async def _concurrent_legs(call: Call, attempt: Attempt, ask: Ask) -> DecodeResp
     decode = loop.create_task(_open_decode(call, attempt, d_body, ask.resumed))
     try:
         await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
-        if prefill.done() and prefill.exception() is not None:
-            raise prefill.exception()  # type: ignore[misc]
+        failed = prefill.exception() if prefill.done() else None
+        if failed is not None:
+            raise failed
         resp = await decode
     except BaseException:
         for task in (prefill, decode):
