@@ -27,7 +27,7 @@ from router.errors import BodyTooLarge, RouterError, Unauthorized, as_router_err
 from router.gateway import Gateway
 from router.histograms import HistogramCache
 from router.leases import LeaseKeeper
-from router.lifecycle import RequestFlow
+from router.lifecycle import ClientSide, RequestFlow
 from router.logs import bind_request_id
 from router.metrics import RouterMetrics
 from router.passthrough import PASSTHROUGH_ROUTES, add_passthrough_routes
@@ -99,6 +99,31 @@ def _check_auth(settings: Settings, request: web.Request) -> None:
         raise Unauthorized("a valid API key is required (Authorization: Bearer ...)")
 
 
+class _AiohttpClient:
+    """aiohttp's side of a `ClientSide`: starts the streamed response on the request, and turns
+    the flow's outcome into the handler's answer."""
+
+    __slots__ = ("request", "stream")
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.stream: web.StreamResponse | None = None
+
+    async def start_stream(self, headers: dict[str, str]) -> web.StreamResponse:
+        self.stream = web.StreamResponse(headers=headers)
+        await self.stream.prepare(self.request)
+        return self.stream
+
+    def answer(self, body: bytes | None, request_id: str) -> web.StreamResponse:
+        if body is not None:
+            return web.Response(
+                body=body, content_type="application/json", headers={"X-Request-Id": request_id}
+            )
+        if self.stream is None:  # pragma: no cover - run() streams whenever it returns no body
+            raise RuntimeError("the request ended with neither a body nor a stream")
+        return self.stream
+
+
 async def _generate(request: web.Request, path: str) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     s = gw.settings
@@ -116,15 +141,16 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
             max_model_len=s.max_model_len,
             chars_per_token=s.chars_per_token,
         )
-        flow = RequestFlow(gw, parsed, request)
+        client = _AiohttpClient(request)
+        flow = RequestFlow(gw, ClientSide(parsed, request.headers, client.start_stream))
         bind_request_id(flow.request_id)  # on every log line of this request (router/logs.py)
         model = parsed.model or s.models[0]
         gw.demand.note_arrival(model, parsed.prompt_tokens)  # autoscaling (router/scaling.py)
         with request.app[SHUTDOWN].track(flow):
             try:
-                resp = await flow.run()
+                body = await flow.run()
                 status = flow.status
-                return resp
+                return client.answer(body, flow.request_id)
             finally:
                 await asyncio.shield(flow.cleanup())
                 gw.demand.note_output(model, flow.output_tokens or 0)

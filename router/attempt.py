@@ -1,19 +1,66 @@
-"""One (prefill, decode) attempt of a request, and how a failed leg is described.
+"""What the request path's stages share: the request (`Call`), what one try asks the workers
+for (`Ask`), what one try holds (`Attempt`), and how a failed leg is described (`LegFailure`).
 
-An `Attempt` is what one try holds and must give back (the decode reservation, the stranded-KV
-entry, a concurrent prefill leg); a `LegFailure` says which side failed, whose breaker pays, and
-whether trying again can help.
+A `Call` is immutable: the stages (router/reserve.py, legs.py, respond.py, resume.py,
+release.py) read the request from it and keep no state of their own. An `Attempt` is what one
+try holds and must give back (the decode reservation, the stranded-KV entry, a concurrent
+prefill leg); a `LegFailure` says which side failed, whose breaker pays, and whether trying
+again can help.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from policies.base import Candidate
 from router.adapters.errors import parse_error_body
+from router.api import ParsedRequest
 from router.errors import RouterError, Unavailable, UpstreamError, UpstreamRejected
+from router.gateway import Gateway
+from router.tracing import RequestTrace
 
-__all__ = ["Attempt", "LegFailure", "upstream_failure"]
+__all__ = ["Ask", "Attempt", "Call", "LegFailure", "loop_time", "upstream_failure"]
+
+
+def loop_time(gw: Gateway, flow_time: float) -> float:
+    """`flow_time` (on `gw.clock`) as event-loop time, the clock asyncio's deadlines use."""
+    return flow_time + (asyncio.get_running_loop().time() - gw.clock())
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One request as every stage sees it."""
+
+    gw: Gateway
+    parsed: ParsedRequest
+    headers: Mapping[str, str]  # the client's
+    request_id: str
+    started: float  # gw.clock() at arrival
+    trace: RequestTrace
+    prefixes: tuple[int, ...]
+    # Asked for whole, streamed from the decode worker and assembled (router/assemble.py).
+    assembling: bool
+
+    def __repr__(self) -> str:
+        return f"Call({self.request_id}, {self.parsed!r})"
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What one try asks the workers for: the client's body, or the body that resumes a broken
+    stream (router/resume.py) with its prompt size, token cap and the tokens already sent."""
+
+    body: dict[str, Any]
+    prompt_tokens: int
+    max_tokens: int
+    resumed: int = 0
+    resume: bool = False  # continues a stream that broke after bytes reached the client
+
+    def __repr__(self) -> str:
+        return f"Ask(prompt_tokens={self.prompt_tokens}, resumed={self.resumed})"
 
 
 class LegFailure(Exception):
@@ -23,36 +70,35 @@ class LegFailure(Exception):
         super().__init__(error.message)
         self.side, self.worker_id, self.error, self.retryable = side, worker_id, error, retryable
         self.kv_handle = False  # the KV handle was bad (expired): nobody's breaker is charged
+        self.status: int | None = None  # the worker's HTTP status, when it answered with one
 
 
 def upstream_failure(side: str, worker_id: str, status: int, data: bytes) -> LegFailure:
     worker_error = parse_error_body(data, status)  # either vLLM shape, or plain text
     msg, type_, param = worker_error.message, worker_error.type, worker_error.param
     code = worker_error.code
+    retryable, kv_handle = True, False
+    err: RouterError
     if 400 <= status < 500 and param == "kv_transfer_params":
         # Not the client's fault: the KV handle the router passed is no longer good (its lease
         # expired on the prefill worker, or it was pulled already). Re-prefill and retry.
         err = UpstreamError(f"{side} worker {worker_id} could not use the KV handle: {msg}")
-        failure = LegFailure(side, worker_id, err, True)
-        failure.kv_handle = True
-        return failure
-    if 400 <= status < 500 and status not in (408, 429):
+        kv_handle = True
+    elif 400 <= status < 500 and status not in (408, 429):
         # The worker judged the client's request bad: its verdict passes through, no retry.
-        return LegFailure(
-            side,
-            worker_id,
-            UpstreamRejected(
-                status, msg, type_=type_ or "invalid_request_error", param=param, code=code
-            ),
-            False,
+        err = UpstreamRejected(
+            status, msg, type_=type_ or "invalid_request_error", param=param, code=code
         )
-    if status in (429, 503):
-        err: RouterError = Unavailable(
+        retryable = False
+    elif status in (429, 503):
+        err = Unavailable(
             f"{side} worker {worker_id} is overloaded (HTTP {status}): {msg}", retry_after_s=1.0
         )
     else:
         err = UpstreamError(f"{side} worker {worker_id} failed with HTTP {status}: {msg}")
-    return LegFailure(side, worker_id, err, True)
+    failure = LegFailure(side, worker_id, err, retryable)
+    failure.kv_handle, failure.status = kv_handle, status
+    return failure
 
 
 class Attempt:

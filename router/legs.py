@@ -1,0 +1,285 @@
+"""The HTTP legs of one attempt: prefill, KV handoff, decode (docs/design.md §2).
+
+Entry point: `open_legs(call, attempt, ask)` returns the decode worker's open answer (status 200,
+body unread) or raises a `LegFailure`. Two shapes, by the prefill worker's adapter:
+- vLLM NIXL pull mode: the prefill leg first; its `kv_transfer_params` go into the decode leg;
+- SGLang rooms / vLLM Mooncake (`concurrent_legs`): both legs at once, the decode answer
+  returned as soon as it starts, a leg that fails cancels the other.
+Every leg's breaker and error accounting is one context, `leg_errors(side, worker)`.
+
+Invariant kept here: a prefill is never sent without a decode reservation in hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+
+from router.adapters import ConcurrentAdapter, ProtocolViolation, WorkerAdapter, prefill_target
+from router.attempt import Ask, Attempt, Call, LegFailure, upstream_failure
+from router.errors import DeadlineExceeded, UpstreamError
+from router.gateway import Gateway
+from router.pools import WorkerState
+from router.relay import RelayResult
+from router.splice import SpliceResponse
+
+__all__ = [
+    "DecodeResponse",
+    "RESUMED_HEADER",
+    "kv_accepted",
+    "leg_errors",
+    "open_legs",
+    "stream_failure",
+]
+
+RESUMED_HEADER = "X-Resumed-Output-Tokens"
+
+# The decode leg's answer: aiohttp's, or the splice client's (`settings.relay == "splice"`).
+DecodeResponse = aiohttp.ClientResponse | SpliceResponse
+
+
+async def open_legs(call: Call, attempt: Attempt, ask: Ask) -> DecodeResponse:
+    """Prefill (when the pair has a prefill worker) and open the decode stream."""
+    gw = call.gw
+    prefill_id = attempt.candidate.prefill_id
+    if prefill_id is not None and _concurrent(gw, prefill_id):
+        return await _concurrent_legs(call, attempt, ask)
+    body = ask.body
+    if prefill_id is not None:
+        kv = await _prefill(call, attempt, ask)
+        decode = gw.pools.workers[attempt.candidate.decode_id]
+        body = _pull_adapter(gw, decode).decode_body(ask.body, kv)
+    return await _open_decode(call, attempt, body, ask.resumed)
+
+
+def _pull_adapter(gw: Gateway, worker: WorkerState) -> WorkerAdapter:
+    """`worker`'s adapter in NIXL pull mode (prefill first, its KV handle to the decode)."""
+    adapter = gw.adapters[worker.spec.adapter]
+    if isinstance(adapter, ConcurrentAdapter):  # pragma: no cover - pairs share one protocol
+        err = UpstreamError(f"worker {worker.spec.id} cannot take part in a pulled KV handoff")
+        raise LegFailure(worker.spec.role, worker.spec.id, err, False)
+    return adapter
+
+
+@contextlib.asynccontextmanager
+async def leg_errors(
+    gw: Gateway, side: str, worker: WorkerState, timeout_s: float | None = None
+) -> AsyncIterator[None]:
+    """One leg to `worker`: its breaker is charged by the outcome, its errors are counted, and a
+    transport failure (or, with `timeout_s`, no answer in time) becomes a retryable LegFailure.
+
+    A worker's error answer (a LegFailure raised in the block) charges the breaker only when
+    retrying can help and the worker is to blame: not for the client's bad request, and on the
+    decode side not for a KV handle that expired (the worker is fine)."""
+    spec = worker.spec
+    probe = worker.breaker.on_dispatch()
+    try:
+        async with asyncio.timeout(timeout_s):
+            yield
+    except LegFailure as f:
+        # The labels as they have always been: the decode's by HTTP status, the prefill's by
+        # the error's class.
+        kind = str(f.status) if side == "decode" else type(f.error).__name__
+        gw.metrics.upstream_errors.labels(side=side, kind=kind).inc()
+        if f.retryable and not (side == "decode" and f.kv_handle):
+            worker.breaker.on_failure(probe)
+        else:
+            worker.breaker.on_success(probe)
+        raise
+    except aiohttp.ClientError as exc:  # before TimeoutError: some are TimeoutErrors too
+        gw.metrics.upstream_errors.labels(side=side, kind="connection").inc()
+        worker.breaker.on_failure(probe)
+        err = UpstreamError(f"{side} worker {spec.id} failed: {exc!r}")
+        raise LegFailure(side, spec.id, err, True) from exc
+    except TimeoutError as exc:
+        if timeout_s is None:
+            raise  # the request's own deadline, not this leg's
+        gw.metrics.upstream_errors.labels(side=side, kind="timeout").inc()
+        worker.breaker.on_failure(probe)
+        deadline = DeadlineExceeded(f"{side} worker {spec.id} did not answer within {timeout_s} s")
+        raise LegFailure(side, spec.id, deadline, True) from exc
+    worker.breaker.on_success(probe)
+
+
+def _headers(call: Call, worker: WorkerState, resumed_tokens: int = 0) -> dict[str, str]:
+    s = call.gw.settings
+    headers = {"Content-Type": "application/json", "X-Request-Id": call.request_id}
+    for name in s.forward_headers:
+        value = call.headers.get(name)
+        if value is not None:
+            headers[name] = value
+    if resumed_tokens:
+        headers[RESUMED_HEADER] = str(resumed_tokens)
+    if worker.spec.api_key:
+        headers["Authorization"] = f"Bearer {worker.spec.api_key}"
+    elif s.forward_client_auth and "Authorization" in call.headers:
+        headers["Authorization"] = call.headers["Authorization"]
+    call.trace.inject(headers, "prefill" if worker.spec.role == "prefill" else "decode")
+    return headers
+
+
+async def _prefill_leg(call: Call, attempt: Attempt, wire_body: dict[str, Any], ask: Ask) -> bytes:
+    """POST the prefill leg; its answer on 200, else a LegFailure charged to the prefill."""
+    gw = call.gw
+    worker = gw.pools.workers[attempt.candidate.prefill_id or ""]
+    if attempt.decode_id is None:  # pragma: no cover - the invariant, checked loudly
+        raise RuntimeError("refusing to prefill without a decode reservation")
+    spec = worker.spec
+    worker.queued_prompt_tokens += ask.prompt_tokens
+    worker.inflight += 1
+    worker.recent_prefixes.add(call.prefixes)
+    t0 = gw.clock()
+    call.trace.begin("prefill", worker=spec.id, prompt_tokens=ask.prompt_tokens)
+    try:
+        async with leg_errors(gw, "prefill", worker, gw.settings.timeouts.prefill_s):
+            async with gw.session.post(
+                spec.url + call.parsed.path,
+                data=orjson.dumps(wire_body),
+                headers=_headers(call, worker, ask.resumed),
+            ) as resp:
+                data = await resp.read()
+            if resp.status != 200:
+                raise upstream_failure("prefill", spec.id, resp.status, data)
+    finally:
+        call.trace.finish("prefill")
+        worker.queued_prompt_tokens -= ask.prompt_tokens
+        worker.inflight -= 1
+        gw.metrics.prefill_seconds.labels(worker=spec.id).observe(gw.clock() - t0)
+    return data
+
+
+async def _prefill(call: Call, attempt: Attempt, ask: Ask) -> dict[str, Any]:
+    """vLLM NIXL pull mode: prefill first, then hand its kv_transfer_params to decode."""
+    gw = call.gw
+    worker = gw.pools.workers[attempt.candidate.prefill_id or ""]
+    adapter = _pull_adapter(gw, worker)
+    wire_body = adapter.prefill_body(ask.body)
+    data = await _prefill_leg(call, attempt, wire_body, ask)
+    try:
+        params = adapter.kv_params(orjson.loads(data))
+    except (orjson.JSONDecodeError, ProtocolViolation) as exc:
+        gw.metrics.upstream_errors.labels(side="prefill", kind="protocol").inc()
+        worker.breaker.on_failure()
+        err = UpstreamError(f"prefill worker {worker.spec.id} answered badly: {exc}")
+        raise LegFailure("prefill", worker.spec.id, err, True) from exc
+    # The KV now lives on the prefill worker and no decode has it yet: it is stranded.
+    nbytes = ask.prompt_tokens * gw.settings.kv_bytes_per_token
+    attempt.stranded_on, attempt.stranded_bytes = worker.spec.id, nbytes
+    # The prefill worker holds this KV only for its lease: a decode that has not taken it by
+    # then never will, so the attempt fails (and is retried) instead of waiting out the TTFT.
+    attempt.handoff_by = asyncio.get_running_loop().time() + gw.settings.kv_lease_s
+    gw.pools.note_stranded(worker.spec.id, nbytes)
+    call.trace.begin("kv_handoff", prefill=worker.spec.id, kv_bytes=nbytes)
+    await gw.leases.strand(worker.spec.id, call.request_id, nbytes)
+    return params
+
+
+def _concurrent(gw: Gateway, prefill_id: str) -> bool:
+    spec = gw.pools.workers[prefill_id].spec
+    return bool(getattr(gw.adapters[spec.adapter], "concurrent_legs", False))
+
+
+async def _concurrent_legs(call: Call, attempt: Attempt, ask: Ask) -> DecodeResponse:
+    """SGLang rooms / vLLM Mooncake: both legs at once. The decode stream is returned as soon
+    as it starts (not after the prefill's answer); a leg that fails cancels the other."""
+    gw = call.gw
+    worker = gw.pools.workers[attempt.candidate.prefill_id or ""]
+    adapter = gw.adapters[worker.spec.adapter]
+    target = prefill_target(worker.spec.url, worker.spec.bootstrap_port, worker.spec.engine_id)
+    try:
+        if not isinstance(adapter, ConcurrentAdapter):  # pragma: no cover - `_concurrent` said so
+            raise ProtocolViolation(f"worker {worker.spec.id} has no concurrent legs")
+        p_body, d_body = adapter.legs(ask.body, target, call.request_id)
+    except ProtocolViolation as exc:
+        raise LegFailure("prefill", worker.spec.id, UpstreamError(str(exc)), False) from exc
+    loop = asyncio.get_running_loop()
+    prefill = loop.create_task(_prefill_leg(call, attempt, p_body, ask))
+    attempt.partner = prefill
+    decode = loop.create_task(_open_decode(call, attempt, d_body, ask.resumed))
+    try:
+        await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
+        failed = prefill.exception() if prefill.done() else None
+        if failed is not None:
+            raise failed
+        resp = await decode
+    except BaseException:
+        for task in (prefill, decode):
+            task.cancel()
+        done, _ = await asyncio.wait({prefill, decode})
+        if decode in done and not decode.cancelled() and decode.exception() is None:
+            decode.result().close()
+        raise
+
+    def prefill_ended(task: asyncio.Task[bytes]) -> None:
+        # The prefill leg failed while the decode streams: cut the decode (its KV will never
+        # come), so the stream is resumed or ended instead of hanging.
+        if not task.cancelled() and task.exception() is not None:
+            resp.close()
+
+    prefill.add_done_callback(prefill_ended)
+    return resp
+
+
+async def _open_decode(
+    call: Call, attempt: Attempt, body: dict[str, Any], resumed: int
+) -> DecodeResponse:
+    gw = call.gw
+    worker = gw.pools.workers[attempt.candidate.decode_id]
+    spec, t = worker.spec, gw.settings.timeouts
+    call.trace.begin("decode", worker=spec.id)
+    resp: DecodeResponse
+    async with leg_errors(gw, "decode", worker):
+        if not call.assembling and gw.splice is not None and gw.splice.supports(spec.url):
+            # Its errors are aiohttp.ClientConnectionErrors: the same retryable failures.
+            resp = await gw.splice.post(
+                spec.url + call.parsed.path,
+                orjson.dumps(body),
+                _headers(call, worker, resumed),
+                connect_s=t.connect_s,
+                idle_s=t.idle_s,
+            )
+        else:
+            resp = await gw.session.post(
+                spec.url + call.parsed.path,
+                data=orjson.dumps(body),
+                headers=_headers(call, worker, resumed),
+                timeout=aiohttp.ClientTimeout(
+                    total=None, sock_connect=t.connect_s, sock_read=t.idle_s
+                ),
+            )
+        if resp.status != 200:
+            data = await resp.read()
+            resp.release()
+            raise upstream_failure("decode", spec.id, resp.status, data)
+    return resp
+
+
+def kv_accepted(call: Call, attempt: Attempt) -> None:
+    """The decode worker produced output, so it holds the KV: clear the stranded entry."""
+    gw = call.gw
+    call.trace.finish("kv_handoff")
+    if attempt.stranded_on is not None:
+        prefill_id, attempt.stranded_on = attempt.stranded_on, None
+        gw.pools.note_stranded(prefill_id, -attempt.stranded_bytes)
+        gw.tasks.job(gw.leases.unstrand(prefill_id, call.request_id), "unstrand")
+
+
+def stream_failure(
+    gw: Gateway, attempt: Attempt, worker: WorkerState, result: RelayResult
+) -> LegFailure:
+    """Whose fault a broken stream is: a failed concurrent prefill leg cut it, or the decode."""
+    partner = attempt.partner
+    if partner is not None and partner.done() and not partner.cancelled():
+        exc = partner.exception()
+        if isinstance(exc, LegFailure):
+            return exc
+    worker.breaker.on_failure()
+    kind = result.error_kind or "stream_cut"
+    gw.metrics.upstream_errors.labels(side="decode", kind=kind).inc()
+    reason = f"decode worker {worker.spec.id} ended the stream early: {result.upstream_error}"
+    return LegFailure("decode", worker.spec.id, UpstreamError(reason), True)

@@ -1,0 +1,250 @@
+"""Admit, estimate, place and reserve decode room; grow the reservation as an answer outgrows it.
+
+Entry point: `admit_and_reserve(call, info, seat, avoid)` returns an `Attempt` holding a decode
+reservation, waiting in the admission queue while there is no room, or raises `NoCapacity` /
+`Unavailable` (or a `StoreError`: no prefill is sent without a reservation in hand). `estimate`
+builds the `RequestInfo` it places; `grow` is the reservation's growth while the answer streams.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import replace
+
+from policies.base import Rejection, RequestInfo, blocks_for
+from router.admission import QueueFull
+from router.attempt import Ask, Attempt, Call, loop_time
+from router.errors import NoCapacity, Unavailable
+from router.gateway import Gateway
+from state.base import StoreError
+
+__all__ = ["Seat", "admit_and_reserve", "estimate", "grow"]
+
+log = logging.getLogger(__name__)
+
+
+class Seat:
+    """The request's place under the router's concurrency cap: its queue ticket, and whether it
+    has entered (it leaves once, at the end: router/lifecycle.py `cleanup`)."""
+
+    __slots__ = ("ticket", "admitted")
+
+    def __init__(self, ticket: int) -> None:
+        self.ticket = ticket
+        self.admitted = False
+
+    def __repr__(self) -> str:
+        return f"Seat(ticket={self.ticket}, admitted={self.admitted})"
+
+
+async def estimate(call: Call, ask: Ask) -> RequestInfo:
+    """What placement needs to know of the request, the output-length estimate included."""
+    gw = call.gw
+    hint = call.headers.get("X-Expected-Output-Tokens")
+    priority = call.parsed.body.get("priority")
+    info = RequestInfo(
+        request_id=call.request_id,
+        model=call.parsed.model,
+        prompt_tokens=ask.prompt_tokens,
+        max_tokens=ask.max_tokens,
+        arrival_s=call.started,
+        priority=priority if isinstance(priority, int) else 0,
+        prefix_hashes=call.prefixes,
+        # A hint is advisory: one that is not a plain ASCII number (`²`, `①` pass isdigit()
+        # but not int(); 5,000 digits pass neither) is ignored like a missing one, as
+        # docs/policies.md says, rather than failing a request that is otherwise fine.
+        hint_output_tokens=(
+            int(hint) if hint and len(hint) <= 9 and hint.isascii() and hint.isdigit() else None
+        ),
+    )
+    keys = gw.estimator.class_keys(info)
+    return replace(info, estimate=gw.estimator.estimate(info, await gw.histograms.get(keys)))
+
+
+async def admit_and_reserve(call: Call, info: RequestInfo, seat: Seat, avoid: set[str]) -> Attempt:
+    """Reserve decode room, waiting in the admission queue while there is none."""
+    gw, adm = call.gw, call.gw.admission
+    wait_until = loop_time(
+        gw, min(call.started + adm.settings.max_wait_s, call.started + gw.settings.timeouts.ttft_s)
+    )
+    while True:
+        if not seat.admitted and adm.has_slot():
+            adm.enter()
+            seat.admitted = True
+        outcome: Attempt | Rejection = (
+            await _try_reserve(gw, info, avoid)
+            if seat.admitted
+            else Rejection("the router is at its concurrency cap", 1.0)
+        )
+        if isinstance(outcome, Attempt):
+            if adm.waiting:
+                adm.notify()  # there may be room for the next in line too
+            outcome.grow_at_tokens = info.reserve_output_tokens
+            return outcome
+        _check_pools_alive(gw)
+        if adm.settings.mode == "instant" or _never_fits(gw, info):
+            gw.metrics.rejections.labels(reason="no_room").inc()
+            raise NoCapacity(outcome.reason, retry_after_s=outcome.retry_after_s)
+        try:
+            gw.metrics.admission_waiting.inc()
+            try:
+                woken = await adm.wait(info.priority, seat.ticket, wait_until)
+            finally:
+                gw.metrics.admission_waiting.dec()
+        except QueueFull as exc:
+            gw.metrics.rejections.labels(reason="queue_full").inc()
+            raise NoCapacity(
+                f"{exc}; {outcome.reason}", retry_after_s=outcome.retry_after_s
+            ) from exc
+        if not woken:
+            gw.metrics.rejections.labels(reason="deadline").inc()
+            raise NoCapacity(
+                f"no decode room before the request's deadline: {outcome.reason}",
+                retry_after_s=outcome.retry_after_s,
+            )
+
+
+def _forecast(gw: Gateway, info: RequestInfo) -> dict[str, int]:
+    """Prediction-based admission (Mooncake): blocks forecast to free on each decode worker
+    by the time this request's prefill would finish."""
+    speeds = [
+        w.spec.perf.prefill_tokens_per_s()
+        for w in gw.pools.prefill_workers
+        if w.available and w.spec.perf is not None
+    ] or [10_000.0]
+    queued = min((w.queued_prompt_tokens for w in gw.pools.prefill_workers), default=0)
+    horizon = (queued + info.prompt_tokens) / max(speeds)
+    return gw.leases.freeing_by(gw.clock() + horizon)
+
+
+async def _try_reserve(gw: Gateway, info: RequestInfo, avoid: set[str]) -> Attempt | Rejection:
+    decision = gw.policy.place(info, gw.pools.snapshot(frozenset(avoid), info.model))
+    if isinstance(decision, Rejection) and avoid:
+        # Avoiding the workers that failed this request left nowhere to go: a worker that
+        # failed once may well serve the retry (its circuit breaker decides, not this).
+        decision = gw.policy.place(info, gw.pools.snapshot(model=info.model))
+    overbook: dict[str, int] = {}
+    if isinstance(decision, Rejection) and gw.admission.settings.mode == "predictive":
+        overbook = _forecast(gw, info)
+        if overbook:
+            view = gw.pools.snapshot(frozenset(avoid), info.model, freeing=overbook)
+            decision = gw.policy.place(info, view)
+    if isinstance(decision, Rejection):
+        return decision
+    for cand in decision.candidates:
+        rid = uuid.uuid4().hex  # ours alone: clients reuse X-Request-Id values
+        # Visible to placements made while the store call is under way (no await between
+        # the decision and this line).
+        gw.pools.note_pending(cand.decode_id, cand.reserve_blocks)
+        try:
+            reserved = await gw.store.reserve(
+                cand.decode_id,
+                rid,
+                cand.reserve_blocks,
+                gw.settings.reservation_lease_s,
+                overbook_blocks=overbook.get(cand.decode_id, 0),
+            )
+        except StoreError:
+            # The answer was lost, not necessarily the reservation: release it later. No
+            # prefill is sent without a reservation in hand, so the request ends in a 503.
+            gw.leases.owe_release(cand.decode_id, rid)
+            raise
+        finally:
+            gw.pools.note_pending(cand.decode_id, -cand.reserve_blocks)
+        if reserved:
+            if overbook:
+                gw.metrics.admitted_on_forecast.inc()
+            gw.pools.note_reserved(cand.decode_id, cand.reserve_blocks)
+            expected_end = (
+                gw.clock()
+                + cand.predicted_ttft_s
+                + info.reserve_output_tokens * cand.predicted_itl_s
+            )
+            gw.leases.hold(cand.decode_id, rid, cand.reserve_blocks, expected_end)
+            gw.metrics.placements.labels(
+                prefill=cand.prefill_id or "local", decode=cand.decode_id
+            ).inc()
+            log.debug("placed on %s -> %s", cand.prefill_id or "local", cand.decode_id)
+            return Attempt(cand, rid)
+        gw.metrics.reserve_conflicts.inc()
+    return Rejection(
+        "every candidate decode worker filled up while reserving "
+        "(other router replicas took the room)",
+        1.0,
+    )
+
+
+def _check_pools_alive(gw: Gateway) -> None:
+    """No worker in rotation on one side: waiting for room is pointless, fail fast (503)."""
+    pools = gw.pools
+    decode = [w for w in pools.decode_workers if w.available]
+    prefill = [w for w in pools.prefill_workers if w.available]
+    if not decode or not (prefill or any(w.spec.role == "both" for w in decode)):
+        side = "decode" if not decode else "prefill"
+        cooldowns = [w.breaker.cooldown_s for w in pools.workers.values()]
+        raise Unavailable(
+            f"no {side} worker is in rotation (health probes failing or circuit breakers open)",
+            retry_after_s=min(cooldowns, default=1.0),
+        )
+
+
+def _never_fits(gw: Gateway, info: RequestInfo) -> bool:
+    """Larger than any decode worker even when idle: waiting for room would be in vain."""
+    need = info.prompt_tokens + info.reserve_output_tokens
+    return all(need > w.capacity_blocks * w.spec.layout.block_size for w in gw.pools.decode_workers)
+
+
+def grow(call: Call, attempt: Attempt, ask: Ask, tokens: int) -> None:
+    """Grow the reservation as the answer outgrows it (never silently smaller than use): at
+    `tokens` sent on this attempt of `ask`, start a growth in the background if one is due."""
+    if tokens <= attempt.grow_at_tokens or attempt.decode_id is None or attempt.growing:
+        return
+    gw = call.gw
+    worker = gw.pools.workers.get(attempt.decode_id)
+    if worker is None:  # removed from the pools mid-stream: its release goes by id
+        return
+    if not attempt.overran:
+        attempt.overran = True
+        gw.metrics.reservation_overruns.inc()
+    # Grow by a quarter at a time, so a long overrun costs a few store calls, not one a block.
+    grow_at = max(tokens + 1, int(attempt.grow_at_tokens * 1.25))
+    block = worker.spec.layout.block_size
+    new_blocks = blocks_for(ask.prompt_tokens + ask.resumed + grow_at, block)
+    attempt.growing = True
+    gw.tasks.job(_grow(call, attempt, new_blocks, grow_at), "grow-reservation")
+
+
+async def _grow(call: Call, attempt: Attempt, blocks: int, grow_at: int) -> None:
+    """Grow into free room if there is some, else past capacity: the tokens exist on the
+    worker whatever the count says, and a count below use would let placement overfill it.
+    A store failure leaves `grow_at_tokens` where it was, so the next token tries again."""
+    gw = call.gw
+    try:
+        decode_id = attempt.decode_id
+        if decode_id is None or blocks <= attempt.blocks:
+            return
+        rid = attempt.reservation_id
+        grown = await gw.store.resize(decode_id, rid, blocks)
+        if not grown:
+            grown = await gw.store.resize(decode_id, rid, blocks, force=True)
+            if grown:
+                gw.metrics.reservation_forced_growth.inc()
+                log.info(
+                    "request %s outgrew its reservation on %s, which has no free room: "
+                    "grown past capacity to %d blocks (the tokens are there)",
+                    call.request_id,
+                    decode_id,
+                    blocks,
+                )
+        # The store answered: the next growth waits for the next threshold. Not grown even
+        # when forced means the store lost the reservation; the lease keeper puts it back,
+        # at this size.
+        attempt.grow_at_tokens = grow_at
+        if attempt.decode_id == decode_id:  # not released meanwhile
+            gw.leases.resized(rid, blocks)
+            if grown:
+                gw.pools.note_reserved(decode_id, blocks - attempt.blocks)
+            attempt.blocks = blocks
+    finally:
+        attempt.growing = False

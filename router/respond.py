@@ -1,0 +1,243 @@
+"""The client's answer from the decode worker's: streamed, whole, or assembled from a stream.
+
+Entry point: `Responder.respond(attempt, resp, ask)` serves one open decode answer and returns
+`Served` (the request is answered, or the client left) or `Broken` (nothing usable came; the
+orchestrator retries, or resumes a stream that had started). The relay reports progress to one
+`Progress` object (`first_token()`, `tokens(total)`), never into the orchestrator.
+
+The client side is a `ClientSide` value, not aiohttp's request, so the path runs without a
+server (tests/test_request_path.py). Its disconnect signal is the one the relays already read:
+`start_stream` and the stream's `write` raise `ConnectionError` once the client has gone (and
+the server cancels the request's task: router/server.py `handler_cancellation`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import aiohttp
+import orjson
+
+from router.api import CHAT, ParsedRequest
+from router.assemble import DISCARD, assemble
+from router.attempt import Ask, Attempt, Call, LegFailure, loop_time
+from router.errors import RouterError, UpstreamError, UpstreamRejected, sse_error_frame
+from router.legs import DecodeResponse, kv_accepted, stream_failure
+from router.relay import RelayResult, relay_sse
+from router.reserve import grow
+from router.splice import SpliceResponse, relay_splice
+
+__all__ = ["Broken", "ClientSide", "ClientStream", "Progress", "Responder", "Served"]
+
+
+class ClientStream(Protocol):
+    """The client's streamed response once its headers are sent (aiohttp's StreamResponse)."""
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def write_eof(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ClientSide:
+    """The client's end of one request: its validated body, its headers, and how to start a
+    streamed response (sends the headers; raises ConnectionError if the client has gone)."""
+
+    parsed: ParsedRequest
+    headers: Mapping[str, str]
+    start_stream: Callable[[dict[str, str]], Awaitable[ClientStream]]
+
+    def __repr__(self) -> str:
+        return f"ClientSide({self.parsed!r})"
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """The request is answered: `body` is a whole answer to send, None when it was streamed
+    (the stream's end is written by `Responder.finish`, after the release); status 499 when the
+    client left."""
+
+    status: int
+    output_tokens: int | None = None
+    body: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Broken:
+    """Nothing usable came from this attempt's decode answer (`failure` says whose fault)."""
+
+    failure: LegFailure
+
+
+class Progress:
+    """What the relay reports as an answer streams, applied where it belongs: the first token
+    clears the stranded KV (router/legs.py), observes the TTFT and moves the request's deadline
+    from TTFT to total; the token count grows the reservation (router/reserve.py)."""
+
+    __slots__ = ("call", "deadline", "first_token_at", "_attempt", "_ask")
+
+    def __init__(self, call: Call) -> None:
+        self.call = call
+        self.deadline: asyncio.Timeout | None = None  # the request's (router/lifecycle.py)
+        self.first_token_at: float | None = None  # of the request: a resumed stream keeps it
+        self._attempt: Attempt | None = None
+        self._ask: Ask | None = None
+
+    def watch(self, attempt: Attempt, ask: Ask) -> None:
+        """The attempt whose stream is relayed next, and the try it serves."""
+        self._attempt, self._ask = attempt, ask
+
+    def first_token(self) -> None:
+        call, gw = self.call, self.call.gw
+        if self._attempt is not None:
+            kv_accepted(call, self._attempt)
+        if self.first_token_at is not None:  # a resumed stream: TTFT was the first attempt's
+            return
+        self.first_token_at = gw.clock()
+        gw.metrics.ttft.observe(self.first_token_at - call.started)
+        t = gw.settings.timeouts
+        if self.deadline is not None:
+            self.deadline.reschedule(loop_time(gw, call.started + t.total_s) if t.total_s else None)
+
+    def tokens(self, total: int) -> None:
+        if self._attempt is not None and self._ask is not None:
+            grow(self.call, self._attempt, self._ask, total)
+
+
+class Responder:
+    """One request's answer in its mode (chosen once, from the request): `stream` relays into
+    the client's stream (resumable: `sent` keeps what the client has); whole asks the decode
+    worker for one JSON body; assembled streams from the worker and answers whole."""
+
+    __slots__ = ("call", "client", "progress", "stream", "sent")
+
+    def __init__(self, call: Call, client: ClientSide, progress: Progress) -> None:
+        self.call, self.client, self.progress = call, client, progress
+        self.stream: ClientStream | None = None  # once the client's stream has started
+        self.sent: list[bytes] = []  # every event the client's stream has been written
+
+    async def respond(self, attempt: Attempt, resp: DecodeResponse, ask: Ask) -> Served | Broken:
+        if self.call.assembling:
+            return await self._assembled(attempt, resp, ask)
+        if not self.call.parsed.stream:
+            return await self._whole(attempt, resp)
+        return await self._streamed(attempt, resp, ask)
+
+    async def finish(self) -> None:
+        """End a completed stream (after the release: a slow client holds no decode room)."""
+        if self.stream is None:
+            return
+        try:
+            await self.stream.write_eof()
+        except (ConnectionError, RuntimeError):
+            self.call.gw.metrics.client_disconnects.inc()
+
+    async def write_error(self, err: RouterError) -> None:
+        """Headers are gone: end the stream with a valid SSE error frame, never a silent cut."""
+        if self.stream is None:
+            return
+        try:
+            await self.stream.write(sse_error_frame(err.message, err.type, err.code))
+            await self.stream.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass
+
+    async def _relay(
+        self, attempt: Attempt, resp: DecodeResponse, sink: Any, ask: Ask
+    ) -> tuple[Any, RelayResult]:
+        """One decode stream into `sink` (the client's stream, or DISCARD when assembling); the
+        connection is closed afterwards (unfinished: dropping it is vLLM's abort signal)."""
+        gw = self.call.gw
+        worker = gw.pools.workers[attempt.candidate.decode_id]
+        worker.resident_seqs += 1
+        self.progress.watch(attempt, ask)
+        try:
+            relay: Any = relay_splice if isinstance(resp, SpliceResponse) else relay_sse
+            result: RelayResult = await relay(
+                resp,
+                sink,
+                chat=self.call.parsed.path == CHAT,
+                clock=gw.clock,
+                observer=self.progress,
+                first_event_by=attempt.handoff_by,
+            )
+        finally:
+            worker.resident_seqs -= 1
+            resp.close()
+        return worker, result
+
+    async def _streamed(self, attempt: Attempt, resp: DecodeResponse, ask: Ask) -> Served | Broken:
+        gw = self.call.gw
+        if self.stream is None:
+            headers = {
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Request-Id": self.call.request_id,
+            }
+            try:
+                self.stream = await self.client.start_stream(headers)
+            except BaseException as exc:
+                # The client left while its decode leg was being opened: abort the leg now
+                # (closing is vLLM's abort signal) instead of leaving it to stream unread.
+                resp.close()
+                if not isinstance(exc, ConnectionError):
+                    raise
+                gw.metrics.client_disconnects.inc()
+                return Served(499)
+        worker, result = await self._relay(attempt, resp, self.stream, ask)
+        self.sent.extend(result.chunks)
+        gw.metrics.tokens_relayed.inc(result.tokens)
+        if result.client_gone:
+            gw.metrics.client_disconnects.inc()
+            return Served(499)
+        if result.completed:
+            return Served(200, ask.resumed + result.tokens)
+        return Broken(stream_failure(gw, attempt, worker, result))
+
+    async def _whole(self, attempt: Attempt, resp: DecodeResponse) -> Served | Broken:
+        """Answered whole by the decode worker (`assemble_non_streaming: false`, or a request
+        vLLM cannot stream): nothing reaches the client until the answer is whole, so a broken
+        answer is retried like a failed leg."""
+        gw, decode_id = self.call.gw, attempt.candidate.decode_id
+        try:
+            data = await resp.read()
+            answer = orjson.loads(data)
+            usage = answer.get("usage") or {}
+        except (aiohttp.ClientError, orjson.JSONDecodeError, AttributeError) as exc:
+            err = UpstreamError(f"decode worker {decode_id} answered badly: {exc!r}")
+            return Broken(LegFailure("decode", decode_id, err, True))
+        finally:
+            resp.close()
+        kv_accepted(self.call, attempt)
+        gw.metrics.ttft.observe(gw.clock() - self.call.started)
+        return Served(200, int(usage.get("completion_tokens") or 0), data)
+
+    async def _assembled(self, attempt: Attempt, resp: DecodeResponse, ask: Ask) -> Served | Broken:
+        """Asked for whole, streamed from the decode worker: the first token clears the stranded
+        KV and the TTFT deadline as in a stream. Nothing reaches the client before the answer
+        is whole, so a broken stream is retried from the start, never resumed."""
+        # The relay keeps every whole event it passes on (`result.chunks`): the answer is
+        # assembled from those, so the sink keeps nothing.
+        worker, result = await self._relay(attempt, resp, DISCARD, ask)
+        whole = assemble(result.chunks, self.call.parsed.path == CHAT) if result.completed else None
+        if isinstance(whole, dict) and not whole["choices"]:
+            # A stream that ended well but spelled no answer (events that do not parse):
+            # nothing reached the client, so it is retried like a broken one.
+            result.completed, result.error_kind = False, "malformed"
+            result.upstream_error = "the decode stream held no answer that parses"
+        elif whole is not None:
+            if not isinstance(whole, dict):  # a 4xx the worker reported in the stream
+                raise UpstreamRejected(
+                    whole.status or 400,
+                    whole.message,
+                    type_=whole.type or "invalid_request_error",
+                    param=whole.param,
+                    code=whole.code,
+                )
+            usage = whole.get("usage") or {}
+            tokens = int(usage.get("completion_tokens") or result.tokens)
+            return Served(200, tokens, orjson.dumps(whole))
+        return Broken(stream_failure(self.call.gw, attempt, worker, result))
