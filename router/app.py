@@ -13,6 +13,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from policies.base import OutputLengthEstimator, PlacementPolicy
 from policies.registry import load_estimator, load_policy
 from router.adapters import prefill_target, query_engine_ids
 from router.adapters.mooncake import DEFAULT_BOOTSTRAP_PORT
@@ -420,9 +421,9 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
     return ctx
 
 
-_POLICY = web.AppKey("policy", object)
+_POLICY = web.AppKey("policy", PlacementPolicy)
 _TRACER_PROVIDER = web.AppKey("tracer_provider", object)
-_ESTIMATOR = web.AppKey("estimator", object)
+_ESTIMATOR = web.AppKey("estimator", OutputLengthEstimator)
 
 
 def create_app(settings: Settings, *, tracer_provider: object = None) -> web.Application:

@@ -440,7 +440,8 @@ def settings_from_mapping(raw: Mapping[str, Any]) -> Settings:
         parse_worker(w, default_perf, layout, f"workers[{i}]")
         for i, w in enumerate(raw.pop("workers", []) or [])
     )
-    nested = {}
+    # Each value is its own settings class; Settings' constructor checks the names.
+    nested: dict[str, Any] = {}
     for key, cls in (
         ("timeouts", Timeouts),
         ("retry", RetrySettings),

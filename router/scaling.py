@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from policies.scaling import (
     DecodeDemand,
@@ -142,8 +142,8 @@ def export_scaling(report: list[dict[str, object]], m: RouterMetrics) -> None:
     """Set the scaling gauges from a `scaling_report`."""
     for row in report:
         model = str(row["model"])
-        p: dict = row["prefill"]  # type: ignore[assignment]
-        d: dict = row["decode"]  # type: ignore[assignment]
+        p = cast(dict[str, Any], row["prefill"])  # scaling_report's shape, built above
+        d = cast(dict[str, Any], row["decode"])
         m.prefill_arriving_tokens.labels(model=model).set(p["demand"]["arriving_tokens_per_s"])
         m.prefill_queued_tokens.labels(model=model).set(p["demand"]["queued_tokens"])
         m.decode_resident_seqs.labels(model=model).set(d["demand"]["resident_seqs"])
