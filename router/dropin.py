@@ -141,6 +141,13 @@ def flag_workers(ns: argparse.Namespace) -> list[FlagWorker]:
         raise _ExitTwo("--vllm-pd-disaggregation and --pd-disaggregation exclude each other")
     if (prefills or decodes) and not ns.config and not (prefills and decodes):
         raise _ExitTwo("give at least one --prefill and one --decode (or a --config file)")
+    urls = [w.url for w in prefills + decodes]
+    if len(urls) != len(set(urls)):
+        twice = sorted({u for u in urls if urls.count(u) > 1})
+        raise _ExitTwo(
+            f"{', '.join(twice)} given more than once (a worker that does both phases: a "
+            "--config entry with role: both)"
+        )
     if ns.kv_blocks is not None and ns.kv_blocks < 1:
         raise _ExitTwo("--kv-blocks must be >= 1")
     if ns.worker_startup_timeout_secs < 0:
