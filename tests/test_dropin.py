@@ -261,3 +261,35 @@ def test_the_file_and_flags_together_end_to_end(tmp_path: Path) -> None:
         ("d9", "decode", 11),
         ("p0", "prefill", None),
     ]
+
+
+# --- what the workers' answers say (pure parsers, router/discovery.py) -------------------------
+
+VLLM_METRICS = """\
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",\
+gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="24795",\
+num_gpu_blocks_override="None",sliding_window="None",swap_space_bytes="4294967296"} 1.0
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.0
+"""
+
+
+def test_vllm_facts_from_models_and_cache_config() -> None:
+    from router.discovery import worker_facts_sglang, worker_facts_vllm
+
+    models = {"data": [{"id": "llama-8b", "root": "/w/llama", "max_model_len": 8192},
+                       {"id": "lora-a", "max_model_len": 4096}]}  # fmt: skip
+    facts = worker_facts_vllm(models, VLLM_METRICS)
+    assert facts.models == ("llama-8b", "lora-a") and facts.max_model_len == 4096
+    assert (facts.kv_blocks, facts.block_size) == (24795, 16)
+    assert worker_facts_vllm(models, None).kv_blocks is None  # no /metrics: models only
+    info = {"served_model_name": "qwen", "model_path": "/m/qwen", "page_size": 64,
+            "max_total_num_tokens": 640_000, "context_length": 32768,
+            "disaggregation_bootstrap_port": 8998}  # fmt: skip
+    got = worker_facts_sglang(info)
+    assert (got.models, got.kv_blocks, got.block_size) == (("qwen",), 10_000, 64)
+    assert (got.max_model_len, got.bootstrap_port) == (32768, 8998)
+    assert worker_facts_sglang({"model_path": "/m/x"}).kv_blocks is None
