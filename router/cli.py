@@ -54,7 +54,8 @@ async def run_app_until_signal(
 def serve(ns: argparse.Namespace) -> int:
     """Run the router with the options `add_serve_arguments` defined; the exit code."""
     from router.app import create_app
-    from router.config import ConfigError, load_settings
+    from router.config import ConfigError
+    from router.dropin import load_serve_settings
 
     overrides = {
         "host": ns.host,
@@ -66,7 +67,7 @@ def serve(ns: argparse.Namespace) -> int:
     from router.logs import configure_logging, secrets_of
 
     try:
-        settings = load_settings(ns.config, env=os.environ, overrides=overrides)
+        settings = load_serve_settings(ns, env=os.environ, overrides=overrides)
     except (ConfigError, ValueError) as exc:
         print(f"disagg-router: {exc}", file=sys.stderr)
         return 2
@@ -135,6 +136,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         default=os.environ.get("DISAGG_ROUTER_LOG_FORMAT", "json"),
         help="json (one object a line, the default for serve) or text",
     )
+    from router.dropin import add_dropin_arguments
+
+    add_dropin_arguments(parser)  # --prefill URL [PORT] / --decode URL: no file needed
     return parser
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "RetrySettings",
     "Settings",
     "load_settings",
+    "read_config",
     "parse_worker",
     "settings_from_mapping",
 ]
@@ -383,6 +384,19 @@ _ENV_SCALARS: dict[str, type] = {
 }
 
 
+def read_config(path: str | Path) -> dict[str, Any]:
+    """The YAML file's top-level mapping, unvalidated (settings_from_mapping checks it)."""
+    try:
+        loaded = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"config {path}: the top level must be a mapping")
+    return dict(loaded or {})
+
+
 def load_settings(
     path: str | Path | None = None,
     *,
@@ -390,17 +404,7 @@ def load_settings(
     overrides: Mapping[str, Any] | None = None,
 ) -> Settings:
     """Build Settings from a YAML file, then `DISAGG_ROUTER_*` variables, then flag overrides."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text())
-        except OSError as exc:
-            raise ConfigError(f"cannot read config {path}: {exc}") from exc
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config {path}: the top level must be a mapping")
-        raw.update(loaded or {})
+    raw: dict[str, Any] = read_config(path) if path is not None else {}
     for key, typ in _ENV_SCALARS.items():
         value = (env or {}).get(ENV_PREFIX + key.upper())
         if value not in (None, ""):

@@ -7,6 +7,9 @@
                                (older: {"load": n})
             GET /server_info   (falls back to /get_server_info)        -> capacity, layout facts
 
+`WorkerFacts` is what a drop-in start-up (no configuration file, router/dropin.py) reads: the
+served model names and the decode capacity the engine reports.
+
 Parsers are pure; the fetchers are thin. A `LoadSnapshot` knows when it was taken: data older
 than the caller's max age is stale, and stale data never counts as idle — a worker that stopped
 answering must not look like the emptiest one.
@@ -37,6 +40,10 @@ __all__ = [
     "layout_facts_sglang",
     "merge_layout",
     "fetch_layout",
+    "WorkerFacts",
+    "worker_facts_vllm",
+    "worker_facts_sglang",
+    "fetch_worker_facts",
 ]
 
 Clock = Callable[[], float]
@@ -254,3 +261,80 @@ async def fetch_layout(
     """The layout descriptor of one worker: what it reports, merged with configuration."""
     facts = await fetch_layout_facts(session, url, engine)
     return merge_layout(defaults, facts, configured or {})
+
+
+# --- what a drop-in start-up reads (router/dropin.py) ------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerFacts:
+    """What one worker tells about itself that a configuration file would otherwise say."""
+
+    models: tuple[str, ...] = ()  # served model names, as clients ask for them
+    kv_blocks: int | None = None  # KV capacity in blocks, when the engine reports it
+    block_size: int | None = None  # tokens per block (vLLM) / page (SGLang)
+    max_model_len: int | None = None
+    bootstrap_port: int | None = None  # SGLang prefill: its KV bootstrap server
+
+
+def _positive(value: object) -> int | None:
+    number = _int(value)
+    return number if number > 0 else None
+
+
+def worker_facts_vllm(models: Any, metrics_text: str | None) -> WorkerFacts:
+    """vLLM: every served name of `/v1/models` (with its `max_model_len`), and the capacity
+    of `vllm:cache_config_info{num_gpu_blocks, block_size}` in `/metrics`."""
+    names: list[str] = []
+    lens: list[int] = []
+    data = models.get("data") if isinstance(models, Mapping) else None
+    for card in data if isinstance(data, list) else []:
+        if isinstance(card, Mapping) and isinstance(card.get("id"), str) and card["id"]:
+            names.append(card["id"])
+            if (length := _positive(card.get("max_model_len"))) is not None:
+                lens.append(length)
+    blocks = block_size = None
+    if metrics_text:
+        blocks = parse_vllm_metrics(metrics_text, 0.0).num_gpu_blocks or None
+        for family in text_string_to_metric_families(metrics_text):
+            for sample in family.samples:
+                if sample.name == _CACHE_INFO and sample.labels.get("block_size", "").isdigit():
+                    block_size = int(sample.labels["block_size"]) or None
+    return WorkerFacts(
+        models=tuple(dict.fromkeys(names)),
+        kv_blocks=blocks,
+        block_size=block_size,
+        max_model_len=min(lens) if lens else None,
+    )
+
+
+def worker_facts_sglang(info: Any) -> WorkerFacts:
+    """SGLang's `/server_info`: served name (else model path), `max_total_num_tokens` over
+    `page_size` for the capacity, `context_length`, `disaggregation_bootstrap_port`."""
+    if not isinstance(info, Mapping):
+        return WorkerFacts()
+    model = layout_facts_sglang(info).get("model")
+    page = _positive(info.get("page_size")) or 1
+    tokens = _positive(info.get("max_total_num_tokens"))
+    return WorkerFacts(
+        models=(model,) if isinstance(model, str) else (),
+        kv_blocks=tokens // page if tokens else None,
+        block_size=page,
+        max_model_len=_positive(info.get("context_length")),
+        bootstrap_port=_positive(info.get("disaggregation_bootstrap_port")),
+    )
+
+
+async def fetch_worker_facts(session: aiohttp.ClientSession, url: str, engine: str) -> WorkerFacts:
+    """Ask one worker (adapter `engine`) for its `WorkerFacts`. vLLM's `/metrics` is optional:
+    an engine that does not export it still tells its models."""
+    if engine == "sglang":
+        return worker_facts_sglang(
+            await _get_json(session, url, "/server_info", "/get_server_info")
+        )
+    models = await _get_json(session, url, "/v1/models")
+    metrics: str | None = None
+    async with session.get(url.rstrip("/") + "/metrics") as resp:
+        if resp.status == 200:
+            metrics = await resp.text()
+    return worker_facts_vllm(models, metrics)

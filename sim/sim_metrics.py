@@ -82,6 +82,18 @@ class SimMetrics:
         self._counters[key].labels(**values).inc(amount)
         self.counts[key if label is None else f"{key}:{label}"] += amount
 
+    def export_cache_config(self, num_gpu_blocks: int, block_size: int) -> None:
+        """vLLM's `vllm:cache_config_info`: its cache settings as labels on a constant 1
+        (routers read the KV capacity from it)."""
+        labels = {"num_gpu_blocks": str(num_gpu_blocks), "block_size": str(block_size)}
+        info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            list(labels),
+            registry=self.registry,
+        )
+        info.labels(**labels).set(1)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

@@ -41,6 +41,7 @@ class Worker:
             waiting=lambda: self.prefill.waiting + self.engine.preempted,
             kv_usage=lambda: self.pool.used / self.pool.capacity,
         )
+        self.metrics.export_cache_config(self.pool.capacity, config.block_size)
         self.engine = DecodeEngine(
             self.perf, self.pool, self.metrics, self.time_factor, config.block_size
         )
