@@ -150,7 +150,7 @@ class PerfModel:
 
 
 def perf_model(model: str, gpu: str, tp_size: int | None = None, **kwargs: object) -> PerfModel:
-    """Build a PerfModel from profile names; unknown names raise a ValueError that lists the known."""
+    """A PerfModel from profile names; an unknown name raises a ValueError listing the known."""
     try:
         m = MODELS[model]
     except KeyError:

@@ -344,7 +344,9 @@ def test_split_at_error_stops_before_a_server_error_event() -> None:
     head, err = split_at_error(b'data: {"object": "error", "message": "boom"}\n\n')
     assert head == b"" and err is not None and err.message == "boom"
     # A 4xx in the stream is the worker's verdict on the request: passed through, not retried.
-    client_error = b'data: {"error": {"message": "bad", "type": "BadRequestError", "code": 400}}\n\n'
+    client_error = (
+        b'data: {"error": {"message": "bad", "type": "BadRequestError", "code": 400}}\n\n'
+    )
     assert split_at_error(client_error + done) == (client_error + done, None)
     # A token whose text is the word "error" (quoted in the text or not) is just a token.
     token = b'data: {"choices": [{"text": "\\"error\\": error"}]}\n\n'
