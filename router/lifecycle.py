@@ -606,6 +606,7 @@ class RequestFlow:
         gw = self.gw
         worker = gw.pools.workers[attempt.candidate.decode_id]
         worker.resident_seqs += 1
+        worker.open_streams.add(resp)  # a role drain past its deadline may cut it (router/roles.py)
         try:
             relay: Any = relay_splice if isinstance(resp, SpliceResponse) else relay_sse
             result: RelayResult = await relay(
@@ -619,6 +620,7 @@ class RequestFlow:
             )
         finally:
             worker.resident_seqs -= 1
+            worker.open_streams.discard(resp)
             resp.close()
         return worker, result
 
