@@ -152,6 +152,10 @@ class RoleSettings:
     reconfig_pause_s: float = 0.0
     # The demand signals' smoothing window (prompt tokens/s, recent peak of the queue).
     window_s: float = 30.0
+    # A `both` worker given the decode role may still prefill its own requests when placement
+    # prefers it (the time-shared arrangement, mixed with the pools); False: a worker with a
+    # role serves that role's pool only, every request's KV moves from prefill to decode.
+    local_prefill: bool = False
 
     def __post_init__(self) -> None:
         if min(self.interval_s, self.window_s) <= 0:

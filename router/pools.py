@@ -153,6 +153,11 @@ class Pools:
     def _strandable(self) -> Iterable[WorkerState]:
         return (w for w in self.workers.values() if w.spec.is_prefill)
 
+    def _can_prefill_locally(self, w: WorkerState) -> bool:
+        if w.spec.role != "both":
+            return False
+        return w.role_state is None or self.settings.roles.local_prefill
+
     def apply_roles(self, roles: dict[str, WorkerRole]) -> None:
         """Take the store's roles of the `both` workers (logged on a change)."""
         for w in self.both_workers:
@@ -317,7 +322,7 @@ class Pools:
                 group=w.spec.group,
                 step_base_s=w.spec.perf.step_base_s if w.spec.perf else 0.005,
                 step_s_per_block=w.spec.perf.step_s_per_block if w.spec.perf else 0.0,
-                can_prefill=w.spec.role == "both",
+                can_prefill=self._can_prefill_locally(w),
                 prefill_tokens_per_s=(
                     w.spec.perf.prefill_tokens_per_s() if w.spec.perf else 10_000.0
                 ),

@@ -886,7 +886,8 @@ class RedisStore:
     @_store_call
     async def set_role(self, worker_id: str, role: str, expect_version: int) -> WorkerRole | None:
         check_role(role)
-        args = [self._now(), check_id("worker_id", worker_id), role, int(expect_version)]
+        wid = check_id("worker_id", worker_id)
+        args: list[str | int] = [self._now(), wid, role, int(expect_version)]
         rec = await self._set_role(keys=[self._keys.roles], args=args)
         return None if not rec else _role(_text(rec))
 
@@ -897,7 +898,7 @@ class RedisStore:
     @_store_call
     async def hold_lease(self, name: str, holder: str, ttl_s: float) -> bool:
         check_lease(ttl_s)
-        args = [holder, max(1, int(ttl_s * 1000))]
+        args: list[str | int] = [holder, max(1, int(ttl_s * 1000))]
         return bool(await self._hold_lease(keys=[self._keys.lease(name)], args=args))
 
     @_store_call
@@ -937,10 +938,6 @@ class RedisStore:
             f"RedisStore({where}, prefix={self._keys.prefix!r}, clock={clock}, "
             f"owns_client={self._owns_client})"
         )
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _role(record: str) -> WorkerRole:
