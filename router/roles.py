@@ -90,12 +90,11 @@ class RoleManager:
 
     # -- the loop -----------------------------------------------------------------------------
     async def run(self) -> None:
-        if not any(True for _ in self.gw.pools.both_workers):
-            return  # nothing to re-role (a worker registered later as `both` needs a restart)
         try:
             while True:
                 try:
-                    await self.tick()
+                    if any(True for _ in self.gw.pools.both_workers):  # else nothing to re-role
+                        await self.tick()
                 except asyncio.CancelledError:
                     raise
                 except StoreError as exc:  # the refresher reports the outage
