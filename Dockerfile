@@ -6,7 +6,10 @@ COPY router ./router
 COPY policies ./policies
 COPY state ./state
 COPY sim ./sim
+COPY simcluster ./simcluster
 COPY bench ./bench
+COPY launcher ./launcher
+COPY uvrun ./uvrun
 RUN pip install --no-cache-dir .
 USER nobody
 ENTRYPOINT ["disagg-router"]

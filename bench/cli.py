@@ -3,28 +3,25 @@
     disagg-router bench --url http://127.0.0.1:8000 --trace AzureLLMInferenceTrace_conv.csv \
         --requests 500 --rate-scale 2 --slo-ttft 1 --slo-tpot 0.1 --out results/
 
-`router.cli` mounts this with `add_bench_arguments(subparser)` and runs `await run_bench(ns)`;
-`python -m bench.cli` runs it standalone. Goodput (DistServe): the highest rate at which at
-least 90 % of requests meet both SLOs; `goodput_search` finds it by bracketing then bisecting on
-the rate scale, given any callable that measures attainment at one rate scale, so the live
-bench and the cluster simulator share it.
+`launcher.cli` mounts this with `add_bench_arguments(subparser)` and runs `await run_bench(ns)`;
+`python -m bench.cli` runs it standalone. `--search` finds the goodput (DistServe: the highest
+rate at which at least 90 % of requests meet both SLOs) with `bench.goodput`, the search the
+simulator experiments use too.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
-import math
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import orjson
 
+from bench.goodput import goodput_search
 from bench.replay import OUTCOMES, ReplayResult, RequestRecord, replay
 from bench.report import (
     PLOTS_UNAVAILABLE,
@@ -36,105 +33,7 @@ from bench.report import (
 )
 from bench.traces import TraceFormatError, TraceRequest, load_trace
 
-__all__ = [
-    "GoodputResult",
-    "GoodputSearch",
-    "Progress",
-    "add_bench_arguments",
-    "goodput_search",
-    "goodput_search_sync",
-    "main",
-    "run_bench",
-]
-
-
-# ── goodput search ─────────────────────────────────────────────────────────────────────────────
-
-
-@dataclass(slots=True)
-class GoodputResult:
-    """The highest rate scale that met the target (None if none did) and every probe made."""
-
-    rate_scale: float | None
-    attainment: float | None
-    target: float
-    points: list[tuple[float, float]] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class GoodputSearch:
-    """The search as a state machine with no I/O: ask `next_rate()`, measure, `record()` it.
-
-    From `start`, grow (or shrink) by `factor` until one rate passes and a higher one fails,
-    then bisect geometrically until they are within `rel_tol`. Attainment is noisy, so "good" is
-    the highest passing rate seen and "bad" the lowest failing rate above it.
-    """
-
-    start: float = 1.0
-    target: float = 0.9
-    rel_tol: float = 0.05
-    factor: float = 2.0
-    max_steps: int = 12
-    min_rate: float = 1 / 64
-    max_rate: float = 64.0
-    points: list[tuple[float, float]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not (self.start > 0 and self.factor > 1 and self.rel_tol > 0 and 0 < self.target <= 1):
-            raise ValueError("need start > 0, factor > 1, rel_tol > 0, 0 < target <= 1")
-
-    def record(self, rate_scale: float, attainment: float) -> None:
-        self.points.append((rate_scale, attainment))
-
-    def next_rate(self) -> float | None:
-        """The next rate scale to measure, or None when the search is done."""
-        if not self.points:
-            return self.start
-        if len(self.points) >= self.max_steps:
-            return None
-        good, bad = self._bracket()
-        if good is None:
-            assert bad is not None
-            nxt = bad / self.factor
-            return nxt if nxt >= self.min_rate else None
-        if bad is None:
-            nxt = good * self.factor
-            return nxt if nxt <= self.max_rate else None
-        return math.sqrt(good * bad) if bad / good > 1 + self.rel_tol else None
-
-    def result(self) -> GoodputResult:
-        good, _ = self._bracket()
-        att = None if good is None else max(a for r, a in self.points if r == good)
-        return GoodputResult(good, att, self.target, list(self.points))
-
-    def _bracket(self) -> tuple[float | None, float | None]:
-        passed = [r for r, a in self.points if a >= self.target]
-        good = max(passed, default=None)
-        failed = [r for r, a in self.points if a < self.target and (good is None or r > good)]
-        return good, min(failed, default=None)
-
-
-async def goodput_search(
-    run_at: Callable[[float], float | Awaitable[float]], **search: Any
-) -> GoodputResult:
-    """Drive a `GoodputSearch` (keyword arguments) with `run_at(rate_scale) -> attainment`.
-
-    `run_at` may be a coroutine function (a live replay) or a plain function (a simulator).
-    """
-    state = GoodputSearch(**search)
-    while (rate := state.next_rate()) is not None:
-        value = run_at(rate)
-        attainment = await value if inspect.isawaitable(value) else value
-        state.record(rate, float(attainment))
-    return state.result()
-
-
-def goodput_search_sync(run_at: Callable[[float], float], **search: Any) -> GoodputResult:
-    """`goodput_search` for a synchronous `run_at`, without an event loop."""
-    state = GoodputSearch(**search)
-    while (rate := state.next_rate()) is not None:
-        state.record(rate, float(run_at(rate)))
-    return state.result()
+__all__ = ["Progress", "add_bench_arguments", "main", "run_bench"]
 
 
 # ── command line ───────────────────────────────────────────────────────────────────────────────

@@ -37,6 +37,8 @@ from typing import Any
 
 import orjson
 
+import uvrun
+
 __all__ = ["FixedWorker", "serve", "main"]
 
 _CHAT = b"/v1/chat/completions"
@@ -447,14 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     worker = FixedWorker(ns.role, ns.model, ns.interval_ms / 1e3, ns.prefill_ms / 1e3,
                          None if ns.first_token_ms is None else ns.first_token_ms / 1e3,
                          ns.host, ns.port)
-    try:
-        import uvloop
-    except ImportError:
-        loop_factory = None
-    else:
-        loop_factory = uvloop.new_event_loop
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(serve(worker))
+    uvrun.run(serve(worker))
     return 0
 
 

@@ -44,6 +44,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import uvrun
 from bench.overhead_client import LoadSpec, StreamRecord, run_load
 from bench.overhead_report import add_deltas, markdown, replace_between_markers, summarize
 
@@ -620,15 +621,9 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(ns.rt_priority))
     # SIGTERM like Ctrl-C: the run is cancelled and every process it started is stopped.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        import uvloop
-    except ImportError:
-        loop_factory = None
-    else:
-        loop_factory = uvloop.new_event_loop
     log_dir = Path(ns.log_dir or tempfile.mkdtemp(prefix="bench-overhead-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    with _pinned(ns.load_core_), asyncio.Runner(loop_factory=loop_factory) as runner:
+    with _pinned(ns.load_core_), asyncio.Runner(loop_factory=uvrun.loop_factory()) as runner:
         result = runner.run(run(ns, log_dir))
     text = json.dumps(result, indent=1)
     if ns.json_path:

@@ -7,11 +7,11 @@ the measured window, and the router's CPU-seconds per 1,000 tokens it relayed du
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from bench.overhead_client import StreamRecord
+from simcluster.metrics import percentile
 
 __all__ = ["percentile", "summarize", "add_deltas", "markdown", "TARGETS_256", "verdicts",
            "replace_between_markers"]
@@ -21,16 +21,6 @@ BEGIN, END = "<!-- overhead:begin -->", "<!-- overhead:end -->"
 # issue 6, "Router overhead": at 256 streams of 128 tokens at 20 ms per token.
 TARGETS_256 = {"added_ttft_p50_ms": 1.0, "added_ttft_p99_ms": 3.0,
                "cpu_s_per_1k_tokens": 0.025, "saturation_tokens_per_core_s": 80_000.0}
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated percentile (q in [0, 100]) of unsorted values; None when empty."""
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def _ms(x: float | None) -> float | None:

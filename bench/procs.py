@@ -35,6 +35,8 @@ import aiohttp
 import redis.asyncio as aioredis
 import yaml
 
+import uvrun
+
 __all__ = [
     "HOST",
     "Child",
@@ -292,10 +294,9 @@ class Cluster:
         return [
             sys.executable,
             "-m",
-            "router.cli",
+            "sim.worker",
             "--log-level",
             s.log_level,
-            "worker",
             "--role",
             role,
             "--host",
@@ -413,14 +414,7 @@ def run_and_report(
     """The bench tools' entry: run `coro` on uvloop when it is installed (the router's own
     loop), print the report, write it as JSON if asked; the exit code says whether any
     invariant was violated."""
-    try:
-        import uvloop
-
-        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
-    except ImportError:
-        loop_factory = None
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        report = runner.run(coro)
+    report = uvrun.run(coro)
     print(format_report(report))
     if workdir is not None:
         print(f"  logs            {workdir}")

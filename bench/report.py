@@ -4,7 +4,8 @@ Latencies (TTFT, TPOT, ITL, end-to-end) are taken over requests whose outcome is
 attainment counts every request sent, so rejections, errors, timeouts and cut streams are all
 misses (DistServe's definition). A request meets the SLO iff it is ok, its TTFT ≤ `slo_ttft_s`
 and its TPOT ≤ `slo_tpot_s` (a one-token answer has no TPOT and passes that half). A `None` SLO
-is not checked.
+is not checked. Percentiles are `simcluster.metrics.percentile` (linear between order
+statistics), the one definition the simulator reports with too.
 
 Plots use matplotlib's Agg canvas directly (no pyplot, no global backend switch) and are
 skipped, with a note, when matplotlib is not installed (`pip install 'disagg-router[bench]'`).
@@ -20,6 +21,7 @@ from typing import Any
 import orjson
 
 from bench.replay import OUTCOMES, ReplayResult, RequestRecord
+from simcluster.metrics import percentile, percentile_sorted
 
 __all__ = [
     "PLOTS_UNAVAILABLE",
@@ -38,20 +40,6 @@ PLOTS_UNAVAILABLE = (
     "plots skipped: matplotlib is not installed (pip install 'disagg-router[bench]')"
 )
 _CDF_POINTS = 2000  # a CDF of millions of gaps is drawn from this many quantiles
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0..100), linear between order statistics (numpy's default)."""
-    return _percentile_sorted(sorted(values), q)
-
-
-def _percentile_sorted(data: Sequence[float], q: float) -> float | None:
-    if not data:
-        return None
-    pos = (len(data) - 1) * min(100.0, max(0.0, q)) / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(data) - 1)
-    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
 
 
 def tbt_worst_mean(gaps: Sequence[float], worst_fraction: float = 0.10) -> float | None:
@@ -265,9 +253,9 @@ def _dist(values: Sequence[float]) -> dict[str, float | int | None]:
     return {
         "count": len(data),
         "mean": _mean(data),
-        "p50": _percentile_sorted(data, 50),
-        "p90": _percentile_sorted(data, 90),
-        "p99": _percentile_sorted(data, 99),
+        "p50": percentile_sorted(data, 50),
+        "p90": percentile_sorted(data, 90),
+        "p99": percentile_sorted(data, 99),
     }
 
 

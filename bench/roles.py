@@ -25,10 +25,10 @@ prefill locally (`hybrid`: two_sided chooses per request), at the pool's best sp
 Every run replays a **warm-up** first: the trace rows just before the measured slice, their load
 ramping from 30 % to 100 % of the measured rate, not counted (the router has been serving this
 traffic; an elastic router had that time to find its split, a fixed one gains nothing from it).
-Goodput is DistServe's (`bench.experiments.goodput`): the highest rate scale at which >= 90 %
+Goodput is DistServe's (`bench.goodput`): the highest rate scale at which >= 90 %
 of the measured requests meet both their TTFT and TPOT SLO.
 
-The simulator is imported inside the functions that run it (bench stays a client).
+The simulator (`simcluster`) is a layer below bench (tests/test_layering.py).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.experiments import (
+from bench.goodput import goodput
+from bench.specs import (
     CASES,
     SHAPES,
     TRACE_DIR,
@@ -51,9 +52,11 @@ from bench.experiments import (
     ShapeSpec,
     TraceSpec,
     WarmEstimator,
-    goodput,
 )
 from bench.traces import TraceRequest, load_trace
+from policies.registry import load_estimator, load_policy, load_role_policy
+from simcluster.cli import parse_case
+from simcluster.engine import simulate
 
 __all__ = ["Workload", "ramped", "mix_workload", "run", "cells", "mix", "arrangements", "main"]
 
@@ -169,10 +172,6 @@ def run(
     detail: bool = False,
 ) -> dict[str, Any]:
     """One simulation; attainment over the measured requests (each against its own SLOs)."""
-    from policies.registry import load_estimator, load_policy, load_role_policy
-    from sim.cluster import simulate
-    from sim.cluster_cli import parse_case
-
     c = parse_case(case.case)
     overrides = {**wl.config, **(config or {})}
     if role is not None:

@@ -24,6 +24,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from router.appkeys import GATEWAY
 from router.auth import bearer_token, token_matches
 from router.config import ConfigError
 from router.drain import set_drained
@@ -47,8 +48,6 @@ class Conflict(RouterError):
 
 
 def _gateway(request: web.Request) -> Gateway:
-    from router.app import GATEWAY
-
     return request.app[GATEWAY]
 
 

@@ -20,6 +20,7 @@ from router.adapters.mooncake import DEFAULT_BOOTSTRAP_PORT
 from router.admin import add_admin_routes
 from router.admission import Admission
 from router.api import CHAT, COMPLETIONS, parse_request
+from router.appkeys import GATEWAY
 from router.auth import bearer_token, token_matches
 from router.background import BackgroundTasks
 from router.config import Settings
@@ -30,7 +31,9 @@ from router.leases import LeaseKeeper
 from router.lifecycle import RequestFlow
 from router.logs import bind_request_id
 from router.metrics import RouterMetrics
+from router.passthrough import PASSTHROUGH_ROUTES, add_passthrough_routes
 from router.pools import Pools
+from router.responses import RESPONSES_ROUTE
 from router.retry_budget import RetryBudget
 from router.roles import ROLES, RoleManager
 from router.scaling import export_scaling, scaling_report
@@ -45,7 +48,6 @@ __all__ = ["create_app", "GATEWAY", "SETTINGS"]
 log = logging.getLogger(__name__)
 
 SETTINGS = web.AppKey("settings", Settings)
-GATEWAY = web.AppKey("gateway", Gateway)
 METRICS = web.AppKey("metrics", RouterMetrics)
 _OPENAPI = files("router").joinpath("openapi.json")
 
@@ -417,6 +419,10 @@ def create_app(settings: Settings, *, tracer_provider: object = None) -> web.App
     app.router.add_post(CHAT, chat_completions)
     app.router.add_post(COMPLETIONS, completions)
     app.router.add_get("/v1/models", models)
+    # Embeddings, (de)tokenize, responses: served whole by one worker (router/passthrough.py)
+    add_passthrough_routes(
+        app, lambda a: a[GATEWAY], served_models, (*PASSTHROUGH_ROUTES, RESPONSES_ROUTE)
+    )
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

@@ -1,6 +1,8 @@
-"""The process entry: `disagg-router serve | worker | demo | bench | simulate`.
+"""The router's own entry: `disagg-router serve` (and `python -m router.cli serve`).
 
-Only this module knows about uvloop, signals and the aiohttp runner.
+`add_serve_arguments` defines serve's options, `serve` runs the router until SIGTERM; the
+umbrella command (`launcher/cli.py`: serve | worker | demo | bench | simulate) mounts both.
+Only this module knows about signals, the open-files limit and the aiohttp runner.
 """
 
 from __future__ import annotations
@@ -13,18 +15,12 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import uvrun
+
 if TYPE_CHECKING:
     from router.config import Timeouts
 
-__all__ = ["main", "run_app_until_signal"]
-
-
-def _use_uvloop() -> None:
-    try:
-        import uvloop
-    except ImportError:  # not on this platform: the default loop works, only slower
-        return
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+__all__ = ["add_serve_arguments", "main", "run_app_until_signal", "serve"]
 
 
 async def run_app_until_signal(
@@ -55,7 +51,8 @@ async def run_app_until_signal(
         await stop.wait()
 
 
-def _serve(ns: argparse.Namespace) -> int:
+def serve(ns: argparse.Namespace) -> int:
+    """Run the router with the options `add_serve_arguments` defined; the exit code."""
     from router.app import create_app
     from router.config import ConfigError, load_settings
 
@@ -94,8 +91,7 @@ def _serve(ns: argparse.Namespace) -> int:
         )
 
     _raise_open_files_limit()
-    _use_uvloop()
-    asyncio.run(
+    uvrun.run(
         run_app_until_signal(
             app,
             settings.host,
@@ -125,80 +121,42 @@ def _raise_open_files_limit() -> None:
             pass  # keep what we have
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="disagg-router", description=__doc__)
-    parser.add_argument("--log-level", default=os.environ.get("DISAGG_ROUTER_LOG_LEVEL", "INFO"))
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    serve = sub.add_parser("serve", help="run the router")
-    serve.add_argument("--config", help="cluster.yaml")
-    serve.add_argument("--host")
-    serve.add_argument("--port", type=int)
-    serve.add_argument("--redis-url", dest="redis_url")
-    serve.add_argument("--policy")
-    serve.add_argument("--estimator")
-    serve.add_argument(
+def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """serve's options (one place: the umbrella CLI mounts the same function)."""
+    parser.add_argument("--config", help="cluster.yaml")
+    parser.add_argument("--host")
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--redis-url", dest="redis_url")
+    parser.add_argument("--policy")
+    parser.add_argument("--estimator")
+    parser.add_argument(
         "--log-format",
         choices=("json", "text"),
         default=os.environ.get("DISAGG_ROUTER_LOG_FORMAT", "json"),
         help="json (one object a line, the default for serve) or text",
     )
+    return parser
 
-    from sim.worker import add_worker_arguments
 
-    add_worker_arguments(sub.add_parser("worker", help="run a simulated GPU worker"))
+def add_log_level_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", default=os.environ.get("DISAGG_ROUTER_LOG_LEVEL", "INFO"))
 
-    from router.demo import add_demo_arguments
 
-    add_demo_arguments(sub.add_parser("demo", help="a local cluster, real trace traffic, a report"))
-
-    from bench.cli import add_bench_arguments
-
-    add_bench_arguments(sub.add_parser("bench", help="replay a trace against an endpoint"))
-
-    try:
-        from sim.cluster_cli import add_simulate_arguments
-    except ImportError:
-        pass
-    else:
-        add_simulate_arguments(sub.add_parser("simulate", help="discrete-event cluster simulator"))
+def build_parser() -> argparse.ArgumentParser:
+    """`[--log-level L] serve ...`: the same command line as the umbrella's serve."""
+    parser = argparse.ArgumentParser(prog="python -m router.cli", description=__doc__)
+    add_log_level_argument(parser)
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_arguments(sub.add_parser("serve", help="run the router"))
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns = build_parser().parse_args(argv)
     from router.logs import configure_logging
 
-    configure_logging(ns.log_level, "text")  # `serve` sets its own format once it has settings
-    if ns.command == "serve":
-        return _serve(ns)
-    if ns.command == "worker":
-        from sim.worker import config_from_args, run_worker
-
-        _use_uvloop()
-        run_worker(config_from_args(ns))
-        return 0
-    if ns.command == "demo":
-        from router.demo import run_demo
-
-        _use_uvloop()
-        return asyncio.run(run_demo(ns))
-    if ns.command == "bench":
-        from bench.cli import run_bench
-
-        _use_uvloop()
-        return asyncio.run(run_bench(ns))
-    if ns.command == "simulate":
-        from sim.cluster_cli import run_simulate
-
-        try:
-            return run_simulate(ns)
-        except ValueError as exc:  # a bad policy, trace or cluster shape: say so, no traceback
-            print(f"disagg-router: {exc}", file=sys.stderr)
-            return 2
-    parser.error(f"unknown command {ns.command}")
-    return 2
+    configure_logging(ns.log_level, "text")  # serve sets its own format once it has settings
+    return serve(ns)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@
     POST /sim/kv/pull                          the decode side's KV read (the NIXL stand-in)
     POST /generate, GET /server_info ...       SGLang's API and PD bootstrap rooms
                                                (sim.sglang_protocol, sim.bootstrap)
-    POST /tokenize                             vLLM's tokenizer endpoint (vllm-router calls it)
+    POST /tokenize /detokenize /v1/embeddings  vLLM's tokenizer, embeddings and Responses endpoints
+         /v1/responses                         (sim.extra_endpoints)
     GET|DELETE /sim/requests, GET /sim/state, GET|POST /sim/faults   test hooks
 
 Answers come from `sim.textgen`, so tests can compute what must arrive; timing comes from the
@@ -18,18 +19,24 @@ This module builds the app and runs it; `sim.generation` serves the generation r
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import logging
+import os
 import signal
+import sys
 import time
-import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import aiohttp
 import orjson
 from aiohttp import web
 
+import uvrun
+
 from .bootstrap import bootstrap_listener
+from .extra_endpoints import add_extra_routes
 from .faults import FaultConfig, error_response
 from .generation import handle_generation, handle_kv_pull, json_response
 from .sglang_protocol import add_sglang_routes
@@ -59,8 +66,8 @@ def create_worker_app(config: WorkerConfig) -> web.Application:
     app.router.add_post("/v1/completions", handle_generation)
     app.router.add_post("/v1/chat/completions", handle_generation)
     app.router.add_post("/generate", handle_generation)  # SGLang native
-    app.router.add_post("/tokenize", _handle_tokenize)
     add_sglang_routes(app)
+    add_extra_routes(app)  # /v1/embeddings, /detokenize, /v1/responses (sim.extra_endpoints)
     app.router.add_get("/health", _handle_health)
     app.router.add_get("/v1/models", _handle_models)
     app.router.add_get("/version", _handle_version)
@@ -143,20 +150,6 @@ async def _handle_models(request: web.Request) -> web.Response:
     return json_response({"object": "list", "data": [card]})
 
 
-async def _handle_tokenize(request: web.Request) -> web.Response:
-    # vLLM's /tokenize (vllm-router asks it for prefix-cache routing): 4 characters per token,
-    # the same rule as the rest of the sim; ids are a stable hash of each piece.
-    worker = request.app[WORKER]
-    try:
-        body = orjson.loads(await request.read())
-        text = body["prompt"] if "prompt" in body else str(body["messages"])
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        return error_response(400, "tokenize needs 'prompt' or 'messages'")
-    text = text if isinstance(text, str) else " ".join(map(str, text))
-    ids = [zlib.crc32(text[i : i + 4].encode()) % 32_000 for i in range(0, len(text), 4)] or [0]
-    return json_response({"count": len(ids), "max_model_len": worker.max_model_len, "tokens": ids})
-
-
 async def _handle_version(request: web.Request) -> web.Response:
     return json_response({"version": "0.0.0-sim"})
 
@@ -234,11 +227,23 @@ async def _serve(config: WorkerConfig) -> None:
 
 def run_worker(config: WorkerConfig) -> None:
     """Process entry: serve until SIGTERM/SIGINT, on uvloop when it is installed."""
-    try:
-        import uvloop
-    except ImportError:
-        loop_factory = None
-    else:
-        loop_factory = uvloop.new_event_loop
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(_serve(config))
+    uvrun.run(_serve(config))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m sim.worker [--log-level L] --role ...`: the worker's own entry, the same flags
+    as the umbrella's `disagg-router worker`, for the tools below the launcher that spawn
+    workers (bench/procs.py, launcher/localcluster.py)."""
+    parser = argparse.ArgumentParser(prog="python -m sim.worker", description=__doc__)
+    parser.add_argument("--log-level", default=os.environ.get("DISAGG_ROUTER_LOG_LEVEL", "INFO"))
+    add_worker_arguments(parser)
+    ns = parser.parse_args(argv)
+    logging.basicConfig(
+        level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    run_worker(config_from_args(ns))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

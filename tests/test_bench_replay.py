@@ -17,13 +17,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from bench.cli import (
-    GoodputSearch,
-    add_bench_arguments,
-    goodput_search,
-    goodput_search_sync,
-    run_bench,
-)
+from bench.cli import add_bench_arguments, run_bench
+from bench.goodput import GoodputSearch, goodput_search, goodput_search_sync
 from bench.replay import ORACLE_HEADER, OUTCOMES, ReplayResult, endpoint_url, replay
 from bench.report import (
     meets_slo,

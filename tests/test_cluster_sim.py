@@ -19,10 +19,10 @@ from policies.base import (
     blocks_for,
 )
 from policies.costmodel import perf_model
-from sim.cluster import simulate
-from sim.cluster_config import ClusterConfig
-from sim.cluster_metrics import GapHistogram
-from sim.cluster_workers import _step_time_fn
+from simcluster.config import ClusterConfig
+from simcluster.engine import simulate
+from simcluster.metrics import GapHistogram
+from simcluster.workers import _step_time_fn
 
 
 @dataclass(frozen=True)
@@ -377,7 +377,7 @@ def test_timer_quantum_rounds_each_sleep_half_to_even() -> None:
     assert rec.e2e_s == pytest.approx(rec.ttft_s + sum(steps[1:]), rel=1e-9)
     assert all(abs(g / 0.002 - round(g / 0.002)) < 1e-6 for g in (rec.max_gap_s, rec.mean_gap_s))
     # uvloop's rounding of a 4.5 ms sleep at 1 ms resolution: 4 ms (half to even), 5.5 -> 6.
-    from sim.cluster_workers import quantize
+    from simcluster.workers import quantize
 
     assert quantize(0.0045, 0.001) == pytest.approx(0.004)
     assert quantize(0.0055, 0.001) == pytest.approx(0.006)

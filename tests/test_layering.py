@@ -1,28 +1,245 @@
-"""The one-way layering (router → policies, state) holds: checked in a fresh interpreter."""
+"""The layers have no arrow back: every import statement in the source, read with `ast`.
+
+The arrow table (also in docs/design.md, "Layers"). A package may import the standard library,
+the third-party libraries not forbidden to it, itself, and the first-party modules listed;
+an entry names a package or one module of it (`sim.textgen` allows that module only).
+
+    policies   → (nothing)                       no asyncio, aiohttp, redis: pure, synchronous
+    state      → policies                        no aiohttp
+    router     → policies, state, uvrun           the product: nothing above it
+    sim        → policies, uvrun                  the simulated GPU worker
+    simcluster → policies                        pure: no asyncio, aiohttp, redis, prometheus
+    bench      → policies, simcluster, sim.textgen, uvrun
+                                                 the client tools and the simulator experiments
+                                                 (bench sits above the simulator; it checks
+                                                 answers against the worker's toy model)
+    uvrun      → (nothing)                       the uvloop start-up, usable by every process
+    launcher   → anything                        the umbrella CLI, local cluster, validation
+    tests      → anything
+
+Every statement counts: module level, inside functions, under `TYPE_CHECKING`, `import x` and
+`from x import y`, relative ones resolved against the importing module's package. Dynamic
+imports by name (`policies.registry` loading a dotted path from a config) are not statements
+and are not checked here. The fresh-interpreter checks below add what actually loads.
+"""
 
 from __future__ import annotations
 
+import ast
+import functools
 import pkgutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
+
+FIRST_PARTY = ("policies", "state", "router", "sim", "simcluster", "bench", "uvrun", "launcher")
+ANYTHING = frozenset(FIRST_PARTY)
+
+ALLOWED: dict[str, frozenset[str]] = {
+    "policies": frozenset(),
+    "state": frozenset({"policies"}),
+    "router": frozenset({"policies", "state", "uvrun"}),
+    "sim": frozenset({"policies", "uvrun"}),
+    "simcluster": frozenset({"policies"}),
+    "bench": frozenset({"policies", "simcluster", "sim.textgen", "uvrun"}),
+    "uvrun": frozenset(),
+    "launcher": ANYTHING,
+}
+
+FORBIDDEN_THIRD_PARTY: dict[str, frozenset[str]] = {
+    "policies": frozenset({"asyncio", "aiohttp", "redis", "uvloop"}),
+    "state": frozenset({"aiohttp"}),
+    "simcluster": frozenset({"asyncio", "aiohttp", "redis", "prometheus_client", "uvloop"}),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Import:
+    module: str  # the importing module, e.g. "router.cli"
+    target: str  # what it names, e.g. "bench.cli.run_bench" or "aiohttp.web"
+    path: Path
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}: {self.module} imports {self.target}"
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_in(source: str, module: str, *, is_package: bool, path: Path = ROOT) -> list[Import]:
+    """Every import statement in `source` (the text of `module`), wherever it is written.
+
+    `from x import a, b` yields `x.a` and `x.b` (a name may be a submodule: `from sim import
+    textgen`); relative imports are resolved against the module's package."""
+    package = module if is_package else module.rpartition(".")[0]
+    out: list[Import] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [Import(module, alias.name, path, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base_parts = package.split(".")
+                keep = len(base_parts) - (node.level - 1)
+                if keep <= 0:
+                    raise ValueError(f"{module}: relative import beyond the top-level package")
+                base = ".".join(base_parts[:keep])
+                base = f"{base}.{node.module}" if node.module else base
+            else:
+                base = node.module or ""
+            for alias in node.names:
+                target = base if alias.name == "*" else f"{base}.{alias.name}"
+                out.append(Import(module, target, path, node.lineno))
+    return out
+
+
+def source_imports(root: Path = ROOT) -> Iterator[Import]:
+    for package in FIRST_PARTY:
+        for path in sorted((root / package).rglob("*.py")):
+            name = module_name(path, root)
+            yield from imports_in(
+                path.read_text(encoding="utf-8"),
+                name,
+                is_package=path.name == "__init__.py",
+                path=path,
+            )
+
+
+def _covered(target: str, entry: str) -> bool:
+    return target == entry or target.startswith(entry + ".")
+
+
+def violation(imp: Import) -> str | None:
+    """Why `imp` breaks the table, or None."""
+    layer = imp.module.split(".")[0]
+    top = imp.target.split(".")[0]
+    if top == layer:
+        return None
+    if top in FIRST_PARTY:
+        if any(_covered(imp.target, entry) for entry in ALLOWED[layer]):
+            return None
+        return f"{imp}: {layer} may import only {sorted(ALLOWED[layer]) or 'no first-party'}"
+    if top in FORBIDDEN_THIRD_PARTY.get(layer, ()):
+        return f"{imp}: {layer} must not use {top}"
+    return None
+
+
+def violations(imports: Iterator[Import] | list[Import]) -> list[str]:
+    return [v for imp in imports if (v := violation(imp)) is not None]
+
+
+# ── the checker itself ────────────────────────────────────────────────────────────────────────
+
+
+def test_the_checker_catches_a_function_level_import_of_an_upper_layer() -> None:
+    source = (
+        "import asyncio\n"
+        "from policies.base import blocks_for\n"
+        "def entry():\n"
+        "    if True:\n"
+        "        from bench.cli import run_bench\n"
+        "    import sim.worker\n"
+        "    return run_bench\n"
+    )
+    found = imports_in(source, "router.cli", is_package=False)
+    assert {i.target for i in found} == {
+        "asyncio",
+        "policies.base.blocks_for",
+        "bench.cli.run_bench",
+        "sim.worker",
+    }
+    bad = violations(found)
+    assert len(bad) == 2, bad
+    assert any("bench.cli.run_bench" in v and ":5:" in v for v in bad)
+    assert any("sim.worker" in v and ":6:" in v for v in bad)
+
+
+def test_the_checker_resolves_relative_imports_and_type_checking_blocks() -> None:
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "from . import textgen\n"
+        "from .worker import running_worker\n"
+        "from .. import launcher\n"
+        "if TYPE_CHECKING:\n"
+        "    from router.config import Settings\n"
+    )
+    found = imports_in(source, "sim.sub.mod", is_package=False)
+    targets = {i.target for i in found}
+    assert {"sim.sub.textgen", "sim.sub.worker.running_worker", "sim.launcher"} <= targets
+    # sim.launcher is sim's own; router.config is an arrow sim does not have.
+    assert [v for v in violations(found)] == [
+        next(str(i) for i in found if i.target == "router.config.Settings")
+        + ": sim may import only ['policies', 'uvrun']"
+    ]
+    from_package = imports_in("from .faults import FaultConfig\n", "sim", is_package=True)
+    assert [i.target for i in from_package] == ["sim.faults.FaultConfig"]
+
+
+def test_the_checker_allows_one_module_not_its_package() -> None:
+    ok = imports_in("from sim.textgen import expected_answer\n", "bench.x", is_package=False)
+    assert violations(ok) == []
+    also_ok = imports_in("from sim import textgen\n", "bench.x", is_package=False)
+    assert violations(also_ok) == []
+    bad = imports_in("from sim import worker\nimport sim\n", "bench.x", is_package=False)
+    assert len(violations(bad)) == 2
+
+
+def test_the_checker_applies_the_third_party_bans() -> None:
+    found = imports_in("def f():\n    import asyncio\n", "policies.x", is_package=False)
+    assert violations(found) == [f"{found[0]}: policies must not use asyncio"]
+    found = imports_in("import prometheus_client\n", "simcluster.x", is_package=False)
+    assert len(violations(found)) == 1
+
+
+# ── the source ────────────────────────────────────────────────────────────────────────────────
+
+
+def test_every_import_statement_in_the_source_follows_the_arrows() -> None:
+    found = list(source_imports())
+    assert len(found) > 500  # the walk saw the source, not an empty tree
+    bad = violations(found)
+    assert not bad, "\n".join(bad)
+
+
+def test_nothing_imports_the_router_or_the_launcher_back() -> None:
+    for imp in source_imports():
+        layer = imp.module.split(".")[0]
+        top = imp.target.split(".")[0]
+        if layer != "launcher" and top == "launcher":
+            pytest.fail(str(imp))
+        if layer not in ("router", "launcher") and top == "router":
+            pytest.fail(str(imp))
+
+
+# ── what actually loads, in a fresh interpreter ───────────────────────────────────────────────
 
 
 def _modules(package: str) -> list[str]:
     return [f"{package}.{m.name}" for m in pkgutil.iter_modules([str(ROOT / package)])]
 
 
-def _imported_after(module: str) -> set[str]:
+@functools.cache
+def _imported_after(module: str) -> frozenset[str]:
+    """The modules that importing `module` alone loads, in a fresh interpreter (cached: the
+    checks below and the import-on-its-own sweep share one run per module)."""
     code = (
-        "import sys, importlib; before = set(sys.modules); importlib.import_module(%r); "
-        "print('\\n'.join(sorted(set(sys.modules) - before)))" % module
+        f"import sys, importlib; before = set(sys.modules); importlib.import_module({module!r}); "
+        "print('\\n'.join(sorted(set(sys.modules) - before)))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
     )
-    return set(out.stdout.split())
+    return frozenset(out.stdout.split())
 
 
 def test_policies_import_no_io_libraries_nor_upper_layers() -> None:
@@ -42,10 +259,24 @@ def test_state_knows_nothing_of_http_or_the_router() -> None:
 def test_bench_is_a_pure_client() -> None:
     for module in ["bench"] + _modules("bench"):
         loaded = {m.split(".")[0] for m in _imported_after(module)}
-        assert not loaded & {"router", "state", "sim"}, module
+        assert not loaded & {"router", "state", "sim", "launcher"}, module
 
 
-def test_every_module_imports_on_its_own() -> None:
-    for package in ("router", "policies", "state", "sim", "bench"):
-        for module in [package] + _modules(package):
-            _imported_after(module)
+def test_the_cluster_simulator_loads_no_io_library() -> None:
+    for module in ["simcluster"] + _modules("simcluster"):
+        loaded = {m.split(".")[0] for m in _imported_after(module)}
+        assert not loaded & {"aiohttp", "redis", "prometheus_client", "router", "sim", "bench"}, (
+            module
+        )
+
+
+def test_the_simulated_workers_toy_model_loads_without_aiohttp() -> None:
+    for module in ("sim", "sim.textgen"):
+        loaded = {m.split(".")[0] for m in _imported_after(module)}
+        assert not loaded & {"aiohttp", "redis", "prometheus_client"}, module
+
+
+@pytest.mark.parametrize("package", FIRST_PARTY)
+def test_every_module_imports_on_its_own(package: str) -> None:
+    for module in [package] + _modules(package):
+        _imported_after(module)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench import roles as br
-from bench.experiments import ShapeSpec
+from bench.specs import ShapeSpec
 from bench.traces import TraceRequest
 
 

@@ -20,7 +20,7 @@ Two router modes: `reserve=True` (ours) holds `Candidate.reserve_blocks` on D be
 policy's room check covers the prompt only ("place and hope").
 
 With `ClusterConfig.elastic` every worker is `kv_both`: a `RolePolicy` moves workers between the
-pools, with drain and a reconfiguration pause (`sim.cluster_roles`).
+pools, with drain and a reconfiguration pause (`simcluster.roles`).
 """
 
 from __future__ import annotations
@@ -44,12 +44,12 @@ from policies.base import (
     RolePolicy,
     blocks_for,
 )
-from sim.cluster_config import ClusterConfig, WorkerSpec
-from sim.cluster_metrics import GapHistogram, RequestRecord, SimResult
-from sim.cluster_roles import RoleController, Slot
-from sim.cluster_workers import DecodeWorker, Job, PrefillWorker, quantize
+from simcluster.config import ClusterConfig, SimWorkerSpec
+from simcluster.metrics import GapHistogram, RequestRecord, SimResult
+from simcluster.roles import RoleController, Slot
+from simcluster.workers import DecodeWorker, Job, PrefillWorker, quantize
 
-__all__ = ["TraceLike", "simulate", "find_goodput"]
+__all__ = ["TraceLike", "simulate"]
 
 _ARRIVAL, _PREFILL_DONE, _TRANSFER_DONE, _STEP, _DEADLINE, _DISPATCH, _CALL = range(7)
 
@@ -98,10 +98,10 @@ class _Engine:
         cap, lru = config.stranded_cap_bytes, config.prefix_cache_blocks
         self.quantum = config.timer_quantum_s
 
-        def prefill_worker(i: int, s: WorkerSpec) -> PrefillWorker:
+        def prefill_worker(i: int, s: SimWorkerSpec) -> PrefillWorker:
             return PrefillWorker(i, s, config.layout_of(s), cap, lru, config.prefix_block_tokens)
 
-        def decode_worker(i: int, s: WorkerSpec) -> DecodeWorker:
+        def decode_worker(i: int, s: SimWorkerSpec) -> DecodeWorker:
             return DecodeWorker(i, s, config.layout_of(s), quantum=self.quantum,
                                 step_extra_s=config.step_overhead_s,
                                 join_mid_step=config.join_mid_step,
@@ -166,7 +166,7 @@ class _Engine:
         self.seq += 1
         heapq.heappush(self.events, (t, self.seq, kind, obj))
 
-    # Hooks for `sim.cluster_roles.RoleController`.
+    # Hooks for `simcluster.roles.RoleController`.
     def push_call(self, t: float, fn: Callable[[], None]) -> None:
         self._push(t, _CALL, fn)
 
@@ -596,48 +596,3 @@ def simulate(
         role_policy,
     )
     return engine.run()
-
-
-def find_goodput(
-    requests: Sequence[TraceLike],
-    config: ClusterConfig,
-    make_policy: Callable[[], PlacementPolicy],
-    make_estimator: Callable[[], OutputLengthEstimator | None] = lambda: None,
-    *,
-    target: float = 0.9,
-    lo: float = 0.125,
-    hi: float = 16.0,
-    iters: int = 7,
-    seed: int = 0,
-    slo_ttft_s: float = 2.0,
-    slo_tpot_s: float = 0.1,
-) -> tuple[float, float]:
-    """DistServe goodput: the highest rate scale at which >= `target` of requests meet both SLOs.
-
-    Bisects `rate_scale` geometrically within [lo, hi] (attainment falls with load), building a
-    fresh policy and estimator per run. Returns (rate_scale, offered requests/s); (0, 0) if even
-    `lo` misses the target.
-    """
-
-    def ok(scale: float) -> bool:
-        res = simulate(
-            requests, config, make_policy(), make_estimator(), seed=seed,
-            slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s, rate_scale=scale,
-        )  # fmt: skip
-        return float(res.summary()["slo_attainment"]) >= target
-
-    span = max((r.arrival_s for r in requests), default=0.0) - min(
-        (r.arrival_s for r in requests), default=0.0
-    )
-    base_rps = len(requests) / span if span > 0 else 0.0
-    if ok(hi):
-        return hi, hi * base_rps
-    if not ok(lo):
-        return 0.0, 0.0
-    for _ in range(iters):
-        mid = (lo * hi) ** 0.5
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo, lo * base_rps

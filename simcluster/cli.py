@@ -6,8 +6,9 @@
 
 `compare()` runs several cases (policy + router mode) on one trace and cluster shape and returns
 one row per case, for tables such as docs/benchmarks.md. Policies and estimators come from
-`policies.registry`, so built-in names and dotted paths both work; `bench.traces` is imported
-only here, never by the simulator itself.
+`policies.registry`, so built-in names and dotted paths both work. The trace is parsed by the
+caller (the umbrella CLI, `launcher/cli.py`, with `bench.traces`) and passed in: the simulator
+reads any sequence of `TraceLike` rows and imports no trace format.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sim.cluster import TraceLike, simulate
-from sim.cluster_config import ClusterConfig
+from simcluster.config import ClusterConfig
+from simcluster.engine import TraceLike, simulate
 
 __all__ = [
     "Case",
@@ -217,10 +218,8 @@ def _config(ns: argparse.Namespace) -> ClusterConfig:
     )
 
 
-def run_simulate(ns: argparse.Namespace) -> int:
-    from bench.traces import load_trace
-
-    requests = load_trace(ns.trace, limit=ns.limit, poisson_rate=ns.poisson_rate, seed=ns.seed)
+def run_simulate(ns: argparse.Namespace, requests: Sequence[TraceLike]) -> int:
+    """Run the parsed `simulate` options on `requests` (read from `ns.trace` by the caller)."""
     config = _config(ns)
     if ns.compare:
         cases: list[str | Case] = [c for c in ns.compare.split(",") if c.strip()]
@@ -248,13 +247,3 @@ def run_simulate(ns: argparse.Namespace) -> int:
         with open(ns.json, "w") as f:
             json.dump(rows, f, indent=2)
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sim.cluster_cli")
-    add_simulate_arguments(parser)
-    return run_simulate(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

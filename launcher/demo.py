@@ -20,7 +20,7 @@ import aiohttp
 from bench.replay import replay
 from bench.report import summarize, to_text
 from bench.traces import TraceRequest, load_trace
-from router.localcluster import ClusterShape, local_cluster
+from launcher.localcluster import ClusterShape, local_cluster
 
 __all__ = ["add_demo_arguments", "run_demo", "default_trace"]
 

@@ -41,10 +41,10 @@ from policies.base import (
     RoleWorkerView,
     blocks_for,
 )
-from sim.cluster_workers import DecodeWorker, Job, PrefillWorker
+from simcluster.workers import DecodeWorker, Job, PrefillWorker
 
 if TYPE_CHECKING:
-    from sim.cluster import _Engine
+    from simcluster.engine import _Engine
 
 __all__ = ["RoleController", "RoleAccountingError", "Slot"]
 
@@ -104,7 +104,7 @@ class _Decayed:
 
 
 class RoleController:
-    """Runs a role policy inside `sim.cluster._Engine`: ticks, drains, pauses, migrations."""
+    """Runs a role policy inside `simcluster.engine._Engine`: ticks, drains, pauses, migrations."""
 
     def __init__(self, engine: _Engine, policy: RolePolicy, slots: list[Slot]) -> None:
         cfg = engine.cfg

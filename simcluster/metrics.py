@@ -107,12 +107,30 @@ class RequestRecord:
         )
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile of an already sorted sequence (0 when empty)."""
-    if not values:
-        return 0.0
-    k = min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))
-    return values[k]
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (q in 0..100) of `values` (any order); None when empty.
+
+    The project's one definition, used by the simulator's summaries and every bench report:
+    linear interpolation between the closest order statistics (numpy's default, "linear", as
+    vLLM's and SGLang's benchmark scripts report). It lives here, in the lowest layer that
+    reports percentiles; `bench` imports it (tests/test_layering.py)."""
+    return percentile_sorted(sorted(values), q)
+
+
+def percentile_sorted(data: Sequence[float], q: float) -> float | None:
+    """`percentile` of data already in ascending order (sort a million gaps once, not thrice)."""
+    if not data:
+        return None
+    pos = (len(data) - 1) * min(100.0, max(0.0, q)) / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    """`percentile`, 0.0 when empty: the summary is a flat dict of numbers."""
+    v = percentile(values, q)
+    return 0.0 if v is None else v
 
 
 @dataclass(slots=True)
@@ -127,7 +145,7 @@ class SimResult:
     counters: dict[str, float] = field(default_factory=dict)
     events: int = 0
     wall_s: float = 0.0  # host time; never part of the deterministic summary
-    # Elastic runs: the switch log, the split and pressures per role tick (sim.cluster_roles).
+    # Elastic runs: the switch log, the split and pressures per role tick (simcluster.roles).
     roles: dict[str, Any] | None = None
 
     def attainment_by_window(
@@ -154,8 +172,8 @@ class SimResult:
     def summary(self, *, timing: bool = False) -> dict[str, float | int]:
         recs = self.records
         ok = [r for r in recs if r.outcome == "ok"]
-        ttft = sorted(r.ttft_s for r in ok)
-        tpot = sorted(r.mean_gap_s for r in ok if r.output_tokens > 1)
+        ttft = [r.ttft_s for r in ok]
+        tpot = [r.mean_gap_s for r in ok if r.output_tokens > 1]
         good = sum(1 for r in recs if r.meets(self.slo_ttft_s, self.slo_tpot_s))
         span = max((r.arrival_s for r in recs), default=0.0) - min(
             (r.arrival_s for r in recs), default=0.0
@@ -167,13 +185,13 @@ class SimResult:
             "failed": sum(1 for r in recs if r.outcome == "failed"),
             "slo_attainment": good / len(recs) if recs else 0.0,
             # Requests/s that met both SLOs over the arrival span; the DistServe goodput is the
-            # highest *offered* rate with attainment >= 0.9 (see sim.cluster.find_goodput).
+            # highest *offered* rate with attainment >= 0.9 (see bench.goodput).
             "slo_met_rps": good / span if span > 0 else float(good),
-            "ttft_p50_s": percentile(ttft, 0.5),
-            "ttft_p90_s": percentile(ttft, 0.9),
-            "ttft_p99_s": percentile(ttft, 0.99),
-            "tpot_p50_s": percentile(tpot, 0.5),
-            "tpot_p99_s": percentile(tpot, 0.99),
+            "ttft_p50_s": _pct(ttft, 50),
+            "ttft_p90_s": _pct(ttft, 90),
+            "ttft_p99_s": _pct(ttft, 99),
+            "tpot_p50_s": _pct(tpot, 50),
+            "tpot_p99_s": _pct(tpot, 99),
             "itl_p50_s": self.gaps.quantile(0.5),
             "itl_p90_s": self.gaps.quantile(0.9),
             "itl_p99_s": self.gaps.quantile(0.99),

@@ -2,7 +2,7 @@
 
 One frozen value describes a whole run, so two runs with equal configs (and seeds) are the same
 experiment. Workers carry their own `PerfModel`, so heterogeneous fleets (H100 prefill, L40S
-decode, ...) are just different `WorkerSpec`s; `ClusterConfig.homogeneous` builds the usual case.
+decode, ...) are just different `SimWorkerSpec`s; `ClusterConfig.homogeneous` builds the usual case.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from typing import Literal
 from policies.base import KVLayout
 from policies.costmodel import PerfModel, perf_model
 
-__all__ = ["WorkerSpec", "ClusterConfig", "OnFull", "Admission"]
+__all__ = ["SimWorkerSpec", "ClusterConfig", "OnFull", "Admission"]
 
 OnFull = Literal["preempt", "refuse"]
 Admission = Literal["instant", "predictive"]
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerSpec:
+class SimWorkerSpec:
     """One GPU worker (or one TP group acting as one worker)."""
 
     worker_id: str
@@ -42,10 +42,10 @@ class WorkerSpec:
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
-    """A cluster and a router mode. See `sim.cluster.simulate` for how each knob is used."""
+    """A cluster and a router mode. See `simcluster.engine.simulate` for how each knob is used."""
 
-    prefill: tuple[WorkerSpec, ...]
-    decode: tuple[WorkerSpec, ...]
+    prefill: tuple[SimWorkerSpec, ...]
+    decode: tuple[SimWorkerSpec, ...]
     model: str = "llama-3-8b"
     layout: KVLayout = KVLayout()
     # (prefill group, decode group) -> bytes/s; pairs not listed use the default.
@@ -141,7 +141,7 @@ class ClusterConfig:
         # A frozen config should not share a dict the caller can still mutate.
         object.__setattr__(self, "links", MappingProxyType(dict(self.links)))
 
-    def layout_of(self, spec: WorkerSpec) -> KVLayout:
+    def layout_of(self, spec: SimWorkerSpec) -> KVLayout:
         return spec.layout or self.layout
 
     @property
@@ -184,11 +184,11 @@ class ClusterConfig:
         )
         # A prefill spec carries the decode capacity too: an elastic worker may decode.
         prefill = tuple(
-            WorkerSpec(f"p{i}", p_perf, "prefill", capacity_blocks=capacity_blocks)
+            SimWorkerSpec(f"p{i}", p_perf, "prefill", capacity_blocks=capacity_blocks)
             for i in range(n_prefill)
         )
         decode = tuple(
-            WorkerSpec(f"d{i}", d_perf, "decode", capacity_blocks=capacity_blocks)
+            SimWorkerSpec(f"d{i}", d_perf, "decode", capacity_blocks=capacity_blocks)
             for i in range(n_decode)
         )
         if link_bytes_per_s is None:

@@ -1,5 +1,5 @@
 """The simulated workers' state: a prefill FIFO with a stranded-KV ledger, a continuous-batching
-decode worker with finite KV blocks. The event loop lives in `sim.cluster`; these classes only
+decode worker with finite KV blocks. The event loop lives in `simcluster.engine`; these classes only
 keep accounting straight and say what happened at each decode step boundary.
 
 Decode steps are simulated per worker, not per token: one event ends a step for the whole batch.
@@ -27,7 +27,7 @@ from itertools import count
 
 from policies.base import DecodeView, KVLayout, PrefillView, RequestInfo, blocks_for
 from policies.costmodel import PerfModel
-from sim.cluster_config import WorkerSpec
+from simcluster.config import SimWorkerSpec
 
 __all__ = ["Job", "PrefillWorker", "DecodeWorker", "quantize"]
 
@@ -91,7 +91,7 @@ class PrefillWorker:
         "rate", "_view", "busy_s", "nic_free",
     )  # fmt: skip
 
-    def __init__(self, idx: int, spec: WorkerSpec, layout: KVLayout, cap: int, lru_cap: int,
+    def __init__(self, idx: int, spec: SimWorkerSpec, layout: KVLayout, cap: int, lru_cap: int,
                  block_tokens: int) -> None:  # fmt: skip
         self.idx = idx
         self.wid = spec.worker_id
@@ -246,7 +246,7 @@ class DecodeWorker:
         "join_mid_step", "can_prefill", "nic_free",
     )  # fmt: skip
 
-    def __init__(self, idx: int, spec: WorkerSpec, layout: KVLayout, *, quantum: float = 0.0,
+    def __init__(self, idx: int, spec: SimWorkerSpec, layout: KVLayout, *, quantum: float = 0.0,
                  step_extra_s: float = 0.0, join_mid_step: bool = False,
                  can_prefill: bool = False) -> None:  # fmt: skip
         self.idx = idx

@@ -150,10 +150,9 @@ async def _start_workers(cluster: LocalCluster, kv_blocks: int) -> list[dict[str
         args = [
             sys.executable,
             "-m",
-            "router.cli",
+            "sim.worker",
             "--log-level",
             "WARNING",
-            "worker",
             "--role",
             role,
             "--port",
