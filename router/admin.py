@@ -8,6 +8,9 @@
     DELETE /admin/workers/{id}     remove a worker registered through this API
     POST   /admin/workers/{id}/drain    no new placements on it; its running streams finish
     POST   /admin/workers/{id}/undrain  back in use
+    GET    /admin/roles            `both` workers' roles, the last role decision and its reasons
+    POST   /admin/workers/{id}/role     {"role": "prefill"|"decode"}: switch a `both` worker
+                                   (it drains first; docs/elastic-roles.md)
 
 Registrations live in the shared store, so every replica adopts them within
 `registry_refresh_s`; the replica that takes the call applies it at once.
@@ -25,9 +28,10 @@ from router.appkeys import GATEWAY
 from router.auth import bearer_token, token_matches
 from router.config import ConfigError
 from router.drain import set_drained
-from router.errors import InvalidRequest, RouterError, Unauthorized
+from router.errors import InvalidRequest, RouterError, Unauthorized, Unavailable
 from router.gateway import Gateway
 from router.pools import WorkerState
+from router.roles import ROLES, RoleChangeRefused
 from router.scaling import scaling_report
 
 __all__ = ["add_admin_routes"]
@@ -36,6 +40,11 @@ __all__ = ["add_admin_routes"]
 class Forbidden(RouterError):
     status = 403
     type = "permission_error"
+
+
+class Conflict(RouterError):
+    status = 409
+    type = "conflict_error"
 
 
 def _gateway(request: web.Request) -> Gateway:
@@ -69,6 +78,7 @@ def describe(gw: Gateway, w: WorkerState) -> dict[str, object]:
         "paired": w.spec.id not in unpaired,
         "dynamic": w.dynamic,
         "drained": w.drained,
+        "current_role": w.current_role,
         "queued_prompt_tokens": w.queued_prompt_tokens,
         "resident_seqs": w.resident_seqs,
         "capacity_blocks": w.capacity_blocks,
@@ -220,6 +230,39 @@ async def undrain_worker(request: web.Request) -> web.Response:
     return await _drain(request, False)
 
 
+async def roles(request: web.Request) -> web.Response:
+    manager = request.app.get(ROLES)
+    if manager is None:
+        raise Unavailable("the role manager is not running yet", retry_after_s=1.0)
+    return _json(manager.report())
+
+
+async def set_role(request: web.Request) -> web.Response:
+    gw = _gateway(request)
+    _require_token(gw, request)
+    wid = request.match_info["worker_id"]
+    try:
+        raw = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"the body is not valid JSON: {exc}") from exc
+    role = raw.get("role") if isinstance(raw, dict) else None
+    if role not in ("prefill", "decode"):
+        raise InvalidRequest(
+            'the body must be {"role": "prefill"} or {"role": "decode"}', param="role"
+        )
+    manager = request.app.get(ROLES)
+    if manager is None:
+        raise Unavailable("the role manager is not running yet", retry_after_s=1.0)
+    try:
+        record = await manager.force(wid, role)
+    except KeyError:
+        return _not_found(wid)
+    except RoleChangeRefused as exc:
+        raise Conflict(str(exc), param="id") from exc
+    state = gw.pools.workers[wid]
+    return _json({**describe(gw, state), "role_version": record.version})
+
+
 def add_admin_routes(app: web.Application) -> None:
     app.router.add_get("/admin/state", admin_state)
     app.router.add_get("/admin/workers", list_workers)
@@ -228,3 +271,5 @@ def add_admin_routes(app: web.Application) -> None:
     app.router.add_delete("/admin/workers/{worker_id}", remove_worker)
     app.router.add_post("/admin/workers/{worker_id}/drain", drain_worker)
     app.router.add_post("/admin/workers/{worker_id}/undrain", undrain_worker)
+    app.router.add_get("/admin/roles", roles)
+    app.router.add_post("/admin/workers/{worker_id}/role", set_role)

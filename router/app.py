@@ -13,8 +13,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from policies.base import OutputLengthEstimator, PlacementPolicy
-from policies.registry import load_estimator, load_policy
+from policies.base import OutputLengthEstimator, PlacementPolicy, RolePolicy
+from policies.registry import load_estimator, load_policy, load_role_policy
 from router.adapters import prefill_target, query_engine_ids
 from router.adapters.mooncake import DEFAULT_BOOTSTRAP_PORT
 from router.admin import add_admin_routes
@@ -35,6 +35,7 @@ from router.passthrough import PASSTHROUGH_ROUTES, add_passthrough_routes
 from router.pools import Pools
 from router.responses import RESPONSES_ROUTE
 from router.retry_budget import RetryBudget
+from router.roles import ROLES, RoleManager
 from router.scaling import export_scaling, scaling_report
 from router.server import read_body
 from router.shutdown import SHUTDOWN, Shutdown
@@ -403,6 +404,8 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
         tasks.loop(pools.run_load_poller(session), "load-poller")
         tasks.loop(gw.leases.run(), "lease-keeper")
         tasks.loop(_tally_requests(gw), "retry-tally")
+        app[ROLES] = RoleManager(gw, app[_ROLE_POLICY])
+        tasks.loop(app[ROLES].run(), "role-manager")
         try:
             yield
         finally:
@@ -424,6 +427,7 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
 _POLICY = web.AppKey("policy", PlacementPolicy)
 _TRACER_PROVIDER = web.AppKey("tracer_provider", object)
 _ESTIMATOR = web.AppKey("estimator", OutputLengthEstimator)
+_ROLE_POLICY = web.AppKey("role_policy", RolePolicy)
 
 
 def create_app(settings: Settings, *, tracer_provider: object = None) -> web.Application:
@@ -436,6 +440,7 @@ def create_app(settings: Settings, *, tracer_provider: object = None) -> web.App
     app[_TRACER_PROVIDER] = tracer_provider
     app[_POLICY] = load_policy(settings.policy, settings.policy_args)
     app[_ESTIMATOR] = load_estimator(settings.estimator, settings.estimator_args)
+    app[_ROLE_POLICY] = load_role_policy(settings.roles.policy, dict(settings.roles.policy_args))
     app.cleanup_ctx.append(_gateway_context(settings))
     app.router.add_post(CHAT, chat_completions)
     app.router.add_post(COMPLETIONS, completions)

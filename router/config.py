@@ -35,6 +35,7 @@ __all__ = [
     "WorkerSpec",
     "Timeouts",
     "RetrySettings",
+    "RoleSettings",
     "Settings",
     "load_settings",
     "read_config",
@@ -135,6 +136,36 @@ class RetrySettings:
 
 
 @dataclass(frozen=True, slots=True)
+class RoleSettings:
+    """The role manager (router/roles.py): which `both` workers serve prefill, which decode."""
+
+    policy: str = "static"  # static | elastic | a dotted path (policies/registry.py)
+    policy_args: Mapping[str, Any] = field(default_factory=dict)
+    interval_s: float = 2.0  # how often the replica holding the lease decides
+    # Before a drained worker takes its new role: every replica must have seen the drain (a
+    # placement decided before it saw it lands within a registry refresh), so at least this.
+    settle_s: float = 2.0
+    # A worker leaving decode whose streams still run after this long has them resumed
+    # elsewhere (the exact tokens sent so far); one leaving prefill has its stranded KV reaped.
+    drain_deadline_s: float = 30.0
+    # The modelled pause between drained and serving the new role (0 for vLLM kv_both: a role
+    # is a per-request choice there, nothing restarts), told to the policy.
+    reconfig_pause_s: float = 0.0
+    # The demand signals' smoothing window (prompt tokens/s, recent peak of the queue).
+    window_s: float = 30.0
+    # A `both` worker given the decode role may still prefill its own requests when placement
+    # prefers it (the time-shared arrangement, mixed with the pools); False: a worker with a
+    # role serves that role's pool only, every request's KV moves from prefill to decode.
+    local_prefill: bool = False
+
+    def __post_init__(self) -> None:
+        if min(self.interval_s, self.window_s) <= 0:
+            raise ValueError("roles: interval_s and window_s must be > 0")
+        if min(self.settle_s, self.drain_deadline_s, self.reconfig_pause_s) < 0:
+            raise ValueError("roles: settle_s, drain_deadline_s, reconfig_pause_s must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -193,6 +224,7 @@ class Settings:
     shutdown_grace_s: float = 20.0
     # The SLOs and headroom the autoscaling recommendation sizes each pool for (router/scaling.py).
     scaling: ScalingSLO = field(default_factory=ScalingSLO)
+    roles: RoleSettings = field(default_factory=RoleSettings)  # `both` workers' roles
     # OpenTelemetry spans per request, traceparent to the workers (router/tracing.py; needs
     # the `otel` extra).
     tracing: bool = False
@@ -452,6 +484,7 @@ def settings_from_mapping(raw: Mapping[str, Any]) -> Settings:
         ("admission", AdmissionSettings),
         ("breaker", BreakerSettings),
         ("scaling", ScalingSLO),
+        ("roles", RoleSettings),
     ):
         value = raw.pop(key, None) or {}
         try:

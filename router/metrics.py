@@ -187,6 +187,42 @@ class RouterMetrics:
             ["task"],
             registry=r,
         )
+        # -- elastic roles (router/roles.py) ---------------------------------------------------
+        self.worker_role = Gauge(
+            p + "worker_role",
+            "1 for a `both` worker's current role (prefill, decode, draining-to-prefill, "
+            "draining-to-decode), 0 for the others",
+            ["worker", "role"],
+            registry=r,
+        )
+        self.role_switches = Counter(
+            p + "role_switches",
+            "Role switches started (a drain toward to_role), by what started them",
+            ["worker", "to_role", "trigger"],
+            registry=r,
+        )
+        self.role_decisions = Counter(
+            p + "role_decisions",
+            "Role policy decisions of this replica (while it held the lease), by outcome",
+            ["note"],
+            registry=r,
+        )
+        self.role_pressure = Gauge(
+            p + "role_pressure",
+            "Each phase's pressure at the last role decision (1.0 = at its SLO-bound capacity)",
+            ["phase"],
+            registry=r,
+        )
+        self.role_leader = Gauge(
+            p + "role_leader", "1 while this replica holds the role manager's lease", registry=r
+        )
+        self.role_migrations = Counter(
+            p + "role_migrations",
+            "Decode streams cut past the drain deadline of a worker leaving decode (resumed "
+            "elsewhere)",
+            ["worker"],
+            registry=r,
+        )
         # -- autoscaling signals (router/scaling.py), set at each scrape ---------------------
         self.prefill_arriving_tokens = Gauge(
             p + "scaling_prefill_arriving_tokens_per_second",

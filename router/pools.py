@@ -31,7 +31,7 @@ from router.discovery import (
 )
 from router.drain import apply_drained
 from router.prefixes import RecentPrefixes
-from state.base import StateStore, StoreError
+from state.base import StateStore, StoreError, WorkerRole
 
 __all__ = ["WorkerState", "Pools"]
 
@@ -69,10 +69,31 @@ class WorkerState:
     # False until a `discover_layout` worker has told its layout: never paired on a guess.
     layout_known: bool = True
     drained: bool = False  # an operator's drain (router/drain.py): no new placements
+    # A `both` worker's current role from the store (router/roles.py); None: never given one,
+    # it serves as it always has (decode, prefilling its own requests when the policy says).
+    role_state: WorkerRole | None = None
+    # Its decode streams open on this replica, so that a drain past its deadline can cut them
+    # (they resume elsewhere with the tokens sent so far).
+    open_streams: set[Any] = field(default_factory=set)
 
     @property
     def worker_id(self) -> str:
         return self.spec.id
+
+    @property
+    def current_role(self) -> str:
+        """prefill | decode | both (a `both` worker with no role yet) | draining-to-<role>."""
+        if self.spec.role != "both" or self.role_state is None:
+            return self.spec.role
+        return self.role_state.role
+
+    @property
+    def in_prefill_pool(self) -> bool:
+        return self.current_role == "prefill"
+
+    @property
+    def in_decode_pool(self) -> bool:
+        return self.current_role in ("decode", "both")
 
     @property
     def available(self) -> bool:
@@ -108,13 +129,44 @@ class Pools:
     def __repr__(self) -> str:
         return f"Pools({list(self.workers.values())!r})"
 
+    # A `both` worker is in one pool at a time, the one its current role names; draining
+    # between the two, in neither (no new work) while what it holds finishes.
     @property
     def prefill_workers(self) -> Iterable[WorkerState]:
-        return (w for w in self.workers.values() if w.spec.role == "prefill")
+        return (w for w in self.workers.values() if w.in_prefill_pool)
 
     @property
     def decode_workers(self) -> Iterable[WorkerState]:
+        return (w for w in self.workers.values() if w.in_decode_pool)
+
+    @property
+    def both_workers(self) -> Iterable[WorkerState]:
+        return (w for w in self.workers.values() if w.spec.role == "both")
+
+    # Whatever a worker's role now, the store's ledgers for each side it can serve are read:
+    # a worker leaving decode still holds reservations, one leaving prefill stranded KV.
+    @property
+    def _reservable(self) -> Iterable[WorkerState]:
         return (w for w in self.workers.values() if w.spec.is_decode)
+
+    @property
+    def _strandable(self) -> Iterable[WorkerState]:
+        return (w for w in self.workers.values() if w.spec.is_prefill)
+
+    def _can_prefill_locally(self, w: WorkerState) -> bool:
+        if w.spec.role != "both":
+            return False
+        return w.role_state is None or self.settings.roles.local_prefill
+
+    def apply_roles(self, roles: dict[str, WorkerRole]) -> None:
+        """Take the store's roles of the `both` workers (logged on a change)."""
+        for w in self.both_workers:
+            record = roles.get(w.spec.id)
+            if record != w.role_state:
+                old = w.role_state.role if w.role_state is not None else None
+                if record is not None and old != record.role:
+                    log.info("worker %s is now %s", w.spec.id, record.role)
+                w.role_state = record
 
     # -- membership ---------------------------------------------------------------------------
     def add(
@@ -184,6 +236,8 @@ class Pools:
             self.remove(wid)
             log.info("worker %s left the pools", wid)
         apply_drained(self.workers.values(), await self.store.drained_workers())
+        if any(True for _ in self.both_workers):
+            self.apply_roles(await self.store.worker_roles())
         if session is not None and joined:
             await asyncio.gather(*(self.probe(session, w) for w in joined))
 
@@ -268,7 +322,7 @@ class Pools:
                 group=w.spec.group,
                 step_base_s=w.spec.perf.step_base_s if w.spec.perf else 0.005,
                 step_s_per_block=w.spec.perf.step_s_per_block if w.spec.perf else 0.0,
-                can_prefill=w.spec.role == "both",
+                can_prefill=self._can_prefill_locally(w),
                 prefill_tokens_per_s=(
                     w.spec.perf.prefill_tokens_per_s() if w.spec.perf else 10_000.0
                 ),
@@ -302,7 +356,7 @@ class Pools:
     # -- background tasks ---------------------------------------------------------------------
     async def register_capacities(self) -> None:
         await asyncio.gather(
-            *(self.store.set_capacity(w.spec.id, w.capacity_blocks) for w in self.decode_workers)
+            *(self.store.set_capacity(w.spec.id, w.capacity_blocks) for w in self._reservable)
         )
 
     async def check_store(self) -> None:
@@ -346,8 +400,8 @@ class Pools:
 
     async def _refresh_from_store(self) -> None:
         await self.check_store()
-        decode_ids = [w.spec.id for w in self.decode_workers]
-        prefill_ids = [w.spec.id for w in self.prefill_workers]
+        decode_ids = [w.spec.id for w in self._reservable]
+        prefill_ids = [w.spec.id for w in self._strandable]
         usage = await self.store.decode_usage(decode_ids)
         stranded = await self.store.stranded_bytes(prefill_ids) if prefill_ids else {}
         for wid, u in usage.items():
@@ -359,7 +413,7 @@ class Pools:
                     await self.store.set_capacity(wid, w.capacity_blocks)
         now = time.monotonic()
         if self._last_refresh is not None:
-            total = sum(w.stranded_bytes for w in self.prefill_workers)
+            total = sum(w.stranded_bytes for w in self._strandable)
             self.stranded_byte_seconds += total * (now - self._last_refresh)
         self._last_refresh = now
         for wid, nbytes in stranded.items():

@@ -153,6 +153,7 @@ class Responder:
         gw = self.call.gw
         worker = gw.pools.workers[attempt.candidate.decode_id]
         worker.resident_seqs += 1
+        worker.open_streams.add(resp)  # a role drain past its deadline may cut it (router/roles.py)
         self.progress.watch(attempt, ask)
         try:
             relay: Any = relay_splice if isinstance(resp, SpliceResponse) else relay_sse
@@ -166,6 +167,7 @@ class Responder:
             )
         finally:
             worker.resident_seqs -= 1
+            worker.open_streams.discard(resp)
             resp.close()
         return worker, result
 

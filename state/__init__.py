@@ -16,6 +16,7 @@ from state.base import (
     StoreBusy,
     StoreError,
     StrandedEntry,
+    WorkerRole,
 )
 from state.keys import DEFAULT_PREFIX, Keys
 from state.memory_store import MemoryStore
@@ -40,6 +41,7 @@ __all__ = [
     "StoreError",
     "StoreUnavailableError",
     "StrandedEntry",
+    "WorkerRole",
     "open_store",
     "redact_url",
 ]

@@ -24,6 +24,8 @@ __all__ = [
     "Finished",
     "StrandedEntry",
     "RetryBudgetPolicy",
+    "WorkerRole",
+    "ROLE_STATES",
     "StateStore",
     "StoreBusy",
     "StoreError",
@@ -59,6 +61,30 @@ class StrandedEntry:
     request_id: str
     nbytes: int
     since_s: float  # store clock (unix seconds) when the KV became ready
+
+
+# A `both` (kv_both) worker's current role: serving prefill or decode, or leaving the other one
+# for it (no new work of the old kind while what it holds finishes; none of the new kind yet).
+ROLE_STATES = ("prefill", "decode", "draining-to-prefill", "draining-to-decode")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRole:
+    """A `both` worker's role as every replica sees it. `version` counts its changes: a change
+    is a compare-and-set on it, so two replicas cannot both flip the same worker."""
+
+    role: str  # one of ROLE_STATES
+    version: int
+    since_s: float  # store clock (unix seconds) of the last change
+
+    @property
+    def target(self) -> str:
+        """The role it serves or is heading to."""
+        return self.role.removeprefix("draining-to-")
+
+    @property
+    def draining(self) -> bool:
+        return self.role.startswith("draining-to-")
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +206,25 @@ class StateStore(Protocol):
 
     async def drained_workers(self) -> set[str]:
         """The ids of every drained worker."""
+
+    # -- roles of `both` workers (shared by every replica) ------------------------------------
+    async def worker_roles(self) -> dict[str, WorkerRole]:
+        """Every `both` worker's current role (workers never given one are absent)."""
+
+    async def set_role(self, worker_id: str, role: str, expect_version: int) -> WorkerRole | None:
+        """Set `worker_id`'s role to `role` (one of ROLE_STATES) if its version is still
+        `expect_version` (0: it has none yet); returns the new record, or None when another
+        change came first (nothing written)."""
+
+    async def forget_role(self, worker_id: str) -> bool:
+        """Drop `worker_id`'s role (it left the pools); True if it had one."""
+
+    async def hold_lease(self, name: str, holder: str, ttl_s: float) -> bool:
+        """Take the lease `name` for `holder`, or extend it if `holder` has it already; False
+        while another holder's lease is live. One replica decides roles at a time."""
+
+    async def release_lease(self, name: str, holder: str) -> bool:
+        """Give the lease back if `holder` has it (True), so another replica need not wait."""
 
     # -- lifecycle ------------------------------------------------------------------------
     async def check_marker(self, ttl_s: float) -> bool:

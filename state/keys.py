@@ -22,6 +22,8 @@ key                            type    meaning
 ``<p>{reg}:workers``           hash    worker id -> its registration (JSON), shared by replicas
 ``<p>{reg}:marker``            string  present while the store keeps its data (TTL, refreshed)
 ``<p>{reg}:drained``           set     ids of drained workers: no new placements, shared by replicas
+``<p>{reg}:roles``             hash    `both` worker id -> "role|version|since" (its current role)
+``<p>{reg}:lease:<name>``      string  holder of a lease (one replica runs the role manager), TTL
 =============================  ======  =============================================================
 
 The retry-budget hashes keep one field per second; the scripts drop fields older than
@@ -37,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from state.base import RetryBudgetPolicy
+from state.base import ROLE_STATES, RetryBudgetPolicy
 
 __all__ = [
     "Keys",
@@ -78,6 +80,11 @@ def check_id(kind: str, value: str) -> str:
 def check_count(name: str, value: int) -> None:
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def check_role(role: str) -> None:
+    if role not in ROLE_STATES:
+        raise ValueError(f"role must be one of {', '.join(ROLE_STATES)}, not {role!r}")
 
 
 def check_lease(lease_s: float) -> None:
@@ -173,6 +180,13 @@ class Keys:
     @property
     def drained(self) -> str:
         return f"{self.prefix}{{reg}}:drained"
+
+    @property
+    def roles(self) -> str:
+        return f"{self.prefix}{{reg}}:roles"
+
+    def lease(self, name: str) -> str:
+        return f"{self.prefix}{{reg}}:lease:{check_id('lease', name)}"
 
     # -- store-loss marker: under the registry's tag, so the shard that would lose the
     # registrations is the shard whose loss it reveals.

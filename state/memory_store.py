@@ -20,8 +20,15 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from state.base import DecodeUsage, Finished, RetryBudgetPolicy, StrandedEntry
-from state.keys import RETRY_RETENTION_S, check_count, check_id, check_lease, check_policy
+from state.base import DecodeUsage, Finished, RetryBudgetPolicy, StrandedEntry, WorkerRole
+from state.keys import (
+    RETRY_RETENTION_S,
+    check_count,
+    check_id,
+    check_lease,
+    check_policy,
+    check_role,
+)
 
 __all__ = ["MemoryStore"]
 
@@ -85,6 +92,8 @@ class MemoryStore:
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._registry: dict[str, str] = {}
         self._drained: set[str] = set()
+        self._roles: dict[str, WorkerRole] = {}
+        self._leases: dict[str, tuple[str, float]] = {}  # name -> (holder, until)
         self._clock = clock
         self._decode: dict[str, _DecodeWorker] = {}
         self._ledgers: dict[str, _Ledger] = {}
@@ -289,6 +298,40 @@ class MemoryStore:
 
     async def drained_workers(self) -> set[str]:
         return set(self._drained)
+
+    # -- roles of `both` workers ----------------------------------------------------------------
+    async def worker_roles(self) -> dict[str, WorkerRole]:
+        return dict(self._roles)
+
+    async def set_role(self, worker_id: str, role: str, expect_version: int) -> WorkerRole | None:
+        wid = check_id("worker_id", worker_id)
+        check_role(role)
+        current = self._roles.get(wid)
+        if (current.version if current else 0) != expect_version:
+            return None
+        record = WorkerRole(role, expect_version + 1, self._clock())
+        self._roles[wid] = record
+        return record
+
+    async def forget_role(self, worker_id: str) -> bool:
+        return self._roles.pop(worker_id, None) is not None
+
+    async def hold_lease(self, name: str, holder: str, ttl_s: float) -> bool:
+        check_id("lease", name)
+        check_lease(ttl_s)
+        now = self._clock()
+        current = self._leases.get(name)
+        if current is not None and current[0] != holder and current[1] > now:
+            return False
+        self._leases[name] = (holder, now + ttl_s)
+        return True
+
+    async def release_lease(self, name: str, holder: str) -> bool:
+        current = self._leases.get(name)
+        if current is None or current[0] != holder:
+            return False
+        del self._leases[name]
+        return True
 
     # -- lifecycle ------------------------------------------------------------------------
     async def check_marker(self, ttl_s: float) -> bool:

@@ -45,6 +45,7 @@ from state.base import (
     StoreBusy,
     StoreError,
     StrandedEntry,
+    WorkerRole,
 )
 from state.keys import (
     DEFAULT_PREFIX,
@@ -55,6 +56,7 @@ from state.keys import (
     check_id,
     check_lease,
     check_policy,
+    check_role,
 )
 
 __all__ = ["CLUSTER_SCHEMES", "RedisStore", "StoreUnavailableError", "is_cluster_url", "redact_url"]
@@ -331,6 +333,36 @@ redis.call('DECRBY', KEYS[3], old)
 return tonumber(old)
 """
 
+# A role change, compare-and-set on the version. KEYS[1] {reg}:roles  ARGV[1] now ('' = the
+# server's clock)  ARGV[2] worker id  ARGV[3] role  ARGV[4] expected version (0: none yet).
+# Returns the new "role|version|since", or false when the version moved on.
+SET_ROLE_SCRIPT = (
+    _LUA_CLOCK
+    + """
+local cur = redis.call('HGET', KEYS[1], ARGV[2])
+local version = 0
+if cur then version = tonumber(string.match(cur, '^[^|]*|(%d+)|')) end
+if version ~= tonumber(ARGV[4]) then return false end
+local rec = ARGV[3] .. '|' .. (version + 1) .. '|' .. score(clock())
+redis.call('HSET', KEYS[1], ARGV[2], rec)
+return rec
+"""
+)
+
+# Take or extend a lease. KEYS[1] the lease key  ARGV[1] holder  ARGV[2] ttl in ms.
+HOLD_LEASE_SCRIPT = """
+local cur = redis.call('GET', KEYS[1])
+if cur and cur ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+RELEASE_LEASE_SCRIPT = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+"""
+
 # Remove and return entries stranded at least `older_than` seconds.
 # ARGV[1] now  ARGV[2] older_than seconds
 # Returns a flat list {id, bytes, since, id, bytes, since, ...} (strings: Lua numbers would be
@@ -498,6 +530,9 @@ class RedisStore:
         self._reap = register(REAP_SCRIPT)
         self._note_request = register(NOTE_REQUEST_SCRIPT)
         self._try_retry = register(TRY_RETRY_SCRIPT)
+        self._set_role = register(SET_ROLE_SCRIPT)
+        self._hold_lease = register(HOLD_LEASE_SCRIPT)
+        self._release_lease = register(RELEASE_LEASE_SCRIPT)
 
     @classmethod
     def from_url(
@@ -842,6 +877,34 @@ class RedisStore:
         raw = await self._client.smembers(self._keys.drained)
         return {m.decode() if isinstance(m, bytes) else m for m in raw}
 
+    # -- roles of `both` workers ----------------------------------------------------------------
+    @_store_call
+    async def worker_roles(self) -> dict[str, WorkerRole]:
+        raw = await self._client.hgetall(self._keys.roles)
+        return {_text(k): _role(_text(v)) for k, v in raw.items()}
+
+    @_store_call
+    async def set_role(self, worker_id: str, role: str, expect_version: int) -> WorkerRole | None:
+        check_role(role)
+        wid = check_id("worker_id", worker_id)
+        args: list[str | int] = [self._now(), wid, role, int(expect_version)]
+        rec = await self._set_role(keys=[self._keys.roles], args=args)
+        return None if not rec else _role(_text(rec))
+
+    @_store_call
+    async def forget_role(self, worker_id: str) -> bool:
+        return bool(await self._client.hdel(self._keys.roles, worker_id))
+
+    @_store_call
+    async def hold_lease(self, name: str, holder: str, ttl_s: float) -> bool:
+        check_lease(ttl_s)
+        args: list[str | int] = [holder, max(1, int(ttl_s * 1000))]
+        return bool(await self._hold_lease(keys=[self._keys.lease(name)], args=args))
+
+    @_store_call
+    async def release_lease(self, name: str, holder: str) -> bool:
+        return bool(await self._release_lease(keys=[self._keys.lease(name)], args=[holder]))
+
     # -- lifecycle ------------------------------------------------------------------------
     @_store_call
     async def check_marker(self, ttl_s: float) -> bool:
@@ -875,6 +938,11 @@ class RedisStore:
             f"RedisStore({where}, prefix={self._keys.prefix!r}, clock={clock}, "
             f"owns_client={self._owns_client})"
         )
+
+
+def _role(record: str) -> WorkerRole:
+    role, version, since = record.split("|")
+    return WorkerRole(role, int(version), float(since))
 
 
 def _describe(client: aioredis.Redis | RedisCluster) -> str:

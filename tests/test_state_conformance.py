@@ -757,3 +757,62 @@ async def test_a_full_connection_pool_waits_instead_of_failing(prefix: str) -> N
         async with _redis(prefix):
             pass
         await store.close()
+
+
+# -- roles of `both` workers (docs/elastic-roles.md, "Live") --------------------------------
+
+
+async def test_role_changes_are_versioned_compare_and_set(store: StateStore) -> None:
+    assert await store.worker_roles() == {}
+    first = await store.set_role("b1", "decode", 0)
+    assert first is not None and (first.role, first.version) == ("decode", 1)
+    assert await store.set_role("b1", "prefill", 0) is None  # stale version: nothing written
+    moving = await store.set_role("b1", "draining-to-prefill", 1)
+    assert moving is not None and moving.draining and moving.target == "prefill"
+    assert moving.version == 2 and moving.since_s >= first.since_s
+    roles = await store.worker_roles()
+    assert set(roles) == {"b1"} and roles["b1"] == moving
+    assert await store.forget_role("b1") is True
+    assert await store.forget_role("b1") is False
+    assert await store.worker_roles() == {}
+    with pytest.raises(ValueError):
+        await store.set_role("b1", "sideways", 0)
+    with pytest.raises(ValueError):
+        await store.set_role("bad{id}", "decode", 0)
+
+
+async def test_concurrent_role_changes_flip_a_worker_once(store: StateStore) -> None:
+    await store.set_role("b1", "decode", 0)
+    # Two replicas saw version 1 and both try to move the worker: exactly one wins.
+    results = await asyncio.gather(
+        *(store.set_role("b1", "draining-to-prefill", 1) for _ in range(8))
+    )
+    assert sum(1 for r in results if r is not None) == 1
+    assert (await store.worker_roles())["b1"].version == 2
+
+
+async def test_role_changes_carry_the_store_clock(
+    clocked: tuple[StateStore, SteppedClock],
+) -> None:
+    store, clock = clocked
+    rec = await store.set_role("b1", "prefill", 0)
+    assert rec is not None and rec.since_s == pytest.approx(clock.now, abs=1e-5)
+    clock.advance(7.5)
+    rec = await store.set_role("b1", "draining-to-decode", 1)
+    assert rec is not None and rec.since_s == pytest.approx(clock.now, abs=1e-5)
+
+
+async def test_a_lease_has_one_holder_until_it_expires_or_is_released(
+    store: StateStore,
+) -> None:
+    assert await store.hold_lease("roles", "a", SHORT) is True
+    assert await store.hold_lease("roles", "a", SHORT) is True  # the holder extends it
+    assert await store.hold_lease("roles", "b", LONG) is False
+    await asyncio.sleep(EXPIRED_AFTER)
+    assert await store.hold_lease("roles", "b", LONG) is True  # a's lapsed
+    assert await store.release_lease("roles", "a") is False  # not a's to give back
+    assert await store.release_lease("roles", "b") is True
+    assert await store.hold_lease("roles", "a", LONG) is True
+    assert await store.release_lease("roles", "a") is True
+    with pytest.raises(ValueError):
+        await store.hold_lease("roles", "a", 0)

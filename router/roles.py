@@ -1,0 +1,292 @@
+"""The role manager: moves `both` (kv_both) workers between the prefill and the decode pool.
+
+Every `roles.interval_s` each replica reads the roles from the store (so all replicas place
+alike) and tries to hold the `roles` lease; the one holding it decides for all:
+
+1. **Finish drains.** A worker switching is first `draining-to-<role>`: in neither pool, so it
+   takes no new work of either kind while what it holds finishes. Leaving decode, it is done
+   when no replica holds a reservation on it (the store's count, exact across replicas);
+   leaving prefill, when no stranded KV is left on it (pulled by its decode, or reaped). Either
+   way not before `settle_s`, so every replica has seen the drain (a placement decided before
+   it did is then visible in the store). Done: it becomes `<role>` and enters that pool.
+2. **Decide.** The role policy (the object the simulator runs, policies/roles.py) gets a
+   `RoleSnapshot` of the live signals (router/role_signals.py) and names the switches to
+   start; hysteresis, time in role and the switch cap are the policy's.
+
+Past `drain_deadline_s`, every replica cuts its own decode streams still running on a worker
+leaving decode: each resumes on another decode worker with the exact tokens sent so far (the
+resume path of a broken stream, router/lifecycle.py). A worker leaving prefill has its
+stranded KV reaped then. Each change is a compare-and-set on the role's version, so two
+replicas (or an operator's `POST /admin/workers/{id}/role` racing the leader) never flip one
+worker twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from policies.base import RolePlan, RolePolicy
+from policies.registry import load_role_policy
+from router.gateway import Gateway
+from router.pools import WorkerState
+from router.role_signals import QueuePeak, role_of, role_snapshot
+from state.base import ROLE_STATES, StoreError, WorkerRole
+
+__all__ = ["ROLES", "RoleChangeRefused", "RoleEvent", "RoleManager"]
+
+log = logging.getLogger(__name__)
+
+LEASE = "roles"
+
+
+class RoleChangeRefused(Exception):
+    """A forced role change that cannot be made (not a `both` worker, or it lost a race)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoleEvent:
+    at_s: float  # unix seconds
+    worker_id: str
+    from_role: str
+    to_role: str
+    trigger: str  # policy | operator | drained | deadline
+    reason: str
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "at": self.at_s,
+            "worker": self.worker_id,
+            "from": self.from_role,
+            "to": self.to_role,
+            "trigger": self.trigger,
+            "reason": self.reason,
+        }
+
+
+class RoleManager:
+    def __init__(self, gw: Gateway, policy: RolePolicy | None = None) -> None:
+        self.gw = gw
+        s = gw.settings.roles
+        self.settings = s
+        self.policy: RolePolicy = policy or load_role_policy(s.policy, dict(s.policy_args))
+        self.holder = uuid.uuid4().hex  # this replica, as the lease knows it
+        self.leader = False
+        self.last_plan: RolePlan | None = None
+        self.last_decided_s: float | None = None
+        self.events: collections.deque[RoleEvent] = collections.deque(maxlen=100)
+        self._switch_starts: collections.deque[float] = collections.deque(maxlen=64)
+        self._peak = QueuePeak(s.window_s)
+
+    def __repr__(self) -> str:
+        return f"RoleManager(policy={self.policy.name}, leader={self.leader})"
+
+    # -- the loop -----------------------------------------------------------------------------
+    async def run(self) -> None:
+        try:
+            while True:
+                try:
+                    if any(True for _ in self.gw.pools.both_workers):  # else nothing to re-role
+                        await self.tick()
+                except asyncio.CancelledError:
+                    raise
+                except StoreError as exc:  # the refresher reports the outage
+                    log.debug("role manager: store call failed: %s", exc)
+                except Exception as exc:  # a bug must not end the loop
+                    log.warning("role manager tick failed: %r", exc)
+                await asyncio.sleep(self.settings.interval_s)
+        finally:
+            if self.leader:
+                await asyncio.shield(self._release_lease())
+
+    async def _release_lease(self) -> None:
+        try:
+            await self.gw.store.release_lease(LEASE, self.holder)
+        except StoreError:
+            pass  # it lapses by itself
+
+    async def tick(self) -> None:
+        gw = self.gw
+        roles = await gw.store.worker_roles()
+        gw.pools.apply_roles(roles)
+        self._export_roles()
+        self._cut_overdue_streams()
+        ttl = max(3 * self.settings.interval_s, 1.0)
+        self.leader = await gw.store.hold_lease(LEASE, self.holder, ttl)
+        gw.metrics.role_leader.set(1 if self.leader else 0)
+        if not self.leader:
+            return
+        await self._finish_drains()
+        now = time.time()
+        arriving = sum(gw.demand.arriving_tokens_per_s(m) for m in gw.demand.models())
+        recent = tuple(t for t in self._switch_starts if now - t < 60.0)
+        snapshot = role_snapshot(
+            gw.pools, gw.settings, arriving_tokens_per_s=arriving, peak=self._peak,
+            recent_switches_s=recent, now_s=now,
+        )  # fmt: skip
+        plan = self.policy.decide(snapshot)
+        self.last_plan, self.last_decided_s = plan, now
+        gw.metrics.role_pressure.labels(phase="prefill").set(_finite(plan.prefill_pressure))
+        gw.metrics.role_pressure.labels(phase="decode").set(_finite(plan.decode_pressure))
+        gw.metrics.role_decisions.labels(note=_note_kind(plan)).inc()
+        for switch in plan.switches:
+            w = gw.pools.workers.get(switch.worker_id)
+            if w is None or w.spec.role != "both":
+                continue
+            await self._start(w, switch.to_role, "policy", switch.reason)
+
+    def _export_roles(self) -> None:
+        gauge = self.gw.metrics.worker_role
+        for w in self.gw.pools.both_workers:
+            current = w.current_role
+            for role in ("both", *ROLE_STATES):
+                gauge.labels(worker=w.spec.id, role=role).set(1 if role == current else 0)
+
+    # -- switching ----------------------------------------------------------------------------
+    async def force(self, worker_id: str, role: str) -> WorkerRole:
+        """An operator's switch of `worker_id` to `role` (prefill | decode): it drains first,
+        like the policy's; the lease holder completes it."""
+        w = self.gw.pools.workers.get(worker_id)
+        if w is None:
+            raise KeyError(worker_id)
+        if w.spec.role != "both":
+            raise RoleChangeRefused(
+                f"worker {worker_id} was registered as {w.spec.role}; only a `both` "
+                "(kv_both) worker can change roles"
+            )
+        current = (await self.gw.store.worker_roles()).get(worker_id)
+        w.role_state = current
+        if current is not None and current.target == role:
+            return current  # already there, or on its way
+        record = await self._start(w, role, "operator", f"forced to {role} through the admin API")
+        if record is None:
+            raise RoleChangeRefused(f"worker {worker_id}'s role changed meanwhile; try again")
+        return record
+
+    async def _start(
+        self, w: WorkerState, to_role: str, trigger: str, reason: str
+    ) -> WorkerRole | None:
+        before = w.current_role
+        record = await self._set(w, f"draining-to-{to_role}")
+        if record is None:
+            return None
+        self._switch_starts.append(record.since_s)
+        self._note(w, before, record.role, trigger, reason)
+        switches = self.gw.metrics.role_switches
+        switches.labels(worker=w.spec.id, to_role=to_role, trigger=trigger).inc()
+        return record
+
+    async def _set(self, w: WorkerState, role: str) -> WorkerRole | None:
+        expect = w.role_state.version if w.role_state is not None else 0
+        record = await self.gw.store.set_role(w.spec.id, role, expect)
+        if record is None:  # another replica (or the operator) came first: take theirs
+            w.role_state = (await self.gw.store.worker_roles()).get(w.spec.id)
+            return None
+        w.role_state = record
+        return record
+
+    def _note(self, w: WorkerState, before: str, after: str, trigger: str, reason: str) -> None:
+        event = RoleEvent(time.time(), w.spec.id, before, after, trigger, reason)
+        self.events.append(event)
+        log.info("worker %s: %s -> %s (%s: %s)", w.spec.id, before, after, trigger, reason)
+
+    async def _finish_drains(self) -> None:
+        now = time.time()
+        for w in list(self.gw.pools.both_workers):
+            record = w.role_state
+            if record is None or not record.draining:
+                continue
+            age = now - record.since_s
+            if age < self.settings.settle_s:
+                continue
+            if record.target == "decode":  # leaving prefill: its KV must be gone first
+                if age >= self.settings.drain_deadline_s and w.stranded_bytes > 0:
+                    await self._reap(w)
+                held = w.stranded_bytes > 0 or w.queued_prompt_tokens > 0
+            else:  # leaving decode: every replica's reservations on it released
+                held = w.reservations > 0 or w.reserved_blocks > 0 or w.resident_seqs > 0
+            if held:
+                continue
+            before = record.role
+            if await self._set(w, record.target) is not None:
+                self._note(w, before, record.target, "drained", f"drained after {age:.1f} s")
+
+    async def _reap(self, w: WorkerState) -> None:
+        gw = self.gw
+        for entry in await gw.store.reap_stranded(w.spec.id, 0.0):
+            gw.pools.note_stranded(w.spec.id, -entry.nbytes)
+            gw.metrics.stranded_expired.labels(worker=w.spec.id).inc()
+            log.warning(
+                "worker %s leaves prefill: stranded KV of %s reaped past the drain deadline",
+                w.spec.id,
+                entry.request_id,
+            )
+
+    def _cut_overdue_streams(self) -> None:
+        """This replica's decode streams on a worker still leaving decode past the deadline:
+        closed, so each resumes elsewhere with the tokens sent (the draining worker is in no
+        pool, so the resume cannot land on it again)."""
+        now = time.time()
+        for w in self.gw.pools.both_workers:
+            record = w.role_state
+            if record is None or record.role != "draining-to-prefill" or not w.open_streams:
+                continue
+            if now - record.since_s < self.settings.drain_deadline_s:
+                continue
+            log.info("worker %s: %d streams past the drain deadline, resuming them elsewhere",
+                     w.spec.id, len(w.open_streams))  # fmt: skip
+            for resp in list(w.open_streams):
+                self.gw.metrics.role_migrations.labels(worker=w.spec.id).inc()
+                resp.close()
+            w.open_streams.clear()
+
+    # -- the admin view -----------------------------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        plan = self.last_plan
+        workers = []
+        for w in self.gw.pools.both_workers:
+            record = w.role_state
+            workers.append(
+                {
+                    "id": w.spec.id,
+                    "role": w.current_role,
+                    "serves": role_of(w),
+                    "version": record.version if record else 0,
+                    "since": record.since_s if record else None,
+                    "resident_seqs": w.resident_seqs,
+                    "reservations": w.reservations,
+                    "stranded_bytes": w.stranded_bytes,
+                }
+            )
+        return {
+            "policy": self.policy.name,
+            "leader": self.leader,
+            "decided_at": self.last_decided_s,
+            "prefill_pressure": None if plan is None else _finite(plan.prefill_pressure),
+            "decode_pressure": None if plan is None else _finite(plan.decode_pressure),
+            "note": None if plan is None else plan.note,
+            "workers": workers,
+            "events": [e.as_json() for e in self.events],
+        }
+
+
+def _finite(x: float) -> float:
+    return x if x < 1e9 else 1e9  # an empty pool's pressure is infinite; JSON has no inf
+
+
+def _note_kind(plan: RolePlan) -> str:
+    """A bounded label for the decision: the policy's note with its numbers taken out."""
+    if plan.switches:
+        return "switch"
+    note = plan.note.split(":")[0]
+    return "".join(c for c in note if not c.isdigit()).strip()[:60] or "none"
+
+
+ROLES = web.AppKey("roles", RoleManager)
