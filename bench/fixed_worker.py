@@ -49,8 +49,16 @@ _MAX_BODY = 64 * 1024 * 1024
 class FixedWorker:
     """Settings and counters shared by every connection of one worker process."""
 
-    def __init__(self, role: str, model: str, interval_s: float, prefill_s: float,
-                 first_token_s: float | None, host: str, port: int) -> None:
+    def __init__(
+        self,
+        role: str,
+        model: str,
+        interval_s: float,
+        prefill_s: float,
+        first_token_s: float | None,
+        host: str,
+        port: int,
+    ) -> None:
         self.role = role
         self.model = model
         self.interval_s = interval_s
@@ -65,8 +73,10 @@ class FixedWorker:
         self.connections = 0  # accepted since start: shows whether clients keep connections
 
     def __repr__(self) -> str:
-        return (f"FixedWorker({self.role} :{self.port} interval={self.interval_s * 1e3:g}ms "
-                f"running={self.running} served={self.served} tokens={self.tokens})")
+        return (
+            f"FixedWorker({self.role} :{self.port} interval={self.interval_s * 1e3:g}ms "
+            f"running={self.running} served={self.served} tokens={self.tokens})"
+        )
 
 
 def _chunk(data: bytes) -> bytes:
@@ -77,19 +87,39 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-_STREAM_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
-                b"transfer-encoding: chunked\r\n")
+_STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+    b"transfer-encoding: chunked\r\n"
+)
 _DONE = _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
 
 
 class _Stream:
     """One decode answer: pre-built token bytes written on a fixed schedule."""
 
-    __slots__ = ("conn", "n", "sent", "first_at", "interval", "token", "last", "handle", "whole",
-                 "text")
+    __slots__ = (
+        "conn",
+        "n",
+        "sent",
+        "first_at",
+        "interval",
+        "token",
+        "last",
+        "handle",
+        "whole",
+        "text",
+    )
 
-    def __init__(self, conn: _Conn, n: int, first_at: float, interval: float, token: bytes,
-                 last: bytes, whole: bool) -> None:
+    def __init__(
+        self,
+        conn: _Conn,
+        n: int,
+        first_at: float,
+        interval: float,
+        token: bytes,
+        last: bytes,
+        whole: bool,
+    ) -> None:
         self.conn = conn
         self.n = n
         self.sent = 0
@@ -108,8 +138,11 @@ class _Stream:
             return
         loop = conn.loop
         now = loop.time()
-        due = (min(self.n, int((now - self.first_at) / self.interval + 0.25) + 1)
-               if self.interval else self.n)
+        due = (
+            min(self.n, int((now - self.first_at) / self.interval + 0.25) + 1)
+            if self.interval
+            else self.n
+        )
         if conn.paused and due < self.n:
             # The reader is behind: let tokens accumulate and write them together later.
             self.handle = loop.call_at(now + max(self.interval, 0.001), self.tick)
@@ -206,7 +239,7 @@ class _Conn(asyncio.Protocol):
                 return
             if len(buf) < start + length:
                 return
-            body, consumed = bytes(buf[start:start + length]), start + length
+            body, consumed = bytes(buf[start : start + length]), start + length
         del buf[:consumed]
         self.close_after = headers.get(b"connection", b"").lower() == b"close"
         self.busy = True
@@ -220,52 +253,101 @@ class _Conn(asyncio.Protocol):
         if self.buf:
             self._next_request()
 
-    def _reply(self, status: int, body: bytes, ctype: bytes = b"application/json",
-               close: bool = False) -> None:
+    def _reply(
+        self, status: int, body: bytes, ctype: bytes = b"application/json", close: bool = False
+    ) -> None:
         transport = self.transport
         if transport is None or transport.is_closing():
             return
         reason = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 413: b"Too Large"}.get(
-            status, b"Error")
-        transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
-                        % (status, reason, ctype, len(body), body))
+            status, b"Error"
+        )
+        transport.write(
+            b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
+            % (status, reason, ctype, len(body), body)
+        )
         if close:
             transport.close()
         else:
             self._done()
 
     # -- endpoints ------------------------------------------------------------------------------
-    def _dispatch(self, method: bytes, path: bytes, headers: dict[bytes, bytes],
-                  body: bytes) -> None:
+    def _dispatch(
+        self, method: bytes, path: bytes, headers: dict[bytes, bytes], body: bytes
+    ) -> None:
         w = self.worker
         if method == b"GET":
             if path == b"/health" or path == b"/health_generate":
                 self._reply(200, b"")
             elif path == b"/v1/models":
-                self._reply(200, orjson.dumps({"object": "list", "data": [{
-                    "id": w.model, "object": "model", "created": 0, "owned_by": "fixed",
-                    "root": w.model, "parent": None, "max_model_len": 32768}]}))
+                self._reply(
+                    200,
+                    orjson.dumps(
+                        {
+                            "object": "list",
+                            "data": [
+                                {
+                                    "id": w.model,
+                                    "object": "model",
+                                    "created": 0,
+                                    "owned_by": "fixed",
+                                    "root": w.model,
+                                    "parent": None,
+                                    "max_model_len": 32768,
+                                }
+                            ],
+                        }
+                    ),
+                )
             elif path == b"/version":
                 self._reply(200, b'{"version":"0.0.0-fixed"}')
             elif path == b"/metrics":
-                text = (f"vllm:num_requests_running{{model_name=\"{w.model}\"}} {w.running}\n"
-                        f"vllm:num_requests_waiting{{model_name=\"{w.model}\"}} 0\n"
-                        f"vllm:kv_cache_usage_perc{{model_name=\"{w.model}\"}} 0.0\n"
-                        f"fixed_worker_connections_total {w.connections}\n"
-                        f"fixed_worker_requests_total {w.served}\n"
-                        f"fixed_worker_tokens_total {w.tokens}\n")
+                text = (
+                    f'vllm:num_requests_running{{model_name="{w.model}"}} {w.running}\n'
+                    f'vllm:num_requests_waiting{{model_name="{w.model}"}} 0\n'
+                    f'vllm:kv_cache_usage_perc{{model_name="{w.model}"}} 0.0\n'
+                    f"fixed_worker_connections_total {w.connections}\n"
+                    f"fixed_worker_requests_total {w.served}\n"
+                    f"fixed_worker_tokens_total {w.tokens}\n"
+                )
                 self._reply(200, text.encode(), b"text/plain; version=0.0.4")
             elif path in (b"/server_info", b"/get_server_info"):
-                self._reply(200, orjson.dumps({
-                    "model_path": w.model, "tokenizer_path": w.model, "served_model_name": w.model,
-                    "dp_size": 1, "tp_size": 1, "disaggregation_mode": w.role,
-                    "disaggregation_bootstrap_port": None, "version": "0.0.0-fixed"}))
+                self._reply(
+                    200,
+                    orjson.dumps(
+                        {
+                            "model_path": w.model,
+                            "tokenizer_path": w.model,
+                            "served_model_name": w.model,
+                            "dp_size": 1,
+                            "tp_size": 1,
+                            "disaggregation_mode": w.role,
+                            "disaggregation_bootstrap_port": None,
+                            "version": "0.0.0-fixed",
+                        }
+                    ),
+                )
             elif path in (b"/model_info", b"/get_model_info"):
-                self._reply(200, orjson.dumps({"model_path": w.model, "tokenizer_path": w.model,
-                                               "is_generation": True}))
+                self._reply(
+                    200,
+                    orjson.dumps(
+                        {"model_path": w.model, "tokenizer_path": w.model, "is_generation": True}
+                    ),
+                )
             elif path == b"/get_load":
-                self._reply(200, orjson.dumps([{"dp_rank": 0, "num_reqs": w.running,
-                                                "num_waiting_reqs": 0, "num_tokens": 0}]))
+                self._reply(
+                    200,
+                    orjson.dumps(
+                        [
+                            {
+                                "dp_rank": 0,
+                                "num_reqs": w.running,
+                                "num_waiting_reqs": 0,
+                                "num_tokens": 0,
+                            }
+                        ]
+                    ),
+                )
             else:
                 self._reply(404, b'{"error":{"message":"not found","type":"NotFoundError"}}')
             return
@@ -282,7 +364,8 @@ class _Conn(asyncio.Protocol):
         rid = headers.get(b"x-request-id", b"").decode() or uuid.uuid4().hex
         kv = req.get("kv_transfer_params")
         is_prefill = (isinstance(kv, dict) and bool(kv.get("do_remote_decode"))) or (
-            "bootstrap_room" in req and w.role == "prefill")
+            "bootstrap_room" in req and w.role == "prefill"
+        )
         self.req = (path, rid.encode(), headers, body)
         self._parsed = req
         self._chat = path == _CHAT
@@ -311,50 +394,115 @@ class _Conn(asyncio.Protocol):
             return
         params = None
         if isinstance(req.get("kv_transfer_params"), dict):
-            params = {"do_remote_prefill": True, "do_remote_decode": False,
-                      "remote_engine_id": w.engine_id, "remote_block_ids": [1, 2, 3],
-                      "remote_request_id": rid, "remote_host": w.host, "remote_port": 5600,
-                      "tp_size": 1}
+            params = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": w.engine_id,
+                "remote_block_ids": [1, 2, 3],
+                "remote_request_id": rid,
+                "remote_host": w.host,
+                "remote_port": 5600,
+                "tp_size": 1,
+            }
         self._reply(200, self._whole(rid, 1, params))
 
     def _whole(self, rid: str, n: int, params: Any) -> bytes:
         text = _TOKEN_TEXT * n
         if self._chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant",
-                                                              "content": text},
-                                      "logprobs": None, "finish_reason": "length"}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": "length",
+            }
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
-        return orjson.dumps({
-            "id": ("chatcmpl-" if self._chat else "cmpl-") + rid,
-            "object": "chat.completion" if self._chat else "text_completion",
-            "created": int(time.time()), "model": self.worker.model, "choices": [choice],
-            "usage": {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n},
-            "kv_transfer_params": params})
+        return orjson.dumps(
+            {
+                "id": ("chatcmpl-" if self._chat else "cmpl-") + rid,
+                "object": "chat.completion" if self._chat else "text_completion",
+                "created": int(time.time()),
+                "model": self.worker.model,
+                "choices": [choice],
+                "usage": {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n},
+                "kv_transfer_params": params,
+            }
+        )
 
     def whole_answer(self, n: int) -> bytes:
         assert self.req is not None
         body = self._whole(self.req[1].decode(), n, None)
-        return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        return (
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
 
     def _token_events(self, rid: str) -> tuple[bytes, bytes]:
         created = int(time.time())
         model = self.worker.model
         if self._chat:
-            base = {"id": "chatcmpl-" + rid, "object": "chat.completion.chunk",
-                    "created": created, "model": model}
-            tok = _sse({**base, "choices": [{"index": 0, "delta": {"content": _TOKEN_TEXT},
-                                             "logprobs": None, "finish_reason": None}]})
-            fin = _sse({**base, "choices": [{"index": 0, "delta": {}, "logprobs": None,
-                                             "finish_reason": "length"}]})
+            base = {
+                "id": "chatcmpl-" + rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+            }
+            tok = _sse(
+                {
+                    **base,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": {"content": _TOKEN_TEXT},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
+            )
+            fin = _sse(
+                {
+                    **base,
+                    "choices": [
+                        {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+                    ],
+                }
+            )
             return _chunk(tok), _chunk(tok + fin)
-        base = {"id": "cmpl-" + rid, "object": "text_completion", "created": created,
-                "model": model}
-        tok = _sse({**base, "choices": [{"index": 0, "text": _TOKEN_TEXT, "logprobs": None,
-                                         "finish_reason": None, "stop_reason": None}]})
-        last = _sse({**base, "choices": [{"index": 0, "text": _TOKEN_TEXT, "logprobs": None,
-                                          "finish_reason": "length", "stop_reason": None}]})
+        base = {
+            "id": "cmpl-" + rid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+        }
+        tok = _sse(
+            {
+                **base,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": _TOKEN_TEXT,
+                        "logprobs": None,
+                        "finish_reason": None,
+                        "stop_reason": None,
+                    }
+                ],
+            }
+        )
+        last = _sse(
+            {
+                **base,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": _TOKEN_TEXT,
+                        "logprobs": None,
+                        "finish_reason": "length",
+                        "stop_reason": None,
+                    }
+                ],
+            }
+        )
         return _chunk(tok), _chunk(last)
 
     def _begin_stream(self) -> None:
@@ -362,18 +510,35 @@ class _Conn(asyncio.Protocol):
         head = _STREAM_HEAD + b"x-request-id: " + self.req[1] + b"\r\n\r\n"
         if self._chat:
             rid = self.req[1].decode()
-            head += _chunk(_sse({"id": "chatcmpl-" + rid, "object": "chat.completion.chunk",
-                                 "created": int(time.time()), "model": self.worker.model,
-                                 "choices": [{"index": 0, "delta": {"role": "assistant",
-                                                                    "content": ""},
-                                              "logprobs": None, "finish_reason": None}]}))
+            head += _chunk(
+                _sse(
+                    {
+                        "id": "chatcmpl-" + rid,
+                        "object": "chat.completion.chunk",
+                        "created": int(time.time()),
+                        "model": self.worker.model,
+                        "choices": [
+                            {
+                                "index": 0,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                    }
+                )
+            )
         self.transport.write(head)
 
     def _start_decode(self) -> None:
         w = self.worker
         req = self._parsed
-        n = req.get("max_tokens") or req.get("max_completion_tokens") or req.get(
-            "sampling_params", {}).get("max_new_tokens") or 16
+        n = (
+            req.get("max_tokens")
+            or req.get("max_completion_tokens")
+            or req.get("sampling_params", {}).get("max_new_tokens")
+            or 16
+        )
         n = max(1, int(n))
         assert self.req is not None
         rid = self.req[1].decode()
@@ -415,20 +580,20 @@ def _dechunk(buf: bytearray, pos: int) -> tuple[bytes | None, int]:
             return b"".join(parts), end + 4
         if len(buf) < start + size + 2:
             return None, 0
-        parts.append(bytes(buf[start:start + size]))
+        parts.append(bytes(buf[start : start + size]))
         pos = start + size + 2
 
 
 async def serve(worker: FixedWorker, ready: Any = None) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: _Conn(worker), worker.host, worker.port,
-                                      backlog=4096, reuse_address=True)
+    server = await loop.create_server(
+        lambda: _Conn(worker), worker.host, worker.port, backlog=4096, reuse_address=True
+    )
     worker.port = server.sockets[0].getsockname()[1]
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    print(f"fixed worker {worker.role} listening on http://{worker.host}:{worker.port}",
-          flush=True)
+    print(f"fixed worker {worker.role} listening on http://{worker.host}:{worker.port}", flush=True)
     if ready is not None:
         ready(worker)
     async with server:
@@ -436,20 +601,33 @@ async def serve(worker: FixedWorker, ready: Any = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.fixed_worker", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.fixed_worker",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--role", choices=("prefill", "decode"), required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--model", default="llama-3-8b")
     p.add_argument("--interval-ms", type=float, default=20.0, help="time between tokens")
-    p.add_argument("--first-token-ms", type=float, default=None,
-                   help="decode: request to first token (default: one interval)")
+    p.add_argument(
+        "--first-token-ms",
+        type=float,
+        default=None,
+        help="decode: request to first token (default: one interval)",
+    )
     p.add_argument("--prefill-ms", type=float, default=10.0, help="prefill answer delay")
     ns = p.parse_args(argv)
-    worker = FixedWorker(ns.role, ns.model, ns.interval_ms / 1e3, ns.prefill_ms / 1e3,
-                         None if ns.first_token_ms is None else ns.first_token_ms / 1e3,
-                         ns.host, ns.port)
+    worker = FixedWorker(
+        ns.role,
+        ns.model,
+        ns.interval_ms / 1e3,
+        ns.prefill_ms / 1e3,
+        None if ns.first_token_ms is None else ns.first_token_ms / 1e3,
+        ns.host,
+        ns.port,
+    )
     uvrun.run(serve(worker))
     return 0
 

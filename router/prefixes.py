@@ -39,7 +39,7 @@ def prefix_hashes(path: str, body: dict[str, Any]) -> tuple[int, ...]:
     data = _prompt_text(path, body).encode()
     out, state = [], 0
     for i in range(min(len(data) // BLOCK_CHARS, _MAX_BLOCKS)):
-        state = zlib.crc32(data[i * BLOCK_CHARS:(i + 1) * BLOCK_CHARS], state)
+        state = zlib.crc32(data[i * BLOCK_CHARS : (i + 1) * BLOCK_CHARS], state)
         out.append(state)
     return tuple(out)
 

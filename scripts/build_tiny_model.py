@@ -59,8 +59,29 @@ def vocabulary() -> list[str]:
     digits = list(string.digits)
     words = list(dict.fromkeys(BASE_WORDS))
     rng = random.Random(SEED)
-    onsets = ["b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z",
-              "br", "ch", "st", "tr", "sh"]
+    onsets = [
+        "b",
+        "c",
+        "d",
+        "f",
+        "g",
+        "h",
+        "k",
+        "l",
+        "m",
+        "n",
+        "p",
+        "r",
+        "s",
+        "t",
+        "v",
+        "z",
+        "br",
+        "ch",
+        "st",
+        "tr",
+        "sh",
+    ]
     vowels = ["a", "e", "i", "o", "u", "ai", "ou"]
     syllables = [o + v for o, v in itertools.product(onsets, vowels)]
     seen = set(words)
@@ -85,24 +106,38 @@ def build(out: Path) -> None:
     assert len(vocab) == VOCAB_SIZE
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.WhitespaceSplit(),
-        pre_tokenizers.Punctuation("isolated"),
-        pre_tokenizers.Digits(individual_digits=True),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.WhitespaceSplit(),
+            pre_tokenizers.Punctuation("isolated"),
+            pre_tokenizers.Digits(individual_digits=True),
+        ]
+    )
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-        pad_token="<pad>", model_max_length=MAX_POSITIONS, clean_up_tokenization_spaces=False,
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        model_max_length=MAX_POSITIONS,
+        clean_up_tokenization_spaces=False,
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
 
     cfg = LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
         max_position_embeddings=MAX_POSITIONS,
-        bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id, tie_word_embeddings=False,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+        tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
@@ -117,8 +152,10 @@ def build(out: Path) -> None:
     model.config.dtype = "bfloat16"
     model.save_pretrained(out, safe_serialization=True)
     model.generation_config.save_pretrained(out)
-    print(f"build_tiny_model: wrote {out} (vocab {len(fast)}, "
-          f"{sum(p.numel() for p in model.parameters()):,} parameters)")
+    print(
+        f"build_tiny_model: wrote {out} (vocab {len(fast)}, "
+        f"{sum(p.numel() for p in model.parameters()):,} parameters)"
+    )
 
 
 if __name__ == "__main__":

@@ -126,8 +126,15 @@ async def sim_cluster(
             # The worker's KV lease is in simulated seconds: at high time scales the real
             # vLLM default (30 s) would last milliseconds, and a loaded machine would see KV
             # expire between the two legs. Keep it 30 s of real time.
-            fields = {"role": role, "worker_id": wid, "model": MODEL, "kv_blocks": kv_blocks,
-                      "time_scale": time_scale, "kv_lease_s": 30.0 * time_scale, **extra}
+            fields = {
+                "role": role,
+                "worker_id": wid,
+                "model": MODEL,
+                "kv_blocks": kv_blocks,
+                "time_scale": time_scale,
+                "kv_lease_s": 30.0 * time_scale,
+                **extra,
+            }
             cfg = WorkerConfig(**fields)
             url = await stack.enter_async_context(running_worker(cfg))
             workers[wid], configs[wid] = url, cfg

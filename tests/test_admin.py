@@ -178,22 +178,42 @@ async def test_a_registration_can_read_the_layout_from_the_worker(redis_prefix: 
     auth = {"Authorization": f"Bearer {TOKEN}"}
 
     def sim(role: str, wid: str) -> Any:
-        return running_worker(WorkerConfig(role=role, worker_id=wid, model=MODEL,
-                                           time_scale=500.0, kv_blocks=4096,
-                                           kv_lease_s=30.0 * 500))
+        return running_worker(
+            WorkerConfig(
+                role=role,
+                worker_id=wid,
+                model=MODEL,
+                time_scale=500.0,
+                kv_blocks=4096,
+                kv_lease_s=30.0 * 500,
+            )
+        )
 
     async with contextlib.AsyncExitStack() as stack:
         p_url = await stack.enter_async_context(sim("prefill", "p0"))
         d_url = await stack.enter_async_context(sim("decode", "d-new"))
         # The prefill worker's layout is configured as what a sim worker reports about itself.
-        workers = [{"id": "p0", "url": p_url, "role": "prefill", "adapter": "sim",
-                    "layout": {"engine_version": "0.0.0-sim"}}]
+        workers = [
+            {
+                "id": "p0",
+                "url": p_url,
+                "role": "prefill",
+                "adapter": "sim",
+                "layout": {"engine_version": "0.0.0-sim"},
+            }
+        ]
         a, _ = await stack.enter_async_context(running_router(_settings(redis_prefix, workers)))
         b, _ = await stack.enter_async_context(running_router(_settings(redis_prefix, workers)))
         s = await stack.enter_async_context(aiohttp.ClientSession())
 
-        entry = {"id": "d-new", "url": d_url, "role": "decode", "adapter": "sim",
-                 "kv_blocks": 4096, "discover_layout": True}
+        entry = {
+            "id": "d-new",
+            "url": d_url,
+            "role": "decode",
+            "adapter": "sim",
+            "kv_blocks": 4096,
+            "discover_layout": True,
+        }
         async with s.post(a + "/admin/workers", json=entry, headers=auth) as r:
             assert r.status == 201, await r.text()
             added = await r.json()
@@ -204,8 +224,11 @@ async def test_a_registration_can_read_the_layout_from_the_worker(redis_prefix: 
                 break
             await asyncio.sleep(0.05)
         assert (await _workers(s, b))["d-new"]["layout"] == added["layout"]
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "discovered"}],
-                "max_tokens": 8}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "discovered"}],
+            "max_tokens": 8,
+        }
         async with s.post(b + CHAT, json=body) as r:
             assert r.status == 200, await r.text()
             answer = await r.json()
@@ -223,8 +246,9 @@ async def test_a_registration_can_read_the_layout_from_the_worker(redis_prefix: 
             assert r.status == 400
             err = (await r.json())["error"]
         assert err["param"] == "url" and "KV layout" in err["message"]
-        async with s.post(a + "/admin/workers", json={**entry, "discover_layout": "yes"},
-                          headers=auth) as r:
+        async with s.post(
+            a + "/admin/workers", json={**entry, "discover_layout": "yes"}, headers=auth
+        ) as r:
             assert r.status == 400
             assert (await r.json())["error"]["param"] == "discover_layout"
         assert "d-down" not in await _workers(s, a)
@@ -237,22 +261,48 @@ async def test_configured_workers_can_discover_their_layout(redis_prefix: str) -
     """`discover_layout: true` in the configuration file: the layout is read from each worker
     before the router serves; one that is not up yet stays out of rotation, and joins with its
     reported layout once its health probe answers."""
+
     def sim(role: str, wid: str, port: int = 0, served: str | None = None) -> Any:
-        return running_worker(WorkerConfig(role=role, worker_id=wid, model=MODEL,
-                                           time_scale=500.0, kv_blocks=4096, port=port,
-                                           kv_lease_s=30.0 * 500, served_model_name=served))
+        return running_worker(
+            WorkerConfig(
+                role=role,
+                worker_id=wid,
+                model=MODEL,
+                time_scale=500.0,
+                kv_blocks=4096,
+                port=port,
+                kv_lease_s=30.0 * 500,
+                served_model_name=served,
+            )
+        )
 
     late_port = free_port()
     async with contextlib.AsyncExitStack() as stack:
         p_url = await stack.enter_async_context(sim("prefill", "p0"))
         d_url = await stack.enter_async_context(sim("decode", "d0"))
         workers = [
-            {"id": "p0", "url": p_url, "role": "prefill", "adapter": "sim",
-             "discover_layout": True},
-            {"id": "d0", "url": d_url, "role": "decode", "adapter": "sim",
-             "discover_layout": True, "layout": {"connector_version": "7"}},
-            {"id": "d1", "url": f"http://127.0.0.1:{late_port}", "role": "decode",
-             "adapter": "sim", "discover_layout": True},
+            {
+                "id": "p0",
+                "url": p_url,
+                "role": "prefill",
+                "adapter": "sim",
+                "discover_layout": True,
+            },
+            {
+                "id": "d0",
+                "url": d_url,
+                "role": "decode",
+                "adapter": "sim",
+                "discover_layout": True,
+                "layout": {"connector_version": "7"},
+            },
+            {
+                "id": "d1",
+                "url": f"http://127.0.0.1:{late_port}",
+                "role": "decode",
+                "adapter": "sim",
+                "discover_layout": True,
+            },
         ]
         a, _ = await stack.enter_async_context(running_router(_settings(redis_prefix, workers)))
         s = await stack.enter_async_context(aiohttp.ClientSession())

@@ -38,9 +38,10 @@ async def held_prefill_proxy(target: str, release: asyncio.Event) -> AsyncIterat
     async def forward(request: web.Request) -> web.Response:
         body = await request.read()
         headers = {k: v for k, v in request.headers.items() if k.lower() != "host"}
-        async with aiohttp.ClientSession() as s, s.post(
-            target + request.path, data=body, headers=headers
-        ) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(target + request.path, data=body, headers=headers) as r,
+        ):
             answer, status = await r.read(), r.status
         await release.wait()
         return web.Response(body=answer, status=status, content_type="application/json")
@@ -68,23 +69,51 @@ async def sglang_cluster(
     redis_prefix: str, prefill_url_override: Any = None, **settings: Any
 ) -> AsyncIterator[tuple[str, web.Application, dict[str, str]]]:
     async with contextlib.AsyncExitStack() as stack:
-        p_url = await stack.enter_async_context(running_worker(WorkerConfig(
-            role="prefill", worker_id="p0", model=MODEL, time_scale=500.0, kv_blocks=4096,
-            bootstrap_port=0, kv_lease_s=30.0 * 500)))
-        d_url = await stack.enter_async_context(running_worker(WorkerConfig(
-            role="decode", worker_id="d0", model=MODEL, time_scale=500.0, kv_blocks=4096)))
+        p_url = await stack.enter_async_context(
+            running_worker(
+                WorkerConfig(
+                    role="prefill",
+                    worker_id="p0",
+                    model=MODEL,
+                    time_scale=500.0,
+                    kv_blocks=4096,
+                    bootstrap_port=0,
+                    kv_lease_s=30.0 * 500,
+                )
+            )
+        )
+        d_url = await stack.enter_async_context(
+            running_worker(
+                WorkerConfig(
+                    role="decode", worker_id="d0", model=MODEL, time_scale=500.0, kv_blocks=4096
+                )
+            )
+        )
         info = await _json(p_url + "/server_info")
         router_p_url = p_url
         if prefill_url_override is not None:
             router_p_url = await stack.enter_async_context(prefill_url_override(p_url))
         raw = {
-            "model": MODEL, "perf": {"model": MODEL, "gpu": "h100"},
-            "redis_url": REDIS_URL, "key_prefix": redis_prefix, "health_interval_s": 0.5,
+            "model": MODEL,
+            "perf": {"model": MODEL, "gpu": "h100"},
+            "redis_url": REDIS_URL,
+            "key_prefix": redis_prefix,
+            "health_interval_s": 0.5,
             "workers": [
-                {"id": "p0", "url": router_p_url, "role": "prefill", "adapter": "sglang",
-                 "bootstrap_port": info["disaggregation_bootstrap_port"]},
-                {"id": "d0", "url": d_url, "role": "decode", "adapter": "sglang",
-                 "kv_blocks": 4096},
+                {
+                    "id": "p0",
+                    "url": router_p_url,
+                    "role": "prefill",
+                    "adapter": "sglang",
+                    "bootstrap_port": info["disaggregation_bootstrap_port"],
+                },
+                {
+                    "id": "d0",
+                    "url": d_url,
+                    "role": "decode",
+                    "adapter": "sglang",
+                    "kv_blocks": 4096,
+                },
             ],
             **settings,
         }
@@ -93,8 +122,13 @@ async def sglang_cluster(
 
 
 def _body(text: str, n: int = 24) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": n,
-            "ignore_eos": True, "stream": True}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": n,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
 
 async def test_sglang_legs_go_out_together_and_answer_exactly(redis_prefix: str) -> None:
@@ -143,13 +177,16 @@ async def test_first_decode_token_reaches_the_client_while_prefill_is_open(
 async def test_a_failing_leg_cancels_its_partner_and_is_retried(redis_prefix: str) -> None:
     retry = {"backoff_base_s": 0.005, "backoff_max_s": 0.02}
     async with sglang_cluster(redis_prefix, retry=retry, timeouts={"idle_s": 2.0}) as (
-        url, app, workers
+        url,
+        app,
+        workers,
     ):
         # The decode leg fails first: the prefill leg (waiting for its room to be taken) must be
         # cancelled at once, not left to time out.
         async with aiohttp.ClientSession() as s:
-            await s.post(workers["d0"] + "/sim/faults",
-                         json={"decode_fail_before_first": True, "count": 1})
+            await s.post(
+                workers["d0"] + "/sim/faults", json={"decode_fail_before_first": True, "count": 1}
+            )
             body = _body("cancel my partner", 12)
             async with s.post(url + CHAT, json=body) as r:
                 text, _, errors = sse_text(await r.read())
@@ -171,32 +208,53 @@ async def test_mixed_version_pools_are_never_paired_across_versions(redis_prefix
     v2 = {"engine": "vllm", "engine_version": "0.32.0"}
     async with contextlib.AsyncExitStack() as stack:
         entries, urls = [], {}
-        for wid, role, layout in [("p0", "prefill", v1), ("p1", "prefill", v2),
-                                  ("d0", "decode", v1), ("d1", "decode", v2)]:
-            u = await stack.enter_async_context(running_worker(WorkerConfig(
-                role=role, worker_id=wid, model=MODEL, time_scale=500.0, kv_blocks=4096,
-                kv_lease_s=30.0 * 500)))
+        for wid, role, layout in [
+            ("p0", "prefill", v1),
+            ("p1", "prefill", v2),
+            ("d0", "decode", v1),
+            ("d1", "decode", v2),
+        ]:
+            u = await stack.enter_async_context(
+                running_worker(
+                    WorkerConfig(
+                        role=role,
+                        worker_id=wid,
+                        model=MODEL,
+                        time_scale=500.0,
+                        kv_blocks=4096,
+                        kv_lease_s=30.0 * 500,
+                    )
+                )
+            )
             urls[wid] = u
             entry = {"id": wid, "url": u, "role": role, "adapter": "sim", "layout": layout}
             if role == "decode":
                 entry["kv_blocks"] = 4096
             entries.append(entry)
-        settings = settings_from_mapping({
-            "model": MODEL, "perf": {"model": MODEL, "gpu": "h100"}, "redis_url": REDIS_URL,
-            "key_prefix": redis_prefix, "workers": entries, "policy": "random"})
+        settings = settings_from_mapping(
+            {
+                "model": MODEL,
+                "perf": {"model": MODEL, "gpu": "h100"},
+                "redis_url": REDIS_URL,
+                "key_prefix": redis_prefix,
+                "workers": entries,
+                "policy": "random",
+            }
+        )
         url, app = await stack.enter_async_context(running_router(settings))
         async with aiohttp.ClientSession() as s:
+
             async def one(i: int) -> None:
                 body = {**_body(f"rolling upgrade {i}", 4), "stream": False}
-                async with s.post(url + CHAT, json=body,
-                                  headers={"X-Request-Id": f"mix-{i}"}) as r:
+                async with s.post(url + CHAT, json=body, headers={"X-Request-Id": f"mix-{i}"}) as r:
                     assert r.status == 200, await r.text()
 
             await asyncio.gather(*(one(i) for i in range(24)))
-            logs = {wid: await (await s.get(u + "/sim/requests")).json()
-                    for wid, u in urls.items()}
-        served = {wid: {r["headers"].get("X-Request-Id") or r["headers"].get("X-Request-ID")
-                        for r in log} for wid, log in logs.items()}
+            logs = {wid: await (await s.get(u + "/sim/requests")).json() for wid, u in urls.items()}
+        served = {
+            wid: {r["headers"].get("X-Request-Id") or r["headers"].get("X-Request-ID") for r in log}
+            for wid, log in logs.items()
+        }
         assert served["p0"] | served["p1"] == {f"mix-{i}" for i in range(24)}
         assert served["p0"] == served["d0"] and served["p1"] == served["d1"]
         assert served["p0"] and served["p1"]  # both versions did serve (random policy)
@@ -214,12 +272,14 @@ async def test_mooncake_prefill_engine_id_is_read_at_start_up(redis_prefix: str)
 
     async def record(request: web.Request) -> web.Response:
         seen.append(await request.json())
-        return web.json_response({"error": {"message": "stub", "type": "x", "param": None,
-                                            "code": 500}}, status=500)
+        return web.json_response(
+            {"error": {"message": "stub", "type": "x", "param": None, "code": 500}}, status=500
+        )
 
     app_ = web.Application()
     app_.router.add_get("/query", query)
     app_.router.add_post(CHAT, record)
+
     async def health(request: web.Request) -> web.Response:
         return web.Response()
 
@@ -230,14 +290,30 @@ async def test_mooncake_prefill_engine_id_is_read_at_start_up(redis_prefix: str)
     port = runner.addresses[0][1]
     try:
         stub = f"http://127.0.0.1:{port}"
-        settings = settings_from_mapping({
-            "model": MODEL, "redis_url": REDIS_URL, "key_prefix": redis_prefix,
-            "retry": {"max_attempts": 1},
-            "workers": [
-                {"id": "p0", "url": stub, "role": "prefill", "adapter": "mooncake",
-                 "bootstrap_port": port},
-                {"id": "d0", "url": stub, "role": "decode", "adapter": "mooncake",
-                 "kv_blocks": 1024}]})
+        settings = settings_from_mapping(
+            {
+                "model": MODEL,
+                "redis_url": REDIS_URL,
+                "key_prefix": redis_prefix,
+                "retry": {"max_attempts": 1},
+                "workers": [
+                    {
+                        "id": "p0",
+                        "url": stub,
+                        "role": "prefill",
+                        "adapter": "mooncake",
+                        "bootstrap_port": port,
+                    },
+                    {
+                        "id": "d0",
+                        "url": stub,
+                        "role": "decode",
+                        "adapter": "mooncake",
+                        "kv_blocks": 1024,
+                    },
+                ],
+            }
+        )
         async with running_router(settings) as (url, app), aiohttp.ClientSession() as s:
             assert app[GATEWAY].pools.workers["p0"].spec.engine_id == "engine-7"
             async with s.post(url + CHAT, json={**_body("mooncake"), "stream": False}) as r:
@@ -273,12 +349,16 @@ async def test_prompts_sharing_a_prefix_go_to_the_prefill_worker_that_has_it(
     from tests.conftest import sim_cluster
 
     shared = "system prompt of a long agent session. " * 200  # ~8,000 characters: 3 blocks
-    async with sim_cluster(redis_prefix=redis_prefix, prefill=2) as c, \
-            aiohttp.ClientSession() as s:
+    async with sim_cluster(redis_prefix=redis_prefix, prefill=2) as c, aiohttp.ClientSession() as s:
         for i in range(6):
-            body = {"model": MODEL, "max_tokens": 4, "messages": [
-                {"role": "system", "content": shared},
-                {"role": "user", "content": f"question {i}"}]}
+            body = {
+                "model": MODEL,
+                "max_tokens": 4,
+                "messages": [
+                    {"role": "system", "content": shared},
+                    {"role": "user", "content": f"question {i}"},
+                ],
+            }
             async with s.post(c.router_url + CHAT, json=body) as r:
                 assert r.status == 200
         served = {wid: len(await c.worker_requests(wid)) for wid in ("p0", "p1")}

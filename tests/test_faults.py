@@ -259,8 +259,9 @@ async def test_client_gone_during_prefill_releases_everything(redis_prefix: str)
 async def test_expired_kv_handle_is_re_prefilled(redis_prefix: str) -> None:
     """The KV lease ran out on the prefill worker before the decode pulled it: the decode's 400
     about kv_transfer_params is the router's problem, not the client's — re-prefill and retry."""
-    async with sim_cluster(redis_prefix=redis_prefix, retry=FAST_RETRY,
-                           worker_overrides={"p0": {"kv_lease_s": 1e-6}}) as c:
+    async with sim_cluster(
+        redis_prefix=redis_prefix, retry=FAST_RETRY, worker_overrides={"p0": {"kv_lease_s": 1e-6}}
+    ) as c:
         body = body_for(7, 8)
         status, result = await call(c, body, True)
         # Every attempt's KV expires at once, so the request runs out of attempts cleanly.
@@ -277,8 +278,11 @@ async def test_long_non_streamed_answer(redis_prefix: str, assembled: bool) -> N
     (the default), the first token clears the stranded KV and every token resets the idle
     timer: an exact answer, nothing expired, nothing retried."""
     async with sim_cluster(
-        redis_prefix=redis_prefix, retry={**FAST_RETRY, "max_attempts": 1}, kv_lease_s=1.0,
-        timeouts={"idle_s": 1.0}, assemble_non_streaming=assembled,
+        redis_prefix=redis_prefix,
+        retry={**FAST_RETRY, "max_attempts": 1},
+        kv_lease_s=1.0,
+        timeouts={"idle_s": 1.0},
+        assemble_non_streaming=assembled,
     ) as c:
         await set_faults(c, "d0", slow_factor=1500.0)  # ~20 ms a token at time scale 500
         body = body_for(10, max_tokens=150)

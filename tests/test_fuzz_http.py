@@ -695,7 +695,6 @@ def generation_bodies(draw: st.DrawFn) -> tuple[str, bytes]:
     return path, raw
 
 
-
 # Header values: anything but CR and LF (which would end the header), control characters
 # included (aiohttp's parser refuses them, with an OpenAI body now).
 header_text = st.text(st.characters(codec="utf-8", exclude_characters="\r\n"), max_size=40)

@@ -300,11 +300,18 @@ async def test_a_burst_spreads_over_the_decode_workers(redis_prefix: str) -> Non
     same view and the whole burst herds onto d0 (seen with real vLLM: 31 of 32)."""
     async with _cluster(prefill=1, decode=2, redis_prefix=redis_prefix) as c:
         async with _held(c, "d1", 2), aiohttp.ClientSession() as s:
-            await asyncio.gather(*(
-                _post(s, c, _body(f"burst request {i}", 64), f"burst-{i}",
-                      {"X-Sim-Output-Tokens": "8"})
-                for i in range(32)
-            ))
+            await asyncio.gather(
+                *(
+                    _post(
+                        s,
+                        c,
+                        _body(f"burst request {i}", 64),
+                        f"burst-{i}",
+                        {"X-Sim-Output-Tokens": "8"},
+                    )
+                    for i in range(32)
+                )
+            )
             placements = await _placements(c)
         assert sum(placements.values()) == 32
         assert min(placements.get(("p0", d), 0) for d in ("d0", "d1")) >= 8, placements

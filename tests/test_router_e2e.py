@@ -251,8 +251,12 @@ async def test_predictive_admission_counts_on_room_forecast_to_free(redis_prefix
     """A reservation of this replica that is expected to end before the new request's prefill
     does lets the new request in (Mooncake's prediction-based admission); instant does not."""
     for mode, admitted in (("predictive", True), ("instant", False)):
-        async with sim_cluster(redis_prefix=redis_prefix, kv_blocks=400, estimator="max_tokens",
-                               admission={"mode": mode}) as c:
+        async with sim_cluster(
+            redis_prefix=redis_prefix,
+            kv_blocks=400,
+            estimator="max_tokens",
+            admission={"mode": mode},
+        ) as c:
             gw = c.gateway
             assert await gw.store.reserve("d0", "ending-soon", 400, 30.0)
             gw.leases.hold("d0", "ending-soon", 400, gw.clock())  # expected to end now
@@ -272,8 +276,13 @@ async def test_client_api_keys_are_checked_and_never_forwarded(redis_prefix: str
         url = c.router_url + CHAT
         body = _chat_body("who may ask?", 5)
         async with aiohttp.ClientSession() as s:
-            for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "k-one"},
-                            {"Authorization": "Basic k-one"}, {"Authorization": "Bearer "}):
+            for headers in (
+                {},
+                {"Authorization": "Bearer nope"},
+                {"Authorization": "k-one"},
+                {"Authorization": "Basic k-one"},
+                {"Authorization": "Bearer "},
+            ):
                 async with s.post(url, json=body, headers=headers) as r:
                     assert r.status == 401, headers
                     err = (await r.json())["error"]
@@ -281,13 +290,16 @@ async def test_client_api_keys_are_checked_and_never_forwarded(redis_prefix: str
             # The scheme is case-insensitive (RFC 7235); either configured key works.
             async with s.post(url, json=body, headers={"Authorization": "bearer k-two"}) as r:
                 assert r.status == 200, await r.text()
-        async with AsyncOpenAI(base_url=c.router_url + "/v1", api_key="k-one", max_retries=0,
-                               timeout=30) as client:
+        async with AsyncOpenAI(
+            base_url=c.router_url + "/v1", api_key="k-one", max_retries=0, timeout=30
+        ) as client:
             answer = await client.chat.completions.create(
-                model=MODEL, messages=body["messages"], max_tokens=5)
+                model=MODEL, messages=body["messages"], max_tokens=5
+            )
             assert answer.choices[0].message.content == expected_answer(CHAT, body)[0]
             with pytest.raises(openai.AuthenticationError):
                 await client.with_options(api_key="k-three").chat.completions.create(
-                    model=MODEL, messages=body["messages"], max_tokens=5)
+                    model=MODEL, messages=body["messages"], max_tokens=5
+                )
         sent = await c.worker_requests("p0") + await c.worker_requests("d0")
         assert sent and all("Authorization" not in r["headers"] for r in sent)

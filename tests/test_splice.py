@@ -512,8 +512,11 @@ async def test_router_with_aiohttp_relay_streams_and_answers_whole(redis_prefix:
     """The other transport, still a supported setting (and the one https:// workers use)."""
     async with sim_cluster(redis_prefix=redis_prefix, relay="aiohttp") as c:
         assert c.gateway.splice is None
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}],
-                "max_tokens": 12}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 12,
+        }
         async with aiohttp.ClientSession() as s:
             url = c.router_url + "/v1/chat/completions"
             async with s.post(url, json={**body, "stream": True}) as r:
@@ -589,7 +592,7 @@ async def test_aiohttp_relay_forwards_whole_events_whatever_the_reads() -> None:
 
     events = [b'data: {"choices":[{"delta":{"content":" w%d"}}]}\n\n' % i for i in range(6)]
     stream = b"".join(events) + b"data: [DONE]\n\n"
-    pieces = [stream[i:i + 7] for i in range(0, len(stream), 7)]  # never aligned to events
+    pieces = [stream[i : i + 7] for i in range(0, len(stream), 7)]  # never aligned to events
 
     async def upstream(request: _web.Request) -> _web.StreamResponse:
         resp = _web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -612,9 +615,10 @@ async def test_aiohttp_relay_forwards_whole_events_whatever_the_reads() -> None:
     await runner.setup()
     await _web.TCPSite(runner, "127.0.0.1", 0).start()
     try:
-        async with aiohttp.ClientSession() as s, s.get(
-            f"http://127.0.0.1:{runner.addresses[0][1]}/"
-        ) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.get(f"http://127.0.0.1:{runner.addresses[0][1]}/") as r,
+        ):
             result = await relay_sse(r, Client(), chat=True, clock=lambda: 0.0)  # type: ignore[arg-type]
     finally:
         await runner.cleanup()

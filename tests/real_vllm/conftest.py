@@ -68,8 +68,10 @@ def missing_reason() -> str | None:
     if os.environ.get("REAL_VLLM", "").strip() == "0":
         return "REAL_VLLM=0"
     if not (PYTHON.exists() and (HOME / "venv" / ".ready").exists()):
-        return (f"the real-vLLM venv is not prepared at {HOME / 'venv'}: "
-                "run scripts/prepare_real_vllm.sh (or set REAL_VLLM_HOME)")
+        return (
+            f"the real-vLLM venv is not prepared at {HOME / 'venv'}: "
+            "run scripts/prepare_real_vllm.sh (or set REAL_VLLM_HOME)"
+        )
     if not (MODEL_DIR / ".ready").exists():
         return f"the tiny model is not built at {MODEL_DIR}: run scripts/prepare_real_vllm.sh"
     return None
@@ -87,6 +89,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # -- the vLLM servers --------------------------------------------------------------------------
+
 
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL when the test process dies, however it dies, so no
@@ -108,8 +111,9 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
 
 def http_post_json(url: str, body: dict[str, Any], timeout: float) -> tuple[int, Any]:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    request = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with opener.open(request, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read())
@@ -125,35 +129,55 @@ def nixl_handshake(prefill: VllmServer, decode: VllmServer, deadline: float) -> 
     then every request of that burst fails inside vLLM ("Internal server error"). Tests measure
     the router, not vLLM's cold start, so each pair shakes hands before the first test."""
     adapter = VllmNixlAdapter()
-    body = {"model": SERVED, "prompt": "a handshake before the tests", "max_tokens": 2,
-            "temperature": 0}
+    body = {
+        "model": SERVED,
+        "prompt": "a handshake before the tests",
+        "max_tokens": 2,
+        "temperature": 0,
+    }
     attempts, last = 0, ""
     while True:
         attempts += 1
         try:
-            status, answer = http_post_json(prefill.url + "/v1/completions",
-                                            adapter.prefill_body(body), timeout=120)
+            status, answer = http_post_json(
+                prefill.url + "/v1/completions", adapter.prefill_body(body), timeout=120
+            )
             if status == 200:
                 params = adapter.kv_params(answer)
                 # Patient: the first pull of a pair can take minutes on loaded cores, and giving
                 # up aborts it — the next attempt then starts from scratch.
-                status, answer = http_post_json(decode.url + "/v1/completions",
-                                                adapter.decode_body(body, params), timeout=600)
+                status, answer = http_post_json(
+                    decode.url + "/v1/completions", adapter.decode_body(body, params), timeout=600
+                )
                 if status == 200 and answer.get("choices"):
                     return attempts
             last = f"{status}: {str(answer)[:200]}"
         except (OSError, ValueError, ProtocolViolation) as exc:
             last = repr(exc)
         if time.monotonic() > deadline:
-            raise RuntimeError(f"NIXL handshake {decode.name} -> {prefill.name} never worked "
-                               f"({attempts} attempts; last: {last})\n{decode.log_tail()}")
+            raise RuntimeError(
+                f"NIXL handshake {decode.name} -> {prefill.name} never worked "
+                f"({attempts} attempts; last: {last})\n{decode.log_tail()}"
+            )
         time.sleep(2.0)
 
 
 # Log lines that never explain a failure: probes, and start-up warnings every engine logs here.
-_ROUTINE = ('"GET /health', '"GET /metrics', "Found ulimit", "Enforce eager", "Inductor",
-            "Triton", "Model Runner V2", "Reset SSM", "KVConnectorBase_V1", "FutureWarning",
-            "NUMA binding", "LD_PRELOAD", "reduce_op")
+_ROUTINE = (
+    '"GET /health',
+    '"GET /metrics',
+    "Found ulimit",
+    "Enforce eager",
+    "Inductor",
+    "Triton",
+    "Model Runner V2",
+    "Reset SSM",
+    "KVConnectorBase_V1",
+    "FutureWarning",
+    "NUMA binding",
+    "LD_PRELOAD",
+    "reduce_op",
+)
 
 
 @dataclass
@@ -178,26 +202,53 @@ class VllmServer:
         return self.workdir / f"{self.name}.log"
 
     def command(self) -> list[str]:
-        cmd = [str(PYTHON), "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(MODEL_DIR), "--served-model-name", SERVED,
-               "--host", "127.0.0.1", "--port", str(self.port),
-               "--block-size", str(BLOCK_SIZE), "--enforce-eager",
-               "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0", "--dtype", DTYPE]
+        cmd = [
+            str(PYTHON),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(MODEL_DIR),
+            "--served-model-name",
+            SERVED,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--enforce-eager",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--seed",
+            "0",
+            "--dtype",
+            DTYPE,
+        ]
         if self.kv_role is not None:
             # P holds a prefilled KV for kv_lease_duration (vLLM's default 30 s, extended by D's
             # heartbeats once D has the request). On 2 loaded cores a queued decode can take
             # longer than 30 s to start; the router gives up at its kv_lease_s (120 s, below
             # this), never after P has freed the blocks (D would decode from garbage).
-            cmd += ["--kv-transfer-config", json.dumps({
-                "kv_connector": "NixlConnector", "kv_role": self.kv_role,
-                "kv_buffer_device": "cpu",
-                "kv_connector_extra_config": {"kv_lease_duration": 300}})]
+            cmd += [
+                "--kv-transfer-config",
+                json.dumps(
+                    {
+                        "kv_connector": "NixlConnector",
+                        "kv_role": self.kv_role,
+                        "kv_buffer_device": "cpu",
+                        "kv_connector_extra_config": {"kv_lease_duration": 300},
+                    }
+                ),
+            ]
         return cmd
 
     def environment(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items()
-               if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")
-               and not k.startswith(("VIRTUAL_ENV", "PYTEST", "DISAGG_"))}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")
+            and not k.startswith(("VIRTUAL_ENV", "PYTEST", "DISAGG_"))
+        }
         cache = self.workdir / f"{self.name}-cache"
         env.update(
             PATH=f"{PYTHON.parent}:{env.get('PATH', '/usr/bin:/bin')}",
@@ -214,8 +265,7 @@ class VllmServer:
             VLLM_CPU_OMP_THREADS_BIND="nobind",
             # NIXL's progress thread spins a core per engine unless given a poll timeout
             # (engine_site/sitecustomize.py explains).
-            PYTHONPATH=os.pathsep.join(p for p in (str(ENGINE_SITE), env.get("PYTHONPATH"))
-                                       if p),
+            PYTHONPATH=os.pathsep.join(p for p in (str(ENGINE_SITE), env.get("PYTHONPATH")) if p),
             REAL_VLLM_NIXL_POLL_US=os.environ.get("REAL_VLLM_NIXL_POLL_US", "1000"),
             VLLM_CACHE_ROOT=str(cache / "vllm"),
             TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
@@ -229,10 +279,16 @@ class VllmServer:
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, cwd=self.workdir,
-                                         preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen(
+                self.command(),
+                env=self.environment(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=self.workdir,
+                preexec_fn=_die_with_parent,
+            )
         self.started_at = time.monotonic()
         self.ready_after_s = None
 
@@ -276,15 +332,18 @@ class VllmServer:
     def wait_ready(self, deadline: float) -> None:
         while time.monotonic() < deadline:
             if not self.alive():
-                raise RuntimeError(f"vLLM server {self.name} exited "
-                                   f"(code {self.proc.returncode if self.proc else None}):\n"
-                                   f"{self.log_tail()}")
+                raise RuntimeError(
+                    f"vLLM server {self.name} exited "
+                    f"(code {self.proc.returncode if self.proc else None}):\n"
+                    f"{self.log_tail()}"
+                )
             if self.healthy():
                 self.ready_after_s = time.monotonic() - self.started_at
                 return
             time.sleep(0.5)
-        raise RuntimeError(f"vLLM server {self.name} not ready after "
-                           f"{START_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+        raise RuntimeError(
+            f"vLLM server {self.name} not ready after {START_TIMEOUT_S:.0f} s:\n{self.log_tail()}"
+        )
 
     def signal_group(self, sig: signal.Signals) -> None:
         if self.proc is None:
@@ -318,8 +377,9 @@ class VllmServer:
         out = {}
         for family in text_string_to_metric_families(data.decode()):
             for s in family.samples:
-                labels = tuple(sorted((k, v) for k, v in s.labels.items()
-                                      if k not in ("engine", "model_name")))
+                labels = tuple(
+                    sorted((k, v) for k, v in s.labels.items() if k not in ("engine", "model_name"))
+                )
                 out[(s.name, labels)] = s.value
         return out
 
@@ -329,8 +389,11 @@ class VllmServer:
 
     def prompt_tokens_by_source(self) -> dict[str, float]:
         m = self.metrics()
-        return {dict(lbl)["source"]: v for (name, lbl), v in m.items()
-                if name == "vllm:prompt_tokens_by_source_total"}
+        return {
+            dict(lbl)["source"]: v
+            for (name, lbl), v in m.items()
+            if name == "vllm:prompt_tokens_by_source_total"
+        }
 
     def num_gpu_blocks(self) -> int:
         for (name, labels), _ in self.metrics().items():
@@ -358,8 +421,10 @@ class VllmCluster:
         dead = [s for s in self.servers if not s.alive() or not s.answers_health()]
         for s in dead:
             if s.alive():
-                print(f"\nreal vLLM: {s.name} is running but not healthy; restarting it:\n"
-                      f"{s.log_excerpt()}")
+                print(
+                    f"\nreal vLLM: {s.name} is running but not healthy; restarting it:\n"
+                    f"{s.log_excerpt()}"
+                )
         for s in dead:
             s.stop()
             s.side_port = free_port()
@@ -375,8 +440,9 @@ class VllmCluster:
         for d in self.decodes:
             n = nixl_handshake(self.prefill, d, deadline)
             if n > 1:
-                print(f"\nreal vLLM: NIXL handshake {d.name} -> {self.prefill.name} "
-                      f"took {n} attempts")
+                print(
+                    f"\nreal vLLM: NIXL handshake {d.name} -> {self.prefill.name} took {n} attempts"
+                )
 
     def stop(self) -> None:
         for s in self.servers:
@@ -410,8 +476,10 @@ def vllm_cluster() -> Iterator[VllmCluster]:
     workdir = Path(tempfile.mkdtemp(prefix="real-vllm-"))
     cluster = VllmCluster(
         prefill=VllmServer("p0", "kv_producer", workdir),
-        decodes=[VllmServer("d0", "kv_consumer", workdir),
-                 VllmServer("d1", "kv_consumer", workdir)],
+        decodes=[
+            VllmServer("d0", "kv_consumer", workdir),
+            VllmServer("d1", "kv_consumer", workdir),
+        ],
         workdir=workdir,
     )
     t0 = time.monotonic()
@@ -423,9 +491,11 @@ def vllm_cluster() -> Iterator[VllmCluster]:
             s.wait_ready(deadline)
         cluster.handshake(deadline)
         cluster.startup_s = time.monotonic() - t0
-        print(f"\nreal vLLM: 3 servers ready in {cluster.startup_s:.1f} s "
-              f"({', '.join(f'{s.name} {s.ready_after_s:.1f} s' for s in cluster.servers)}); "
-              f"logs in {workdir}")
+        print(
+            f"\nreal vLLM: 3 servers ready in {cluster.startup_s:.1f} s "
+            f"({', '.join(f'{s.name} {s.ready_after_s:.1f} s' for s in cluster.servers)}); "
+            f"logs in {workdir}"
+        )
         _CLUSTERS.append(cluster)
         yield cluster
     finally:
@@ -439,6 +509,7 @@ def vllm_cluster() -> Iterator[VllmCluster]:
 
 
 # -- the router in front of them ---------------------------------------------------------------
+
 
 @dataclass
 class RealRouter:
@@ -458,17 +529,25 @@ class RealRouter:
         return dict(await self.gateway.store.stranded_bytes([self.cluster.prefill.name]))
 
     def client(self, timeout: float = 300.0) -> AsyncOpenAI:
-        return AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0,
-                           timeout=timeout)
+        return AsyncOpenAI(
+            base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=timeout
+        )
 
 
 def router_settings(cluster: VllmCluster, key_prefix: str, **overrides: Any) -> dict[str, Any]:
     kv_blocks = cluster.decodes[0].num_gpu_blocks()
     workers: list[dict[str, Any]] = [
-        {"id": cluster.prefill.name, "url": cluster.prefill.url, "role": "prefill",
-         "adapter": "vllm"}]
-    workers += [{"id": d.name, "url": d.url, "role": "decode", "adapter": "vllm",
-                 "kv_blocks": kv_blocks} for d in cluster.decodes]
+        {
+            "id": cluster.prefill.name,
+            "url": cluster.prefill.url,
+            "role": "prefill",
+            "adapter": "vllm",
+        }
+    ]
+    workers += [
+        {"id": d.name, "url": d.url, "role": "decode", "adapter": "vllm", "kv_blocks": kv_blocks}
+        for d in cluster.decodes
+    ]
     raw: dict[str, Any] = {
         "model": SERVED,
         "perf": {"model": "tiny-llama", "gpu": "h100", "block_size": BLOCK_SIZE},
@@ -493,8 +572,9 @@ def router_settings(cluster: VllmCluster, key_prefix: str, **overrides: Any) -> 
 
 
 @contextlib.asynccontextmanager
-async def real_router(cluster: VllmCluster, key_prefix: str,
-                      **overrides: Any) -> AsyncIterator[RealRouter]:
+async def real_router(
+    cluster: VllmCluster, key_prefix: str, **overrides: Any
+) -> AsyncIterator[RealRouter]:
     cluster.ensure_running()
     settings = settings_from_mapping(router_settings(cluster, key_prefix, **overrides))
     async with running_router(settings) as (url, app):
@@ -509,51 +589,76 @@ async def router(vllm_cluster: VllmCluster, redis_prefix: str) -> AsyncIterator[
 
 # -- requests and references -------------------------------------------------------------------
 
+
 def unique_prompt(words: int = 12, tag: str = "") -> str:
     """A prompt no earlier request shares a block with: a fresh random word sequence."""
 
     rng = random.Random(uuid.uuid4().int)
-    vocab = ("router prefill decode cache block token stream request model server engine "
-             "transfer handoff latency queue batch lease reserve release worker cluster gateway "
-             "policy place replica memory bandwidth compute layer head attention vector hello "
-             "world quick brown fox jumps over lazy dog red green blue story poem").split()
+    vocab = (
+        "router prefill decode cache block token stream request model server engine "
+        "transfer handoff latency queue batch lease reserve release worker cluster gateway "
+        "policy place replica memory bandwidth compute layer head attention vector hello "
+        "world quick brown fox jumps over lazy dog red green blue story poem"
+    ).split()
     body = " ".join(rng.choice(vocab) for _ in range(words))
     return f"{tag} {body}".strip()
 
 
 def chat_messages(prompt: str, parts: bool = False) -> list[dict[str, Any]]:
     content: Any = [{"type": "text", "text": prompt}] if parts else prompt
-    return [{"role": "system", "content": "answer the question"},
-            {"role": "user", "content": content}]
+    return [
+        {"role": "system", "content": "answer the question"},
+        {"role": "user", "content": content},
+    ]
 
 
-async def reference(server: VllmServer, kind: str, prompt: str, max_tokens: int,
-                    *, parts: bool = False) -> str:
+async def reference(
+    server: VllmServer, kind: str, prompt: str, max_tokens: int, *, parts: bool = False
+) -> str:
     """The answer computed by one server alone, no disaggregation, its prefix cache bypassed
     (`cache_salt`), greedy."""
-    async with AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
-                           timeout=300) as client:
+    async with AsyncOpenAI(
+        base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300
+    ) as client:
         salt = {"cache_salt": f"ref-{uuid.uuid4().hex}"}
         if kind == "chat":
             r = await client.chat.completions.create(
-                model=SERVED, messages=chat_messages(prompt, parts),  # type: ignore[arg-type]
-                max_tokens=max_tokens, temperature=0, extra_body=salt)
+                model=SERVED,
+                messages=chat_messages(prompt, parts),  # type: ignore[arg-type]
+                max_tokens=max_tokens,
+                temperature=0,
+                extra_body=salt,
+            )
             return r.choices[0].message.content or ""
-        c = await client.completions.create(model=SERVED, prompt=prompt, max_tokens=max_tokens,
-                                            temperature=0, extra_body=salt)
+        c = await client.completions.create(
+            model=SERVED, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=salt
+        )
         return c.choices[0].text
 
 
-async def ask(client: AsyncOpenAI, kind: str, prompt: str, max_tokens: int, *, stream: bool,
-              parts: bool = False, **extra: Any) -> tuple[str, Any]:
+async def ask(
+    client: AsyncOpenAI,
+    kind: str,
+    prompt: str,
+    max_tokens: int,
+    *,
+    stream: bool,
+    parts: bool = False,
+    **extra: Any,
+) -> tuple[str, Any]:
     """(text, usage or None) of one request through `client`, greedy."""
     if kind == "chat":
         if stream:
             text, usage = [], None
             s = await client.chat.completions.create(
-                model=SERVED, messages=chat_messages(prompt, parts),  # type: ignore[arg-type]
-                max_tokens=max_tokens, temperature=0, stream=True,
-                stream_options={"include_usage": True}, **extra)
+                model=SERVED,
+                messages=chat_messages(prompt, parts),  # type: ignore[arg-type]
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                **extra,
+            )
             async for chunk in s:
                 if chunk.choices and chunk.choices[0].delta.content:
                     text.append(chunk.choices[0].delta.content)
@@ -561,22 +666,33 @@ async def ask(client: AsyncOpenAI, kind: str, prompt: str, max_tokens: int, *, s
                     usage = chunk.usage
             return "".join(text), usage
         r = await client.chat.completions.create(
-            model=SERVED, messages=chat_messages(prompt, parts),  # type: ignore[arg-type]
-            max_tokens=max_tokens, temperature=0, **extra)
+            model=SERVED,
+            messages=chat_messages(prompt, parts),  # type: ignore[arg-type]
+            max_tokens=max_tokens,
+            temperature=0,
+            **extra,
+        )
         return r.choices[0].message.content or "", r.usage
     if stream:
         text, usage = [], None
-        cs = await client.completions.create(model=SERVED, prompt=prompt, max_tokens=max_tokens,
-                                             temperature=0, stream=True,
-                                             stream_options={"include_usage": True}, **extra)
+        cs = await client.completions.create(
+            model=SERVED,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            **extra,
+        )
         async for chunk in cs:
             if chunk.choices and chunk.choices[0].text:
                 text.append(chunk.choices[0].text)
             if chunk.usage is not None:
                 usage = chunk.usage
         return "".join(text), usage
-    c = await client.completions.create(model=SERVED, prompt=prompt, max_tokens=max_tokens,
-                                        temperature=0, **extra)
+    c = await client.completions.create(
+        model=SERVED, prompt=prompt, max_tokens=max_tokens, temperature=0, **extra
+    )
     return c.choices[0].text, c.usage
 
 

@@ -24,27 +24,40 @@ async def test_concurrent_requests_keep_their_own_kv(router: RealRouter) -> None
     before = {d.name: d.prompt_tokens_by_source() for d in cluster.decodes}
 
     async with router.client() as client:
-        results = await asyncio.gather(*(
-            ask(client, kind, prompt, MAX_TOKENS, stream=stream)
-            for kind, prompt, stream in zip(kinds, prompts, streams, strict=True)))
+        results = await asyncio.gather(
+            *(
+                ask(client, kind, prompt, MAX_TOKENS, stream=stream)
+                for kind, prompt, stream in zip(kinds, prompts, streams, strict=True)
+            )
+        )
 
     for d in cluster.decodes:
         assert d.healthy(), f"decode server {d.name} died:\n{d.log_tail()}"
     # References one at a time, each on one engine alone (prefix cache bypassed).
-    expected = [await reference(cluster.decodes[i % 2], kind, prompt, MAX_TOKENS)
-                for i, (kind, prompt) in enumerate(zip(kinds, prompts, strict=True))]
-    mismatched = [i for i, ((text, _), exp) in enumerate(zip(results, expected, strict=True))
-                  if text != exp]
-    assert not mismatched, f"{len(mismatched)} of {N} answers differ from their reference: " + \
-        ", ".join(f"#{i} {results[i][0]!r} != {expected[i]!r}" for i in mismatched[:3])
+    expected = [
+        await reference(cluster.decodes[i % 2], kind, prompt, MAX_TOKENS)
+        for i, (kind, prompt) in enumerate(zip(kinds, prompts, strict=True))
+    ]
+    mismatched = [
+        i for i, ((text, _), exp) in enumerate(zip(results, expected, strict=True)) if text != exp
+    ]
+    assert not mismatched, (
+        f"{len(mismatched)} of {N} answers differ from their reference: "
+        + ", ".join(f"#{i} {results[i][0]!r} != {expected[i]!r}" for i in mismatched[:3])
+    )
 
     # Every routed prompt token arrived over NIXL (the references are counted as local).
     sent = sum(usage.prompt_tokens for _, usage in results)
-    pulled = sum(d.prompt_tokens_by_source()["external_kv_transfer"]
-                 - before[d.name]["external_kv_transfer"] for d in cluster.decodes)
+    pulled = sum(
+        d.prompt_tokens_by_source()["external_kv_transfer"] - before[d.name]["external_kv_transfer"]
+        for d in cluster.decodes
+    )
     assert pulled == sent
-    placed = {d.name: d.prompt_tokens_by_source()["external_kv_transfer"]
-              - before[d.name]["external_kv_transfer"] for d in cluster.decodes}
+    placed = {
+        d.name: d.prompt_tokens_by_source()["external_kv_transfer"]
+        - before[d.name]["external_kv_transfer"]
+        for d in cluster.decodes
+    }
     print(f"\nprompt tokens pulled per decode server: {placed}")
     # Two idle decode servers share a burst: the placements made while the others' reservations
     # were still on their way to Redis saw them (before that fix: 1,416 and 10 tokens).

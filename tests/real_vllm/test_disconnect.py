@@ -18,8 +18,10 @@ MAX_TOKENS = 8000
 
 
 def running(router: RealRouter) -> float:
-    return sum(d.metric("vllm:num_requests_running") + d.metric("vllm:num_requests_waiting")
-               for d in router.cluster.decodes)
+    return sum(
+        d.metric("vllm:num_requests_running") + d.metric("vllm:num_requests_waiting")
+        for d in router.cluster.decodes
+    )
 
 
 def generated(router: RealRouter) -> float:
@@ -33,11 +35,16 @@ async def test_client_disconnect_aborts_decode(router: RealRouter, kind: str) ->
     async with router.client() as client:
         if kind == "chat":
             stream = await client.chat.completions.create(
-                model=SERVED, messages=[{"role": "user", "content": prompt}],
-                max_tokens=MAX_TOKENS, temperature=0, stream=True)
+                model=SERVED,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                stream=True,
+            )
         else:
             stream = await client.completions.create(  # type: ignore[assignment]
-                model=SERVED, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+                model=SERVED, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
+            )
         seen = 0
         async for _ in stream:
             seen += 1
@@ -48,8 +55,11 @@ async def test_client_disconnect_aborts_decode(router: RealRouter, kind: str) ->
         await stream.close()
         gone_at = time.monotonic()
 
-    await wait_for(lambda: running(router) == 0 or running(router), 60,
-                   "the decode engines still run the abandoned request")
+    await wait_for(
+        lambda: running(router) == 0 or running(router),
+        60,
+        "the decode engines still run the abandoned request",
+    )
     abort_s = time.monotonic() - gone_at
 
     async def released() -> bool | dict[str, int]:
@@ -58,6 +68,8 @@ async def test_client_disconnect_aborts_decode(router: RealRouter, kind: str) ->
 
     await wait_for(released, 10, "the router still holds the reservation")
     wasted = generated(router) - tokens_before
-    print(f"\n{kind}: decode stopped {abort_s:.2f} s after the client left, "
-          f"{wasted:.0f} of {MAX_TOKENS} tokens generated")
+    print(
+        f"\n{kind}: decode stopped {abort_s:.2f} s after the client left, "
+        f"{wasted:.0f} of {MAX_TOKENS} tokens generated"
+    )
     assert wasted < MAX_TOKENS

@@ -17,9 +17,13 @@ async def test_decode_pulls_every_prompt_token(router: RealRouter) -> None:
     cluster = router.cluster
     before = {s.name: s.prompt_tokens_by_source() for s in cluster.servers}
     # Several lengths: under one block, several blocks, an exact multiple of the block size.
-    cases = [("completions", unique_prompt(5), False), ("chat", unique_prompt(40), True),
-             ("completions", unique_prompt(64), True), ("chat", unique_prompt(200), False),
-             ("completions", unique_prompt(300), False)]
+    cases = [
+        ("completions", unique_prompt(5), False),
+        ("chat", unique_prompt(40), True),
+        ("completions", unique_prompt(64), True),
+        ("chat", unique_prompt(200), False),
+        ("completions", unique_prompt(300), False),
+    ]
     prompts: list[int] = []
     async with router.client() as client:
         for kind, prompt, stream in cases:
@@ -41,14 +45,18 @@ async def test_decode_pulls_every_prompt_token(router: RealRouter) -> None:
     # excess must be whole prompts, and the router must have counted the retries.
     p = cluster.prefill.name
     excess = delta(p, "local_compute") + delta(p, "local_cache_hit") - sent
-    retries = sum(router.gateway.metrics.retries.labels(side=side)._value.get()
-                  for side in ("prefill", "decode"))
+    retries = sum(
+        router.gateway.metrics.retries.labels(side=side)._value.get()
+        for side in ("prefill", "decode")
+    )
     if excess or retries:
         print(f"\n{retries:.0f} retries; the prefill server computed {excess:.0f} tokens again")
         repeats = itertools.product(range(3), repeat=len(prompts))  # up to 3 attempts each
-        assert any(sum(n * t for n, t in zip(r, prompts, strict=True)) == excess
-                   for r in repeats if sum(r) <= retries), \
-            f"{excess} extra prefill tokens are not whole retried prompts ({prompts})"
+        assert any(
+            sum(n * t for n, t in zip(r, prompts, strict=True)) == excess
+            for r in repeats
+            if sum(r) <= retries
+        ), f"{excess} extra prefill tokens are not whole retried prompts ({prompts})"
     assert excess >= 0
     assert delta(p, "external_kv_transfer") == 0
     assert await router.reserved_blocks() == {"d0": 0, "d1": 0}

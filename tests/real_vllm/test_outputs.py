@@ -33,10 +33,15 @@ async def test_what_real_clients_send(router: RealRouter) -> None:
         chunks, last_usage = [], None
         s = await client.chat.completions.create(
             model="tiny-llama",
-            messages=[{"role": "system", "content": "answer the question"},
-                      {"role": "user", "content": [{"type": "text", "text": prompt}]}],
-            max_completion_tokens=MAX_TOKENS, temperature=0, stream=True,
-            stream_options={"include_usage": True, "continuous_usage_stats": True})
+            messages=[
+                {"role": "system", "content": "answer the question"},
+                {"role": "user", "content": [{"type": "text", "text": prompt}]},
+            ],
+            max_completion_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
         async for chunk in s:
             if chunk.choices and chunk.choices[0].delta.content:
                 chunks.append(chunk.choices[0].delta.content)

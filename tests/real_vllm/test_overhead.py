@@ -31,8 +31,13 @@ MAX_TOKENS = 16
 COMPLETIONS = "/v1/completions"
 
 
-async def first_token_s(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
-                        headers: dict[str, str], t0: float) -> float:
+async def first_token_s(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    t0: float,
+) -> float:
     """Seconds from t0 to the first SSE event with text; the rest of the stream is drained."""
     first: float | None = None
     others: list[bytes] = []  # what came instead, for the failure message
@@ -49,38 +54,50 @@ async def first_token_s(session: aiohttp.ClientSession, url: str, body: dict[str
     return first
 
 
-async def direct(session: aiohttp.ClientSession, router: RealRouter, body: dict[str, Any],
-                 decode_url: str) -> float:
+async def direct(
+    session: aiohttp.ClientSession, router: RealRouter, body: dict[str, Any], decode_url: str
+) -> float:
     adapter = VllmNixlAdapter()
     headers = {"Content-Type": "application/json", "X-Request-Id": f"direct-{uuid.uuid4().hex}"}
     t0 = time.perf_counter()
-    async with session.post(router.cluster.prefill.url + COMPLETIONS,
-                            data=orjson.dumps(adapter.prefill_body(body)),
-                            headers=headers) as resp:
+    async with session.post(
+        router.cluster.prefill.url + COMPLETIONS,
+        data=orjson.dumps(adapter.prefill_body(body)),
+        headers=headers,
+    ) as resp:
         assert resp.status == 200, await resp.text()
         kv = adapter.kv_params(orjson.loads(await resp.read()))
-    return await first_token_s(session, decode_url + COMPLETIONS,
-                               adapter.decode_body(body, kv), headers, t0)
+    return await first_token_s(
+        session, decode_url + COMPLETIONS, adapter.decode_body(body, kv), headers, t0
+    )
 
 
-async def routed(session: aiohttp.ClientSession, router: RealRouter,
-                 body: dict[str, Any]) -> float:
+async def routed(session: aiohttp.ClientSession, router: RealRouter, body: dict[str, Any]) -> float:
     headers = {"Content-Type": "application/json"}
-    return await first_token_s(session, router.url + COMPLETIONS, body, headers,
-                               time.perf_counter())
+    return await first_token_s(
+        session, router.url + COMPLETIONS, body, headers, time.perf_counter()
+    )
 
 
 def summary(xs: list[float]) -> dict[str, float]:
     qs = statistics.quantiles(xs, n=10)
-    return {"median_ms": round(statistics.median(xs) * 1e3, 1),
-            "p10_ms": round(qs[0] * 1e3, 1), "p90_ms": round(qs[-1] * 1e3, 1),
-            "mean_ms": round(statistics.fmean(xs) * 1e3, 1)}
+    return {
+        "median_ms": round(statistics.median(xs) * 1e3, 1),
+        "p10_ms": round(qs[0] * 1e3, 1),
+        "p90_ms": round(qs[-1] * 1e3, 1),
+        "mean_ms": round(statistics.fmean(xs) * 1e3, 1),
+    }
 
 
 async def test_router_ttft_overhead(router: RealRouter) -> None:
     def body() -> dict[str, Any]:
-        return {"model": SERVED, "prompt": unique_prompt(60), "max_tokens": MAX_TOKENS,
-                "temperature": 0, "stream": True}
+        return {
+            "model": SERVED,
+            "prompt": unique_prompt(60),
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "stream": True,
+        }
 
     direct_s: list[float] = []
     routed_s: list[float] = []
@@ -100,12 +117,15 @@ async def test_router_ttft_overhead(router: RealRouter) -> None:
                 routed_s.append(b)
     overhead = [b - a for a, b in zip(direct_s, routed_s, strict=True)]
     result = {
-        "n": N, "prompt_words": 60, "max_tokens": MAX_TOKENS,
+        "n": N,
+        "prompt_words": 60,
+        "max_tokens": MAX_TOKENS,
         "direct_two_call_ttft": summary(direct_s),
         "router_ttft": summary(routed_s),
         "overhead_per_request": summary(overhead),
-        "median_overhead_ms": round((statistics.median(routed_s)
-                                     - statistics.median(direct_s)) * 1e3, 1),
+        "median_overhead_ms": round(
+            (statistics.median(routed_s) - statistics.median(direct_s)) * 1e3, 1
+        ),
     }
     print("\n" + json.dumps(result, indent=2))
     (HOME / "overhead.json").write_text(json.dumps(result, indent=2) + "\n")

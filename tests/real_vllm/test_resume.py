@@ -51,11 +51,16 @@ async def test_decode_killed_mid_stream_resumes(router: RealRouter, kind: str) -
     async with router.client() as client:
         if kind == "chat":
             stream = await client.chat.completions.create(
-                model=SERVED, messages=chat_messages(prompt),  # type: ignore[arg-type]
-                max_tokens=MAX_TOKENS, temperature=0, stream=True)
+                model=SERVED,
+                messages=chat_messages(prompt),  # type: ignore[arg-type]
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                stream=True,
+            )
         else:
             stream = await client.completions.create(  # type: ignore[assignment]
-                model=SERVED, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+                model=SERVED, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
+            )
         async for chunk in stream:
             if not chunk.choices:
                 continue
@@ -66,8 +71,10 @@ async def test_decode_killed_mid_stream_resumes(router: RealRouter, kind: str) -
             if victim is None and chunks:
                 # Asked at the first chunk, while the answer surely has most of its way to go.
                 victim = await serving(router)
-                assert victim is not None, ("cannot tell which decode server is streaming: "
-                                            f"reserved {await router.reserved_blocks()}")
+                assert victim is not None, (
+                    "cannot tell which decode server is streaming: "
+                    f"reserved {await router.reserved_blocks()}"
+                )
             if killed is None and victim is not None and len(chunks) >= KILL_AFTER:
                 victim.kill()
                 killed_after = len(chunks)
@@ -77,8 +84,10 @@ async def test_decode_killed_mid_stream_resumes(router: RealRouter, kind: str) -
     survivor = next(d for d in cluster.decodes if d is not killed)
     assert survivor.healthy()
     text = "".join(chunks)
-    print(f"\n{kind}: killed {killed.name} after {killed_after} chunks, resumed on "
-          f"{survivor.name}; stream done {time.monotonic() - killed_at:.2f} s after the kill")
+    print(
+        f"\n{kind}: killed {killed.name} after {killed_after} chunks, resumed on "
+        f"{survivor.name}; stream done {time.monotonic() - killed_at:.2f} s after the kill"
+    )
     # The router really resumed (not: the engine had finished before the kill). Chunks are not
     # counted: vLLM merges several tokens into one chunk when its API server falls behind.
     assert router.gateway.metrics.resumes._value.get() >= 1
