@@ -15,8 +15,6 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import uvrun
-
 if TYPE_CHECKING:
     from router.config import Timeouts
 
@@ -92,17 +90,29 @@ def serve(ns: argparse.Namespace) -> int:
         )
 
     _raise_open_files_limit()
-    uvrun.run(
-        run_app_until_signal(
-            app,
-            settings.host,
-            settings.port,
-            timeouts=settings.timeouts,
-            backlog=settings.listen_backlog,
-            on_ready=ready,
+    with asyncio.Runner(loop_factory=_uvloop_factory()) as runner:
+        runner.run(
+            run_app_until_signal(
+                app,
+                settings.host,
+                settings.port,
+                timeouts=settings.timeouts,
+                backlog=settings.listen_backlog,
+                on_ready=ready,
+            )
         )
-    )
     return 0
+
+
+def _uvloop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop, or asyncio's default where uvloop is not installed (slower, same
+    behaviour). The router's own choice, not `uvrun`'s: the product imports only `policies` and
+    `state` (docs/design.md §9); the tools share `uvrun`, which makes the same choice."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 def _raise_open_files_limit() -> None:

@@ -6,14 +6,15 @@ an entry names a package or one module of it (`sim.textgen` allows that module o
 
     policies   → (nothing)                       no asyncio, aiohttp, redis: pure, synchronous
     state      → policies                        no aiohttp
-    router     → policies, state, uvrun           the product: nothing above it
+    router     → policies, state                 the product: nothing above it
     sim        → policies, uvrun                  the simulated GPU worker
     simcluster → policies                        pure: no asyncio, aiohttp, redis, prometheus
     bench      → policies, simcluster, sim.textgen, uvrun
                                                  the client tools and the simulator experiments
                                                  (bench sits above the simulator; it checks
                                                  answers against the worker's toy model)
-    uvrun      → (nothing)                       the uvloop start-up, usable by every process
+    uvrun      → (nothing)                       the uvloop start-up of the tools (the router
+                                                 picks its loop itself: it imports no uvrun)
     launcher   → anything                        the umbrella CLI, local cluster, validation
     tests      → anything
 
@@ -44,7 +45,7 @@ ANYTHING = frozenset(FIRST_PARTY)
 ALLOWED: dict[str, frozenset[str]] = {
     "policies": frozenset(),
     "state": frozenset({"policies"}),
-    "router": frozenset({"policies", "state", "uvrun"}),
+    "router": frozenset({"policies", "state"}),
     "sim": frozenset({"policies", "uvrun"}),
     "simcluster": frozenset({"policies"}),
     "bench": frozenset({"policies", "simcluster", "sim.textgen", "uvrun"}),
