@@ -520,6 +520,10 @@ async def run(ns: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     add_deltas(result["runs"])
     if ns.saturation:
         result["saturation"] = await _phase(ns, log_dir, saturation=True)
+    if ns.idle_s > 0:
+        from bench.overhead_idle import idle_phase  # imports this module: not at the top
+
+        result["idle"] = await idle_phase(ns, log_dir)
     result["machine"]["loadavg_at_end"] = os.getloadavg()
     result["elapsed_s"] = round(time.monotonic() - t0, 1)
     return result
@@ -581,6 +585,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="source tree of the ours_alt target (A/B a router change: the same "
                         "command, run from that directory)")
     p.add_argument("--log-dir", default=None, help="process logs and configs (default: a temp dir)")
+    p.add_argument("--idle-s", type=float, default=0.0,
+                   help="then an idle phase (bench/overhead_idle.py): seconds of no traffic per "
+                        "router with 4 workers, router CPU ms/s (0 = off)")
+    p.add_argument("--settle-s", type=float, default=3.0,
+                   help="idle phase: quiet seconds after start-up before measuring")
     return p
 
 
@@ -629,6 +638,10 @@ def main(argv: list[str] | None = None) -> int:
     if ns.json_path:
         Path(ns.json_path).write_text(text + "\n")
     md = markdown(result)
+    if result.get("idle"):
+        from bench.overhead_idle import idle_markdown
+
+        md += "\n" + idle_markdown(result["idle"], ns.idle_s)
     if ns.markdown:
         path = Path(ns.markdown)
         existing = path.read_text() if path.exists() else None

@@ -396,12 +396,17 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
                 wid,
             )
         await pools.refresh_from_store()
+
         # Each refresh may show room freed by other replicas: wake the admission queue.
-        tasks.loop(pools.run_refresher(gw.admission.notify), "pools-refresh")
+        # Quiet (nothing in flight or waiting here): the refresher and load poller slow down.
+        def busy() -> bool:
+            return gw.admission.inflight > 0 or gw.admission.waiting > 0
+
+        tasks.loop(pools.run_refresher(gw.admission.notify, busy), "pools-refresh")
         tasks.loop(_reap_stranded(gw), "stranded-reaper")
         tasks.loop(pools.run_health_prober(session), "health-probe")
         tasks.loop(pools.run_registry_sync(session), "registry-sync")
-        tasks.loop(pools.run_load_poller(session), "load-poller")
+        tasks.loop(pools.run_load_poller(session, busy), "load-poller")
         tasks.loop(gw.leases.run(), "lease-keeper")
         tasks.loop(_tally_requests(gw), "retry-tally")
         app[ROLES] = RoleManager(gw, app[_ROLE_POLICY])

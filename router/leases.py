@@ -164,6 +164,8 @@ class LeaseKeeper:
     async def renew_all(self) -> int:
         """Renew every live lease, one call per decode worker; returns how many the store had
         lost and were put back."""
+        if not self.live:
+            return 0  # nothing held: no tick work
         by_worker: dict[str, dict[str, int]] = {}
         for rid, wid in list(self.live.items()):
             by_worker.setdefault(wid, {})[rid] = self.expected.get(rid, (0, 0.0))[0]

@@ -272,12 +272,21 @@ class Pools:
         except Exception as exc:  # no load endpoint: the router's own accounting stands
             log.debug("load poll of %s failed: %s", w.spec.id, exc)
 
-    async def run_load_poller(self, session: aiohttp.ClientSession) -> None:
-        if self.settings.load_poll_s <= 0:
+    async def run_load_poller(
+        self, session: aiohttp.ClientSession, busy: Callable[[], bool] | None = None
+    ) -> None:
+        """Every `load_poll_s` while this replica serves; while it is quiet, every half of
+        `load_max_age_s` (a reading stays trusted until a request comes, at a third of the
+        idle cost for a vLLM worker's /metrics)."""
+        s = self.settings
+        if s.load_poll_s <= 0:
             return
         while True:
             await asyncio.gather(*(self.poll_load(session, w) for w in list(self.workers.values())))
-            await asyncio.sleep(self.settings.load_poll_s)
+            quiet = not self._busy(busy)
+            await asyncio.sleep(
+                max(s.load_poll_s, s.load_max_age_s / 2) if quiet else s.load_poll_s
+            )
 
     # -- the snapshot ------------------------------------------------------------------------
     def snapshot(
@@ -420,10 +429,31 @@ class Pools:
             if (st := self.workers.get(wid)) is not None:
                 st.stranded_bytes = nbytes
 
-    async def run_refresher(self, on_refresh=None) -> None:  # type: ignore[no-untyped-def]
+    def _busy(self, busy: Callable[[], bool] | None) -> bool:
+        """This replica has requests in flight or waiting (`busy`), or legs on a worker."""
+        if busy is not None and busy():
+            return True
+        return any(w.inflight or w.pending_blocks for w in self.workers.values())
+
+    def _store_view(self) -> tuple[tuple[str, int, int], ...]:
+        return tuple(
+            (w.spec.id, w.reserved_blocks, w.stranded_bytes) for w in self.workers.values()
+        )
+
+    async def run_refresher(self, on_refresh=None, busy=None) -> None:  # type: ignore[no-untyped-def]
+        """Every `state_refresh_s` while anything moves; while this replica is quiet and the
+        store shows no change, the interval doubles up to 10 x (at most 1 s): an idle router
+        reads the store about once a second, and the first change it sees (another replica's
+        reservation, a reset store) brings it back to `state_refresh_s`."""
+        base = self.settings.state_refresh_s
+        idle_cap = max(base, min(1.0, 10 * base))
+        interval = base
         while True:
+            before = self._store_view()
+            changed = True
             try:
                 await self.refresh_from_store()
+                changed = self._store_view() != before
                 if on_refresh is not None:
                     on_refresh()
             except asyncio.CancelledError:
@@ -432,7 +462,8 @@ class Pools:
                 pass  # logged once when it starts failing (refresh_from_store)
             except Exception as exc:  # a bug must not kill the loop
                 log.warning("state refresh failed: %r", exc)
-            await asyncio.sleep(self.settings.state_refresh_s)
+            interval = base if changed or self._busy(busy) else min(2 * interval, idle_cap)
+            await asyncio.sleep(interval)
 
     async def layout_facts(
         self, session: aiohttp.ClientSession, url: str, adapter: str

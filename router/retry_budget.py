@@ -32,6 +32,8 @@ class RetryBudget:
 
     async def flush(self) -> None:
         """Add the local tally to the store's window; kept for the next flush if it fails."""
+        if not self._untallied:
+            return  # an idle replica makes no store call for nothing
         count, self._untallied = self._untallied, 0
         try:
             await self.store.note_request(count)
