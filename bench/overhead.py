@@ -99,9 +99,18 @@ def self_cpu_s() -> float:
 class Proc:
     """A subprocess in its own session, pinned to one core, logging to a file."""
 
-    def __init__(self, name: str, cmd: list[str], *, core: int | None, log_dir: Path,
-                 env: dict[str, str] | None = None, cwd: str | None = None,
-                 nice: int = 0, rt_priority: int = 0) -> None:
+    def __init__(
+        self,
+        name: str,
+        cmd: list[str],
+        *,
+        core: int | None,
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        nice: int = 0,
+        rt_priority: int = 0,
+    ) -> None:
         self.name = name
         self.cmd = cmd
         self.log_path = log_dir / f"{name}.log"
@@ -116,9 +125,15 @@ class Proc:
             if rt_priority:
                 os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(rt_priority))
 
-        self.popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                      env={**os.environ, **(env or {})}, preexec_fn=pin,
-                                      start_new_session=True, cwd=cwd)
+        self.popen = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            preexec_fn=pin,
+            start_new_session=True,
+            cwd=cwd,
+        )
 
     @property
     def pid(self) -> int:
@@ -165,8 +180,9 @@ async def wait_ready(addr: tuple[str, int], proc: Proc, timeout_s: float = 60.0)
         if not proc.alive():
             raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
         try:
-            recs, _, _ = await run_load(LoadSpec(1, 1, warmup_per_slot=0, target=addr,
-                                                 max_tokens=2, request_timeout_s=5.0))
+            recs, _, _ = await run_load(
+                LoadSpec(1, 1, warmup_per_slot=0, target=addr, max_tokens=2, request_timeout_s=5.0)
+            )
             r = recs[0]
             if r.error is None and r.done and r.tokens == 2:
                 return
@@ -232,18 +248,41 @@ class Workers:
         self.decode.stop()
 
 
-async def start_workers(ns: argparse.Namespace, log_dir: Path, interval_ms: float,
-                        tag: str) -> Workers:
+async def start_workers(
+    ns: argparse.Namespace, log_dir: Path, interval_ms: float, tag: str
+) -> Workers:
     procs, ports = [], []
     for role in ("prefill", "decode"):
         port = free_port()
-        cmd = [sys.executable, "-m", "bench.fixed_worker", "--role", role, "--host", HOST,
-               "--port", str(port), "--model", ns.model, "--interval-ms", str(interval_ms),
-               "--prefill-ms", str(ns.prefill_ms)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench.fixed_worker",
+            "--role",
+            role,
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--model",
+            ns.model,
+            "--interval-ms",
+            str(interval_ms),
+            "--prefill-ms",
+            str(ns.prefill_ms),
+        ]
         if ns.first_token_ms is not None:
             cmd += ["--first-token-ms", str(ns.first_token_ms)]
-        procs.append(Proc(f"worker-{role}-{tag}", cmd, core=ns.load_core_, log_dir=log_dir,
-                          nice=ns.nice, rt_priority=ns.rt_priority))
+        procs.append(
+            Proc(
+                f"worker-{role}-{tag}",
+                cmd,
+                core=ns.load_core_,
+                log_dir=log_dir,
+                nice=ns.nice,
+                rt_priority=ns.rt_priority,
+            )
+        )
         ports.append(port)
     for proc, port in zip(procs, ports, strict=True):
         await wait_listening(port, proc)
@@ -251,40 +290,104 @@ async def start_workers(ns: argparse.Namespace, log_dir: Path, interval_ms: floa
 
 
 def _our_config(ns: argparse.Namespace, workers: Workers, path: Path, redis: bool) -> None:
-    lines = [f"model: {ns.model}", "perf: {model: llama-3-8b, gpu: h100}",
-             f"key_prefix: \"bench-overhead-{os.getpid()}-{int(time.time())}:\""]
+    lines = [
+        f"model: {ns.model}",
+        "perf: {model: llama-3-8b, gpu: h100}",
+        f'key_prefix: "bench-overhead-{os.getpid()}-{int(time.time())}:"',
+    ]
     if redis:
         lines.append(f"redis_url: {ns.redis_url}")
-    lines += ["workers:",
-              f"  - {{id: p0, url: {workers.prefill_url}, role: prefill, adapter: {ns.adapter}}}",
-              f"  - {{id: d0, url: {workers.decode_url}, role: decode, adapter: {ns.adapter}, "
-              "kv_blocks: 100000000}"]
+    lines += [
+        "workers:",
+        f"  - {{id: p0, url: {workers.prefill_url}, role: prefill, adapter: {ns.adapter}}}",
+        f"  - {{id: d0, url: {workers.decode_url}, role: decode, adapter: {ns.adapter}, "
+        "kv_blocks: 100000000}",
+    ]
     path.write_text("\n".join(lines) + "\n")
 
 
-def router_command(name: str, ns: argparse.Namespace, workers: Workers, port: int,
-                   log_dir: Path) -> tuple[list[str], dict[str, str]]:
+def router_command(
+    name: str, ns: argparse.Namespace, workers: Workers, port: int, log_dir: Path
+) -> tuple[list[str], dict[str, str]]:
     if name in ("ours", "ours_redis", "ours_alt"):
         cfg = log_dir / f"{name}.yaml"
         _our_config(ns, workers, cfg, redis=name == "ours_redis")
-        return ([sys.executable, "-m", "router.cli", "--log-level", "WARNING", "serve",
-                 "--config", str(cfg), "--host", HOST, "--port", str(port)], {})
+        return (
+            [
+                sys.executable,
+                "-m",
+                "router.cli",
+                "--log-level",
+                "WARNING",
+                "serve",
+                "--config",
+                str(cfg),
+                "--host",
+                HOST,
+                "--port",
+                str(port),
+            ],
+            {},
+        )
     # The peers try to download a tokenizer at start-up: a closed loopback port fails it at once.
     env = {"HF_ENDPOINT": f"http://{HOST}:{free_port()}"}
     if name == "sglang":
-        return ([sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                 "--prefill", workers.prefill_url, "none", "--decode", workers.decode_url,
-                 "--host", HOST, "--port", str(port), "--prometheus-host", HOST,
-                 "--prometheus-port", str(free_port()), "--log-level", "warn"], env)
+        return (
+            [
+                sys.executable,
+                "-m",
+                "sglang_router.launch_router",
+                "--pd-disaggregation",
+                "--prefill",
+                workers.prefill_url,
+                "none",
+                "--decode",
+                workers.decode_url,
+                "--host",
+                HOST,
+                "--port",
+                str(port),
+                "--prometheus-host",
+                HOST,
+                "--prometheus-port",
+                str(free_port()),
+                "--log-level",
+                "warn",
+            ],
+            env,
+        )
     if name == "vllm":
         exe = Path(sys.executable).with_name("vllm-router")
-        cmd = [str(exe)] if exe.exists() else [
-            sys.executable, "-c", "import sys; from vllm_router.launch_router import main; "
-            "sys.exit(main())"]
-        return (cmd + ["--vllm-pd-disaggregation", "--prefill", workers.prefill_url,
-                       "--decode", workers.decode_url, "--host", HOST, "--port", str(port),
-                       "--prometheus-host", HOST, "--prometheus-port", str(free_port()),
-                       "--log-level", "warning"], env)
+        cmd = (
+            [str(exe)]
+            if exe.exists()
+            else [
+                sys.executable,
+                "-c",
+                "import sys; from vllm_router.launch_router import main; sys.exit(main())",
+            ]
+        )
+        return (
+            cmd
+            + [
+                "--vllm-pd-disaggregation",
+                "--prefill",
+                workers.prefill_url,
+                "--decode",
+                workers.decode_url,
+                "--host",
+                HOST,
+                "--port",
+                str(port),
+                "--prometheus-host",
+                HOST,
+                "--prometheus-port",
+                str(free_port()),
+                "--log-level",
+                "warning",
+            ],
+            env,
+        )
     raise ValueError(f"unknown target {name!r}; known: baseline, {', '.join(ROUTERS)}")
 
 
@@ -302,8 +405,12 @@ class CpuSampler:
         self._task: asyncio.Task[None] | None = None
 
     def sample(self) -> tuple[float, float, float, float]:
-        s = (time.perf_counter(), self.router.cpu_s() if self.router else 0.0,
-             self.workers.cpu_s(), self_cpu_s())
+        s = (
+            time.perf_counter(),
+            self.router.cpu_s() if self.router else 0.0,
+            self.workers.cpu_s(),
+            self_cpu_s(),
+        )
         self.samples.append(s)
         return s
 
@@ -353,8 +460,9 @@ class Segment:
     steady: tuple[float, ...] = ()  # saturation: (secs, router, workers, client, tokens)
 
 
-async def measure(spec: LoadSpec, router: Proc | None, workers: Workers,
-                  *, saturation: bool = False) -> Segment:
+async def measure(
+    spec: LoadSpec, router: Proc | None, workers: Workers, *, saturation: bool = False
+) -> Segment:
     load_before = os.getloadavg()[0]
     before = await workers.counters()
     with CpuSampler(router, workers) as cpu:
@@ -365,8 +473,7 @@ async def measure(spec: LoadSpec, router: Proc | None, workers: Workers,
     upstream["prefill_connections"] -= 1
     upstream["decode_connections"] -= 1
     secs, router_cpu, worker_cpu, client_cpu = cpu.delta()
-    seg = Segment(records, secs, window, router_cpu, worker_cpu, client_cpu, upstream,
-                  load_before)
+    seg = Segment(records, secs, window, router_cpu, worker_cpu, client_cpu, upstream, load_before)
     if saturation:
         # The middle half of the run: every slot is streaming, none is ramping up or down.
         start = cpu.samples[0][0]
@@ -376,51 +483,77 @@ async def measure(spec: LoadSpec, router: Proc | None, workers: Workers,
     return seg
 
 
-def combine(name: str, spec: LoadSpec, segs: list[Segment], has_router: bool,
-            saturation: bool = False) -> dict[str, Any]:
+def combine(
+    name: str, spec: LoadSpec, segs: list[Segment], has_router: bool, saturation: bool = False
+) -> dict[str, Any]:
     """One summary over the rounds of one (target, concurrency)."""
     records = [r for s in segs for r in s.records]
     secs = sum(s.secs for s in segs)
-    out = summarize(records, max_tokens=spec.max_tokens, wall_s=secs,
-                    window_s=sum(s.window for s in segs),
-                    router_cpu_s=sum(s.router_cpu for s in segs) if has_router else None,
-                    client_cpu_s=sum(s.client_cpu for s in segs),
-                    worker_cpu_s=sum(s.worker_cpu for s in segs))
+    out = summarize(
+        records,
+        max_tokens=spec.max_tokens,
+        wall_s=secs,
+        window_s=sum(s.window for s in segs),
+        router_cpu_s=sum(s.router_cpu for s in segs) if has_router else None,
+        client_cpu_s=sum(s.client_cpu for s in segs),
+        worker_cpu_s=sum(s.worker_cpu for s in segs),
+    )
     upstream: dict[str, int] = {}
     for s in segs:
         for k, v in s.upstream.items():
             upstream[k] = upstream.get(k, 0) + v
-    out = {"target": name, "concurrency": spec.concurrency, "max_tokens": spec.max_tokens,
-           "rounds": len(segs), "loadavg_1m": [round(s.loadavg, 2) for s in segs],
-           "upstream": upstream, **out}
+    out = {
+        "target": name,
+        "concurrency": spec.concurrency,
+        "max_tokens": spec.max_tokens,
+        "rounds": len(segs),
+        "loadavg_1m": [round(s.loadavg, 2) for s in segs],
+        "upstream": upstream,
+        **out,
+    }
     if has_router:
         out["router_cpu_s_per_1k_by_round"] = [
             round(s.router_cpu / t * 1000, 4) if (t := sum(r.tokens for r in s.records)) else None
-            for s in segs]
+            for s in segs
+        ]
     if saturation:
         st = [sum(s.steady[i] for s in segs) for i in range(5)]
         s_secs, s_router, s_workers, s_client, tokens = st
-        out.update({
-            "steady_s": round(s_secs, 3),
-            "tokens_per_s": round(tokens / s_secs, 1) if s_secs > 0 else None,
-            "router_cpu_util": round(s_router / s_secs, 3) if has_router and s_secs else None,
-            "client_cpu_util": round(s_client / s_secs, 3) if s_secs > 0 else None,
-            "worker_cpu_s": round(s_workers, 3), "wall_s": round(s_secs, 3),
-            "tokens_per_router_cpu_s": round(tokens / s_router) if has_router and s_router
-            else None,
-            "cpu_s_per_1k_tokens": (round(s_router / tokens * 1000, 4)
-                                    if has_router and tokens else None),
-        })
+        out.update(
+            {
+                "steady_s": round(s_secs, 3),
+                "tokens_per_s": round(tokens / s_secs, 1) if s_secs > 0 else None,
+                "router_cpu_util": round(s_router / s_secs, 3) if has_router and s_secs else None,
+                "client_cpu_util": round(s_client / s_secs, 3) if s_secs > 0 else None,
+                "worker_cpu_s": round(s_workers, 3),
+                "wall_s": round(s_secs, 3),
+                "tokens_per_router_cpu_s": round(tokens / s_router)
+                if has_router and s_router
+                else None,
+                "cpu_s_per_1k_tokens": (
+                    round(s_router / tokens * 1000, 4) if has_router and tokens else None
+                ),
+            }
+        )
     return out
 
 
-async def start_router(name: str, ns: argparse.Namespace, workers: Workers, log_dir: Path,
-                       tag: str) -> tuple[Proc, tuple[str, int]]:
+async def start_router(
+    name: str, ns: argparse.Namespace, workers: Workers, log_dir: Path, tag: str
+) -> tuple[Proc, tuple[str, int]]:
     port = free_port()
     cmd, env = router_command(name, ns, workers, port, log_dir)
     cwd = ns.ours_src if name == "ours_alt" else None
-    proc = Proc(f"router-{name}-{tag}", cmd, core=ns.router_core_, log_dir=log_dir, env=env,
-                cwd=cwd, nice=ns.nice, rt_priority=ns.rt_priority)
+    proc = Proc(
+        f"router-{name}-{tag}",
+        cmd,
+        core=ns.router_core_,
+        log_dir=log_dir,
+        env=env,
+        cwd=cwd,
+        nice=ns.nice,
+        rt_priority=ns.rt_priority,
+    )
     try:
         await wait_ready((HOST, port), proc)
     except BaseException:
@@ -430,11 +563,15 @@ async def start_router(name: str, ns: argparse.Namespace, workers: Workers, log_
 
 
 def _progress(r: dict[str, Any], phase: str = "ladder") -> None:
-    print(f"[{phase}] {r['target']:>10} c={r['concurrency']:<5} ok={r['complete']}/"
-          f"{r['requests']} ttft p50={r['ttft_ms']['p50']} p99={r['ttft_ms']['p99']} "
-          f"itl p50={r['itl_ms']['p50']} p99={r['itl_ms']['p99']} tok/s={r['tokens_per_s']} "
-          f"router cpu/1k={r['cpu_s_per_1k_tokens']} util={r['router_cpu_util']} "
-          f"client util={r['client_cpu_util']}", file=sys.stderr, flush=True)
+    print(
+        f"[{phase}] {r['target']:>10} c={r['concurrency']:<5} ok={r['complete']}/"
+        f"{r['requests']} ttft p50={r['ttft_ms']['p50']} p99={r['ttft_ms']['p99']} "
+        f"itl p50={r['itl_ms']['p50']} p99={r['itl_ms']['p99']} tok/s={r['tokens_per_s']} "
+        f"router cpu/1k={r['cpu_s_per_1k_tokens']} util={r['router_cpu_util']} "
+        f"client util={r['client_cpu_util']}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def machine_notes(ns: argparse.Namespace) -> dict[str, Any]:
@@ -450,14 +587,21 @@ def machine_notes(ns: argparse.Namespace) -> dict[str, Any]:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             versions[pkg] = None
-    return {"cpus": os.cpu_count(), "cpu_model": model, "kernel": platform.release(),
-            "python": platform.python_version(), "versions": versions,
-            "router_core": ns.router_core_, "load_core": ns.load_core_,
-            "loadavg_at_start": os.getloadavg()}
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": model,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "versions": versions,
+        "router_core": ns.router_core_,
+        "load_core": ns.load_core_,
+        "loadavg_at_start": os.getloadavg(),
+    }
 
 
-async def _phase(ns: argparse.Namespace, log_dir: Path, *,
-                 saturation: bool) -> list[dict[str, Any]]:
+async def _phase(
+    ns: argparse.Namespace, log_dir: Path, *, saturation: bool
+) -> list[dict[str, Any]]:
     """Every target against one pair of workers, interleaved: for each round, for each
     concurrency, every target in turn (the order rotates), so that a noisy neighbour on a
     shared machine hits all targets alike rather than whichever ran during its burst."""
@@ -487,34 +631,49 @@ async def _phase(ns: argparse.Namespace, log_dir: Path, *,
                     else:
                         per_slot = ns.requests_c1 if c == 1 else ns.requests
                     proc, addr = routers.get(name, (None, None))
-                    spec = LoadSpec(c, per_slot + ns.warmup, warmup_per_slot=ns.warmup,
-                                    target=addr, prefill=(HOST, workers.prefill_port),
-                                    decode=(HOST, workers.decode_port), model=ns.model,
-                                    max_tokens=tokens, chat=ns.chat,
-                                    stagger_s=stream_s if c > 1 else 0.0)
+                    spec = LoadSpec(
+                        c,
+                        per_slot + ns.warmup,
+                        warmup_per_slot=ns.warmup,
+                        target=addr,
+                        prefill=(HOST, workers.prefill_port),
+                        decode=(HOST, workers.decode_port),
+                        model=ns.model,
+                        max_tokens=tokens,
+                        chat=ns.chat,
+                        stagger_s=stream_s if c > 1 else 0.0,
+                    )
                     if proc is not None and not proc.alive():
                         raise RuntimeError(f"{proc.name} died:\n{proc.tail()}")
                     seg = await measure(spec, proc, workers, saturation=saturation)
                     segs.setdefault((name, c), []).append(seg)
                     specs[(name, c)] = spec
-                    _progress(combine(name, spec, [seg], proc is not None, saturation),
-                              f"{tag} round {rnd + 1}")
+                    _progress(
+                        combine(name, spec, [seg], proc is not None, saturation),
+                        f"{tag} round {rnd + 1}",
+                    )
     finally:
         for proc, _ in routers.values():
             proc.stop()
         workers.stop()
-    runs = [combine(name, specs[(name, c)], segs[(name, c)], name != "baseline", saturation)
-            for name in ns.targets for c in (levels if segs else [])
-            if (name, c) in segs]
+    runs = [
+        combine(name, specs[(name, c)], segs[(name, c)], name != "baseline", saturation)
+        for name in ns.targets
+        for c in (levels if segs else [])
+        if (name, c) in segs
+    ]
     return runs
 
 
 async def run(ns: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
-    result: dict[str, Any] = {"params": {k: v for k, v in vars(ns).items()
-                                         if not k.endswith("_")},
-                              "command": " ".join(["python -m bench.overhead", *ns.argv_]),
-                              "machine": machine_notes(ns), "runs": [], "saturation": [],
-                              "log_dir": str(log_dir)}
+    result: dict[str, Any] = {
+        "params": {k: v for k, v in vars(ns).items() if not k.endswith("_")},
+        "command": " ".join(["python -m bench.overhead", *ns.argv_]),
+        "machine": machine_notes(ns),
+        "runs": [],
+        "saturation": [],
+        "log_dir": str(log_dir),
+    }
     t0 = time.monotonic()
     result["runs"] = await _phase(ns, log_dir, saturation=False)
     add_deltas(result["runs"])
@@ -537,29 +696,55 @@ def _ints(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--targets", default="baseline,ours,sglang,vllm",
-                   help=f"comma list of baseline, {', '.join(ROUTERS)}")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.overhead",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--targets",
+        default="baseline,ours,sglang,vllm",
+        help=f"comma list of baseline, {', '.join(ROUTERS)}",
+    )
     p.add_argument("--concurrency", type=_ints, default=[1, 32, 256, 1024])
     p.add_argument("--tokens", type=int, default=128, help="tokens per stream (ignore_eos)")
     p.add_argument("--interval-ms", type=float, default=20.0, help="worker time per token")
     p.add_argument("--prefill-ms", type=float, default=10.0)
-    p.add_argument("--first-token-ms", type=float, default=None,
-                   help="decode request to first token (default: one interval)")
-    p.add_argument("--rounds", type=int, default=2,
-                   help="interleaved rounds over all targets (each with its own warm-up)")
-    p.add_argument("--requests", type=int, default=2,
-                   help="measured answers per stream slot and round (concurrency > 1)")
-    p.add_argument("--requests-c1", type=int, default=10,
-                   help="measured answers per round at concurrency 1")
+    p.add_argument(
+        "--first-token-ms",
+        type=float,
+        default=None,
+        help="decode request to first token (default: one interval)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="interleaved rounds over all targets (each with its own warm-up)",
+    )
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=2,
+        help="measured answers per stream slot and round (concurrency > 1)",
+    )
+    p.add_argument(
+        "--requests-c1", type=int, default=10, help="measured answers per round at concurrency 1"
+    )
     p.add_argument("--warmup", type=int, default=1, help="warm-up answers per slot")
     p.add_argument("--chat", action="store_true", help="/v1/chat/completions, not completions")
     p.add_argument("--model", default="llama-3-8b")
-    p.add_argument("--adapter", default="vllm", choices=("vllm", "sim"),
-                   help="our router's adapter name for the workers")
-    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
-                   help="for the ours_redis target (a unique key_prefix is used)")
+    p.add_argument(
+        "--adapter",
+        default="vllm",
+        choices=("vllm", "sim"),
+        help="our router's adapter name for the workers",
+    )
+    p.add_argument(
+        "--redis-url",
+        default="redis://127.0.0.1:6379/0",
+        help="for the ours_redis target (a unique key_prefix is used)",
+    )
     p.add_argument("--no-saturation", dest="saturation", action="store_false")
     p.add_argument("--sat-concurrency", type=int, default=256)
     p.add_argument("--sat-interval-ms", type=float, default=2.0)
@@ -567,29 +752,52 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sat-requests", type=int, default=1, help="measured answers per slot")
     p.add_argument("--router-core", type=int, default=0)
     p.add_argument("--load-core", type=int, default=1)
-    p.add_argument("--no-pin", dest="pin", action="store_false",
-                   help="do not pin (tests, one-core machines)")
-    p.add_argument("--nice", type=int, default=0,
-                   help="scheduling niceness of every measured process, this one included (a "
-                        "negative value shields the measurement from noisy neighbours on a "
-                        "shared machine; needs CAP_SYS_NICE)")
-    p.add_argument("--rt-priority", type=int, default=0,
-                   help="run every measured process SCHED_RR at this priority (1-99): on a "
-                        "machine where other work keeps the cores busy, the only way to measure "
-                        "latency rather than the scheduler; the kernel's RT throttling still "
-                        "leaves others 5%% of each core; needs CAP_SYS_NICE")
+    p.add_argument(
+        "--no-pin", dest="pin", action="store_false", help="do not pin (tests, one-core machines)"
+    )
+    p.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="scheduling niceness of every measured process, this one included (a "
+        "negative value shields the measurement from noisy neighbours on a "
+        "shared machine; needs CAP_SYS_NICE)",
+    )
+    p.add_argument(
+        "--rt-priority",
+        type=int,
+        default=0,
+        help="run every measured process SCHED_RR at this priority (1-99): on a "
+        "machine where other work keeps the cores busy, the only way to measure "
+        "latency rather than the scheduler; the kernel's RT throttling still "
+        "leaves others 5%% of each core; needs CAP_SYS_NICE",
+    )
     p.add_argument("--json", dest="json_path", default=None, help="write the results here")
-    p.add_argument("--markdown", default=None,
-                   help="write the tables here (between overhead markers if the file has them)")
-    p.add_argument("--ours-src", default=None,
-                   help="source tree of the ours_alt target (A/B a router change: the same "
-                        "command, run from that directory)")
+    p.add_argument(
+        "--markdown",
+        default=None,
+        help="write the tables here (between overhead markers if the file has them)",
+    )
+    p.add_argument(
+        "--ours-src",
+        default=None,
+        help="source tree of the ours_alt target (A/B a router change: the same "
+        "command, run from that directory)",
+    )
     p.add_argument("--log-dir", default=None, help="process logs and configs (default: a temp dir)")
-    p.add_argument("--idle-s", type=float, default=0.0,
-                   help="then an idle phase (bench/overhead_idle.py): seconds of no traffic per "
-                        "router with 4 workers, router CPU ms/s (0 = off)")
-    p.add_argument("--settle-s", type=float, default=3.0,
-                   help="idle phase: quiet seconds after start-up before measuring")
+    p.add_argument(
+        "--idle-s",
+        type=float,
+        default=0.0,
+        help="then an idle phase (bench/overhead_idle.py): seconds of no traffic per "
+        "router with 4 workers, router CPU ms/s (0 = off)",
+    )
+    p.add_argument(
+        "--settle-s",
+        type=float,
+        default=3.0,
+        help="idle phase: quiet seconds after start-up before measuring",
+    )
     return p
 
 

@@ -32,24 +32,44 @@ __all__ = ["StreamRecord", "LoadSpec", "run_load", "prefill_body", "client_body"
 _clock = time.perf_counter
 
 _HEAD, _LENGTH, _CHUNKED = 0, 1, 2
-_PROMPT = ("You are benchmarking a router. Summarise the following paragraph in one line: "
-           "prefill builds the KV cache of the prompt, decode streams the tokens, and the "
-           "router in between must add as little latency and CPU as it can.")
+_PROMPT = (
+    "You are benchmarking a router. Summarise the following paragraph in one line: "
+    "prefill builds the KV cache of the prompt, decode streams the tokens, and the "
+    "router in between must add as little latency and CPU as it can."
+)
 
 
 def client_body(model: str, max_tokens: int) -> dict[str, Any]:
-    return {"model": model, "prompt": _PROMPT, "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True, "temperature": 0.0}
+    return {
+        "model": model,
+        "prompt": _PROMPT,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """What a PD-aware client sends to the prefill worker (vLLM NIXL pull mode,
     docs/design.md §3)."""
-    out = {k: v for k, v in body.items()
-           if k not in ("min_tokens", "min_completion_tokens", "stream_options")}
-    out.update(stream=False, max_tokens=1, kv_transfer_params={
-        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-        "remote_block_ids": None, "remote_host": None, "remote_port": None})
+    out = {
+        k: v
+        for k, v in body.items()
+        if k not in ("min_tokens", "min_completion_tokens", "stream_options")
+    }
+    out.update(
+        stream=False,
+        max_tokens=1,
+        kv_transfer_params={
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+    )
     return out
 
 
@@ -71,8 +91,10 @@ class StreamRecord:
     counts: array = field(default_factory=lambda: array("i"))  # tokens in that read
 
     def __repr__(self) -> str:
-        return (f"StreamRecord(slot={self.slot} seq={self.seq} status={self.status} "
-                f"tokens={self.tokens} done={self.done} error={self.error!r})")
+        return (
+            f"StreamRecord(slot={self.slot} seq={self.seq} status={self.status} "
+            f"tokens={self.tokens} done={self.done} error={self.error!r})"
+        )
 
     @property
     def ttft(self) -> float | None:
@@ -158,7 +180,7 @@ class _Conn(asyncio.Protocol):
                     self.closing = True
             if self.rec is not None:
                 self.rec.status = self.status
-            del buf[:end + 4]
+            del buf[: end + 4]
             if chunked:
                 self.state = _CHUNKED
                 rest = bytes(buf)
@@ -168,8 +190,8 @@ class _Conn(asyncio.Protocol):
                 return
             self.state = _LENGTH
         if self.state == _LENGTH and len(buf) >= self.length:
-            body = bytes(buf[:self.length])
-            del buf[:self.length]
+            body = bytes(buf[: self.length])
+            del buf[: self.length]
             self._finish(body)
 
     # Own chunked decoder on purpose: the bench shares no parser with the router.
@@ -191,7 +213,7 @@ class _Conn(asyncio.Protocol):
                 break
             if len(buf) < start + size + 2:
                 break
-            parts.append(bytes(buf[start:start + size]))
+            parts.append(bytes(buf[start : start + size]))
             pos = start + size + 2
         if pos:
             del buf[:pos]
@@ -213,7 +235,7 @@ class _Conn(asyncio.Protocol):
         if cut < 0:
             self.ebuf = data
             return
-        whole, self.ebuf = data[:cut + 2], data[cut + 2:]
+        whole, self.ebuf = data[: cut + 2], data[cut + 2 :]
         n = whole.count(self.marker) - whole.count(self.empty)
         if n > 0:
             if rec.first is None:
@@ -237,9 +259,11 @@ class _Conn(asyncio.Protocol):
 
 def _post(host: str, path: str, body: bytes, request_id: str | None = None) -> bytes:
     rid = b"X-Request-Id: %s\r\n" % request_id.encode() if request_id else b""
-    return (b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-            b"Accept: text/event-stream\r\n%sContent-Length: %d\r\n\r\n%s"
-            % (path.encode(), host.encode(), rid, len(body), body))
+    return (
+        b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+        b"Accept: text/event-stream\r\n%sContent-Length: %d\r\n\r\n%s"
+        % (path.encode(), host.encode(), rid, len(body), body)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,15 +324,17 @@ class _Slot:
         if spec.target is not None:
             conn = await self.conn(spec.target)
             rec.start = _clock()
-            await conn.request(_post(f"{spec.target[0]}:{spec.target[1]}", self.path,
-                                     self.body_bytes), rec)
+            await conn.request(
+                _post(f"{spec.target[0]}:{spec.target[1]}", self.path, self.body_bytes), rec
+            )
             return
         assert spec.prefill is not None and spec.decode is not None
         p, d = await self.conn(spec.prefill), await self.conn(spec.decode)
         rid = uuid.uuid4().hex
         rec.start = _clock()
-        answer = await p.request(_post(f"{spec.prefill[0]}:{spec.prefill[1]}", self.path,
-                                       self.prefill_bytes, rid), None)
+        answer = await p.request(
+            _post(f"{spec.prefill[0]}:{spec.prefill[1]}", self.path, self.prefill_bytes, rid), None
+        )
         if p.status != 200:
             rec.status, rec.error = p.status, f"prefill HTTP {p.status}: {answer[:200]!r}"
             return

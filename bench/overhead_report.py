@@ -13,27 +13,48 @@ from typing import Any
 from bench.overhead_client import StreamRecord
 from simcluster.metrics import percentile
 
-__all__ = ["percentile", "summarize", "add_deltas", "markdown", "TARGETS_256", "verdicts",
-           "replace_between_markers"]
+__all__ = [
+    "percentile",
+    "summarize",
+    "add_deltas",
+    "markdown",
+    "TARGETS_256",
+    "verdicts",
+    "replace_between_markers",
+]
 
 BEGIN, END = "<!-- overhead:begin -->", "<!-- overhead:end -->"
 
 # issue 6, "Router overhead": at 256 streams of 128 tokens at 20 ms per token.
-TARGETS_256 = {"added_ttft_p50_ms": 1.0, "added_ttft_p99_ms": 3.0,
-               "cpu_s_per_1k_tokens": 0.025, "saturation_tokens_per_core_s": 80_000.0}
+TARGETS_256 = {
+    "added_ttft_p50_ms": 1.0,
+    "added_ttft_p99_ms": 3.0,
+    "cpu_s_per_1k_tokens": 0.025,
+    "saturation_tokens_per_core_s": 80_000.0,
+}
 
 
 def _ms(x: float | None) -> float | None:
     return None if x is None else round(x * 1e3, 3)
 
 
-def summarize(records: Iterable[StreamRecord], *, max_tokens: int, wall_s: float,
-              window_s: float, router_cpu_s: float | None, client_cpu_s: float,
-              worker_cpu_s: float) -> dict[str, Any]:
+def summarize(
+    records: Iterable[StreamRecord],
+    *,
+    max_tokens: int,
+    wall_s: float,
+    window_s: float,
+    router_cpu_s: float | None,
+    client_cpu_s: float,
+    worker_cpu_s: float,
+) -> dict[str, Any]:
     records = list(records)
     measured = [r for r in records if not r.warmup]
-    ok = [r for r in measured
-          if r.error is None and r.status == 200 and r.done and r.tokens == max_tokens]
+    ok = [
+        r
+        for r in measured
+        if r.error is None and r.status == 200 and r.done and r.tokens == max_tokens
+    ]
     ttft = [r.ttft for r in ok if r.ttft is not None]
     gaps: list[float] = []
     for r in ok:
@@ -63,10 +84,14 @@ def summarize(records: Iterable[StreamRecord], *, max_tokens: int, wall_s: float
         "client_cpu_util": round(client_cpu_s / wall_s, 3) if wall_s > 0 else None,
         "worker_cpu_s": round(worker_cpu_s, 3),
         "router_cpu_s": None if router_cpu_s is None else round(router_cpu_s, 3),
-        "router_cpu_util": (None if router_cpu_s is None or wall_s <= 0
-                            else round(router_cpu_s / wall_s, 3)),
-        "cpu_s_per_1k_tokens": (None if router_cpu_s is None or not all_tokens
-                                else round(router_cpu_s / all_tokens * 1000, 4)),
+        "router_cpu_util": (
+            None if router_cpu_s is None or wall_s <= 0 else round(router_cpu_s / wall_s, 3)
+        ),
+        "cpu_s_per_1k_tokens": (
+            None
+            if router_cpu_s is None or not all_tokens
+            else round(router_cpu_s / all_tokens * 1000, 4)
+        ),
     }
     if router_cpu_s:
         out["tokens_per_router_cpu_s"] = round(all_tokens / router_cpu_s, 0)
@@ -82,9 +107,13 @@ def add_deltas(runs: list[dict[str, Any]]) -> None:
             continue
         for metric in ("ttft_ms", "itl_ms"):
             r["added_" + metric] = {
-                q: (None if r[metric][q] is None or b[metric][q] is None
-                    else round(r[metric][q] - b[metric][q], 3))
-                for q in r[metric]}
+                q: (
+                    None
+                    if r[metric][q] is None or b[metric][q] is None
+                    else round(r[metric][q] - b[metric][q], 3)
+                )
+                for q in r[metric]
+            }
 
 
 def _f(x: Any, digits: int = 2) -> str:
@@ -103,11 +132,14 @@ def markdown(result: dict[str, Any]) -> str:
     lines: list[str] = []
     runs = result["runs"]
     for c in sorted({r["concurrency"] for r in runs}):
-        lines += [f"#### {c} concurrent stream{'s' if c > 1 else ''}", "",
-                  "| target | ok / sent | TTFT p50 | TTFT p99 | **added TTFT p50** | "
-                  "**added TTFT p99** | ITL p50 | ITL p99 | added ITL p50 / p99 | tokens/s | "
-                  "router CPU util | **router CPU-s / 1k tokens** |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"#### {c} concurrent stream{'s' if c > 1 else ''}",
+            "",
+            "| target | ok / sent | TTFT p50 | TTFT p99 | **added TTFT p50** | "
+            "**added TTFT p99** | ITL p50 | ITL p99 | added ITL p50 / p99 | tokens/s | "
+            "router CPU util | **router CPU-s / 1k tokens** |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in (r for r in runs if r["concurrency"] == c):
             add_t = r.get("added_ttft_ms", {})
             add_i = r.get("added_itl_ms", {})
@@ -118,19 +150,24 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {_f(r['itl_ms']['p50'])} | {_f(r['itl_ms']['p99'])} "
                 f"| {_signed(add_i.get('p50'))} / {_signed(add_i.get('p99'))} "
                 f"| {_f(r['tokens_per_s'], 0)} | {_f(r['router_cpu_util'])} "
-                f"| {_f(r['cpu_s_per_1k_tokens'], 4)} |")
+                f"| {_f(r['cpu_s_per_1k_tokens'], 4)} |"
+            )
         lines.append("")
     sat = result.get("saturation") or []
     if sat:
         p = result["params"]
-        lines += ["#### Saturation", "",
-                  f"{p['sat_concurrency']} streams of {p['sat_tokens']} tokens, one token every "
-                  f"{p['sat_interval_ms']} ms (offered "
-                  f"{p['sat_concurrency'] * 1000 / p['sat_interval_ms']:,.0f} tokens/s).", "",
-                  "| target | ok / sent | tokens/s relayed | router CPU util | "
-                  "router CPU-s / 1k tokens | **tokens per router CPU-second** | "
-                  "client CPU util | workers CPU util | ITL p50 | ITL p99 |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "#### Saturation",
+            "",
+            f"{p['sat_concurrency']} streams of {p['sat_tokens']} tokens, one token every "
+            f"{p['sat_interval_ms']} ms (offered "
+            f"{p['sat_concurrency'] * 1000 / p['sat_interval_ms']:,.0f} tokens/s).",
+            "",
+            "| target | ok / sent | tokens/s relayed | router CPU util | "
+            "router CPU-s / 1k tokens | **tokens per router CPU-second** | "
+            "client CPU util | workers CPU util | ITL p50 | ITL p99 |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in sat:
             lines.append(
                 f"| {r['target']} | {r['complete']} / {r['requests']} "
@@ -138,17 +175,23 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {_f(r['cpu_s_per_1k_tokens'], 4)} | {_f(r.get('tokens_per_router_cpu_s'), 0)} "
                 f"| {_f(r['client_cpu_util'])} "
                 f"| {_f(r['worker_cpu_s'] / r['wall_s'] if r['wall_s'] else None)} "
-                f"| {_f(r['itl_ms']['p50'])} | {_f(r['itl_ms']['p99'])} |")
+                f"| {_f(r['itl_ms']['p50'])} | {_f(r['itl_ms']['p99'])} |"
+            )
         lines.append("")
     v = verdicts(result)
     if v:
-        lines += ["#### Against the targets (256 streams)", "",
-                  "| target | added TTFT p50 ≤ 1 ms | added TTFT p99 ≤ 3 ms | "
-                  "ITL p50 / p99 added | CPU-s / 1k tokens ≤ 0.025 | ≥ 80k tokens per core-s |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "#### Against the targets (256 streams)",
+            "",
+            "| target | added TTFT p50 ≤ 1 ms | added TTFT p99 ≤ 3 ms | "
+            "ITL p50 / p99 added | CPU-s / 1k tokens ≤ 0.025 | ≥ 80k tokens per core-s |",
+            "|---|---|---|---|---|---|",
+        ]
         for name, row in v.items():
-            lines.append(f"| {name} | {row['ttft_p50']} | {row['ttft_p99']} | {row['itl']} "
-                         f"| {row['cpu']} | {row['sat']} |")
+            lines.append(
+                f"| {name} | {row['ttft_p50']} | {row['ttft_p99']} | {row['itl']} "
+                f"| {row['cpu']} | {row['sat']} |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -173,11 +216,15 @@ def verdicts(result: dict[str, Any]) -> dict[str, dict[str, str]]:
             "ttft_p50": _mark(add_t.get("p50"), TARGETS_256["added_ttft_p50_ms"], "{:+.2f} ms"),
             "ttft_p99": _mark(add_t.get("p99"), TARGETS_256["added_ttft_p99_ms"], "{:+.2f} ms"),
             "itl": f"{_signed(add_i.get('p50'))} / {_signed(add_i.get('p99'))} ms",
-            "cpu": _mark(r.get("cpu_s_per_1k_tokens"), TARGETS_256["cpu_s_per_1k_tokens"],
-                         "{:.4f}"),
-            "sat": _mark(s.get("tokens_per_router_cpu_s"),
-                         TARGETS_256["saturation_tokens_per_core_s"], "{:,.0f}",
-                         higher_is_better=True),
+            "cpu": _mark(
+                r.get("cpu_s_per_1k_tokens"), TARGETS_256["cpu_s_per_1k_tokens"], "{:.4f}"
+            ),
+            "sat": _mark(
+                s.get("tokens_per_router_cpu_s"),
+                TARGETS_256["saturation_tokens_per_core_s"],
+                "{:,.0f}",
+                higher_is_better=True,
+            ),
         }
     return out
 
@@ -189,5 +236,8 @@ def replace_between_markers(existing: str | None, block: str) -> str:
         head, _, rest = existing.partition(BEGIN)
         _, _, tail = rest.partition(END)
         return head + wrapped + tail
-    return ("# Router overhead\n\n" + wrapped + "\n") if not existing else (
-        existing.rstrip("\n") + "\n\n" + wrapped + "\n")
+    return (
+        ("# Router overhead\n\n" + wrapped + "\n")
+        if not existing
+        else (existing.rstrip("\n") + "\n\n" + wrapped + "\n")
+    )

@@ -26,12 +26,41 @@ TOKENS = 6
 def _run_bench(tmp_path: Path, targets: str, *extra: str) -> dict[str, Any]:
     out = tmp_path / "overhead.json"
     md = tmp_path / "overhead.md"
-    cmd = [sys.executable, "-m", "bench.overhead", "--targets", targets,
-           "--concurrency", "1,4", "--rounds", "1", "--requests", "2", "--requests-c1", "2",
-           "--tokens", str(TOKENS), "--interval-ms", "2", "--prefill-ms", "1",
-           "--sat-concurrency", "4", "--sat-tokens", "16", "--sat-interval-ms", "1",
-           "--no-pin", "--json", str(out), "--markdown", str(md),
-           "--log-dir", str(tmp_path / "logs"), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.overhead",
+        "--targets",
+        targets,
+        "--concurrency",
+        "1,4",
+        "--rounds",
+        "1",
+        "--requests",
+        "2",
+        "--requests-c1",
+        "2",
+        "--tokens",
+        str(TOKENS),
+        "--interval-ms",
+        "2",
+        "--prefill-ms",
+        "1",
+        "--sat-concurrency",
+        "4",
+        "--sat-tokens",
+        "16",
+        "--sat-interval-ms",
+        "1",
+        "--no-pin",
+        "--json",
+        str(out),
+        "--markdown",
+        str(md),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        *extra,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -59,7 +88,11 @@ def test_smoke_baseline_and_our_router(tmp_path: Path) -> None:
     result = _run_bench(tmp_path, "baseline,ours")
     runs = result["runs"]
     assert [(r["target"], r["concurrency"]) for r in runs] == [
-        ("baseline", 1), ("baseline", 4), ("ours", 1), ("ours", 4)]
+        ("baseline", 1),
+        ("baseline", 4),
+        ("ours", 1),
+        ("ours", 4),
+    ]
     for r in runs:
         _check_run(r, TOKENS)
     ours = [r for r in runs if r["target"] == "ours"]
@@ -112,8 +145,9 @@ def test_markers_replace_only_the_generated_block() -> None:
 
 
 def _stream_bytes(tokens: int) -> bytes:
-    head = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-            b"transfer-encoding: chunked\r\n\r\n")
+    head = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
     body = b""
     for i in range(tokens):
         fin = b'"length"' if i == tokens - 1 else b"null"
@@ -139,7 +173,8 @@ async def test_client_parser_survives_any_split() -> None:
             return None
 
     for pieces in [[data[:i], data[i:]] for i in range(1, len(data))] + [
-            [bytes([b]) for b in data]]:
+        [bytes([b]) for b in data]
+    ]:
         conn = _Conn(chat=False)
         conn.connection_made(_Transport())  # type: ignore[arg-type]
         rec = StreamRecord(0, 0, warmup=False)
