@@ -289,7 +289,9 @@ async def start_workers(
     return Workers(procs[0], procs[1], ports[0], ports[1])
 
 
-def _our_config(ns: argparse.Namespace, workers: Workers, path: Path, redis: bool) -> None:
+def _our_config(
+    ns: argparse.Namespace, prefill: list[str], decode: list[str], path: Path, redis: bool
+) -> None:
     lines = [
         f"model: {ns.model}",
         "perf: {model: llama-3-8b, gpu: h100}",
@@ -297,66 +299,41 @@ def _our_config(ns: argparse.Namespace, workers: Workers, path: Path, redis: boo
     ]
     if redis:
         lines.append(f"redis_url: {ns.redis_url}")
-    lines += [
-        "workers:",
-        f"  - {{id: p0, url: {workers.prefill_url}, role: prefill, adapter: {ns.adapter}}}",
-        f"  - {{id: d0, url: {workers.decode_url}, role: decode, adapter: {ns.adapter}, "
-        "kv_blocks: 100000000}",
-    ]
+    lines.append("workers:")
+    for i, url in enumerate(prefill):
+        lines.append(f"  - {{id: p{i}, url: {url}, role: prefill, adapter: {ns.adapter}}}")
+    for i, url in enumerate(decode):
+        lines.append(
+            f"  - {{id: d{i}, url: {url}, role: decode, adapter: {ns.adapter}, "
+            "kv_blocks: 100000000}"
+        )
     path.write_text("\n".join(lines) + "\n")
 
 
 def router_command(
-    name: str, ns: argparse.Namespace, workers: Workers, port: int, log_dir: Path
+    name: str,
+    ns: argparse.Namespace,
+    prefill: list[str],
+    decode: list[str],
+    port: int,
+    log_dir: Path,
+    config_name: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
+    """The command line (and environment) that starts router `name` in front of these workers
+    (the ladder's one pair, the idle phase's four)."""
     if name in ("ours", "ours_redis", "ours_alt"):
-        cfg = log_dir / f"{name}.yaml"
-        _our_config(ns, workers, cfg, redis=name == "ours_redis")
-        return (
-            [
-                sys.executable,
-                "-m",
-                "router.cli",
-                "--log-level",
-                "WARNING",
-                "serve",
-                "--config",
-                str(cfg),
-                "--host",
-                HOST,
-                "--port",
-                str(port),
-            ],
-            {},
-        )
+        cfg = log_dir / f"{config_name or name}.yaml"
+        _our_config(ns, prefill, decode, cfg, redis=name == "ours_redis")
+        serve = ["--log-level", "WARNING", "serve", "--config", str(cfg)]
+        return [sys.executable, "-m", "router.cli", *serve, "--host", HOST, "--port", str(port)], {}
     # The peers try to download a tokenizer at start-up: a closed loopback port fails it at once.
     env = {"HF_ENDPOINT": f"http://{HOST}:{free_port()}"}
     if name == "sglang":
-        return (
-            [
-                sys.executable,
-                "-m",
-                "sglang_router.launch_router",
-                "--pd-disaggregation",
-                "--prefill",
-                workers.prefill_url,
-                "none",
-                "--decode",
-                workers.decode_url,
-                "--host",
-                HOST,
-                "--port",
-                str(port),
-                "--prometheus-host",
-                HOST,
-                "--prometheus-port",
-                str(free_port()),
-                "--log-level",
-                "warn",
-            ],
-            env,
-        )
-    if name == "vllm":
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+        for url in prefill:
+            cmd += ["--prefill", url, "none"]  # no bootstrap port: the stand-in needs none
+        log_level = "warn"
+    elif name == "vllm":
         exe = Path(sys.executable).with_name("vllm-router")
         cmd = (
             [str(exe)]
@@ -367,28 +344,16 @@ def router_command(
                 "import sys; from vllm_router.launch_router import main; sys.exit(main())",
             ]
         )
-        return (
-            cmd
-            + [
-                "--vllm-pd-disaggregation",
-                "--prefill",
-                workers.prefill_url,
-                "--decode",
-                workers.decode_url,
-                "--host",
-                HOST,
-                "--port",
-                str(port),
-                "--prometheus-host",
-                HOST,
-                "--prometheus-port",
-                str(free_port()),
-                "--log-level",
-                "warning",
-            ],
-            env,
-        )
-    raise ValueError(f"unknown target {name!r}; known: baseline, {', '.join(ROUTERS)}")
+        cmd.append("--vllm-pd-disaggregation")
+        for url in prefill:
+            cmd += ["--prefill", url]
+        log_level = "warning"
+    else:
+        raise ValueError(f"unknown target {name!r}; known: baseline, {', '.join(ROUTERS)}")
+    for url in decode:
+        cmd += ["--decode", url]
+    metrics = ["--prometheus-host", HOST, "--prometheus-port", str(free_port())]
+    return [*cmd, "--host", HOST, "--port", str(port), *metrics, "--log-level", log_level], env
 
 
 # --- measuring ----------------------------------------------------------------------------------
@@ -542,7 +507,7 @@ async def start_router(
     name: str, ns: argparse.Namespace, workers: Workers, log_dir: Path, tag: str
 ) -> tuple[Proc, tuple[str, int]]:
     port = free_port()
-    cmd, env = router_command(name, ns, workers, port, log_dir)
+    cmd, env = router_command(name, ns, [workers.prefill_url], [workers.decode_url], port, log_dir)
     cwd = ns.ours_src if name == "ours_alt" else None
     proc = Proc(
         f"router-{name}-{tag}",

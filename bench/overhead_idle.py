@@ -22,99 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import uvrun
-from bench.overhead import HOST, ROUTERS, Proc, free_port, wait_listening, wait_ready
+from bench.overhead import HOST, Proc, free_port, router_command, wait_listening, wait_ready
 
 __all__ = ["idle_phase", "idle_markdown", "main"]
-
-
-def _config(
-    ns: argparse.Namespace, prefill: list[str], decode: list[str], path: Path, redis: bool
-) -> None:
-    lines = [
-        f"model: {ns.model}",
-        "perf: {model: llama-3-8b, gpu: h100}",
-        f'key_prefix: "bench-idle-{os.getpid()}-{int(time.time())}:"',
-    ]
-    if redis:
-        lines.append(f"redis_url: {ns.redis_url}")
-    lines.append("workers:")
-    for i, url in enumerate(prefill):
-        lines.append(f"  - {{id: p{i}, url: {url}, role: prefill, adapter: {ns.adapter}}}")
-    for i, url in enumerate(decode):
-        lines.append(
-            f"  - {{id: d{i}, url: {url}, role: decode, adapter: {ns.adapter}, "
-            "kv_blocks: 100000000}"
-        )
-    path.write_text("\n".join(lines) + "\n")
-
-
-def _command(
-    name: str,
-    ns: argparse.Namespace,
-    prefill: list[str],
-    decode: list[str],
-    port: int,
-    log_dir: Path,
-) -> tuple[list[str], dict[str, str]]:
-    if name in ("ours", "ours_redis", "ours_alt"):
-        cfg = log_dir / f"idle-{name}.yaml"
-        _config(ns, prefill, decode, cfg, redis=name == "ours_redis")
-        return (
-            [
-                sys.executable,
-                "-m",
-                "router.cli",
-                "--log-level",
-                "WARNING",
-                "serve",
-                "--config",
-                str(cfg),
-                "--host",
-                HOST,
-                "--port",
-                str(port),
-            ],
-            {},
-        )
-    env = {"HF_ENDPOINT": f"http://{HOST}:{free_port()}"}  # no tokenizer download
-    if name == "sglang":
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
-        log_level = "warn"
-    elif name == "vllm":
-        exe = Path(sys.executable).with_name("vllm-router")
-        cmd = (
-            [str(exe)]
-            if exe.exists()
-            else [
-                sys.executable,
-                "-c",
-                "import sys; from vllm_router.launch_router import main; sys.exit(main())",
-            ]
-        )
-        cmd.append("--vllm-pd-disaggregation")
-        log_level = "warning"
-    else:
-        raise ValueError(f"unknown target {name!r}; known: {', '.join(ROUTERS)}")
-    for url in prefill:
-        cmd += ["--prefill", url, "none"]
-    for url in decode:
-        cmd += ["--decode", url]
-    return (
-        cmd
-        + [
-            "--host",
-            HOST,
-            "--port",
-            str(port),
-            "--prometheus-host",
-            HOST,
-            "--prometheus-port",
-            str(free_port()),
-            "--log-level",
-            log_level,
-        ],
-        env,
-    )
 
 
 async def _workers(
@@ -156,7 +66,9 @@ async def idle_phase(ns: argparse.Namespace, log_dir: Path) -> list[dict[str, An
     try:
         for name in targets:
             port = free_port()
-            cmd, env = _command(name, ns, prefill, decode, port, log_dir)
+            cmd, env = router_command(
+                name, ns, prefill, decode, port, log_dir, config_name=f"idle-{name}"
+            )
             cwd = ns.ours_src if name == "ours_alt" else None
             proc = Proc(
                 f"idle-router-{name}", cmd, core=ns.router_core_, log_dir=log_dir, env=env, cwd=cwd

@@ -185,3 +185,17 @@ async def test_client_parser_survives_any_split() -> None:
         assert (rec.status, rec.tokens, rec.done, rec.error) == (200, 3, True, None)
         assert sum(rec.counts) == 3
     await asyncio.sleep(0)
+
+
+def test_idle_phase_measures_our_router_against_four_workers(tmp_path: Path) -> None:
+    """`bench.overhead_idle` starts four workers and our router in front of all four, and
+    reports a CPU figure read from /proc (no bound on it: that is the benchmark's to show)."""
+    cmd = [sys.executable, "-m", "bench.overhead_idle", "--targets", "ours", "--no-pin"]
+    cmd += ["--idle-s", "1", "--settle-s", "0.5", "--log-dir", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    config = (tmp_path / "idle-ours.yaml").read_text()
+    assert config.count("role: prefill") == 2 and config.count("role: decode") == 2
+    row = next(line for line in out.stdout.splitlines() if line.startswith("| ours |"))
+    cpu_ms_per_s = float(row.split("|")[3].strip().strip("*"))
+    assert cpu_ms_per_s >= 0.0
