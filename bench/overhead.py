@@ -248,29 +248,22 @@ class Workers:
         self.decode.stop()
 
 
+def fixed_worker_command(
+    role: str, port: int, model: str, interval_ms: float, prefill_ms: float
+) -> list[str]:
+    """A `bench.fixed_worker` stand-in (the ladder's pair, the idle phase's four)."""
+    cmd = [sys.executable, "-m", "bench.fixed_worker", "--role", role, "--host", HOST]
+    cmd += ["--port", str(port), "--model", model]
+    return cmd + ["--interval-ms", str(interval_ms), "--prefill-ms", str(prefill_ms)]
+
+
 async def start_workers(
     ns: argparse.Namespace, log_dir: Path, interval_ms: float, tag: str
 ) -> Workers:
     procs, ports = [], []
     for role in ("prefill", "decode"):
         port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "bench.fixed_worker",
-            "--role",
-            role,
-            "--host",
-            HOST,
-            "--port",
-            str(port),
-            "--model",
-            ns.model,
-            "--interval-ms",
-            str(interval_ms),
-            "--prefill-ms",
-            str(ns.prefill_ms),
-        ]
+        cmd = fixed_worker_command(role, port, ns.model, interval_ms, ns.prefill_ms)
         if ns.first_token_ms is not None:
             cmd += ["--first-token-ms", str(ns.first_token_ms)]
         procs.append(

@@ -22,7 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import uvrun
-from bench.overhead import HOST, Proc, free_port, router_command, wait_listening, wait_ready
+from bench.overhead import (
+    HOST,
+    Proc,
+    fixed_worker_command,
+    free_port,
+    router_command,
+    wait_listening,
+    wait_ready,
+)
 
 __all__ = ["idle_phase", "idle_markdown", "main"]
 
@@ -34,23 +42,7 @@ async def _workers(
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
     for role in ("prefill", "prefill", "decode", "decode"):
         port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "bench.fixed_worker",
-            "--role",
-            role,
-            "--host",
-            HOST,
-            "--port",
-            str(port),
-            "--model",
-            ns.model,
-            "--interval-ms",
-            "20",
-            "--prefill-ms",
-            "10",
-        ]
+        cmd = fixed_worker_command(role, port, ns.model, interval_ms=20, prefill_ms=10)
         proc = Proc(f"idle-worker-{role}-{len(procs)}", cmd, core=ns.load_core_, log_dir=log_dir)
         procs.append(proc)
         await wait_listening(port, proc)

@@ -144,14 +144,9 @@ def _optional_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
     return n
 
 
-def parse_request(
-    path: str,
-    raw: bytes,
-    *,
-    models: tuple[str, ...],
-    max_model_len: int | None,
-    chars_per_token: float = 4.0,
-) -> ParsedRequest:
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or the 400 that says what is wrong with it (every
+    route that takes a body: generation here, the passthrough routes)."""
     if not raw:
         raise InvalidRequest("the request body is empty; expected a JSON object")
     try:
@@ -160,7 +155,18 @@ def parse_request(
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
+    return body
 
+
+def parse_request(
+    path: str,
+    raw: bytes,
+    *,
+    models: tuple[str, ...],
+    max_model_len: int | None,
+    chars_per_token: float = 4.0,
+) -> ParsedRequest:
+    body = parse_json_object(raw)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' is required and must be a string", param="model")

@@ -34,6 +34,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from router.api import parse_json_object
 from router.attempt import LegFailure, upstream_failure
 from router.auth import bearer_token, token_matches
 from router.errors import (
@@ -166,14 +167,7 @@ async def read_json_request(
     if request.content_length is not None and request.content_length > s.max_body_bytes:
         raise BodyTooLarge(f"the request body is larger than {s.max_body_bytes} bytes")
     raw = await read_body(request, s.timeouts.body_s)
-    if not raw:
-        raise InvalidRequest("the request body is empty; expected a JSON object")
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object")
+    body = parse_json_object(raw)
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model):
         raise InvalidRequest("'model' must be a non-empty string", param="model")
