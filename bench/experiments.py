@@ -58,8 +58,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--traces", default=",".join(TRACES))
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--cases", default=None, help="comma-separated case labels (default: all)")
-    ap.add_argument("--limit", type=int, default=None, help="requests per trace (default: "
-                    "the slice in TRACES; scaling: the whole trace)")  # fmt: skip
+    ap.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help="requests per trace (default: the slice in TRACES; scaling: the whole trace)",
+    )
     ap.add_argument("--precision", type=float, default=1.05, help="goodput bisection hi/lo")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--sizes", default="16,64,256,1000")
@@ -82,8 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         want = set(ns.cases.split(","))
         cases = tuple(c for c in (*CASES, *VARIANTS) if c.label in want)
     if ns.what in ("policies", "all"):
-        data = policy_comparison(traces, shapes, cases, limit=ns.limit, precision=ns.precision,
-                                 jobs=ns.jobs)  # fmt: skip
+        data = policy_comparison(
+            traces, shapes, cases, limit=ns.limit, precision=ns.precision, jobs=ns.jobs
+        )
         write_json(out, "policies" + ("-" + ns.tag if ns.tag else ""), data)
         for t in traces:
             for s in shapes:
@@ -95,15 +100,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.what in ("admission", "all"):
         kw: dict[str, Any] = {}
         if ns.admission_runs:
-            kw["runs"] = [(t, sh, float(x)) for t, sh, x in
-                          (r.split(":") for r in ns.admission_runs.split(","))]  # fmt: skip
+            kw["runs"] = [
+                (t, sh, float(x))
+                for t, sh, x in (r.split(":") for r in ns.admission_runs.split(","))
+            ]
         rows = admission_comparison(limit=ns.limit, jobs=ns.jobs, **kw)
         write_json(out, "admission" + ("-" + ns.tag if ns.tag else ""), rows)
         print(admission_table(rows), flush=True)
     if ns.what in ("scaling", "all"):
         sizes = [int(x) for x in ns.sizes.split(",")]
-        rows = scaling(sizes, limit=ns.limit, rate_scale=ns.scaling_rate,
-                       per_worker_load=ns.per_worker_load)  # fmt: skip
+        rows = scaling(
+            sizes, limit=ns.limit, rate_scale=ns.scaling_rate, per_worker_load=ns.per_worker_load
+        )
         write_json(out, "scaling" + ("-per-worker" if ns.per_worker_load else ""), rows)
         print(scaling_table(rows), flush=True)
     if ns.what == "plots":  # again from policies.json, without re-running anything
@@ -113,8 +121,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             slo = f"TTFT ≤ {spec.slo_ttft_s:g} s, TPOT ≤ {spec.slo_tpot_s * 1e3:g} ms"
             plot_attainment(data["goodput"], t, s, Path(ns.img) / f"attainment-{t}-{s}.png", slo)
     if ns.what == "tables":
-        for name, fmt in (("policies", goodput_table), ("admission", admission_table),
-                          ("scaling", scaling_table), ("validate", validation_table)):  # fmt: skip
+        for name, fmt in (
+            ("policies", goodput_table),
+            ("admission", admission_table),
+            ("scaling", scaling_table),
+            ("validate", validation_table),
+        ):
             for p in sorted(out.glob(f"{name}*.json")):
                 print(f"\n### {p.stem}\n")
                 print(fmt(json.loads(p.read_text())))

@@ -97,8 +97,16 @@ def ramped(trace: TraceSpec, limit: int | None = None) -> Workload:
     reqs = _restretch(rows, [1.0 / (RAMP_FROM + (1 - RAMP_FROM) * i / w) for i in range(w)])
     stats = load_trace(TRACE_DIR / trace.file, limit=trace.start - w) if trace.start > w else []
     slo = (trace.slo_ttft_s, trace.slo_tpot_s)
-    return Workload(trace.name, reqs, w, [slo] * len(reqs), [0] * len(reqs), stats,
-                    dict(trace.config), (trace.name,))  # fmt: skip
+    return Workload(
+        trace.name,
+        reqs,
+        w,
+        [slo] * len(reqs),
+        [0] * len(reqs),
+        stats,
+        dict(trace.config),
+        (trace.name,),
+    )
 
 
 def _restretch(rows: Sequence[TraceRequest], stretch: Sequence[float]) -> list[TraceRequest]:
@@ -117,11 +125,13 @@ def _restretch(rows: Sequence[TraceRequest], stretch: Sequence[float]) -> list[T
 # A mix: (trace, first row, rows, rate multiplier); the conv phases run at the trace's own rate.
 MIXES: dict[str, tuple[tuple[str, int, int, float], ...]] = {
     # Each phase alone saturates 8 H100 (8B) near the same rate scale at its own best split
-    "conv-mooncake": (("conv", 2000, 6000, 1.0), ("mooncake", 1000, 1000, 0.115),
-                      ("conv", 8000, 6000, 1.0)),
-    "conv-code": (("conv", 2000, 6000, 1.0), ("code", 2000, 1500, 0.19),
-                  ("conv", 8000, 6000, 1.0)),
-}  # fmt: skip
+    "conv-mooncake": (
+        ("conv", 2000, 6000, 1.0),
+        ("mooncake", 1000, 1000, 0.115),
+        ("conv", 8000, 6000, 1.0),
+    ),
+    "conv-code": (("conv", 2000, 6000, 1.0), ("code", 2000, 1500, 0.19), ("conv", 8000, 6000, 1.0)),
+}
 
 
 def mix_workload(name: str) -> Workload:
@@ -152,8 +162,7 @@ def mix_workload(name: str) -> Workload:
         config.update(spec.config)
     reqs = _restretch(rows, stretch)
     stats = load_trace(TRACE_DIR / conv.file, limit=phases[0][1] - w)
-    return Workload(name, reqs, w, slos, phase_of, stats, config,
-                    tuple(p[0] for p in phases))  # fmt: skip
+    return Workload(name, reqs, w, slos, phase_of, stats, config, tuple(p[0] for p in phases))
 
 
 # -- one run -------------------------------------------------------------------------------------
@@ -184,8 +193,16 @@ def run(
     rp = load_role_policy(role, role_args) if role is not None else None
     ttft = max(s[0] for s in wl.slos)  # the admission queue's deadline: the loosest TTFT SLO
     t0 = time.process_time()
-    res = simulate(wl.requests, cfg, policy, est, slo_ttft_s=ttft, slo_tpot_s=wl.slos[0][1],
-                   rate_scale=scale, role_policy=rp)  # fmt: skip
+    res = simulate(
+        wl.requests,
+        cfg,
+        policy,
+        est,
+        slo_ttft_s=ttft,
+        slo_tpot_s=wl.slos[0][1],
+        rate_scale=scale,
+        role_policy=rp,
+    )
     cpu = time.process_time() - t0
     good = n = 0
     per_phase: dict[int, list[int]] = {}
@@ -250,8 +267,12 @@ def _search(task: Task) -> dict[str, Any]:
     wl = _workload(task.workload, task.limit)
     base = SHAPES[task.shape]
     n = base.n_prefill + base.n_decode
-    shape = replace(base, name=f"{task.n_prefill}P:{n - task.n_prefill}D",
-                    n_prefill=task.n_prefill, n_decode=n - task.n_prefill)  # fmt: skip
+    shape = replace(
+        base,
+        name=f"{task.n_prefill}P:{n - task.n_prefill}D",
+        n_prefill=task.n_prefill,
+        n_decode=n - task.n_prefill,
+    )
     t0 = time.perf_counter()
     rows: dict[float, dict[str, Any]] = {}
     kw = {"role": task.role, "role_args": dict(task.role_args), "config": dict(task.config)}
@@ -289,15 +310,20 @@ def _same_rate_task(args: tuple[str, str, int, float, int | None]) -> dict[str, 
     return out
 
 
-def _with_same_rate(results: list[dict[str, Any]], jobs: int,
-                    limit: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
+def _with_same_rate(
+    results: list[dict[str, Any]], jobs: int, limit: int | None = None
+) -> list[dict[str, Any]]:
     """Attach to each elastic result the best fixed split run at the same (elastic) rate."""
     todo: list[tuple[dict[str, Any], tuple[str, str, int, float, int | None]]] = []
     for el in results:
         if el["label"] != ELASTIC or not el["goodput_scale"]:
             continue
-        fixed = [r for r in results if r["label"].startswith("fixed")
-                 and (r["workload"], r["shape"]) == (el["workload"], el["shape"])]  # fmt: skip
+        fixed = [
+            r
+            for r in results
+            if r["label"].startswith("fixed")
+            and (r["workload"], r["shape"]) == (el["workload"], el["shape"])
+        ]
         if fixed:
             bf = max(fixed, key=lambda r: r["goodput_rps"])
             k = int(bf["split"].split("P")[0])
@@ -325,10 +351,17 @@ def _map(tasks: Sequence[Task], jobs: int) -> list[dict[str, Any]]:
 TWO_SIDED = CaseSpec("two_sided+online", "two_sided")
 
 
-def cell_tasks(traces: Sequence[str], shapes: Sequence[str], *, precision: float = 1.05,
-               limit: int | None = None, peers: bool = True, fixed: bool = True,
-               role_args: dict[str, Any] | None = None,
-               config: dict[str, Any] | None = None) -> list[Task]:  # fmt: skip
+def cell_tasks(
+    traces: Sequence[str],
+    shapes: Sequence[str],
+    *,
+    precision: float = 1.05,
+    limit: int | None = None,
+    peers: bool = True,
+    fixed: bool = True,
+    role_args: dict[str, Any] | None = None,
+    config: dict[str, Any] | None = None,
+) -> list[Task]:
     tasks: list[Task] = []
     ra = tuple(sorted((role_args or {}).items()))
     cf = tuple(sorted((config or {}).items()))
@@ -337,27 +370,62 @@ def cell_tasks(traces: Sequence[str], shapes: Sequence[str], *, precision: float
             shape = SHAPES[s]
             n = shape.n_prefill + shape.n_decode
             if peers:
-                tasks += [Task(t, s, f"peer {c.label}", c, shape.n_prefill, precision=precision,
-                               limit=limit) for c in CASES if c.baseline]  # fmt: skip
+                tasks += [
+                    Task(
+                        t,
+                        s,
+                        f"peer {c.label}",
+                        c,
+                        shape.n_prefill,
+                        precision=precision,
+                        limit=limit,
+                    )
+                    for c in CASES
+                    if c.baseline
+                ]
             if fixed:
-                tasks += [Task(t, s, f"fixed {k}P:{n - k}D", TWO_SIDED, k, precision=precision,
-                               limit=limit) for k in range(1, n)]  # fmt: skip
-            tasks.append(Task(t, s, ELASTIC, TWO_SIDED, shape.n_prefill, role=ELASTIC,
-                              role_args=ra, config=cf, precision=precision,
-                              limit=limit))  # fmt: skip
+                tasks += [
+                    Task(
+                        t, s, f"fixed {k}P:{n - k}D", TWO_SIDED, k, precision=precision, limit=limit
+                    )
+                    for k in range(1, n)
+                ]
+            tasks.append(
+                Task(
+                    t,
+                    s,
+                    ELASTIC,
+                    TWO_SIDED,
+                    shape.n_prefill,
+                    role=ELASTIC,
+                    role_args=ra,
+                    config=cf,
+                    precision=precision,
+                    limit=limit,
+                )
+            )
     return tasks
 
 
-def cells(traces: Sequence[str], shapes: Sequence[str], *, jobs: int = 2,
-          **kw: Any) -> list[dict[str, Any]]:  # fmt: skip
+def cells(
+    traces: Sequence[str], shapes: Sequence[str], *, jobs: int = 2, **kw: Any
+) -> list[dict[str, Any]]:
     res = _map(cell_tasks(traces, shapes, **kw), jobs)
     return _with_same_rate(res, jobs, kw.get("limit")) if kw.get("fixed", True) else res
 
 
-def mix(names: Sequence[str], shape: str, *, jobs: int = 2, precision: float = 1.05,
-        fixed: bool = True, role_args: dict[str, Any] | None = None,
-        config: dict[str, Any] | None = None, splits: Sequence[int] | None = None,
-        start: float = 16.0) -> list[dict[str, Any]]:  # fmt: skip
+def mix(
+    names: Sequence[str],
+    shape: str,
+    *,
+    jobs: int = 2,
+    precision: float = 1.05,
+    fixed: bool = True,
+    role_args: dict[str, Any] | None = None,
+    config: dict[str, Any] | None = None,
+    splits: Sequence[int] | None = None,
+    start: float = 16.0,
+) -> list[dict[str, Any]]:
     base = SHAPES[shape]
     n = base.n_prefill + base.n_decode
     ra = tuple(sorted((role_args or {}).items()))
@@ -365,11 +433,33 @@ def mix(names: Sequence[str], shape: str, *, jobs: int = 2, precision: float = 1
     tasks = []
     for m in names:
         if fixed:
-            tasks += [Task(f"mix:{m}", shape, f"fixed {k}P:{n - k}D", TWO_SIDED, k,
-                           precision=precision, start=start)
-                      for k in (splits or range(1, n)) if 0 < k < n]  # fmt: skip
-        tasks.append(Task(f"mix:{m}", shape, ELASTIC, TWO_SIDED, base.n_prefill, role=ELASTIC,
-                          role_args=ra, config=cf, precision=precision, start=start))  # fmt: skip
+            tasks += [
+                Task(
+                    f"mix:{m}",
+                    shape,
+                    f"fixed {k}P:{n - k}D",
+                    TWO_SIDED,
+                    k,
+                    precision=precision,
+                    start=start,
+                )
+                for k in (splits or range(1, n))
+                if 0 < k < n
+            ]
+        tasks.append(
+            Task(
+                f"mix:{m}",
+                shape,
+                ELASTIC,
+                TWO_SIDED,
+                base.n_prefill,
+                role=ELASTIC,
+                role_args=ra,
+                config=cf,
+                precision=precision,
+                start=start,
+            )
+        )
     res = _map(tasks, jobs)
     return _with_same_rate(res, jobs) if fixed else res
 
@@ -377,23 +467,38 @@ def mix(names: Sequence[str], shape: str, *, jobs: int = 2, precision: float = 1
 # The models of the arrangement study, as shapes with 8 workers each (the split is searched).
 ARRANGEMENT_SHAPES = ("8b-2p6d", "70b-4p4d")
 # Rate scales near the cells' goodputs: the searches start bracketing there.
-START_HINTS = {("conv", "8b-2p6d"): 16.0, ("mooncake", "8b-2p6d"): 2.0,
-               ("conv", "70b-4p4d"): 8.0, ("mooncake", "70b-4p4d"): 1.0,
-               ("code", "8b-2p6d"): 4.0, ("code", "70b-4p4d"): 1.0}  # fmt: skip
+START_HINTS = {
+    ("conv", "8b-2p6d"): 16.0,
+    ("mooncake", "8b-2p6d"): 2.0,
+    ("conv", "70b-4p4d"): 8.0,
+    ("mooncake", "70b-4p4d"): 1.0,
+    ("code", "8b-2p6d"): 4.0,
+    ("code", "70b-4p4d"): 1.0,
+}
 
 
 def _link_config(gbps: float, shape: str, **extra: Any) -> tuple[tuple[str, Any], ...]:
     """A per-GPU link of `gbps` (a TP worker has one NIC per GPU), transfers queueing."""
     tp = SHAPES[shape].tp_size or 1
     bw = gbps * 1e9 / 8 * tp
-    cfg = {"link_contention": True, "default_link_bytes_per_s": bw,
-           "links": {("prefill", "decode"): bw}, **extra}  # fmt: skip
+    cfg = {
+        "link_contention": True,
+        "default_link_bytes_per_s": bw,
+        "links": {("prefill", "decode"): bw},
+        **extra,
+    }
     return tuple(sorted(cfg.items()))
 
 
-def arrangements(traces: Sequence[str], links: Sequence[float], *, jobs: int = 2,
-                 precision: float = 1.05, shapes: Sequence[str] = ARRANGEMENT_SHAPES,
-                 splits: Sequence[int] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+def arrangements(
+    traces: Sequence[str],
+    links: Sequence[float],
+    *,
+    jobs: int = 2,
+    precision: float = 1.05,
+    shapes: Sequence[str] = ARRANGEMENT_SHAPES,
+    splits: Sequence[int] | None = None,
+) -> list[dict[str, Any]]:
     """Local (every GPU both phases) vs pools at every split vs hybrid at the best split."""
     first: list[Task] = []
     for t in traces:
@@ -402,11 +507,32 @@ def arrangements(traces: Sequence[str], links: Sequence[float], *, jobs: int = 2
             for g in links:
                 h = START_HINTS.get((t, s), 1.0)
                 local = _link_config(g, s, local_prefill=True)
-                first.append(Task(t, s, f"local @{g:g}G", TWO_SIDED, 0, precision=precision,
-                                  config=local, start=h))  # fmt: skip
-                first += [Task(t, s, f"pool {k}P:{n - k}D @{g:g}G", TWO_SIDED, k,
-                               precision=precision, config=_link_config(g, s), start=h)
-                          for k in (splits or range(1, n)) if 0 < k < n]  # fmt: skip
+                first.append(
+                    Task(
+                        t,
+                        s,
+                        f"local @{g:g}G",
+                        TWO_SIDED,
+                        0,
+                        precision=precision,
+                        config=local,
+                        start=h,
+                    )
+                )
+                first += [
+                    Task(
+                        t,
+                        s,
+                        f"pool {k}P:{n - k}D @{g:g}G",
+                        TWO_SIDED,
+                        k,
+                        precision=precision,
+                        config=_link_config(g, s),
+                        start=h,
+                    )
+                    for k in (splits or range(1, n))
+                    if 0 < k < n
+                ]
     res = _map(first, jobs)
     second: list[Task] = []
     for t in traces:
@@ -414,15 +540,26 @@ def arrangements(traces: Sequence[str], links: Sequence[float], *, jobs: int = 2
             for g in links:
                 tail = f"@{g:g}G"
                 pools = [
-                    r for r in res
+                    r
+                    for r in res
                     if (r["workload"], r["shape"]) == (t, s)
-                    and r["label"].startswith("pool") and r["label"].endswith(tail)
-                ]  # fmt: skip
+                    and r["label"].startswith("pool")
+                    and r["label"].endswith(tail)
+                ]
                 best = max(pools, key=lambda r: r["goodput_rps"])
                 k = int(best["split"].split("P")[0])
-                second.append(Task(t, s, f"hybrid {best['split']} @{g:g}G", TWO_SIDED, k,
-                                   precision=precision, start=best["goodput_scale"] or 1.0,
-                                   config=_link_config(g, s, local_prefill=True)))  # fmt: skip
+                second.append(
+                    Task(
+                        t,
+                        s,
+                        f"hybrid {best['split']} @{g:g}G",
+                        TWO_SIDED,
+                        k,
+                        precision=precision,
+                        start=best["goodput_scale"] or 1.0,
+                        config=_link_config(g, s, local_prefill=True),
+                    )
+                )
     for r in (res := res + _map(second, jobs)):
         r["arrangement"] = r["label"].split()[0]
         r["link_gbps"] = float(r["label"].rsplit("@", 1)[1][:-1])
@@ -430,8 +567,12 @@ def arrangements(traces: Sequence[str], links: Sequence[float], *, jobs: int = 2
 
 
 # The cells' best fixed split and its goodput rate scale (docs/elastic-roles.md, default link).
-BEST_SPLITS = {("conv", "8b-2p6d"): (5, 21.67), ("mooncake", "8b-2p6d"): (6, 2.49),
-               ("conv", "70b-4p4d"): (6, 12.34), ("mooncake", "70b-4p4d"): (7, 1.30)}  # fmt: skip
+BEST_SPLITS = {
+    ("conv", "8b-2p6d"): (5, 21.67),
+    ("mooncake", "8b-2p6d"): (6, 2.49),
+    ("conv", "70b-4p4d"): (6, 12.34),
+    ("mooncake", "70b-4p4d"): (7, 1.30),
+}
 
 
 def _at_rate_task(args: tuple[str, str, str, int, float, float]) -> dict[str, Any]:
@@ -442,15 +583,25 @@ def _at_rate_task(args: tuple[str, str, str, int, float, float]) -> dict[str, An
     shape = replace(base, n_prefill=k, n_decode=n - k)
     cfg = dict(_link_config(gbps, shape_name, local_prefill=arrangement != "pool"))
     row = run(wl, shape, TWO_SIDED, scale, config=cfg)
-    return {"workload": trace, "shape": shape_name, "arrangement": arrangement,
-            "split": f"{k}P:{n - k}D", "scale": scale, "link_gbps": gbps,
-            "rps": scale * wl.base_rps, **row}  # fmt: skip
+    return {
+        "workload": trace,
+        "shape": shape_name,
+        "arrangement": arrangement,
+        "split": f"{k}P:{n - k}D",
+        "scale": scale,
+        "link_gbps": gbps,
+        "rps": scale * wl.base_rps,
+        **row,
+    }
 
 
 def arrangements_at_rate(
-    traces: Sequence[str], links: Sequence[float], *, jobs: int = 2,
+    traces: Sequence[str],
+    links: Sequence[float],
+    *,
+    jobs: int = 2,
     shapes: Sequence[str] = ARRANGEMENT_SHAPES,
-) -> list[dict[str, Any]]:  # fmt: skip
+) -> list[dict[str, Any]]:
     """Cheaper than goodput searches: SLO attainment of local (every GPU both phases), the pool
     at the cells' best split and hybrid at that split, all at the rate where that pool split
     reached its goodput on the default link."""
@@ -461,36 +612,53 @@ def arrangements_at_rate(
                 continue
             k, scale = BEST_SPLITS[(t, s)]
             for g in links:
-                tasks += [(t, s, "local", 0, scale, g), (t, s, "pool", k, scale, g),
-                          (t, s, "hybrid", k, scale, g)]  # fmt: skip
+                tasks += [
+                    (t, s, "local", 0, scale, g),
+                    (t, s, "pool", k, scale, g),
+                    (t, s, "hybrid", k, scale, g),
+                ]
     with ProcessPoolExecutor(max_workers=jobs, initializer=_nice) as pool:
         return list(pool.map(_at_rate_task, tasks))
 
 
 def at_rate_table(rows: Sequence[dict[str, Any]]) -> str:
-    out = ["| trace × model | rate req/s | link Gb/s per GPU | local (time-shared) | pool "
-           "| hybrid | winner |", "|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
-    keys = sorted({(r["workload"], r["shape"], r["link_gbps"]) for r in rows},
-                  key=lambda k: (k[1], k[0], k[2]))  # fmt: skip
+    out = [
+        "| trace × model | rate req/s | link Gb/s per GPU | local (time-shared) | pool "
+        "| hybrid | winner |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    keys = sorted(
+        {(r["workload"], r["shape"], r["link_gbps"]) for r in rows},
+        key=lambda k: (k[1], k[0], k[2]),
+    )
     for w, s, g in keys:
-        rs = {r["arrangement"]: r for r in rows if (r["workload"], r["shape"], r["link_gbps"])
-              == (w, s, g)}  # fmt: skip
+        rs = {
+            r["arrangement"]: r
+            for r in rows
+            if (r["workload"], r["shape"], r["link_gbps"]) == (w, s, g)
+        }
         att = {a: rs[a]["attainment"] for a in rs}
         win = max(att, key=lambda a: att[a])
         pool = rs.get("pool", {})
-        out.append(f"| {w} × {s.split('-')[0]} | {pool.get('rps', 0):.2f} | {g:g} "
-                   f"| {att.get('local', 0):.1%} | {att.get('pool', 0):.1%} ({pool.get('split')}) "
-                   f"| {att.get('hybrid', 0):.1%} | {win} |")  # fmt: skip
+        out.append(
+            f"| {w} × {s.split('-')[0]} | {pool.get('rps', 0):.2f} | {g:g} "
+            f"| {att.get('local', 0):.1%} | {att.get('pool', 0):.1%} ({pool.get('split')}) "
+            f"| {att.get('hybrid', 0):.1%} | {win} |"
+        )
     return "\n".join(out)
 
 
 def arrangement_table(results: Sequence[dict[str, Any]]) -> str:
     rows = [r for r in results if r.get("arrangement")]
-    out = ["| trace × model | link Gb/s per GPU | local (time-shared) | best pool split "
-           "| hybrid at that split | local / best pool | winner |",
-           "|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
-    keys = sorted({(r["workload"], r["shape"], r["link_gbps"]) for r in rows},
-                  key=lambda k: (_order((k[0], k[1])), k[2]))  # fmt: skip
+    out = [
+        "| trace × model | link Gb/s per GPU | local (time-shared) | best pool split "
+        "| hybrid at that split | local / best pool | winner |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    keys = sorted(
+        {(r["workload"], r["shape"], r["link_gbps"]) for r in rows},
+        key=lambda k: (_order((k[0], k[1])), k[2]),
+    )
     for w, s, g in keys:
         rs = [r for r in rows if (r["workload"], r["shape"], r["link_gbps"]) == (w, s, g)]
         loc = next((r for r in rs if r["arrangement"] == "local"), None)
@@ -501,9 +669,11 @@ def arrangement_table(results: Sequence[dict[str, Any]]) -> str:
         pv = bp["goodput_rps"] if bp else 0.0
         hv = hyb["goodput_rps"] if hyb else 0.0
         best = max(("local", lv), ("pool", pv), ("hybrid", hv), key=lambda x: x[1])[0]
-        out.append(f"| {w} × {s.split('-')[0]} | {g:g} | {lv:.2f} "
-                   f"| {pv:.2f} ({bp['split'] if bp else '-'}) | {hv:.2f} "
-                   f"| {lv / pv if pv else float('nan'):.2f} | {best} |")  # fmt: skip
+        out.append(
+            f"| {w} × {s.split('-')[0]} | {g:g} | {lv:.2f} "
+            f"| {pv:.2f} ({bp['split'] if bp else '-'}) | {hv:.2f} "
+            f"| {lv / pv if pv else float('nan'):.2f} | {best} |"
+        )
     return "\n".join(out)
 
 
@@ -513,10 +683,12 @@ def arrangement_table(results: Sequence[dict[str, Any]]) -> str:
 def cell_table(results: Sequence[dict[str, Any]]) -> str:
     """One row per (workload, shape): peers at the shape's split, the best fixed split (with
     hindsight), elastic, and the two ratios the issue's targets are about."""
-    out = ["| trace × shape (shape's split) | best peer at the split | two_sided at the split "
-           "| best fixed split (hindsight) | elastic | elastic / best peer | elastic / best fixed "
-           "| switches | migrated |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    out = [
+        "| trace × shape (shape's split) | best peer at the split | two_sided at the split "
+        "| best fixed split (hindsight) | elastic | elastic / best peer | elastic / best fixed "
+        "| switches | migrated |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     results = [r for r in results if not r.get("arrangement")]
     keys = sorted({(r["workload"], r["shape"]) for r in results}, key=_order)
     for w, s in keys:
@@ -551,16 +723,29 @@ def splits_table(results: Sequence[dict[str, Any]]) -> str:
     """Goodput (req/s) of every fixed split and elastic, per (workload, shape)."""
     results = [r for r in results if not r.get("arrangement")]
     keys = sorted({(r["workload"], r["shape"]) for r in results}, key=_order)
-    splits = sorted({r["split"] for r in results if r["label"].startswith("fixed")},
-                    key=lambda x: int(x.split("P")[0]))  # fmt: skip
-    out = ["| trace × shape | " + " | ".join(splits) + " | elastic |",
-           "|---|" + "---:|" * (len(splits) + 1)]  # fmt: skip
+    splits = sorted(
+        {r["split"] for r in results if r["label"].startswith("fixed")},
+        key=lambda x: int(x.split("P")[0]),
+    )
+    out = [
+        "| trace × shape | " + " | ".join(splits) + " | elastic |",
+        "|---|" + "---:|" * (len(splits) + 1),
+    ]
     for w, s in keys:
-        rs = {r["split"]: r for r in results if r["workload"] == w and r["shape"] == s
-              and r["label"].startswith("fixed")}  # fmt: skip
+        rs = {
+            r["split"]: r
+            for r in results
+            if r["workload"] == w and r["shape"] == s and r["label"].startswith("fixed")
+        }
         top = max((r["goodput_rps"] for r in rs.values()), default=0.0)
-        el = next((r for r in results if r["workload"] == w and r["shape"] == s
-                   and r["label"] == ELASTIC), None)  # fmt: skip
+        el = next(
+            (
+                r
+                for r in results
+                if r["workload"] == w and r["shape"] == s and r["label"] == ELASTIC
+            ),
+            None,
+        )
 
         cells = [_bold(rs[x]["goodput_rps"], top) if x in rs else "-" for x in splits]
         tail = f"{el['goodput_rps']:.2f}" if el else "-"
@@ -572,21 +757,29 @@ def switch_table(results: Sequence[dict[str, Any]], window_s: float = 10.0) -> s
     """Did attainment collapse while a worker switched? Per elastic run at its goodput: the
     windows (of measured requests) that overlap a switch's drain or pause, their lowest and mean
     attainment, and the same windows of the best fixed split run at the same rate."""
-    out = ["| trace × shape | rate req/s | switches (measured part) | drain s (median, max) "
-           "| windows in a switch | elastic min / mean | best fixed, same windows: min / mean "
-           "| elastic overall | fixed overall |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for el in sorted((r for r in results if r["label"] == ELASTIC and r.get("at_goodput")),
-                     key=lambda r: _order((r["workload"], r["shape"]))):  # fmt: skip
+    out = [
+        "| trace × shape | rate req/s | switches (measured part) | drain s (median, max) "
+        "| windows in a switch | elastic min / mean | best fixed, same windows: min / mean "
+        "| elastic overall | fixed overall |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for el in sorted(
+        (r for r in results if r["label"] == ELASTIC and r.get("at_goodput")),
+        key=lambda r: _order((r["workload"], r["shape"])),
+    ):
         at = el["at_goodput"]
         same = el.get("best_fixed_same_rate") or {}
         t0 = at.get("t_measured_s", 0.0)
-        sws = [x for x in (at.get("roles") or {}).get("switches", [])
-               if (x["active_t"] or x["t"]) >= t0]  # fmt: skip
+        sws = [
+            x
+            for x in (at.get("roles") or {}).get("switches", [])
+            if (x["active_t"] or x["t"]) >= t0
+        ]
         spans = [(x["t"], x["active_t"] or x["drained_t"] or x["t"]) for x in sws]
         drains = sorted((x["drained_t"] or x["t"]) - x["t"] for x in sws)
-        hit = {w[0] for w in at["windows"]
-               if any(a < w[0] + window_s and b >= w[0] for a, b in spans)}  # fmt: skip
+        hit = {
+            w[0] for w in at["windows"] if any(a < w[0] + window_s and b >= w[0] for a, b in spans)
+        }
         ew = [w[2] for w in at["windows"] if w[0] in hit]
         fw = [w[2] for w in same.get("windows", []) if w[0] in hit]
 
@@ -595,8 +788,10 @@ def switch_table(results: Sequence[dict[str, Any]], window_s: float = 10.0) -> s
 
         med = f"{drains[len(drains) // 2]:.1f}, {drains[-1]:.1f}" if drains else "-"
         overall = f"{at.get('attainment', 0):.3f} | {same.get('attainment', 0):.3f}"
-        out.append(f"| {el['workload']} × {el['shape']} | {el['goodput_rps']:.2f} | {len(sws)} "
-                   f"| {med} | {len(hit)} | {mm(ew)} | {mm(fw)} | {overall} |")  # fmt: skip
+        out.append(
+            f"| {el['workload']} × {el['shape']} | {el['goodput_rps']:.2f} | {len(sws)} "
+            f"| {med} | {len(hit)} | {mm(ew)} | {mm(fw)} | {overall} |"
+        )
     return "\n".join(out)
 
 
@@ -610,8 +805,9 @@ def _order(key: tuple[str, str]) -> tuple[int, str]:
     return (names.index(w) if w in names else 99, w + s)
 
 
-def plot_run(result: dict[str, Any], path: Path, title: str,
-             compare: dict[str, Any] | None = None) -> bool:  # fmt: skip
+def plot_run(
+    result: dict[str, Any], path: Path, title: str, compare: dict[str, Any] | None = None
+) -> bool:
     """Attainment per window (measured requests) at the run's goodput scale, the split over
     time (active prefill workers) and each switch's drain and pause, for an elastic run."""
     try:
@@ -624,12 +820,18 @@ def plot_run(result: dict[str, Any], path: Path, title: str,
     at = result.get("at_goodput") or {}
     if not at.get("windows"):
         return False
-    fig, (ax, bx) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True,
-                                 gridspec_kw={"height_ratios": [2, 1]})  # fmt: skip
+    fig, (ax, bx) = plt.subplots(
+        2, 1, figsize=(8, 5.5), sharex=True, gridspec_kw={"height_ratios": [2, 1]}
+    )
     xs = [w[0] for w in at["windows"]]  # simulated seconds (arrival times are scaled already)
-    ax.plot(xs, [w[2] for w in at["windows"]], "-o", ms=2.5,
-            label=f"{result['label']} at its goodput, {result['goodput_rps']:.1f} req/s "
-                  f"({at.get('attainment', 0.0):.1%} overall)")  # fmt: skip
+    ax.plot(
+        xs,
+        [w[2] for w in at["windows"]],
+        "-o",
+        ms=2.5,
+        label=f"{result['label']} at its goodput, {result['goodput_rps']:.1f} req/s "
+        f"({at.get('attainment', 0.0):.1%} overall)",
+    )
     same = result.get("best_fixed_same_rate")
     if same and same.get("windows"):
         cw = same["windows"]
@@ -652,8 +854,12 @@ def plot_run(result: dict[str, Any], path: Path, title: str,
     tl = roles.get("timeline") or []
     if tl:
         bx.step([t for t, *_ in tl], [p for _, p, *_ in tl], where="post", label="prefill (active)")
-        bx.step([t for t, _, d, *_ in tl], [d for _, _, d, *_ in tl], where="post",
-                label="decode (active)")  # fmt: skip
+        bx.step(
+            [t for t, _, d, *_ in tl],
+            [d for _, _, d, *_ in tl],
+            where="post",
+            label="decode (active)",
+        )
     for sw in roles.get("switches") or []:
         end = sw["active_t"] or sw["drained_t"] or sw["t"]
         bx.axvspan(sw["t"], end, color="orange", alpha=0.25, lw=0)
@@ -727,25 +933,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     role_args = json.loads(ns.role_args)
     tag = f"-{ns.tag}" if ns.tag else ""
     if ns.what == "cells":
-        res = cells(ns.traces.split(","), ns.shapes.split(","), jobs=ns.jobs,
-                    precision=ns.precision, limit=ns.limit,
-                    peers=not (ns.no_peers or ns.only_elastic), fixed=not ns.only_elastic,
-                    role_args=role_args, config=json.loads(ns.config))  # fmt: skip
+        res = cells(
+            ns.traces.split(","),
+            ns.shapes.split(","),
+            jobs=ns.jobs,
+            precision=ns.precision,
+            limit=ns.limit,
+            peers=not (ns.no_peers or ns.only_elastic),
+            fixed=not ns.only_elastic,
+            role_args=role_args,
+            config=json.loads(ns.config),
+        )
         (out / f"roles-cells{tag}.json").write_text(json.dumps(res, indent=1))
     elif ns.what == "mix":
-        res = mix(ns.mix.split(","), ns.shape, jobs=ns.jobs, precision=ns.precision,
-                  fixed=not ns.only_elastic, role_args=role_args, config=json.loads(ns.config),
-                  splits=[int(x) for x in ns.splits.split(",")] if ns.splits else None)  # fmt: skip
+        res = mix(
+            ns.mix.split(","),
+            ns.shape,
+            jobs=ns.jobs,
+            precision=ns.precision,
+            fixed=not ns.only_elastic,
+            role_args=role_args,
+            config=json.loads(ns.config),
+            splits=[int(x) for x in ns.splits.split(",")] if ns.splits else None,
+        )
         (out / f"roles-mix{tag}.json").write_text(json.dumps(res, indent=1))
     elif ns.what == "arrangements":
-        res = arrangements(ns.traces.split(","), [float(x) for x in ns.links.split(",")],
-                           jobs=ns.jobs, precision=ns.precision,
-                           splits=[int(x) for x in ns.splits.split(",")] if ns.splits else None,
-                           shapes=ns.shapes.split(","))  # fmt: skip
+        res = arrangements(
+            ns.traces.split(","),
+            [float(x) for x in ns.links.split(",")],
+            jobs=ns.jobs,
+            precision=ns.precision,
+            splits=[int(x) for x in ns.splits.split(",")] if ns.splits else None,
+            shapes=ns.shapes.split(","),
+        )
         (out / f"roles-arrangements{tag}.json").write_text(json.dumps(res, indent=1))
     elif ns.what == "arrangements-at-rate":
-        rows = arrangements_at_rate(ns.traces.split(","), [float(x) for x in ns.links.split(",")],
-                                    jobs=ns.jobs, shapes=ns.shapes.split(","))  # fmt: skip
+        rows = arrangements_at_rate(
+            ns.traces.split(","),
+            [float(x) for x in ns.links.split(",")],
+            jobs=ns.jobs,
+            shapes=ns.shapes.split(","),
+        )
         (out / f"arrangements-at-rate{tag}.json").write_text(json.dumps(rows, indent=1))
         print(at_rate_table(rows))
         return 0

@@ -49,13 +49,26 @@ def run_case(
     """One simulator run; the summary row (timing included). `warmup` requests pre-fill the
     online estimator's statistics (not replayed)."""
     cpu0 = time.process_time()
-    res = simulate_case(requests, shape, case, rate_scale, trace, seed=seed,
-                    config_overrides=config_overrides, warmup=warmup)  # fmt: skip
+    res = simulate_case(
+        requests,
+        shape,
+        case,
+        rate_scale,
+        trace,
+        seed=seed,
+        config_overrides=config_overrides,
+        warmup=warmup,
+    )
     cpu = time.process_time() - cpu0
     # CPU seconds beside wall seconds: on a shared machine the wall clock also counts the
     # time other processes held the core.
-    return {"case": case.label, "rate_scale": rate_scale, **res.summary(timing=True),
-            "cpu_s": cpu, "events_per_cpu_s": res.events / cpu if cpu > 0 else 0.0}  # fmt: skip
+    return {
+        "case": case.label,
+        "rate_scale": rate_scale,
+        **res.summary(timing=True),
+        "cpu_s": cpu,
+        "events_per_cpu_s": res.events / cpu if cpu > 0 else 0.0,
+    }
 
 
 def simulate_case(
@@ -78,9 +91,15 @@ def simulate_case(
     if est is not None and est.name == "online_quantile" and warmup:
         est = WarmEstimator.from_requests(est, warmup, cfg.model, cfg.max_tokens)
     return simulate(
-        requests, cfg, policy, est, seed=seed, slo_ttft_s=trace.slo_ttft_s,
-        slo_tpot_s=trace.slo_tpot_s, rate_scale=rate_scale,
-    )  # fmt: skip
+        requests,
+        cfg,
+        policy,
+        est,
+        seed=seed,
+        slo_ttft_s=trace.slo_ttft_s,
+        slo_tpot_s=trace.slo_tpot_s,
+        rate_scale=rate_scale,
+    )
 
 
 def _base_rps(requests: Sequence[TraceRequest]) -> float:
@@ -210,7 +229,9 @@ def scaling(
         row = run_case(requests, shape, CaseSpec("two_sided+online", "two_sided"), scale, trace)
         row.update(workers=n, prefill=n_p, decode=n - n_p, total_wall_s=time.perf_counter() - t0)
         out.append(row)
-        print(f"  {n} workers: {row['wall_s']:.1f} s wall, {row['cpu_s']:.1f} s CPU, "
-              f"{row['events']:,} events, {row['events_per_cpu_s']:,.0f} events/CPU-s",
-              flush=True)  # fmt: skip
+        print(
+            f"  {n} workers: {row['wall_s']:.1f} s wall, {row['cpu_s']:.1f} s CPU, "
+            f"{row['events']:,} events, {row['events_per_cpu_s']:,.0f} events/CPU-s",
+            flush=True,
+        )
     return out

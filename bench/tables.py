@@ -20,8 +20,9 @@ __all__ = [
 # -- plots and tables ------------------------------------------------------------------------------
 
 
-def plot_attainment(results: Sequence[dict[str, Any]], trace: str, shape: str, path: Path,
-                    slo: str = "") -> bool:  # fmt: skip
+def plot_attainment(
+    results: Sequence[dict[str, Any]], trace: str, shape: str, path: Path, slo: str = ""
+) -> bool:
     """Attainment vs offered req/s per policy, from the goodput searches' probes."""
     try:
         import matplotlib
@@ -36,8 +37,14 @@ def plot_attainment(results: Sequence[dict[str, Any]], trace: str, shape: str, p
             continue
         pts = sorted(r["points"])
         style = "-" if not r["baseline"] else "--"
-        ax.plot([s * r["base_rps"] for s, _ in pts], [a for _, a in pts], style, marker="o",
-                markersize=3, label=f"{r['case']} ({r['goodput_rps']:.1f} req/s)")  # fmt: skip
+        ax.plot(
+            [s * r["base_rps"] for s, _ in pts],
+            [a for _, a in pts],
+            style,
+            marker="o",
+            markersize=3,
+            label=f"{r['case']} ({r['goodput_rps']:.1f} req/s)",
+        )
     ax.axhline(0.9, color="grey", linestyle=":", label="90 % target")
     ax.set_xscale("log")
     from matplotlib.ticker import ScalarFormatter
@@ -75,14 +82,20 @@ def goodput_table(data: dict[str, Any]) -> str:
         best_base = max((r["goodput_rps"] for r in rows if r["baseline"]), default=0.0)
         spec = TRACES.get(t)
         slo = f"TTFT ≤ {spec.slo_ttft_s:g} s, TPOT ≤ {spec.slo_tpot_s * 1e3:g} ms" if spec else ""
-        common = next((keyed[(t, s, r["case"])]["rate_scale"] for r in rows
-                       if (t, s, r["case"]) in keyed), None)  # fmt: skip
-        out.append(f"\n**{t} × {s}** ({rows[0]['requests']} requests, {rows[0]['base_rps']:.2f} "
-                   f"req/s at ×1; {slo}; latency columns at the best baseline's goodput, "
-                   f"×{common:.2f})\n")  # fmt: skip
-        out.append("| policy | goodput req/s (×scale) | vs best baseline | SLO % | TTFT p99 ms "
-                   "| ITL p99 ms | rejected | preempt | refused handoffs | stranded GB·s "
-                   "| reserved-unused M blk·s |")  # fmt: skip
+        common = next(
+            (keyed[(t, s, r["case"])]["rate_scale"] for r in rows if (t, s, r["case"]) in keyed),
+            None,
+        )
+        out.append(
+            f"\n**{t} × {s}** ({rows[0]['requests']} requests, {rows[0]['base_rps']:.2f} "
+            f"req/s at ×1; {slo}; latency columns at the best baseline's goodput, "
+            f"×{common:.2f})\n"
+        )
+        out.append(
+            "| policy | goodput req/s (×scale) | vs best baseline | SLO % | TTFT p99 ms "
+            "| ITL p99 ms | rejected | preempt | refused handoffs | stranded GB·s "
+            "| reserved-unused M blk·s |"
+        )
         out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             c = keyed.get((t, s, r["case"]), {})
@@ -99,26 +112,35 @@ def goodput_table(data: dict[str, Any]) -> str:
 
 
 def admission_table(rows: Sequence[dict[str, Any]]) -> str:
-    out = ["| trace × shape | rate | admission | rejected | SLO % | admitted on forecast "
-           "| TTFT p99 ms | preempt |", "|---|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    out = [
+        "| trace × shape | rate | admission | rejected | SLO % | admitted on forecast "
+        "| TTFT p99 ms | preempt |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        out.append(f"| {r['trace']} × {r['shape']} | ×{r['rate_scale']:g} | {r['case']} "
-                   f"| {r['rejected']} | {100 * r['slo_attainment']:.1f} "
-                   f"| {int(r['admitted_on_forecast'])} | {_ms(r['ttft_p99_s'])} "
-                   f"| {r['preemptions']} |")  # fmt: skip
+        out.append(
+            f"| {r['trace']} × {r['shape']} | ×{r['rate_scale']:g} | {r['case']} "
+            f"| {r['rejected']} | {100 * r['slo_attainment']:.1f} "
+            f"| {int(r['admitted_on_forecast'])} | {_ms(r['ttft_p99_s'])} "
+            f"| {r['preemptions']} |"
+        )
     return "\n".join(out)
 
 
 def scaling_table(rows: Sequence[dict[str, Any]]) -> str:
-    out = ["| workers (P+D) | rate | requests | events | wall s | CPU s | events/CPU-s "
-           "| events/wall-s | SLO % |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    out = [
+        "| workers (P+D) | rate | requests | events | wall s | CPU s | events/CPU-s "
+        "| events/wall-s | SLO % |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        out.append(f"| {r['workers']} ({r['prefill']}+{r['decode']}) | ×{r['rate_scale']:g} "
-                   f"| {r['requests']:,} | {r['events']:,} | {r['wall_s']:.1f} "
-                   f"| {r.get('cpu_s', float('nan')):.1f} "
-                   f"| {r.get('events_per_cpu_s', float('nan')):,.0f} "
-                   f"| {r['events_per_s']:,.0f} | {100 * r['slo_attainment']:.1f} |")  # fmt: skip
+        out.append(
+            f"| {r['workers']} ({r['prefill']}+{r['decode']}) | ×{r['rate_scale']:g} "
+            f"| {r['requests']:,} | {r['events']:,} | {r['wall_s']:.1f} "
+            f"| {r.get('cpu_s', float('nan')):.1f} "
+            f"| {r.get('events_per_cpu_s', float('nan')):,.0f} "
+            f"| {r['events_per_s']:,.0f} | {100 * r['slo_attainment']:.1f} |"
+        )
     return "\n".join(out)
 
 
@@ -126,15 +148,19 @@ def validation_table(v: dict[str, Any]) -> str:
     def pct(d: float | None) -> str:
         return "" if d is None else f"{100 * d:+.1f} %"
 
-    cols = [("sim_s", "rel_diff", "simulator (cost model)"),
-            ("mirror_s", "rel_diff_mirror", "sim + live mechanics"),
-            ("cal_s", "rel_diff_cal", "sim + mechanics + overheads")]  # fmt: skip
+    cols = [
+        ("sim_s", "rel_diff", "simulator (cost model)"),
+        ("mirror_s", "rel_diff_mirror", "sim + live mechanics"),
+        ("cal_s", "rel_diff_cal", "sim + mechanics + overheads"),
+    ]
     cols = [c for c in cols if v["rows"] and c[0] in v["rows"][0]]
     head = "| metric | live (router + sim workers) ms |" + "".join(
         f" {name} ms | vs live |" for _, _, name in cols
     )
     out = [head, "|---|---:|" + "---:|---:|" * len(cols)]
     for r in v["rows"]:
-        out.append(f"| {r['metric']} | {1e3 * (r['live_s'] or 0):.1f} |" + "".join(
-            f" {1e3 * r[k]:.1f} | {pct(r.get(d))} |" for k, d, _ in cols))  # fmt: skip
+        out.append(
+            f"| {r['metric']} | {1e3 * (r['live_s'] or 0):.1f} |"
+            + "".join(f" {1e3 * r[k]:.1f} | {pct(r.get(d))} |" for k, d, _ in cols)
+        )
     return "\n".join(out)

@@ -53,12 +53,14 @@ def calibrate(
     and the bursts' batches of ~4 per decode worker)."""
     requests = calibration_requests(time_scale)
     trace = TRACES["conv"]  # its SLOs only (admission deadlines); none is near
-    live = asyncio.run(_live(requests, time_scale, 1.0, n_prefill, n_decode, policy, estimator,
-                             model, records=True))  # fmt: skip
+    live = asyncio.run(
+        _live(
+            requests, time_scale, 1.0, n_prefill, n_decode, policy, estimator, model, records=True
+        )
+    )
     shape = ShapeSpec("validate", n_prefill, n_decode, model)
     case = CaseSpec(f"{policy}+{estimator}", policy, estimator=estimator)
-    sim = simulate_case(requests, shape, case, 1.0, trace,
-                    config_overrides=live_mirror(time_scale))  # fmt: skip
+    sim = simulate_case(requests, shape, case, 1.0, trace, config_overrides=live_mirror(time_scale))
     by_index = {r["index"]: r for r in live["records"]}
     d_ttft: list[float] = []
     by_prompt: list[tuple[int, float]] = []
@@ -137,21 +139,45 @@ def validate(
     load0 = os.getloadavg()
     cal = None
     if calibrate_first:
-        cal = calibrate(time_scale=time_scale, n_prefill=n_prefill, n_decode=n_decode,
-                        policy=policy, estimator=estimator, model=model)  # fmt: skip
+        cal = calibrate(
+            time_scale=time_scale,
+            n_prefill=n_prefill,
+            n_decode=n_decode,
+            policy=policy,
+            estimator=estimator,
+            model=model,
+        )
         overheads = (cal["router_overhead_s"], cal["step_overhead_s"])
-        print(f"calibration at time scale {time_scale:g}: router_overhead_s = "
-              f"{1e3 * overheads[0]:.2f} ms, step_overhead_s = {1e3 * overheads[1]:.3f} ms "
-              f"(simulated; wall {1e3 * overheads[0] / time_scale:.2f} / "
-              f"{1e3 * overheads[1] / time_scale:.3f} ms)", flush=True)  # fmt: skip
-    live = asyncio.run(_live(requests, time_scale, rate_scale, n_prefill, n_decode, policy,
-                             estimator, model, trace_name=trace_name))  # fmt: skip
+        print(
+            f"calibration at time scale {time_scale:g}: router_overhead_s = "
+            f"{1e3 * overheads[0]:.2f} ms, step_overhead_s = {1e3 * overheads[1]:.3f} ms "
+            f"(simulated; wall {1e3 * overheads[0] / time_scale:.2f} / "
+            f"{1e3 * overheads[1] / time_scale:.3f} ms)",
+            flush=True,
+        )
+    live = asyncio.run(
+        _live(
+            requests,
+            time_scale,
+            rate_scale,
+            n_prefill,
+            n_decode,
+            policy,
+            estimator,
+            model,
+            trace_name=trace_name,
+        )
+    )
     load1 = os.getloadavg()
     variants = {"sim_s": None, "mirror_s": live_mirror(time_scale)}
     if overheads is not None:
         variants["cal_s"] = live_mirror(time_scale, *overheads)
-    sims = {k: _sim_same(requests, rate_scale, n_prefill, n_decode, policy, estimator, trace,
-                         model, overrides) for k, overrides in variants.items()}  # fmt: skip
+    sims = {
+        k: _sim_same(
+            requests, rate_scale, n_prefill, n_decode, policy, estimator, trace, model, overrides
+        )
+        for k, overrides in variants.items()
+    }
     rows = []
     for metric, sk in _METRICS:
         lv = live["metrics"][sk]
@@ -173,29 +199,51 @@ def validate(
         "policy": policy,
         "estimator": estimator,
         "rows": rows,
-        "overheads": None if overheads is None else {
-            "router_overhead_s": overheads[0], "step_overhead_s": overheads[1]},
+        "overheads": None
+        if overheads is None
+        else {"router_overhead_s": overheads[0], "step_overhead_s": overheads[1]},
         "calibration": cal,
         "load_avg_before": load0,
         "load_avg_after": load1,
         "live_outcomes": live["summary"]["requests"],
         "sim_outcomes": {k: simrow[k] for k in ("ok", "rejected", "failed")},
         "live_client_lag_p99_s": live["summary"]["client_send_lag_s"]["p99"],
-    }  # fmt: skip
+    }
 
 
 async def _live(
-    requests: Sequence[TraceRequest], time_scale: float, rate_scale: float, n_prefill: int,
-    n_decode: int, policy: str, estimator: str, model: str = "llama-3-8b", *,
-    trace_name: str = "conv", records: bool = False,
-) -> dict[str, Any]:  # fmt: skip
-    shape = ClusterShape(n_prefill=n_prefill, n_decode=n_decode, time_scale=time_scale,
-                         policy=policy, estimator=estimator, model=model)  # fmt: skip
+    requests: Sequence[TraceRequest],
+    time_scale: float,
+    rate_scale: float,
+    n_prefill: int,
+    n_decode: int,
+    policy: str,
+    estimator: str,
+    model: str = "llama-3-8b",
+    *,
+    trace_name: str = "conv",
+    records: bool = False,
+) -> dict[str, Any]:
+    shape = ClusterShape(
+        n_prefill=n_prefill,
+        n_decode=n_decode,
+        time_scale=time_scale,
+        policy=policy,
+        estimator=estimator,
+        model=model,
+    )
     async with local_cluster(shape, redis_url=os.environ.get("REDIS_URL")) as cluster:
         cap = 4096
-        result = await replay(cluster.router_url, requests, model=shape.model, endpoint="chat",
-                              max_tokens_cap=cap, time_scale=time_scale, rate_scale=rate_scale,
-                              timeout_s=600.0)  # fmt: skip
+        result = await replay(
+            cluster.router_url,
+            requests,
+            model=shape.model,
+            endpoint="chat",
+            max_tokens_cap=cap,
+            time_scale=time_scale,
+            rate_scale=rate_scale,
+            timeout_s=600.0,
+        )
     trace = TRACES[trace_name]
     summary = summarize(result, slo_ttft_s=trace.slo_ttft_s, slo_tpot_s=trace.slo_tpot_s)
     out: dict[str, Any] = {"summary": summary, "metrics": live_metrics(result.records)}
@@ -205,10 +253,16 @@ async def _live(
 
 
 def _sim_same(
-    requests: Sequence[TraceRequest], rate_scale: float, n_prefill: int, n_decode: int,
-    policy: str, estimator: str, trace: TraceSpec, model: str = "llama-3-8b",
+    requests: Sequence[TraceRequest],
+    rate_scale: float,
+    n_prefill: int,
+    n_decode: int,
+    policy: str,
+    estimator: str,
+    trace: TraceSpec,
+    model: str = "llama-3-8b",
     overrides: dict[str, Any] | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     shape = ShapeSpec("validate", n_prefill, n_decode, model)
     case = CaseSpec(f"{policy}+{estimator}", policy, estimator=estimator)
     # The live cluster's router sends max_tokens = 4096 (the replay's cap), like the simulator.

@@ -63,9 +63,17 @@ async def _router(args: list[str], env: dict[str, str]) -> AsyncIterator[tuple[s
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"dropin-{os.getpid()}-{id(args)}.log"
     with log.open("wb") as err:
         proc = await asyncio.create_subprocess_exec(
-            *_entry(), "serve", "--port", "0", "--log-format", "text", *args,
-            stdout=asyncio.subprocess.PIPE, stderr=err, env={**os.environ, **env},
-        )  # fmt: skip
+            *_entry(),
+            "serve",
+            "--port",
+            "0",
+            "--log-format",
+            "text",
+            *args,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=err,
+            env={**os.environ, **env},
+        )
     try:
         assert proc.stdout is not None
         async with asyncio.timeout(60):
@@ -148,8 +156,15 @@ async def _check_handoffs(p_url: str, d_url: str, n: int) -> None:
 
 async def test_vllm_form_with_only_flags(redis_prefix: str) -> None:
     async with _workers(bootstrap=False) as (p_url, d_url, _):
-        args = ["--vllm-pd-disaggregation", "--prefill", p_url, "--decode", d_url,
-                "--redis-url", REDIS_URL]  # fmt: skip
+        args = [
+            "--vllm-pd-disaggregation",
+            "--prefill",
+            p_url,
+            "--decode",
+            d_url,
+            "--redis-url",
+            REDIS_URL,
+        ]
         async with _router(args, {"DISAGG_ROUTER_KEY_PREFIX": redis_prefix}) as (url, log):
             await _check_discovered(url)
             n = await _serve_all_four(url)
@@ -176,17 +191,39 @@ async def test_sglang_form_with_bootstrap_port() -> None:
         (["--prefill", "http://127.0.0.1:9"], "at least one --prefill and one --decode"),
         (["--prefill", "ftp://x:1", "--decode", "http://127.0.0.1:9"], "not an http"),
         (["--prefill", "http://127.0.0.1:9", "abc", "--decode", "http://127.0.0.1:9"], "abc"),
-        (["--prefill", "http://127.0.0.1:9", "1", "2", "--decode", "http://127.0.0.1:9"],
-         "optional bootstrap port"),
-        (["--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:10",
-          "--worker-startup-timeout-secs", "0.2"], "--kv-blocks"),
-        (["--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9/"],
-         "given more than once"),
+        (
+            ["--prefill", "http://127.0.0.1:9", "1", "2", "--decode", "http://127.0.0.1:9"],
+            "optional bootstrap port",
+        ),
+        (
+            [
+                "--prefill",
+                "http://127.0.0.1:9",
+                "--decode",
+                "http://127.0.0.1:10",
+                "--worker-startup-timeout-secs",
+                "0.2",
+            ],
+            "--kv-blocks",
+        ),
+        (
+            ["--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9/"],
+            "given more than once",
+        ),
         (["--decode", "http://127.0.0.1:9", "--kv-blocks", "many"], "invalid int value"),
-        (["--vllm-pd-disaggregation", "--pd-disaggregation", "--prefill", "http://h:1",
-          "--decode", "http://h:2"], "exclude each other"),
+        (
+            [
+                "--vllm-pd-disaggregation",
+                "--pd-disaggregation",
+                "--prefill",
+                "http://h:1",
+                "--decode",
+                "http://h:2",
+            ],
+            "exclude each other",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_flags_exit_2_with_a_message(flags: list[str], message: str) -> None:
     done = subprocess.run(
         [*_entry(), "serve", *flags], capture_output=True, text=True, timeout=60, check=False
@@ -232,8 +269,9 @@ def test_a_silent_decode_needs_kv_blocks_or_a_perf_profile() -> None:
     with pytest.raises(ConfigError, match="did not answer"):
         dropin_mapping({}, [P, D], [FACTS, None], "vllm", None)
     assert dropin_mapping({}, [P, D], [FACTS, None], "vllm", 64)["workers"][1]["kv_blocks"] == 64
-    with_perf = dropin_mapping({"perf": {"model": "llama-3-8b", "gpu": "h100"}}, [P, D],
-                               [FACTS, None], "vllm", None)  # fmt: skip
+    with_perf = dropin_mapping(
+        {"perf": {"model": "llama-3-8b", "gpu": "h100"}}, [P, D], [FACTS, None], "vllm", None
+    )
     assert "kv_blocks" not in with_perf["workers"][1]  # the profile's capacity applies
     with pytest.raises(ConfigError, match="served model name"):
         dropin_mapping({}, [P, D], [None, None], "vllm", 64)
@@ -252,8 +290,16 @@ def test_the_file_and_flags_together_end_to_end(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config")
     add_dropin_arguments(parser)
-    ns = parser.parse_args(["--config", str(cfg), "--prefill", "http://127.0.0.1:10",
-                            "--worker-startup-timeout-secs", "0"])  # fmt: skip
+    ns = parser.parse_args(
+        [
+            "--config",
+            str(cfg),
+            "--prefill",
+            "http://127.0.0.1:10",
+            "--worker-startup-timeout-secs",
+            "0",
+        ]
+    )
     settings = load_serve_settings(ns, {}, {"port": 8123, "policy": None})
     assert settings.models == ("m-file",) and settings.policy == "round_robin"
     assert settings.port == 8123
@@ -280,15 +326,24 @@ vllm:num_requests_running{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruc
 def test_vllm_facts_from_models_and_cache_config() -> None:
     from router.discovery import worker_facts_sglang, worker_facts_vllm
 
-    models = {"data": [{"id": "llama-8b", "root": "/w/llama", "max_model_len": 8192},
-                       {"id": "lora-a", "max_model_len": 4096}]}  # fmt: skip
+    models = {
+        "data": [
+            {"id": "llama-8b", "root": "/w/llama", "max_model_len": 8192},
+            {"id": "lora-a", "max_model_len": 4096},
+        ]
+    }
     facts = worker_facts_vllm(models, VLLM_METRICS)
     assert facts.models == ("llama-8b", "lora-a") and facts.max_model_len == 4096
     assert (facts.kv_blocks, facts.block_size) == (24795, 16)
     assert worker_facts_vllm(models, None).kv_blocks is None  # no /metrics: models only
-    info = {"served_model_name": "qwen", "model_path": "/m/qwen", "page_size": 64,
-            "max_total_num_tokens": 640_000, "context_length": 32768,
-            "disaggregation_bootstrap_port": 8998}  # fmt: skip
+    info = {
+        "served_model_name": "qwen",
+        "model_path": "/m/qwen",
+        "page_size": 64,
+        "max_total_num_tokens": 640_000,
+        "context_length": 32768,
+        "disaggregation_bootstrap_port": 8998,
+    }
     got = worker_facts_sglang(info)
     assert (got.models, got.kv_blocks, got.block_size) == (("qwen",), 10_000, 64)
     assert (got.max_model_len, got.bootstrap_port) == (32768, 8998)

@@ -29,8 +29,9 @@ def worker(wid: str, role: str, **kw: Any) -> RoleWorkerView:
     return RoleWorkerView(wid, role, **base)  # type: ignore[arg-type]
 
 
-def snap(n_p: int, n_d: int, *, demand: float, held: int = 0, now: float = 1000.0,
-         **kw: Any) -> RoleSnapshot:  # fmt: skip
+def snap(
+    n_p: int, n_d: int, *, demand: float, held: int = 0, now: float = 1000.0, **kw: Any
+) -> RoleSnapshot:
     """n_p prefill + n_d decode workers; `held` blocks spread evenly over the decode side."""
     ws = [worker(f"p{i}", "prefill") for i in range(n_p)]
     ws += [worker(f"d{i}", "decode", held_blocks=held // max(1, n_d)) for i in range(n_d)]
@@ -62,8 +63,9 @@ def test_decode_capacity_is_the_tighter_of_kv_and_step_time() -> None:
 def test_queued_prompts_and_their_recent_peak_count_as_prefill_load() -> None:
     quiet = snap(2, 2, demand=0.0)
     assert role_pressures(quiet)[0] == 0.0
-    queued = replace(quiet, workers=(worker("p0", "prefill", queued_prompt_tokens=20_000),
-                                     *quiet.workers[1:]))  # fmt: skip
+    queued = replace(
+        quiet, workers=(worker("p0", "prefill", queued_prompt_tokens=20_000), *quiet.workers[1:])
+    )
     # 20k tokens over 2 × 20k tokens/s = 0.5 s of wait, against 0.5 × the 2 s TTFT SLO.
     assert role_pressures(queued, wait_fraction=0.5)[0] == pytest.approx(0.5)
     peak = replace(quiet, peak_queued_prompt_tokens=40_000.0)
@@ -167,9 +169,13 @@ def test_only_active_switchable_workers_move_and_the_cheapest_drain_first() -> N
 
 def test_workers_in_transition_count_where_they_are_heading() -> None:
     s = snap(2, 6, demand=60_000.0, held=6000)
-    heading = replace(s, workers=tuple(
-        replace(w, role="prefill", state="paused") if w.worker_id in ("d0", "d1") else w
-        for w in s.workers))  # fmt: skip
+    heading = replace(
+        s,
+        workers=tuple(
+            replace(w, role="prefill", state="paused") if w.worker_id in ("d0", "d1") else w
+            for w in s.workers
+        ),
+    )
     first = ElasticRoles().decide(s).switches
     later = ElasticRoles().decide(heading).switches
     assert len(later) <= len(first)
@@ -177,22 +183,43 @@ def test_workers_in_transition_count_where_they_are_heading() -> None:
 
 
 def _snapshots() -> st.SearchStrategy[RoleSnapshot]:
-    def build(roles: list[bool], demand: float, held: list[int], queued: list[int],
-              since: list[float], recent: int) -> RoleSnapshot:  # fmt: skip
+    def build(
+        roles: list[bool],
+        demand: float,
+        held: list[int],
+        queued: list[int],
+        since: list[float],
+        recent: int,
+    ) -> RoleSnapshot:
         ws = tuple(
-            worker(f"w{i}", "prefill" if r else "decode", held_blocks=0 if r else h,
-                   queued_prompt_tokens=q if r else 0, since_s=t)
+            worker(
+                f"w{i}",
+                "prefill" if r else "decode",
+                held_blocks=0 if r else h,
+                queued_prompt_tokens=q if r else 0,
+                since_s=t,
+            )
             for i, (r, h, q, t) in enumerate(zip(roles, held, queued, since, strict=False))
-        )  # fmt: skip
-        return RoleSnapshot(now_s=1000.0, workers=ws, prefill_demand_tokens_per_s=demand,
-                            recent_switches_s=tuple(999.0 - i for i in range(recent)))  # fmt: skip
+        )
+        return RoleSnapshot(
+            now_s=1000.0,
+            workers=ws,
+            prefill_demand_tokens_per_s=demand,
+            recent_switches_s=tuple(999.0 - i for i in range(recent)),
+        )
 
     n = st.integers(2, 12)
-    return n.flatmap(lambda k: st.builds(
-        build, st.lists(st.booleans(), min_size=k, max_size=k), st.floats(0, 1e6),
-        st.lists(st.integers(0, 3 * CAP), min_size=k, max_size=k),
-        st.lists(st.integers(0, 10**6), min_size=k, max_size=k),
-        st.lists(st.floats(0, 1000), min_size=k, max_size=k), st.integers(0, 8)))  # fmt: skip
+    return n.flatmap(
+        lambda k: st.builds(
+            build,
+            st.lists(st.booleans(), min_size=k, max_size=k),
+            st.floats(0, 1e6),
+            st.lists(st.integers(0, 3 * CAP), min_size=k, max_size=k),
+            st.lists(st.integers(0, 10**6), min_size=k, max_size=k),
+            st.lists(st.floats(0, 1000), min_size=k, max_size=k),
+            st.integers(0, 8),
+        )
+    )
 
 
 @settings(max_examples=200, deadline=None)
@@ -271,8 +298,9 @@ def test_broken_role_policy_specs_fail_at_load(spec: str, kwargs: Any, message: 
 
 def test_room_held_for_requests_still_in_prefill_is_prefill_backlog() -> None:
     ws = (worker("p0", "prefill"), worker("d0", "decode", held_blocks=9000, pending_blocks=6000))
-    s = RoleSnapshot(now_s=10.0, workers=ws, decode_waiting_blocks=3000,
-                     decode_waiting_prompt_tokens=40_000)  # fmt: skip
+    s = RoleSnapshot(
+        now_s=10.0, workers=ws, decode_waiting_blocks=3000, decode_waiting_prompt_tokens=40_000
+    )
     p, d = role_pressures(s, wait_fraction=0.5)
     # Decode: 3,000 blocks really decoding plus a third of the waiting ones (W adds to H when the
     # hold time is unknown); prefill: two thirds of the waiting prompts.
@@ -288,8 +316,12 @@ def test_one_switch_toward_a_role_at_a_time_when_asked() -> None:
     assert len(ElasticRoles().decide(s).switches) == 2
     one = ElasticRoles(max_in_flight_per_role=1)
     assert len(one.decide(s).switches) == 1
-    under_way = replace(s, workers=tuple(
-        replace(w, role="prefill", state="draining") if w.worker_id == "d0" else w
-        for w in s.workers))  # fmt: skip
+    under_way = replace(
+        s,
+        workers=tuple(
+            replace(w, role="prefill", state="draining") if w.worker_id == "d0" else w
+            for w in s.workers
+        ),
+    )
     plan = one.decide(under_way)
     assert plan.switches == () and "under way" in plan.note
