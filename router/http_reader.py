@@ -202,27 +202,31 @@ class ResponseReader:
         events.append(END)
 
     # -- chunked bodies -----------------------------------------------------------------------
+    def one_chunk(self, data: bytes) -> bytes | None:
+        """The per-token fast path: at a chunk boundary with nothing held, `data` is exactly one
+        whole, non-last chunk (a streaming worker writes one event per chunk and the socket
+        read returns it whole): its payload, and the reader stays at the boundary. None: not
+        that case, `feed` decides. No event list, no state change: the splice relay's
+        `data_received` calls it first on every read."""
+        if self._state != _SIZE or self._buf:
+            return None
+        span = _chunk_span(data)
+        if span is None or span[1] + 2 != len(data):
+            return None
+        return data[span[0] : span[1]]
+
     def _whole_chunk(self, data: bytes, events: list[Event]) -> bool:
-        """The per-token fast path: `data` is exactly one whole chunk (maybe followed by the
-        last chunk), as a streaming worker writes one event per chunk. False: take the loop."""
-        eol = data.find(b"\r\n", 0, 18)
-        if eol <= 0:
+        """`one_chunk`, or that chunk with the last chunk behind it. False: take the loop."""
+        span = _chunk_span(data)
+        if span is None:
             return False
-        size_field = data[:eol]
-        if size_field.strip(_HEX):  # extensions, or not hex: the loop decides
+        rest = len(data) - span[1] - 2
+        if rest != 0 and not (rest == 5 and data.endswith(b"0\r\n\r\n")):
             return False
-        end = eol + 2 + int(size_field, 16)
-        if end == eol + 2 or data[end : end + 2] != b"\r\n":
-            return False
-        rest = len(data) - end - 2
-        if rest == 0:
-            events.append(data[eol + 2 : end])
-            return True
-        if rest == 5 and data.endswith(b"0\r\n\r\n"):
-            events.append(data[eol + 2 : end])
+        events.append(data[span[0] : span[1]])
+        if rest:
             self._end(events)
-            return True
-        return False
+        return True
 
     def _chunked(self, data: bytes, events: list[Event]) -> None:
         """Decode chunk framing; chunk data goes out as it comes (a chunk split over reads is
@@ -290,3 +294,19 @@ class ResponseReader:
         if state == _DONE:
             buf.clear()
             events.append(END)
+
+
+def _chunk_span(data: bytes) -> tuple[int, int] | None:
+    """Where the data of the chunk that `data` starts with begins and ends (its CRLF follows),
+    if `data` holds it whole with a plain hex size line (no extensions) and a non-zero size."""
+    eol = data.find(b"\r\n", 0, 18)
+    if eol <= 0:
+        return None
+    size_field = data[:eol]
+    if size_field.strip(_HEX):  # extensions, or not hex
+        return None
+    start = eol + 2
+    end = start + int(size_field, 16)
+    if end == start or data[end : end + 2] != b"\r\n":
+        return None
+    return start, end

@@ -11,6 +11,7 @@ relay (router/splice.py) keeps the same contract from the upstream protocol's ca
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -71,8 +72,11 @@ class RelayObserver(Protocol):
     def first_token(self) -> None:
         """The first event reached the client (the decode worker accepted the KV); once."""
 
-    def tokens(self, total: int) -> None:
-        """`total` tokens forwarded so far; after each forwarded read."""
+    def tokens(self, total: int) -> int:
+        """`total` tokens forwarded so far. Returns the total it next wants to hear of: the
+        relay calls again only after a forwarded read takes the count above it (0: after
+        every forwarded read), so an observer with nothing to do until a threshold costs one
+        comparison per read, not a call."""
 
 
 async def relay_sse(
@@ -95,6 +99,7 @@ async def relay_sse(
     result = RelayResult()
     cutter = SseCutter(chat)
     content = upstream.content
+    tokens_due = 0 if observer is not None else sys.maxsize
     try:
         while True:
             if result.first_token_at is None and first_event_by is not None:
@@ -119,8 +124,8 @@ async def relay_sse(
                         observer.first_token()
                 result.chunks.append(out)
                 result.tokens = cutter.tokens
-                if observer is not None:
-                    observer.tokens(cutter.tokens)
+                if cutter.tokens > tokens_due and observer is not None:
+                    tokens_due = observer.tokens(cutter.tokens)
                 try:
                     await client.write(out)
                 except (ConnectionError, RuntimeError):

@@ -14,6 +14,7 @@ the server cancels the request's task: router/server.py `handler_cancellation`).
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -102,9 +103,16 @@ class Progress:
         if self.deadline is not None:
             self.deadline.reschedule(loop_time(gw, call.started + t.total_s) if t.total_s else None)
 
-    def tokens(self, total: int) -> None:
-        if self._attempt is not None and self._ask is not None:
-            grow(self.call, self._attempt, self._ask, total)
+    def tokens(self, total: int) -> int:
+        """Grow the reservation if `total` outgrew it; the relay calls again only once the
+        count passes the returned growth point (RelayObserver.tokens), so a stream within its
+        reservation costs no call per token. A growth on its way, or one that failed, leaves
+        the point where it was, below the count: the next read calls again, as grow wants."""
+        attempt, ask = self._attempt, self._ask
+        if attempt is None or ask is None or attempt.decode_id is None:
+            return sys.maxsize  # nothing to grow
+        grow(self.call, attempt, ask, total)
+        return attempt.grow_at_tokens
 
 
 class Responder:

@@ -87,20 +87,35 @@ def count_tokens(data: bytes, chat: bool) -> int:
 
 
 class SseCutter:
-    """One stream's cutting state. `feed(read)` → the bytes to forward now (b"" for none);
-    after it, `stop` set means the stream ends here (its text for `RelayResult.upstream_error`,
-    `stop_kind` for the metrics), once the returned bytes are forwarded."""
+    """One stream's cutting state. `feed(read)` → the bytes to forward now (b"" for none; the
+    read itself, not a copy, when it is whole events and nothing was held); after it, `stop`
+    set means the stream ends here (its text for `RelayResult.upstream_error`, `stop_kind`
+    for the metrics), once the returned bytes are forwarded."""
 
-    __slots__ = ("chat", "pending", "tail", "tokens", "forwarded", "stop", "stop_kind")
+    __slots__ = (
+        "chat",
+        "pending",
+        "tail",
+        "tokens",
+        "forwarded",
+        "stop",
+        "stop_kind",
+        "_token",
+        "_empty",
+    )
 
     def __init__(self, chat: bool) -> None:
         self.chat = chat
         self.pending = b""  # the start of an event whose end has not arrived yet
-        self.tail = b""
+        self.tail = b""  # the last forwarded read (its last _TAIL bytes when reads are short)
         self.tokens = 0
         self.forwarded = False
         self.stop: str | None = None
         self.stop_kind: str | None = None
+        # count_tokens' two needles, chosen once (the count is inlined in feed: once per read).
+        self._token, self._empty = (
+            (b'"content":"', b'"content":""') if chat else (b'"text":"', b'"text":""')
+        )
 
     def feed(self, data: bytes) -> bytes:
         if self.pending:
@@ -123,11 +138,12 @@ class SseCutter:
                 self.stop, self.stop_kind = MALFORMED_FIRST_EVENT, "malformed"
                 return b""
             self.forwarded = True
-        self.tokens += count_tokens(data, self.chat)
-        self.tail = data[-_TAIL:] if len(data) >= _TAIL else (self.tail + data)[-_TAIL:]
+        self.tokens += data.count(self._token) - data.count(self._empty)
+        # A reference, not a slice: `finished` looks at the end only when asked, once.
+        self.tail = data if len(data) >= _TAIL else (self.tail + data)[-_TAIL:]
         return data
 
     @property
     def finished(self) -> bool:
         """The forwarded stream ended with `data: [DONE]`."""
-        return _DONE in self.tail
+        return _DONE in self.tail[-_TAIL:]

@@ -93,7 +93,8 @@ class UpstreamConn(asyncio.Protocol):
         self.done: asyncio.Future[None] | None = None
         self.body = bytearray()  # what arrived while no sink was attached
         self.whole = False  # read() is collecting the whole body
-        self.sink: Callable[[bytes], None] | None = None
+        # The relay's: (body piece, the read itself when it was exactly that one chunk).
+        self.sink: Callable[[bytes, bytes | None], None] | None = None
         self.on_tick: Callable[[], None] | None = None  # the relay's client check
         self.idle_s = 0.0
         self.seen = False  # a byte came since the last tick
@@ -135,6 +136,17 @@ class UpstreamConn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.seen = True
+        sink = self.sink  # set only while a request is in flight (_BUSY)
+        if sink is not None:
+            # The per-token case first: one read = one whole chunk, handed on with the read
+            # itself (the client's chunk, if the relay forwards it whole), no event list.
+            piece = self.reader.one_chunk(data)
+            if piece is not None:
+                try:
+                    sink(piece, data)
+                except BaseException as exc:  # as below: the relaying coroutine raises it
+                    self._fail(exc)
+                return
         if self.state != _BUSY:  # bytes nobody asked for: the connection is not reusable
             self.reader.keep_alive = False
             if self.transport is not None:
@@ -151,7 +163,7 @@ class UpstreamConn(asyncio.Protocol):
         for event in events:
             if type(event) is bytes:  # the common case first: a body piece
                 if self.sink is not None:
-                    self.sink(event)
+                    self.sink(event, None)
                 else:
                     self.body += event
                     if not self.whole and len(self.body) > HIGH_WATER:

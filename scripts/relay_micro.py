@@ -57,10 +57,14 @@ class Count:
     def first_token(self) -> None:
         self.first += 1
 
-    def tokens(self, total: int) -> None:
+    def tokens(self, total: int) -> int:
+        # As the router's Progress does: nothing to do until the count passes a threshold
+        # (there, the reservation's growth point; here, the stream's end). The older relays
+        # ignore the return value and call after every read.
         self.total = total
         if total >= self.until:
             self.reached.set()
+        return self.until - 1
 
 
 def observer_kwargs(fn: Any, obs: Count) -> dict[str, Any]:

@@ -196,3 +196,45 @@ def test_one_chunk_per_read_the_streaming_fast_path() -> None:
     reader = ResponseReader()
     events = [e for read in reads for e in reader.feed(read)]
     assert events[1:] == [*SSE, END] and reader.done and reader.keep_alive
+
+
+def test_one_chunk_takes_a_whole_chunk_read_and_nothing_else() -> None:
+    """`one_chunk` (the splice relay's per-read shortcut) answers only for a read that is
+    exactly one whole non-last chunk at a chunk boundary; anything else is left to `feed`."""
+    reader = ResponseReader()
+    assert reader.one_chunk(b"5\r\nhello\r\n") is None  # no head yet
+    reader.feed(CHUNKED_HEAD)
+    assert reader.one_chunk(b"5\r\nhello\r\n") == b"hello"
+    assert reader.one_chunk(b"A\r\n0123456789\r\n") == b"0123456789"  # upper-case hex
+    for not_one in (
+        b"5\r\nhel",  # split
+        b"5\r\nhello\r\n0\r\n\r\n",  # the last chunk behind it: feed ends the body
+        b"5\r\nhello\r\n1\r\nx\r\n",  # two chunks
+        b"5;x=1\r\nhello\r\n",  # an extension
+        b"0\r\n\r\n",  # the last chunk
+        b"5\r\nhelloXY",  # no CRLF after the data
+    ):
+        assert reader.one_chunk(not_one) is None, not_one
+    assert not reader.done and reader.feed(b"0\r\n\r\n") == [END]  # its state never moved
+    held = ResponseReader()
+    held.feed(CHUNKED_HEAD + b"5\r\nhe")  # mid-chunk: the rest is not a chunk start
+    assert held.one_chunk(b"5\r\nhello\r\n") is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(pieces=st.lists(st.binary(min_size=1, max_size=300), min_size=1, max_size=8))
+def test_one_chunk_agrees_with_feed(pieces: list[bytes]) -> None:
+    """Whatever the payload, the shortcut gives what `feed` would, and leaves the reader
+    where `feed` would: a body read with the shortcut where it applies is the same body."""
+    fast, slow = ResponseReader(), ResponseReader()
+    fast.feed(CHUNKED_HEAD)
+    slow.feed(CHUNKED_HEAD)
+    got = []
+    for piece in pieces:
+        read = b"%x\r\n%s\r\n" % (len(piece), piece)
+        one = fast.one_chunk(read)
+        assert one == piece
+        assert slow.feed(read) == [piece]
+        got.append(one)
+    assert fast.feed(b"0\r\n\r\n") == slow.feed(b"0\r\n\r\n") == [END]
+    assert b"".join(got) == b"".join(pieces)

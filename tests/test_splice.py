@@ -125,6 +125,7 @@ class Front:
         self.responses: list[SpliceResponse] = []
         self.first_tokens = 0
         self.token_totals: list[int] = []
+        self.tokens_due = 0  # what tokens() returns: 0 = hear every forwarded read
         self.finished = asyncio.Event()
         self.started = asyncio.Event()  # the upstream answer's head is in
         self.cancelled = False
@@ -163,8 +164,9 @@ class Front:
     def first_token(self) -> None:  # RelayObserver
         self.first_tokens += 1
 
-    def tokens(self, total: int) -> None:  # RelayObserver
+    def tokens(self, total: int) -> int:  # RelayObserver
         self.token_totals.append(total)
+        return self.tokens_due
 
 
 @contextlib.asynccontextmanager
@@ -275,6 +277,29 @@ async def test_raw_client_gets_whole_events_and_a_correct_chunked_end() -> None:
         assert parse_sent_text(result.chunks, True) == ("".join(TEXT), len(TEXT))
         assert f.first_tokens == 1
         assert f.token_totals == sorted(f.token_totals) and f.token_totals[-1] == len(TEXT)
+
+
+async def test_one_chunk_reads_go_out_as_they_came_and_the_observer_hears_past_its_due() -> None:
+    """One event per chunk, one chunk per read (a streaming worker): the client gets the same
+    events (the worker's chunk forwarded as it is), and an observer that asked to hear again
+    only past 25 tokens is not called for the reads in between."""
+    events = [sse_event(t) for t in TEXT] + [DONE]
+    async with (
+        upstream(stream_script(events, gap=0.002)) as up,
+        front(up.url) as (f, base, _),
+    ):
+        f.tokens_due = 25
+        reader, writer = await raw_post(base)
+        head, chunks = await asyncio.wait_for(read_chunked(reader), WAIT)
+        writer.close()
+        await asyncio.wait_for(f.finished.wait(), WAIT)
+    assert b"".join(chunks) == SSE_BODY and all(c.endswith(b"\n\n") for c in chunks)
+    (result,) = f.results
+    assert result.completed and result.tokens == len(TEXT)
+    totals = f.token_totals
+    assert [t for t in totals if t <= 25] == totals[:1]  # the first read's call, then silence
+    # past it: one call a read, the [DONE] read too
+    assert totals[-1] == len(TEXT) and len(totals) <= 1 + (len(TEXT) - 25) + 1
 
 
 async def test_aiohttp_and_openai_clients_read_the_spliced_stream() -> None:
