@@ -299,8 +299,13 @@ async def _reap_stranded(gw: Gateway) -> None:
     path; this keeps the ledger (and placement's backpressure) honest meanwhile.
     """
     while True:
-        await asyncio.sleep(gw.settings.stranded_reap_s)
+        # While no prefill worker holds stranded KV (every replica's entries, as the last
+        # refresh read them, and this replica's since), there is nothing to reap: no wake-ups.
+        await gw.pools.stranded_somewhere()
+        await gw.pools.beat(gw.settings.stranded_reap_s)
         for w in list(gw.pools.prefill_workers):
+            if w.stranded_bytes == 0:
+                continue  # nothing stranded there: no store call
             try:
                 expired = await gw.store.reap_stranded(w.spec.id, gw.settings.kv_lease_s)
             except asyncio.CancelledError:
@@ -325,6 +330,7 @@ async def _tally_requests(gw: Gateway) -> None:
     """Add this replica's count of first attempts to the shared retry budget, a few times a
     second (router/retry_budget.py)."""
     while True:
+        await gw.retry_budget.counted()  # idle: no wake-up until a request is counted
         await asyncio.sleep(0.25)
         try:
             await gw.retry_budget.flush()
@@ -404,7 +410,7 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
 
         tasks.loop(pools.run_refresher(gw.admission.notify, busy), "pools-refresh")
         tasks.loop(_reap_stranded(gw), "stranded-reaper")
-        tasks.loop(pools.run_health_prober(session), "health-probe")
+        tasks.loop(pools.run_health_prober(session, busy), "health-probe")
         tasks.loop(pools.run_registry_sync(session), "registry-sync")
         tasks.loop(pools.run_load_poller(session, busy), "load-poller")
         tasks.loop(gw.leases.run(), "lease-keeper")

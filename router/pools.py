@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -125,6 +126,14 @@ class Pools:
         self.on_store_reset: Callable[[], Awaitable[None]] | None = None
         self._marker_seen = False
         self._store_lock = asyncio.Lock()
+        # Set by each placement (note_pending): wakes the loops that slow down while this
+        # replica is quiet, so the first request after a quiet spell brings them back at once.
+        self._placed = asyncio.Event()
+        # Set whenever a prefill worker is seen holding stranded KV (wakes the reaper).
+        self._stranded = asyncio.Event()
+        # Where this replica's beat falls within each second (see `beat`): replicas sharing a
+        # host do not all call the store at the same instant.
+        self._phase = random.random()
 
     def __repr__(self) -> str:
         return f"Pools({list(self.workers.values())!r})"
@@ -211,11 +220,13 @@ class Pools:
     async def sync_registry(self, session: aiohttp.ClientSession | None = None) -> None:
         """Adopt workers registered (or removed) through any replica's admin API; with a
         `session`, a newly adopted worker is probed at once (it enters rotation when it
-        answers)."""
-        # A store that lost its data has lost the registry too: put ours back first, or every
-        # dynamic worker would look removed.
-        await self.check_store()
-        registered = await self.store.registered_workers()
+        answers). One store call (`registry_view`: marker, registrations, drained set, roles)."""
+        async with self._store_lock:
+            lost, registered, drained, roles = await self.store.registry_view(self._marker_ttl_s)
+            # A store that lost its data has lost the registry too: put ours back first, and
+            # read again, or every dynamic worker would look removed.
+            if await self._put_back(lost):
+                _, registered, drained, roles = await self.store.registry_view(self._marker_ttl_s)
         joined: list[WorkerState] = []
         for wid, blob in registered.items():
             try:
@@ -235,15 +246,15 @@ class Pools:
         for wid in gone:
             self.remove(wid)
             log.info("worker %s left the pools", wid)
-        apply_drained(self.workers.values(), await self.store.drained_workers())
+        apply_drained(self.workers.values(), drained)
         if any(True for _ in self.both_workers):
-            self.apply_roles(await self.store.worker_roles())
+            self.apply_roles(roles)
         if session is not None and joined:
             await asyncio.gather(*(self.probe(session, w) for w in joined))
 
     async def run_registry_sync(self, session: aiohttp.ClientSession | None = None) -> None:
         while True:
-            await asyncio.sleep(self.settings.registry_refresh_s)
+            await self.beat(self.settings.registry_refresh_s)
             try:
                 await self.sync_registry(session)
             except asyncio.CancelledError:
@@ -275,18 +286,19 @@ class Pools:
     async def run_load_poller(
         self, session: aiohttp.ClientSession, busy: Callable[[], bool] | None = None
     ) -> None:
-        """Every `load_poll_s` while this replica serves; while it is quiet, every half of
-        `load_max_age_s` (a reading stays trusted until a request comes, at a third of the
-        idle cost for a vLLM worker's /metrics)."""
+        """Every `load_poll_s` while this replica serves. While it is quiet, not at all: a
+        reading older than `load_max_age_s` is not trusted anyway, and a vLLM worker's
+        /metrics costs ~1 ms of router CPU a poll (docs/benchmarks-overhead.md). The first
+        placement after a quiet spell polls at once (placement meanwhile goes by the router's
+        own accounting, as with any stale reading)."""
         s = self.settings
         if s.load_poll_s <= 0:
             return
         while True:
             await asyncio.gather(*(self.poll_load(session, w) for w in list(self.workers.values())))
-            quiet = not self._busy(busy)
-            await asyncio.sleep(
-                max(s.load_poll_s, s.load_max_age_s / 2) if quiet else s.load_poll_s
-            )
+            await self.beat(s.load_poll_s)
+            while not self._busy(busy):
+                await self._quiet_sleep(3600.0)  # the next placement, however long it takes
 
     # -- the snapshot ------------------------------------------------------------------------
     def snapshot(
@@ -353,6 +365,8 @@ class Pools:
     def note_pending(self, worker_id: str, blocks: int) -> None:
         if (w := self.workers.get(worker_id)) is not None:
             w.pending_blocks = max(0, w.pending_blocks + blocks)
+        if blocks > 0:
+            self._placed.set()
 
     def note_released(self, worker_id: str, blocks: int) -> None:
         if (w := self.workers.get(worker_id)) is not None:
@@ -361,6 +375,15 @@ class Pools:
     def note_stranded(self, worker_id: str, nbytes: int) -> None:
         if (w := self.workers.get(worker_id)) is not None:
             w.stranded_bytes = max(0, w.stranded_bytes + nbytes)
+        if nbytes > 0:
+            self._stranded.set()
+
+    async def stranded_somewhere(self) -> None:
+        """Returns once some worker holds stranded KV (at once if one does now)."""
+        if any(w.stranded_bytes for w in self.workers.values()):
+            return
+        self._stranded.clear()
+        await self._stranded.wait()
 
     # -- background tasks ---------------------------------------------------------------------
     async def register_capacities(self) -> None:
@@ -368,36 +391,41 @@ class Pools:
             *(self.store.set_capacity(w.spec.id, w.capacity_blocks) for w in self._reservable)
         )
 
+    @property
+    def _marker_ttl_s(self) -> float:
+        return max(60.0, 10 * self.settings.reservation_lease_s)
+
     async def check_store(self) -> None:
         """Notice a store that lost its data (Redis restarted empty, a failover to an empty
-        replica) by its marker key, and put back what this replica knows: capacities, the
-        dynamic workers' registrations, then (`on_store_reset`) reservations and stranded
-        entries. Every replica does the same for its own, within one state refresh."""
+        replica) by its marker key, and put back what this replica knows (`_put_back`)."""
         async with self._store_lock:
-            lost = await self.store.check_marker(max(60.0, 10 * self.settings.reservation_lease_s))
-            first, self._marker_seen = not self._marker_seen, True
-            if not lost or first:  # first use: start-up registers everything anyway
-                return
-            log.warning(
-                "the state store has lost its data (restarted empty?): putting back "
-                "capacities, registrations, reservations and stranded entries"
-            )
-            await self.register_capacities()
-            dynamic = [w for w in self.workers.values() if w.dynamic and w.registration]
-            await asyncio.gather(
-                *(self.store.register_worker(w.spec.id, w.registration or "") for w in dynamic),
-                *(
-                    self.store.set_drained(w.spec.id, True)
-                    for w in self.workers.values()
-                    if w.drained
-                ),
-            )
-            if self.on_store_reset is not None:
-                await self.on_store_reset()
+            await self._put_back(await self.store.check_marker(self._marker_ttl_s))
 
-    async def refresh_from_store(self) -> None:
+    async def _put_back(self, marker_missing: bool) -> bool:
+        """After a marker check: if the store lost its data, put back capacities, the dynamic
+        workers' registrations, then (`on_store_reset`) reservations and stranded entries; True
+        if it did. Every replica does the same for its own, within one refresh. Called with
+        `_store_lock` held."""
+        first, self._marker_seen = not self._marker_seen, True
+        if not marker_missing or first:  # first use: start-up registers everything anyway
+            return False
+        log.warning(
+            "the state store has lost its data (restarted empty?): putting back "
+            "capacities, registrations, reservations and stranded entries"
+        )
+        await self.register_capacities()
+        dynamic = [w for w in self.workers.values() if w.dynamic and w.registration]
+        await asyncio.gather(
+            *(self.store.register_worker(w.spec.id, w.registration or "") for w in dynamic),
+            *(self.store.set_drained(w.spec.id, True) for w in self.workers.values() if w.drained),
+        )
+        if self.on_store_reset is not None:
+            await self.on_store_reset()
+        return True
+
+    async def refresh_from_store(self, check_marker: bool = True) -> None:
         try:
-            await self._refresh_from_store()
+            await self._refresh_from_store(check_marker)
         except StoreError as exc:
             if self.store_ok:
                 log.warning("the state store stopped answering: %s", exc)
@@ -407,8 +435,9 @@ class Pools:
             log.info("the state store answers")
         self.store_ok = True
 
-    async def _refresh_from_store(self) -> None:
-        await self.check_store()
+    async def _refresh_from_store(self, check_marker: bool) -> None:
+        if check_marker:
+            await self.check_store()
         decode_ids = [w.spec.id for w in self._reservable]
         prefill_ids = [w.spec.id for w in self._strandable]
         usage = await self.store.decode_usage(decode_ids)
@@ -428,6 +457,8 @@ class Pools:
         for wid, nbytes in stranded.items():
             if (st := self.workers.get(wid)) is not None:
                 st.stranded_bytes = nbytes
+                if nbytes:
+                    self._stranded.set()
 
     def _busy(self, busy: Callable[[], bool] | None) -> bool:
         """This replica has requests in flight or waiting (`busy`), or legs on a worker."""
@@ -444,7 +475,10 @@ class Pools:
         """Every `state_refresh_s` while anything moves; while this replica is quiet and the
         store shows no change, the interval doubles up to 10 x (at most 1 s): an idle router
         reads the store about once a second, and the first change it sees (another replica's
-        reservation, a reset store) brings it back to `state_refresh_s`."""
+        reservation, a reset store) or the first placement here brings it back to
+        `state_refresh_s`. While quiet it leaves the marker check to the registry sync (same
+        cadence, same check): this replica holds nothing in the store then that a reset would
+        make it put back in a hurry."""
         base = self.settings.state_refresh_s
         idle_cap = max(base, min(1.0, 10 * base))
         interval = base
@@ -452,7 +486,7 @@ class Pools:
             before = self._store_view()
             changed = True
             try:
-                await self.refresh_from_store()
+                await self.refresh_from_store(check_marker=interval == base)
                 changed = self._store_view() != before
                 if on_refresh is not None:
                     on_refresh()
@@ -462,8 +496,36 @@ class Pools:
                 pass  # logged once when it starts failing (refresh_from_store)
             except Exception as exc:  # a bug must not kill the loop
                 log.warning("state refresh failed: %r", exc)
-            interval = base if changed or self._busy(busy) else min(2 * interval, idle_cap)
-            await asyncio.sleep(interval)
+            if changed or self._busy(busy):
+                interval = base
+                await self.beat(interval)
+            else:
+                interval = min(2 * interval, idle_cap)
+                await self._quiet_sleep(interval)
+
+    @staticmethod
+    def _beat_delay(period: float, phase: float) -> float:
+        now = asyncio.get_running_loop().time()
+        delay = period - (now - phase) % period
+        # A timer may fire a hair early (the loop's clock resolution): not a second beat.
+        return delay + period if delay < 0.005 else delay
+
+    async def beat(self, period: float) -> None:
+        """Sleep to this replica's next beat of `period`: the next multiple of it on the loop's
+        clock (shifted by the replica's phase). The background loops of an idle router (state
+        refresh, registry sync, health probes, the reaper) then wake together once a second,
+        not each at its own instant: a wake-up costs ~40 µs of CPU on its own, more than most
+        of their work (docs/benchmarks-overhead.md, idle)."""
+        await asyncio.sleep(self._beat_delay(period, self._phase))
+
+    async def _quiet_sleep(self, period: float) -> None:
+        """`beat(period)`, cut short by the next placement (a request after a quiet spell)."""
+        self._placed.clear()
+        try:
+            async with asyncio.timeout(self._beat_delay(period, self._phase)):
+                await self._placed.wait()
+        except TimeoutError:
+            pass
 
     async def layout_facts(
         self, session: aiohttp.ClientSession, url: str, adapter: str
@@ -515,9 +577,32 @@ class Pools:
                     # its layout is read again before it is used again.
                     w.layout_known = False
 
-    async def run_health_prober(self, session: aiohttp.ClientSession) -> None:
+    def _probes_may_slow(self, busy: Callable[[], bool] | None) -> bool:
+        """Every worker answers its probes (layout known, breaker closed), and this replica is
+        quiet. A drained worker counts as answering: drained is a state, not a failure."""
+        if self._busy(busy):
+            return False
+        return all(
+            w.healthy
+            and w.consecutive_failures == 0
+            and w.layout_known
+            and w.breaker.opened_at is None
+            for w in self.workers.values()
+        )
+
+    async def run_health_prober(
+        self, session: aiohttp.ClientSession, busy: Callable[[], bool] | None = None
+    ) -> None:
+        """Every `health_interval_s`; while every worker is healthy and this replica is quiet,
+        the interval doubles up to `health_idle_interval_s`. A failed probe, a worker out of
+        rotation, or the first placement after the quiet spell brings it back at once."""
+        s = self.settings
+        interval = s.health_interval_s
         while True:
-            started = time.monotonic()
             await asyncio.gather(*(self.probe(session, w) for w in list(self.workers.values())))
-            elapsed = time.monotonic() - started
-            await asyncio.sleep(max(0.0, self.settings.health_interval_s - elapsed))
+            if self._probes_may_slow(busy):
+                interval = min(2 * interval, max(s.health_interval_s, s.health_idle_interval_s))
+                await self._quiet_sleep(interval)
+            else:
+                interval = s.health_interval_s
+                await self.beat(interval)

@@ -235,3 +235,12 @@ class StateStore(Protocol):
     async def ping(self) -> bool: ...
 
     async def close(self) -> None: ...
+
+    # -- one read for the registry sync (router/pools.py) -----------------------------------
+    async def registry_view(
+        self, marker_ttl_s: float
+    ) -> tuple[bool, dict[str, str], set[str], dict[str, WorkerRole]]:
+        """`check_marker(marker_ttl_s)`, `registered_workers()`, `drained_workers()` and
+        `worker_roles()` in one store call (one round trip on Redis: the four keys share the
+        registry's hash tag): (marker was missing, registrations, drained ids, roles). A
+        replica reads this every `registry_refresh_s`, busy or idle."""

@@ -353,3 +353,10 @@ class MemoryStore:
             f"MemoryStore(decode_workers={len(self._decode)}, reserved_blocks={reserved}, "
             f"prefill_workers={len(self._ledgers)}, stranded_bytes={stranded})"
         )
+
+    # -- one read for the registry sync ---------------------------------------------------------
+    async def registry_view(
+        self, marker_ttl_s: float
+    ) -> tuple[bool, dict[str, str], set[str], dict[str, WorkerRole]]:
+        lost = await self.check_marker(marker_ttl_s)
+        return lost, dict(self._registry), set(self._drained), dict(self._roles)

@@ -658,6 +658,32 @@ class RedisStore:
             f"owns_client={self._owns_client})"
         )
 
+    # -- one read for the registry sync ---------------------------------------------------------
+    @_store_call
+    async def registry_view(
+        self, marker_ttl_s: float
+    ) -> tuple[bool, dict[str, str], set[str], dict[str, WorkerRole]]:
+        k = self._keys
+        rows = _raise_first(
+            await self._pipelined(
+                [
+                    # redis-py's SET answer is None only when the key was missing (the old
+                    # value GET asks for), as in check_marker.
+                    _Cmd(("SET", k.marker, "1", "EX", max(1, int(marker_ttl_s)), "GET"), k.marker),
+                    _Cmd(("HGETALL", k.workers), k.workers),
+                    _Cmd(("SMEMBERS", k.drained), k.drained),
+                    _Cmd(("HGETALL", k.roles), k.roles),
+                ]
+            )
+        )
+        marker, workers, drained, roles = rows
+        return (
+            marker is None,
+            {_text(wid): _text(blob) for wid, blob in workers.items()},
+            {_text(wid) for wid in drained},
+            {_text(wid): _role(_text(rec)) for wid, rec in roles.items()},
+        )
+
 
 def _role(record: str) -> WorkerRole:
     role, version, since = record.split("|")
