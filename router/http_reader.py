@@ -215,16 +215,25 @@ class ResponseReader:
             return None
         return data[span[0] : span[1]]
 
-    def _whole_chunk(self, data: bytes, events: list[Event]) -> bool:
-        """`one_chunk`, or that chunk with the last chunk behind it. False: take the loop."""
-        span = _chunk_span(data)
-        if span is None:
+    def _whole_chunks(self, data: bytes, events: list[Event]) -> bool:
+        """`data` is whole chunks (one, or several when the worker's writes coalesced), maybe
+        the last chunk after them: their data as one piece. False: take the loop (nothing
+        was added to `events`)."""
+        pieces: list[bytes] = []
+        pos, n = 0, len(data)
+        while pos < n:
+            span = _chunk_span(data, pos)
+            if span is None:
+                break
+            pieces.append(data[span[0] : span[1]])
+            pos = span[1] + 2
+        if not pieces:
             return False
-        rest = len(data) - span[1] - 2
-        if rest != 0 and not (rest == 5 and data.endswith(b"0\r\n\r\n")):
+        last = pos != n
+        if last and not (n - pos == 5 and data.endswith(b"0\r\n\r\n")):
             return False
-        events.append(data[span[0] : span[1]])
-        if rest:
+        events.append(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+        if last:
             self._end(events)
         return True
 
@@ -232,7 +241,7 @@ class ResponseReader:
         """Decode chunk framing; chunk data goes out as it comes (a chunk split over reads is
         not held back), all of this read's data as one piece."""
         buf = self._buf
-        if not buf and self._state == _SIZE and self._whole_chunk(data, events):
+        if not buf and self._state == _SIZE and self._whole_chunks(data, events):
             return
         view: bytes | bytearray
         if buf:
@@ -296,17 +305,17 @@ class ResponseReader:
             events.append(END)
 
 
-def _chunk_span(data: bytes) -> tuple[int, int] | None:
-    """Where the data of the chunk that `data` starts with begins and ends (its CRLF follows),
+def _chunk_span(data: bytes, start: int = 0) -> tuple[int, int] | None:
+    """Where the data of the chunk that begins at `start` begins and ends (its CRLF follows),
     if `data` holds it whole with a plain hex size line (no extensions) and a non-zero size."""
-    eol = data.find(b"\r\n", 0, 18)
-    if eol <= 0:
+    eol = data.find(b"\r\n", start, start + 18)
+    if eol <= start:
         return None
-    size_field = data[:eol]
+    size_field = data[start:eol]
     if size_field.strip(_HEX):  # extensions, or not hex
         return None
-    start = eol + 2
-    end = start + int(size_field, 16)
-    if end == start or data[end : end + 2] != b"\r\n":
+    begin = eol + 2
+    end = begin + int(size_field, 16)
+    if end == begin or data[end : end + 2] != b"\r\n":
         return None
-    return start, end
+    return begin, end

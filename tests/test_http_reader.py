@@ -238,3 +238,20 @@ def test_one_chunk_agrees_with_feed(pieces: list[bytes]) -> None:
         got.append(one)
     assert fast.feed(b"0\r\n\r\n") == slow.feed(b"0\r\n\r\n") == [END]
     assert b"".join(got) == b"".join(pieces)
+
+
+def test_coalesced_chunks_come_out_as_one_piece() -> None:
+    """A read of several whole chunks (a worker's writes coalesced under load) gives their
+    data as one piece; with the last chunk behind them, the end too."""
+    framed = [b"%x\r\n%s\r\n" % (len(e), e) for e in SSE]
+    reader = ResponseReader()
+    reader.feed(CHUNKED_HEAD)
+    assert reader.feed(b"".join(framed[:3])) == [b"".join(SSE[:3])]
+    assert reader.feed(b"".join(framed[3:]) + b"0\r\n\r\n") == [b"".join(SSE[3:]), END]
+    assert reader.done and reader.keep_alive
+    # A chunk cut at the end of the read: the whole ones and the start of the cut one.
+    reader = ResponseReader()
+    reader.feed(CHUNKED_HEAD)
+    cut = framed[0] + framed[1][:7]
+    assert reader.feed(cut) == [SSE[0] + framed[1][4:7]]
+    assert reader.feed(framed[1][7:]) == [SSE[1][3:]]
