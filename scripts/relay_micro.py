@@ -11,6 +11,9 @@ compare before and after a change (it speaks both relay interfaces: `observer=` 
   framing, SSE cutting, token count, observer, the chunk written to a real client transport
   (an aiohttp server read by a raw socket). One read = one token, the worst case (no
   coalescing).
+- glue: the splice path's Python alone — the same reads handed to an `UpstreamConn`'s
+  `data_received`, its relay writing to a transport that drops the bytes (no syscall, no
+  event loop): what the router's own code costs per token, apart from the kernel.
 - aiohttp: `relay_sse` over an upstream whose `content.readany()` returns one event per call
   (aiohttp's own HTTP parsing is not part of it), writing to the same kind of client.
 
@@ -141,6 +144,43 @@ async def splice_round(tokens: int) -> float:
     return spent / tokens
 
 
+class _DropTransport:
+    """The client transport of the glue round: takes every write, sends nothing."""
+
+    def is_closing(self) -> bool:
+        return False
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+async def glue_round(tokens: int) -> float:
+    conn = splice_mod.UpstreamConn(splice_mod.SplicePool(), ("127.0.0.1", 1))
+    conn.transport = cast(Any, _DropTransport())
+    conn.state = 1  # a request in flight (upstream_pool._BUSY)
+    conn.reader.feed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+    events = [b"%x\r\n%s\r\n" % (len(e), e) for e in map(token_event, range(tokens))]
+    obs = Count(tokens + 1)
+    splice = splice_mod._Splice(  # what relay_splice builds, without a client connection
+        conn,
+        cast(Any, None),
+        cast(Any, _DropTransport()),
+        splice_mod.SseCutter(True),
+        time.monotonic,
+        cast(Any, obs),
+    )
+    conn.sink = splice.sink
+    t0 = time.process_time()
+    for data in events:
+        conn.data_received(data)
+    spent = time.process_time() - t0
+    assert splice.cutter.tokens == tokens, splice.cutter.tokens
+    return spent / tokens
+
+
 class _Content:
     def __init__(self, reads: list[bytes], timer: list[float]) -> None:
         self.reads, self.i, self.timer = reads, 0, timer
@@ -192,7 +232,7 @@ async def aiohttp_round(tokens: int) -> float:
 
 
 async def main(tokens: int, rounds: int) -> None:
-    for name, fn in (("splice", splice_round), ("aiohttp", aiohttp_round)):
+    for name, fn in (("splice", splice_round), ("glue", glue_round), ("aiohttp", aiohttp_round)):
         per = [await fn(tokens) for _ in range(rounds)]
         med = statistics.median(per) * 1e6
         print(
