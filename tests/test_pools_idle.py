@@ -1,0 +1,212 @@
+"""The pools' background loops while the replica is quiet (router/pools.py): what an idle router
+does not do, and how the first placement brings the busy cadence back.
+
+A real aiohttp server stands in for the workers and counts what it is asked (`/health`,
+`/metrics`); the store is the in-process one (its call counts are the point, not its data).
+Cadences are short so that every test ends in about a second; the assertions compare counts
+with what the configured cadence would give, never wall-clock targets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from router.config import Settings, settings_from_mapping
+from router.pools import Pools
+from state import MemoryStore
+
+MODEL = "llama-3-8b"
+METRICS = "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+
+
+@contextlib.asynccontextmanager
+async def counting_worker() -> AsyncIterator[tuple[str, Counter[str]]]:
+    hits: Counter[str] = Counter()
+
+    async def health(_: web.Request) -> web.Response:
+        hits["health"] += 1
+        return web.Response(text="ok")
+
+    async def metrics(_: web.Request) -> web.Response:
+        hits["metrics"] += 1
+        return web.Response(text=METRICS)
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}", hits
+    finally:
+        await runner.cleanup()
+
+
+def settings(url: str, **extra: Any) -> Settings:
+    return settings_from_mapping(
+        {
+            "model": MODEL,
+            "perf": {"model": MODEL, "gpu": "h100"},
+            "workers": [
+                {"id": "p0", "url": url, "role": "prefill", "adapter": "vllm"},
+                {"id": "d0", "url": url, "role": "decode", "adapter": "vllm", "kv_blocks": 1000},
+            ],
+            **extra,
+        }
+    )
+
+
+class CountingStore(MemoryStore):
+    """The in-process store, counting the calls the loops make."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+
+    async def registry_view(self, marker_ttl_s: float) -> Any:
+        self.calls["registry_view"] += 1
+        return await super().registry_view(marker_ttl_s)
+
+    async def registered_workers(self) -> dict[str, str]:
+        self.calls["registered_workers"] += 1
+        return await super().registered_workers()
+
+    async def drained_workers(self) -> set[str]:
+        self.calls["drained_workers"] += 1
+        return await super().drained_workers()
+
+    async def check_marker(self, ttl_s: float) -> bool:
+        self.calls["check_marker"] += 1  # also what MemoryStore.registry_view itself calls
+        return await super().check_marker(ttl_s)
+
+
+@contextlib.asynccontextmanager
+async def loop_running(coro: Any) -> AsyncIterator[None]:
+    task = asyncio.create_task(coro)
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_health_probes_back_off_while_quiet_and_come_back_at_the_first_placement() -> None:
+    async with counting_worker() as (url, hits), aiohttp.ClientSession() as session:
+        pools = Pools(
+            settings(url, health_interval_s=0.05, health_idle_interval_s=0.4), MemoryStore()
+        )
+        busy = [False]
+        async with loop_running(pools.run_health_prober(session, lambda: busy[0])):
+            await asyncio.sleep(1.0)
+            quiet = hits["health"]
+            # Two workers, one probe each per round: at the busy cadence 1 s is ~40 probes;
+            # doubling 0.1, 0.2, 0.4, 0.4 ... it is a handful of rounds.
+            assert 2 <= quiet <= 2 * 6, quiet
+            busy[0] = True
+            pools.note_pending("d0", 4)  # a placement: the prober wakes now, not in 0.4 s
+            await asyncio.sleep(0.03)
+            assert hits["health"] >= quiet + 2
+            await asyncio.sleep(0.5)
+            assert hits["health"] >= quiet + 2 * 5  # busy: every 0.05 s again (~10 rounds)
+
+
+async def test_no_back_off_while_a_worker_fails_its_probes() -> None:
+    async with counting_worker() as (url, hits), aiohttp.ClientSession() as session:
+        s = settings(url, health_interval_s=0.05, health_idle_interval_s=0.4)
+        pools = Pools(s, MemoryStore())
+        # d0 at a port nothing listens on: its probes fail, so the cadence stays the busy one.
+        pools.workers["d0"].spec = replace(pools.workers["d0"].spec, url="http://127.0.0.1:9")
+        async with loop_running(pools.run_health_prober(session)):
+            await asyncio.sleep(0.6)
+        assert hits["health"] >= 8  # p0's probes, every 0.05 s: ~12 in 0.6 s
+
+
+async def test_load_polls_only_while_busy() -> None:
+    async with counting_worker() as (url, hits), aiohttp.ClientSession() as session:
+        pools = Pools(settings(url, load_poll_s=0.05), MemoryStore())
+        busy = [False]
+        async with loop_running(pools.run_load_poller(session, lambda: busy[0])):
+            await asyncio.sleep(0.5)
+            assert hits["metrics"] == 2  # the start-up round only (two workers)
+            busy[0] = True
+            pools.note_pending("d0", 4)
+            await asyncio.sleep(0.03)
+            assert hits["metrics"] >= 4  # the first placement polls at once (quiet: never)
+            await asyncio.sleep(0.3)
+            assert hits["metrics"] >= 4 + 2 * 4
+            busy[0] = False
+            pools.note_pending("d0", -4)  # the placement's blocks are reserved or given back
+            await asyncio.sleep(0.1)
+            settled = hits["metrics"]
+            await asyncio.sleep(0.3)
+            assert hits["metrics"] == settled
+
+
+async def test_registry_sync_is_one_store_call() -> None:
+    store = CountingStore()
+    pools = Pools(settings("http://127.0.0.1:9"), store)
+    for _ in range(3):
+        await pools.sync_registry()
+    assert store.calls["registry_view"] == 3
+    assert store.calls["registered_workers"] == store.calls["drained_workers"] == 0
+
+
+async def test_a_store_that_lost_its_data_is_put_back_and_read_again() -> None:
+    """The registry view finds the marker gone (after the first use): the dynamic workers are
+    registered again, then the registry is read again, so none of them looks removed."""
+    store = CountingStore()
+    pools = Pools(settings("http://127.0.0.1:9"), store)
+    await pools.sync_registry()  # first use: the marker is set
+    spec = '{"id": "d-new", "url": "http://127.0.0.1:9", "role": "decode", "kv_blocks": 10}'
+    await store.register_worker("d-new", spec)
+    await pools.sync_registry()
+    assert "d-new" in pools.workers
+    store._registry.clear()  # the store lost its data: registrations and marker
+    store._marker_until = None
+    await pools.sync_registry()
+    assert "d-new" in pools.workers  # put back, and still in the pools
+    assert "d-new" in await store.registered_workers()
+
+
+async def test_the_quiet_refresher_leaves_the_marker_to_the_registry_sync() -> None:
+    store = CountingStore()
+    pools = Pools(settings("http://127.0.0.1:9", state_refresh_s=0.02), store)
+    async with loop_running(pools.run_refresher(busy=lambda: False)):
+        await asyncio.sleep(0.5)
+    # Quiet from the start: the first refresh checks the marker, the backed-off ones do not
+    # (at the busy cadence 0.5 s would be ~25 checks).
+    assert store.calls["check_marker"] == 1
+
+
+@pytest.mark.parametrize("period", [0.05, 0.2])
+async def test_beats_fall_on_multiples_of_the_period(period: float) -> None:
+    """Loops that sleep to the beat wake together: at the same phase of the period."""
+    pools = Pools(settings("http://127.0.0.1:9"), MemoryStore())
+    loop = asyncio.get_running_loop()
+    phases = []
+    for _ in range(3):
+        await pools.beat(period)
+        phases.append((loop.time() - pools._phase) % period)
+    # Each wake-up is just after a multiple of the period (timers fire late, never early).
+    assert all(p < 0.02 or p > period - 0.002 for p in phases), phases
+
+
+async def test_the_reaper_waits_while_nothing_is_stranded() -> None:
+    pools = Pools(settings("http://127.0.0.1:9"), MemoryStore())
+    waiter = asyncio.create_task(pools.stranded_somewhere())
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    pools.note_stranded("p0", 4096)
+    await asyncio.wait_for(waiter, 1.0)
+    await asyncio.wait_for(pools.stranded_somewhere(), 0.1)  # at once while some is held
