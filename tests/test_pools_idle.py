@@ -20,8 +20,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from router.config import Settings, settings_from_mapping
+from router.config import RetrySettings, Settings, settings_from_mapping
 from router.pools import Pools
+from router.retry_budget import RetryBudget
 from state import MemoryStore
 
 MODEL = "llama-3-8b"
@@ -210,3 +211,21 @@ async def test_the_reaper_waits_while_nothing_is_stranded() -> None:
     pools.note_stranded("p0", 4096)
     await asyncio.wait_for(waiter, 1.0)
     await asyncio.wait_for(pools.stranded_somewhere(), 0.1)  # at once while some is held
+
+
+async def test_the_retry_tally_waits_while_nothing_is_counted() -> None:
+    """router/retry_budget.py: the flushing loop sleeps in `counted()` until a request is
+    counted, returns at once while a tally is owed, and sleeps again once it is flushed."""
+    store = MemoryStore()
+    budget = RetryBudget(store, RetrySettings())
+    waiter = asyncio.create_task(budget.counted())
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    budget.note_request()
+    await asyncio.wait_for(waiter, 1.0)
+    await asyncio.wait_for(budget.counted(), 0.1)  # still untallied: at once
+    await budget.flush()
+    again = asyncio.create_task(budget.counted())
+    await asyncio.sleep(0.05)
+    assert not again.done()  # flushed: nothing owed, asleep again
+    again.cancel()
