@@ -41,10 +41,12 @@ from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 from state.base import (
     DecodeUsage,
     Finished,
+    Reserved,
     RetryBudgetPolicy,
     StoreBusy,
     StoreError,
     StrandedEntry,
+    StrandIntent,
     WorkerRole,
 )
 from state.keys import (
@@ -60,6 +62,7 @@ from state.keys import (
 )
 from state.redis_scripts import (
     HOLD_LEASE_SCRIPT,
+    MARK_READY_SCRIPT,
     NOTE_REQUEST_SCRIPT,
     REAP_SCRIPT,
     RELEASE_LEASE_SCRIPT,
@@ -245,6 +248,7 @@ class RedisStore:
         self._release = register(RELEASE_SCRIPT)
         self._usage = register(USAGE_SCRIPT)
         self._strand = register(STRAND_SCRIPT)
+        self._mark_ready = register(MARK_READY_SCRIPT)
         self._unstrand = register(UNSTRAND_SCRIPT)
         self._reap = register(REAP_SCRIPT)
         self._note_request = register(NOTE_REQUEST_SCRIPT)
@@ -382,7 +386,8 @@ class RedisStore:
         blocks: int,
         lease_s: float,
         overbook_blocks: int = 0,
-    ) -> bool:
+        intent: StrandIntent | None = None,
+    ) -> Reserved:
         check_count("blocks", blocks)
         check_lease(lease_s)
         keys = self._keys.decode_worker(worker_id)
@@ -393,7 +398,48 @@ class RedisStore:
             repr(float(lease_s)),
             max(0, int(overbook_blocks)),
         ]
-        return bool(await self._reserve(keys=keys, args=args))
+        if intent is None:
+            return Reserved(bool(await self._reserve(keys=keys, args=args)))
+        check_count("nbytes", intent.nbytes)
+        ledger = self._keys.stranded_worker(intent.prefill_id)
+        pending: list[str | int] = [
+            intent.request_id,
+            int(intent.nbytes),
+            repr(float(intent.ready_within_s)),
+        ]
+        if not isinstance(self._client, RedisCluster):
+            # One server: one script for both, the intent written only with the blocks held.
+            held = bool(await self._reserve(keys=keys + ledger, args=args + pending))
+            return Reserved(held, stranded=held)
+        return await self._reserve_beside_intent(self._client, keys, args, ledger, pending)
+
+    async def _reserve_beside_intent(
+        self,
+        client: RedisCluster,
+        keys: list[str],
+        args: list[str | int],
+        ledger: list[str],
+        pending: list[str | int],
+    ) -> Reserved:
+        """On a cluster the intent's slot is not the reservation's: both scripts at once (one
+        round trip of latency), the intent whatever the reservation's outcome. The
+        reservation's failure is the call's; the intent's only says it is not written."""
+        reserve = _Cmd.run(self._reserve, keys, args)
+        strand = _Cmd.run(self._strand, ledger, [self._now(), *pending])
+        await client.initialize()  # a no-op once the slots are known
+        nodes = {getattr(client.get_node_from_key(k), "name", "") for k in (keys[0], ledger[0])}
+        if len(nodes) == 1:
+            # One node: one pipeline, one connection (a call holds at most one per node).
+            held, written = await self._pipelined([reserve, strand])
+        else:
+            held, written = await asyncio.gather(
+                self._pipelined([reserve]), self._pipelined([strand]), return_exceptions=True
+            )
+            held = held if isinstance(held, BaseException) else held[0]
+            written = written if isinstance(written, BaseException) else written[0]
+        if isinstance(held, BaseException):
+            raise held
+        return Reserved(bool(held), stranded=not isinstance(written, BaseException))
 
     @_store_call
     async def renew(self, worker_id: str, reservation_id: str, lease_s: float) -> bool:
@@ -445,10 +491,19 @@ class RedisStore:
 
     # -- stranded KV ledger --------------------------------------------------------------
     @_store_call
-    async def strand(self, prefill_id: str, request_id: str, nbytes: int) -> None:
+    async def strand(
+        self, prefill_id: str, request_id: str, nbytes: int, ready_in_s: float = 0.0
+    ) -> None:
         check_count("nbytes", nbytes)
         keys = self._keys.stranded_worker(prefill_id)
-        await self._strand(keys=keys, args=[self._now(), request_id, int(nbytes)])
+        args: list[str | int] = [self._now(), request_id, int(nbytes), repr(float(ready_in_s))]
+        await self._strand(keys=keys, args=args)
+
+    @_store_call
+    async def mark_ready(self, prefill_id: str, request_id: str, age_s: float = 0.0) -> bool:
+        keys = self._keys.stranded_worker(prefill_id)
+        args = [self._now(), request_id, repr(float(age_s))]
+        return bool(await self._mark_ready(keys=keys, args=args))
 
     @_store_call
     async def unstrand(self, prefill_id: str, request_id: str) -> int:
