@@ -16,7 +16,7 @@ key                            type    meaning
 ``<p>{d:<worker>}:lease``      zset    reservation id -> lease expiry (unix s)
 ``<p>{d:<worker>}:sum``        string  sum of the ``:res`` values, kept exact by the scripts
 ``<p>{p:<worker>}:bytes``      hash    request id -> stranded KV bytes on that prefill worker
-``<p>{p:<worker>}:since``      zset    request id -> when its KV was (pending: will be) ready, unix s
+``<p>{p:<worker>}:since``      zset    request id -> when its KV was (pending: will be) ready
 ``<p>{p:<worker>}:sum``        string  sum of the ``:bytes`` values
 ``<p>{rb}:req``                hash    unix second -> first attempts counted in that second
 ``<p>{rb}:retry``              hash    unix second -> retries spent in that second
