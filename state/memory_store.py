@@ -133,8 +133,9 @@ class MemoryStore:
     ) -> Reserved:
         check_count("blocks", blocks)
         check_lease(lease_s)
-        if intent is not None:
+        if intent is not None:  # checked before anything is booked, as the Redis store does
             check_count("nbytes", intent.nbytes)
+            check_id("prefill_id", intent.prefill_id)
         worker = self._worker(worker_id)
         expiry = self._clock() + lease_s
         held = worker.reservations.get(reservation_id)
