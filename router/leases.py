@@ -7,7 +7,8 @@
   Redis restarted empty) is put back, over capacity if need be: its sequence really occupies
   the worker.
 - **Stranded entries** of this replica's requests are remembered, so they can be written again
-  when the store lost them.
+  when the store lost them. Each is written with its reservation, pending (router/reserve.py);
+  marking it ready is a background call that never creates an entry (`kv_ready`).
 - **Owed steps**: an end-of-request release or unstrand that failed (the store was down, or one
   step errored) is retried every second until it lands or its lease has run out anyway. An owed
   release is never renewed: it is out of `live` the moment its request let go of it.
@@ -24,7 +25,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from state.base import Finished, StateStore, StoreError
+from state.base import Finished, StateStore, StoreError, StrandIntent
 
 __all__ = ["LeaseKeeper"]
 
@@ -38,6 +39,15 @@ _OWED_RETRY_S = 1.0
 class _Owed:
     worker_id: str
     since: float  # monotonic time of the failed attempt
+
+
+@dataclass(slots=True)
+class _Strand:
+    prefill_id: str
+    nbytes: int
+    # Monotonic time its KV became ready, or (pending) will be ready by at the latest: what a
+    # store that lost the entry is given back.
+    ready_at: float
 
 
 class LeaseKeeper:
@@ -57,10 +67,10 @@ class LeaseKeeper:
         # reservation id -> (blocks, expected end on the monotonic clock): what prediction-based
         # admission counts on freeing up (this replica's reservations; others' are not known)
         self.expected: dict[str, tuple[int, float]] = {}
-        self.strands: dict[str, tuple[str, int]] = {}  # request id -> (prefill id, bytes)
+        self.strands: dict[str, _Strand] = {}  # ledger entry id -> the entry
         self.owed_releases: dict[str, _Owed] = {}  # reservation id -> its decode worker
-        self.owed_unstrands: dict[str, _Owed] = {}  # request id -> its prefill worker
-        self.owed_strands: set[str] = set()  # request ids whose strand() did not land
+        self.owed_unstrands: dict[str, _Owed] = {}  # ledger entry id -> its prefill worker
+        self.owed_strands: set[str] = set()  # ledger entry ids not written yet
 
     def __repr__(self) -> str:
         return (
@@ -102,15 +112,33 @@ class LeaseKeeper:
         return out
 
     # -- stranded KV -------------------------------------------------------------------------
-    async def strand(self, prefill_id: str, request_id: str, nbytes: int) -> None:
-        """Record stranded KV. Best effort: the ledger is bookkeeping, not a safety reservation,
-        so a store failure here does not fail the request; the entry is written on a later tick."""
-        self.strands[request_id] = (prefill_id, nbytes)
+    def stranded(self, intent: StrandIntent, written: bool) -> None:
+        """The reservation wrote `intent` (pending) with it, or (`written` False: a cluster's
+        ledger node failed) did not: then it is written on a later tick. Best effort: the
+        ledger is bookkeeping, not a safety reservation, so that does not fail the request."""
+        ready_by = self.clock() + intent.ready_within_s
+        self.strands[intent.request_id] = _Strand(intent.prefill_id, intent.nbytes, ready_by)
+        if not written:
+            self.owed_strands.add(intent.request_id)
+
+    def owe_unstrand(self, prefill_id: str, request_id: str) -> None:
+        """An entry that may be in the ledger (a reservation whose answer was lost): cleared
+        on a later tick."""
+        self._owe(None, (prefill_id, request_id))
+
+    async def kv_ready(self, prefill_id: str, request_id: str, age_s: float) -> None:
+        """The prefill answered `age_s` ago and the decode has not taken the KV yet: its KV
+        lease counts from then. A failure leaves the entry pending, reaped later, never early."""
+        entry = self.strands.get(request_id)
+        if entry is None:  # unstranded meanwhile: nothing to mark
+            return
+        entry.ready_at = self.clock() - age_s
+        if request_id in self.owed_strands:  # not written yet: it will be, with this time
+            return
         try:
-            await self.store.strand(prefill_id, request_id, nbytes)
+            await self.store.mark_ready(prefill_id, request_id, age_s)
         except StoreError as exc:
-            log.debug("strand of %s on %s deferred: %s", request_id, prefill_id, exc)
-            self.owed_strands.add(request_id)
+            log.debug("marking the KV of %s on %s ready failed: %s", request_id, prefill_id, exc)
 
     async def unstrand(self, prefill_id: str, request_id: str) -> None:
         """The decode took the KV (first token): clear the entry, now or on a later tick."""
@@ -240,9 +268,9 @@ class LeaseKeeper:
         """Store steps not taken yet: releases, unstrands and strands."""
         return len(self.owed_releases) + len(self.owed_unstrands) + len(self.owed_strands)
 
-    def _strand_args(self, request_id: str) -> tuple[str, str, int]:
-        prefill_id, nbytes = self.strands[request_id]
-        return prefill_id, request_id, nbytes
+    def _strand_args(self, request_id: str) -> tuple[str, str, int, float]:
+        entry = self.strands[request_id]
+        return entry.prefill_id, request_id, entry.nbytes, entry.ready_at - self.clock()
 
     async def reassert(self) -> None:
         """The store lost its data: put back every live reservation and stranded entry."""

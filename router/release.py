@@ -23,10 +23,15 @@ async def release(call: Call, attempt: Attempt | None, record: Record | None = N
     if attempt is not None:
         if attempt.partner is not None and not attempt.partner.done():
             attempt.partner.cancel()  # closes the prefill leg's connection
+        if attempt.ready_mark is not None:
+            attempt.ready_mark.cancel()
+            attempt.ready_mark = None
         if attempt.stranded_on is not None:
+            # Written with the reservation, so a prefill that failed (or never answered, or
+            # was not sent: the client left) has an entry too, pending: cleared here.
             prefill_id, attempt.stranded_on = attempt.stranded_on, None
             gw.pools.note_stranded(prefill_id, -attempt.stranded_bytes)
-            unstrand = (prefill_id, call.request_id)
+            unstrand = (prefill_id, attempt.stranded_id)
         if attempt.decode_id is not None:
             decode_id, attempt.decode_id = attempt.decode_id, None
             freed = (decode_id, attempt.reservation_id)

@@ -17,6 +17,7 @@ from router.admission import QueueFull
 from router.attempt import Ask, Attempt, Call, loop_time
 from router.errors import NoCapacity, Unavailable
 from router.gateway import Gateway
+from router.legs import hold_intent, strand_intent
 from state.base import StoreError
 
 __all__ = ["Seat", "admit_and_reserve", "estimate", "grow"]
@@ -134,6 +135,9 @@ async def _try_reserve(gw: Gateway, info: RequestInfo, avoid: set[str]) -> Attem
         return decision
     for cand in decision.candidates:
         rid = uuid.uuid4().hex  # ours alone: clients reuse X-Request-Id values
+        # The prefill's stranded-KV entry goes with the reservation: one round trip before the
+        # prefill, none between its answer and the decode leg.
+        intent = strand_intent(gw, info.request_id, rid, cand, info.prompt_tokens)
         # Visible to placements made while the store call is under way (no await between
         # the decision and this line).
         gw.pools.note_pending(cand.decode_id, cand.reserve_blocks)
@@ -144,11 +148,15 @@ async def _try_reserve(gw: Gateway, info: RequestInfo, avoid: set[str]) -> Attem
                 cand.reserve_blocks,
                 gw.settings.reservation_lease_s,
                 overbook_blocks=overbook.get(cand.decode_id, 0),
+                intent=intent,
             )
         except StoreError:
-            # The answer was lost, not necessarily the reservation: release it later. No
-            # prefill is sent without a reservation in hand, so the request ends in a 503.
+            # The answer was lost, not necessarily the reservation (nor the intent): release
+            # them later. No prefill is sent without a reservation in hand, so the request
+            # ends in a 503.
             gw.leases.owe_release(cand.decode_id, rid)
+            if intent is not None:
+                gw.leases.owe_unstrand(intent.prefill_id, intent.request_id)
             raise
         finally:
             gw.pools.note_pending(cand.decode_id, -cand.reserve_blocks)
@@ -166,7 +174,15 @@ async def _try_reserve(gw: Gateway, info: RequestInfo, avoid: set[str]) -> Attem
                 prefill=cand.prefill_id or "local", decode=cand.decode_id
             ).inc()
             log.debug("placed on %s -> %s", cand.prefill_id or "local", cand.decode_id)
-            return Attempt(cand, rid)
+            attempt = Attempt(cand, rid)
+            if intent is not None:
+                hold_intent(gw, attempt, intent, reserved.stranded)
+            return attempt
+        if intent is not None and reserved.stranded:
+            # A cluster wrote the intent beside the refusal: take it back, in the background
+            # (the refusal is not the hot path, and the entry's id is this reservation's
+            # alone, so no later write can be the one this clears).
+            gw.tasks.job(gw.leases.unstrand(intent.prefill_id, intent.request_id), "unstrand")
         gw.metrics.reserve_conflicts.inc()
     return Rejection(
         "every candidate decode worker filled up while reserving "
