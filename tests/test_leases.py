@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from router.leases import LeaseKeeper
 from state import open_store
+from state.base import StrandIntent
 from tests.conftest import REDIS_URL
 
 
@@ -36,5 +37,54 @@ async def test_a_lease_lost_under_a_live_request_is_put_back(redis_prefix: str) 
         keeper.drop("r1")
         assert await store.release("d0", "r1") == 70
         assert await keeper.renew_all() == 0
+    finally:
+        await store.close()
+
+
+async def test_an_intent_not_written_is_owed_then_marked_and_cleared(redis_prefix: str) -> None:
+    """A cluster's ledger node failing beside a held reservation (`Reserved.stranded` False):
+    the keeper writes the entry later, still pending; marking it ready and clearing it work as
+    for one the reservation wrote, and a mark after the clear brings nothing back."""
+    store = await open_store(REDIS_URL, redis_prefix)
+    try:
+        keeper = LeaseKeeper(store, 30.0, stranded_lease_s=30.0)
+        keeper.stranded(StrandIntent("p0", "q/r1", 640, 120.0), written=False)
+        assert keeper.owed == 1
+        assert await store.stranded_bytes(["p0"]) == {"p0": 0}
+        assert await keeper.settle_owed() == 0
+        assert await store.stranded_bytes(["p0"]) == {"p0": 640}
+        # Written pending: the reaper (KV lease 30 s) leaves it while its prefill may run.
+        assert await store.reap_stranded("p0", 30.0) == []
+        await keeper.kv_ready("p0", "q/r1", age_s=40.0)  # answered 40 s ago: past its lease
+        (reaped,) = await store.reap_stranded("p0", 30.0)
+        assert (reaped.request_id, reaped.nbytes) == ("q/r1", 640)
+        await keeper.unstrand("p0", "q/r1")  # its attempt ends: gone already, nothing owed
+        keeper.stranded(StrandIntent("p0", "q/r2", 64, 120.0), written=True)
+        await store.strand("p0", "q/r2", 64, 120.0)  # as the reservation wrote it
+        await keeper.unstrand("p0", "q/r2")
+        await keeper.kv_ready("p0", "q/r2", age_s=0.0)  # late: nothing to mark
+        assert await store.stranded_bytes(["p0"]) == {"p0": 0}
+        assert keeper.strands == {} and keeper.owed == 0
+    finally:
+        await store.close()
+
+
+async def test_a_store_that_lost_its_data_gets_pending_and_ready_entries_back_as_they_were(
+    redis_prefix: str,
+) -> None:
+    store = await open_store(REDIS_URL, redis_prefix)
+    try:
+        keeper = LeaseKeeper(store, 30.0, stranded_lease_s=30.0)
+        keeper.stranded(StrandIntent("p0", "pending", 10, 120.0), written=True)
+        keeper.stranded(StrandIntent("p0", "ready", 20, 120.0), written=True)
+        await keeper.kv_ready("p0", "ready", age_s=45.0)  # not in the store: only remembered
+        assert await store.stranded_bytes(["p0"]) == {"p0": 0}
+        await keeper.reassert()
+        assert await store.stranded_bytes(["p0"]) == {"p0": 30}
+        reaped = await store.reap_stranded("p0", 30.0)
+        assert [e.request_id for e in reaped] == ["ready"]  # 45 s old; the other still pending
+        assert await store.stranded_bytes(["p0"]) == {"p0": 10}
+        await keeper.unstrand("p0", "pending")
+        assert await store.stranded_bytes(["p0"]) == {"p0": 0}
     finally:
         await store.close()
