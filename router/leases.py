@@ -38,7 +38,10 @@ _OWED_RETRY_S = 1.0
 @dataclass(slots=True)
 class _Owed:
     worker_id: str
-    since: float  # monotonic time of the failed attempt
+    # Monotonic time of the failed attempt; for a stranded entry still pending in the store,
+    # its ready-by time: the reaper takes that one only a KV lease after it, so it is owed
+    # until then.
+    since: float
 
 
 @dataclass(slots=True)
@@ -121,10 +124,10 @@ class LeaseKeeper:
         if not written:
             self.owed_strands.add(intent.request_id)
 
-    def owe_unstrand(self, prefill_id: str, request_id: str) -> None:
-        """An entry that may be in the ledger (a reservation whose answer was lost): cleared
-        on a later tick."""
-        self._owe(None, (prefill_id, request_id))
+    def owe_unstrand(self, prefill_id: str, request_id: str, ready_within_s: float) -> None:
+        """An entry that may be in the ledger, pending (a reservation whose answer was lost):
+        cleared on a later tick."""
+        self._owe(None, (prefill_id, request_id), self.clock() + ready_within_s)
 
     async def kv_ready(self, prefill_id: str, request_id: str, age_s: float) -> None:
         """The prefill answered `age_s` ago and the decode has not taken the KV yet: its KV
@@ -142,14 +145,14 @@ class LeaseKeeper:
 
     async def unstrand(self, prefill_id: str, request_id: str) -> None:
         """The decode took the KV (first token): clear the entry, now or on a later tick."""
-        self.strands.pop(request_id, None)
+        entry = self.strands.pop(request_id, None)
         if request_id in self.owed_strands:  # never written: nothing to clear
             self.owed_strands.discard(request_id)
             return
         try:
             await self.store.unstrand(prefill_id, request_id)
         except StoreError:
-            self.owed_unstrands[request_id] = _Owed(prefill_id, self.clock())
+            self._owe(None, (prefill_id, request_id), entry.ready_at if entry else None)
 
     # -- the end of an attempt -----------------------------------------------------------------
     async def finish(
@@ -162,8 +165,10 @@ class LeaseKeeper:
         owed and retried. Returns the blocks released now (0 when owed or already gone)."""
         if release is not None:
             self.drop(release[1])  # never renewed again, whatever the store says
+        ready_at = None
         if unstrand is not None:
-            self.strands.pop(unstrand[1], None)
+            entry = self.strands.pop(unstrand[1], None)
+            ready_at = entry.ready_at if entry else None
             if unstrand[1] in self.owed_strands:
                 self.owed_strands.discard(unstrand[1])
                 unstrand = None
@@ -171,22 +176,29 @@ class LeaseKeeper:
             done = await self.store.finish(release, unstrand, record)
         except StoreError as exc:
             log.debug("end-of-request bookkeeping deferred: %s", exc)
-            self._owe(release, unstrand)
+            self._owe(release, unstrand, ready_at)
             return 0
         self._owe(
             release if done.released_blocks is None else None,
             unstrand if done.unstranded_bytes is None else None,
+            ready_at,
         )
         if not done.recorded:
             log.debug("an output-length statistic was not recorded")
         return done.released_blocks or 0
 
-    def _owe(self, release: tuple[str, str] | None, unstrand: tuple[str, str] | None) -> None:
+    def _owe(
+        self,
+        release: tuple[str, str] | None,
+        unstrand: tuple[str, str] | None,
+        ready_at: float | None = None,
+    ) -> None:
         now = self.clock()
         if release is not None:
             self.owed_releases[release[1]] = _Owed(release[0], now)
         if unstrand is not None:
-            self.owed_unstrands[unstrand[1]] = _Owed(unstrand[0], now)
+            since = now if ready_at is None else max(now, ready_at)
+            self.owed_unstrands[unstrand[1]] = _Owed(unstrand[0], since)
 
     # -- the background work ---------------------------------------------------------------------
     async def renew_all(self) -> int:

@@ -156,7 +156,7 @@ async def _try_reserve(gw: Gateway, info: RequestInfo, avoid: set[str]) -> Attem
             # ends in a 503.
             gw.leases.owe_release(cand.decode_id, rid)
             if intent is not None:
-                gw.leases.owe_unstrand(intent.prefill_id, intent.request_id)
+                gw.leases.owe_unstrand(intent.prefill_id, intent.request_id, intent.ready_within_s)
             raise
         finally:
             gw.pools.note_pending(cand.decode_id, -cand.reserve_blocks)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from router.leases import LeaseKeeper
-from state import open_store
-from state.base import StrandIntent
+from state import MemoryStore, open_store
+from state.base import StoreError, StrandIntent
 from tests.conftest import REDIS_URL
 
 
@@ -88,3 +90,29 @@ async def test_a_store_that_lost_its_data_gets_pending_and_ready_entries_back_as
         assert await store.stranded_bytes(["p0"]) == {"p0": 0}
     finally:
         await store.close()
+
+
+async def test_an_owed_unstrand_of_a_pending_entry_is_kept_until_the_reaper_would_take_it() -> None:
+    """A reservation whose answer was lost may have written its pending entry: the reaper takes
+    that only a KV lease after its ready-by time, so the owed unstrand is kept that long (not a
+    KV lease from now), and lands once the store answers."""
+    now = [1000.0]
+    store = MemoryStore()
+    keeper = LeaseKeeper(store, 30.0, stranded_lease_s=30.0, clock=lambda: now[0])
+    await store.strand("p0", "q/r1", 64, 120.0)  # the intent landed; its answer did not
+    keeper.owe_unstrand("p0", "q/r1", 120.0)
+
+    async def down(*args: Any, **kwargs: Any) -> Any:
+        raise StoreError("down")
+
+    store.finish = down  # type: ignore[method-assign]
+    now[0] += 100.0  # past a KV lease from now, inside the pending entry's horizon
+    assert await keeper.settle_owed() == 1
+    del store.finish
+    assert await keeper.settle_owed() == 0
+    assert await store.stranded_bytes(["p0"]) == {"p0": 0}
+    # Past the horizon (ready-by + the KV lease) an owed unstrand is dropped: reaped by then.
+    keeper.owe_unstrand("p0", "q/r2", 120.0)
+    now[0] += 151.0
+    store.finish = down  # type: ignore[method-assign]
+    assert await keeper.settle_owed() == 0
