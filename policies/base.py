@@ -128,7 +128,7 @@ class RequestInfo:
     slo_itl_s: float | None = None
     hint_output_tokens: int | None = None
     # Choices in the answer (the request's `n`), and the decode block size their partial
-    # blocks are counted in (the largest of the model's decode workers: an upper bound).
+    # blocks are counted in (the largest of the decode workers': an upper bound).
     n: int = 1
     block_size: int = 16
 
