@@ -142,6 +142,7 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
             models=served_models(gw),
             max_model_len=s.max_model_len,
             chars_per_token=s.chars_per_token,
+            max_n=s.max_n,
         )
         client = _AiohttpClient(request)
         flow = RequestFlow(gw, ClientSide(parsed, request.headers, client.start_stream))

@@ -22,7 +22,13 @@ import uuid
 from policies.base import RequestInfo
 from router.assemble import stream_upstream, streamable
 from router.attempt import Ask, Attempt, Call, LegFailure, loop_time
-from router.errors import DeadlineExceeded, RouterError, Unavailable, as_router_error
+from router.errors import (
+    DeadlineExceeded,
+    RouterError,
+    Unavailable,
+    UpstreamError,
+    as_router_error,
+)
 from router.gateway import Gateway
 from router.legs import open_legs
 from router.prefixes import prefix_hashes
@@ -43,6 +49,17 @@ def _client_request_id(value: str | None) -> str:
     if value and len(value) <= 128 and value.isascii() and value.isprintable() and " " not in value:
         return value
     return f"dr-{uuid.uuid4().hex}"
+
+
+def _no_resume(sent: list[bytes], failure: LegFailure) -> None:
+    """An n > 1 stream is not resumed mid-stream: the continuation of one text cannot carry
+    n choices. Once the client has events it ends with an error frame and [DONE] (raised
+    here); before, the request is retried from the start."""
+    if sent:
+        raise UpstreamError(
+            f"the answer's stream broke and an answer of several choices (n > 1) cannot be "
+            f"resumed: {failure.error.message}"
+        ) from failure
 
 
 class RequestFlow:
@@ -134,7 +151,10 @@ class RequestFlow:
                 if isinstance(ended, LegFailure) and not failure.retryable:
                     raise failure.error from failure  # the worker's verdict on the request
                 if isinstance(ended, Broken) and responder.stream is not None:
-                    ask, info = await resume_ask(call, responder.sent), None  # continue it
+                    if parsed.n > 1:
+                        _no_resume(responder.sent, failure)  # else retried like a failed leg
+                    else:
+                        ask, info = await resume_ask(call, responder.sent), None  # continue it
                 await self._before_retry(failure)
             except (RouterError, StoreError) as exc:
                 if responder.stream is None:
