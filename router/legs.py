@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from policies.base import Candidate
+from policies.base import Candidate, RequestInfo
 from router.adapters import ConcurrentAdapter, ProtocolViolation, WorkerAdapter, prefill_target
 from router.attempt import Ask, Attempt, Call, LegFailure, upstream_failure
 from router.errors import DeadlineExceeded, UpstreamError
@@ -63,7 +63,7 @@ async def open_legs(call: Call, attempt: Attempt, ask: Ask) -> DecodeResponse:
     """Prefill (when the pair has a prefill worker) and open the decode stream."""
     gw = call.gw
     prefill_id = attempt.candidate.prefill_id
-    if prefill_id is not None and _whole_on_decode(call, prefill_id):
+    if prefill_id is not None and _whole_on_decode(gw, call.parsed.n, prefill_id):
         prefill_id = None  # the decode worker prefills it itself
     if prefill_id is not None and _concurrent(gw, prefill_id):
         return await _concurrent_legs(call, attempt, ask)
@@ -75,15 +75,15 @@ async def open_legs(call: Call, attempt: Attempt, ask: Ask) -> DecodeResponse:
     return await _open_decode(call, attempt, body, ask.resumed)
 
 
-def _whole_on_decode(call: Call, prefill_id: str) -> bool:
+def _whole_on_decode(gw: Gateway, n: int, prefill_id: str) -> bool:
     """An answer of n > 1 choices is served whole by its decode worker (no prefill leg, no KV
     handoff) in front of vLLM: its NIXL producer frees a prefill's blocks at the first
     reader's notification, and the decode fans n > 1 out into n requests that each pull
     the same handle, so all but the first race that free (docs/real-workers.md, "`n` > 1").
     SGLang's decode workers cannot prefill: there `n` goes to both legs unchanged."""
-    if call.parsed.n <= 1:
+    if n <= 1:
         return False
-    return call.gw.pools.workers[prefill_id].spec.adapter != "sglang"
+    return gw.pools.workers[prefill_id].spec.adapter != "sglang"
 
 
 def _pull_adapter(gw: Gateway, worker: WorkerState) -> WorkerAdapter:
@@ -210,21 +210,26 @@ async def _prefill(call: Call, attempt: Attempt, ask: Ask) -> dict[str, Any]:
 
 
 def strand_intent(
-    gw: Gateway, request_id: str, reservation_id: str, cand: Candidate, prompt_tokens: int
+    gw: Gateway, info: RequestInfo, reservation_id: str, cand: Candidate
 ) -> StrandIntent | None:
     """The stranded-KV entry the prefill of `cand` will leave, to be written with its
-    reservation; None when no KV waits between the legs (a local pair, or concurrent legs,
-    whose decode takes the KV as it is built). Its id is the request's and the reservation's:
+    reservation; None when no KV waits between the legs: a local pair, concurrent legs (their
+    decode takes the KV as it is built), an answer of n > 1 choices the decode prefills
+    itself (`_whole_on_decode`). Its id is the request's and the reservation's:
     a client may reuse X-Request-Id values, and a retry's entry must not be the same as the
     one an owed unstrand of the failed try is still to clear."""
     prefill_id = cand.prefill_id
-    if prefill_id is None or _concurrent(gw, prefill_id):
+    if (
+        prefill_id is None
+        or _whole_on_decode(gw, info.n, prefill_id)
+        or _concurrent(gw, prefill_id)
+    ):
         return None
     t = gw.settings.timeouts
     return StrandIntent(
         prefill_id,
-        f"{request_id}/{reservation_id}",
-        prompt_tokens * gw.settings.kv_bytes_per_token,
+        f"{info.request_id}/{reservation_id}",
+        info.prompt_tokens * gw.settings.kv_bytes_per_token,
         # The prefill answers (or is given up on) within its leg's timeout and the request's
         # time to first token: until then the reaper must not count its KV lease.
         min(t.prefill_s, t.ttft_s),

@@ -145,7 +145,7 @@ async def _try_reserve(gw: Gateway, info: RequestInfo, avoid: set[str]) -> Attem
         rid = uuid.uuid4().hex  # ours alone: clients reuse X-Request-Id values
         # The prefill's stranded-KV entry goes with the reservation: one round trip before the
         # prefill, none between its answer and the decode leg.
-        intent = strand_intent(gw, info.request_id, rid, cand, info.prompt_tokens)
+        intent = strand_intent(gw, info, rid, cand)
         # Visible to placements made while the store call is under way (no await between
         # the decision and this line).
         gw.pools.note_pending(cand.decode_id, cand.reserve_blocks)

@@ -289,3 +289,23 @@ async def test_kv_that_sits_unaccepted_is_marked_ready_in_the_background(
             assert await client.zscore(since_key, entry_id) is None
         finally:
             await client.aclose()
+
+
+async def test_an_answer_the_decode_prefills_itself_writes_no_intent(
+    redis_prefix: str, wire: Wire
+) -> None:
+    """n > 1 in front of vLLM goes whole to the decode worker (no prefill leg, no KV handoff):
+    its reservation carries no stranded-KV entry, so nothing counts on the prefill worker."""
+    async with sim_cluster(redis_prefix=redis_prefix, **QUIET) as c:
+        wire.watch_router(c)
+        start = time.monotonic()
+        body = {**body_for(5, max_tokens=6), "n": 3, "stream": True}
+        async with aiohttp.ClientSession() as s, s.post(c.router_url + CHAT, json=body) as r:
+            assert r.status == 200
+            await r.read()
+        assert await c.worker_requests("p0") == []
+        reserve = wire.waited(start, time.monotonic())[0]
+        assert b"{d:d0}" in reserve.data and b"{p:p0}" not in reserve.data, reserve
+        # No script touched the prefill worker's ledger (its sum is still read by the refresh).
+        assert not [s for s in wire.sends if s.at >= start and b"{p:p0}" in s.data and s.scripts]
+        await assert_quiet(c)
