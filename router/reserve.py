@@ -8,6 +8,7 @@ builds the `RequestInfo` it places; `grow` is the reservation's growth while the
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from dataclasses import replace
@@ -158,10 +159,10 @@ async def _try_reserve(gw: Gateway, info: RequestInfo, avoid: set[str]) -> Attem
                 overbook_blocks=overbook.get(cand.decode_id, 0),
                 intent=intent,
             )
-        except StoreError:
+        except (StoreError, asyncio.CancelledError):
             # The answer was lost, not necessarily the reservation (nor the intent): release
             # them later. No prefill is sent without a reservation in hand, so the request
-            # ends in a 503.
+            # ends in a 503 — or, cancelled (the client left while the script ran), ends.
             gw.leases.owe_release(cand.decode_id, rid)
             if intent is not None:
                 gw.leases.owe_unstrand(intent.prefill_id, intent.request_id, intent.ready_within_s)

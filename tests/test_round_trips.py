@@ -309,3 +309,34 @@ async def test_an_answer_the_decode_prefills_itself_writes_no_intent(
         # No script touched the prefill worker's ledger (its sum is still read by the refresh).
         assert not [s for s in wire.sends if s.at >= start and b"{p:p0}" in s.data and s.scripts]
         await assert_quiet(c)
+
+
+async def test_a_client_gone_while_its_reservation_is_answered_leaves_nothing(
+    redis_prefix: str,
+) -> None:
+    """The reservation's script ran (room held, entry written) but the client left before its
+    answer came back: the request is cancelled inside the store call. What the script may
+    have written is owed and cleared within a tick, not left to the lease (30 s) and the
+    reaper (the prefill's timeout + the KV lease)."""
+    async with sim_cluster(redis_prefix=redis_prefix, **QUIET) as c:
+        store = c.gateway.store
+        real = store.reserve
+        ran = asyncio.Event()
+
+        async def answer_in_flight(*args: Any, **kwargs: Any) -> Any:
+            reserved = await real(*args, **kwargs)
+            ran.set()
+            await asyncio.sleep(30.0)  # the answer is still on its way when the client leaves
+            return reserved
+
+        store.reserve = answer_in_flight
+        task = asyncio.create_task(call(c, body_for(6), True))
+        await asyncio.wait_for(ran.wait(), 10.0)
+        assert sum((await c.reserved_blocks()).values()) > 0
+        assert sum((await c.stranded()).values()) > 0
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await assert_quiet(c)
+        assert c.gateway.leases.owed == 0
+        assert await c.worker_requests("p0") == []  # no prefill without a reservation in hand
