@@ -4,6 +4,7 @@
     → relay the answer (router/respond.py) → release (router/release.py)
        └─ a leg fails before the client got a byte: release, retry on another pair (budgeted)
        └─ decode dies mid-stream: resume (router/resume.py) — the next try continues the stream
+          (not a Responses stream: it ends with an error event, router/responses_pd.py)
 
 The retry/resume loop is `_serve`, written once. Invariants kept here: each attempt's
 reservation and stranded-KV entry are released exactly once, in `finally` under
@@ -29,6 +30,7 @@ from router.prefixes import prefix_hashes
 from router.release import Record, outcome, release
 from router.reserve import Seat, admit_and_reserve, estimate
 from router.respond import Broken, ClientSide, Progress, Responder, Served
+from router.responses_pd import RESPONSES, upstream_body
 from router.resume import resume_ask
 from state.base import StoreError
 
@@ -116,7 +118,10 @@ class RequestFlow:
         """Reserve → legs → respond, once per try; a failed try is released, then retried (the
         same ask) or resumed (the ask that continues the stream the client has)."""
         call, responder, parsed = self.call, self.responder, self.call.parsed
-        body = stream_upstream(parsed.body) if call.assembling else parsed.body
+        body = parsed.body
+        if call.assembling:
+            responses = parsed.path == RESPONSES
+            body = upstream_body(body) if responses else stream_upstream(body)
         ask = Ask(body, parsed.prompt_tokens, parsed.max_tokens)
         info: RequestInfo | None = None
         while True:
@@ -134,7 +139,10 @@ class RequestFlow:
                 if isinstance(ended, LegFailure) and not failure.retryable:
                     raise failure.error from failure  # the worker's verdict on the request
                 if isinstance(ended, Broken) and responder.stream is not None:
-                    ask, info = await resume_ask(call, responder.sent), None  # continue it
+                    if parsed.path != RESPONSES:
+                        ask, info = await resume_ask(call, responder.sent), None  # continue it
+                    elif responder.sent:  # no resume for Responses: its error event ends it
+                        raise failure.error from failure
                 await self._before_retry(failure)
             except (RouterError, StoreError) as exc:
                 if responder.stream is None:
