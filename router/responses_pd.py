@@ -81,16 +81,19 @@ def serves_split(gw: Gateway, body: dict[str, Any]) -> bool:
 
 def _text_of(value: Any) -> str:
     """The text an input item carries to the model: strings, and the `text`/`content`/`output`/
-    `arguments` of nested parts (a rough count, as chat's; the workers tokenize for real)."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        return "".join(_text_of(v) for v in value)
-    if isinstance(value, dict):
-        return "".join(
-            _text_of(value.get(k)) for k in ("text", "content", "output", "arguments", "summary")
-        )
-    return ""
+    `arguments`/`summary` of nested parts (a rough count, as chat's; the workers tokenize for
+    real). Walked with a stack, not recursion: a body may nest as deep as the JSON parser allows."""
+    parts: list[str] = []
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            parts.append(v)
+        elif isinstance(v, list):
+            stack.extend(reversed(v))
+        elif isinstance(v, dict):
+            stack.extend(v.get(k) for k in ("summary", "arguments", "output", "content", "text"))
+    return "".join(parts)
 
 
 def _prompt_tokens(body: dict[str, Any], chars_per_token: float) -> int:
@@ -107,7 +110,9 @@ def _prompt_tokens(body: dict[str, Any], chars_per_token: float) -> int:
             raise InvalidRequest("'instructions' must be a string", param="instructions")
         chars, items = chars + len(instructions), items + 1
     # vLLM's stateless multi-turn: the earlier response's output is part of the prompt too.
-    chars += len(_text_of((body.get("previous_response") or {}).get("output")))
+    previous = body.get("previous_response")
+    if isinstance(previous, dict):
+        chars += len(_text_of(previous.get("output")))
     return max(1, int(items * _PER_ITEM_TOKENS + chars / chars_per_token + 0.999))
 
 
