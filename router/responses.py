@@ -60,4 +60,5 @@ def stateless_body(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     return body, bool(stream)
 
 
-RESPONSES_ROUTE = Route(RESPONSES, BOTH_PHASES, error_event=error_event, shape=stateless_body)
+# The whole-on-one-worker path (router/app.py forwards to it a body `stateless_body` checked).
+RESPONSES_ROUTE = Route(RESPONSES, BOTH_PHASES, error_event=error_event)
