@@ -180,10 +180,15 @@ class SseCutter:
         return data
 
     def _responses(self, data: bytes) -> bytes:
+        deltas = data.count(_R_DELTA)
+        if self.forwarded and deltas == data.count(b"\n\n"):
+            self.tokens += deltas  # the common read, deltas only: the rare events not looked for
+            return data
         if b"event: error\n" in data or b"event: response.failed\n" in data:
             data, failure = _responses_failure(data)
             if failure is not None:
                 self.stop, self.stop_kind = f"{ERROR_EVENT}: {failure}", "error_event"
+                deltas = data.count(_R_DELTA)
         if not self.forwarded and data:
             if malformed(data):
                 self.stop, self.stop_kind = MALFORMED_FIRST_EVENT, "malformed"
@@ -193,9 +198,9 @@ class SseCutter:
                     self.pending = data + self.pending
                 return b""  # (a failure right after them: the client gets none, it is retried)
             self.forwarded = True
-        self.tokens += data.count(_R_DELTA)
+        self.tokens += deltas
         if not self.ended:
-            self.ended = any(e in data for e in _R_ENDS)
+            self.ended = _R_ENDS[0] in data or _R_ENDS[1] in data
         return data
 
     @property
