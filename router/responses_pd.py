@@ -13,10 +13,12 @@ few places where Responses differs:
     prefill leg       `prefill_body`: the cap is `max_output_tokens: 1` (not `max_tokens`),
                       `stream: false`, `store: false`; its answer's `kv_transfer_params` is the
                       handle (the stream has it only in `response.completed`, too late)
-    decode leg        the client's body plus the handle (router/adapters/vllm.py decode_body)
+    decode leg        the client's body (`store: false`) plus the handle
+                      (router/adapters/vllm.py decode_body)
     stream            router/sse_cut.py's Responses mode: a token is a
                       `response.output_text.delta`, the stream is whole once
-                      `response.completed` came; `error` / `response.failed` end it
+                      `response.completed` came; `error` / `response.failed` end it; the
+                      opening events (sent before the KV pull) are held until the next one
     whole answer      asked as a stream (`upstream_body`) and answered with the `response` of
                       its `response.completed` event (`assembled`)
     broken stream     no resume (a Responses stream cannot be continued under the same response
