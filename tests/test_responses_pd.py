@@ -193,6 +193,32 @@ async def test_a_decode_break_mid_stream_ends_with_an_error_event(redis_prefix: 
         await _nothing_held(c)
 
 
+async def test_an_answer_longer_than_reserved_grows_the_reservation(redis_prefix: str) -> None:
+    """The reservation is sized by the client's hint (2 tokens); the answer streams 96 output
+    text deltas, counted as tokens, so the reservation grows while it streams."""
+    async with (
+        sim_cluster(redis_prefix=redis_prefix, estimator="hint") as c,
+        aiohttp.ClientSession() as s,
+    ):
+        body = {
+            "model": MODEL,
+            "input": "a long answer",
+            "max_output_tokens": 96,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        hint = {"X-Expected-Output-Tokens": "2"}
+        async with s.post(c.router_url + RESPONSES, json=body, headers=hint) as r:
+            assert r.status == 200
+            raw = await r.read()
+        assert raw.count(b"event: response.output_text.delta\n") == 96
+        assert raw.rstrip().split(b"\n\n")[-1].startswith(b"event: response.completed\n")
+        m = c.gateway.metrics
+        assert m.reservation_overruns._value.get() == 1  # the delta count outgrew 2 tokens
+        assert m.output_tokens._sum.get() == 96  # the release recorded the whole answer
+        await _nothing_held(c)
+
+
 async def test_a_client_that_leaves_mid_stream_leaves_nothing_held(redis_prefix: str) -> None:
     async with sim_cluster(redis_prefix=redis_prefix) as c, aiohttp.ClientSession() as s:
         body = {"model": MODEL, "input": "long one", "max_output_tokens": 400, "stream": True}
