@@ -7,7 +7,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from functools import partial
 from importlib.resources import files
 
 import aiohttp
@@ -138,13 +137,20 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
         if request.content_length is not None and request.content_length > s.max_body_bytes:
             raise BodyTooLarge(f"the request body is larger than {s.max_body_bytes} bytes")
         raw = await read_body(request, s.timeouts.body_s)  # 408 if slow, 400 if undecodable
-        parse = parse_responses if path == RESPONSES else partial(parse_request, path)
-        parsed = parse(
-            raw,
-            models=served_models(gw),
-            max_model_len=s.max_model_len,
-            chars_per_token=s.chars_per_token,
-        )
+        models, cpt = served_models(gw), s.chars_per_token
+        if path == RESPONSES:
+            parsed = parse_responses(
+                raw, models=models, max_model_len=s.max_model_len, chars_per_token=cpt
+            )
+        else:
+            parsed = parse_request(
+                path,
+                raw,
+                models=models,
+                max_model_len=s.max_model_len,
+                chars_per_token=cpt,
+                max_n=s.max_n,
+            )
         if path == RESPONSES and not serves_split(gw, parsed.body):
             # No NIXL-pull prefill worker in rotation (or built-in tools): whole on one worker.
             sent = orjson.dumps(parsed.body)

@@ -49,6 +49,8 @@ async def open_legs(call: Call, attempt: Attempt, ask: Ask) -> DecodeResponse:
     """Prefill (when the pair has a prefill worker) and open the decode stream."""
     gw = call.gw
     prefill_id = attempt.candidate.prefill_id
+    if prefill_id is not None and _whole_on_decode(call, prefill_id):
+        prefill_id = None  # the decode worker prefills it itself
     if prefill_id is not None and _concurrent(gw, prefill_id):
         return await _concurrent_legs(call, attempt, ask)
     body = ask.body
@@ -57,6 +59,17 @@ async def open_legs(call: Call, attempt: Attempt, ask: Ask) -> DecodeResponse:
         decode = gw.pools.workers[attempt.candidate.decode_id]
         body = _pull_adapter(gw, decode).decode_body(ask.body, kv)
     return await _open_decode(call, attempt, body, ask.resumed)
+
+
+def _whole_on_decode(call: Call, prefill_id: str) -> bool:
+    """An answer of n > 1 choices is served whole by its decode worker (no prefill leg, no KV
+    handoff) in front of vLLM: its NIXL producer frees a prefill's blocks at the first
+    reader's notification, and the decode fans n > 1 out into n requests that each pull
+    the same handle, so all but the first race that free (docs/real-workers.md, "`n` > 1").
+    SGLang's decode workers cannot prefill: there `n` goes to both legs unchanged."""
+    if call.parsed.n <= 1:
+        return False
+    return call.gw.pools.workers[prefill_id].spec.adapter != "sglang"
 
 
 def _pull_adapter(gw: Gateway, worker: WorkerState) -> WorkerAdapter:

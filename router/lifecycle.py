@@ -21,9 +21,16 @@ import random
 import uuid
 
 from policies.base import RequestInfo
+from router.api import ParsedRequest
 from router.assemble import stream_upstream, streamable
 from router.attempt import Ask, Attempt, Call, LegFailure, loop_time
-from router.errors import DeadlineExceeded, RouterError, Unavailable, as_router_error
+from router.errors import (
+    DeadlineExceeded,
+    RouterError,
+    Unavailable,
+    UpstreamError,
+    as_router_error,
+)
 from router.gateway import Gateway
 from router.legs import open_legs
 from router.prefixes import prefix_hashes
@@ -45,6 +52,21 @@ def _client_request_id(value: str | None) -> str:
     if value and len(value) <= 128 and value.isascii() and value.isprintable() and " " not in value:
         return value
     return f"dr-{uuid.uuid4().hex}"
+
+
+def _no_resume(parsed: ParsedRequest, sent: list[bytes], failure: LegFailure) -> None:
+    """Some streams are not resumed mid-stream: an n > 1 one (the continuation of one text
+    cannot carry n choices) and a Responses one (it cannot go on under the same response id
+    and sequence numbers). Once the client has events it ends with its error frame (raised
+    here); before, the request is retried from the start."""
+    if not sent:
+        return
+    what = (
+        "a Responses stream" if parsed.path == RESPONSES else "an answer of several choices (n > 1)"
+    )
+    raise UpstreamError(
+        f"the answer's stream broke and {what} cannot be resumed: {failure.error.message}"
+    ) from failure
 
 
 class RequestFlow:
@@ -139,10 +161,10 @@ class RequestFlow:
                 if isinstance(ended, LegFailure) and not failure.retryable:
                     raise failure.error from failure  # the worker's verdict on the request
                 if isinstance(ended, Broken) and responder.stream is not None:
-                    if parsed.path != RESPONSES:
+                    if parsed.n > 1 or parsed.path == RESPONSES:
+                        _no_resume(parsed, responder.sent, failure)  # else retried as a leg
+                    else:
                         ask, info = await resume_ask(call, responder.sent), None  # continue it
-                    elif responder.sent:  # no resume for Responses: its error event ends it
-                        raise failure.error from failure
                 await self._before_retry(failure)
             except (RouterError, StoreError) as exc:
                 if responder.stream is None:

@@ -55,4 +55,7 @@ def outcome(
     if output_tokens > 0:
         reserved = info.reserve_output_tokens
         gw.metrics.estimate_relative_error.observe((reserved - output_tokens) / output_tokens)
-    return list(gw.estimator.class_keys(info)), gw.estimator.bucket_of(output_tokens)
+    # The estimator learns the length of one choice (what it estimates): an n-choice
+    # answer's tokens are shared by its n choices.
+    per_choice = -(-output_tokens // max(1, call.parsed.n))
+    return list(gw.estimator.class_keys(info)), gw.estimator.bucket_of(per_choice)

@@ -12,7 +12,7 @@ import logging
 import uuid
 from dataclasses import replace
 
-from policies.base import Rejection, RequestInfo, blocks_for
+from policies.base import Rejection, RequestInfo, blocks_for, extra_choice_tokens
 from router.admission import QueueFull
 from router.attempt import Ask, Attempt, Call, loop_time
 from router.errors import NoCapacity, Unavailable
@@ -43,6 +43,12 @@ async def estimate(call: Call, ask: Ask) -> RequestInfo:
     gw = call.gw
     hint = call.headers.get("X-Expected-Output-Tokens")
     priority = call.parsed.body.get("priority")
+    # The choices' partial blocks are counted in the largest block size of the
+    # decode workers, so the reservation is an upper bound wherever placement puts it.
+    block_size = max(
+        (w.spec.layout.block_size for w in gw.pools.decode_workers),
+        default=16,
+    )
     info = RequestInfo(
         request_id=call.request_id,
         model=call.parsed.model,
@@ -57,6 +63,8 @@ async def estimate(call: Call, ask: Ask) -> RequestInfo:
         hint_output_tokens=(
             int(hint) if hint and len(hint) <= 9 and hint.isascii() and hint.isdigit() else None
         ),
+        n=call.parsed.n,
+        block_size=block_size,
     )
     keys = gw.estimator.class_keys(info)
     return replace(info, estimate=gw.estimator.estimate(info, await gw.histograms.get(keys)))
@@ -210,7 +218,10 @@ def grow(call: Call, attempt: Attempt, ask: Ask, tokens: int) -> None:
     # Grow by a quarter at a time, so a long overrun costs a few store calls, not one a block.
     grow_at = max(tokens + 1, int(attempt.grow_at_tokens * 1.25))
     block = worker.spec.layout.block_size
-    new_blocks = blocks_for(ask.prompt_tokens + ask.resumed + grow_at, block)
+    # `tokens` counts every choice's (the relay counts each choice's events), as the size
+    # does: prompt + the choices' output + their own partial blocks (policies/base.py).
+    extra = extra_choice_tokens(ask.prompt_tokens, call.parsed.n, block)
+    new_blocks = blocks_for(ask.prompt_tokens + ask.resumed + grow_at + extra, block)
     attempt.growing = True
     gw.tasks.job(_grow(call, attempt, new_blocks, grow_at), "grow-reservation")
 

@@ -2,8 +2,10 @@
 
     scripts/install_aiperf.sh                      # once: aiperf in its own venv
     python scripts/aiperf_recipe.py --requests 400 --concurrency 8 --out /tmp/aiperf
+    python scripts/aiperf_recipe.py --prefill 1 --decode 1 ...   # 1P+1D: two GPUs behind the router
 
-Starts `disagg-router demo --serve` (2 prefill + 2 decode simulated workers behind the router)
+Starts `disagg-router demo --serve` (`--prefill` + `--decode` simulated workers behind the router,
+2 + 2 by default)
 and one simulated worker that does both phases (`disagg-router worker --role both`), at the same
 time scale; runs the same aiperf profile (same seed, prompts, lengths, concurrency) against each;
 prints TTFT, ITL and request latency side by side. The router's added latency reads off one
@@ -161,17 +163,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--osl", type=int, default=64, help="output tokens (mean)")
     parser.add_argument("--time-scale", type=float, default=10.0, help="simulated GPU speed-up")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--prefill", type=int, default=2, help="prefill workers behind the router")
+    parser.add_argument("--decode", type=int, default=2, help="decode workers behind the router")
     parser.add_argument("--model", default="llama-3-8b")
     parser.add_argument("--out", type=Path, default=Path("aiperf-out"))
     parser.add_argument("--aiperf", type=Path, default=aiperf_binary())
     parser.add_argument("--timeout", type=float, default=1800.0, help="per aiperf run (s)")
     ns = parser.parse_args(argv)
+    if ns.prefill < 1 or ns.decode < 1:
+        parser.error("--prefill and --decode need at least one worker each")
     if not ns.aiperf.exists():
         print(f"aiperf not found at {ns.aiperf}: run scripts/install_aiperf.sh", file=sys.stderr)
         return 2
     ns.out.mkdir(parents=True, exist_ok=True)
     scale = ["--time-scale", f"{ns.time_scale:g}"]
-    demo = [*_entry(), "demo", "--serve", "--port", "0", "--model", ns.model, *scale]
+    pools = ["--prefill", str(ns.prefill), "--decode", str(ns.decode)]
+    demo = [*_entry(), "demo", "--serve", "--port", "0", "--model", ns.model, *pools, *scale]
     worker = [*_entry(), "worker", "--role", "both", "--port", "0", "--model", ns.model, *scale]
     with _started(demo, "router: http://", ns.out / "demo.log") as router_url:
         router = run_aiperf(router_url, ns.out / "router", ns)
@@ -183,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(sys.argv),
         "requests": ns.requests,
         "concurrency": ns.concurrency,
+        "router_workers": {"prefill": ns.prefill, "decode": ns.decode},
         "isl": ns.isl,
         "osl": ns.osl,
         "time_scale": ns.time_scale,

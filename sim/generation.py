@@ -28,6 +28,7 @@ from policies.base import blocks_for
 
 from . import textgen
 from .bootstrap import KvRoomError, RoomKv, bootstrap_params, hold_room, pull_room
+from .choices import serve_choices
 from .decode_engine import Sequence
 from .faults import error_body, error_response
 from .openai_format import AnswerFormat, malformed_response
@@ -261,6 +262,7 @@ async def _decode(
 ) -> web.StreamResponse:
     blocks = _take_blocks(worker, worker.engine.admission_blocks(spec.prompt_tokens))
     seq: Sequence | None = None
+    others: list[Sequence] = []  # choices 1..n-1 (sim/choices.py)
     try:
         if fmt.stream and worker.faults.fire("decode_stall_after_headers"):
             worker.metrics.inc("faults", label="decode_stall_after_headers")
@@ -289,6 +291,11 @@ async def _decode(
         die_after = worker.faults.die_after_tokens()
         seq = Sequence(rid, blocks, spec.prompt_tokens, spec.tokens())
         blocks = []
+        if spec.n > 1 and isinstance(fmt, AnswerFormat):
+            _other_choices(worker, rid, spec, others)
+            for s in (seq, *others):
+                worker.engine.join(s)
+            return await serve_choices(worker, request, [seq, *others], fmt, die_after)
         worker.engine.join(seq)
         if fmt.stream:
             error_after = worker.faults.error_event_after_tokens()
@@ -299,8 +306,20 @@ async def _decode(
         raise
     finally:
         worker.pool.give(blocks)
-        if seq is not None:
-            worker.engine.abort(seq)  # no-op once finished; frees the blocks of an aborted one
+        for s in [] if seq is None else [seq, *others]:
+            worker.engine.abort(s)  # no-op once finished; frees the blocks of an aborted one
+
+
+def _other_choices(
+    worker: Worker, rid: str, spec: textgen.AnswerSpec, into: list[Sequence]
+) -> None:
+    """Choices 1..n-1, appended to `into` as their blocks are taken (the caller frees them):
+    each shares the prompt's full blocks with choice 0 (prefix caching) and holds its own
+    copy of the prompt's partial last block."""
+    tail = spec.prompt_tokens % worker.config.block_size
+    for i in range(1, spec.n):
+        blocks = _take_blocks(worker, blocks_for(tail + 1, worker.config.block_size))
+        into.append(Sequence(f"{i}_{rid}", blocks, tail, spec.tokens(i)))
 
 
 async def _pull_kv(worker: Worker, params: Mapping[str, Any], spec: textgen.AnswerSpec) -> None:
