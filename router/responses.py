@@ -22,12 +22,12 @@ from typing import Any
 
 import orjson
 
+from router.api import RESPONSES
 from router.errors import InvalidRequest, RouterError
 from router.passthrough import BOTH_PHASES, Route
 
 __all__ = ["RESPONSES", "RESPONSES_ROUTE", "error_event", "stateless_body"]
 
-RESPONSES = "/v1/responses"
 
 _STATELESS = (
     "the router is stateless: {what} is not supported. Send the whole conversation in 'input' "

@@ -44,6 +44,7 @@ from router.adapters.errors import sse_data
 from router.api import ParsedRequest, parse_json_object
 from router.errors import InvalidRequest, ModelNotFound
 from router.gateway import Gateway
+from router.prompt_text import text_of
 from router.responses import RESPONSES, error_event, stateless_body
 
 __all__ = [
@@ -81,29 +82,12 @@ def serves_split(gw: Gateway, body: dict[str, Any]) -> bool:
     return bool(prefill) and all(w.spec.adapter in _PULL_ADAPTERS for w in prefill)
 
 
-def _text_of(value: Any) -> str:
-    """The text an input item carries to the model: strings, and the `text`/`content`/`output`/
-    `arguments`/`summary` of nested parts (a rough count, as chat's; the workers tokenize for
-    real). Walked with a stack, not recursion: a body may nest as deep as the JSON parser allows."""
-    parts: list[str] = []
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, str):
-            parts.append(v)
-        elif isinstance(v, list):
-            stack.extend(reversed(v))
-        elif isinstance(v, dict):
-            stack.extend(v.get(k) for k in ("summary", "arguments", "output", "content", "text"))
-    return "".join(parts)
-
-
 def _prompt_tokens(body: dict[str, Any], chars_per_token: float) -> int:
     raw = body.get("input")
     if isinstance(raw, str):
         chars, items = len(raw), 1
     elif isinstance(raw, list) and raw:
-        chars, items = len(_text_of(raw)), len(raw)
+        chars, items = len(text_of(raw)), len(raw)
     else:
         raise InvalidRequest("'input' must be a string or a non-empty list of items", param="input")
     instructions = body.get("instructions")
@@ -114,7 +98,7 @@ def _prompt_tokens(body: dict[str, Any], chars_per_token: float) -> int:
     # vLLM's stateless multi-turn: the earlier response's output is part of the prompt too.
     previous = body.get("previous_response")
     if isinstance(previous, dict):
-        chars += len(_text_of(previous.get("output")))
+        chars += len(text_of(previous.get("output")))
     return max(1, int(items * _PER_ITEM_TOKENS + chars / chars_per_token + 0.999))
 
 

@@ -354,3 +354,23 @@ def test_parse_estimates_and_validates() -> None:
         with pytest.raises(InvalidRequest) as err:
             parse(bad)
         assert err.value.param == param, bad
+
+
+def test_responses_prompts_get_prefix_hashes_like_chat() -> None:
+    """Placement's prefix affinity reads a Responses prompt (instructions, then the input items)
+    as it reads a chat one: prompts sharing a prefix share exactly its leading hashes."""
+    from router.api import RESPONSES
+    from router.prefixes import BLOCK_CHARS, prefix_hashes
+
+    system = "s" * (2 * BLOCK_CHARS)
+
+    def body(tail: str) -> dict[str, object]:
+        items = [{"role": "user", "content": [{"type": "input_text", "text": tail}]}]
+        return {"instructions": system, "input": items}
+
+    a = prefix_hashes(RESPONSES, body("a" * BLOCK_CHARS))
+    b = prefix_hashes(RESPONSES, body("b" * BLOCK_CHARS))
+    assert len(a) == len(b) == 3 and a[:2] == b[:2] and a[2] != b[2]
+    as_string = prefix_hashes(RESPONSES, {"instructions": system, "input": "a" * BLOCK_CHARS})
+    assert as_string == a  # an input string and one text item are the same prompt
+    assert prefix_hashes(RESPONSES, {"input": "short"}) == ()
