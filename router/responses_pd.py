@@ -68,6 +68,8 @@ _NO_MODEL_LIMIT_CAP = 4096  # as router/api.py: the reservation's cap when nothi
 
 def serves_split(gw: Gateway, body: dict[str, Any]) -> bool:
     """Whether this request goes through the prefill/decode path (else: whole on one worker)."""
+    if not gw.settings.responses_split:
+        return False
     tools = body.get("tools")
     if isinstance(tools, list) and any(
         not isinstance(t, dict) or t.get("type") != "function" for t in tools

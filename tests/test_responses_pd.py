@@ -256,6 +256,30 @@ async def test_built_in_tools_are_served_whole(redis_prefix: str) -> None:
         assert await _legs(c, "p0") == [] and len(await _legs(c, "d0")) == 1
 
 
+async def test_responses_split_false_serves_it_whole_beside_a_prefill_pool(
+    redis_prefix: str,
+) -> None:
+    """The operator's switch for a vLLM before 0.32 (it ignores kv_transfer_params on Responses):
+    every Responses request whole on one worker, chat still split."""
+    async with (
+        sim_cluster(redis_prefix=redis_prefix, responses_split=False) as c,
+        _client(c.router_url) as client,
+    ):
+        want, _ = _expected("whole please", 4)
+        answer = await client.responses.create(
+            model=MODEL, input="whole please", max_output_tokens=4
+        )
+        assert answer.output_text == want
+        assert await _legs(c, "p0") == []
+        (d_leg,) = await _legs(c, "d0")
+        assert "kv_transfer_params" not in d_leg
+        chat = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "split"}], max_tokens=3
+        )
+        assert chat.choices[0].message.content
+        assert (await _counters(c, "p0")).get("requests:prefill") == 1
+
+
 async def test_the_sim_decode_refuses_kv_that_is_not_its_prompts(redis_prefix: str) -> None:
     async with sim_cluster(redis_prefix=redis_prefix) as c, aiohttp.ClientSession() as s:
         skeleton = {"do_remote_decode": True, "do_remote_prefill": False}
