@@ -14,10 +14,11 @@ import orjson
 
 from router.errors import InvalidRequest, ModelNotFound
 
-__all__ = ["CHAT", "COMPLETIONS", "DEFAULT_MAX_N", "ParsedRequest", "parse_request"]
+__all__ = ["CHAT", "COMPLETIONS", "RESPONSES", "DEFAULT_MAX_N", "ParsedRequest", "parse_request"]
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
 
 # Tokens a chat template adds around each message (role markers, separators): a rough allowance
 # so that many short messages are not under-counted.

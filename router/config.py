@@ -190,6 +190,10 @@ class Settings:
     chars_per_token: float = 4.0
     # The largest `n` (choices per request) accepted; larger is a 400 (router/api.py).
     max_n: int = 128
+    # Stateless /v1/responses through the prefill/decode path when a NIXL-pull prefill worker of
+    # the model is in rotation (router/responses_pd.py). False serves every Responses request
+    # whole on one worker, for a vLLM before 0.32 (it ignores kv_transfer_params there).
+    responses_split: bool = True
     reservation_lease_s: float = 30.0
     kv_lease_s: float = 30.0
     state_refresh_s: float = 0.1

@@ -32,6 +32,8 @@ from router.errors import DeadlineExceeded, UpstreamError
 from router.gateway import Gateway
 from router.pools import WorkerState
 from router.relay import RelayResult
+from router.responses_pd import RESPONSES
+from router.responses_pd import prefill_body as responses_prefill_body
 from router.splice import SpliceResponse
 from state.base import StrandIntent
 
@@ -188,6 +190,8 @@ async def _prefill(call: Call, attempt: Attempt, ask: Ask) -> dict[str, Any]:
     worker = gw.pools.workers[attempt.candidate.prefill_id or ""]
     adapter = _pull_adapter(gw, worker)
     wire_body = adapter.prefill_body(ask.body)
+    if call.parsed.path == RESPONSES:
+        wire_body = responses_prefill_body(wire_body)  # its cap is `max_output_tokens`
     data = await _prefill_leg(call, attempt, wire_body, ask)
     try:
         params = adapter.kv_params(orjson.loads(data))

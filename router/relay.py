@@ -80,6 +80,7 @@ async def relay_sse(
     client: web.StreamResponse,
     *,
     chat: bool,
+    responses: bool = False,
     clock: Callable[[], float],
     observer: RelayObserver | None = None,
     first_event_by: float | None = None,
@@ -93,7 +94,7 @@ async def relay_sse(
     then ends the relay as an upstream error.
     """
     result = RelayResult()
-    cutter = SseCutter(chat)
+    cutter = SseCutter(chat, responses)
     content = upstream.content
     try:
         while True:
@@ -138,7 +139,7 @@ async def relay_sse(
         result.upstream_error = f"decode connection lost: {exc!r}"
     result.completed = cutter.finished
     if not result.completed and result.upstream_error is None:
-        result.upstream_error = "decode stream ended without [DONE]"
+        result.upstream_error = f"decode stream ended without {cutter.end_name}"
     return result
 
 
