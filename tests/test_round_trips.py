@@ -18,6 +18,7 @@ reservation and no stranded byte is left.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ import sim.worker
 from router.legs import READY_MARK_AFTER_S
 from sim.worker_state import WORKER
 from state.keys import Keys
+from state.redis_scripts import RESERVE_SCRIPT
 from tests.conftest import MODEL, REDIS_URL, SimCluster, sim_cluster
 from tests.test_faults import assert_quiet, body_for, call, set_faults
 
@@ -162,6 +164,7 @@ async def test_one_streaming_request_waits_for_one_round_trip_before_the_prefill
         (reserve,) = before
         # One script holds the decode room and writes the prefill's stranded-KV intent.
         assert reserve.scripts == 1, reserve
+        assert hashlib.sha1(RESERVE_SCRIPT.encode()).hexdigest().encode() in reserve.data
         assert b"{d:d0}" in reserve.data and b"{p:p0}" in reserve.data, reserve
 
         between = wire.waited(prefill_answered, decode_arrived)
@@ -340,3 +343,28 @@ async def test_a_client_gone_while_its_reservation_is_answered_leaves_nothing(
         await assert_quiet(c)
         assert c.gateway.leases.owed == 0
         assert await c.worker_requests("p0") == []  # no prefill without a reservation in hand
+
+
+async def test_a_retry_on_another_prefill_worker_moves_the_entry_with_it(
+    redis_prefix: str, wire: Wire
+) -> None:
+    """Each try writes its own entry with its own reservation (the id is the request's and the
+    reservation's): the failed try's on p0 is cleared by its release, the retry's lands on p1."""
+    async with sim_cluster(redis_prefix=redis_prefix, prefill=2, retry=FAST_RETRY, **QUIET) as c:
+        wire.watch_router(c)
+        await set_faults(c, "p0", prefill_fail=True)  # every time
+        retries = c.gateway.metrics.retries.labels(side="prefill")
+        for i in range(8):  # until placement has tried p0 first once
+            start = time.monotonic()
+            got, result = await call(c, body_for(10 + i), True)
+            assert got == 200, result
+            if retries._value.get() > 0:
+                break
+        else:
+            pytest.fail("placement never tried p0")
+        sha = hashlib.sha1(RESERVE_SCRIPT.encode()).hexdigest().encode()
+        reserves = [s for s in wire.waited(start, time.monotonic()) if sha in s.data]
+        ledgers = [b"{p:p0}" in s.data for s in reserves]
+        assert ledgers == [True, False], reserves  # its entry on p0, then the retry's on p1
+        await assert_quiet(c)
+        assert c.gateway.leases.strands == {} and c.gateway.leases.owed == 0
