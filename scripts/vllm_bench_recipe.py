@@ -10,12 +10,13 @@ router, 1 + 1 by default) and then one simulated worker that does both phases
 with the same arguments (random dataset, seed, input/output lengths, concurrency, prompt count)
 against each; prints TTFT, ITL, TPOT and E2E latency side by side with what the router adds.
 
-The client is `vllm bench serve --backend openai-chat` against /v1/chat/completions: the endpoint
-the aiperf recipe measures (so the two clients' numbers compare), the one most users send, and
-the router's fuller path (a chat stream is re-assembled from the decode leg, role chunk and
-usage included). vLLM comes from the real-vLLM venv that scripts/prepare_real_vllm.sh makes in
-$REAL_VLLM_HOME (default ~/.cache/disagg-router/real-vllm, as .ci/run sets it; else
-<repo>/.real-vllm, the script's own default, where that one is prepared).
+The client is `vllm bench serve --backend openai-chat` against /v1/chat/completions rather than
+`openai`/`vllm` against /v1/completions (the workers serve both): chat is what most users send
+and what the aiperf recipe measures, so both clients time the same endpoint. vLLM-shaped chat
+streams send their role chunk together with the first token, so vLLM's TTFT (first chunk with a
+choice) is the first token's on both legs. vLLM comes from the real-vLLM venv that
+scripts/prepare_real_vllm.sh makes in $REAL_VLLM_HOME (default ~/.cache/disagg-router/real-vllm,
+as .ci/run sets it; else <repo>/.real-vllm, the script's own default, where that one is ready).
 
 No hub access: the tokenizer is the tiny model's folder ($REAL_VLLM_HOME/model, a local path;
 `--model` stays the name the router serves), HF_HUB_OFFLINE=1, and HF_ENDPOINT points at a closed
