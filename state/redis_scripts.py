@@ -1,8 +1,9 @@
 """The Lua scripts of `RedisStore` (state/redis_store.py), one per multi-key change.
 
 Each script's KEYS and ARGV are documented above it. Keys of one worker share a hash tag, so
-every script touches one Redis Cluster slot (docs/design.md §5). Kept apart from the store's
-Python so each reads on its own: the store only names them.
+every script touches one Redis Cluster slot (docs/design.md §5) — RESERVE_SCRIPT with its
+optional ledger keys excepted, which the store passes on one server only. Kept apart from the
+store's Python so each reads on its own: the store only names them.
 """
 
 from __future__ import annotations

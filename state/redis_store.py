@@ -1,7 +1,9 @@
 """`RedisStore`: the shared state of every router replica, kept in Redis (docs/design.md §5).
 
 Every multi-key change is one Lua script below, registered once per store. Each script touches
-the keys of one hash tag only (see `state.keys`), so it runs on Redis Cluster too. Calls that
+the keys of one hash tag only (see `state.keys`), so it runs on Redis Cluster too — but for the
+reservation with its stranded-KV intent on one server (`reserve(intent=...)`): one script over
+both workers' keys there, the two scripts sent at once on a cluster. Calls that
 span workers (usage of many decode workers, histograms of many classes, the end of a request)
 are pipelines of single-slot commands, not transactions: on a cluster, one pipeline per node,
 sent at once (for `finish`, one node after the other: see `_send`; docs/scaling.md §4).
