@@ -173,10 +173,11 @@ async def _try_reserve(gw: Gateway, info: RequestInfo, avoid: set[str]) -> Attem
             if overbook:
                 gw.metrics.admitted_on_forecast.inc()
             gw.pools.note_reserved(cand.decode_id, cand.reserve_blocks)
+            # The n choices decode side by side: the answer lasts one choice's tokens.
             expected_end = (
                 gw.clock()
                 + cand.predicted_ttft_s
-                + info.reserve_output_tokens * cand.predicted_itl_s
+                + info.reserve_choice_tokens * cand.predicted_itl_s
             )
             gw.leases.hold(cand.decode_id, rid, cand.reserve_blocks, expected_end)
             gw.metrics.placements.labels(

@@ -147,6 +147,32 @@ async def test_reservation_grows_with_n(redis_prefix: str) -> None:
         assert four - prompt_blocks >= 4 * (one - prompt_blocks)
 
 
+async def _expected_end_while_streaming(c: SimCluster, n: int) -> float:
+    """How long after placement this replica expects the answer of `n` choices to end (what
+    prediction-based admission counts on freeing), read at the stream's first event."""
+    body = _body(CHAT, f"ends {n}", n=n, max_tokens=200, stream=True)
+    async with aiohttp.ClientSession() as s, s.post(c.router_url + CHAT, json=body) as r:
+        assert r.status == 200
+        await r.content.readline()
+        ((_, end),) = c.gateway.leases.expected.values()
+        left = end - c.gateway.clock()
+        await r.read()
+    await _quiet(c)
+    return left
+
+
+async def test_the_choices_decode_side_by_side_so_the_answer_ends_as_one_choice_does(
+    redis_prefix: str,
+) -> None:
+    """Four choices are one batch on the decode worker: the lease's expected end is one choice's
+    decode time (200 tokens), not four choices' back to back."""
+    async with sim_cluster(redis_prefix=redis_prefix, time_scale=20.0) as c:
+        one = await _expected_end_while_streaming(c, 1)
+        four = await _expected_end_while_streaming(c, 4)
+        assert one > 0 and four > 0
+        assert four < 1.5 * one, (one, four)
+
+
 def test_extra_choice_tokens_bound_the_blocks_n_choices_hold() -> None:
     """blocks_for(prompt + n * out + extra) is at least the blocks of n choices that share the
     prompt's full blocks (floor(P / bs) + n * ceil((P % bs + out) / bs)); exact for n = 1."""
