@@ -14,15 +14,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import orjson
 
 from bench.goodput import goodput_search
-from bench.replay import OUTCOMES, ReplayResult, RequestRecord, replay
+from bench.progress import ReplayBar, note
+from bench.replay import ReplayResult, replay
 from bench.report import (
     PLOTS_UNAVAILABLE,
     plot_attainment_vs_rate,
@@ -33,7 +33,7 @@ from bench.report import (
 )
 from bench.traces import TraceFormatError, TraceRequest, load_trace
 
-__all__ = ["Progress", "add_bench_arguments", "main", "run_bench"]
+__all__ = ["add_bench_arguments", "main", "run_bench"]
 
 
 # ── command line ───────────────────────────────────────────────────────────────────────────────
@@ -132,7 +132,7 @@ async def run_bench(ns: argparse.Namespace) -> int:
     cap = ns.max_tokens_cap or max(1, max(r.output_tokens for r in reqs))
 
     async def once(rate_scale: float) -> ReplayResult:
-        bar = Progress(err, label=f"rate x{rate_scale:g}")
+        bar = ReplayBar(err, desc=f"bench rate x{rate_scale:g}")
         try:
             return await replay(
                 ns.url,
@@ -174,10 +174,12 @@ async def _search(
         summary = summarize(await once(rate_scale), slo_ttft_s=ns.slo_ttft, slo_tpot_s=ns.slo_tpot)
         summaries.append(summary)
         att = summary["slo"]["attainment"] or 0.0
-        print(f"bench: rate x{rate_scale:g}: attainment {att:.1%}", file=sys.stderr)
+        note(f"bench: rate x{rate_scale:g}: attainment {att:.1%}")  # above the bars
         return float(att)
 
-    found = await goodput_search(attainment_at, start=ns.rate_scale, max_steps=ns.search_steps)
+    found = await goodput_search(
+        attainment_at, start=ns.rate_scale, max_steps=ns.search_steps, progress=sys.stderr
+    )
     if found.rate_scale is None:
         print(f"goodput: no probed rate scale met {found.target:.0%} attainment", end="\n")
     else:
@@ -203,43 +205,6 @@ async def _search(
         ):
             print(PLOTS_UNAVAILABLE, file=sys.stderr)
     return 0 if found.rate_scale is not None else 1
-
-
-class Progress:
-    """A progress line on `stream`: rewritten in place on a TTY, periodic lines otherwise."""
-
-    def __init__(self, stream: IO[str], *, label: str = "", every_s: float = 5.0) -> None:
-        self._stream = stream
-        self._label = label
-        self._tty = stream.isatty()
-        # A TTY line may redraw ~10×/s; a log file gets a line every few seconds.
-        self._every_s = 0.1 if self._tty else every_s
-        self._last = 0.0
-        self._counts = dict.fromkeys(OUTCOMES, 0)
-        self._shown = False
-
-    def __call__(self, done: int, total: int, rec: RequestRecord) -> None:
-        self._counts[rec.outcome] += 1
-        now = time.monotonic()
-        if done < total and now - self._last < self._every_s:
-            return
-        self._last = now
-        parts = "  ".join(f"{k} {v}" for k, v in self._counts.items() if v)
-        line = f"[bench {self._label}] {done}/{total}  {parts}"
-        if self._tty:
-            self._stream.write("\r" + line.ljust(78))
-        else:
-            self._stream.write(line + "\n")
-        self._stream.flush()
-        self._shown = True
-
-    def close(self) -> None:
-        if self._tty and self._shown:
-            self._stream.write("\n")
-            self._stream.flush()
-
-    def __repr__(self) -> str:
-        return f"Progress({self._label!r}, {self._counts})"
 
 
 def main(argv: list[str] | None = None) -> int:

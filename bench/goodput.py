@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
+
+from bench.progress import bar
 
 __all__ = ["GoodputResult", "GoodputSearch", "goodput", "goodput_search", "goodput_search_sync"]
 
@@ -82,26 +85,50 @@ class GoodputSearch:
         return good, min(failed, default=None)
 
 
+def _search_bar(state: GoodputSearch, progress: IO[str] | bool) -> Any:
+    """The search's bar: probes made (of at most `max_steps`, when that is a real bound), the
+    last probe after it. `progress`: True for stderr, False for none, or the stream."""
+    stream = (sys.stderr if progress else None) if isinstance(progress, bool) else progress
+    total = state.max_steps if state.max_steps <= 100 else None
+    return bar(stream, desc="goodput search", total=total, unit="probe")
+
+
+def _probed(shown: Any, state: GoodputSearch) -> None:
+    rate, attainment = state.points[-1]
+    shown.set_postfix_str(f"x{rate:.3g}: {attainment:.0%} (target {state.target:.0%})")
+    shown.update(1)
+
+
 async def goodput_search(
-    run_at: Callable[[float], float | Awaitable[float]], **search: Any
+    run_at: Callable[[float], float | Awaitable[float]],
+    *,
+    progress: IO[str] | bool = True,
+    **search: Any,
 ) -> GoodputResult:
     """Drive a `GoodputSearch` (keyword arguments) with `run_at(rate_scale) -> attainment`.
 
     `run_at` may be a coroutine function (a live replay) or a plain function (a simulator).
+    A bar counts the probes on stderr (or the stream `progress`; False: none) on a terminal.
     """
     state = GoodputSearch(**search)
-    while (rate := state.next_rate()) is not None:
-        value = run_at(rate)
-        attainment = await value if inspect.isawaitable(value) else value
-        state.record(rate, float(attainment))
+    with _search_bar(state, progress) as shown:
+        while (rate := state.next_rate()) is not None:
+            value = run_at(rate)
+            attainment = await value if inspect.isawaitable(value) else value
+            state.record(rate, float(attainment))
+            _probed(shown, state)
     return state.result()
 
 
-def goodput_search_sync(run_at: Callable[[float], float], **search: Any) -> GoodputResult:
+def goodput_search_sync(
+    run_at: Callable[[float], float], *, progress: IO[str] | bool = True, **search: Any
+) -> GoodputResult:
     """`goodput_search` for a synchronous `run_at`, without an event loop."""
     state = GoodputSearch(**search)
-    while (rate := state.next_rate()) is not None:
-        state.record(rate, float(run_at(rate)))
+    with _search_bar(state, progress) as shown:
+        while (rate := state.next_rate()) is not None:
+            state.record(rate, float(run_at(rate)))
+            _probed(shown, state)
     return state.result()
 
 

@@ -47,6 +47,7 @@ from typing import Any
 import uvrun
 from bench.overhead_client import LoadSpec, StreamRecord, run_load
 from bench.overhead_report import add_deltas, markdown, replace_between_markers, summarize
+from bench.progress import note
 
 __all__ = ["main", "run", "build_parser", "ROUTERS"]
 
@@ -521,14 +522,14 @@ async def start_router(
 
 
 def _progress(r: dict[str, Any], phase: str = "ladder") -> None:
-    print(
+    # One rung's numbers: a line that stays, above any bar on a terminal (bench/progress.py).
+    note(
         f"[{phase}] {r['target']:>10} c={r['concurrency']:<5} ok={r['complete']}/"
         f"{r['requests']} ttft p50={r['ttft_ms']['p50']} p99={r['ttft_ms']['p99']} "
         f"itl p50={r['itl_ms']['p50']} p99={r['itl_ms']['p99']} tok/s={r['tokens_per_s']} "
         f"router cpu/1k={r['cpu_s_per_1k_tokens']} util={r['router_cpu_util']} "
         f"client util={r['client_cpu_util']}",
-        file=sys.stderr,
-        flush=True,
+        sys.stderr,
     )
 
 

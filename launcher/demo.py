@@ -2,8 +2,9 @@
 
 Starts Redis (REDIS_URL, else a private redis-server, else the in-process store), 2 prefill and
 2 decode simulated workers and the router; replays a slice of the Azure conversation trace
-through the router (time-scaled); prints the report; shuts everything down. With `--serve` it
-keeps the cluster up for curl or the `openai` client until Ctrl-C.
+through the router (time-scaled), with a progress bar on a terminal; prints the report; shuts
+everything down. `--plot FILE` also writes the TTFT and ITL distributions (launcher/demo_plot.py).
+With `--serve` it keeps the cluster up for curl or the `openai` client until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.progress import ReplayBar
 from bench.replay import replay
 from bench.report import summarize, to_text
 from bench.traces import TraceRequest, load_trace
+from launcher.demo_plot import plot_problem, write_latency_plot
 from launcher.localcluster import ClusterShape, local_cluster
 
 __all__ = ["add_demo_arguments", "run_demo", "default_trace"]
@@ -79,6 +82,11 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         "--serve", action="store_true", help="keep the cluster up (no replay) until Ctrl-C"
     )
     parser.add_argument("--port", type=int, default=0, help="router port with --serve")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="also write the TTFT and ITL distributions to FILE (.png or .svg; needs matplotlib)",
+    )
 
 
 def _load(ns: argparse.Namespace) -> tuple[list[TraceRequest], str]:
@@ -103,7 +111,20 @@ async def _reserved_after(url: str) -> int:
     return sum(w["reserved_blocks"] for w in state["workers"])
 
 
+def _plot_refused(ns: argparse.Namespace) -> str | None:
+    """Why `--plot` cannot be honoured, checked before any cluster starts."""
+    if not getattr(ns, "plot", None):
+        return None
+    if ns.serve:
+        return "disagg-router demo: --plot needs a replay to plot; it does not go with --serve"
+    return plot_problem(ns.plot)
+
+
 async def run_demo(ns: argparse.Namespace) -> int:
+    refused = _plot_refused(ns)
+    if refused is not None:
+        print(refused, file=sys.stderr)
+        return 2
     shape = ClusterShape(
         n_prefill=ns.prefill,
         n_decode=ns.decode,
@@ -130,16 +151,21 @@ async def run_demo(ns: argparse.Namespace) -> int:
             f"replaying {len(requests)} requests from {source} (max_tokens cap {cap}) ...",
             flush=True,
         )
-        result = await replay(
-            cluster.router_url,
-            requests,
-            model=ns.model,
-            endpoint="chat",
-            max_tokens_cap=cap,
-            time_scale=ns.time_scale,
-            rate_scale=ns.rate_scale,
-            timeout_s=600.0,
-        )
+        bar = ReplayBar(sys.stderr, desc="demo")  # drawn on a terminal only
+        try:
+            result = await replay(
+                cluster.router_url,
+                requests,
+                model=ns.model,
+                endpoint="chat",
+                max_tokens_cap=cap,
+                time_scale=ns.time_scale,
+                rate_scale=ns.rate_scale,
+                timeout_s=600.0,
+                progress=bar,
+            )
+        finally:
+            bar.close()
         summary = summarize(result, slo_ttft_s=ns.slo_ttft, slo_tpot_s=ns.slo_tpot)
         await asyncio.sleep(0.2)  # let the last releases land before reading the state
         reserved = await _reserved_after(cluster.router_url)
@@ -150,6 +176,11 @@ async def run_demo(ns: argparse.Namespace) -> int:
     )
     print(to_text(summary), end="")
     print(f"decode blocks still reserved after the run: {reserved}")
+    if ns.plot:
+        written = write_latency_plot(
+            result, ns.plot, slo_ttft_s=ns.slo_ttft, slo_tpot_s=ns.slo_tpot
+        )
+        print(f"plot: {written}")
     req = summary["requests"]
     ok = req["accounted"] and reserved == 0 and req["ok"] > 0
     if not ok:

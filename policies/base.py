@@ -34,6 +34,7 @@ __all__ = [
     "OutputLengthEstimator",
     "OutputHistograms",
     "blocks_for",
+    "extra_choice_tokens",
     "Role",
     "RoleState",
     "RoleWorkerView",
@@ -47,6 +48,19 @@ __all__ = [
 def blocks_for(tokens: int, block_size: int) -> int:
     """KV blocks needed to hold `tokens` tokens (ceil division; at least one block)."""
     return max(1, -(-max(0, tokens) // block_size))
+
+
+def extra_choice_tokens(prompt_tokens: int, n: int, block_size: int) -> int:
+    """Tokens of KV that choices 2..n of an `n`-choice answer hold beyond one choice's.
+
+    The choices of one request share the prompt's full blocks (prefix caching), but each has
+    its own copy of the prompt's last, partial block and rounds its own output up to whole
+    blocks. Counting, for each extra choice, that partial block's tokens plus one block less
+    a token makes `blocks_for(prompt + n * output + this, block_size)` an upper bound of the
+    blocks the n choices hold (`floor(prompt / bs) + n * ceil((prompt % bs + output) / bs)`)."""
+    if n <= 1:
+        return 0
+    return (n - 1) * (prompt_tokens % block_size + block_size - 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,13 +127,29 @@ class RequestInfo:
     slo_ttft_s: float | None = None
     slo_itl_s: float | None = None
     hint_output_tokens: int | None = None
+    # Choices in the answer (the request's `n`), and the decode block size their partial
+    # blocks are counted in (the largest of the decode workers': an upper bound).
+    n: int = 1
+    block_size: int = 16
 
     @property
-    def reserve_output_tokens(self) -> int:
-        """Output tokens to reserve for: the estimate's upper quantile, else the cap."""
+    def reserve_choice_tokens(self) -> int:
+        """Output tokens to reserve for one choice: the estimate's upper quantile, else the cap."""
         if self.estimate is None:
             return self.max_tokens
         return max(1, min(self.max_tokens, self.estimate.reserve_tokens))
+
+    @property
+    def reserve_output_tokens(self) -> int:
+        """Output tokens to reserve for, every choice counted: n choices decode side by side,
+        each holding its own output (and its own partial prompt block, `extra_choice_tokens`),
+        so `prompt_tokens + reserve_output_tokens` is the KV the whole answer holds."""
+        per_choice = self.reserve_choice_tokens
+        if self.n <= 1:
+            return per_choice
+        return self.n * per_choice + extra_choice_tokens(
+            self.prompt_tokens, self.n, self.block_size
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,10 +14,11 @@ import orjson
 
 from router.errors import InvalidRequest, ModelNotFound
 
-__all__ = ["CHAT", "COMPLETIONS", "ParsedRequest", "parse_request"]
+__all__ = ["CHAT", "COMPLETIONS", "RESPONSES", "DEFAULT_MAX_N", "ParsedRequest", "parse_request"]
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
 
 # Tokens a chat template adds around each message (role markers, separators): a rough allowance
 # so that many short messages are not under-counted.
@@ -32,17 +33,22 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     prompt_tokens: int
-    max_tokens: int  # the effective cap on output tokens
+    max_tokens: int  # the effective cap on output tokens, per choice
+    n: int = 1  # choices in the answer (the request's `n`)
 
     def __repr__(self) -> str:
         return (
             f"ParsedRequest({self.path}, model={self.model!r}, stream={self.stream}, "
-            f"prompt_tokens={self.prompt_tokens}, max_tokens={self.max_tokens})"
+            f"prompt_tokens={self.prompt_tokens}, max_tokens={self.max_tokens}, n={self.n})"
         )
 
 
 # Validated integers must fit a signed 64-bit integer, as they do in the workers.
 _INT_MAX = 2**63 - 1
+
+# The default cap on `n` (settings `max_n`): OpenAI's own limit. Each choice holds its own
+# output KV on the decode worker, so the reservation grows with n.
+DEFAULT_MAX_N = 128
 
 
 def _as_int(v: Any) -> int | None:
@@ -165,6 +171,7 @@ def parse_request(
     models: tuple[str, ...],
     max_model_len: int | None,
     chars_per_token: float = 4.0,
+    max_n: int = DEFAULT_MAX_N,
 ) -> ParsedRequest:
     body = parse_json_object(raw)
     model = body.get("model")
@@ -188,10 +195,9 @@ def parse_request(
             )
     include_usage = bool(stream_options and stream_options.get("include_usage"))
 
-    if body.get("n") is not None:
-        if _as_int(body["n"]) != 1:
-            raise InvalidRequest("only n=1 is supported", param="n")
-        body["n"] = 1
+    n = _optional_int(body, "n", 1)
+    if n is not None and n > max_n:
+        raise InvalidRequest(f"'n' must be at most {max_n}, got {n}", param="n")
     for key in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
         if key in body and body[key] is not None and not _is_number(body[key]):
             raise InvalidRequest(f"'{key}' must be a number", param=key)
@@ -231,4 +237,5 @@ def parse_request(
         include_usage=include_usage,
         prompt_tokens=prompt_tokens,
         max_tokens=cap,
+        n=n or 1,
     )

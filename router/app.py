@@ -31,9 +31,10 @@ from router.leases import LeaseKeeper
 from router.lifecycle import ClientSide, RequestFlow
 from router.logs import bind_request_id
 from router.metrics import RouterMetrics
-from router.passthrough import PASSTHROUGH_ROUTES, add_passthrough_routes
+from router.passthrough import PASSTHROUGH_ROUTES, add_passthrough_routes, forward
 from router.pools import Pools
 from router.responses import RESPONSES_ROUTE
+from router.responses_pd import RESPONSES, parse_responses, serves_split
 from router.retry_budget import RetryBudget
 from router.roles import ROLES, RoleManager
 from router.scaling import export_scaling, scaling_report
@@ -136,13 +137,28 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
         if request.content_length is not None and request.content_length > s.max_body_bytes:
             raise BodyTooLarge(f"the request body is larger than {s.max_body_bytes} bytes")
         raw = await read_body(request, s.timeouts.body_s)  # 408 if slow, 400 if undecodable
-        parsed = parse_request(
-            path,
-            raw,
-            models=served_models(gw),
-            max_model_len=s.max_model_len,
-            chars_per_token=s.chars_per_token,
-        )
+        models, cpt = served_models(gw), s.chars_per_token
+        if path == RESPONSES:
+            parsed = parse_responses(
+                raw, models=models, max_model_len=s.max_model_len, chars_per_token=cpt
+            )
+        else:
+            parsed = parse_request(
+                path,
+                raw,
+                models=models,
+                max_model_len=s.max_model_len,
+                chars_per_token=cpt,
+                max_n=s.max_n,
+            )
+        if path == RESPONSES and not serves_split(gw, parsed.body):
+            # No NIXL-pull prefill worker in rotation (or built-in tools): whole on one worker.
+            sent = orjson.dumps(parsed.body)
+            resp = await forward(
+                gw, request, RESPONSES_ROUTE, sent, parsed.model, stream=parsed.stream
+            )
+            status = resp.status
+            return resp
         client = _AiohttpClient(request)
         flow = RequestFlow(gw, ClientSide(parsed, request.headers, client.start_stream))
         bind_request_id(flow.request_id)  # on every log line of this request (router/logs.py)
@@ -174,6 +190,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, COMPLETIONS)
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """Stateless Responses requests: the prefill/decode path (router/responses_pd.py), else
+    whole on one worker (router/responses.py)."""
+    return await _generate(request, RESPONSES)
 
 
 def served_models(gw: Gateway) -> tuple[str, ...]:
@@ -455,11 +477,10 @@ def create_app(settings: Settings, *, tracer_provider: object = None) -> web.App
     app.cleanup_ctx.append(_gateway_context(settings))
     app.router.add_post(CHAT, chat_completions)
     app.router.add_post(COMPLETIONS, completions)
+    app.router.add_post(RESPONSES, responses)
     app.router.add_get("/v1/models", models)
-    # Embeddings, (de)tokenize, responses: served whole by one worker (router/passthrough.py)
-    add_passthrough_routes(
-        app, lambda a: a[GATEWAY], served_models, (*PASSTHROUGH_ROUTES, RESPONSES_ROUTE)
-    )
+    # Embeddings, (de)tokenize: served whole by one worker (router/passthrough.py)
+    add_passthrough_routes(app, lambda a: a[GATEWAY], served_models, PASSTHROUGH_ROUTES)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

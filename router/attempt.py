@@ -109,7 +109,9 @@ class Attempt:
         "decode_id",
         "blocks",
         "stranded_on",
+        "stranded_id",
         "stranded_bytes",
+        "ready_mark",
         "handoff_by",
         "candidate",
         "grow_at_tokens",
@@ -123,8 +125,14 @@ class Attempt:
         self.reservation_id = reservation_id
         self.decode_id: str | None = candidate.decode_id
         self.blocks = candidate.reserve_blocks
+        # The prefill worker whose ledger holds this attempt's stranded-KV entry (written with
+        # the reservation, pending until the prefill answers), the entry's id there, its size.
         self.stranded_on: str | None = None
+        self.stranded_id = ""
         self.stranded_bytes = 0
+        # Marks the entry ready if the decode has not taken the KV soon after the prefill
+        # answered (router/legs.py): most decodes take it first, and no store call is needed.
+        self.ready_mark: asyncio.TimerHandle | None = None
         # Event-loop time by which the decode worker must show it took the KV (first event).
         self.handoff_by: float | None = None
         self.grow_at_tokens = 0

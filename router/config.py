@@ -188,6 +188,12 @@ class Settings:
     kv_bytes_per_token: int = 131_072
     max_body_bytes: int = 8 * 1024 * 1024
     chars_per_token: float = 4.0
+    # The largest `n` (choices per request) accepted; larger is a 400 (router/api.py).
+    max_n: int = 128
+    # Stateless /v1/responses through the prefill/decode path when a NIXL-pull prefill worker of
+    # the model is in rotation (router/responses_pd.py). False serves every Responses request
+    # whole on one worker, for a vLLM before 0.32 (it ignores kv_transfer_params there).
+    responses_split: bool = True
     reservation_lease_s: float = 30.0
     kv_lease_s: float = 30.0
     state_refresh_s: float = 0.1
@@ -249,6 +255,8 @@ class Settings:
             raise ConfigError(f"workers: duplicate ids in {ids}")
         if self.redis_max_connections < 1:
             raise ConfigError("redis_max_connections must be >= 1")
+        if self.max_n < 1:
+            raise ConfigError("max_n must be >= 1")
         for name in (
             "reservation_lease_s",
             "kv_lease_s",

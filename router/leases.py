@@ -7,7 +7,8 @@
   Redis restarted empty) is put back, over capacity if need be: its sequence really occupies
   the worker.
 - **Stranded entries** of this replica's requests are remembered, so they can be written again
-  when the store lost them.
+  when the store lost them. Each is written with its reservation, pending (router/reserve.py);
+  marking it ready is a background call that never creates an entry (`kv_ready`).
 - **Owed steps**: an end-of-request release or unstrand that failed (the store was down, or one
   step errored) is retried every second until it lands or its lease has run out anyway. An owed
   release is never renewed: it is out of `live` the moment its request let go of it.
@@ -24,7 +25,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from state.base import Finished, StateStore, StoreError
+from state.base import Finished, StateStore, StoreError, StrandIntent
 
 __all__ = ["LeaseKeeper"]
 
@@ -37,7 +38,19 @@ _OWED_RETRY_S = 1.0
 @dataclass(slots=True)
 class _Owed:
     worker_id: str
-    since: float  # monotonic time of the failed attempt
+    # Monotonic time of the failed attempt; for a stranded entry still pending in the store,
+    # its ready-by time: the reaper takes that one only a KV lease after it, so it is owed
+    # until then.
+    since: float
+
+
+@dataclass(slots=True)
+class _Strand:
+    prefill_id: str
+    nbytes: int
+    # Monotonic time its KV became ready, or (pending) will be ready by at the latest: what a
+    # store that lost the entry is given back.
+    ready_at: float
 
 
 class LeaseKeeper:
@@ -57,10 +70,10 @@ class LeaseKeeper:
         # reservation id -> (blocks, expected end on the monotonic clock): what prediction-based
         # admission counts on freeing up (this replica's reservations; others' are not known)
         self.expected: dict[str, tuple[int, float]] = {}
-        self.strands: dict[str, tuple[str, int]] = {}  # request id -> (prefill id, bytes)
+        self.strands: dict[str, _Strand] = {}  # ledger entry id -> the entry
         self.owed_releases: dict[str, _Owed] = {}  # reservation id -> its decode worker
-        self.owed_unstrands: dict[str, _Owed] = {}  # request id -> its prefill worker
-        self.owed_strands: set[str] = set()  # request ids whose strand() did not land
+        self.owed_unstrands: dict[str, _Owed] = {}  # ledger entry id -> its prefill worker
+        self.owed_strands: set[str] = set()  # ledger entry ids not written yet
 
     def __repr__(self) -> str:
         return (
@@ -102,26 +115,44 @@ class LeaseKeeper:
         return out
 
     # -- stranded KV -------------------------------------------------------------------------
-    async def strand(self, prefill_id: str, request_id: str, nbytes: int) -> None:
-        """Record stranded KV. Best effort: the ledger is bookkeeping, not a safety reservation,
-        so a store failure here does not fail the request; the entry is written on a later tick."""
-        self.strands[request_id] = (prefill_id, nbytes)
+    def stranded(self, intent: StrandIntent, written: bool) -> None:
+        """The reservation wrote `intent` (pending) with it, or (`written` False: a cluster's
+        ledger node failed) did not: then it is written on a later tick. Best effort: the
+        ledger is bookkeeping, not a safety reservation, so that does not fail the request."""
+        ready_by = self.clock() + intent.ready_within_s
+        self.strands[intent.request_id] = _Strand(intent.prefill_id, intent.nbytes, ready_by)
+        if not written:
+            self.owed_strands.add(intent.request_id)
+
+    def owe_unstrand(self, prefill_id: str, request_id: str, ready_within_s: float) -> None:
+        """An entry that may be in the ledger, pending (a reservation whose answer was lost):
+        cleared on a later tick."""
+        self._owe(None, (prefill_id, request_id), self.clock() + ready_within_s)
+
+    async def kv_ready(self, prefill_id: str, request_id: str, age_s: float) -> None:
+        """The prefill answered `age_s` ago and the decode has not taken the KV yet: its KV
+        lease counts from then. A failure leaves the entry pending, reaped later, never early."""
+        entry = self.strands.get(request_id)
+        if entry is None:  # unstranded meanwhile: nothing to mark
+            return
+        entry.ready_at = self.clock() - age_s
+        if request_id in self.owed_strands:  # not written yet: it will be, with this time
+            return
         try:
-            await self.store.strand(prefill_id, request_id, nbytes)
+            await self.store.mark_ready(prefill_id, request_id, age_s)
         except StoreError as exc:
-            log.debug("strand of %s on %s deferred: %s", request_id, prefill_id, exc)
-            self.owed_strands.add(request_id)
+            log.debug("marking the KV of %s on %s ready failed: %s", request_id, prefill_id, exc)
 
     async def unstrand(self, prefill_id: str, request_id: str) -> None:
         """The decode took the KV (first token): clear the entry, now or on a later tick."""
-        self.strands.pop(request_id, None)
+        entry = self.strands.pop(request_id, None)
         if request_id in self.owed_strands:  # never written: nothing to clear
             self.owed_strands.discard(request_id)
             return
         try:
             await self.store.unstrand(prefill_id, request_id)
         except StoreError:
-            self.owed_unstrands[request_id] = _Owed(prefill_id, self.clock())
+            self._owe(None, (prefill_id, request_id), entry.ready_at if entry else None)
 
     # -- the end of an attempt -----------------------------------------------------------------
     async def finish(
@@ -134,8 +165,10 @@ class LeaseKeeper:
         owed and retried. Returns the blocks released now (0 when owed or already gone)."""
         if release is not None:
             self.drop(release[1])  # never renewed again, whatever the store says
+        ready_at = None
         if unstrand is not None:
-            self.strands.pop(unstrand[1], None)
+            entry = self.strands.pop(unstrand[1], None)
+            ready_at = entry.ready_at if entry else None
             if unstrand[1] in self.owed_strands:
                 self.owed_strands.discard(unstrand[1])
                 unstrand = None
@@ -143,22 +176,29 @@ class LeaseKeeper:
             done = await self.store.finish(release, unstrand, record)
         except StoreError as exc:
             log.debug("end-of-request bookkeeping deferred: %s", exc)
-            self._owe(release, unstrand)
+            self._owe(release, unstrand, ready_at)
             return 0
         self._owe(
             release if done.released_blocks is None else None,
             unstrand if done.unstranded_bytes is None else None,
+            ready_at,
         )
         if not done.recorded:
             log.debug("an output-length statistic was not recorded")
         return done.released_blocks or 0
 
-    def _owe(self, release: tuple[str, str] | None, unstrand: tuple[str, str] | None) -> None:
+    def _owe(
+        self,
+        release: tuple[str, str] | None,
+        unstrand: tuple[str, str] | None,
+        ready_at: float | None = None,
+    ) -> None:
         now = self.clock()
         if release is not None:
             self.owed_releases[release[1]] = _Owed(release[0], now)
         if unstrand is not None:
-            self.owed_unstrands[unstrand[1]] = _Owed(unstrand[0], now)
+            since = now if ready_at is None else max(now, ready_at)
+            self.owed_unstrands[unstrand[1]] = _Owed(unstrand[0], since)
 
     # -- the background work ---------------------------------------------------------------------
     async def renew_all(self) -> int:
@@ -240,9 +280,9 @@ class LeaseKeeper:
         """Store steps not taken yet: releases, unstrands and strands."""
         return len(self.owed_releases) + len(self.owed_unstrands) + len(self.owed_strands)
 
-    def _strand_args(self, request_id: str) -> tuple[str, str, int]:
-        prefill_id, nbytes = self.strands[request_id]
-        return prefill_id, request_id, nbytes
+    def _strand_args(self, request_id: str) -> tuple[str, str, int, float]:
+        entry = self.strands[request_id]
+        return entry.prefill_id, request_id, entry.nbytes, entry.ready_at - self.clock()
 
     async def reassert(self) -> None:
         """The store lost its data: put back every live reservation and stranded entry."""

@@ -8,6 +8,11 @@ body unread) or raises a `LegFailure`. Two shapes, by the prefill worker's adapt
 Every leg's breaker and error accounting is one context, `leg_errors(side, worker)`.
 
 Invariant kept here: a prefill is never sent without a decode reservation in hand.
+
+Round trips: the stranded-KV entry of a pulled prefill is written with the reservation, before
+the prefill is sent (`strand_intent`, router/reserve.py), so nothing is awaited between the
+prefill's answer and the decode leg; the entry is cleared when the decode shows it took the KV
+(`kv_accepted`), as a background job (docs/benchmarks-overhead.md, "Round trips").
 """
 
 from __future__ import annotations
@@ -20,24 +25,37 @@ from typing import Any
 import aiohttp
 import orjson
 
+from policies.base import Candidate, RequestInfo
 from router.adapters import ConcurrentAdapter, ProtocolViolation, WorkerAdapter, prefill_target
 from router.attempt import Ask, Attempt, Call, LegFailure, upstream_failure
 from router.errors import DeadlineExceeded, UpstreamError
 from router.gateway import Gateway
 from router.pools import WorkerState
 from router.relay import RelayResult
+from router.responses_pd import RESPONSES
+from router.responses_pd import prefill_body as responses_prefill_body
 from router.splice import SpliceResponse
+from state.base import StrandIntent
 
 __all__ = [
     "DecodeResponse",
+    "READY_MARK_AFTER_S",
     "RESUMED_HEADER",
+    "hold_intent",
     "kv_accepted",
     "leg_errors",
     "open_legs",
+    "strand_intent",
     "stream_failure",
 ]
 
 RESUMED_HEADER = "X-Resumed-Output-Tokens"
+
+# How long after the prefill's answer a stranded entry still pending is marked ready (its KV
+# lease then counts from the answer, not from the latest the prefill could have answered). A
+# decode usually shows it took the KV within milliseconds and the entry is cleared instead, so
+# the mark costs no store call for most requests; it matters for KV that sits unaccepted.
+READY_MARK_AFTER_S = 1.0
 
 # The decode leg's answer: aiohttp's, or the splice client's (`settings.relay == "splice"`).
 DecodeResponse = aiohttp.ClientResponse | SpliceResponse
@@ -47,6 +65,8 @@ async def open_legs(call: Call, attempt: Attempt, ask: Ask) -> DecodeResponse:
     """Prefill (when the pair has a prefill worker) and open the decode stream."""
     gw = call.gw
     prefill_id = attempt.candidate.prefill_id
+    if prefill_id is not None and _whole_on_decode(gw, call.parsed.n, prefill_id):
+        prefill_id = None  # the decode worker prefills it itself
     if prefill_id is not None and _concurrent(gw, prefill_id):
         return await _concurrent_legs(call, attempt, ask)
     body = ask.body
@@ -55,6 +75,17 @@ async def open_legs(call: Call, attempt: Attempt, ask: Ask) -> DecodeResponse:
         decode = gw.pools.workers[attempt.candidate.decode_id]
         body = _pull_adapter(gw, decode).decode_body(ask.body, kv)
     return await _open_decode(call, attempt, body, ask.resumed)
+
+
+def _whole_on_decode(gw: Gateway, n: int, prefill_id: str) -> bool:
+    """An answer of n > 1 choices is served whole by its decode worker (no prefill leg, no KV
+    handoff) in front of vLLM: its NIXL producer frees a prefill's blocks at the first
+    reader's notification, and the decode fans n > 1 out into n requests that each pull
+    the same handle, so all but the first race that free (docs/real-workers.md, "`n` > 1").
+    SGLang's decode workers cannot prefill: there `n` goes to both legs unchanged."""
+    if n <= 1:
+        return False
+    return gw.pools.workers[prefill_id].spec.adapter != "sglang"
 
 
 def _pull_adapter(gw: Gateway, worker: WorkerState) -> WorkerAdapter:
@@ -159,6 +190,8 @@ async def _prefill(call: Call, attempt: Attempt, ask: Ask) -> dict[str, Any]:
     worker = gw.pools.workers[attempt.candidate.prefill_id or ""]
     adapter = _pull_adapter(gw, worker)
     wire_body = adapter.prefill_body(ask.body)
+    if call.parsed.path == RESPONSES:
+        wire_body = responses_prefill_body(wire_body)  # its cap is `max_output_tokens`
     data = await _prefill_leg(call, attempt, wire_body, ask)
     try:
         params = adapter.kv_params(orjson.loads(data))
@@ -167,16 +200,62 @@ async def _prefill(call: Call, attempt: Attempt, ask: Ask) -> dict[str, Any]:
         worker.breaker.on_failure()
         err = UpstreamError(f"prefill worker {worker.spec.id} answered badly: {exc}")
         raise LegFailure("prefill", worker.spec.id, err, True) from exc
-    # The KV now lives on the prefill worker and no decode has it yet: it is stranded.
-    nbytes = ask.prompt_tokens * gw.settings.kv_bytes_per_token
-    attempt.stranded_on, attempt.stranded_bytes = worker.spec.id, nbytes
+    # The KV now lives on the prefill worker and no decode has it yet: its entry, written
+    # pending with the reservation, is ready. No store call is awaited here (issue 12).
+    loop = asyncio.get_running_loop()
+    answered = loop.time()
     # The prefill worker holds this KV only for its lease: a decode that has not taken it by
     # then never will, so the attempt fails (and is retried) instead of waiting out the TTFT.
-    attempt.handoff_by = asyncio.get_running_loop().time() + gw.settings.kv_lease_s
-    gw.pools.note_stranded(worker.spec.id, nbytes)
-    call.trace.begin("kv_handoff", prefill=worker.spec.id, kv_bytes=nbytes)
-    await gw.leases.strand(worker.spec.id, call.request_id, nbytes)
+    attempt.handoff_by = answered + gw.settings.kv_lease_s
+    call.trace.begin("kv_handoff", prefill=worker.spec.id, kv_bytes=attempt.stranded_bytes)
+    if attempt.stranded_on is not None:
+        attempt.ready_mark = loop.call_later(READY_MARK_AFTER_S, _mark_ready, gw, attempt, answered)
     return params
+
+
+def strand_intent(
+    gw: Gateway, info: RequestInfo, reservation_id: str, cand: Candidate
+) -> StrandIntent | None:
+    """The stranded-KV entry the prefill of `cand` will leave, to be written with its
+    reservation; None when no KV waits between the legs: a local pair, concurrent legs (their
+    decode takes the KV as it is built), an answer of n > 1 choices the decode prefills
+    itself (`_whole_on_decode`). Its id is the request's and the reservation's:
+    a client may reuse X-Request-Id values, and a retry's entry must not be the same as the
+    one an owed unstrand of the failed try is still to clear."""
+    prefill_id = cand.prefill_id
+    if (
+        prefill_id is None
+        or _whole_on_decode(gw, info.n, prefill_id)
+        or _concurrent(gw, prefill_id)
+    ):
+        return None
+    t = gw.settings.timeouts
+    return StrandIntent(
+        prefill_id,
+        f"{info.request_id}/{reservation_id}",
+        info.prompt_tokens * gw.settings.kv_bytes_per_token,
+        # The prefill answers (or is given up on) within its leg's timeout and the request's
+        # time to first token: until then the reaper must not count its KV lease.
+        min(t.prefill_s, t.ttft_s),
+    )
+
+
+def hold_intent(gw: Gateway, attempt: Attempt, intent: StrandIntent, written: bool) -> None:
+    """The reservation holds: its attempt owns the entry (released with it, router/release.py),
+    which counts on the prefill worker from now on (placement's stranded-KV cap, a role drain
+    waiting for the KV to leave)."""
+    attempt.stranded_on, attempt.stranded_id = intent.prefill_id, intent.request_id
+    attempt.stranded_bytes = intent.nbytes
+    gw.pools.note_stranded(intent.prefill_id, intent.nbytes)
+    gw.leases.stranded(intent, written)
+
+
+def _mark_ready(gw: Gateway, attempt: Attempt, answered: float) -> None:
+    attempt.ready_mark = None
+    if attempt.stranded_on is None:  # pragma: no cover - the timer is cancelled with the entry
+        return
+    age = asyncio.get_running_loop().time() - answered
+    gw.tasks.job(gw.leases.kv_ready(attempt.stranded_on, attempt.stranded_id, age), "kv-ready")
 
 
 def _concurrent(gw: Gateway, prefill_id: str) -> bool:
@@ -263,10 +342,13 @@ def kv_accepted(call: Call, attempt: Attempt) -> None:
     """The decode worker produced output, so it holds the KV: clear the stranded entry."""
     gw = call.gw
     call.trace.finish("kv_handoff")
+    if attempt.ready_mark is not None:
+        attempt.ready_mark.cancel()
+        attempt.ready_mark = None
     if attempt.stranded_on is not None:
         prefill_id, attempt.stranded_on = attempt.stranded_on, None
         gw.pools.note_stranded(prefill_id, -attempt.stranded_bytes)
-        gw.tasks.job(gw.leases.unstrand(prefill_id, call.request_id), "unstrand")
+        gw.tasks.job(gw.leases.unstrand(prefill_id, attempt.stranded_id), "unstrand")
 
 
 def stream_failure(

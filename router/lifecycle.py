@@ -4,6 +4,7 @@
     → relay the answer (router/respond.py) → release (router/release.py)
        └─ a leg fails before the client got a byte: release, retry on another pair (budgeted)
        └─ decode dies mid-stream: resume (router/resume.py) — the next try continues the stream
+          (not a Responses stream: it ends with an error event, router/responses_pd.py)
 
 The retry/resume loop is `_serve`, written once. Invariants kept here: each attempt's
 reservation and stranded-KV entry are released exactly once, in `finally` under
@@ -20,15 +21,23 @@ import random
 import uuid
 
 from policies.base import RequestInfo
+from router.api import ParsedRequest
 from router.assemble import stream_upstream, streamable
 from router.attempt import Ask, Attempt, Call, LegFailure, loop_time
-from router.errors import DeadlineExceeded, RouterError, Unavailable, as_router_error
+from router.errors import (
+    DeadlineExceeded,
+    RouterError,
+    Unavailable,
+    UpstreamError,
+    as_router_error,
+)
 from router.gateway import Gateway
 from router.legs import open_legs
 from router.prefixes import prefix_hashes
 from router.release import Record, outcome, release
 from router.reserve import Seat, admit_and_reserve, estimate
 from router.respond import Broken, ClientSide, Progress, Responder, Served
+from router.responses_pd import RESPONSES, upstream_body
 from router.resume import resume_ask
 from state.base import StoreError
 
@@ -43,6 +52,21 @@ def _client_request_id(value: str | None) -> str:
     if value and len(value) <= 128 and value.isascii() and value.isprintable() and " " not in value:
         return value
     return f"dr-{uuid.uuid4().hex}"
+
+
+def _no_resume(parsed: ParsedRequest, sent: list[bytes], failure: LegFailure) -> None:
+    """Some streams are not resumed mid-stream: an n > 1 one (the continuation of one text
+    cannot carry n choices) and a Responses one (it cannot go on under the same response id
+    and sequence numbers). Once the client has events it ends with its error frame (raised
+    here); before, the request is retried from the start."""
+    if not sent:
+        return
+    what = (
+        "a Responses stream" if parsed.path == RESPONSES else "an answer of several choices (n > 1)"
+    )
+    raise UpstreamError(
+        f"the answer's stream broke and {what} cannot be resumed: {failure.error.message}"
+    ) from failure
 
 
 class RequestFlow:
@@ -116,7 +140,10 @@ class RequestFlow:
         """Reserve → legs → respond, once per try; a failed try is released, then retried (the
         same ask) or resumed (the ask that continues the stream the client has)."""
         call, responder, parsed = self.call, self.responder, self.call.parsed
-        body = stream_upstream(parsed.body) if call.assembling else parsed.body
+        body = parsed.body
+        if call.assembling:
+            responses = parsed.path == RESPONSES
+            body = upstream_body(body) if responses else stream_upstream(body)
         ask = Ask(body, parsed.prompt_tokens, parsed.max_tokens)
         info: RequestInfo | None = None
         while True:
@@ -134,7 +161,10 @@ class RequestFlow:
                 if isinstance(ended, LegFailure) and not failure.retryable:
                     raise failure.error from failure  # the worker's verdict on the request
                 if isinstance(ended, Broken) and responder.stream is not None:
-                    ask, info = await resume_ask(call, responder.sent), None  # continue it
+                    if parsed.n > 1 or parsed.path == RESPONSES:
+                        _no_resume(parsed, responder.sent, failure)  # else retried as a leg
+                    else:
+                        ask, info = await resume_ask(call, responder.sent), None  # continue it
                 await self._before_retry(failure)
             except (RouterError, StoreError) as exc:
                 if responder.stream is None:

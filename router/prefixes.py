@@ -12,7 +12,7 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
-from router.api import CHAT
+from router.prompt_text import prompt_text
 
 __all__ = ["BLOCK_CHARS", "prefix_hashes", "RecentPrefixes"]
 
@@ -20,23 +20,8 @@ BLOCK_CHARS = 512 * 4
 _MAX_BLOCKS = 64  # enough to tell prompts apart; the rest would only cost time
 
 
-def _prompt_text(path: str, body: dict[str, Any]) -> str:
-    if path == CHAT:
-        parts = []
-        for msg in body.get("messages") or ():
-            content = msg.get("content")
-            if isinstance(content, list):
-                content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
-            parts.append(f"{msg.get('role')}\n{content or ''}\n")
-        return "".join(parts)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list):
-        prompt = prompt[0] if prompt and isinstance(prompt[0], str) else " ".join(map(str, prompt))
-    return prompt if isinstance(prompt, str) else ""
-
-
 def prefix_hashes(path: str, body: dict[str, Any]) -> tuple[int, ...]:
-    data = _prompt_text(path, body).encode()
+    data = prompt_text(path, body).encode()
     out, state = [], 0
     for i in range(min(len(data) // BLOCK_CHARS, _MAX_BLOCKS)):
         state = zlib.crc32(data[i * BLOCK_CHARS : (i + 1) * BLOCK_CHARS], state)

@@ -84,6 +84,7 @@ async def relay_sse(
     client: web.StreamResponse,
     *,
     chat: bool,
+    responses: bool = False,
     clock: Callable[[], float],
     observer: RelayObserver | None = None,
     first_event_by: float | None = None,
@@ -97,7 +98,7 @@ async def relay_sse(
     then ends the relay as an upstream error.
     """
     result = RelayResult()
-    cutter = SseCutter(chat)
+    cutter = SseCutter(chat, responses)
     content = upstream.content
     tokens_due = 0 if observer is not None else sys.maxsize
     try:
@@ -143,7 +144,7 @@ async def relay_sse(
         result.upstream_error = f"decode connection lost: {exc!r}"
     result.completed = cutter.finished
     if not result.completed and result.upstream_error is None:
-        result.upstream_error = "decode stream ended without [DONE]"
+        result.upstream_error = f"decode stream ended without {cutter.end_name}"
     return result
 
 

@@ -23,10 +23,15 @@ async def release(call: Call, attempt: Attempt | None, record: Record | None = N
     if attempt is not None:
         if attempt.partner is not None and not attempt.partner.done():
             attempt.partner.cancel()  # closes the prefill leg's connection
+        if attempt.ready_mark is not None:
+            attempt.ready_mark.cancel()
+            attempt.ready_mark = None
         if attempt.stranded_on is not None:
+            # Written with the reservation, so a prefill that failed (or never answered, or
+            # was not sent: the client left) has an entry too, pending: cleared here.
             prefill_id, attempt.stranded_on = attempt.stranded_on, None
             gw.pools.note_stranded(prefill_id, -attempt.stranded_bytes)
-            unstrand = (prefill_id, call.request_id)
+            unstrand = (prefill_id, attempt.stranded_id)
         if attempt.decode_id is not None:
             decode_id, attempt.decode_id = attempt.decode_id, None
             freed = (decode_id, attempt.reservation_id)
@@ -55,4 +60,7 @@ def outcome(
     if output_tokens > 0:
         reserved = info.reserve_output_tokens
         gw.metrics.estimate_relative_error.observe((reserved - output_tokens) / output_tokens)
-    return list(gw.estimator.class_keys(info)), gw.estimator.bucket_of(output_tokens)
+    # The estimator learns the length of one choice (what it estimates): an n-choice
+    # answer's tokens are shared by its n choices.
+    per_choice = -(-output_tokens // max(1, call.parsed.n))
+    return list(gw.estimator.class_keys(info)), gw.estimator.bucket_of(per_choice)

@@ -8,15 +8,17 @@ builds the `RequestInfo` it places; `grow` is the reservation's growth while the
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from dataclasses import replace
 
-from policies.base import Rejection, RequestInfo, blocks_for
+from policies.base import Rejection, RequestInfo, blocks_for, extra_choice_tokens
 from router.admission import QueueFull
 from router.attempt import Ask, Attempt, Call, loop_time
 from router.errors import NoCapacity, Unavailable
 from router.gateway import Gateway
+from router.legs import hold_intent, strand_intent
 from state.base import StoreError
 
 __all__ = ["Seat", "admit_and_reserve", "estimate", "grow"]
@@ -43,6 +45,12 @@ async def estimate(call: Call, ask: Ask) -> RequestInfo:
     gw = call.gw
     hint = call.headers.get("X-Expected-Output-Tokens")
     priority = call.parsed.body.get("priority")
+    # The choices' partial blocks are counted in the largest block size of the
+    # decode workers, so the reservation is an upper bound wherever placement puts it.
+    block_size = max(
+        (w.spec.layout.block_size for w in gw.pools.decode_workers),
+        default=16,
+    )
     info = RequestInfo(
         request_id=call.request_id,
         model=call.parsed.model,
@@ -57,6 +65,8 @@ async def estimate(call: Call, ask: Ask) -> RequestInfo:
         hint_output_tokens=(
             int(hint) if hint and len(hint) <= 9 and hint.isascii() and hint.isdigit() else None
         ),
+        n=call.parsed.n,
+        block_size=block_size,
     )
     keys = gw.estimator.class_keys(info)
     return replace(info, estimate=gw.estimator.estimate(info, await gw.histograms.get(keys)))
@@ -134,6 +144,9 @@ async def _try_reserve(gw: Gateway, info: RequestInfo, avoid: set[str]) -> Attem
         return decision
     for cand in decision.candidates:
         rid = uuid.uuid4().hex  # ours alone: clients reuse X-Request-Id values
+        # The prefill's stranded-KV entry goes with the reservation: one round trip before the
+        # prefill, none between its answer and the decode leg.
+        intent = strand_intent(gw, info, rid, cand)
         # Visible to placements made while the store call is under way (no await between
         # the decision and this line).
         gw.pools.note_pending(cand.decode_id, cand.reserve_blocks)
@@ -144,11 +157,15 @@ async def _try_reserve(gw: Gateway, info: RequestInfo, avoid: set[str]) -> Attem
                 cand.reserve_blocks,
                 gw.settings.reservation_lease_s,
                 overbook_blocks=overbook.get(cand.decode_id, 0),
+                intent=intent,
             )
-        except StoreError:
-            # The answer was lost, not necessarily the reservation: release it later. No
-            # prefill is sent without a reservation in hand, so the request ends in a 503.
+        except (StoreError, asyncio.CancelledError):
+            # The answer was lost, not necessarily the reservation (nor the intent): release
+            # them later. No prefill is sent without a reservation in hand, so the request
+            # ends in a 503 — or, cancelled (the client left while the script ran), ends.
             gw.leases.owe_release(cand.decode_id, rid)
+            if intent is not None:
+                gw.leases.owe_unstrand(intent.prefill_id, intent.request_id, intent.ready_within_s)
             raise
         finally:
             gw.pools.note_pending(cand.decode_id, -cand.reserve_blocks)
@@ -156,17 +173,26 @@ async def _try_reserve(gw: Gateway, info: RequestInfo, avoid: set[str]) -> Attem
             if overbook:
                 gw.metrics.admitted_on_forecast.inc()
             gw.pools.note_reserved(cand.decode_id, cand.reserve_blocks)
+            # The n choices decode side by side: the answer lasts one choice's tokens.
             expected_end = (
                 gw.clock()
                 + cand.predicted_ttft_s
-                + info.reserve_output_tokens * cand.predicted_itl_s
+                + info.reserve_choice_tokens * cand.predicted_itl_s
             )
             gw.leases.hold(cand.decode_id, rid, cand.reserve_blocks, expected_end)
             gw.metrics.placements.labels(
                 prefill=cand.prefill_id or "local", decode=cand.decode_id
             ).inc()
             log.debug("placed on %s -> %s", cand.prefill_id or "local", cand.decode_id)
-            return Attempt(cand, rid)
+            attempt = Attempt(cand, rid)
+            if intent is not None:
+                hold_intent(gw, attempt, intent, reserved.stranded)
+            return attempt
+        if intent is not None and reserved.stranded:
+            # A cluster wrote the intent beside the refusal: take it back, in the background
+            # (the refusal is not the hot path, and the entry's id is this reservation's
+            # alone, so no later write can be the one this clears).
+            gw.tasks.job(gw.leases.unstrand(intent.prefill_id, intent.request_id), "unstrand")
         gw.metrics.reserve_conflicts.inc()
     return Rejection(
         "every candidate decode worker filled up while reserving "
@@ -210,7 +236,10 @@ def grow(call: Call, attempt: Attempt, ask: Ask, tokens: int) -> None:
     # Grow by a quarter at a time, so a long overrun costs a few store calls, not one a block.
     grow_at = max(tokens + 1, int(attempt.grow_at_tokens * 1.25))
     block = worker.spec.layout.block_size
-    new_blocks = blocks_for(ask.prompt_tokens + ask.resumed + grow_at, block)
+    # `tokens` counts every choice's (the relay counts each choice's events), as the size
+    # does: prompt + the choices' output + their own partial blocks (policies/base.py).
+    extra = extra_choice_tokens(ask.prompt_tokens, call.parsed.n, block)
+    new_blocks = blocks_for(ask.prompt_tokens + ask.resumed + grow_at + extra, block)
     attempt.growing = True
     gw.tasks.job(_grow(call, attempt, new_blocks, grow_at), "grow-reservation")
 

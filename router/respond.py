@@ -29,6 +29,7 @@ from router.errors import RouterError, UpstreamError, UpstreamRejected, sse_erro
 from router.legs import DecodeResponse, kv_accepted, stream_failure
 from router.relay import RelayResult, relay_sse
 from router.reserve import grow
+from router.responses_pd import RESPONSES, assembled, error_event, output_tokens
 from router.splice import SpliceResponse, relay_splice
 
 __all__ = ["Broken", "ClientSide", "ClientStream", "Progress", "Responder", "Served"]
@@ -147,8 +148,12 @@ class Responder:
         """Headers are gone: end the stream with a valid SSE error frame, never a silent cut."""
         if self.stream is None:
             return
+        if self.call.parsed.path == RESPONSES:
+            frame = error_event(err)  # the Responses API's own error event
+        else:
+            frame = sse_error_frame(err.message, err.type, err.code)
         try:
-            await self.stream.write(sse_error_frame(err.message, err.type, err.code))
+            await self.stream.write(frame)
             await self.stream.write_eof()
         except (ConnectionError, RuntimeError):
             pass
@@ -169,6 +174,7 @@ class Responder:
                 resp,
                 sink,
                 chat=self.call.parsed.path == CHAT,
+                responses=self.call.parsed.path == RESPONSES,
                 clock=gw.clock,
                 observer=self.progress,
                 first_event_by=attempt.handoff_by,
@@ -223,7 +229,9 @@ class Responder:
             resp.close()
         kv_accepted(self.call, attempt)
         gw.metrics.ttft.observe(gw.clock() - self.call.started)
-        return Served(200, int(usage.get("completion_tokens") or 0), data)
+        # Chat and completions count `completion_tokens`, the Responses API `output_tokens`.
+        tokens = usage.get("completion_tokens") or usage.get("output_tokens") or 0
+        return Served(200, int(tokens), data)
 
     async def _assembled(self, attempt: Attempt, resp: DecodeResponse, ask: Ask) -> Served | Broken:
         """Asked for whole, streamed from the decode worker: the first token clears the stranded
@@ -232,6 +240,14 @@ class Responder:
         # The relay keeps every whole event it passes on (`result.chunks`): the answer is
         # assembled from those, so the sink keeps nothing.
         worker, result = await self._relay(attempt, resp, DISCARD, ask)
+        if self.call.parsed.path == RESPONSES:
+            answer = assembled(result.chunks) if result.completed else None
+            if answer is not None:
+                return Served(200, output_tokens(answer) or result.tokens, orjson.dumps(answer))
+            if result.completed:  # a completing event that does not parse: retried as broken
+                result.completed, result.error_kind = False, "malformed"
+                result.upstream_error = "the decode stream's response.completed does not parse"
+            return Broken(stream_failure(self.call.gw, attempt, worker, result))
         whole = assemble(result.chunks, self.call.parsed.path == CHAT) if result.completed else None
         if isinstance(whole, dict) and not whole["choices"]:
             # A stream that ended well but spelled no answer (events that do not parse):

@@ -1,15 +1,12 @@
-"""`POST /v1/responses` (OpenAI's Responses API), stateless requests, on one worker.
+"""`POST /v1/responses` (OpenAI's Responses API): stateless requests only, and the route's
+whole-on-one-worker path.
 
-Not through the prefill/decode path: vLLM's Responses endpoint has no way to carry a KV handle.
-Its request model (`ResponsesRequest`, vllm/entrypoints/openai/responses/protocol.py) has no
-`kv_transfer_params` field — unknown fields are dropped — and builds its SamplingParams with
-`extra_args=self.vllm_xargs`, whose values may only be strings, numbers or lists of them, so the
-NIXL connector never sees a `do_remote_decode`/`do_remote_prefill` object; nor does its answer
-(`ResponsesResponse`) return one. Chat and completions differ exactly there (their requests
-copy `kv_transfer_params` into `extra_args`, their answers carry it back). So a Responses
-request is served whole by one worker that runs both phases: one registered as `both`, else a
+A Responses request goes through the prefill/decode path like chat when a NIXL-pull prefill
+worker is in rotation (router/responses_pd.py: vLLM 0.32 carries `kv_transfer_params` on this
+endpoint); otherwise, and for requests with built-in tools, it is served whole by one worker
+that runs both phases (this route, router/passthrough.py): one registered as `both`, else a
 decode worker (a kv_consumer prefills locally any request without `kv_transfer_params`).
-docs/real-workers.md has the references.
+docs/real-workers.md has the vLLM references.
 
 The router keeps no state, so the stateful features are refused with a 400 that says so:
 `previous_response_id` (the response it names lives in no worker the router could find again),
@@ -25,12 +22,12 @@ from typing import Any
 
 import orjson
 
+from router.api import RESPONSES
 from router.errors import InvalidRequest, RouterError
 from router.passthrough import BOTH_PHASES, Route
 
-__all__ = ["RESPONSES", "RESPONSES_ROUTE", "stateless_body"]
+__all__ = ["RESPONSES", "RESPONSES_ROUTE", "error_event", "stateless_body"]
 
-RESPONSES = "/v1/responses"
 
 _STATELESS = (
     "the router is stateless: {what} is not supported. Send the whole conversation in 'input' "
@@ -38,8 +35,9 @@ _STATELESS = (
 )
 
 
-def _error_event(err: RouterError) -> bytes:
-    """The Responses API's stream error event."""
+def error_event(err: RouterError) -> bytes:
+    """The Responses API's stream error event (OpenAI's `ResponseErrorEvent` fields), which
+    ends a stream that broke after the client got an event."""
     event = {"type": "error", "code": err.type, "message": err.message, "param": err.param}
     return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
 
@@ -62,4 +60,5 @@ def stateless_body(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     return body, bool(stream)
 
 
-RESPONSES_ROUTE = Route(RESPONSES, BOTH_PHASES, error_event=_error_event, shape=stateless_body)
+# The whole-on-one-worker path (router/app.py forwards to it a body `stateless_body` checked).
+RESPONSES_ROUTE = Route(RESPONSES, BOTH_PHASES, error_event=error_event)

@@ -148,6 +148,7 @@ async def relay_splice(
     client: web.StreamResponse,
     *,
     chat: bool,
+    responses: bool = False,
     clock: Callable[[], float],
     observer: RelayObserver | None = None,
     first_event_by: float | None = None,
@@ -165,7 +166,7 @@ async def relay_splice(
     except ConnectionResetError:
         return RelayResult(client_gone=True)
     transport.set_write_buffer_limits(high=HIGH_WATER)
-    splice = _Splice(conn, writer, transport, SseCutter(chat), clock, observer)
+    splice = _Splice(conn, writer, transport, SseCutter(chat, responses), clock, observer)
     result = splice.result
     loop = asyncio.get_running_loop()
     deadline = (
@@ -198,5 +199,5 @@ async def relay_splice(
         return result
     result.completed = splice.cutter.finished
     if not result.completed and result.upstream_error is None:
-        result.upstream_error = "decode stream ended without [DONE]"
+        result.upstream_error = f"decode stream ended without {splice.cutter.end_name}"
     return result

@@ -14,6 +14,14 @@ back. The cutter's rules, once:
 - tokens are counted with byte searches over the whole read, and the last bytes are kept to
   tell a finished stream (`data: [DONE]`) from a cut one.
 
+The Responses API's stream (`responses=True`; named events, `event: <type>` then `data:`):
+a token is a `response.output_text.delta` event; the stream is finished once a
+`response.completed` (or `response.incomplete`) event came; an `error` or `response.failed`
+event ends it like a server-side error event. Its opening events (`response.created`,
+`response.in_progress`) are held back until the first event after them: vLLM sends them before
+the engine has run (before the KV pull), so forwarding them would tell the relay the decode
+took the KV, and leave the client holding the start of an answer a retry would start again.
+
 The per-read cost is a few `bytes` methods over the read (`endswith`, `count`, one `in`); no
 Python object per event. JSON is parsed only for the first forwarded piece and for a read that
 mentions `"error"`.
@@ -40,6 +48,11 @@ ERROR_EVENT: Final = "decode worker reported an error mid-stream"
 MALFORMED_FIRST_EVENT: Final = "decode worker's first event is not a JSON object"
 _DONE: Final = b"data: [DONE]"
 _TAIL: Final = 32  # bytes kept to find `[DONE]` at the end, even when split over reads
+# The Responses stream's events, as their first line (whole events only reach these checks).
+_R_DELTA: Final = b"event: response.output_text.delta\n"
+_R_ENDS: Final = (b"event: response.completed\n", b"event: response.incomplete\n")
+_R_FAILS: Final = (b"event: error\n", b"event: response.failed\n")
+_R_OPENING: Final = (b"event: response.created\n", b"event: response.in_progress\n")
 
 
 def malformed(data: bytes) -> bool:
@@ -86,6 +99,31 @@ def count_tokens(data: bytes, chat: bool) -> int:
     return data.count(b'"text":"') - data.count(b'"text":""')
 
 
+def _responses_failure(data: bytes) -> tuple[bytes, str | None]:
+    """Whole Responses events `data` → (the part before an `error`/`response.failed` event,
+    that event's message), or (data, None) when it has none."""
+    start = 0
+    while start < len(data):
+        end = data.find(b"\n\n", start)
+        end = len(data) if end < 0 else end + 2
+        event = data[start:end]
+        if event.startswith(_R_FAILS):
+            message = "the Responses stream failed"
+            for line in event.split(b"\n")[1:]:
+                payload = sse_data(line)
+                try:
+                    obj = orjson.loads(payload) if payload else None
+                except orjson.JSONDecodeError:
+                    obj = None
+                if isinstance(obj, dict):
+                    inner = (obj.get("response") or {}).get("error") or obj
+                    if isinstance(inner, dict) and isinstance(inner.get("message"), str):
+                        message = inner["message"]
+            return data[:start], message
+        start = end
+    return data, None
+
+
 class SseCutter:
     """One stream's cutting state. `feed(read)` → the bytes to forward now (b"" for none; the
     read itself, not a copy, when it is whole events and nothing was held); after it, `stop`
@@ -94,18 +132,22 @@ class SseCutter:
 
     __slots__ = (
         "chat",
+        "responses",
         "pending",
         "tail",
         "tokens",
         "forwarded",
         "stop",
         "stop_kind",
+        "ended",
         "_token",
         "_empty",
     )
 
-    def __init__(self, chat: bool) -> None:
+    def __init__(self, chat: bool, responses: bool = False) -> None:
         self.chat = chat
+        self.responses = responses  # the Responses API's named events (the module docstring)
+        self.ended = False  # a Responses stream's completing event was forwarded
         self.pending = b""  # the start of an event whose end has not arrived yet
         self.tail = b""  # the last forwarded read (its last _TAIL bytes when reads are short)
         self.tokens = 0
@@ -133,6 +175,8 @@ class SseCutter:
                 self.stop, self.stop_kind = f"{ERROR_EVENT}: {error.message}", "error_event"
             if not data:
                 return b""
+        if self.responses:
+            return self._responses(data)
         if not self.forwarded:
             if malformed(data):
                 self.stop, self.stop_kind = MALFORMED_FIRST_EVENT, "malformed"
@@ -143,7 +187,37 @@ class SseCutter:
         self.tail = data if len(data) >= _TAIL else (self.tail + data)[-_TAIL:]
         return data
 
+    def _responses(self, data: bytes) -> bytes:
+        deltas = data.count(_R_DELTA)
+        if self.forwarded and deltas == data.count(b"\n\n"):
+            self.tokens += deltas  # the common read, deltas only: the rare events not looked for
+            return data
+        if b"event: error\n" in data or b"event: response.failed\n" in data:
+            data, failure = _responses_failure(data)
+            if failure is not None:
+                self.stop, self.stop_kind = f"{ERROR_EVENT}: {failure}", "error_event"
+                deltas = data.count(_R_DELTA)
+        if not self.forwarded and data:
+            if malformed(data):
+                self.stop, self.stop_kind = MALFORMED_FIRST_EVENT, "malformed"
+                return b""
+            if sum(data.count(e) for e in _R_OPENING) == data.count(b"\n\n"):
+                if self.stop is None:  # only the opening events so far: hold them
+                    self.pending = data + self.pending
+                return b""  # (a failure right after them: the client gets none, it is retried)
+            self.forwarded = True
+        self.tokens += deltas
+        if not self.ended:
+            self.ended = _R_ENDS[0] in data or _R_ENDS[1] in data
+        return data
+
     @property
     def finished(self) -> bool:
-        """The forwarded stream ended with `data: [DONE]`."""
-        return _DONE in self.tail[-_TAIL:]
+        """The forwarded stream ended with `data: [DONE]` (a Responses stream: its
+        `response.completed` event came)."""
+        return self.ended if self.responses else _DONE in self.tail[-_TAIL:]
+
+    @property
+    def end_name(self) -> str:
+        """What a finished stream ends with, for the message of one that did not."""
+        return "response.completed" if self.responses else "[DONE]"

@@ -2,8 +2,10 @@
 
     scripts/install_aiperf.sh                      # once: aiperf in its own venv
     python scripts/aiperf_recipe.py --requests 400 --concurrency 8 --out /tmp/aiperf
+    python scripts/aiperf_recipe.py --prefill 1 --decode 1 ...   # 1P+1D: two GPUs behind the router
 
-Starts `disagg-router demo --serve` (2 prefill + 2 decode simulated workers behind the router)
+Starts `disagg-router demo --serve` (`--prefill` + `--decode` simulated workers behind the router,
+2 + 2 by default)
 and one simulated worker that does both phases (`disagg-router worker --role both`), at the same
 time scale; runs the same aiperf profile (same seed, prompts, lengths, concurrency) against each;
 prints TTFT, ITL and request latency side by side. The router's added latency reads off one
@@ -19,20 +21,25 @@ OUT/summary.json. Exit status: 0 when both runs completed every request without 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench_clients import (
+    DEMO_READY,
+    ROOT,
+    WORKER_READY,
+    added_row,
+    entry,
+    offline_env,
+    print_table,
+    started,
+)
+
 TOKENIZER = ROOT / "examples" / "aiperf" / "tokenizer"
 DEFAULT_AIPERF_HOME = Path(os.environ.get("HOME", "/root")) / ".cache" / "disagg-router" / "aiperf"
 METRICS = ("time_to_first_token", "inter_token_latency", "request_latency")
@@ -43,61 +50,6 @@ def aiperf_binary() -> Path:
     """Where scripts/install_aiperf.sh put aiperf ($AIPERF_HOME or its default)."""
     home = Path(os.environ.get("AIPERF_HOME") or DEFAULT_AIPERF_HOME)
     return home / "bin" / "aiperf"
-
-
-def _entry() -> list[str]:
-    script = Path(sys.executable).with_name("disagg-router")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "router.cli"]
-
-
-def _offline_env() -> dict[str, str]:
-    env = dict(os.environ)
-    # A closed loopback port: any hub request fails at once instead of leaving the machine.
-    env.update(HF_ENDPOINT="http://127.0.0.1:9", NO_PROXY="*", no_proxy="*")
-    env.update(HF_HUB_DISABLE_TELEMETRY="1", DO_NOT_TRACK="1")
-    for key in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY"):
-        env.pop(key, None)
-    return env
-
-
-@contextlib.contextmanager
-def _started(cmd: list[str], marker: str, log: Path) -> Iterator[str]:
-    """Run `cmd` until the block ends; yield the first URL on the stdout line with `marker`."""
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # the demo's own Redis
-    with log.open("w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-    try:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + 60
-        url = ""
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            if marker in line:
-                url = next(w for w in line.split() if w.startswith("http://")).rstrip("/")
-                break
-        if not url:
-            raise RuntimeError(f"{' '.join(cmd)} did not start; see {log}")
-        _wait_ok(url + "/health")
-        yield url
-    finally:
-        proc.send_signal(signal.SIGINT)  # both shut down cleanly on Ctrl-C
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _wait_ok(url: str) -> None:
-    for _ in range(100):
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url, timeout=2) as resp:  # noqa: S310 - loopback
-                if resp.status == 200:
-                    return
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} never answered 200")
 
 
 def run_aiperf(url: str, out: Path, ns: argparse.Namespace) -> dict[str, Any]:
@@ -115,7 +67,7 @@ def run_aiperf(url: str, out: Path, ns: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True)
     with (out / "aiperf.stdout").open("w") as log:
         done = subprocess.run(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=_offline_env(), timeout=ns.timeout
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=offline_env(), timeout=ns.timeout
         )
     summary = out / "profile_export_aiperf.json"
     if done.returncode != 0 or not summary.exists():
@@ -141,16 +93,8 @@ def compare(router: dict[str, Any], direct: dict[str, Any]) -> dict[str, Any]:
     for metric in METRICS:
         for stat in STATS:
             r, d = _stat(router, metric, stat), _stat(direct, metric, stat)
-            added = None if r is None or d is None else round(r - d, 3)
-            table[f"{metric}.{stat}"] = {"router_ms": r, "direct_ms": d, "added_ms": added}
+            table[f"{metric}.{stat}"] = added_row(r, d)
     return table
-
-
-def _print(table: dict[str, Any]) -> None:
-    print(f"{'metric (ms)':<28}{'router':>10}{'direct':>10}{'added':>10}")
-    for name, row in table.items():
-        cells = [f"{v:>10.2f}" if v is not None else f"{'-':>10}" for v in row.values()]
-        print(f"{name:<28}{''.join(cells)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,21 +105,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--osl", type=int, default=64, help="output tokens (mean)")
     parser.add_argument("--time-scale", type=float, default=10.0, help="simulated GPU speed-up")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--prefill", type=int, default=2, help="prefill workers behind the router")
+    parser.add_argument("--decode", type=int, default=2, help="decode workers behind the router")
     parser.add_argument("--model", default="llama-3-8b")
     parser.add_argument("--out", type=Path, default=Path("aiperf-out"))
     parser.add_argument("--aiperf", type=Path, default=aiperf_binary())
     parser.add_argument("--timeout", type=float, default=1800.0, help="per aiperf run (s)")
     ns = parser.parse_args(argv)
+    if ns.prefill < 1 or ns.decode < 1:
+        parser.error("--prefill and --decode need at least one worker each")
     if not ns.aiperf.exists():
         print(f"aiperf not found at {ns.aiperf}: run scripts/install_aiperf.sh", file=sys.stderr)
         return 2
     ns.out.mkdir(parents=True, exist_ok=True)
     scale = ["--time-scale", f"{ns.time_scale:g}"]
-    demo = [*_entry(), "demo", "--serve", "--port", "0", "--model", ns.model, *scale]
-    worker = [*_entry(), "worker", "--role", "both", "--port", "0", "--model", ns.model, *scale]
-    with _started(demo, "router: http://", ns.out / "demo.log") as router_url:
+    pools = ["--prefill", str(ns.prefill), "--decode", str(ns.decode)]
+    demo = [*entry(), "demo", "--serve", "--port", "0", "--model", ns.model, *pools, *scale]
+    worker = [*entry(), "worker", "--role", "both", "--port", "0", "--model", ns.model, *scale]
+    with started(demo, DEMO_READY, ns.out / "demo.log") as router_url:
         router = run_aiperf(router_url, ns.out / "router", ns)
-    with _started(worker, "listening on http://", ns.out / "worker.log") as worker_url:
+    with started(worker, WORKER_READY, ns.out / "worker.log") as worker_url:
         direct = run_aiperf(worker_url, ns.out / "direct", ns)
     ok = all(completed_without_errors(r, ns.requests) for r in (router, direct))
     table = compare(router, direct)
@@ -183,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(sys.argv),
         "requests": ns.requests,
         "concurrency": ns.concurrency,
+        "router_workers": {"prefill": ns.prefill, "decode": ns.decode},
         "isl": ns.isl,
         "osl": ns.osl,
         "time_scale": ns.time_scale,
@@ -191,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         "metrics": table,
     }
     (ns.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _print(table)
+    print_table(table)
     print(f"{'all requests completed, no errors' if ok else 'FAILED'}; artifacts in {ns.out}")
     return 0 if ok else 1
 

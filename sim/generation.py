@@ -3,6 +3,8 @@
     do_remote_decode  -> _prefill: blocks, FIFO prefill, KV entry under lease, one token + params
     do_remote_prefill -> _decode: blocks for prompt+1, POST P/sim/kv/pull, join batch, stream
     neither           -> _decode with a local prefill (conditional disaggregation)
+    a `Dialect`       -> the same, for an endpoint whose body and answer differ (the Responses
+                         API: sim.extra_endpoints), translated to a request `textgen` reads
     bootstrap_room    -> SGLang PD (sim.bootstrap): the prefill holds its KV in the room until
                          the decode takes it, then answers; the decode takes it, then streams
 
@@ -16,7 +18,7 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
@@ -26,13 +28,14 @@ from policies.base import blocks_for
 
 from . import textgen
 from .bootstrap import KvRoomError, RoomKv, bootstrap_params, hold_room, pull_room
+from .choices import serve_choices
 from .decode_engine import Sequence
 from .faults import error_body, error_response
 from .openai_format import AnswerFormat, malformed_response
 from .sglang_protocol import SglangFormat
 from .worker_state import WORKER, Worker
 
-__all__ = ["handle_generation", "handle_kv_pull", "json_response"]
+__all__ = ["Dialect", "handle_generation", "handle_kv_pull", "json_response"]
 
 _MISMATCH_REASONS = ("engine_id", "block_ids", "prompt_state")
 
@@ -57,11 +60,25 @@ def _tracked(worker: Worker, request: web.Request) -> Iterator[None]:
         worker.inflight.pop(task, None)
 
 
-async def handle_generation(request: web.Request) -> web.StreamResponse:
+class Dialect(Protocol):
+    """An endpoint generated like chat but spoken in its own shapes (the Responses API): the
+    PD protocol (kv_transfer_params in the body, at the top of the answer) is the same."""
+
+    path: str  # the textgen path its requests translate to
+    format: Any  # the class of its answer shapes, with AnswerFormat's interface
+
+    def as_request(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The body as a request of `path` (ValueError: a 400 with its message)."""
+        ...
+
+
+async def handle_generation(
+    request: web.Request, dialect: Dialect | None = None
+) -> web.StreamResponse:
     worker = request.app[WORKER]
     with _tracked(worker, request):
         try:
-            return await _generation(worker, request)
+            return await _generation(worker, request, dialect)
         except _Refusal as refusal:
             if refusal.response.status == 400:
                 worker.metrics.inc("bad_requests")
@@ -76,7 +93,9 @@ async def _read_json(request: web.Request) -> Any:
         raise _Refusal(400, f"invalid JSON body: {exc}") from exc
 
 
-async def _generation(worker: Worker, request: web.Request) -> web.StreamResponse:
+async def _generation(
+    worker: Worker, request: web.Request, dialect: Dialect | None = None
+) -> web.StreamResponse:
     path = request.path
     body = await _read_json(request)
     headers = {str(k): v for k, v in request.headers.items()}
@@ -99,13 +118,26 @@ async def _generation(worker: Worker, request: web.Request) -> web.StreamRespons
     if model is not None and model != worker.config.model_name:
         raise _Refusal(404, f"The model `{model}` does not exist.", "model")
     try:
+        spec_path, spec_body = (
+            (path, body) if dialect is None else (dialect.path, dialect.as_request(body))
+        )
         spec = textgen.answer_spec(
-            path, body, request.headers, worker.config.mean_output_tokens, worker.max_model_len
+            spec_path,
+            spec_body,
+            request.headers,
+            worker.config.mean_output_tokens,
+            worker.max_model_len,
         )
     except ValueError as exc:
         raise _Refusal(400, str(exc)) from exc
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-    fmt_class = SglangFormat if path == textgen.SGLANG_PATH else AnswerFormat
+    fmt_class: Any = (
+        dialect.format
+        if dialect is not None
+        else SglangFormat
+        if path == textgen.SGLANG_PATH
+        else AnswerFormat
+    )
     fmt = fmt_class(path, request_id, worker.config.model_name, spec.prompt_tokens, body)
     worker.metrics.inc("requests", label=mode)
     if mode == "prefill":
@@ -230,6 +262,7 @@ async def _decode(
 ) -> web.StreamResponse:
     blocks = _take_blocks(worker, worker.engine.admission_blocks(spec.prompt_tokens))
     seq: Sequence | None = None
+    others: list[Sequence] = []  # choices 1..n-1 (sim/choices.py)
     try:
         if fmt.stream and worker.faults.fire("decode_stall_after_headers"):
             worker.metrics.inc("faults", label="decode_stall_after_headers")
@@ -258,6 +291,11 @@ async def _decode(
         die_after = worker.faults.die_after_tokens()
         seq = Sequence(rid, blocks, spec.prompt_tokens, spec.tokens())
         blocks = []
+        if spec.n > 1 and isinstance(fmt, AnswerFormat):
+            _other_choices(worker, rid, spec, others)
+            for s in (seq, *others):
+                worker.engine.join(s)
+            return await serve_choices(worker, request, [seq, *others], fmt, die_after)
         worker.engine.join(seq)
         if fmt.stream:
             error_after = worker.faults.error_event_after_tokens()
@@ -268,8 +306,20 @@ async def _decode(
         raise
     finally:
         worker.pool.give(blocks)
-        if seq is not None:
-            worker.engine.abort(seq)  # no-op once finished; frees the blocks of an aborted one
+        for s in [] if seq is None else [seq, *others]:
+            worker.engine.abort(s)  # no-op once finished; frees the blocks of an aborted one
+
+
+def _other_choices(
+    worker: Worker, rid: str, spec: textgen.AnswerSpec, into: list[Sequence]
+) -> None:
+    """Choices 1..n-1, appended to `into` as their blocks are taken (the caller frees them):
+    each shares the prompt's full blocks with choice 0 (prefix caching) and holds its own
+    copy of the prompt's partial last block."""
+    tail = spec.prompt_tokens % worker.config.block_size
+    for i in range(1, spec.n):
+        blocks = _take_blocks(worker, blocks_for(tail + 1, worker.config.block_size))
+        into.append(Sequence(f"{i}_{rid}", blocks, tail, spec.tokens(i)))
 
 
 async def _pull_kv(worker: Worker, params: Mapping[str, Any], spec: textgen.AnswerSpec) -> None:

@@ -62,26 +62,32 @@ class AnswerFormat:
             obj["usage"] = self.usage(sent)
         return sse(obj)
 
-    def _choice(self, payload: dict[str, Any], finish: str | None) -> dict[str, Any]:
-        return {"index": 0, **payload, "logprobs": None, "finish_reason": finish}
+    def _choice(
+        self, payload: dict[str, Any], finish: str | None, index: int = 0
+    ) -> dict[str, Any]:
+        return {"index": index, **payload, "logprobs": None, "finish_reason": finish}
 
-    def role_event(self) -> bytes:
-        """The opening chunk of a chat stream; nothing for completions."""
+    def role_event(self, index: int = 0) -> bytes:
+        """The opening chunk of a chat stream (one per choice); nothing for completions."""
         if not self.chat:
             return b""
-        return self._chunk(self._choice({"delta": {"role": "assistant", "content": ""}}, None), 0)
+        role = {"delta": {"role": "assistant", "content": ""}}
+        return self._chunk(self._choice(role, None, index), 0)
 
-    def events(self, tok: str, finish: str | None, sent: int) -> bytes:
-        """Bytes for one produced token (`sent` counts it); with the stream's tail when last."""
+    def events(
+        self, tok: str, finish: str | None, sent: int, index: int = 0, last: bool = True
+    ) -> bytes:
+        """Bytes for one produced token of choice `index` (`sent` counts it, over all choices);
+        with the stream's tail when it ends the last choice still running (`last`)."""
         out = b""
         if self.chat:
             if tok:
-                out += self._chunk(self._choice({"delta": {"content": tok}}, None), sent)
+                out += self._chunk(self._choice({"delta": {"content": tok}}, None, index), sent)
             if finish is not None:
-                out += self._chunk(self._choice({"delta": {}}, finish), sent)
+                out += self._chunk(self._choice({"delta": {}}, finish, index), sent)
         elif tok or finish is not None:
-            out += self._chunk(self._choice({"text": tok}, finish), sent)
-        if finish is not None:
+            out += self._chunk(self._choice({"text": tok}, finish, index), sent)
+        if finish is not None and last:
             if self.include_usage:
                 out += self._chunk(None, sent)
             out += DONE
@@ -95,18 +101,31 @@ class AnswerFormat:
         kv_transfer_params: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """The non-streaming answer object (vLLM puts kv_transfer_params at the top level)."""
-        if self.chat:
-            message = {"role": "assistant", "content": text, "tool_calls": []}
-            choice = self._choice({"message": message}, finish)
-        else:
-            choice = self._choice({"text": text}, finish)
-        choice["stop_reason"] = None
+        return self.full_choices([(text, finish)], completion_tokens, kv_transfer_params)
+
+    def full_choices(
+        self,
+        choices: list[tuple[str, str]],
+        completion_tokens: int,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The non-streaming answer of one or more choices ((text, finish) each, by index);
+        usage counts every choice's tokens."""
+        out = []
+        for index, (text, finish) in enumerate(choices):
+            if self.chat:
+                message = {"role": "assistant", "content": text, "tool_calls": []}
+                choice = self._choice({"message": message}, finish, index)
+            else:
+                choice = self._choice({"text": text}, finish, index)
+            choice["stop_reason"] = None
+            out.append(choice)
         return {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
+            "choices": out,
             "usage": self.usage(completion_tokens),
             "kv_transfer_params": kv_transfer_params,
         }

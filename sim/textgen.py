@@ -32,6 +32,7 @@ __all__ = [
     "generate",
     "answer_spec",
     "expected_answer",
+    "expected_choice",
 ]
 
 DEFAULT_MAX_MODEL_LEN = 131_072
@@ -259,14 +260,23 @@ class AnswerSpec:
     mean_tokens: int  # 0 = no natural end (ignore_eos)
     natural_tokens: int | None
     already: int
+    n: int = 1  # choices (the request's `n`)
+    seed: int | None = None
 
     @property
     def state(self) -> int:
         return context_state(self.context)
 
-    def tokens(self) -> Iterator[tuple[str, str | None]]:
+    def tokens(self, choice: int = 0) -> Iterator[tuple[str, str | None]]:
+        """Choice 0 is the greedy answer (the one an n=1 request gets); each other choice
+        starts from the state with its index and the seed folded in, so the n choices differ
+        from each other and are the same for the same request and seed (as vLLM seeds choice
+        i with seed + i)."""
+        state = self.state
+        if choice:
+            state = _fold(f"choice {choice} seed {self.seed}", state)
         return iter_tokens(
-            self.state, self.max_tokens, self.mean_tokens, self.natural_tokens, self.already
+            state, self.max_tokens, self.mean_tokens, self.natural_tokens, self.already
         )
 
 
@@ -336,7 +346,18 @@ def answer_spec(
     already = _int_header(headers, "X-Resumed-Output-Tokens") or 0
     if body.get("ignore_eos"):
         mean_tokens, natural = 0, None
-    return AnswerSpec(context, prompt_tokens, max_tokens, mean_tokens, natural, already)
+    n = _optional_positive_int(body, "n") or 1
+    seed = body.get("seed")
+    return AnswerSpec(
+        context,
+        prompt_tokens,
+        max_tokens,
+        mean_tokens,
+        natural,
+        already,
+        n,
+        seed if isinstance(seed, int) and not isinstance(seed, bool) else None,
+    )
 
 
 def expected_answer(
@@ -347,10 +368,22 @@ def expected_answer(
     max_model_len: int | None = None,
 ) -> tuple[str, int, str]:
     """The full answer text, its token count and finish reason: what the worker would stream."""
+    return expected_choice(path, body, 0, headers, mean_tokens, max_model_len)
+
+
+def expected_choice(
+    path: str,
+    body: Mapping[str, object],
+    choice: int,
+    headers: Mapping[str, str] | None = None,
+    mean_tokens: int = 128,
+    max_model_len: int | None = None,
+) -> tuple[str, int, str]:
+    """`expected_answer` of the request's choice number `choice` (0 .. n-1)."""
     spec = answer_spec(path, body, headers, mean_tokens, max_model_len)
     tokens: list[str] = []
     reason = "length"
-    for tok, finish in spec.tokens():
+    for tok, finish in spec.tokens(choice):
         tokens.append(tok)
         if finish is not None:
             reason = finish

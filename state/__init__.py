@@ -20,14 +20,14 @@ from state.base import (
 )
 from state.keys import DEFAULT_PREFIX, Keys
 from state.memory_store import MemoryStore
-from state.redis_store import (
+from state.redis_conn import (
     CLUSTER_SCHEMES,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_POOL_TIMEOUT_S,
-    RedisStore,
     StoreUnavailableError,
     redact_url,
 )
+from state.redis_store import RedisStore
 
 __all__ = [
     "DecodeUsage",

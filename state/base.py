@@ -6,7 +6,8 @@ and `MemoryStore` (in-process, for a single router with no Redis).
 
 What lives here:
 - decode reservations: per decode worker a capacity in KV blocks and leased reservations;
-- the stranded-KV ledger: per prefill worker, KV built by prefill and not yet accepted by decode;
+- the stranded-KV ledger: per prefill worker, KV built by prefill and not yet accepted by decode,
+  written with the reservation (pending while its prefill runs);
 - the cluster-wide retry budget;
 - output-length histograms, so every replica's estimator learns from every completion.
 
@@ -22,6 +23,8 @@ from typing import Protocol, runtime_checkable
 __all__ = [
     "DecodeUsage",
     "Finished",
+    "Reserved",
+    "StrandIntent",
     "StrandedEntry",
     "RetryBudgetPolicy",
     "WorkerRole",
@@ -60,7 +63,40 @@ class StrandedEntry:
     prefill_id: str
     request_id: str
     nbytes: int
-    since_s: float  # store clock (unix seconds) when the KV became ready
+    # Store clock (unix seconds) when the KV became ready; for an entry still pending (its
+    # prefill has not answered), the latest time it can become ready.
+    since_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class StrandIntent:
+    """A stranded-KV entry written with the reservation, before the prefill is sent: the KV
+    `nbytes` the prefill will leave on `prefill_id`. It is *pending* until the prefill answers
+    (`StateStore.mark_ready`); until then the reaper counts its KV lease from
+    `ready_within_s` ahead, the longest the prefill may take, so a live prefill's entry is
+    never reaped."""
+
+    prefill_id: str
+    request_id: str  # the entry's id in the prefill worker's ledger
+    nbytes: int
+    ready_within_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """What `StateStore.reserve` did. True when the blocks are held, so ``if await
+    store.reserve(...)`` reads as before.
+
+    `stranded`: the intent is in the ledger now. One server or the memory store write it in
+    the reservation's own step, only when the blocks are held; a cluster writes it alongside
+    (another slot, another node), so it may be there for a refused reservation (the caller
+    unstrands it) or missing for a held one (the caller writes it later)."""
+
+    held: bool
+    stranded: bool = False
+
+    def __bool__(self) -> bool:
+        return self.held
 
 
 # A `both` (kv_both) worker's current role: serving prefill or decode, or leaving the other one
@@ -126,11 +162,14 @@ class StateStore(Protocol):
         blocks: int,
         lease_s: float,
         overbook_blocks: int = 0,
-    ) -> bool:
+        intent: StrandIntent | None = None,
+    ) -> Reserved:
         """Atomically: drop expired leases, then hold `blocks` if free + overbook >= blocks.
 
         Idempotent per id. `overbook_blocks` (prediction-based admission) lets a reservation
-        count on blocks forecast to free before its prefill ends; 0 = only room free now."""
+        count on blocks forecast to free before its prefill ends; 0 = only room free now.
+        `intent`: also record the prefill's stranded KV, pending, in the same round trip (see
+        `Reserved.stranded` for where it may differ from the reservation's outcome)."""
 
     async def renew(self, worker_id: str, reservation_id: str, lease_s: float) -> bool:
         """Extend a live reservation's lease. False if it no longer exists (expired or released)."""
@@ -156,8 +195,17 @@ class StateStore(Protocol):
         """Capacity and live reserved blocks per worker (expired leases not counted)."""
 
     # -- stranded KV ledger --------------------------------------------------------------
-    async def strand(self, prefill_id: str, request_id: str, nbytes: int) -> None:
-        """Record KV built on a prefill worker that no decode has accepted yet."""
+    async def strand(
+        self, prefill_id: str, request_id: str, nbytes: int, ready_in_s: float = 0.0
+    ) -> None:
+        """Record KV built on a prefill worker that no decode has accepted yet, ready at
+        now + `ready_in_s` (negative: ready that long ago; positive: pending, ready by then at
+        the latest). A repeated call updates the size and keeps the first time."""
+
+    async def mark_ready(self, prefill_id: str, request_id: str, age_s: float = 0.0) -> bool:
+        """The prefill answered `age_s` ago: a pending entry's KV lease counts from then.
+        Never creates an entry: marking one already unstranded (a late or reordered call)
+        does nothing and returns False, so it cannot leave a stale entry behind."""
 
     async def unstrand(self, prefill_id: str, request_id: str) -> int:
         """Decode accepted (or the request ended): returns the bytes cleared, 0 if absent."""
@@ -165,7 +213,8 @@ class StateStore(Protocol):
     async def stranded_bytes(self, prefill_ids: Iterable[str]) -> dict[str, int]: ...
 
     async def reap_stranded(self, prefill_id: str, older_than_s: float) -> list[StrandedEntry]:
-        """Remove and return entries older than `older_than_s` seconds (the KV lease)."""
+        """Remove and return entries older than `older_than_s` seconds (the KV lease). A
+        pending entry's age counts from its ready-by time, so it outlives its prefill."""
 
     # -- the end of a request ---------------------------------------------------------------
     async def finish(

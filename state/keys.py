@@ -4,7 +4,9 @@ Keys are built by a `Keys` value object from a prefix (default ``"dr:"``), so te
 several deployments can share one Redis without touching each other's keys.
 
 Hash tags (the ``{...}`` part) decide the Redis Cluster slot. Every Lua script touches the keys
-of one tag only, so each script runs on one node:
+of one tag only, so each script runs on one node. The one exception is for one server only: the
+reservation with its stranded-KV intent (a ``{d:...}`` and a ``{p:...}`` worker in one script);
+on a cluster the two are separate scripts sent at once (state/redis_store.py):
 
 =============================  ======  =============================================================
 key                            type    meaning
@@ -14,7 +16,7 @@ key                            type    meaning
 ``<p>{d:<worker>}:lease``      zset    reservation id -> lease expiry (unix s)
 ``<p>{d:<worker>}:sum``        string  sum of the ``:res`` values, kept exact by the scripts
 ``<p>{p:<worker>}:bytes``      hash    request id -> stranded KV bytes on that prefill worker
-``<p>{p:<worker>}:since``      zset    request id -> when its KV became ready (unix s)
+``<p>{p:<worker>}:since``      zset    request id -> when its KV was (pending: will be) ready
 ``<p>{p:<worker>}:sum``        string  sum of the ``:bytes`` values
 ``<p>{rb}:req``                hash    unix second -> first attempts counted in that second
 ``<p>{rb}:retry``              hash    unix second -> retries spent in that second

@@ -20,7 +20,15 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from state.base import DecodeUsage, Finished, RetryBudgetPolicy, StrandedEntry, WorkerRole
+from state.base import (
+    DecodeUsage,
+    Finished,
+    Reserved,
+    RetryBudgetPolicy,
+    StrandedEntry,
+    StrandIntent,
+    WorkerRole,
+)
 from state.keys import (
     RETRY_RETENTION_S,
     check_count,
@@ -121,20 +129,27 @@ class MemoryStore:
         blocks: int,
         lease_s: float,
         overbook_blocks: int = 0,
-    ) -> bool:
+        intent: StrandIntent | None = None,
+    ) -> Reserved:
         check_count("blocks", blocks)
         check_lease(lease_s)
+        if intent is not None:  # checked before anything is booked, as the Redis store does
+            check_count("nbytes", intent.nbytes)
+            check_id("prefill_id", intent.prefill_id)
         worker = self._worker(worker_id)
         expiry = self._clock() + lease_s
         held = worker.reservations.get(reservation_id)
         if held is not None:
             held.expiry = expiry
-            return True
-        if worker.free + max(0, int(overbook_blocks)) < blocks:
-            return False
-        worker.reservations[reservation_id] = _Reservation(int(blocks), expiry)
-        worker.reserved += int(blocks)
-        return True
+        elif worker.free + max(0, int(overbook_blocks)) < blocks:
+            return Reserved(False)
+        else:
+            worker.reservations[reservation_id] = _Reservation(int(blocks), expiry)
+            worker.reserved += int(blocks)
+        if intent is None:
+            return Reserved(True)
+        self._strand(intent.prefill_id, intent.request_id, intent.nbytes, intent.ready_within_s)
+        return Reserved(True, stranded=True)
 
     async def renew(self, worker_id: str, reservation_id: str, lease_s: float) -> bool:
         check_lease(lease_s)
@@ -199,17 +214,29 @@ class MemoryStore:
             ledger = self._ledgers[prefill_id] = _Ledger()
         return ledger
 
-    async def strand(self, prefill_id: str, request_id: str, nbytes: int) -> None:
+    async def strand(
+        self, prefill_id: str, request_id: str, nbytes: int, ready_in_s: float = 0.0
+    ) -> None:
         check_count("nbytes", nbytes)
+        self._strand(prefill_id, request_id, nbytes, ready_in_s)
+
+    def _strand(self, prefill_id: str, request_id: str, nbytes: int, ready_in_s: float) -> None:
         ledger = self._ledger(prefill_id)
         entry = ledger.entries.get(request_id)
         if entry is None:
-            ledger.entries[request_id] = _Stranded(int(nbytes), self._clock())
+            ledger.entries[request_id] = _Stranded(int(nbytes), self._clock() + ready_in_s)
             ledger.total += int(nbytes)
         else:
             # Keep the first `since`: the prefill's KV lease started when the KV was first ready.
             ledger.total += int(nbytes) - entry.nbytes
             entry.nbytes = int(nbytes)
+
+    async def mark_ready(self, prefill_id: str, request_id: str, age_s: float = 0.0) -> bool:
+        entry = self._ledger(prefill_id).entries.get(request_id)
+        if entry is None:  # unstranded first: nothing to bring back
+            return False
+        entry.since = self._clock() - age_s
+        return True
 
     async def unstrand(self, prefill_id: str, request_id: str) -> int:
         ledger = self._ledger(prefill_id)

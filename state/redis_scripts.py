@@ -1,8 +1,9 @@
 """The Lua scripts of `RedisStore` (state/redis_store.py), one per multi-key change.
 
 Each script's KEYS and ARGV are documented above it. Keys of one worker share a hash tag, so
-every script touches one Redis Cluster slot (docs/design.md §5). Kept apart from the store's
-Python so each reads on its own: the store only names them.
+every script touches one Redis Cluster slot (docs/design.md §5) — RESERVE_SCRIPT with its
+optional ledger keys excepted, which the store passes on one server only. Kept apart from the
+store's Python so each reads on its own: the store only names them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ __all__ = [
     "RELEASE_SCRIPT",
     "USAGE_SCRIPT",
     "STRAND_SCRIPT",
+    "MARK_READY_SCRIPT",
     "UNSTRAND_SCRIPT",
     "SET_ROLE_SCRIPT",
     "HOLD_LEASE_SCRIPT",
@@ -61,27 +63,45 @@ end
 #   KEYS[1] capacity (string)   KEYS[2] id -> blocks (hash)
 #   KEYS[3] id -> expiry (zset) KEYS[4] sum of blocks (string)
 
+# Record (or update the size of) a stranded-KV entry on one prefill worker's ledger: bytes hash
+# `kb`, since zset `ks`, sum `ksum`. A repeated call keeps the first `since`: the prefill
+# worker's KV lease started when the KV was first ready (or, pending, will start by then).
+_LUA_STRAND = """
+local function strand(kb, ks, ksum, id, nbytes, since)
+  local old = tonumber(redis.call('HGET', kb, id) or 0)
+  redis.call('HSET', kb, id, nbytes)
+  redis.call('ZADD', ks, 'NX', score(since), id)
+  redis.call('INCRBY', ksum, tonumber(nbytes) - old)
+end
+"""
+
 # Hold blocks for a reservation. A live id already held succeeds again without counting twice
 # and gets its lease renewed: a retried call must not leak or double-book capacity.
 # ARGV[1] now ('' = server TIME)  ARGV[2] reservation id  ARGV[3] blocks  ARGV[4] lease seconds
 # ARGV[5] overbook blocks (prediction-based admission: room forecast to free; 0 = none)
+# With KEYS[5..7] (a prefill worker's ledger keys, tag {p:<worker>}; one server only: a
+# cluster refuses keys of two slots in one script), the stranded-KV intent too, pending, only
+# when the blocks are held: ARGV[6] entry id  ARGV[7] bytes  ARGV[8] seconds until it is ready
+# at the latest. One round trip before the prefill, and a refused reservation leaves no entry.
 # Returns 1 if held, 0 if there is no room.
 RESERVE_SCRIPT = (
     _LUA_CLOCK
     + _LUA_PURGE
+    + _LUA_STRAND
     + """
 local now = clock()
 purge(now)
 local expiry = score(now + tonumber(ARGV[4]))
-if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 1 then
-  redis.call('ZADD', KEYS[3], expiry, ARGV[2])
-  return 1
+if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 0 then
+  local blocks = tonumber(ARGV[3])
+  if free_blocks() + tonumber(ARGV[5] or 0) < blocks then return 0 end
+  redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+  redis.call('INCRBY', KEYS[4], ARGV[3])
 end
-local blocks = tonumber(ARGV[3])
-if free_blocks() + tonumber(ARGV[5] or 0) < blocks then return 0 end
-redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
 redis.call('ZADD', KEYS[3], expiry, ARGV[2])
-redis.call('INCRBY', KEYS[4], ARGV[3])
+if #KEYS == 7 then
+  strand(KEYS[5], KEYS[6], KEYS[7], ARGV[6], ARGV[7], now + tonumber(ARGV[8]))
+end
 return 1
 """
 )
@@ -184,16 +204,28 @@ return {tonumber(redis.call('GET', KEYS[1]) or 0), tonumber(redis.call('GET', KE
 # Every ledger script takes the same KEYS (one prefill worker, tag {p:<worker>}):
 #   KEYS[1] id -> bytes (hash)  KEYS[2] id -> since (zset)  KEYS[3] sum of bytes (string)
 
-# Record (or update the size of) stranded KV. A repeated call keeps the first `since`: the
-# prefill worker's KV lease started when the KV was first ready.
-# ARGV[1] now  ARGV[2] request id  ARGV[3] bytes
+# Record (or update the size of) stranded KV, ready at now + ARGV[4] (negative: that long ago;
+# positive: pending, ready by then at the latest).
+# ARGV[1] now  ARGV[2] request id  ARGV[3] bytes  ARGV[4] seconds until ready
 STRAND_SCRIPT = (
     _LUA_CLOCK
+    + _LUA_STRAND
     + """
-local old = tonumber(redis.call('HGET', KEYS[1], ARGV[2]) or 0)
-redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
-redis.call('ZADD', KEYS[2], 'NX', score(clock()), ARGV[2])
-redis.call('INCRBY', KEYS[3], tonumber(ARGV[3]) - old)
+strand(KEYS[1], KEYS[2], KEYS[3], ARGV[2], ARGV[3], clock() + tonumber(ARGV[4] or 0))
+return 1
+"""
+)
+
+# A pending entry's prefill answered ARGV[3] seconds ago: its KV lease counts from then. Only
+# an entry still there is touched (ZADD XX), so a mark that arrives after the unstrand (they
+# are separate background calls) cannot bring the entry back.
+# ARGV[1] now  ARGV[2] request id  ARGV[3] age seconds
+# Returns 1 if the entry was there, 0 if not.
+MARK_READY_SCRIPT = (
+    _LUA_CLOCK
+    + """
+if redis.call('HEXISTS', KEYS[1], ARGV[2]) == 0 then return 0 end
+redis.call('ZADD', KEYS[2], 'XX', score(clock() - tonumber(ARGV[3])), ARGV[2])
 return 1
 """
 )

@@ -1,7 +1,7 @@
 """The aiperf recipe (scripts/aiperf_recipe.py), short: aiperf from PyPI, offline, against
-`disagg-router demo --serve` and against one simulated worker directly; asserted on aiperf's
-own exported JSON. aiperf lives in its own venv (scripts/install_aiperf.sh, run by .ci/run);
-without it the test skips and says how to get it."""
+`disagg-router demo --serve` (1 prefill + 1 decode worker) and against one simulated worker
+directly; asserted on aiperf's own exported JSON. aiperf lives in its own venv
+(scripts/install_aiperf.sh, run by .ci/run); without it the test skips and says how to get it."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_aiperf_against_the_router_and_a_worker(tmp_path: Path) -> None:
     cmd = [
         sys.executable, str(ROOT / "scripts" / "aiperf_recipe.py"),
         "--requests", str(REQUESTS), "--concurrency", "4", "--isl", "64", "--osl", "16",
-        "--out", str(tmp_path), "--timeout", "400",
+        "--prefill", "1", "--decode", "1", "--out", str(tmp_path), "--timeout", "400",
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=850, check=False)
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
@@ -46,5 +46,6 @@ def test_aiperf_against_the_router_and_a_worker(tmp_path: Path) -> None:
         assert result["output_sequence_length"]["sum"] > 0, leg  # tokens were streamed
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["ok"] is True
+    assert summary["router_workers"] == {"prefill": 1, "decode": 1}
     added = summary["metrics"]["time_to_first_token.p50"]
     assert added["router_ms"] > 0 and added["direct_ms"] > 0 and added["added_ms"] is not None

@@ -82,9 +82,9 @@ def parse(path: str, raw: bytes, max_model_len: int | None = 8192):
         ),
         (
             CHAT,
-            b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": "x"}], "n": 3}',
+            b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": "x"}], "n": 129}',
             "n",
-            "n=1",
+            "at most 128",
         ),
         (
             CHAT,

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from router.leases import LeaseKeeper
-from state import open_store
+from state import MemoryStore, open_store
+from state.base import StoreError, StrandIntent
 from tests.conftest import REDIS_URL
 
 
@@ -38,3 +41,78 @@ async def test_a_lease_lost_under_a_live_request_is_put_back(redis_prefix: str) 
         assert await keeper.renew_all() == 0
     finally:
         await store.close()
+
+
+async def test_an_intent_not_written_is_owed_then_marked_and_cleared(redis_prefix: str) -> None:
+    """A cluster's ledger node failing beside a held reservation (`Reserved.stranded` False):
+    the keeper writes the entry later, still pending; marking it ready and clearing it work as
+    for one the reservation wrote, and a mark after the clear brings nothing back."""
+    store = await open_store(REDIS_URL, redis_prefix)
+    try:
+        keeper = LeaseKeeper(store, 30.0, stranded_lease_s=30.0)
+        keeper.stranded(StrandIntent("p0", "q/r1", 640, 120.0), written=False)
+        assert keeper.owed == 1
+        assert await store.stranded_bytes(["p0"]) == {"p0": 0}
+        assert await keeper.settle_owed() == 0
+        assert await store.stranded_bytes(["p0"]) == {"p0": 640}
+        # Written pending: the reaper (KV lease 30 s) leaves it while its prefill may run.
+        assert await store.reap_stranded("p0", 30.0) == []
+        await keeper.kv_ready("p0", "q/r1", age_s=40.0)  # answered 40 s ago: past its lease
+        (reaped,) = await store.reap_stranded("p0", 30.0)
+        assert (reaped.request_id, reaped.nbytes) == ("q/r1", 640)
+        await keeper.unstrand("p0", "q/r1")  # its attempt ends: gone already, nothing owed
+        keeper.stranded(StrandIntent("p0", "q/r2", 64, 120.0), written=True)
+        await store.strand("p0", "q/r2", 64, 120.0)  # as the reservation wrote it
+        await keeper.unstrand("p0", "q/r2")
+        await keeper.kv_ready("p0", "q/r2", age_s=0.0)  # late: nothing to mark
+        assert await store.stranded_bytes(["p0"]) == {"p0": 0}
+        assert keeper.strands == {} and keeper.owed == 0
+    finally:
+        await store.close()
+
+
+async def test_a_store_that_lost_its_data_gets_pending_and_ready_entries_back_as_they_were(
+    redis_prefix: str,
+) -> None:
+    store = await open_store(REDIS_URL, redis_prefix)
+    try:
+        keeper = LeaseKeeper(store, 30.0, stranded_lease_s=30.0)
+        keeper.stranded(StrandIntent("p0", "pending", 10, 120.0), written=True)
+        keeper.stranded(StrandIntent("p0", "ready", 20, 120.0), written=True)
+        await keeper.kv_ready("p0", "ready", age_s=45.0)  # not in the store: only remembered
+        assert await store.stranded_bytes(["p0"]) == {"p0": 0}
+        await keeper.reassert()
+        assert await store.stranded_bytes(["p0"]) == {"p0": 30}
+        reaped = await store.reap_stranded("p0", 30.0)
+        assert [e.request_id for e in reaped] == ["ready"]  # 45 s old; the other still pending
+        assert await store.stranded_bytes(["p0"]) == {"p0": 10}
+        await keeper.unstrand("p0", "pending")
+        assert await store.stranded_bytes(["p0"]) == {"p0": 0}
+    finally:
+        await store.close()
+
+
+async def test_an_owed_unstrand_of_a_pending_entry_is_kept_until_the_reaper_would_take_it() -> None:
+    """A reservation whose answer was lost may have written its pending entry: the reaper takes
+    that only a KV lease after its ready-by time, so the owed unstrand is kept that long (not a
+    KV lease from now), and lands once the store answers."""
+    now = [1000.0]
+    store = MemoryStore()
+    keeper = LeaseKeeper(store, 30.0, stranded_lease_s=30.0, clock=lambda: now[0])
+    await store.strand("p0", "q/r1", 64, 120.0)  # the intent landed; its answer did not
+    keeper.owe_unstrand("p0", "q/r1", 120.0)
+
+    async def down(*args: Any, **kwargs: Any) -> Any:
+        raise StoreError("down")
+
+    store.finish = down  # type: ignore[method-assign]
+    now[0] += 100.0  # past a KV lease from now, inside the pending entry's horizon
+    assert await keeper.settle_owed() == 1
+    del store.finish
+    assert await keeper.settle_owed() == 0
+    assert await store.stranded_bytes(["p0"]) == {"p0": 0}
+    # Past the horizon (ready-by + the KV lease) an owed unstrand is dropped: reaped by then.
+    keeper.owe_unstrand("p0", "q/r2", 120.0)
+    now[0] += 151.0
+    store.finish = down  # type: ignore[method-assign]
+    assert await keeper.settle_owed() == 0

@@ -1,6 +1,8 @@
-"""`POST /v1/responses` (router/responses.py): stateless Responses requests served whole by one
-worker that runs both phases — a `both` worker when there is one, else a decode worker, never a
-prefill worker — and the stateful features refused with a 400. The official `openai` client."""
+"""`POST /v1/responses` (router/responses.py) without a prefill pool: stateless Responses
+requests served whole by one worker that runs both phases — a `both` worker when there is one,
+else a decode worker, never a prefill worker — and the stateful features refused with a 400,
+whichever path would serve them. The official `openai` client. (With a prefill pool:
+tests/test_responses_pd.py.)"""
 
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ async def _arrived(c: SimCluster) -> dict[str, list[dict]]:
 
 async def test_a_both_worker_serves_it_whole(redis_prefix: str) -> None:
     async with (
-        sim_cluster(redis_prefix=redis_prefix, prefill=1, decode=1, both=1) as c,
+        sim_cluster(redis_prefix=redis_prefix, prefill=0, decode=1, both=1) as c,
         _client(c.router_url) as client,
     ):
         answer = await client.responses.create(
@@ -46,7 +48,7 @@ async def test_a_both_worker_serves_it_whole(redis_prefix: str) -> None:
         assert answer.object == "response"
         assert answer.output_text == _expected("tell me a story", 7, "be brief")
         arrived = await _arrived(c)
-        assert [len(arrived[w]) for w in ("p0", "d0", "b0")] == [0, 0, 1]
+        assert [len(arrived[w]) for w in ("d0", "b0")] == [0, 1]
         sent = arrived["b0"][0]
         # The client's fields unchanged, and `store: false` added (the router keeps no state).
         assert sent["input"] == "tell me a story" and sent["instructions"] == "be brief"
@@ -55,7 +57,10 @@ async def test_a_both_worker_serves_it_whole(redis_prefix: str) -> None:
 
 
 async def test_without_a_both_worker_a_decode_worker_serves_it(redis_prefix: str) -> None:
-    async with sim_cluster(redis_prefix=redis_prefix) as c, _client(c.router_url) as client:
+    async with (
+        sim_cluster(redis_prefix=redis_prefix, prefill=0) as c,
+        _client(c.router_url) as client,
+    ):
         text = ""
         kinds = []
         stream = await client.responses.create(
@@ -72,16 +77,23 @@ async def test_without_a_both_worker_a_decode_worker_serves_it(redis_prefix: str
         assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
         assert text == _expected("stream it", 5)
         arrived = await _arrived(c)
-        assert len(arrived["d0"]) == 1 and arrived["p0"] == []
+        assert len(arrived["d0"]) == 1
+        assert "kv_transfer_params" not in arrived["d0"][0]
         assert arrived["d0"][0]["stream"] is True and arrived["d0"][0]["store"] is False
 
 
+@pytest.mark.parametrize("prefill", [0, 1])  # whole on one worker, or the PD path
 @pytest.mark.parametrize(
     ("field", "value"),
     [("previous_response_id", "resp_123"), ("store", True), ("background", True)],
 )
-async def test_stateful_features_are_refused(redis_prefix: str, field: str, value: object) -> None:
-    async with sim_cluster(redis_prefix=redis_prefix) as c, _client(c.router_url) as client:
+async def test_stateful_features_are_refused(
+    redis_prefix: str, field: str, value: object, prefill: int
+) -> None:
+    async with (
+        sim_cluster(redis_prefix=redis_prefix, prefill=prefill) as c,
+        _client(c.router_url) as client,
+    ):
         with pytest.raises(openai.BadRequestError) as err:
             await client.responses.create(
                 model=MODEL, input="remember me", max_output_tokens=3, **{field: value}
@@ -89,11 +101,12 @@ async def test_stateful_features_are_refused(redis_prefix: str, field: str, valu
         body = err.value.body
         assert isinstance(body, dict) and body["param"] == field
         assert "the router is stateless" in body["message"]
-        assert await _arrived(c) == {"p0": [], "d0": []}  # refused before any worker
+        assert all(not legs for legs in (await _arrived(c)).values())  # refused before any worker
 
 
-async def test_unknown_model_and_bad_stream_flag(redis_prefix: str) -> None:
-    async with sim_cluster(redis_prefix=redis_prefix) as c:
+@pytest.mark.parametrize("prefill", [0, 1])
+async def test_unknown_model_and_bad_stream_flag(redis_prefix: str, prefill: int) -> None:
+    async with sim_cluster(redis_prefix=redis_prefix, prefill=prefill) as c:
         async with aiohttp.ClientSession() as s:
             bad = {"model": "other", "input": "x"}
             async with s.post(c.router_url + RESPONSES, json=bad) as r:
@@ -111,7 +124,10 @@ async def test_unknown_model_and_bad_stream_flag(redis_prefix: str) -> None:
 
 
 async def test_a_stream_the_worker_breaks_ends_with_an_error_event(redis_prefix: str) -> None:
-    async with sim_cluster(redis_prefix=redis_prefix) as c, aiohttp.ClientSession() as s:
+    async with (
+        sim_cluster(redis_prefix=redis_prefix, prefill=0) as c,
+        aiohttp.ClientSession() as s,
+    ):
         fault = {"decode_die_after_tokens": 2}
         async with s.post(c.workers["d0"] + "/sim/faults", json=fault) as r:
             assert r.status == 200

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench import roles as br
+from bench import roles_report as report
 from bench.specs import ShapeSpec
 from bench.traces import TraceRequest
 
@@ -57,19 +58,19 @@ def test_tables_and_plot(tmp_path: Path) -> None:
         _result("peer least_loaded", "2P:6D", 40.0),
         _result("fixed 2P:6D", "2P:6D", 41.0),
         _result("fixed 5P:3D", "5P:3D", 100.0),
-        _result(br.ELASTIC, "2P:6D", 98.0),
+        _result(report.ELASTIC, "2P:6D", 98.0),
         _result("local @25G", "0P:8D", 60.0, arrangement="local", link_gbps=25.0),
         _result("pool 5P:3D @25G", "5P:3D", 50.0, arrangement="pool", link_gbps=25.0),
         _result("hybrid 5P:3D @25G", "5P:3D", 70.0, arrangement="hybrid", link_gbps=25.0),
     ]
-    cells = br.cell_table(res)
+    cells = report.cell_table(res)
     assert (
         "| conv × 8b-2p6d (2P:6D) | 40.00 (least_loaded) | 41.00 | 100.00 (5P:3D) | 98.00 " in cells
     )
     assert "| 2.39 | 0.98 |" in cells
-    assert "**100.00**" in br.splits_table(res)
-    arr = br.arrangement_table(res)
+    assert "**100.00**" in report.splits_table(res)
+    arr = report.arrangement_table(res)
     assert "| 60.00 | 50.00 (5P:3D) | 70.00 | 1.20 | hybrid |" in arr
     pytest.importorskip("matplotlib")
-    assert br.plot_run(res[3], tmp_path / "p.png", "t", res[2])
+    assert report.plot_run(res[3], tmp_path / "p.png", "t", res[2])
     assert (tmp_path / "p.png").stat().st_size > 0

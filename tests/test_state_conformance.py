@@ -36,6 +36,7 @@ from state import (
     open_store,
     redact_url,
 )
+from state.base import Reserved, StrandIntent
 from state.keys import RETRY_TTL_S
 from tests.redis_cluster import PrivateRedisCluster, redis_cluster
 
@@ -270,7 +271,7 @@ async def test_concurrent_reserves_race_for_last_blocks(store: StateStore) -> No
     assert await store.reserve("d1", "first", 3, LONG)
     # 20 blocks left, 50 callers want 2 each: exactly 10 may win.
     results = await asyncio.gather(*(store.reserve("d1", f"r{i}", 2, LONG) for i in range(50)))
-    assert sum(results) == 10
+    assert sum(r.held for r in results) == 10
     assert await _usage(store, "d1") == DecodeUsage(23, 23, 11)
     released = await asyncio.gather(*(store.release("d1", f"r{i}") for i in range(50)))
     assert sorted(released) == [0] * 40 + [2] * 10
@@ -333,6 +334,121 @@ async def test_reap_by_age(clocked: tuple[StateStore, SteppedClock]) -> None:
     clock.advance(15.0)
     assert [e.request_id for e in await store.reap_stranded("p1", 30.0)] == ["young"]
     assert await store.stranded_bytes(["p1"]) == {"p1": 0}
+
+
+# -- the stranded-KV intent, written with the reservation --------------------------------------
+
+
+def _intent(entry: str, nbytes: int = 100, within_s: float = 120.0) -> StrandIntent:
+    return StrandIntent("p1", entry, nbytes, within_s)
+
+
+async def test_a_held_reservation_writes_its_intent(store: StateStore) -> None:
+    await store.set_capacity("d1", 10)
+    reserved = await store.reserve("d1", "r1", 4, LONG, intent=_intent("q1", 100))
+    assert reserved == Reserved(held=True, stranded=True) and reserved
+    assert await store.stranded_bytes(["p1"]) == {"p1": 100}
+    assert await _usage(store, "d1") == DecodeUsage(10, 4, 1)
+    # A repeated reserve (a retried call) neither books nor strands twice.
+    assert (await store.reserve("d1", "r1", 4, LONG, intent=_intent("q1", 100))).stranded
+    assert await store.stranded_bytes(["p1"]) == {"p1": 100}
+    assert await _usage(store, "d1") == DecodeUsage(10, 4, 1)
+    # Cleared the usual ways: the end of the request's one call.
+    done = await store.finish(release=("d1", "r1"), unstrand=("p1", "q1"))
+    assert (done.released_blocks, done.unstranded_bytes) == (4, 100)
+    assert await store.stranded_bytes(["p1"]) == {"p1": 0}
+
+
+async def test_a_refused_reservation_leaves_no_intent_once_unstranded(store: StateStore) -> None:
+    """One server and the memory store write the intent only with the blocks held; a cluster
+    may have written it beside the refusal (`stranded`), which the caller then unstrands."""
+    await store.set_capacity("d1", 3)
+    refused = await store.reserve("d1", "r1", 4, LONG, intent=_intent("q1", 100))
+    assert not refused and not refused.held
+    on_cluster = isinstance(store, RedisStore) and store.is_cluster
+    assert refused.stranded == on_cluster
+    expected = 100 if refused.stranded else 0
+    assert await store.stranded_bytes(["p1"]) == {"p1": expected}
+    assert await store.unstrand("p1", "q1") == expected
+    assert await store.stranded_bytes(["p1"]) == {"p1": 0}
+    assert await _usage(store, "d1") == DecodeUsage(3, 0, 0)
+
+
+async def test_a_pending_intent_outlives_its_prefill_and_the_kv_lease(
+    clocked: tuple[StateStore, SteppedClock],
+) -> None:
+    """A pending entry's lease counts from the latest its prefill can answer (`ready_within_s`
+    ahead): the reaper leaves it for the prefill's time plus the KV lease, not the lease alone."""
+    store, clock = clocked
+    await store.set_capacity("d1", 10)
+    start = clock.now
+    assert await store.reserve("d1", "r1", 1, LONG, intent=_intent("q1", 100, within_s=120.0))
+    clock.advance(100.0)  # longer than the 30 s KV lease, but its prefill may still run
+    assert await store.reap_stranded("p1", 30.0) == []
+    assert await store.reap_stranded("p1", 0.0) == []  # not even a drain's reap takes it
+    clock.advance(49.0)  # 149 s: 1 s short of 120 + 30
+    assert await store.reap_stranded("p1", 30.0) == []
+    clock.advance(1.5)
+    reaped = await store.reap_stranded("p1", 30.0)
+    assert [(e.request_id, e.nbytes) for e in reaped] == [("q1", 100)]
+    assert reaped[0].since_s == pytest.approx(start + 120.0, abs=1e-5)
+    assert await store.stranded_bytes(["p1"]) == {"p1": 0}
+
+
+async def test_mark_ready_starts_the_kv_lease_when_the_prefill_answered(
+    clocked: tuple[StateStore, SteppedClock],
+) -> None:
+    store, clock = clocked
+    await store.set_capacity("d1", 10)
+    assert await store.reserve("d1", "r1", 1, LONG, intent=_intent("q1", 100, within_s=120.0))
+    clock.advance(2.0)  # the prefill answered at +2 s; marked at +3 s
+    answered = clock.now
+    clock.advance(1.0)
+    assert await store.mark_ready("p1", "q1", age_s=1.0)
+    clock.advance(28.5)  # 29.5 s after the answer
+    assert await store.reap_stranded("p1", 30.0) == []
+    clock.advance(1.0)  # 30.5 s after the answer
+    reaped = await store.reap_stranded("p1", 30.0)
+    assert [e.request_id for e in reaped] == ["q1"]
+    assert reaped[0].since_s == pytest.approx(answered, abs=1e-5)
+
+
+async def test_mark_ready_never_brings_back_an_unstranded_entry(store: StateStore) -> None:
+    """The mark and the unstrand are separate background calls: in whichever order they land,
+    no entry is left behind."""
+    await store.set_capacity("d1", 10)
+    assert await store.reserve("d1", "r1", 1, LONG, intent=_intent("q1", 100))
+    assert await store.unstrand("p1", "q1") == 100
+    assert not await store.mark_ready("p1", "q1")
+    assert not await store.mark_ready("p1", "never")
+    assert await store.stranded_bytes(["p1"]) == {"p1": 0}
+    assert await store.reap_stranded("p1", -1e9) == []  # nothing hidden in the since zset
+
+
+async def test_strand_with_an_age_or_a_pending_time(
+    clocked: tuple[StateStore, SteppedClock],
+) -> None:
+    """`ready_in_s` puts an entry back as it was (a store that lost its data): ready some
+    seconds ago, or still pending."""
+    store, clock = clocked
+    now = clock.now
+    await store.strand("p1", "ready", 10, ready_in_s=-12.0)
+    await store.strand("p1", "pending", 20, ready_in_s=50.0)
+    assert await store.stranded_bytes(["p1"]) == {"p1": 30}
+    clock.advance(18.5)  # ready is 30.5 s old, pending not ready for 31.5 s more
+    reaped = await store.reap_stranded("p1", 30.0)
+    assert [(e.request_id, e.since_s) for e in reaped] == [("ready", pytest.approx(now - 12.0))]
+    clock.advance(62.0)
+    assert [e.request_id for e in await store.reap_stranded("p1", 30.0)] == ["pending"]
+
+
+async def test_intent_arguments_are_checked(store: StateStore) -> None:
+    await store.set_capacity("d1", 10)
+    with pytest.raises(ValueError):
+        await store.reserve("d1", "r1", 1, LONG, intent=_intent("q1", -1))
+    with pytest.raises(ValueError):
+        await store.reserve("d1", "r1", 1, LONG, intent=StrandIntent("p{1}", "q1", 1, 1.0))
+    assert await _usage(store, "d1") == DecodeUsage(10, 0, 0)  # a refused call books nothing
 
 
 # -- retry budget ------------------------------------------------------------------------------
@@ -510,6 +626,9 @@ async def test_each_script_touches_one_cluster_slot(
     await store.set_capacity("d2", 10)
     await store.reserve("d2", "r", 1, LONG)
     await store.strand("p1", "x", 1)
+    # The reservation with its intent: one script on one server, two on a cluster.
+    assert (await store.reserve("d1", "r2", 1, LONG, intent=StrandIntent("p2", "y", 1, 9.0))).held
+    assert await store.mark_ready("p2", "y")
     await store.note_request()
     await store.try_retry(RetryBudgetPolicy())
     await store.record_output(["c1", "c2"], 1)
@@ -518,9 +637,9 @@ async def test_each_script_touches_one_cluster_slot(
     for key in found:
         tag = key[key.index("{") + 1 : key.index("}")]
         by_tag.setdefault(tag, set()).add(key_slot(key.encode()))
-    assert sorted(by_tag) == ["d:d1", "d:d2", "os:c1", "os:c2", "p:p1", "rb"]
+    assert sorted(by_tag) == ["d:d1", "d:d2", "os:c1", "os:c2", "p:p1", "p:p2", "rb"]
     assert all(len(slots) == 1 for slots in by_tag.values()), by_tag
-    assert len(found) == 4 + 4 + 3 + 2 + 2
+    assert len(found) == 4 + 4 + 3 + 3 + 2 + 2
 
 
 async def test_retry_buckets_expire_when_quiet(

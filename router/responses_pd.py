@@ -1,0 +1,212 @@
+"""`POST /v1/responses` through the prefill/decode path: what the request path does differently.
+
+vLLM 0.32's Responses endpoint carries a KV handle as chat does (docs/real-workers.md has the
+references): `ResponsesRequest.kv_transfer_params` is copied into the SamplingParams' extra_args,
+where the NIXL connector reads it, and `ResponsesResponse.kv_transfer_params` hands the prefill's
+handle back at the top of the answer. So a stateless Responses request takes chat's path
+(router/lifecycle.py `RequestFlow`): admission, estimate, placement, the decode reservation
+before any prefill, the prefill leg, the decode leg, release. The stages ask this module for the
+few places where Responses differs:
+
+    parse             `parse_responses`: `input` + `instructions` give the prompt estimate,
+                      `max_output_tokens` the token cap (router/api.py's ParsedRequest)
+    prefill leg       `prefill_body`: the cap is `max_output_tokens: 1` (not `max_tokens`),
+                      `stream: false`, `store: false`; its answer's `kv_transfer_params` is the
+                      handle (the stream has it only in `response.completed`, too late)
+    decode leg        the client's body (`store: false`) plus the handle
+                      (router/adapters/vllm.py decode_body)
+    stream            router/sse_cut.py's Responses mode: a token is a
+                      `response.output_text.delta`, the stream is whole once
+                      `response.completed` came; `error` / `response.failed` end it; the
+                      opening events (sent before the KV pull) are held until the next one
+    whole answer      asked as a stream (`upstream_body`) and answered with the `response` of
+                      its `response.completed` event (`assembled`)
+    broken stream     no resume (a Responses stream cannot be continued under the same response
+                      id and sequence numbers): a try that broke before the client got an event
+                      is retried, one that broke after ends with an `error` event
+                      (`error_event`)
+
+`serves_split` decides per request whether the path applies: only with a prefill worker in
+rotation whose protocol is NIXL pull (the concurrent SGLang/Mooncake legs put their bootstrap
+fields in the body, which no Responses endpoint is known to read), and only without built-in
+tools (vLLM runs those as several generation turns in one request, which one KV handoff does
+not cover). Otherwise the request is served whole by one worker that runs both phases, as
+before (router/responses.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from router.adapters.errors import sse_data
+from router.api import ParsedRequest, parse_json_object
+from router.errors import InvalidRequest, ModelNotFound
+from router.gateway import Gateway
+from router.prompt_text import text_of
+from router.responses import RESPONSES, error_event, stateless_body
+
+__all__ = [
+    "RESPONSES",
+    "assembled",
+    "error_event",
+    "output_tokens",
+    "parse_responses",
+    "prefill_body",
+    "serves_split",
+    "upstream_body",
+]
+
+# Worker adapters whose prefill leg answers a KV handle the decode leg pulls (router/legs.py).
+_PULL_ADAPTERS = frozenset({"vllm", "sim"})
+# Tokens a chat template adds around each input item (as router/api.py counts chat messages).
+_PER_ITEM_TOKENS = 4
+_INT_MAX = 2**63 - 1
+_NO_MODEL_LIMIT_CAP = 4096  # as router/api.py: the reservation's cap when nothing bounds it
+
+
+def serves_split(gw: Gateway, body: dict[str, Any]) -> bool:
+    """Whether this request goes through the prefill/decode path (else: whole on one worker)."""
+    if not gw.settings.responses_split:
+        return False
+    tools = body.get("tools")
+    if isinstance(tools, list) and any(
+        not isinstance(t, dict) or t.get("type") != "function" for t in tools
+    ):
+        return False
+    model = body.get("model")
+    prefill = [
+        w
+        for w in gw.pools.prefill_workers
+        if w.available and (not model or not w.spec.layout.model or w.spec.layout.model == model)
+    ]
+    return bool(prefill) and all(w.spec.adapter in _PULL_ADAPTERS for w in prefill)
+
+
+def _prompt_tokens(body: dict[str, Any], chars_per_token: float) -> int:
+    raw = body.get("input")
+    if isinstance(raw, str):
+        chars, items = len(raw), 1
+    elif isinstance(raw, list) and raw:
+        chars, items = len(text_of(raw)), len(raw)
+    else:
+        raise InvalidRequest("'input' must be a string or a non-empty list of items", param="input")
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise InvalidRequest("'instructions' must be a string", param="instructions")
+        chars, items = chars + len(instructions), items + 1
+    # vLLM's stateless multi-turn: the earlier response's output is part of the prompt too.
+    previous = body.get("previous_response")
+    if isinstance(previous, dict):
+        chars += len(text_of(previous.get("output")))
+    return max(1, int(items * _PER_ITEM_TOKENS + chars / chars_per_token + 0.999))
+
+
+def _max_output_tokens(body: dict[str, Any]) -> int | None:
+    v = body.get("max_output_tokens")
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = body["max_output_tokens"] = int(v)  # 16.0 -> 16, as router/api.py does
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise InvalidRequest(
+            f"'max_output_tokens' must be an integer, not {type(v).__name__}",
+            param="max_output_tokens",
+        )
+    if not 1 <= v <= _INT_MAX:
+        raise InvalidRequest(
+            f"'max_output_tokens' must be in 1..{_INT_MAX}, got {v!r}", param="max_output_tokens"
+        )
+    return v
+
+
+def parse_responses(
+    raw: bytes,
+    *,
+    models: tuple[str, ...],
+    max_model_len: int | None,
+    chars_per_token: float = 4.0,
+) -> ParsedRequest:
+    """A Responses body as the request path's ParsedRequest (the stateful features are 400s,
+    `store: false` is added: router/responses.py `stateless_body`)."""
+    body, stream = stateless_body(parse_json_object(raw))
+    model = body.get("model")
+    if model is None:
+        model = models[0] if models else ""  # optional in Responses: the router's model
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' must be a non-empty string", param="model")
+    if model not in models:
+        raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+    prompt_tokens = _prompt_tokens(body, chars_per_token)
+    cap = _max_output_tokens(body)
+    if max_model_len is not None:
+        room = max_model_len - prompt_tokens
+        if room < 1:
+            raise InvalidRequest(
+                f"This model's maximum context length is {max_model_len} tokens; the input "
+                f"has about {prompt_tokens}.",
+                param="input",
+            )
+        if cap is not None and cap > room:
+            raise InvalidRequest(
+                f"'max_output_tokens' is too large: {cap}. This model's maximum context length "
+                f"is {max_model_len} tokens and the input has about {prompt_tokens}.",
+                param="max_output_tokens",
+            )
+        cap = room if cap is None else cap
+    return ParsedRequest(
+        path=RESPONSES,
+        body=body,
+        model=model,
+        stream=stream,
+        include_usage=False,
+        prompt_tokens=prompt_tokens,
+        max_tokens=cap if cap is not None else _NO_MODEL_LIMIT_CAP,
+    )
+
+
+def prefill_body(adapter_body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg of a Responses request, from the vLLM adapter's chat-shaped one: the
+    cap that makes it a prefill is `max_output_tokens` (vLLM's ResponsesRequest builds its
+    SamplingParams.max_tokens from it; `max_tokens` is an unknown field to it, ignored);
+    nothing is stored."""
+    dropped = ("max_tokens", "max_completion_tokens")
+    out = {k: v for k, v in adapter_body.items() if k not in dropped}
+    out["max_output_tokens"] = 1
+    out["stream"] = False
+    out["store"] = False
+    return out
+
+
+def upstream_body(body: dict[str, Any]) -> dict[str, Any]:
+    """A whole answer asked of the decode worker as a stream (router/assemble.py says why); the
+    Responses stream has no `stream_options`: its `response.completed` carries the usage."""
+    return {**body, "stream": True}
+
+
+def assembled(chunks: list[bytes]) -> dict[str, Any] | None:
+    """The whole answer a relayed Responses stream spells: the `response` object of its
+    `response.completed` (or `response.incomplete`) event; None if there is none that parses."""
+    for event in reversed(b"".join(chunks).split(b"\n\n")):
+        lines = event.split(b"\n")
+        if lines[0] not in (b"event: response.completed", b"event: response.incomplete"):
+            continue
+        for line in lines[1:]:
+            payload = sse_data(line)
+            if payload is None:
+                continue
+            try:
+                obj = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                return None
+            response = obj.get("response") if isinstance(obj, dict) else None
+            return response if isinstance(response, dict) else None
+    return None
+
+
+def output_tokens(answer: dict[str, Any]) -> int:
+    usage = answer.get("usage")
+    tokens = usage.get("output_tokens") if isinstance(usage, dict) else None
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else 0
