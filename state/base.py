@@ -293,3 +293,12 @@ class StateStore(Protocol):
         `worker_roles()` in one store call (one round trip on Redis: the four keys share the
         registry's hash tag): (marker was missing, registrations, drained ids, roles). A
         replica reads this every `registry_refresh_s`, busy or idle."""
+
+    # -- one read for the state refresher (router/pools.py) ----------------------------------
+    async def usage_view(
+        self, decode_ids: Iterable[str], prefill_ids: Iterable[str]
+    ) -> tuple[dict[str, DecodeUsage], dict[str, int]]:
+        """`decode_usage(decode_ids)` and `stranded_bytes(prefill_ids)` in one store call (one
+        pipeline on Redis: one round trip on one server, one per node on a cluster). A replica
+        reads this every `state_refresh_s` while busy, about once a second while quiet."""
+        ...

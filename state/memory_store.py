@@ -215,6 +215,9 @@ class MemoryStore:
         return held.blocks
 
     async def decode_usage(self, worker_ids: Iterable[str]) -> dict[str, DecodeUsage]:
+        return self._usage(worker_ids)
+
+    def _usage(self, worker_ids: Iterable[str]) -> dict[str, DecodeUsage]:
         usage = {}
         for worker_id in worker_ids:
             w = self._worker(worker_id)
@@ -261,6 +264,9 @@ class MemoryStore:
         return entry.nbytes
 
     async def stranded_bytes(self, prefill_ids: Iterable[str]) -> dict[str, int]:
+        return self._stranded_sums(prefill_ids)
+
+    def _stranded_sums(self, prefill_ids: Iterable[str]) -> dict[str, int]:
         return {p: self._ledger(p).total for p in prefill_ids}
 
     async def reap_stranded(self, prefill_id: str, older_than_s: float) -> list[StrandedEntry]:
@@ -401,3 +407,8 @@ class MemoryStore:
     ) -> tuple[bool, dict[str, str], set[str], dict[str, WorkerRole]]:
         lost = await self.check_marker(marker_ttl_s)
         return lost, dict(self._registry), set(self._drained), dict(self._roles)
+
+    async def usage_view(
+        self, decode_ids: Iterable[str], prefill_ids: Iterable[str]
+    ) -> tuple[dict[str, DecodeUsage], dict[str, int]]:
+        return self._usage(decode_ids), self._stranded_sums(prefill_ids)

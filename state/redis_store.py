@@ -202,16 +202,32 @@ class RedisStore(RedisConnection):
 
     @store_call
     async def decode_usage(self, worker_ids: Iterable[str]) -> dict[str, DecodeUsage]:
-        ids = list(dict.fromkeys(worker_ids))
-        if not ids:
-            return {}
+        return (await self._usage_view(worker_ids, ()))[0]
+
+    @store_call
+    async def usage_view(
+        self, decode_ids: Iterable[str], prefill_ids: Iterable[str]
+    ) -> tuple[dict[str, DecodeUsage], dict[str, int]]:
+        return await self._usage_view(decode_ids, prefill_ids)
+
+    async def _usage_view(
+        self, decode_ids: Iterable[str], prefill_ids: Iterable[str]
+    ) -> tuple[dict[str, DecodeUsage], dict[str, int]]:
+        """One pipeline: a usage script per decode worker, a GET of each prefill's ledger sum."""
+        decode, prefill = list(dict.fromkeys(decode_ids)), list(dict.fromkeys(prefill_ids))
+        if not decode and not prefill:
+            return {}, {}
         now = self._now()
-        cmds = [Cmd.run(self._usage, self._keys.decode_worker(w), [now]) for w in ids]
+        sums = [self._keys.stranded_sum(p) for p in prefill]
+        cmds = [Cmd.run(self._usage, self._keys.decode_worker(w), [now]) for w in decode]
+        cmds += [Cmd(("GET", k), k) for k in sums]
         rows = raise_first(await self._pipelined(cmds))
-        return {
+        usage = {
             worker_id: DecodeUsage(int(cap), int(reserved), int(count))
-            for worker_id, (cap, reserved, count) in zip(ids, rows, strict=True)
+            for worker_id, (cap, reserved, count) in zip(decode, rows[: len(decode)], strict=True)
         }
+        stranded = {p: int(s or 0) for p, s in zip(prefill, rows[len(decode) :], strict=True)}
+        return usage, stranded
 
     # -- stranded KV ledger --------------------------------------------------------------
     @store_call
@@ -236,12 +252,7 @@ class RedisStore(RedisConnection):
 
     @store_call
     async def stranded_bytes(self, prefill_ids: Iterable[str]) -> dict[str, int]:
-        ids = list(dict.fromkeys(prefill_ids))
-        if not ids:
-            return {}
-        keys = [self._keys.stranded_sum(p) for p in ids]
-        sums = raise_first(await self._pipelined([Cmd(("GET", k), k) for k in keys]))
-        return {p: int(s or 0) for p, s in zip(ids, sums, strict=True)}
+        return (await self._usage_view((), prefill_ids))[1]
 
     @store_call
     async def reap_stranded(self, prefill_id: str, older_than_s: float) -> list[StrandedEntry]:

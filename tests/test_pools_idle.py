@@ -78,6 +78,18 @@ class CountingStore(MemoryStore):
         self.calls["registry_view"] += 1
         return await super().registry_view(marker_ttl_s)
 
+    async def usage_view(self, decode_ids: Any, prefill_ids: Any) -> Any:
+        self.calls["usage_view"] += 1
+        return await super().usage_view(decode_ids, prefill_ids)
+
+    async def decode_usage(self, worker_ids: Any) -> Any:
+        self.calls["decode_usage"] += 1
+        return await super().decode_usage(worker_ids)
+
+    async def stranded_bytes(self, prefill_ids: Any) -> Any:
+        self.calls["stranded_bytes"] += 1
+        return await super().stranded_bytes(prefill_ids)
+
     async def registered_workers(self) -> dict[str, str]:
         self.calls["registered_workers"] += 1
         return await super().registered_workers()
@@ -161,6 +173,22 @@ async def test_registry_sync_is_one_store_call() -> None:
         await pools.sync_registry()
     assert store.calls["registry_view"] == 3
     assert store.calls["registered_workers"] == store.calls["drained_workers"] == 0
+
+
+async def test_a_state_refresh_is_one_store_call() -> None:
+    """Reservations and stranded KV read together: the refresher runs 10 times a second while
+    busy, so each refresh is one round trip, not one per kind of state."""
+    store = CountingStore()
+    pools = Pools(settings("http://127.0.0.1:9"), store)
+    await store.set_capacity("d0", 1000)
+    assert (await store.reserve("d0", "r1", 10, 30.0)).held
+    await store.strand("p0", "q1", 2048)
+    for _ in range(3):
+        await pools.refresh_from_store(check_marker=False)
+    assert store.calls["usage_view"] == 3
+    assert store.calls["decode_usage"] == store.calls["stranded_bytes"] == 0
+    assert pools.workers["d0"].reserved_blocks == 10
+    assert pools.workers["p0"].stranded_bytes == 2048
 
 
 async def test_a_store_that_lost_its_data_is_put_back_and_read_again() -> None:

@@ -1,4 +1,5 @@
-"""`StateStore.registry_view`: the registry sync's one read, the same on every store.
+"""`StateStore.registry_view` and `usage_view`: the registry sync's and the state refresher's
+one read each, the same on every store.
 
 It must answer exactly what its four single reads answer (`check_marker`,
 `registered_workers`, `drained_workers`, `worker_roles`), marker semantics included: missing on
@@ -88,6 +89,29 @@ async def test_the_view_is_what_the_single_reads_answer(store: StateStore) -> No
     await store.forget_role("b1")
     lost, workers, drained, roles = await store.registry_view(TTL)
     assert (lost, set(workers), drained, set(roles)) == (False, {"d-new"}, {"d-new"}, {"b0"})
+
+
+async def test_the_usage_view_is_what_decode_usage_and_stranded_bytes_answer(
+    store: StateStore,
+) -> None:
+    """The refresher's one read: reservations (with their stranded-KV intent) and ledger sums
+    of workers that may sit on different cluster nodes, ids repeated or unknown included."""
+    for wid in ("d0", "d1"):
+        await store.set_capacity(wid, 100)
+    assert (await store.reserve("d0", "r1", 10, 30.0)).held
+    assert (await store.reserve("d0", "r2", 5, 30.0)).held
+    assert (await store.reserve("d1", "r3", 7, 30.0)).held
+    await store.strand("p0", "q1", 4096)
+    await store.strand("p1", "q2", 512)
+    decode, prefill = ["d0", "d1", "d0", "d-none"], ["p0", "p1", "p-none"]
+    usage, stranded = await store.usage_view(decode, prefill)
+    assert usage == await store.decode_usage(decode)
+    assert stranded == await store.stranded_bytes(prefill)
+    assert (usage["d0"].reserved_blocks, usage["d0"].reservations) == (15, 2)
+    assert usage["d1"].capacity_blocks == 100 and usage["d-none"].capacity_blocks == 0
+    assert stranded == {"p0": 4096, "p1": 512, "p-none": 0}
+    assert await store.usage_view([], []) == ({}, {})
+    assert await store.usage_view([], ["p1"]) == ({}, {"p1": 512})
 
 
 async def test_a_store_that_lost_its_data_shows_as_a_missing_marker() -> None:
