@@ -47,7 +47,7 @@ from typing import Any
 import uvrun
 from bench.overhead_client import LoadSpec, StreamRecord, run_load
 from bench.overhead_report import add_deltas, markdown, replace_between_markers, summarize
-from bench.progress import note
+from bench.progress import bar, note
 
 __all__ = ["main", "run", "build_parser", "ROUTERS"]
 
@@ -581,6 +581,10 @@ async def _phase(
             levels = ns.concurrency
             tokens = ns.tokens
             stream_s = (ns.first_token_ms or ns.interval_ms) / 1e3 + tokens * interval / 1e3
+        # One tick per measured (round, concurrency, target): drawn on a terminal only.
+        rungs = bar(
+            sys.stderr, desc=tag, total=ns.rounds * len(levels) * len(ns.targets), unit="rung"
+        )
         for rnd in range(ns.rounds):
             for c in levels:
                 k = rnd % len(ns.targets)
@@ -611,6 +615,8 @@ async def _phase(
                         combine(name, spec, [seg], proc is not None, saturation),
                         f"{tag} round {rnd + 1}",
                     )
+                    rungs.update(1)
+        rungs.close()
     finally:
         for proc, _ in routers.values():
             proc.stop()

@@ -65,6 +65,7 @@ def _run_bench(tmp_path: Path, targets: str, *extra: str) -> dict[str, Any]:
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     result["_markdown"] = md.read_text()
+    result["_stderr"] = proc.stderr
     return result
 
 
@@ -106,6 +107,10 @@ def test_smoke_baseline_and_our_router(tmp_path: Path) -> None:
     md = result["_markdown"]
     assert "<!-- overhead:begin -->" in md and "#### 4 concurrent streams" in md
     assert "| ours |" in md and "#### Saturation" in md
+    # Into a pipe: every rung's line, and no progress bar (bench/progress.py draws on a TTY only).
+    lines = result["_stderr"].splitlines()
+    assert sum(line.startswith("[ladder round 1]") for line in lines) == 4
+    assert "\r" not in result["_stderr"] and "rung/s" not in result["_stderr"]
 
 
 @pytest.mark.peers
@@ -199,3 +204,37 @@ def test_idle_phase_measures_our_router_against_four_workers(tmp_path: Path) -> 
     row = next(line for line in out.stdout.splitlines() if line.startswith("| ours |"))
     cpu_ms_per_s = float(row.split("|")[3].strip().strip("*"))
     assert cpu_ms_per_s >= 0.0
+
+
+def test_the_ladder_draws_a_progress_bar_on_a_terminal(tmp_path: Path) -> None:
+    """On a terminal (a pseudo-terminal's slave as stderr) the ladder's rungs tick a bar."""
+    import fcntl
+    import os
+    import struct
+    import termios
+
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    cmd = [
+        sys.executable, "-m", "bench.overhead", "--targets", "baseline", "--concurrency", "1",
+        "--rounds", "1", "--requests-c1", "2", "--tokens", str(TOKENS), "--interval-ms", "2",
+        "--prefill-ms", "1", "--no-saturation", "--no-pin", "--json", str(tmp_path / "o.json"),
+        "--log-dir", str(tmp_path / "logs"),
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, stderr=slave, stdout=subprocess.DEVNULL, timeout=100)
+        os.close(slave)
+        out = b""
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO once the slave side is closed and drained
+                break
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        os.close(master)
+    assert done.returncode == 0
+    text = out.decode("utf-8", "replace")
+    assert "ladder" in text and "1/1" in text and "rung" in text, text[-2000:]
