@@ -30,14 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from bench_clients import (
-    DEMO_READY,
     ROOT,
-    WORKER_READY,
+    add_cluster_args,
     added_row,
-    entry,
+    check_cluster_args,
     offline_env,
     print_table,
-    started,
+    run_both,
 )
 
 TOKENIZER = ROOT / "examples" / "aiperf" / "tokenizer"
@@ -103,29 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--isl", type=int, default=256, help="prompt tokens (mean)")
     parser.add_argument("--osl", type=int, default=64, help="output tokens (mean)")
-    parser.add_argument("--time-scale", type=float, default=10.0, help="simulated GPU speed-up")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--prefill", type=int, default=2, help="prefill workers behind the router")
-    parser.add_argument("--decode", type=int, default=2, help="decode workers behind the router")
-    parser.add_argument("--model", default="llama-3-8b")
+    add_cluster_args(parser, pools=2)
     parser.add_argument("--out", type=Path, default=Path("aiperf-out"))
     parser.add_argument("--aiperf", type=Path, default=aiperf_binary())
     parser.add_argument("--timeout", type=float, default=1800.0, help="per aiperf run (s)")
     ns = parser.parse_args(argv)
-    if ns.prefill < 1 or ns.decode < 1:
-        parser.error("--prefill and --decode need at least one worker each")
+    check_cluster_args(parser, ns)
     if not ns.aiperf.exists():
         print(f"aiperf not found at {ns.aiperf}: run scripts/install_aiperf.sh", file=sys.stderr)
         return 2
     ns.out.mkdir(parents=True, exist_ok=True)
-    scale = ["--time-scale", f"{ns.time_scale:g}"]
-    pools = ["--prefill", str(ns.prefill), "--decode", str(ns.decode)]
-    demo = [*entry(), "demo", "--serve", "--port", "0", "--model", ns.model, *pools, *scale]
-    worker = [*entry(), "worker", "--role", "both", "--port", "0", "--model", ns.model, *scale]
-    with started(demo, DEMO_READY, ns.out / "demo.log") as router_url:
-        router = run_aiperf(router_url, ns.out / "router", ns)
-    with started(worker, WORKER_READY, ns.out / "worker.log") as worker_url:
-        direct = run_aiperf(worker_url, ns.out / "direct", ns)
+    router, direct, load = run_both(ns, ns.out, lambda url, out, _name: run_aiperf(url, out, ns))
     ok = all(completed_without_errors(r, ns.requests) for r in (router, direct))
     table = compare(router, direct)
     summary = {
@@ -133,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         "requests": ns.requests,
         "concurrency": ns.concurrency,
         "router_workers": {"prefill": ns.prefill, "decode": ns.decode},
+        "load_average_1m": load,
         "isl": ns.isl,
         "osl": ns.osl,
         "time_scale": ns.time_scale,

@@ -7,6 +7,7 @@ environment for the client and the table are the same whatever the client is, so
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
@@ -14,7 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,3 +95,43 @@ def print_table(table: dict[str, Any]) -> None:
     for name, row in table.items():
         cells = [f"{v:>10.2f}" if v is not None else f"{'-':>10}" for v in row.values()]
         print(f"{name:<28}{''.join(cells)}")
+
+
+def add_cluster_args(parser: argparse.ArgumentParser, *, pools: int) -> None:
+    """The options both recipes take for what they start: `pools` prefill and as many decode
+    workers behind the router by default, and the simulated GPUs' speed."""
+    parser.add_argument("--time-scale", type=float, default=10.0, help="simulated GPU speed-up")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--prefill", type=int, default=pools, help="prefill workers (router leg)")
+    parser.add_argument("--decode", type=int, default=pools, help="decode workers (router leg)")
+    parser.add_argument("--model", default="llama-3-8b", help="the model name the router serves")
+
+
+def check_cluster_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    if ns.prefill < 1 or ns.decode < 1:
+        parser.error("--prefill and --decode need at least one worker each")
+
+
+LegRun = Callable[[str, Path, str], dict[str, Any]]
+
+
+def run_both(ns: argparse.Namespace, out: Path, leg: LegRun) -> tuple[Any, Any, dict[str, float]]:
+    """`leg(url, out_dir, name)` against the router (`demo --serve`) and then against one
+    `both` worker directly, one after the other; their results and the 1-minute load average
+    at the start and after each leg."""
+    scale = ["--time-scale", f"{ns.time_scale:g}"]
+    pools = ["--prefill", str(ns.prefill), "--decode", str(ns.decode)]
+    demo = [*entry(), "demo", "--serve", "--port", "0", "--model", ns.model, *pools, *scale]
+    worker = [*entry(), "worker", "--role", "both", "--port", "0", "--model", ns.model, *scale]
+    load = {"start": _load()}
+    with started(demo, DEMO_READY, out / "demo.log") as router_url:
+        router = leg(router_url, out / "router", "router")
+    load["after_router"] = _load()
+    with started(worker, WORKER_READY, out / "worker.log") as worker_url:
+        direct = leg(worker_url, out / "direct", "direct")
+    load["after_direct"] = _load()
+    return router, direct, load
+
+
+def _load() -> float:
+    return round(os.getloadavg()[0], 2)

@@ -38,14 +38,13 @@ from pathlib import Path
 from typing import Any
 
 from bench_clients import (
-    DEMO_READY,
     ROOT,
-    WORKER_READY,
+    add_cluster_args,
     added_row,
-    entry,
+    check_cluster_args,
     offline_env,
     print_table,
-    started,
+    run_both,
 )
 
 METRICS = ("ttft", "itl", "tpot", "e2el")
@@ -179,42 +178,25 @@ def compare(router: dict[str, Any], direct: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _load() -> float:
-    return round(os.getloadavg()[0], 2)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-prompts", type=int, default=400)
     parser.add_argument("--max-concurrency", type=int, default=8)
     parser.add_argument("--input-len", type=int, default=256, help="prompt tokens")
     parser.add_argument("--output-len", type=int, default=64, help="output tokens")
-    parser.add_argument("--time-scale", type=float, default=10.0, help="simulated GPU speed-up")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--prefill", type=int, default=1, help="prefill workers behind the router")
-    parser.add_argument("--decode", type=int, default=1, help="decode workers behind the router")
-    parser.add_argument("--model", default="llama-3-8b", help="the model name the router serves")
+    add_cluster_args(parser, pools=1)
     parser.add_argument("--out", type=Path, default=Path("vllm-bench-out"))
     parser.add_argument("--real-vllm-home", type=Path, default=real_vllm_home())
     parser.add_argument("--timeout", type=float, default=1800.0, help="per vllm bench run (s)")
     ns = parser.parse_args(argv)
-    if ns.prefill < 1 or ns.decode < 1:
-        parser.error("--prefill and --decode need at least one worker each")
+    check_cluster_args(parser, ns)
     if (why := missing_reason(ns.real_vllm_home)) is not None:
         print(why, file=sys.stderr)
         return 2
     ns.out.mkdir(parents=True, exist_ok=True)
-    scale = ["--time-scale", f"{ns.time_scale:g}"]
-    pools = ["--prefill", str(ns.prefill), "--decode", str(ns.decode)]
-    demo = [*entry(), "demo", "--serve", "--port", "0", "--model", ns.model, *pools, *scale]
-    worker = [*entry(), "worker", "--role", "both", "--port", "0", "--model", ns.model, *scale]
-    load = {"start": _load()}
-    with started(demo, DEMO_READY, ns.out / "demo.log") as router_url:
-        router = run_vllm_bench(router_url, ns.out / "router", "router", ns)
-    load["after_router"] = _load()
-    with started(worker, WORKER_READY, ns.out / "worker.log") as worker_url:
-        direct = run_vllm_bench(worker_url, ns.out / "direct", "direct", ns)
-    load["after_direct"] = _load()
+    router, direct, load = run_both(
+        ns, ns.out, lambda url, out, name: run_vllm_bench(url, out, name, ns)
+    )
     ok = all(completed_without_errors(r, ns.num_prompts) for r in (router, direct))
     table = compare(router, direct)
     rps = {"router": router.get("request_throughput"), "direct": direct.get("request_throughput")}
