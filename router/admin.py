@@ -129,7 +129,7 @@ async def _discovered(gw: Gateway, raw: dict[str, Any], url: str, adapter: str) 
     """The registration with the layout the worker reports, under what the caller configured.
     Stored that way, so every replica pairs the worker alike without asking it again."""
     try:
-        facts = await gw.pools.layout_facts(gw.session, url, adapter)
+        facts = await gw.pools.health.layout_facts(gw.session, url, adapter)
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         raise InvalidRequest(
             f"could not read the KV layout of the worker at {url} ({exc!r}); register it "
@@ -169,7 +169,8 @@ async def register_worker(request: web.Request) -> web.Response:
     if spec.is_decode:
         await gw.store.set_capacity(spec.id, spec.capacity_blocks)
     state = gw.pools.add(spec, dynamic=True, registration=registration)
-    await gw.pools.probe(gw.session, state)  # in rotation now if it answers, else when it does
+    # In rotation now if it answers, else when it does.
+    await gw.pools.health.probe(gw.session, state)
     return _json(describe(gw, state), status=201)
 
 

@@ -412,7 +412,7 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
         # Before serving: whatever does not answer yet is retried by the health prober.
         await asyncio.gather(
             *(
-                pools.discover_layout(session, w)
+                pools.health.discover_layout(session, w)
                 for w in pools.workers.values()
                 if not w.layout_known
             )
@@ -432,7 +432,7 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
 
         tasks.loop(pools.run_refresher(gw.admission.notify, busy), "pools-refresh")
         tasks.loop(_reap_stranded(gw), "stranded-reaper")
-        tasks.loop(pools.run_health_prober(session, busy), "health-probe")
+        tasks.loop(pools.health.run(session, busy), "health-probe")
         tasks.loop(pools.run_registry_sync(session), "registry-sync")
         tasks.loop(pools.run_load_poller(session, busy), "load-poller")
         tasks.loop(gw.leases.run(), "lease-keeper")

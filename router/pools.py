@@ -14,7 +14,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -25,12 +25,11 @@ from router.breaker import CircuitBreaker
 from router.config import ConfigError, Settings, WorkerSpec, parse_worker
 from router.discovery import (
     LoadSnapshot,
-    fetch_layout_facts,
     fetch_sglang_load,
     fetch_vllm_load,
-    merge_layout,
 )
 from router.drain import apply_drained
+from router.health_probe import HealthProber
 from router.prefixes import RecentPrefixes
 from state.base import StateStore, StoreError, WorkerRole
 
@@ -134,6 +133,7 @@ class Pools:
         # Where this replica's beat falls within each second (see `beat`): replicas sharing a
         # host do not all call the store at the same instant.
         self._phase = random.random()
+        self.health = HealthProber(self)
 
     def __repr__(self) -> str:
         return f"Pools({list(self.workers.values())!r})"
@@ -250,7 +250,7 @@ class Pools:
         if any(True for _ in self.both_workers):
             self.apply_roles(roles)
         if session is not None and joined:
-            await asyncio.gather(*(self.probe(session, w) for w in joined))
+            await asyncio.gather(*(self.health.probe(session, w) for w in joined))
 
     async def run_registry_sync(self, session: aiohttp.ClientSession | None = None) -> None:
         while True:
@@ -297,8 +297,8 @@ class Pools:
         while True:
             await asyncio.gather(*(self.poll_load(session, w) for w in list(self.workers.values())))
             await self.beat(s.load_poll_s)
-            while not self._busy(busy):
-                await self._quiet_sleep(3600.0)  # the next placement, however long it takes
+            while not self.is_busy(busy):
+                await self.quiet_sleep(3600.0)  # the next placement, however long it takes
 
     # -- the snapshot ------------------------------------------------------------------------
     def snapshot(
@@ -460,7 +460,7 @@ class Pools:
                 if nbytes:
                     self._stranded.set()
 
-    def _busy(self, busy: Callable[[], bool] | None) -> bool:
+    def is_busy(self, busy: Callable[[], bool] | None) -> bool:
         """This replica has requests in flight or waiting (`busy`), or legs on a worker."""
         if busy is not None and busy():
             return True
@@ -496,12 +496,12 @@ class Pools:
                 pass  # logged once when it starts failing (refresh_from_store)
             except Exception as exc:  # a bug must not kill the loop
                 log.warning("state refresh failed: %r", exc)
-            if changed or self._busy(busy):
+            if changed or self.is_busy(busy):
                 interval = base
                 await self.beat(interval)
             else:
                 interval = min(2 * interval, idle_cap)
-                await self._quiet_sleep(interval)
+                await self.quiet_sleep(interval)
 
     @staticmethod
     def _beat_delay(period: float, phase: float) -> float:
@@ -518,7 +518,7 @@ class Pools:
         of their work (docs/benchmarks-overhead.md, idle)."""
         await asyncio.sleep(self._beat_delay(period, self._phase))
 
-    async def _quiet_sleep(self, period: float) -> None:
+    async def quiet_sleep(self, period: float) -> None:
         """`beat(period)`, cut short by the next placement (a request after a quiet spell)."""
         self._placed.clear()
         try:
@@ -526,83 +526,3 @@ class Pools:
                 await self._placed.wait()
         except TimeoutError:
             pass
-
-    async def layout_facts(
-        self, session: aiohttp.ClientSession, url: str, adapter: str
-    ) -> dict[str, Any]:
-        """What the worker at `url` reports of its KV layout, within two health-probe timeouts
-        (it takes two requests for vLLM). Raises aiohttp.ClientError, TimeoutError, ValueError."""
-        async with asyncio.timeout(2 * self.settings.health_timeout_s):
-            return await fetch_layout_facts(session, url, adapter)
-
-    async def discover_layout(self, session: aiohttp.ClientSession, w: WorkerState) -> bool:
-        """Read a `discover_layout` worker's layout from the worker itself; its own configured
-        fields stay on top. Until this succeeds the worker is out of rotation."""
-        try:
-            facts = await self.layout_facts(session, w.spec.url, w.spec.adapter)
-            layout = merge_layout(w.spec.layout, facts, dict(w.spec.layout_configured))
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            log.warning("cannot read the KV layout of worker %s yet: %r", w.spec.id, exc)
-            return False
-        w.spec = replace(w.spec, layout=layout)
-        w.layout_known = True
-        log.info("worker %s reports its KV layout: %s", w.spec.id, layout.key)
-        return True
-
-    async def probe(self, session: aiohttp.ClientSession, w: WorkerState) -> None:
-        try:
-            timeout = aiohttp.ClientTimeout(total=self.settings.health_timeout_s)
-            async with session.get(w.spec.url + "/health", timeout=timeout) as resp:
-                ok = resp.status == 200
-        except (TimeoutError, aiohttp.ClientError):
-            ok = False
-        if ok and not w.layout_known:
-            await self.discover_layout(session, w)
-        if ok:
-            if not w.healthy:
-                log.info("worker %s is healthy again", w.spec.id)
-            w.healthy, w.consecutive_failures = True, 0
-            w.breaker.on_health(True)
-        else:
-            w.consecutive_failures += 1
-            if w.healthy and w.consecutive_failures >= 2:
-                log.warning(
-                    "worker %s failed %d health probes: out of rotation",
-                    w.spec.id,
-                    w.consecutive_failures,
-                )
-                w.healthy = False
-                if w.spec.discover_layout:
-                    # It may come back upgraded (a rolling upgrade restarts workers in place):
-                    # its layout is read again before it is used again.
-                    w.layout_known = False
-
-    def _probes_may_slow(self, busy: Callable[[], bool] | None) -> bool:
-        """Every worker answers its probes (layout known, breaker closed), and this replica is
-        quiet. A drained worker counts as answering: drained is a state, not a failure."""
-        if self._busy(busy):
-            return False
-        return all(
-            w.healthy
-            and w.consecutive_failures == 0
-            and w.layout_known
-            and w.breaker.opened_at is None
-            for w in self.workers.values()
-        )
-
-    async def run_health_prober(
-        self, session: aiohttp.ClientSession, busy: Callable[[], bool] | None = None
-    ) -> None:
-        """Every `health_interval_s`; while every worker is healthy and this replica is quiet,
-        the interval doubles up to `health_idle_interval_s`. A failed probe, a worker out of
-        rotation, or the first placement after the quiet spell brings it back at once."""
-        s = self.settings
-        interval = s.health_interval_s
-        while True:
-            await asyncio.gather(*(self.probe(session, w) for w in list(self.workers.values())))
-            if self._probes_may_slow(busy):
-                interval = min(2 * interval, max(s.health_interval_s, s.health_idle_interval_s))
-                await self._quiet_sleep(interval)
-            else:
-                interval = s.health_interval_s
-                await self.beat(interval)

@@ -120,7 +120,7 @@ async def test_health_probes_back_off_while_quiet_and_come_back_at_the_first_pla
             settings(url, health_interval_s=0.05, health_idle_interval_s=0.4), MemoryStore()
         )
         busy = [False]
-        async with loop_running(pools.run_health_prober(session, lambda: busy[0])):
+        async with loop_running(pools.health.run(session, lambda: busy[0])):
             await asyncio.sleep(1.0)
             quiet = hits["health"]
             # Two workers, one probe each per round: at the busy cadence 1 s is ~40 probes;
@@ -140,7 +140,7 @@ async def test_no_back_off_while_a_worker_fails_its_probes() -> None:
         pools = Pools(s, MemoryStore())
         # d0 at a port nothing listens on: its probes fail, so the cadence stays the busy one.
         pools.workers["d0"].spec = replace(pools.workers["d0"].spec, url="http://127.0.0.1:9")
-        async with loop_running(pools.run_health_prober(session)):
+        async with loop_running(pools.health.run(session)):
             await asyncio.sleep(0.6)
         assert hits["health"] >= 8  # p0's probes, every 0.05 s: ~12 in 0.6 s
 

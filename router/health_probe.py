@@ -1,0 +1,117 @@
+"""Health probes and KV-layout discovery of the pools' workers (`Pools.health`).
+
+A worker is in rotation once it answers `/health` and its KV layout is known: configured, or
+read from the worker itself (`discover_layout`). Two failed probes in a row take it out; a worker
+that may come back upgraded has its layout read again first. The prober slows down to
+`health_idle_interval_s` while every worker answers and the replica is quiet: a request's own
+failure trips the breaker meanwhile, and the first placement brings the cadence back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from router.discovery import fetch_layout_facts, merge_layout
+
+if TYPE_CHECKING:
+    from router.pools import Pools, WorkerState
+
+__all__ = ["HealthProber"]
+
+log = logging.getLogger(__name__)
+
+
+class HealthProber:
+    def __init__(self, pools: Pools) -> None:
+        self.pools = pools
+
+    def __repr__(self) -> str:
+        return f"HealthProber({len(self.pools.workers)} workers)"
+
+    async def layout_facts(
+        self, session: aiohttp.ClientSession, url: str, adapter: str
+    ) -> dict[str, Any]:
+        """What the worker at `url` reports of its KV layout, within two health-probe timeouts
+        (it takes two requests for vLLM). Raises aiohttp.ClientError, TimeoutError, ValueError."""
+        async with asyncio.timeout(2 * self.pools.settings.health_timeout_s):
+            return await fetch_layout_facts(session, url, adapter)
+
+    async def discover_layout(self, session: aiohttp.ClientSession, w: WorkerState) -> bool:
+        """Read a `discover_layout` worker's layout from the worker itself; its own configured
+        fields stay on top. Until this succeeds the worker is out of rotation."""
+        try:
+            facts = await self.layout_facts(session, w.spec.url, w.spec.adapter)
+            layout = merge_layout(w.spec.layout, facts, dict(w.spec.layout_configured))
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.warning("cannot read the KV layout of worker %s yet: %r", w.spec.id, exc)
+            return False
+        w.spec = replace(w.spec, layout=layout)
+        w.layout_known = True
+        log.info("worker %s reports its KV layout: %s", w.spec.id, layout.key)
+        return True
+
+    async def probe(self, session: aiohttp.ClientSession, w: WorkerState) -> None:
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.pools.settings.health_timeout_s)
+            async with session.get(w.spec.url + "/health", timeout=timeout) as resp:
+                ok = resp.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            ok = False
+        if ok and not w.layout_known:
+            await self.discover_layout(session, w)
+        if ok:
+            if not w.healthy:
+                log.info("worker %s is healthy again", w.spec.id)
+            w.healthy, w.consecutive_failures = True, 0
+            w.breaker.on_health(True)
+        else:
+            w.consecutive_failures += 1
+            if w.healthy and w.consecutive_failures >= 2:
+                log.warning(
+                    "worker %s failed %d health probes: out of rotation",
+                    w.spec.id,
+                    w.consecutive_failures,
+                )
+                w.healthy = False
+                if w.spec.discover_layout:
+                    # It may come back upgraded (a rolling upgrade restarts workers in place):
+                    # its layout is read again before it is used again.
+                    w.layout_known = False
+
+    def _may_slow(self, busy: Callable[[], bool] | None) -> bool:
+        """Every worker answers its probes (layout known, breaker closed), and this replica is
+        quiet. A drained worker counts as answering: drained is a state, not a failure."""
+        if self.pools.is_busy(busy):
+            return False
+        return all(
+            w.healthy
+            and w.consecutive_failures == 0
+            and w.layout_known
+            and w.breaker.opened_at is None
+            for w in self.pools.workers.values()
+        )
+
+    async def run(
+        self, session: aiohttp.ClientSession, busy: Callable[[], bool] | None = None
+    ) -> None:
+        """Every `health_interval_s`; while every worker is healthy and this replica is quiet,
+        the interval doubles up to `health_idle_interval_s`. A failed probe, a worker out of
+        rotation, or the first placement after the quiet spell brings it back at once."""
+        s = self.pools.settings
+        interval = s.health_interval_s
+        while True:
+            await asyncio.gather(
+                *(self.probe(session, w) for w in list(self.pools.workers.values()))
+            )
+            if self._may_slow(busy):
+                interval = min(2 * interval, max(s.health_interval_s, s.health_idle_interval_s))
+                await self.pools.quiet_sleep(interval)
+            else:
+                interval = s.health_interval_s
+                await self.pools.beat(interval)
