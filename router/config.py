@@ -16,81 +16,38 @@ A minimal cluster.yaml:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import yaml
 
 from policies.base import KVLayout
-from policies.costmodel import PerfModel, perf_model
+from policies.costmodel import PerfModel
 from policies.scaling import ScalingSLO
 from router.admission import AdmissionSettings
 from router.breaker import BreakerSettings
+from router.worker_spec import (
+    ConfigError,
+    Secret,
+    WorkerSpec,
+    parse_layout,
+    parse_perf,
+    parse_worker,
+)
 
 __all__ = [
     "ConfigError",
-    "Secret",
-    "WorkerSpec",
     "Timeouts",
     "RetrySettings",
     "RoleSettings",
     "Settings",
     "load_settings",
     "read_config",
-    "parse_worker",
     "settings_from_mapping",
 ]
 
 ENV_PREFIX = "DISAGG_ROUTER_"
-
-
-class ConfigError(ValueError):
-    """The configuration is wrong; the message says where and how."""
-
-
-class Secret(str):
-    """A string that hides itself in reprs and logs (API keys, tokens)."""
-
-    def __repr__(self) -> str:
-        return "Secret('***')" if self else "Secret('')"
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerSpec:
-    id: str
-    url: str
-    role: str  # prefill | decode | both
-    adapter: str = "vllm"  # vllm | sim | sglang | mooncake
-    bootstrap_port: int | None = None  # SGLang / Mooncake: the prefill's KV bootstrap port
-    engine_id: str | None = None  # Mooncake: the prefill engine id (else asked at start-up)
-    group: str = "default"
-    layout: KVLayout = field(default_factory=KVLayout)
-    perf: PerfModel | None = None
-    kv_blocks: int | None = None  # decode capacity; None = from the cost model
-    stranded_cap_bytes: int = 0  # prefill backpressure; 0 = no cap
-    api_key: Secret = Secret("")
-    # Read the layout from the worker (/version, /v1/models; SGLang /server_info) before using
-    # it; `layout_configured` are the fields its own entry set, which win over what it reports.
-    discover_layout: bool = False
-    layout_configured: tuple[tuple[str, Any], ...] = ()
-
-    @property
-    def is_prefill(self) -> bool:
-        return self.role in ("prefill", "both")
-
-    @property
-    def is_decode(self) -> bool:
-        return self.role in ("decode", "both")
-
-    @property
-    def capacity_blocks(self) -> int:
-        if self.kv_blocks is not None:
-            return self.kv_blocks
-        if self.perf is None:
-            raise ConfigError(f"worker {self.id}: set kv_blocks or a perf profile")
-        return self.perf.kv_capacity_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,150 +229,6 @@ class Settings:
             raise ConfigError(f"relay: must be aiohttp or splice, not {self.relay!r}")
 
 
-def _parse_layout(raw: Mapping[str, Any] | None, defaults: KVLayout) -> KVLayout:
-    if not raw:
-        return defaults
-    if not isinstance(raw, Mapping):
-        raise ConfigError("layout: expected a mapping")
-    known = {f.name for f in fields(KVLayout)}
-    unknown = set(raw) - known
-    if unknown:
-        raise ConfigError(f"layout: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-    for key, value in raw.items():
-        # Each field keeps its type: the layout is compared and shown (model names in
-        # /v1/models), so a number where a name belongs must not slip through.
-        want = type(getattr(defaults, key))
-        if want is int:
-            _check_int(f"layout.{key}", value, 0, _MAX_COUNT)
-        elif not isinstance(value, str) or len(value) > 256:
-            raise ConfigError(f"layout.{key}: expected a string (at most 256 characters)")
-    return replace(defaults, **raw)
-
-
-# Counts (blocks, bytes) beyond this are configuration mistakes, and would not fit the int64
-# that Redis and the JSON answers carry.
-_MAX_COUNT = 2**53
-
-
-def _check_int(name: str, value: Any, low: int, high: int) -> int:
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise ConfigError(f"{name}: expected an integer from {low} to {high}, not {value!r}")
-    return value
-
-
-def _check_str(name: str, value: Any, max_len: int = 256) -> str:
-    if not isinstance(value, str) or not value or len(value) > max_len:
-        raise ConfigError(f"{name}: expected a non-empty string of at most {max_len} characters")
-    if any(ch.isspace() or not ch.isprintable() for ch in value):
-        raise ConfigError(f"{name}: must not contain spaces or control characters")
-    return value
-
-
-def _parse_perf(raw: Any, where: str) -> PerfModel | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, Mapping) or "model" not in raw or "gpu" not in raw:
-        raise ConfigError(f"{where}.perf: expected {{model: NAME, gpu: NAME[, tp_size: N]}}")
-    kw = dict(raw)
-    tp_size = kw.pop("tp_size", None)
-    if tp_size is not None:
-        tp_size = _check_int(f"{where}.perf.tp_size", tp_size, 1, 1024)
-    try:
-        return perf_model(kw.pop("model"), kw.pop("gpu"), tp_size, **kw)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}.perf: {exc}") from exc
-
-
-_WORKER_KEYS = {
-    "id",
-    "url",
-    "role",
-    "adapter",
-    "group",
-    "layout",
-    "perf",
-    "kv_blocks",
-    "stranded_cap_bytes",
-    "api_key",
-    "bootstrap_port",
-    "engine_id",
-    "discover_layout",
-}
-_ADAPTERS = ("vllm", "sim", "sglang", "mooncake")
-
-
-def _optional_int(name: str, value: Any, low: int, high: int) -> int | None:
-    return None if value is None else _check_int(name, value, low, high)
-
-
-def parse_worker(
-    raw: Any, default_perf: PerfModel | None, layout: KVLayout, where: str = "worker"
-) -> WorkerSpec:
-    """One worker entry (YAML, or a registration through the admin API) -> WorkerSpec."""
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}: expected a mapping")
-    unknown = set(raw) - _WORKER_KEYS
-    if unknown:
-        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
-    for key in ("id", "url", "role"):
-        if raw.get(key) in (None, ""):
-            raise ConfigError(f"{where}: '{key}' is required")
-    # An id names Redis keys inside a Redis Cluster hash tag: no braces (state/keys.py).
-    wid = _check_str(f"{where}.id", str(raw["id"]) if isinstance(raw["id"], int) else raw["id"])
-    if "{" in wid or "}" in wid or len(wid) > 128:
-        raise ConfigError(f"{where}.id: at most 128 characters, no '{{' or '}}'")
-    url = _check_str(f"{where}.url", raw["url"], 2048)
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"{where}.url: expected http://host:port or https://..., not {url!r}")
-    try:
-        parts.port  # noqa: B018 - a bad port raises here, not on the first request
-    except ValueError as exc:
-        raise ConfigError(f"{where}.url: {exc}") from exc
-    for key in ("group", "engine_id", "api_key"):
-        if raw.get(key) is not None:
-            _check_str(f"{where}.{key}", raw[key], 4096 if key == "api_key" else 256)
-    if raw["role"] not in ("prefill", "decode", "both"):
-        raise ConfigError(f"{where}: role must be prefill, decode or both, not {raw['role']!r}")
-    if raw.get("adapter", "vllm") not in _ADAPTERS:
-        raise ConfigError(f"{where}: adapter must be one of {', '.join(_ADAPTERS)}")
-    perf = _parse_perf(raw.get("perf"), where) or default_perf
-    discover = raw.get("discover_layout", False)
-    if not isinstance(discover, bool):
-        raise ConfigError(f"{where}: discover_layout must be true or false")
-    configured = raw.get("layout") or {}
-    kv_blocks = _optional_int(f"{where}.kv_blocks", raw.get("kv_blocks"), 1, _MAX_COUNT)
-    stranded_cap = _check_int(
-        f"{where}.stranded_cap_bytes", raw.get("stranded_cap_bytes", 0), 0, _MAX_COUNT
-    )
-    spec = WorkerSpec(
-        id=wid,
-        url=url.rstrip("/"),
-        role=raw["role"],
-        adapter=raw.get("adapter", "vllm"),
-        bootstrap_port=_optional_int(
-            f"{where}.bootstrap_port", raw.get("bootstrap_port"), 1, 65535
-        ),
-        engine_id=raw.get("engine_id"),
-        group=str(raw.get("group", "default")),
-        layout=_parse_layout(raw.get("layout"), layout),
-        perf=perf,
-        kv_blocks=kv_blocks,
-        stranded_cap_bytes=stranded_cap,
-        api_key=Secret(raw.get("api_key") or ""),
-        discover_layout=discover,
-        layout_configured=tuple(sorted(configured.items())) if discover else (),
-    )
-    if spec.is_decode:
-        try:
-            _check_int(f"{where}: its KV capacity", spec.capacity_blocks, 1, _MAX_COUNT)
-        except TypeError as exc:  # a perf profile whose numbers do not multiply
-            raise ConfigError(f"{where}: cannot compute its KV capacity: {exc}") from exc
-    return spec
-
-
 _ENV_SCALARS: dict[str, type] = {
     "host": str,
     "port": int,
@@ -474,9 +287,9 @@ def settings_from_mapping(raw: Mapping[str, Any]) -> Settings:
     models = raw.pop("models", None) or raw.pop("model", None) or "llama-3-8b"
     if isinstance(models, str):
         models = (models,)
-    default_perf = _parse_perf(raw.pop("perf", None), "settings")
+    default_perf = parse_perf(raw.pop("perf", None), "settings")
     served = models[0]
-    layout = _parse_layout(
+    layout = parse_layout(
         raw.pop("layout", None),
         KVLayout(
             model=served,

@@ -22,7 +22,7 @@ import orjson
 
 from policies.base import ClusterView, DecodeView, PrefillView
 from router.breaker import CircuitBreaker
-from router.config import ConfigError, Settings, WorkerSpec, parse_worker
+from router.config import ConfigError, Settings
 from router.discovery import (
     LoadSnapshot,
     fetch_sglang_load,
@@ -31,6 +31,7 @@ from router.discovery import (
 from router.drain import apply_drained
 from router.health_probe import HealthProber
 from router.prefixes import RecentPrefixes
+from router.worker_spec import WorkerSpec, parse_worker
 from state.base import StateStore, StoreError, WorkerRole
 
 __all__ = ["WorkerState", "Pools"]
