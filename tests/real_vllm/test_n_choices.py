@@ -1,6 +1,12 @@
-"""`n` > 1 against the real engine (docs/real-workers.md, "`n` > 1"): why the router does not
-split such a request over a prefill and a decode worker, and that serving it whole on a decode
-engine gives the engine's own answer, every choice of it."""
+"""`n` > 1 against the real engine (docs/real-workers.md, "`n` > 1"): serving it whole on a
+decode engine gives the engine's own answer, every choice of it, and the prefill engine computes
+nothing for it.
+
+Why the router does not split such a request is in the doc, from vLLM's code: each of the n
+children pulls the one handle, and the prefill frees its blocks at the first pull. Splitting by
+hand on these engines shows the late read (`vllm:nixl_num_notifications_after_expiry` rises) only
+when the second child's pull starts before the first one's blocks are in the decode's prefix
+cache, a race: it is not a test here, since whether it shows depends on the scheduling."""
 
 from __future__ import annotations
 
@@ -16,20 +22,11 @@ from tests.real_vllm.conftest import (
     VllmServer,
     chat_messages,
     unique_prompt,
-    wait_for,
 )
 
 pytestmark = pytest.mark.real_vllm
 
 MAX_TOKENS = 10
-SKELETON = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 async def _post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
@@ -52,33 +49,6 @@ def _sampled(tag: str) -> dict[str, Any]:
         "temperature": 1.0,
         "seed": 11,
     }
-
-
-async def test_one_prefill_handle_is_read_by_each_of_n_decode_choices(
-    router: RealRouter,
-) -> None:
-    """The finding the router's choice rests on. A decode given n = 2 and one prefill's handle
-    fans out into two requests that each pull the handle; the prefill frees its blocks at the
-    first pull's notification, so the second pull reads blocks it no longer holds (vLLM counts
-    its notification in `vllm:nixl_num_notifications_after_expiry`)."""
-    p0, d1 = router.cluster.prefill, router.cluster.decodes[1]
-    body = _sampled("naive split")
-    before = _counter(p0, "vllm:nixl_num_notifications_after_expiry")
-    pre = {**body, "n": 1, "max_tokens": 1, "kv_transfer_params": SKELETON}
-    status, first = await _post(p0.url + "/v1/chat/completions", pre)
-    assert status == 200, first
-    params = first["kv_transfer_params"]
-    status, second = await _post(
-        d1.url + "/v1/chat/completions", {**body, "kv_transfer_params": params}
-    )
-    assert status == 200, second
-    assert len(second["choices"]) == 2
-
-    def late() -> Any:
-        grown = _counter(p0, "vllm:nixl_num_notifications_after_expiry") - before
-        return True if grown >= 1 else grown
-
-    await wait_for(late, 60, "a second read of one prefill's blocks after they were freed")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
