@@ -14,7 +14,16 @@ import orjson
 
 from router.errors import InvalidRequest, ModelNotFound
 
-__all__ = ["CHAT", "COMPLETIONS", "RESPONSES", "DEFAULT_MAX_N", "ParsedRequest", "parse_request"]
+__all__ = [
+    "CHAT",
+    "COMPLETIONS",
+    "RESPONSES",
+    "DEFAULT_MAX_N",
+    "NO_LIMIT_CAP",
+    "output_cap",
+    "ParsedRequest",
+    "parse_request",
+]
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -211,24 +220,13 @@ def parse_request(
     max_completion = _optional_int(body, "max_completion_tokens", 1)
     _optional_int(body, "min_tokens", 0)
     cap = max_completion if max_completion is not None else max_tokens
-    if max_model_len is not None:
-        room = max_model_len - prompt_tokens
-        if room < 1:
-            raise InvalidRequest(
-                f"This model's maximum context length is {max_model_len} tokens; the prompt "
-                f"has about {prompt_tokens}.",
-                param="messages" if path == CHAT else "prompt",
-            )
-        if cap is None:
-            cap = room
-        elif cap > room:
-            raise InvalidRequest(
-                f"'max_tokens' is too large: {cap}. This model's maximum context length is "
-                f"{max_model_len} tokens and the prompt has about {prompt_tokens}.",
-                param="max_completion_tokens" if max_completion is not None else "max_tokens",
-            )
-    if cap is None:
-        cap = 4096  # no model length known: a conservative default cap for reservations
+    cap = output_cap(
+        max_model_len,
+        prompt_tokens,
+        cap,
+        prompt_param="messages" if path == CHAT else "prompt",
+        cap_param="max_completion_tokens" if max_completion is not None else "max_tokens",
+    )
     return ParsedRequest(
         path=path,
         body=body,
@@ -239,3 +237,36 @@ def parse_request(
         max_tokens=cap,
         n=n or 1,
     )
+
+
+# The reservation's output cap when nothing bounds it (no model length known): conservative.
+NO_LIMIT_CAP = 4096
+
+
+def output_cap(
+    max_model_len: int | None,
+    prompt_tokens: int,
+    cap: int | None,
+    *,
+    prompt_param: str,
+    cap_param: str,
+) -> int:
+    """The output tokens a request may produce: its own cap, checked against the model's context
+    length, or the room the prompt leaves (`NO_LIMIT_CAP` when no length is known)."""
+    if max_model_len is None:
+        return NO_LIMIT_CAP if cap is None else cap
+    room = max_model_len - prompt_tokens
+    if room < 1:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens; the "
+            f"{'input' if prompt_param == 'input' else 'prompt'} has about {prompt_tokens}.",
+            param=prompt_param,
+        )
+    if cap is not None and cap > room:
+        raise InvalidRequest(
+            f"'{cap_param}' is too large: {cap}. This model's maximum context length is "
+            f"{max_model_len} tokens and the "
+            f"{'input' if prompt_param == 'input' else 'prompt'} has about {prompt_tokens}.",
+            param=cap_param,
+        )
+    return room if cap is None else cap

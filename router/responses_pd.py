@@ -41,7 +41,7 @@ from typing import Any
 import orjson
 
 from router.adapters.errors import sse_data
-from router.api import ParsedRequest, parse_json_object
+from router.api import ParsedRequest, output_cap, parse_json_object
 from router.errors import InvalidRequest, ModelNotFound
 from router.gateway import Gateway
 from router.prompt_text import text_of
@@ -63,7 +63,6 @@ _PULL_ADAPTERS = frozenset({"vllm", "sim"})
 # Tokens a chat template adds around each input item (as router/api.py counts chat messages).
 _PER_ITEM_TOKENS = 4
 _INT_MAX = 2**63 - 1
-_NO_MODEL_LIMIT_CAP = 4096  # as router/api.py: the reservation's cap when nothing bounds it
 
 
 def serves_split(gw: Gateway, body: dict[str, Any]) -> bool:
@@ -141,21 +140,9 @@ def parse_responses(
         raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
     prompt_tokens = _prompt_tokens(body, chars_per_token)
     cap = _max_output_tokens(body)
-    if max_model_len is not None:
-        room = max_model_len - prompt_tokens
-        if room < 1:
-            raise InvalidRequest(
-                f"This model's maximum context length is {max_model_len} tokens; the input "
-                f"has about {prompt_tokens}.",
-                param="input",
-            )
-        if cap is not None and cap > room:
-            raise InvalidRequest(
-                f"'max_output_tokens' is too large: {cap}. This model's maximum context length "
-                f"is {max_model_len} tokens and the input has about {prompt_tokens}.",
-                param="max_output_tokens",
-            )
-        cap = room if cap is None else cap
+    cap = output_cap(
+        max_model_len, prompt_tokens, cap, prompt_param="input", cap_param="max_output_tokens"
+    )
     return ParsedRequest(
         path=RESPONSES,
         body=body,
@@ -163,7 +150,7 @@ def parse_responses(
         stream=stream,
         include_usage=False,
         prompt_tokens=prompt_tokens,
-        max_tokens=cap if cap is not None else _NO_MODEL_LIMIT_CAP,
+        max_tokens=cap,
     )
 
 
