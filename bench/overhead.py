@@ -59,10 +59,20 @@ _TICK = os.sysconf("SC_CLK_TCK")
 # --- processes ----------------------------------------------------------------------------------
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+    """A port free now and not handed out before by this process: the workers and routers bind
+    theirs only once started, so the kernel may offer a port twice meanwhile (two workers then
+    race for it, and one exits with "address already in use")."""
+    while True:
+        with socket.socket() as s:
+            s.bind((HOST, 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def _descendants(pid: int) -> list[int]:

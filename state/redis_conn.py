@@ -21,6 +21,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError
@@ -240,6 +242,11 @@ class RedisConnection:
             timeout=pool_timeout_s,
             socket_connect_timeout=5.0,
             socket_timeout=10.0,
+            # After Redis restarts, every pooled connection is dead until used: a call that
+            # finds its connection closed is sent once more on a fresh one (at once), instead
+            # of failing a request against a Redis that is back. Only a closed connection:
+            # a timed-out command may have run, and is not sent twice.
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         )
         client = aioredis.Redis.from_pool(pool)  # owns the pool: aclose() disconnects it
         return cls(client, Keys(prefix), _owns_client=True, _url=url)
