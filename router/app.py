@@ -40,8 +40,8 @@ from router.roles import ROLES, RoleManager
 from router.scaling import export_scaling, scaling_report
 from router.server import read_body
 from router.shutdown import SHUTDOWN, Shutdown
-from router.splice import SplicePool
 from router.tracing import Tracing
+from router.upstream_pool import SplicePool
 from state import StoreError, open_store
 
 __all__ = ["create_app", "GATEWAY", "SETTINGS"]

@@ -19,8 +19,8 @@ from router.metrics import RouterMetrics
 from router.pools import Pools
 from router.retry_budget import RetryBudget
 from router.scaling import DemandMeter
-from router.splice import SplicePool
 from router.tracing import Tracing
+from router.upstream_pool import SplicePool
 from state.base import StateStore
 
 __all__ = ["Gateway"]

@@ -34,7 +34,7 @@ from router.pools import WorkerState
 from router.relay import RelayResult
 from router.responses_pd import RESPONSES
 from router.responses_pd import prefill_body as responses_prefill_body
-from router.splice import SpliceResponse
+from router.upstream_pool import SpliceResponse
 from state.base import StrandIntent
 
 __all__ = [

@@ -30,7 +30,8 @@ from router.legs import DecodeResponse, kv_accepted, stream_failure
 from router.relay import RelayResult, relay_sse
 from router.reserve import grow
 from router.responses_pd import RESPONSES, assembled, error_event, output_tokens
-from router.splice import SpliceResponse, relay_splice
+from router.splice import relay_splice
+from router.upstream_pool import SpliceResponse
 
 __all__ = ["Broken", "ClientSide", "ClientStream", "Progress", "Responder", "Served"]
 

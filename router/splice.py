@@ -24,27 +24,13 @@ from router.relay import NO_FIRST_EVENT, RelayObserver, RelayResult
 from router.sse_cut import SseCutter
 from router.upstream_pool import (
     HIGH_WATER,
-    SpliceConnectError,
     SpliceDisconnected,
     SpliceError,
-    SpliceIdleTimeout,
-    SplicePool,
-    SpliceProtocolError,
     SpliceResponse,
     UpstreamConn,
 )
 
-__all__ = [
-    "HIGH_WATER",
-    "SpliceError",
-    "SpliceConnectError",
-    "SpliceIdleTimeout",
-    "SpliceDisconnected",
-    "SpliceProtocolError",
-    "SplicePool",
-    "SpliceResponse",
-    "relay_splice",
-]
+__all__ = ["relay_splice"]
 
 
 class _Splice:

@@ -21,12 +21,12 @@ from openai import AsyncOpenAI
 
 from router.config import ConfigError, settings_from_mapping
 from router.relay import RelayResult, count_tokens, parse_sent_text
-from router.splice import (
+from router.splice import relay_splice
+from router.upstream_pool import (
     SpliceConnectError,
     SpliceIdleTimeout,
     SplicePool,
     SpliceResponse,
-    relay_splice,
 )
 from tests.conftest import MODEL, sim_cluster
 
