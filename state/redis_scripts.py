@@ -38,6 +38,19 @@ end
 local function score(x) return string.format('%.6f', x) end
 """
 
+# One entry out of a hash (id -> amount), its zset (id -> time) and their kept sum; the amount
+# taken, 0 when the entry is not there. A reservation's release and a stranded entry's clearing.
+_LUA_DROP = """
+local function drop(hash, zset, sum, id)
+  local old = redis.call('HGET', hash, id)
+  if not old then return 0 end
+  redis.call('HDEL', hash, id)
+  redis.call('ZREM', zset, id)
+  redis.call('DECRBY', sum, old)
+  return tonumber(old)
+end
+"""
+
 # Expired means expiry <= now. One id at a time rather than `unpack(all)`: Lua's stack limits
 # how many arguments one call may take, and a dead router can leave many leases behind.
 _LUA_PURGE = """
@@ -174,17 +187,13 @@ return 1
 # ARGV[1] now  ARGV[2] reservation id
 # Returns the blocks it held, 0 if it was already gone (released, or its lease expired).
 RELEASE_SCRIPT = (
-    _LUA_CLOCK
+    _LUA_DROP
+    + _LUA_CLOCK
     + _LUA_PURGE
     + """
 local now = clock()
 purge(now)
-local old = redis.call('HGET', KEYS[2], ARGV[2])
-if not old then return 0 end
-redis.call('HDEL', KEYS[2], ARGV[2])
-redis.call('ZREM', KEYS[3], ARGV[2])
-redis.call('DECRBY', KEYS[4], old)
-return tonumber(old)
+return drop(KEYS[2], KEYS[3], KEYS[4], ARGV[2])
 """
 )
 
@@ -233,14 +242,12 @@ return 1
 # Clear a stranded entry.
 # ARGV[1] request id
 # Returns the bytes cleared, 0 if absent.
-UNSTRAND_SCRIPT = """
-local old = redis.call('HGET', KEYS[1], ARGV[1])
-if not old then return 0 end
-redis.call('HDEL', KEYS[1], ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('DECRBY', KEYS[3], old)
-return tonumber(old)
+UNSTRAND_SCRIPT = (
+    _LUA_DROP
+    + """
+return drop(KEYS[1], KEYS[2], KEYS[3], ARGV[1])
 """
+)
 
 # A role change, compare-and-set on the version. KEYS[1] {reg}:roles  ARGV[1] now ('' = the
 # server's clock)  ARGV[2] worker id  ARGV[3] role  ARGV[4] expected version (0: none yet).
