@@ -163,7 +163,9 @@ class Pools:
     def _strandable(self) -> Iterable[WorkerState]:
         return (w for w in self.workers.values() if w.spec.is_prefill)
 
-    def _can_prefill_locally(self, w: WorkerState) -> bool:
+    def can_prefill_locally(self, w: WorkerState) -> bool:
+        """A decode-side `both` worker that may prefill its own requests (no role yet, or
+        `roles.local_prefill`)."""
         if w.spec.role != "both":
             return False
         return w.role_state is None or self.settings.roles.local_prefill
@@ -344,7 +346,7 @@ class Pools:
                 group=w.spec.group,
                 step_base_s=w.spec.perf.step_base_s if w.spec.perf else 0.005,
                 step_s_per_block=w.spec.perf.step_s_per_block if w.spec.perf else 0.0,
-                can_prefill=self._can_prefill_locally(w),
+                can_prefill=self.can_prefill_locally(w),
                 prefill_tokens_per_s=(
                     w.spec.perf.prefill_tokens_per_s() if w.spec.perf else 10_000.0
                 ),
