@@ -19,6 +19,7 @@ from router.attempt import Ask, Attempt, Call, loop_time
 from router.errors import NoCapacity, Unavailable
 from router.gateway import Gateway
 from router.legs import hold_intent, strand_intent
+from router.rotation import in_rotation, models_of, retry_after_s, why_empty
 from state.base import StoreError
 
 __all__ = ["Seat", "admit_and_reserve", "estimate", "grow"]
@@ -92,7 +93,7 @@ async def admit_and_reserve(call: Call, info: RequestInfo, seat: Seat, avoid: se
                 adm.notify()  # there may be room for the next in line too
             outcome.grow_at_tokens = info.reserve_output_tokens
             return outcome
-        _check_pools_alive(gw)
+        _check_pools_alive(gw, info.model)
         if adm.settings.mode == "instant" or _never_fits(gw, info):
             gw.metrics.rejections.labels(reason="no_room").inc()
             raise NoCapacity(outcome.reason, retry_after_s=outcome.retry_after_s)
@@ -201,18 +202,20 @@ async def _try_reserve(gw: Gateway, info: RequestInfo, avoid: set[str]) -> Attem
     )
 
 
-def _check_pools_alive(gw: Gateway) -> None:
-    """No worker in rotation on one side: waiting for room is pointless, fail fast (503)."""
+def _check_pools_alive(gw: Gateway, model: str = "") -> None:
+    """No worker in rotation on one side for the request's model: waiting for room is
+    pointless, fail fast (503) saying what each worker of that side does instead (drained,
+    serving the other role, probe failing: router/rotation.py), with a Retry-After of when one
+    may be back by itself (longer when only an operator can bring one back)."""
     pools = gw.pools
-    decode = [w for w in pools.decode_workers if w.available]
-    prefill = [w for w in pools.prefill_workers if w.available]
-    if not decode or not (prefill or any(w.spec.role == "both" for w in decode)):
-        side = "decode" if not decode else "prefill"
-        cooldowns = [w.breaker.cooldown_s for w in pools.workers.values()]
-        raise Unavailable(
-            f"no {side} worker is in rotation (health probes failing or circuit breakers open)",
-            retry_after_s=min(cooldowns, default=1.0),
-        )
+    for side in ("decode", "prefill"):
+        if not in_rotation(pools, side, model):
+            of = f" for {model}" if model and len(models_of(pools)) > 1 else ""
+            raise Unavailable(
+                f"no {side} worker is in rotation{of}: {why_empty(pools, side, model)}",
+                retry_after_s=retry_after_s(pools, side, model),
+                code="no_worker_in_rotation",
+            )
 
 
 def _never_fits(gw: Gateway, info: RequestInfo) -> bool:

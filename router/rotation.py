@@ -1,0 +1,158 @@
+"""Who is in rotation in each pool, and why a worker is not: the admin API's guard rails
+(router/admin.py) and the 503 a request gets when a pool is empty (router/reserve.py).
+
+A pool is one side (prefill or decode) of one model, as placement sees it (`Pools.snapshot`):
+the workers of that side whose layout names the model, or names none (they serve every
+model). A `both` worker is on the side its current role names, in neither while it drains for
+a switch; with no role yet (or `roles.local_prefill`) a decode-side `both` worker prefills its
+own requests, so it counts on the prefill side too. A worker is in rotation on a side when it is
+there and `available`: healthy, layout known, breaker letting requests through, not drained.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from router.pools import Pools, WorkerState
+
+__all__ = [
+    "OPERATOR_RETRY_AFTER_S",
+    "SIDES",
+    "emptied_without",
+    "in_rotation",
+    "models_of",
+    "why_empty",
+    "retry_after_s",
+]
+
+SIDES = ("prefill", "decode")
+
+# A pool emptied by the operator's hand (drained workers, roles the static policy never
+# changes back) does not come back by itself: no retry is likely to succeed soon. 30 s is the
+# order of an operator's reaction, and within what OpenAI's clients honour (they take a
+# Retry-After of up to 60 s, else back off by themselves).
+OPERATOR_RETRY_AFTER_S = 30.0
+
+
+def _serves(w: WorkerState, model: str) -> bool:
+    # The model rule of router/pools.py's snapshot: a worker naming no model serves every one.
+    return not model or not w.spec.layout.model or w.spec.layout.model == model
+
+
+def _could_serve(w: WorkerState, side: str) -> bool:
+    """Registered for `side` at all (a plain decode worker never prefills, and vice versa)."""
+    return w.spec.is_prefill if side == "prefill" else w.spec.is_decode
+
+
+def _on_side(pools: Pools, w: WorkerState, side: str) -> bool:
+    if side == "decode":
+        return w.in_decode_pool
+    return w.in_prefill_pool or (w.in_decode_pool and pools.can_prefill_locally(w))
+
+
+def models_of(pools: Pools) -> tuple[str, ...]:
+    """The configured model names plus those the workers' layouts name."""
+    names = dict.fromkeys(pools.settings.models)
+    for w in pools.workers.values():
+        if w.spec.layout.model:
+            names.setdefault(w.spec.layout.model)
+    return tuple(names)
+
+
+def in_rotation(
+    pools: Pools, side: str, model: str = "", without: str | None = None
+) -> list[WorkerState]:
+    """The workers in rotation on `side` for `model` ("": any), leaving out `without`."""
+    return [
+        w
+        for w in pools.workers.values()
+        if w.spec.id != without and w.available and _on_side(pools, w, side) and _serves(w, model)
+    ]
+
+
+def _candidates(
+    pools: Pools, side: str, model: str, without: str | None = None
+) -> Iterable[WorkerState]:
+    return (
+        w
+        for w in pools.workers.values()
+        if w.spec.id != without and _could_serve(w, side) and _serves(w, model)
+    )
+
+
+def _reasons(pools: Pools, w: WorkerState, side: str) -> list[str]:
+    """Why `w` takes no `side` work now (empty: it is in rotation there)."""
+    out: list[str] = []
+    if not _on_side(pools, w, side):
+        role = w.current_role
+        if role.startswith("draining-to-"):
+            out.append(f"draining for a role switch to {role.removeprefix('draining-to-')}")
+        else:
+            out.append(f"serving {role}")
+    if w.drained:
+        out.append("drained by the operator")
+    if not w.healthy:
+        out.append("health probe failing")
+    elif not w.layout_known:
+        out.append("KV layout not read yet")
+    if not w.breaker.allows():
+        out.append("circuit breaker open")
+    return out
+
+
+def why_empty(pools: Pools, side: str, model: str = "", without: str | None = None) -> str:
+    """What each worker of the pool is doing instead: "d0 drained by the operator, d1 serving
+    prefill" (`without` left out, as if gone)."""
+    parts = [
+        f"{w.spec.id} {' and '.join(reasons)}"
+        for w in _candidates(pools, side, model, without)
+        if (reasons := _reasons(pools, w, side))
+    ]
+    return ", ".join(parts) or f"no {side} worker is configured or registered"
+
+
+def _back_in_s(pools: Pools, w: WorkerState, side: str) -> float:
+    """When `w` may be back on `side` by itself (inf: only by an operator's hand)."""
+    s = pools.settings
+    if w.drained:
+        return math.inf
+    t = 0.0
+    if not _on_side(pools, w, side):
+        heading_here = w.current_role == f"draining-to-{side}"
+        if not heading_here and s.roles.policy == "static":
+            return math.inf  # the static policy never switches a worker back
+        # The lease holder finishes the drain (or decides a switch back) within a tick once
+        # every replica has seen it.
+        t = s.roles.settle_s + s.roles.interval_s
+    if not w.healthy or not w.layout_known:
+        t = max(t, s.health_interval_s)  # back with the first probe that passes
+    b = w.breaker
+    if not b.allows() and b.opened_at is not None:
+        t = max(t, b.opened_at + b.cooldown_s - b.clock())
+    return t
+
+
+def retry_after_s(pools: Pools, side: str, model: str = "") -> float:
+    """An honest Retry-After for an empty pool: the soonest any of its workers may be back by
+    itself, or OPERATOR_RETRY_AFTER_S when none will without the operator."""
+    soonest = min(
+        (_back_in_s(pools, w, side) for w in _candidates(pools, side, model)), default=math.inf
+    )
+    return OPERATOR_RETRY_AFTER_S if math.isinf(soonest) else max(1.0, soonest)
+
+
+def emptied_without(pools: Pools, worker_id: str) -> list[tuple[str, str]]:
+    """The pools, as (side, model), that `worker_id` is in rotation in with no other worker:
+    taking it out (drain, role switch, removal) would leave them empty. A pool that is empty
+    already is not listed: taking out a worker that is not serving changes nothing there."""
+    w = pools.workers.get(worker_id)
+    if w is None or not w.available:
+        return []
+    models = (w.spec.layout.model,) if w.spec.layout.model else models_of(pools)
+    return [
+        (side, model)
+        for model in models
+        for side in SIDES
+        if _on_side(pools, w, side) and not in_rotation(pools, side, model, without=worker_id)
+    ]
