@@ -127,6 +127,9 @@ class RequestInfo:
     slo_ttft_s: float | None = None
     slo_itl_s: float | None = None
     hint_output_tokens: int | None = None
+    # Whether the hint comes from a caller trusted to lower a reservation with it (router
+    # setting `trust_hints`; tenants mark their own). An untrusted hint may only raise one.
+    hint_trusted: bool = False
     # Choices in the answer (the request's `n`), and the decode block size their partial
     # blocks are counted in (the largest of the decode workers': an upper bound).
     n: int = 1

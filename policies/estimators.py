@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from policies.base import OutputEstimate, OutputHistograms, OutputLengthEstimator, RequestInfo
 
@@ -26,6 +26,7 @@ __all__ = [
     "BUCKET_BOUNDS",
     "bucket_of",
     "histogram_quantiles",
+    "asked_bucket",
     "class_keys_for",
     "MaxTokensEstimator",
     "HintEstimator",
@@ -87,23 +88,37 @@ def _prompt_label(prompt_tokens: int, prompt_buckets: Sequence[int]) -> str:
     return str(prompt_buckets[i]) if i < len(prompt_buckets) else "inf"
 
 
+def asked_bucket(max_tokens: int) -> int:
+    """The power of two at or above what the client asked for (`max_tokens`, at least 16).
+
+    Coarse on purpose: a class per distinct cap would never warm up, and within a factor of two
+    of the cap an answer's length is the client's, not the cap's."""
+    return 1 << max(4, (max(1, max_tokens) - 1).bit_length())
+
+
 def class_keys_for(
     request: RequestInfo,
     prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
     use_hint: bool = True,
 ) -> tuple[str, ...]:
-    """Statistics classes of a request, narrowest first, ending with the catch-all "*".
+    """Statistics classes of a request, narrowest first, ending with "*|a=<asked bucket>".
 
-    The model always matters; the prompt length does for most workloads (summaries are short,
-    chat answers are not); a client's hint, bucketed, separates requests the client knows to be
-    long from the rest.
+    What the client asked for (`max_tokens`, bucketed) is in every class: answers learned
+    under a 300-token cap say nothing of one asked for 4,000, and a wider class that mixes caps
+    would hand the short answers' quantile to the long ones (an over-commit the day the
+    answers shift). Within one asked bucket the model matters, and the prompt length does for
+    most workloads (summaries are short, chat answers are not); a client's hint, bucketed,
+    separates requests the client knows to be long from the rest.
     """
-    model = f"m={request.model}"
-    by_prompt = f"{model}|p={_prompt_label(request.prompt_tokens, prompt_buckets)}"
+    asked = f"a={asked_bucket(request.max_tokens)}"
+    model = f"m={request.model}|{asked}"
+    prompt = _prompt_label(request.prompt_tokens, prompt_buckets)
+    by_prompt = f"m={request.model}|p={prompt}|{asked}"
+    widest = f"*|{asked}"
     if use_hint and request.hint_output_tokens is not None:
         hinted = f"{by_prompt}|h={bucket_of(request.hint_output_tokens)}"
-        return (hinted, by_prompt, model, "*")
-    return (by_prompt, model, "*")
+        return (hinted, by_prompt, model, widest)
+    return (by_prompt, model, widest)
 
 
 def _cold(request: RequestInfo, source: str = "max_tokens") -> OutputEstimate:
@@ -130,11 +145,14 @@ class MaxTokensEstimator:
 
 
 class HintEstimator:
-    """Trust the client's `X-Expected-Output-Tokens` hint (`request.hint_output_tokens`).
+    """Use the client's `X-Expected-Output-Tokens` hint (`request.hint_output_tokens`).
 
     The hint is an expectation, not a bound: `headroom` multiplies it (1.2 holds 20 % more), and
-    the result is capped by max_tokens. Requests without a hint go to `fallback` (max_tokens by
-    default, the safe choice).
+    the result is capped by max_tokens. A hint is advisory: it may raise the reservation above
+    what `fallback` (max_tokens by default, the safe choice) would hold without it, never lower
+    it, unless the caller is trusted (`request.hint_trusted`) — otherwise one client sending
+    `1` on answers of thousands of tokens over-commits a decode worker. Requests without a hint
+    go to `fallback`.
     """
 
     name = "hint"
@@ -152,14 +170,24 @@ class HintEstimator:
         self.headroom = headroom
 
     def class_keys(self, request: RequestInfo) -> tuple[str, ...]:
-        return tuple(self.fallback.class_keys(request))
+        # The un-hinted request's classes too: the advisory check estimates it without the hint.
+        keys = tuple(self.fallback.class_keys(request))
+        if request.hint_output_tokens is None:
+            return keys
+        plain = self.fallback.class_keys(replace(request, hint_output_tokens=None))
+        return keys + tuple(k for k in plain if k not in keys)
 
     def estimate(self, request: RequestInfo, histograms: OutputHistograms) -> OutputEstimate:
         hint = request.hint_output_tokens
         if hint is None or hint <= 0:
             return self.fallback.estimate(request, histograms)
         reserve = max(1, min(request.max_tokens, math.ceil(hint * self.headroom)))
-        return OutputEstimate(reserve_tokens=reserve, source="hint")
+        if request.hint_trusted:
+            return OutputEstimate(reserve_tokens=reserve, source="hint (trusted)")
+        plain = self.fallback.estimate(replace(request, hint_output_tokens=None), histograms)
+        if plain.reserve_tokens >= reserve:
+            return replace(plain, source=f"{plain.source}; hint {hint} not below it")
+        return OutputEstimate(reserve_tokens=reserve, source="hint (above the estimate)")
 
     def bucket_of(self, output_tokens: int) -> int:
         return bucket_of(output_tokens)
@@ -171,7 +199,8 @@ class HintEstimator:
 class OnlineQuantileEstimator:
     """Reserve the `quantile` of the narrowest statistics class with `min_samples` answers.
 
-    Classes (see `class_keys_for`) go from narrow (model, prompt bucket, hint bucket) to "*". A
+    Classes (see `class_keys_for`) go from narrow (model, prompt bucket, hint bucket) to any
+    model, always within what the client asked for (the `max_tokens` bucket). A
     narrow class is more specific but slower to warm up; falling back to wider classes keeps the
     estimate learned rather than max_tokens as soon as the model has any history. Cold
     everywhere, it reserves max_tokens: a new deployment over-reserves rather than over-commits.
@@ -203,8 +232,19 @@ class OnlineQuantileEstimator:
         return class_keys_for(request, self.prompt_buckets, self.use_hint)
 
     def estimate(self, request: RequestInfo, histograms: OutputHistograms) -> OutputEstimate:
+        keys = self.class_keys(request)
+        found = self._from_classes(request, keys, histograms)
+        if not self.use_hint or request.hint_output_tokens is None or request.hint_trusted:
+            return found
+        # A hint is advisory: its class may hold more room than the plain classes, not less.
+        plain = self._from_classes(request, keys[1:], histograms)
+        return plain if plain.reserve_tokens > found.reserve_tokens else found
+
+    def _from_classes(
+        self, request: RequestInfo, keys: Sequence[str], histograms: OutputHistograms
+    ) -> OutputEstimate:
         cap = max(1, request.max_tokens)
-        for key in self.class_keys(request):
+        for key in keys:
             histogram = histograms.get(key)
             if not histogram:
                 continue

@@ -18,6 +18,7 @@ from typing import Any
 from policies.base import Candidate
 from router.adapters.errors import parse_error_body
 from router.api import ParsedRequest
+from router.breaker import Verdict
 from router.errors import RouterError, Unavailable, UpstreamError, UpstreamRejected
 from router.gateway import Gateway
 from router.tracing import RequestTrace
@@ -71,6 +72,7 @@ class LegFailure(Exception):
         self.side, self.worker_id, self.error, self.retryable = side, worker_id, error, retryable
         self.kv_handle = False  # the KV handle was bad (expired): nobody's breaker is charged
         self.status: int | None = None  # the worker's HTTP status, when it answered with one
+        self.kind: str | None = None  # the upstream_errors label, when not the status's
 
 
 def upstream_failure(side: str, worker_id: str, status: int, data: bytes) -> LegFailure:
@@ -118,6 +120,8 @@ class Attempt:
         "overran",
         "growing",
         "partner",
+        "decode_verdict",
+        "classes",
     )
 
     def __init__(self, candidate: Candidate, reservation_id: str) -> None:
@@ -139,6 +143,11 @@ class Attempt:
         self.overran = False
         self.growing = False  # a reservation growth is on its way to the store
         self.partner: asyncio.Task[bytes] | None = None  # a concurrent prefill leg
+        # What the decode worker's breaker is owed once its answer is read (router/legs.py);
+        # abandoned on release if nothing judged it (the client left, the deadline passed).
+        self.decode_verdict: Verdict | None = None
+        # The estimator's classes of the request: an overrun raises their estimates in flight.
+        self.classes: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         return (

@@ -165,6 +165,14 @@ class Settings:
     # rotation. Generous by default: a busy vLLM API server can be slow to answer /health.
     health_timeout_s: float = 5.0
     histogram_refresh_s: float = 1.0
+    # X-Expected-Output-Tokens may lower a reservation below the estimate only when trusted
+    # (every caller of this router is: a benchmark, or clients the operator controls). Untrusted,
+    # a hint can only raise it (policies/estimators.py HintEstimator).
+    trust_hints: bool = False
+    # Decode room kept back per worker after forced growth there (policies/overruns.py): the
+    # excess over capacity, halving every half-life, at most this share of the capacity.
+    overrun_margin_half_life_s: float = 60.0
+    overrun_margin_max_share: float = 0.25
     timeouts: Timeouts = field(default_factory=Timeouts)
     retry: RetrySettings = field(default_factory=RetrySettings)
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
@@ -187,6 +195,14 @@ class Settings:
     assemble_non_streaming: bool = True
     # Token for the admin API's write side (register / remove workers); empty = disabled.
     admin_token: Secret = Secret("")
+    # A read-only token for the admin GETs (/admin/state, /admin/workers, /admin/scaling,
+    # /admin/roles: worker URLs and topology). They need it (or admin_token) once client keys
+    # are configured or this is set; in open mode with neither they answer anyone, as always.
+    admin_read_token: Secret = Secret("")
+    # /metrics and /openapi.json answer without a key; False: they need a client key, the
+    # admin token or the read-only token (a Prometheus scrape's `authorization` credentials).
+    public_metrics: bool = True
+    public_openapi: bool = True
     registry_refresh_s: float = 1.0  # how often replicas re-read the shared worker registry
     # On SIGTERM, running requests get this long to finish; the rest end with an SSE error
     # frame (router/shutdown.py). Below Kubernetes' default 30 s termination grace period.
@@ -214,6 +230,10 @@ class Settings:
             raise ConfigError("redis_max_connections must be >= 1")
         if self.max_n < 1:
             raise ConfigError("max_n must be >= 1")
+        if self.overrun_margin_half_life_s <= 0:
+            raise ConfigError("overrun_margin_half_life_s must be > 0")
+        if not 0 <= self.overrun_margin_max_share < 1:
+            raise ConfigError("overrun_margin_max_share must be within [0, 1)")
         for name in (
             "reservation_lease_s",
             "kv_lease_s",
@@ -227,6 +247,13 @@ class Settings:
             raise ConfigError("shutdown_grace_s must be >= 0")
         if self.relay not in ("aiohttp", "splice"):
             raise ConfigError(f"relay: must be aiohttp or splice, not {self.relay!r}")
+        if not (self.public_metrics and self.public_openapi) and not (
+            self.api_keys or self.admin_token or self.admin_read_token
+        ):
+            raise ConfigError(
+                "public_metrics / public_openapi: false needs a credential to accept: set "
+                "api_keys, admin_token or admin_read_token"
+            )
 
 
 _ENV_SCALARS: dict[str, type] = {
@@ -325,8 +352,9 @@ def settings_from_mapping(raw: Mapping[str, Any]) -> Settings:
     for key in ("forward_headers",):
         if key in raw:
             raw[key] = tuple(str(h).lower() for h in raw[key])
-    if "admin_token" in raw:
-        raw["admin_token"] = Secret(raw["admin_token"] or "")
+    for key in ("admin_token", "admin_read_token"):
+        if key in raw:
+            raw[key] = Secret(raw[key] or "")
     if "api_keys" in raw:
         raw["api_keys"] = tuple(Secret(k) for k in raw["api_keys"] or ())
     try:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from policies.base import OutputLengthEstimator, PlacementPolicy
+from policies.overruns import LiveOverruns, OverrunMargin
 from router.adapters import ADAPTERS, ConcurrentAdapter, WorkerAdapter, adapter_for
 from router.admission import Admission
 from router.background import BackgroundTasks
@@ -45,9 +46,17 @@ class Gateway:
     splice: SplicePool | None = None  # the decode legs' raw client when settings.relay == "splice"
     demand: DemandMeter = field(init=False)  # autoscaling signals (router/scaling.py)
     tracing: Tracing = field(default_factory=lambda: Tracing(False))  # router/tracing.py
+    # What the estimate got wrong while answers stream (policies/overruns.py): live requests
+    # past their reservation raise their class's estimate; forced growth keeps room back.
+    overruns: LiveOverruns = field(init=False)
+    margin: OverrunMargin = field(init=False)
 
     def __post_init__(self) -> None:
         self.demand = DemandMeter(self.settings.scaling.window_s, self.clock)
+        self.overruns = LiveOverruns(self.estimator.bucket_of)
+        self.margin = OverrunMargin(
+            self.settings.overrun_margin_half_life_s, self.settings.overrun_margin_max_share
+        )
         # Every adapter, not only those of configured workers: a worker registered at run time
         # may speak another protocol (stateless objects, so this costs nothing).
         for name in ADAPTERS:

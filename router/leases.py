@@ -92,9 +92,11 @@ class LeaseKeeper:
         self.live[reservation_id] = worker_id
         self.expected[reservation_id] = (blocks, expected_end)
 
-    def resized(self, reservation_id: str, blocks: int) -> None:
+    def resized(self, reservation_id: str, blocks: int, expected_end: float | None = None) -> None:
+        """A grown reservation: its size, and (an answer longer than expected) its new end."""
         if reservation_id in self.expected:
-            self.expected[reservation_id] = (blocks, self.expected[reservation_id][1])
+            end = self.expected[reservation_id][1] if expected_end is None else expected_end
+            self.expected[reservation_id] = (blocks, end)
 
     def drop(self, reservation_id: str) -> None:
         self.live.pop(reservation_id, None)
@@ -105,14 +107,26 @@ class LeaseKeeper:
         self.drop(reservation_id)
         self._owe((worker_id, reservation_id), None)
 
-    def freeing_by(self, when: float) -> dict[str, int]:
-        """Blocks per decode worker whose reservations are expected to end by `when`."""
+    def freeing_by(self, when: float, now: float) -> dict[str, int]:
+        """Blocks per decode worker whose reservations are expected to end after `now` and by
+        `when`. One already past its expected end is not counted: its answer outran the
+        estimate, or its client holds the room without reading, so when it ends is unknown —
+        counting it would admit on room that is not coming (an over-commit)."""
         out: dict[str, int] = {}
         for rid, (blocks, end) in self.expected.items():
-            if end <= when and rid in self.live:
+            if now < end <= when and rid in self.live:
                 wid = self.live[rid]
                 out[wid] = out.get(wid, 0) + blocks
         return out
+
+    def ends_on(self, worker_id: str, now: float) -> list[tuple[float, int]]:
+        """(expected end, blocks) of this replica's live reservations on `worker_id` still
+        expected to end, soonest first: when room should appear there."""
+        return sorted(
+            (end, blocks)
+            for rid, (blocks, end) in self.expected.items()
+            if end > now and self.live.get(rid) == worker_id
+        )
 
     # -- stranded KV -------------------------------------------------------------------------
     def stranded(self, intent: StrandIntent, written: bool) -> None:

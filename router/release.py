@@ -35,6 +35,8 @@ async def release(call: Call, attempt: Attempt | None, record: Record | None = N
         if attempt.decode_id is not None:
             decode_id, attempt.decode_id = attempt.decode_id, None
             freed = (decode_id, attempt.reservation_id)
+            if attempt.overran:
+                gw.overruns.ended(attempt.reservation_id)  # its length is now the record's
     if freed is None and unstrand is None and record is None:
         return
     released = await gw.leases.finish(freed, unstrand, record)

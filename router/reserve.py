@@ -13,7 +13,7 @@ import logging
 import uuid
 from dataclasses import replace
 
-from policies.base import Rejection, RequestInfo, blocks_for, extra_choice_tokens
+from policies.base import ClusterView, Rejection, RequestInfo, blocks_for, extra_choice_tokens
 from router.admission import QueueFull
 from router.attempt import Ask, Attempt, Call, loop_time
 from router.errors import NoCapacity, Unavailable
@@ -66,11 +66,20 @@ async def estimate(call: Call, ask: Ask) -> RequestInfo:
         hint_output_tokens=(
             int(hint) if hint and len(hint) <= 9 and hint.isascii() and hint.isdigit() else None
         ),
+        hint_trusted=gw.settings.trust_hints,
         n=call.parsed.n,
         block_size=block_size,
     )
+    return await estimated(gw, info)
+
+
+async def estimated(gw: Gateway, info: RequestInfo) -> RequestInfo:
+    """`info` with the estimator's estimate from the statistics as they are now: the completed
+    answers (shared by every replica) and this replica's live requests that outgrew their
+    reservations (policies/overruns.py), so a class that overruns reserves more at once."""
     keys = gw.estimator.class_keys(info)
-    return replace(info, estimate=gw.estimator.estimate(info, await gw.histograms.get(keys)))
+    histograms = gw.overruns.with_live(await gw.histograms.get(keys))
+    return replace(info, estimate=gw.estimator.estimate(info, histograms))
 
 
 async def admit_and_reserve(call: Call, info: RequestInfo, seat: Seat, avoid: set[str]) -> Attempt:
@@ -79,7 +88,12 @@ async def admit_and_reserve(call: Call, info: RequestInfo, seat: Seat, avoid: se
     wait_until = loop_time(
         gw, min(call.started + adm.settings.max_wait_s, call.started + gw.settings.timeouts.ttft_s)
     )
+    overruns_seen = gw.overruns.version
     while True:
+        if overruns_seen != gw.overruns.version:
+            # A class overran while this request waited: size it on what is known now.
+            overruns_seen = gw.overruns.version
+            info = await estimated(gw, info)
         if not seat.admitted and adm.has_slot():
             adm.enter()
             seat.admitted = True
@@ -92,11 +106,23 @@ async def admit_and_reserve(call: Call, info: RequestInfo, seat: Seat, avoid: se
             if adm.waiting:
                 adm.notify()  # there may be room for the next in line too
             outcome.grow_at_tokens = info.reserve_output_tokens
+            outcome.classes = tuple(gw.estimator.class_keys(info))
             return outcome
         _check_pools_alive(gw, info.model)
         if adm.settings.mode == "instant" or _never_fits(gw, info):
             gw.metrics.rejections.labels(reason="no_room").inc()
             raise NoCapacity(outcome.reason, retry_after_s=outcome.retry_after_s)
+        if seat.admitted:
+            # Honest early refusal: waiting is pointless when the room is not expected to
+            # free before the deadline; say when it is expected instead of waiting it out.
+            room_in = _predicted_wait(gw, info)
+            if room_in is not None and room_in > wait_until - asyncio.get_running_loop().time():
+                gw.metrics.rejections.labels(reason="predicted_wait").inc()
+                raise NoCapacity(
+                    f"no decode room is expected before the request's deadline (room expected "
+                    f"in about {room_in:.0f} s): {outcome.reason}",
+                    retry_after_s=max(1.0, room_in),
+                )
         try:
             gw.metrics.admission_waiting.inc()
             try:
@@ -126,21 +152,79 @@ def _forecast(gw: Gateway, info: RequestInfo) -> dict[str, int]:
     ] or [10_000.0]
     queued = min((w.queued_prompt_tokens for w in gw.pools.prefill_workers), default=0)
     horizon = (queued + info.prompt_tokens) / max(speeds)
-    return gw.leases.freeing_by(gw.clock() + horizon)
+    now = gw.clock()
+    return gw.leases.freeing_by(now + horizon, now)
+
+
+def _predicted_wait(gw: Gateway, info: RequestInfo) -> float | None:
+    """Seconds until a decode worker should have room for this request, read off the expected
+    ends of the reservations on it; None when that cannot be told: a worker has room now (the
+    refusal was for another reason), or a worker short of room holds none of this replica's
+    reservations with a known end (another replica's, or answers past their expected end).
+
+    This replica knows only its own reservations' ends; other replicas behind the same load
+    balancer serve the same mix, so each known end stands for its share of the worker's
+    reservations (the store's reserved count over this replica's)."""
+    now = gw.clock()
+    view = _with_margins(gw, gw.pools.snapshot(model=info.model))
+    need_tokens = info.prompt_tokens + info.reserve_output_tokens
+    soonest: float | None = None
+    for d in view.decode:
+        if not d.healthy:
+            continue
+        short = blocks_for(need_tokens, d.layout.block_size) - d.free_blocks
+        if short <= 0:
+            return None
+        ends = gw.leases.ends_on(d.worker_id, now)
+        local = sum(blocks for _, blocks in ends)
+        if local <= 0:
+            return None
+        share = max(1.0, d.reserved_blocks / local)
+        freed = 0.0
+        for end, blocks in ends:
+            freed += blocks * share
+            if freed >= short:
+                soonest = end - now if soonest is None else min(soonest, end - now)
+                break
+        else:
+            return None  # even every known end frees too little: the rest is unknown
+    return soonest
+
+
+def _with_margins(gw: Gateway, view: ClusterView) -> ClusterView:
+    """The view with each decode worker's overrun margin held (policies/overruns.py): room kept
+    back for the growth of answers longer than their estimates. A worker the shared view shows
+    reserved past its capacity is such growth, seen by every replica."""
+    now = gw.clock()
+    for d in view.decode:
+        if d.reserved_blocks > d.capacity_blocks:
+            gw.margin.observe(d.worker_id, d.reserved_blocks - d.capacity_blocks, now)
+    margins = gw.margin.margins({d.worker_id: d.capacity_blocks for d in view.decode}, now)
+    if not margins:
+        return view
+    decode = tuple(
+        replace(d, reserved_blocks=d.reserved_blocks + margins[d.worker_id])
+        if d.worker_id in margins
+        else d
+        for d in view.decode
+    )
+    return replace(view, decode=decode)
 
 
 async def _try_reserve(gw: Gateway, info: RequestInfo, avoid: set[str]) -> Attempt | Rejection:
-    decision = gw.policy.place(info, gw.pools.snapshot(frozenset(avoid), info.model))
+    pools = gw.pools
+    view = _with_margins(gw, pools.snapshot(frozenset(avoid), info.model))
+    decision = gw.policy.place(info, view)
     if isinstance(decision, Rejection) and avoid:
         # Avoiding the workers that failed this request left nowhere to go: a worker that
         # failed once may well serve the retry (its circuit breaker decides, not this).
-        decision = gw.policy.place(info, gw.pools.snapshot(model=info.model))
+        decision = gw.policy.place(info, _with_margins(gw, pools.snapshot(model=info.model)))
     overbook: dict[str, int] = {}
     if isinstance(decision, Rejection) and gw.admission.settings.mode == "predictive":
         overbook = _forecast(gw, info)
         if overbook:
-            view = gw.pools.snapshot(frozenset(avoid), info.model, freeing=overbook)
-            decision = gw.policy.place(info, view)
+            view = pools.snapshot(frozenset(avoid), info.model, freeing=overbook)
+            decision = gw.policy.place(info, _with_margins(gw, view))
     if isinstance(decision, Rejection):
         return decision
     for cand in decision.candidates:
@@ -211,8 +295,9 @@ def _check_pools_alive(gw: Gateway, model: str = "") -> None:
     for side in ("decode", "prefill"):
         if not in_rotation(pools, side, model):
             of = f" for {model}" if model and len(models_of(pools)) > 1 else ""
+            why = why_empty(pools, side, model) or "none is configured or registered"
             raise Unavailable(
-                f"no {side} worker is in rotation{of}: {why_empty(pools, side, model)}",
+                f"no {side} worker is in rotation{of}: {why}",
                 retry_after_s=retry_after_s(pools, side, model),
                 code="no_worker_in_rotation",
             )
@@ -236,6 +321,10 @@ def grow(call: Call, attempt: Attempt, ask: Ask, tokens: int) -> None:
     if not attempt.overran:
         attempt.overran = True
         gw.metrics.reservation_overruns.inc()
+    n = call.parsed.n
+    # The answer is at least this long (one choice's, as estimated): its class's estimate
+    # rises now, not when it completes (policies/overruns.py).
+    gw.overruns.overran(attempt.reservation_id, attempt.classes, -(-(ask.resumed + tokens) // n))
     # Grow by a quarter at a time, so a long overrun costs a few store calls, not one a block.
     grow_at = max(tokens + 1, int(attempt.grow_at_tokens * 1.25))
     block = worker.spec.layout.block_size
@@ -244,10 +333,13 @@ def grow(call: Call, attempt: Attempt, ask: Ask, tokens: int) -> None:
     extra = extra_choice_tokens(ask.prompt_tokens, call.parsed.n, block)
     new_blocks = blocks_for(ask.prompt_tokens + ask.resumed + grow_at + extra, block)
     attempt.growing = True
-    gw.tasks.job(_grow(call, attempt, new_blocks, grow_at), "grow-reservation")
+    # It ends later than expected: when the grown room should be written, at the pace placement
+    # predicted (the n choices decode side by side). Early refusals read these ends.
+    end = gw.clock() + (grow_at - tokens) / n * attempt.candidate.predicted_itl_s
+    gw.tasks.job(_grow(call, attempt, new_blocks, grow_at, end), "grow-reservation")
 
 
-async def _grow(call: Call, attempt: Attempt, blocks: int, grow_at: int) -> None:
+async def _grow(call: Call, attempt: Attempt, blocks: int, grow_at: int, end: float) -> None:
     """Grow into free room if there is some, else past capacity: the tokens exist on the
     worker whatever the count says, and a count below use would let placement overfill it.
     A store failure leaves `grow_at_tokens` where it was, so the next token tries again."""
@@ -262,6 +354,12 @@ async def _grow(call: Call, attempt: Attempt, blocks: int, grow_at: int) -> None
             grown = await gw.store.resize(decode_id, rid, blocks, force=True)
             if grown:
                 gw.metrics.reservation_forced_growth.inc()
+                worker = gw.pools.workers.get(decode_id)
+                if worker is not None:
+                    # Admission counted on less than these sequences hold: keep the excess
+                    # back from new placements there until the growth has room again.
+                    past = worker.reserved_blocks + blocks - attempt.blocks
+                    gw.margin.observe(decode_id, past - worker.capacity_blocks, gw.clock())
                 log.info(
                     "request %s outgrew its reservation on %s, which has no free room: "
                     "grown past capacity to %d blocks (the tokens are there)",
@@ -274,7 +372,7 @@ async def _grow(call: Call, attempt: Attempt, blocks: int, grow_at: int) -> None
         # at this size.
         attempt.grow_at_tokens = grow_at
         if attempt.decode_id == decode_id:  # not released meanwhile
-            gw.leases.resized(rid, blocks)
+            gw.leases.resized(rid, blocks, end)
             if grown:
                 gw.pools.note_reserved(decode_id, blocks - attempt.blocks)
             attempt.blocks = blocks

@@ -6,6 +6,7 @@ import bisect
 import math
 import random
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from policies.estimators import (
     MaxTokensEstimator,
     OnlineQuantileEstimator,
     OracleEstimator,
+    asked_bucket,
     bucket_of,
     class_keys_for,
     histogram_quantiles,
@@ -119,15 +121,21 @@ def test_cold_narrow_class_falls_back_to_the_narrowest_warm_one() -> None:
     estimator = OnlineQuantileEstimator(min_samples=20)
     request = req(prompt=3_000, hint=300)
     keys = estimator.class_keys(request)
-    assert keys == (f"m=llama|p=4096|h={bucket_of(300)}", "m=llama|p=4096", "m=llama", "*")
+    assert keys == (
+        f"m=llama|p=4096|a=4096|h={bucket_of(300)}",
+        "m=llama|p=4096|a=4096",
+        "m=llama|a=4096",
+        "*|a=4096",
+    )
     histograms = {
         keys[0]: {304: 19},  # one short of min_samples
         keys[1]: {},
         keys[2]: {64: 20},
-        "*": {4096: 1_000},
+        "*|a=4096": {4096: 1_000},
     }
     estimate = estimator.estimate(request, histograms)
-    assert (estimate.reserve_tokens, estimate.source) == (64, "class m=llama")
+    assert (estimate.reserve_tokens, estimate.source) == (64, "class m=llama|a=4096")
+    # A warm hint class says 304, above the plain classes' 64: the hint's class wins.
     histograms[keys[0]] = {304: 20}
     assert estimator.estimate(request, histograms).source == f"class {keys[0]}"
 
@@ -142,12 +150,36 @@ def test_estimate_is_capped_by_max_tokens() -> None:
 
 
 def test_class_keys_without_hint_and_prompt_over_the_last_bucket() -> None:
-    assert class_keys_for(req(prompt=50_000)) == ("m=llama|p=inf", "m=llama", "*")
-    assert OnlineQuantileEstimator(use_hint=False).class_keys(req(prompt=256, hint=9)) == (
-        "m=llama|p=256",
-        "m=llama",
-        "*",
+    assert class_keys_for(req(prompt=50_000)) == (
+        "m=llama|p=inf|a=4096",
+        "m=llama|a=4096",
+        "*|a=4096",
     )
+    assert OnlineQuantileEstimator(use_hint=False).class_keys(req(prompt=256, hint=9)) == (
+        "m=llama|p=256|a=4096",
+        "m=llama|a=4096",
+        "*|a=4096",
+    )
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "bucket"), [(1, 16), (16, 16), (17, 32), (300, 512), (4000, 4096), (4097, 8192)]
+)
+def test_asked_bucket_is_the_power_of_two_at_or_above_max_tokens(
+    max_tokens: int, bucket: int
+) -> None:
+    assert asked_bucket(max_tokens) == bucket
+
+
+def test_answers_learned_under_a_short_cap_do_not_size_a_long_ask() -> None:
+    """The over-commit of issue 20: a class warm on 300-token answers (asked for 300) must not
+    size requests asking for 4,000 — those start cold (max_tokens) until their own class warms."""
+    estimator = OnlineQuantileEstimator(min_samples=20)
+    histograms: dict[str, Counter[int]] = {}
+    for _ in range(200):
+        record(histograms, estimator.class_keys(req(max_tokens=300)), 300)
+    assert estimator.estimate(req(max_tokens=300), histograms).reserve_tokens == 300
+    assert estimator.estimate(req(max_tokens=4_000), histograms).reserve_tokens == 4_000
 
 
 @pytest.mark.parametrize(
@@ -168,7 +200,8 @@ def test_max_tokens_estimator() -> None:
 
 def test_hint_estimator_uses_the_hint_with_headroom_and_falls_back() -> None:
     estimator = HintEstimator(headroom=1.5)
-    assert estimator.estimate(req(hint=200), {}) == OutputEstimate(300, source="hint")
+    trusted = replace(req(hint=200), hint_trusted=True)
+    assert estimator.estimate(trusted, {}) == OutputEstimate(300, source="hint (trusted)")
     assert estimator.estimate(req(hint=5_000, max_tokens=1_000), {}).reserve_tokens == 1_000
     assert estimator.estimate(req(max_tokens=640), {}).reserve_tokens == 640
     learned = HintEstimator(fallback=OnlineQuantileEstimator(min_samples=1))
@@ -177,6 +210,35 @@ def test_hint_estimator_uses_the_hint_with_headroom_and_falls_back() -> None:
     assert learned.estimate(request, histograms).reserve_tokens == 50
     with pytest.raises(TypeError):
         HintEstimator(fallback=object())  # type: ignore[arg-type]
+
+
+def test_an_untrusted_hint_never_lowers_a_reservation() -> None:
+    """`X-Expected-Output-Tokens: 1` on answers of thousands of tokens over-committed a decode
+    worker (issue 20): a hint may raise the estimate, lower it only when trusted."""
+    learned = HintEstimator(fallback=OnlineQuantileEstimator(min_samples=1))
+    plain = req(max_tokens=4_000)
+    histograms: dict[str, Counter[int]] = {}
+    for _ in range(30):
+        record(histograms, learned.class_keys(plain), 3_000)
+    low = req(max_tokens=4_000, hint=1)
+    histograms.update({k: Counter() for k in learned.class_keys(low) if k not in histograms})
+    assert learned.estimate(plain, histograms).reserve_tokens == bucket_of(3_000)
+    assert learned.estimate(low, histograms).reserve_tokens == bucket_of(3_000)
+    assert learned.estimate(replace(low, hint_trusted=True), histograms).reserve_tokens == 1
+    high = req(max_tokens=4_000, hint=3_900)
+    assert learned.estimate(high, histograms).reserve_tokens == 3_900
+    # Cold: the un-hinted estimate is max_tokens, which no untrusted hint goes below.
+    assert HintEstimator().estimate(req(max_tokens=800, hint=5), {}).reserve_tokens == 800
+
+
+def test_a_hint_class_that_learned_short_answers_cannot_undercut_the_plain_classes() -> None:
+    estimator = OnlineQuantileEstimator(min_samples=5)
+    hinted = req(hint=1)
+    keys = estimator.class_keys(hinted)
+    histograms = {keys[0]: {1: 50}, keys[1]: {2_000: 50}}
+    assert estimator.estimate(hinted, histograms).reserve_tokens == 2_000
+    trusted = replace(hinted, hint_trusted=True)
+    assert estimator.estimate(trusted, histograms).reserve_tokens == 1
 
 
 def test_oracle_estimator_takes_the_hint_as_truth() -> None:
@@ -191,7 +253,7 @@ def test_oracle_estimator_takes_the_hint_as_truth() -> None:
 )
 def test_every_estimator_meets_the_protocol(estimator: OutputLengthEstimator) -> None:
     assert isinstance(estimator, OutputLengthEstimator)
-    assert estimator.class_keys(req())[-1] == "*"
+    assert estimator.class_keys(req())[-1] == "*|a=4096"
     assert estimator.bucket_of(1000) == bucket_of(1000)
     assert 1 <= estimator.estimate(req(max_tokens=10), {}).reserve_tokens <= 10
 
