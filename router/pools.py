@@ -28,11 +28,11 @@ from router.discovery import (
     fetch_sglang_load,
     fetch_vllm_load,
 )
-from router.drain import apply_drained
+from router.drain import apply_drained, drain_view
 from router.health_probe import HealthProber
 from router.prefixes import RecentPrefixes
 from router.worker_spec import WorkerSpec, parse_worker
-from state.base import StateStore, StoreError, WorkerRole
+from state.base import DrainMark, StateStore, StoreError, WorkerRole
 
 __all__ = ["WorkerState", "Pools"]
 
@@ -70,6 +70,9 @@ class WorkerState:
     # False until a `discover_layout` worker has told its layout: never paired on a guess.
     layout_known: bool = True
     drained: bool = False  # an operator's drain (router/drain.py): no new placements
+    # The store's record of its last drain or undrain (None: none known): what this replica
+    # puts back if the store loses it, compared by time with the other replicas' views.
+    drain_mark: DrainMark | None = None
     # A `both` worker's current role from the store (router/roles.py); None: never given one,
     # it serves as it always has (decode, prefilling its own requests when the policy says).
     role_state: WorkerRole | None = None
@@ -125,6 +128,7 @@ class Pools:
         self.store_ok = False
         self.on_store_reset: Callable[[], Awaitable[None]] | None = None
         self._marker_seen = False
+        self._put_back_owed = False
         self._store_lock = asyncio.Lock()
         # Set by each placement (note_pending): wakes the loops that slow down while this
         # replica is quiet, so the first request after a quiet spell brings them back at once.
@@ -170,15 +174,29 @@ class Pools:
             return False
         return w.role_state is None or self.settings.roles.local_prefill
 
-    def apply_roles(self, roles: dict[str, WorkerRole]) -> None:
-        """Take the store's roles of the `both` workers (logged on a change)."""
+    def apply_roles(self, roles: dict[str, WorkerRole]) -> dict[str, WorkerRole]:
+        """Take the store's roles of the `both` workers (logged on a change). A worker whose
+        role the store no longer has keeps the one known here: a role is never removed while
+        the worker is in the pools (deleting it removes both), so its absence means the store
+        lost it (a Redis restarted empty), and falling back to no role would flip a worker
+        forced to prefill back into decode. Returns those kept, for `sync_registry` to put
+        back (not the role manager: a worker deleted meanwhile must not get its role back)."""
+        kept: dict[str, WorkerRole] = {}
         for w in self.both_workers:
             record = roles.get(w.spec.id)
+            if record is None and w.role_state is not None:
+                kept[w.spec.id] = w.role_state
+                continue
             if record != w.role_state:
                 old = w.role_state.role if w.role_state is not None else None
                 if record is not None and old != record.role:
                     log.info("worker %s is now %s", w.spec.id, record.role)
                 w.role_state = record
+        return kept
+
+    def role_view(self) -> dict[str, WorkerRole]:
+        """The roles this replica knows, as of its last read or change."""
+        return {w.spec.id: w.role_state for w in self.both_workers if w.role_state is not None}
 
     # -- membership ---------------------------------------------------------------------------
     def add(
@@ -250,8 +268,9 @@ class Pools:
             self.remove(wid)
             log.info("worker %s left the pools", wid)
         apply_drained(self.workers.values(), drained)
-        if any(True for _ in self.both_workers):
-            self.apply_roles(roles)
+        if any(True for _ in self.both_workers) and (kept := self.apply_roles(roles)):
+            log.warning("the store lost the roles of %s: putting them back", ", ".join(kept))
+            await self.store.restore_registry({}, kept)
         if session is not None and joined:
             await asyncio.gather(*(self.health.probe(session, w) for w in joined))
 
@@ -410,20 +429,33 @@ class Pools:
         if it did. Every replica does the same for its own, within one refresh. Called with
         `_store_lock` held."""
         first, self._marker_seen = not self._marker_seen, True
-        if not marker_missing or first:  # first use: start-up registers everything anyway
+        if first:  # first use: start-up registers everything anyway
+            return False
+        if not marker_missing and not self._put_back_owed:
             return False
         log.warning(
             "the state store has lost its data (restarted empty?): putting back "
-            "capacities, registrations, reservations and stranded entries"
+            "capacities, registrations, drains, roles, reservations and stranded entries"
         )
+        # Owed until done: the marker now reads as present, so a put-back cut short by a
+        # store error would otherwise never be finished.
+        self._put_back_owed = True
         await self.register_capacities()
         dynamic = [w for w in self.workers.values() if w.dynamic and w.registration]
         await asyncio.gather(
             *(self.store.register_worker(w.spec.id, w.registration or "") for w in dynamic),
-            *(self.store.set_drained(w.spec.id, True) for w in self.workers.values() if w.drained),
         )
+        # Drains and roles as this replica last saw them. Every replica puts back its own view
+        # (each learns of the loss from the marker), and the store keeps the freshest of them:
+        # a drain mark by its time, a role by its version. So a drain another replica undid
+        # just before the loss, which this replica still shows, is not brought back by it:
+        # the undoing replica's later undrain mark wins, whichever writes first. (Were that
+        # replica gone too, nobody would know of the undrain: the drain comes back, the safe
+        # side — a drained worker takes no new work until the operator undrains it again.)
+        await self.store.restore_registry(drain_view(self.workers.values()), self.role_view())
         if self.on_store_reset is not None:
             await self.on_store_reset()
+        self._put_back_owed = False
         return True
 
     async def refresh_from_store(self, check_marker: bool = True) -> None:

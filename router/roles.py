@@ -161,8 +161,17 @@ class RoleManager:
                 f"worker {worker_id} was registered as {w.spec.role}; only a `both` "
                 "(kv_both) worker can change roles"
             )
-        current = (await self.gw.store.worker_roles()).get(worker_id)
-        w.role_state = current
+        store = self.gw.store
+        known, roles = w.role_state, await store.worker_roles()
+        self.gw.pools.apply_roles(roles)
+        if known is not None and worker_id not in roles:
+            # The store has no role for it though this replica knows one: it lost its data
+            # and no registry sync has put it back yet. Put it back first, so the operator's
+            # change continues the worker's versions instead of starting over at 1 (which a
+            # replica's later put-back of a higher version would silently undo).
+            await store.restore_registry({}, {worker_id: known})
+            self.gw.pools.apply_roles(await store.worker_roles())
+        current = w.role_state
         if current is not None and current.target == role:
             return current  # already there, or on its way
         record = await self._start(w, role, "operator", f"forced to {role} through the admin API")
@@ -187,7 +196,8 @@ class RoleManager:
         expect = w.role_state.version if w.role_state is not None else 0
         record = await self.gw.store.set_role(w.spec.id, role, expect)
         if record is None:  # another replica (or the operator) came first: take theirs
-            w.role_state = (await self.gw.store.worker_roles()).get(w.spec.id)
+            # (or the store lost its roles: ours is kept until the registry sync puts it back)
+            self.gw.pools.apply_roles(await self.gw.store.worker_roles())
             return None
         w.role_state = record
         return record

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from state.base import (
     DecodeUsage,
+    DrainMark,
     Finished,
     RetryBudgetPolicy,
     StateStore,
@@ -31,6 +32,7 @@ from state.redis_store import RedisStore
 
 __all__ = [
     "DecodeUsage",
+    "DrainMark",
     "Finished",
     "Keys",
     "MemoryStore",

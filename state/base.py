@@ -22,6 +22,7 @@ from typing import Protocol, runtime_checkable
 
 __all__ = [
     "DecodeUsage",
+    "DrainMark",
     "Finished",
     "Reserved",
     "StrandIntent",
@@ -121,6 +122,16 @@ class WorkerRole:
     @property
     def draining(self) -> bool:
         return self.role.startswith("draining-to-")
+
+
+@dataclass(frozen=True, slots=True)
+class DrainMark:
+    """A worker's last drain or undrain as the store recorded it. An undrain is kept too (a
+    mark with `drained` False), so that after a store loss a replica's stale view of a drain
+    loses to another replica's later undrain (`StateStore.restore_registry`)."""
+
+    drained: bool
+    since_s: float  # store clock (unix seconds) of that change; 0: unknown (an older writer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,16 +256,24 @@ class StateStore(Protocol):
     # -- worker registry (dynamic pools, shared by every replica) ---------------------------
     async def register_worker(self, worker_id: str, spec_json: str) -> None: ...
 
-    async def unregister_worker(self, worker_id: str) -> bool: ...
+    async def unregister_worker(self, worker_id: str) -> bool:
+        """Forget `worker_id` entirely: its registration and every key kept under its id (a
+        decode worker's capacity, reservations and leases; a prefill worker's stranded
+        ledger; its drain mark; its role). True if it was registered. A request still on it
+        finishes: its release finds nothing to release."""
 
     async def registered_workers(self) -> dict[str, str]: ...
 
     # -- drained workers (no new placements; shared by every replica) -----------------------
     async def set_drained(self, worker_id: str, drained: bool) -> bool:
-        """Mark `worker_id` drained (True) or back in use (False); True if that changed it."""
+        """Mark `worker_id` drained (True) or back in use (False); True if that changed it
+        (then its `DrainMark` records the change at the store's clock)."""
 
     async def drained_workers(self) -> set[str]:
         """The ids of every drained worker."""
+
+    async def drain_marks(self) -> dict[str, DrainMark]:
+        """Every worker's last drain change: the drained ones and those undrained since."""
 
     # -- roles of `both` workers (shared by every replica) ------------------------------------
     async def worker_roles(self) -> dict[str, WorkerRole]:
@@ -275,11 +294,23 @@ class StateStore(Protocol):
     async def release_lease(self, name: str, holder: str) -> bool:
         """Give the lease back if `holder` has it (True), so another replica need not wait."""
 
+    # -- after a store loss ---------------------------------------------------------------
+    async def restore_registry(
+        self, drains: Mapping[str, DrainMark], roles: Mapping[str, WorkerRole]
+    ) -> None:
+        """Put back a replica's last-known drain marks and roles after the store lost them.
+        Every replica calls this with its own view, so the store keeps the freshest: a mark is
+        written only where the store has none or an older one (earlier `since_s`), a role only
+        where it has none or a lower version. A replica's stale "drained" thus never undoes
+        another's later undrain, whichever puts back first."""
+
     # -- lifecycle ------------------------------------------------------------------------
     async def check_marker(self, ttl_s: float) -> bool:
-        """Keep a marker key alive for `ttl_s`; True when it was missing, i.e. on first use or
-        when the store lost its data (a Redis restarted empty): then every replica puts back
-        what it holds (capacities, registrations, reservations, stranded entries)."""
+        """Keep a marker key alive for `ttl_s`; True when it was missing (first use, or the
+        store lost its data: a Redis restarted empty) or, on Redis, when another replica has
+        re-created it since this store object last looked. So every replica learns of a loss
+        within one check and puts back what it holds (capacities, registrations, drains,
+        roles, reservations, stranded entries), not only the first to look."""
 
     async def ping(self) -> bool: ...
 
@@ -288,11 +319,11 @@ class StateStore(Protocol):
     # -- one read for the registry sync (router/pools.py) -----------------------------------
     async def registry_view(
         self, marker_ttl_s: float
-    ) -> tuple[bool, dict[str, str], set[str], dict[str, WorkerRole]]:
-        """`check_marker(marker_ttl_s)`, `registered_workers()`, `drained_workers()` and
-        `worker_roles()` in one store call (one round trip on Redis: the four keys share the
-        registry's hash tag): (marker was missing, registrations, drained ids, roles). A
-        replica reads this every `registry_refresh_s`, busy or idle."""
+    ) -> tuple[bool, dict[str, str], dict[str, DrainMark], dict[str, WorkerRole]]:
+        """`check_marker(marker_ttl_s)`, `registered_workers()`, `drain_marks()` and
+        `worker_roles()` in one store call (one round trip on Redis: the keys share the
+        registry's hash tag): (data lost, registrations, drain marks, roles). A replica reads
+        this every `registry_refresh_s`, busy or idle."""
 
     # -- one read for the state refresher (router/pools.py) ----------------------------------
     async def usage_view(

@@ -24,9 +24,14 @@ key                            type    meaning
 ``<p>{reg}:workers``           hash    worker id -> its registration (JSON), shared by replicas
 ``<p>{reg}:marker``            string  present while the store keeps its data (TTL, refreshed)
 ``<p>{reg}:drained``           set     ids of drained workers: no new placements, shared by replicas
+``<p>{reg}:drained_at``        hash    worker id -> when it was last drained or undrained (unix s)
 ``<p>{reg}:roles``             hash    `both` worker id -> "role|version|since" (its current role)
 ``<p>{reg}:lease:<name>``      string  holder of a lease (one replica runs the role manager), TTL
 =============================  ======  =============================================================
+
+Every key that names a worker (its ``{d:..}`` and ``{p:..}`` keys, its field in the ``{reg}``
+hashes and set) is listed by `Keys.worker_keys` / `Keys.registry_fields`, which is what
+`unregister_worker` deletes.
 
 The retry-budget hashes keep one field per second; the scripts drop fields older than
 `RETRY_RETENTION_S` and give both hashes a TTL a bit over it, so a quiet cluster leaves nothing
@@ -184,8 +189,21 @@ class Keys:
         return f"{self.prefix}{{reg}}:drained"
 
     @property
+    def drained_at(self) -> str:
+        return f"{self.prefix}{{reg}}:drained_at"
+
+    @property
     def roles(self) -> str:
         return f"{self.prefix}{{reg}}:roles"
+
+    def registry_fields(self) -> list[str]:
+        """The registry's hashes and set that hold a field (member) per worker id."""
+        return [self.workers, self.drained, self.drained_at, self.roles]
+
+    def worker_keys(self, worker_id: str) -> list[list[str]]:
+        """The keys named after `worker_id`, one list per hash tag (slot): its decode keys and
+        its stranded ledger (a `both` worker has both)."""
+        return [self.decode_worker(worker_id), self.stranded_worker(worker_id)]
 
     def lease(self, name: str) -> str:
         return f"{self.prefix}{{reg}}:lease:{check_id('lease', name)}"

@@ -27,7 +27,6 @@ from state.base import (
     RetryBudgetPolicy,
     StrandedEntry,
     StrandIntent,
-    WorkerRole,
 )
 from state.keys import (
     RETRY_RETENTION_S,
@@ -35,8 +34,8 @@ from state.keys import (
     check_id,
     check_lease,
     check_policy,
-    check_role,
 )
+from state.memory_registry import MemoryRegistry
 
 __all__ = ["MemoryStore"]
 
@@ -105,21 +104,21 @@ class _Buckets:
         return sum(n for s, n in self._counts.items() if s >= first)
 
 
-class MemoryStore:
-    """The `StateStore` in this process's memory."""
+class MemoryStore(MemoryRegistry):
+    """The `StateStore` in this process's memory (the registry, drains, roles and the marker
+    are `MemoryRegistry`'s)."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
-        self._registry: dict[str, str] = {}
-        self._drained: set[str] = set()
-        self._roles: dict[str, WorkerRole] = {}
-        self._leases: dict[str, tuple[str, float]] = {}  # name -> (holder, until)
-        self._clock = clock
+        super().__init__(clock)
         self._decode: dict[str, _DecodeWorker] = {}
         self._ledgers: dict[str, _Ledger] = {}
         self._requests = _Buckets()
         self._retries = _Buckets()
         self._outputs: dict[str, Counter[int]] = {}
-        self._marker_until: float | None = None
+
+    def _drop_worker(self, worker_id: str) -> None:
+        self._decode.pop(worker_id, None)
+        self._ledgers.pop(worker_id, None)
 
     def _worker(self, worker_id: str) -> _DecodeWorker:
         worker = self._decode.get(check_id("worker_id", worker_id))
@@ -322,71 +321,6 @@ class MemoryStore:
     async def output_histograms(self, class_keys: Sequence[str]) -> dict[str, Mapping[int, int]]:
         return {k: dict(self._outputs.get(check_id("class_key", k), {})) for k in class_keys}
 
-    # -- worker registry ---------------------------------------------------------------------
-    async def register_worker(self, worker_id: str, spec_json: str) -> None:
-        self._registry[check_id("worker_id", worker_id)] = spec_json
-
-    async def unregister_worker(self, worker_id: str) -> bool:
-        return self._registry.pop(worker_id, None) is not None
-
-    async def registered_workers(self) -> dict[str, str]:
-        return dict(self._registry)
-
-    # -- drained workers ----------------------------------------------------------------------
-    async def set_drained(self, worker_id: str, drained: bool) -> bool:
-        wid = check_id("worker_id", worker_id)
-        if drained == (wid in self._drained):
-            return False
-        if drained:
-            self._drained.add(wid)
-        else:
-            self._drained.discard(wid)
-        return True
-
-    async def drained_workers(self) -> set[str]:
-        return set(self._drained)
-
-    # -- roles of `both` workers ----------------------------------------------------------------
-    async def worker_roles(self) -> dict[str, WorkerRole]:
-        return dict(self._roles)
-
-    async def set_role(self, worker_id: str, role: str, expect_version: int) -> WorkerRole | None:
-        wid = check_id("worker_id", worker_id)
-        check_role(role)
-        current = self._roles.get(wid)
-        if (current.version if current else 0) != expect_version:
-            return None
-        record = WorkerRole(role, expect_version + 1, self._clock())
-        self._roles[wid] = record
-        return record
-
-    async def forget_role(self, worker_id: str) -> bool:
-        return self._roles.pop(worker_id, None) is not None
-
-    async def hold_lease(self, name: str, holder: str, ttl_s: float) -> bool:
-        check_id("lease", name)
-        check_lease(ttl_s)
-        now = self._clock()
-        current = self._leases.get(name)
-        if current is not None and current[0] != holder and current[1] > now:
-            return False
-        self._leases[name] = (holder, now + ttl_s)
-        return True
-
-    async def release_lease(self, name: str, holder: str) -> bool:
-        current = self._leases.get(name)
-        if current is None or current[0] != holder:
-            return False
-        del self._leases[name]
-        return True
-
-    # -- lifecycle ------------------------------------------------------------------------
-    async def check_marker(self, ttl_s: float) -> bool:
-        now = self._clock()
-        missing = self._marker_until is None or self._marker_until <= now
-        self._marker_until = now + max(1, int(ttl_s))
-        return missing
-
     async def ping(self) -> bool:
         return True
 
@@ -401,13 +335,7 @@ class MemoryStore:
             f"prefill_workers={len(self._ledgers)}, stranded_bytes={stranded})"
         )
 
-    # -- one read for the registry sync ---------------------------------------------------------
-    async def registry_view(
-        self, marker_ttl_s: float
-    ) -> tuple[bool, dict[str, str], set[str], dict[str, WorkerRole]]:
-        lost = await self.check_marker(marker_ttl_s)
-        return lost, dict(self._registry), set(self._drained), dict(self._roles)
-
+    # -- one read for the state refresher ---------------------------------------------------
     async def usage_view(
         self, decode_ids: Iterable[str], prefill_ids: Iterable[str]
     ) -> tuple[dict[str, DecodeUsage], dict[str, int]]:

@@ -9,7 +9,8 @@ are pipelines of single-slot commands, not transactions: on a cluster, one pipel
 sent at once (for `finish`, one node after the other: see `_send`; docs/scaling.md §4).
 
 The client (one server or a cluster), its bounded wait and the pipelines are
-`state.redis_conn.RedisConnection`; the Lua is `state.redis_scripts`.
+`state.redis_conn.RedisConnection`; the registry (workers, drains, roles, the store-loss
+marker) is `state.redis_registry.RedisRegistry`; the Lua is `state.redis_scripts`.
 
 Clocks: leases, ledger times and retry buckets use the Redis server's clock (`TIME`) inside the
 scripts, so replicas whose clocks disagree still agree on which lease has expired. Every script
@@ -36,36 +37,30 @@ from state.base import (
     RetryBudgetPolicy,
     StrandedEntry,
     StrandIntent,
-    WorkerRole,
 )
 from state.keys import (
     RETRY_RETENTION_S,
     RETRY_TTL_S,
     check_count,
-    check_id,
     check_lease,
     check_policy,
-    check_role,
 )
 from state.redis_conn import (
     Cmd,
-    RedisConnection,
     raise_first,
     store_call,
     text,
 )
+from state.redis_registry import RedisRegistry
 from state.redis_scripts import (
-    HOLD_LEASE_SCRIPT,
     MARK_READY_SCRIPT,
     NOTE_REQUEST_SCRIPT,
     REAP_SCRIPT,
-    RELEASE_LEASE_SCRIPT,
     RELEASE_SCRIPT,
     RENEW_MANY_SCRIPT,
     RENEW_SCRIPT,
     RESERVE_SCRIPT,
     RESIZE_SCRIPT,
-    SET_ROLE_SCRIPT,
     STRAND_SCRIPT,
     TRY_RETRY_SCRIPT,
     UNSTRAND_SCRIPT,
@@ -75,11 +70,13 @@ from state.redis_scripts import (
 __all__ = ["RedisStore"]
 
 
-class RedisStore(RedisConnection):
-    """The `StateStore` on Redis or Redis Cluster (see `RedisConnection` for the client)."""
+class RedisStore(RedisRegistry):
+    """The `StateStore` on Redis or Redis Cluster (see `RedisConnection` for the client; the
+    registry, drains, roles and the store-loss marker are `RedisRegistry`'s)."""
 
     def _register_scripts(self, register: Callable[[str], AsyncScript]) -> None:
         """Each script once per client (redis-py loads it on a node at its first NOSCRIPT)."""
+        super()._register_scripts(register)
         self._reserve = register(RESERVE_SCRIPT)
         self._renew = register(RENEW_SCRIPT)
         self._renew_many = register(RENEW_MANY_SCRIPT)
@@ -92,9 +89,6 @@ class RedisStore(RedisConnection):
         self._reap = register(REAP_SCRIPT)
         self._note_request = register(NOTE_REQUEST_SCRIPT)
         self._try_retry = register(TRY_RETRY_SCRIPT)
-        self._set_role = register(SET_ROLE_SCRIPT)
-        self._hold_lease = register(HOLD_LEASE_SCRIPT)
-        self._release_lease = register(RELEASE_LEASE_SCRIPT)
 
     # -- decode reservations -------------------------------------------------------------
     @store_call
@@ -355,99 +349,3 @@ class RedisStore(RedisConnection):
             class_key: {int(b): int(n) for b, n in row.items()}
             for class_key, row in zip(keys, rows, strict=True)
         }
-
-    # -- worker registry ---------------------------------------------------------------------
-    @store_call
-    async def register_worker(self, worker_id: str, spec_json: str) -> None:
-        await self._client.hset(self._keys.workers, check_id("worker_id", worker_id), spec_json)
-
-    @store_call
-    async def unregister_worker(self, worker_id: str) -> bool:
-        return bool(await self._client.hdel(self._keys.workers, worker_id))
-
-    @store_call
-    async def registered_workers(self) -> dict[str, str]:
-        raw = await self._client.hgetall(self._keys.workers)
-        return {
-            k.decode() if isinstance(k, bytes) else k: v.decode() if isinstance(v, bytes) else v
-            for k, v in raw.items()
-        }
-
-    # -- drained workers ----------------------------------------------------------------------
-    @store_call
-    async def set_drained(self, worker_id: str, drained: bool) -> bool:
-        wid = check_id("worker_id", worker_id)
-        if drained:
-            return bool(await self._client.sadd(self._keys.drained, wid))
-        return bool(await self._client.srem(self._keys.drained, wid))
-
-    @store_call
-    async def drained_workers(self) -> set[str]:
-        raw = await self._client.smembers(self._keys.drained)
-        return {m.decode() if isinstance(m, bytes) else m for m in raw}
-
-    # -- roles of `both` workers ----------------------------------------------------------------
-    @store_call
-    async def worker_roles(self) -> dict[str, WorkerRole]:
-        raw = await self._client.hgetall(self._keys.roles)
-        return {text(k): _role(text(v)) for k, v in raw.items()}
-
-    @store_call
-    async def set_role(self, worker_id: str, role: str, expect_version: int) -> WorkerRole | None:
-        check_role(role)
-        wid = check_id("worker_id", worker_id)
-        args: list[str | int] = [self._now(), wid, role, int(expect_version)]
-        rec = await self._set_role(keys=[self._keys.roles], args=args)
-        return None if not rec else _role(text(rec))
-
-    @store_call
-    async def forget_role(self, worker_id: str) -> bool:
-        return bool(await self._client.hdel(self._keys.roles, worker_id))
-
-    @store_call
-    async def hold_lease(self, name: str, holder: str, ttl_s: float) -> bool:
-        check_lease(ttl_s)
-        args: list[str | int] = [holder, max(1, int(ttl_s * 1000))]
-        return bool(await self._hold_lease(keys=[self._keys.lease(name)], args=args))
-
-    @store_call
-    async def release_lease(self, name: str, holder: str) -> bool:
-        return bool(await self._release_lease(keys=[self._keys.lease(name)], args=[holder]))
-
-    # -- lifecycle ------------------------------------------------------------------------
-    @store_call
-    async def check_marker(self, ttl_s: float) -> bool:
-        # SET ... GET answers the old value: None means the key was not there.
-        old = await self._client.set(self._keys.marker, "1", ex=max(1, int(ttl_s)), get=True)
-        return old is None
-
-    # -- one read for the registry sync ---------------------------------------------------------
-    @store_call
-    async def registry_view(
-        self, marker_ttl_s: float
-    ) -> tuple[bool, dict[str, str], set[str], dict[str, WorkerRole]]:
-        k = self._keys
-        rows = raise_first(
-            await self._pipelined(
-                [
-                    # redis-py's SET answer is None only when the key was missing (the old
-                    # value GET asks for), as in check_marker.
-                    Cmd(("SET", k.marker, "1", "EX", max(1, int(marker_ttl_s)), "GET"), k.marker),
-                    Cmd(("HGETALL", k.workers), k.workers),
-                    Cmd(("SMEMBERS", k.drained), k.drained),
-                    Cmd(("HGETALL", k.roles), k.roles),
-                ]
-            )
-        )
-        marker, workers, drained, roles = rows
-        return (
-            marker is None,
-            {text(wid): text(blob) for wid, blob in workers.items()},
-            {text(wid) for wid in drained},
-            {text(wid): _role(text(rec)) for wid, rec in roles.items()},
-        )
-
-
-def _role(record: str) -> WorkerRole:
-    role, version, since = record.split("|")
-    return WorkerRole(role, int(version), float(since))

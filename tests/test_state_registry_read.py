@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from state import Keys, MemoryStore, RedisStore, StateStore
+from state.base import DrainMark
 from tests.redis_cluster import PrivateRedisCluster, redis_cluster
 
 __all__ = ["redis_cluster"]  # the session fixture, imported so the "cluster" variant finds it
@@ -50,16 +51,20 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[StateStore]:
 async def _single_reads(store: StateStore) -> tuple[object, ...]:
     return (
         await store.registered_workers(),
-        await store.drained_workers(),
+        await store.drain_marks(),
         await store.worker_roles(),
     )
+
+
+def _drained(marks: dict[str, DrainMark]) -> set[str]:
+    return {wid for wid, mark in marks.items() if mark.drained}
 
 
 async def test_an_empty_store_answers_a_missing_marker_then_a_present_one(
     store: StateStore,
 ) -> None:
-    assert await store.registry_view(TTL) == (True, {}, set(), {})
-    assert await store.registry_view(TTL) == (False, {}, set(), {})
+    assert await store.registry_view(TTL) == (True, {}, {}, {})
+    assert await store.registry_view(TTL) == (False, {}, {}, {})
     assert await store.check_marker(TTL) is False  # the view set the marker, as check_marker does
 
 
@@ -80,7 +85,7 @@ async def test_the_view_is_what_the_single_reads_answer(store: StateStore) -> No
         "d-new": '{"id": "d-new", "role": "decode"}',
         "p-new": '{"id": "p-new", "role": "prefill"}',
     }
-    assert drained == {"d-new", "d0"}
+    assert _drained(drained) == await store.drained_workers() == {"d-new", "d0"}
     assert roles["b0"] == flipped and roles["b1"].role == "decode"
 
     # Changes show at the next view: one left, one back in use, one role forgotten.
@@ -88,7 +93,13 @@ async def test_the_view_is_what_the_single_reads_answer(store: StateStore) -> No
     await store.set_drained("d0", False)
     await store.forget_role("b1")
     lost, workers, drained, roles = await store.registry_view(TTL)
-    assert (lost, set(workers), drained, set(roles)) == (False, {"d-new"}, {"d-new"}, {"b0"})
+    assert (lost, set(workers), _drained(drained), set(roles)) == (
+        False,
+        {"d-new"},
+        {"d-new"},
+        {"b0"},
+    )
+    assert set(drained) == {"d-new", "d0"} and drained["d0"].drained is False  # its undrain
 
 
 async def test_the_usage_view_is_what_decode_usage_and_stranded_bytes_answer(

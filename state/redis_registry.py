@@ -1,0 +1,192 @@
+"""`RedisRegistry`: the worker registry half of `RedisStore` — registrations, drains, the roles of
+`both` workers, the role manager's lease, the store-loss marker and what a replica puts back
+after a loss. Every key here is under the registry's hash tag ``{reg}`` (state/keys.py), so a
+whole registry read is one round trip, on one cluster node; forgetting a worker also deletes
+its ``{d:..}`` and ``{p:..}`` keys (other slots: one pipeline).
+
+The marker (``{reg}:marker``) holds a token written by whoever finds it missing. Each store
+object remembers the token it saw last: a different one means another replica has found the
+marker missing since — the store lost its data — so every replica learns of a loss within one
+check, not only the first to look (which alone saw it missing).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from redis.commands.core import AsyncScript
+
+from state.base import DrainMark, WorkerRole
+from state.keys import check_id, check_lease, check_role
+from state.redis_conn import Cmd, RedisConnection, raise_first, store_call, text
+from state.redis_scripts import HOLD_LEASE_SCRIPT, RELEASE_LEASE_SCRIPT, SET_ROLE_SCRIPT
+from state.registry_scripts import (
+    FORGET_WORKER_SCRIPT,
+    MARKER_SCRIPT,
+    RESTORE_REGISTRY_SCRIPT,
+    SET_DRAINED_SCRIPT,
+)
+
+__all__ = ["RedisRegistry"]
+
+
+class RedisRegistry(RedisConnection):
+    """The registry methods of the `StateStore` on Redis (the rest: `RedisStore`)."""
+
+    # The marker token this store object saw last (None: it never looked).
+    _epoch: str | None = None
+
+    def _register_scripts(self, register: Callable[[str], AsyncScript]) -> None:
+        self._set_role = register(SET_ROLE_SCRIPT)
+        self._hold_lease = register(HOLD_LEASE_SCRIPT)
+        self._release_lease = register(RELEASE_LEASE_SCRIPT)
+        self._marker = register(MARKER_SCRIPT)
+        self._set_drained = register(SET_DRAINED_SCRIPT)
+        self._restore = register(RESTORE_REGISTRY_SCRIPT)
+        self._forget = register(FORGET_WORKER_SCRIPT)
+
+    # -- worker registry ---------------------------------------------------------------------
+    @store_call
+    async def register_worker(self, worker_id: str, spec_json: str) -> None:
+        await self._client.hset(self._keys.workers, check_id("worker_id", worker_id), spec_json)
+
+    @store_call
+    async def unregister_worker(self, worker_id: str) -> bool:
+        k = self._keys
+        wid = check_id("worker_id", worker_id)
+        registry = k.registry_fields()
+        cmds = [Cmd.run(self._forget, registry, [wid])]
+        cmds += [Cmd(("DEL", *keys), keys[0]) for keys in k.worker_keys(wid)]
+        rows = raise_first(await self._pipelined(cmds))
+        return bool(rows[0])
+
+    @store_call
+    async def registered_workers(self) -> dict[str, str]:
+        raw = await self._client.hgetall(self._keys.workers)
+        return {text(k): text(v) for k, v in raw.items()}
+
+    # -- drained workers ----------------------------------------------------------------------
+    @store_call
+    async def set_drained(self, worker_id: str, drained: bool) -> bool:
+        wid = check_id("worker_id", worker_id)
+        keys = [self._keys.drained, self._keys.drained_at]
+        return bool(await self._set_drained(keys=keys, args=[self._now(), wid, int(drained)]))
+
+    @store_call
+    async def drained_workers(self) -> set[str]:
+        raw = await self._client.smembers(self._keys.drained)
+        return {text(m) for m in raw}
+
+    @store_call
+    async def drain_marks(self) -> dict[str, DrainMark]:
+        k = self._keys
+        cmds = [Cmd(("SMEMBERS", k.drained), k.drained), Cmd(("HGETALL", k.drained_at), k.drained)]
+        drained, times = raise_first(await self._pipelined(cmds))
+        return _marks(drained, times)
+
+    # -- roles of `both` workers ----------------------------------------------------------------
+    @store_call
+    async def worker_roles(self) -> dict[str, WorkerRole]:
+        raw = await self._client.hgetall(self._keys.roles)
+        return {text(k): _role(text(v)) for k, v in raw.items()}
+
+    @store_call
+    async def set_role(self, worker_id: str, role: str, expect_version: int) -> WorkerRole | None:
+        check_role(role)
+        wid = check_id("worker_id", worker_id)
+        args: list[str | int] = [self._now(), wid, role, int(expect_version)]
+        rec = await self._set_role(keys=[self._keys.roles], args=args)
+        return None if not rec else _role(text(rec))
+
+    @store_call
+    async def forget_role(self, worker_id: str) -> bool:
+        return bool(await self._client.hdel(self._keys.roles, worker_id))
+
+    @store_call
+    async def hold_lease(self, name: str, holder: str, ttl_s: float) -> bool:
+        check_lease(ttl_s)
+        args: list[str | int] = [holder, max(1, int(ttl_s * 1000))]
+        return bool(await self._hold_lease(keys=[self._keys.lease(name)], args=args))
+
+    @store_call
+    async def release_lease(self, name: str, holder: str) -> bool:
+        return bool(await self._release_lease(keys=[self._keys.lease(name)], args=[holder]))
+
+    # -- after a store loss ---------------------------------------------------------------
+    @store_call
+    async def restore_registry(
+        self, drains: Mapping[str, DrainMark], roles: Mapping[str, WorkerRole]
+    ) -> None:
+        if not drains and not roles:
+            return
+        args: list[str | int] = [len(drains)]
+        for wid, mark in drains.items():
+            args += [check_id("worker_id", wid), int(mark.drained), f"{mark.since_s:.6f}"]
+        for wid, role in roles.items():
+            check_role(role.role)
+            args += [check_id("worker_id", wid), _record(role)]
+        k = self._keys
+        await self._restore(keys=[k.drained, k.drained_at, k.roles], args=args)
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def _marker_cmd(self, ttl_s: float) -> tuple[Cmd, str]:
+        token = secrets.token_hex(8)  # fresh each time: a second loss must show as one too
+        return Cmd.run(self._marker, [self._keys.marker], [token, max(1, int(ttl_s))]), token
+
+    def _lost(self, found: Any, token: str) -> bool:
+        """The marker's answer: was it missing (then it holds `token` now), or re-created by
+        another replica since this store object last looked? A first look at a present marker
+        knows of no loss."""
+        seen = self._epoch
+        self._epoch = token if found is None else text(found)
+        return found is None or (seen is not None and seen != self._epoch)
+
+    @store_call
+    async def check_marker(self, ttl_s: float) -> bool:
+        cmd, token = self._marker_cmd(ttl_s)
+        return self._lost(raise_first(await self._pipelined([cmd]))[0], token)
+
+    # -- one read for the registry sync ---------------------------------------------------------
+    @store_call
+    async def registry_view(
+        self, marker_ttl_s: float
+    ) -> tuple[bool, dict[str, str], dict[str, DrainMark], dict[str, WorkerRole]]:
+        k = self._keys
+        marker_cmd, token = self._marker_cmd(marker_ttl_s)
+        rows = raise_first(
+            await self._pipelined(
+                [
+                    marker_cmd,
+                    Cmd(("HGETALL", k.workers), k.workers),
+                    Cmd(("SMEMBERS", k.drained), k.drained),
+                    Cmd(("HGETALL", k.drained_at), k.drained_at),
+                    Cmd(("HGETALL", k.roles), k.roles),
+                ]
+            )
+        )
+        marker, workers, drained, times, roles = rows
+        return (
+            self._lost(marker, token),
+            {text(wid): text(blob) for wid, blob in workers.items()},
+            _marks(drained, times),
+            {text(wid): _role(text(rec)) for wid, rec in roles.items()},
+        )
+
+
+def _marks(drained: Any, times: Any) -> dict[str, DrainMark]:
+    """Drain marks from the drained set and the times hash. The set decides whether a worker
+    is drained; a member with no time (written by an older router) counts as of time 0."""
+    members = {text(m) for m in drained}
+    since = {text(wid): float(t) for wid, t in times.items()}
+    return {wid: DrainMark(wid in members, since.get(wid, 0.0)) for wid in members | set(since)}
+
+
+def _role(record: str) -> WorkerRole:
+    role, version, since = record.split("|")
+    return WorkerRole(role, int(version), float(since))
+
+
+def _record(role: WorkerRole) -> str:
+    return f"{role.role}|{role.version}|{role.since_s:.6f}"
