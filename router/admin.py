@@ -14,10 +14,20 @@
 
 Registrations live in the shared store, so every replica adopts them within
 `registry_refresh_s`; the replica that takes the call applies it at once.
+
+Who may call what: router/auth.py (the GETs need a token once client keys are configured).
+
+Guard rails: a drain, a role switch or a removal that would leave a pool (one side of one
+model, router/rotation.py) with no worker in rotation is refused with 409, naming the pool, the
+worker and what the pool's other workers are doing, unless the body says `{"force": true}`.
+The check reads the shared registry first (the other replicas' drains and roles as they are
+now), but it is not atomic across replicas: two operators taking out a pool's last two workers
+through two replicas in the same instant can both pass it.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import aiohttp
@@ -25,21 +35,20 @@ import orjson
 from aiohttp import web
 
 from router.appkeys import GATEWAY
-from router.auth import bearer_token, token_matches
+from router.auth import check_admin_read, check_admin_write
 from router.config import ConfigError
 from router.drain import set_drained
-from router.errors import InvalidRequest, RouterError, Unauthorized, Unavailable
+from router.errors import InvalidRequest, RouterError, Unavailable
 from router.gateway import Gateway
 from router.pools import WorkerState
+from router.redact import mask_url
 from router.roles import ROLES, RoleChangeRefused
+from router.rotation import emptied_without, why_empty
 from router.scaling import scaling_report
 
 __all__ = ["add_admin_routes"]
 
-
-class Forbidden(RouterError):
-    status = 403
-    type = "permission_error"
+log = logging.getLogger(__name__)
 
 
 class Conflict(RouterError):
@@ -56,11 +65,58 @@ def _json(data: object, status: int = 200) -> web.Response:
 
 
 def _require_token(gw: Gateway, request: web.Request) -> None:
-    token = gw.settings.admin_token
-    if not token:
-        raise Forbidden("the admin API's write side is disabled: set admin_token to enable it")
-    if not token_matches(bearer_token(request), (token,)):
-        raise Unauthorized("a valid admin token is required (Authorization: Bearer ...)")
+    check_admin_write(gw.settings, request)
+
+
+def _readable(request: web.Request) -> Gateway:
+    gw = _gateway(request)
+    check_admin_read(gw.settings, request)
+    return gw
+
+
+async def _options(request: web.Request) -> dict[str, Any]:
+    """An admin action's optional JSON object body ({} when there is none), `force` checked."""
+    data = await request.read()
+    if not data.strip():
+        return {}
+    try:
+        raw = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    if not isinstance(raw.get("force", False), bool):
+        raise InvalidRequest("force must be true or false", param="force")
+    return raw
+
+
+async def _fresh_view(gw: Gateway) -> None:
+    """The registry as the store has it now (the other replicas' drains, roles, removals), not
+    as the last refresh saw it: a guard decided on a stale view would let two operators on two
+    replicas empty a pool a refresh apart."""
+    await gw.pools.sync_registry(gw.session)
+
+
+def _refuse_if_emptied(gw: Gateway, wid: str, action: str, force: bool) -> None:
+    """409 if taking `wid` out of rotation leaves a pool with none (unless forced); `action`
+    names it ("draining d0")."""
+    emptied = emptied_without(gw.pools, wid)
+    if not emptied:
+        return
+    pools = ", ".join(f"the {side} pool of {model}" for side, model in emptied)
+    if force:
+        log.warning("%s (forced): %s now has no worker in rotation", action, pools)
+        return
+    others = "; ".join(
+        f"{side}: {why_empty(gw.pools, side, model, without=wid) or f'{wid} is its only worker'}"
+        for side, model in emptied
+    )
+    raise Conflict(
+        f"{action} would leave {pools} with no worker in rotation ({others}); "
+        'send {"force": true} to do it anyway',
+        param="force",
+        code="last_worker_in_rotation",
+    )
 
 
 def describe(gw: Gateway, w: WorkerState) -> dict[str, object]:
@@ -68,7 +124,7 @@ def describe(gw: Gateway, w: WorkerState) -> dict[str, object]:
     load = w.load
     return {
         "id": w.spec.id,
-        "url": w.spec.url,
+        "url": mask_url(w.spec.url),  # a URL's credentials are no one's to read here
         "role": w.spec.role,
         "adapter": w.spec.adapter,
         "group": w.spec.group,
@@ -91,7 +147,7 @@ def describe(gw: Gateway, w: WorkerState) -> dict[str, object]:
 
 
 async def admin_state(request: web.Request) -> web.Response:
-    gw = _gateway(request)
+    gw = _readable(request)
     return _json(
         {
             "policy": gw.policy.name,
@@ -106,12 +162,12 @@ async def admin_state(request: web.Request) -> web.Response:
 
 
 async def list_workers(request: web.Request) -> web.Response:
-    gw = _gateway(request)
+    gw = _readable(request)
     return _json({"workers": [describe(gw, w) for w in gw.pools.workers.values()]})
 
 
 async def scaling(request: web.Request) -> web.Response:
-    gw = _gateway(request)
+    gw = _readable(request)
     return _json({"slo": _slo(gw), "models": scaling_report(gw)})
 
 
@@ -178,9 +234,13 @@ async def remove_worker(request: web.Request) -> web.Response:
     gw = _gateway(request)
     _require_token(gw, request)
     wid = request.match_info["worker_id"]
+    force = (await _options(request)).get("force", False)
     current = gw.pools.workers.get(wid)
     if current is not None and not current.dynamic:
         raise InvalidRequest(f"worker {wid} comes from the configuration file", param="id")
+    if current is not None:
+        await _fresh_view(gw)
+        _refuse_if_emptied(gw, wid, f"removing {wid}", force)
     removed = await gw.store.unregister_worker(wid)
     gw.pools.remove(wid)
     if not removed and current is None:
@@ -216,8 +276,14 @@ async def _drain(request: web.Request, drained: bool) -> web.Response:
     gw = _gateway(request)
     _require_token(gw, request)
     wid = request.match_info["worker_id"]
+    force = (await _options(request)).get("force", False)
+    if wid not in gw.pools.workers:
+        return _not_found(wid)
+    if drained:
+        await _fresh_view(gw)
+        _refuse_if_emptied(gw, wid, f"draining {wid}", force)
     state = gw.pools.workers.get(wid)
-    if state is None:
+    if state is None:  # removed through another replica meanwhile
         return _not_found(wid)
     changed = await set_drained(gw.store, gw.pools.workers.values(), wid, drained)
     return _json({**describe(gw, state), "changed": changed})
@@ -232,6 +298,7 @@ async def undrain_worker(request: web.Request) -> web.Response:
 
 
 async def roles(request: web.Request) -> web.Response:
+    _readable(request)
     manager = request.app.get(ROLES)
     if manager is None:
         raise Unavailable("the role manager is not running yet", retry_after_s=1.0)
@@ -251,9 +318,19 @@ async def set_role(request: web.Request) -> web.Response:
         raise InvalidRequest(
             'the body must be {"role": "prefill"} or {"role": "decode"}', param="role"
         )
+    force = raw.get("force", False)
+    if not isinstance(force, bool):
+        raise InvalidRequest("force must be true or false", param="force")
     manager = request.app.get(ROLES)
     if manager is None:
         raise Unavailable("the role manager is not running yet", retry_after_s=1.0)
+    w = gw.pools.workers.get(wid)
+    if w is not None and w.spec.role == "both":  # else the manager refuses it (409) itself
+        await _fresh_view(gw)
+        # A switch drains it first: in neither pool until it is done. One already serving
+        # (or heading to) that role changes nothing.
+        if w.role_state is None or w.role_state.target != role:
+            _refuse_if_emptied(gw, wid, f"switching {wid} to {role}", force)
     try:
         record = await manager.force(wid, role)
     except KeyError:

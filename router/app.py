@@ -21,7 +21,7 @@ from router.admin import add_admin_routes
 from router.admission import Admission
 from router.api import CHAT, COMPLETIONS, parse_request
 from router.appkeys import GATEWAY
-from router.auth import bearer_token, token_matches
+from router.auth import bearer_token, check_scrape, token_matches
 from router.background import BackgroundTasks
 from router.config import Settings
 from router.errors import BodyTooLarge, RouterError, Unauthorized, as_router_error, error_body
@@ -267,12 +267,16 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    """The hand-written API description shipped with the package (router/openapi.json)."""
+    """The hand-written API description shipped with the package (router/openapi.json);
+    a credential needed when `public_openapi` is false (router/auth.py)."""
+    settings = request.app[SETTINGS]
+    check_scrape(settings, request, settings.public_openapi)
     return web.Response(body=_OPENAPI.read_bytes(), content_type="application/json")
 
 
 async def metrics(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
+    check_scrape(gw.settings, request, gw.settings.public_metrics)  # router/auth.py
     m = gw.metrics
     for w in gw.pools.workers.values():
         m.worker_healthy.labels(worker=w.spec.id, role=w.spec.role).set(1 if w.healthy else 0)

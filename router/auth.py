@@ -1,4 +1,18 @@
-"""Bearer-token checks for the client API keys and the admin token: one parser, constant time."""
+"""Bearer-token checks for the client API keys and the admin tokens: one parser, constant time,
+and who may see what.
+
+    generation routes, passthrough      a client key when `api_keys` is set (router/app.py)
+    admin GETs (state, workers,         the admin token or `admin_read_token`, once client keys
+      scaling, roles)                   are configured or `admin_read_token` is set; else open
+    admin writes (register, delete,     the admin token (`admin_token`); none configured: 403
+      drain, undrain, role)
+    /metrics, /openapi.json             open while `public_metrics` / `public_openapi` (the
+                                        default); else any of the above credentials
+
+401 when no credential or a wrong one comes (with `WWW-Authenticate`), 403 when a valid one
+comes that does not allow the call (a client key or the read-only token on the admin write
+side), or when no credential could (the feature's token is not configured).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +21,16 @@ from collections.abc import Iterable
 
 from aiohttp import web
 
-__all__ = ["bearer_token", "token_matches"]
+from router.config import Settings
+from router.errors import Forbidden, Unauthorized
+
+__all__ = [
+    "bearer_token",
+    "token_matches",
+    "check_admin_read",
+    "check_admin_write",
+    "check_scrape",
+]
 
 
 def bearer_token(request: web.Request) -> str:
@@ -23,5 +46,55 @@ def token_matches(given: str, accepted: Iterable[str]) -> bool:
     found = False
     for token in accepted:
         # Every candidate is compared, so the time taken does not tell which one matched.
-        found |= bool(token) and hmac.compare_digest(raw, str(token).encode())
+        # (A Secret prints ***; its encode() is its value.)
+        found |= bool(token) and hmac.compare_digest(raw, token.encode())
     return found
+
+
+def admin_reads_protected(settings: Settings) -> bool:
+    """The admin GETs reveal worker URLs and topology: closed once clients need a key (or
+    the operator set a read token); in open mode they answer anyone, as they always have."""
+    return bool(settings.api_keys or settings.admin_read_token)
+
+
+def check_admin_read(settings: Settings, request: web.Request) -> None:
+    if not admin_reads_protected(settings):
+        return
+    given = bearer_token(request)
+    if token_matches(given, (settings.admin_token, settings.admin_read_token)):
+        return
+    if not (settings.admin_token or settings.admin_read_token):
+        raise Forbidden(
+            "the admin API's read side needs admin_token or admin_read_token set "
+            "(client keys are configured, so it is not public)"
+        )
+    if given and token_matches(given, settings.api_keys):
+        raise Forbidden(
+            "a client API key cannot read the admin API: use the admin token or admin_read_token"
+        )
+    raise Unauthorized(
+        "the admin token or the read-only admin token is required (Authorization: Bearer ...)"
+    )
+
+
+def check_admin_write(settings: Settings, request: web.Request) -> None:
+    token = settings.admin_token
+    if not token:
+        raise Forbidden("the admin API's write side is disabled: set admin_token to enable it")
+    given = bearer_token(request)
+    if token_matches(given, (token,)):
+        return
+    if given and token_matches(given, (settings.admin_read_token, *settings.api_keys)):
+        raise Forbidden("this token may not change the pools: the admin token is required")
+    raise Unauthorized("a valid admin token is required (Authorization: Bearer ...)")
+
+
+def check_scrape(settings: Settings, request: web.Request, public: bool) -> None:
+    """/metrics and /openapi.json: open when `public`, else any credential the router knows."""
+    if public:
+        return
+    accepted = (*settings.api_keys, settings.admin_token, settings.admin_read_token)
+    if not token_matches(bearer_token(request), accepted):
+        raise Unauthorized(
+            "a client API key or an admin token is required (Authorization: Bearer ...)"
+        )

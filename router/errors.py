@@ -3,7 +3,8 @@
     RouterError                      500 internal_error
     ├── InvalidRequest               400 invalid_request_error   (bad JSON, wrong types, bad values)
     │   └── BodyTooLarge             413 invalid_request_error
-    ├── Unauthorized                 401 authentication_error
+    ├── Unauthorized                 401 authentication_error    (no credential, or a wrong one)
+    ├── Forbidden                    403 permission_error        (a valid one, not enough for this)
     ├── ModelNotFound                404 model_not_found
     ├── NoCapacity                   429 rate_limit_exceeded (+ Retry-After)
     ├── UpstreamError                502 upstream_error          (a worker failed or spoke nonsense)
@@ -25,6 +26,7 @@ from typing import Any
 
 import orjson
 
+from router.redact import scrub
 from state.base import StoreBusy, StoreError
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "InvalidRequest",
     "BodyTooLarge",
     "Unauthorized",
+    "Forbidden",
     "ModelNotFound",
     "NoCapacity",
     "UpstreamError",
@@ -49,6 +52,8 @@ STORE_RETRY_AFTER_S = 2.0
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: Any = None) -> bytes:
+    # A message may quote a worker's error or a URL (router/redact.py: credentials masked).
+    message = scrub(message)
     return orjson.dumps(
         {"error": {"message": message, "type": type_, "param": param, "code": code}}
     )
@@ -92,6 +97,18 @@ class Unauthorized(RouterError):
     status = 401
     type = "authentication_error"
     code = "invalid_api_key"
+
+    def headers(self) -> dict[str, str]:
+        # RFC 9110: a 401 names the scheme that would be accepted.
+        return {"WWW-Authenticate": 'Bearer realm="disagg-router"'}
+
+
+class Forbidden(RouterError):
+    """The caller is known (a valid token) but that token does not allow this; or nothing
+    could (the feature's token is not configured)."""
+
+    status = 403
+    type = "permission_error"
 
 
 class ModelNotFound(RouterError):

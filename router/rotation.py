@@ -102,14 +102,14 @@ def _reasons(pools: Pools, w: WorkerState, side: str) -> list[str]:
 
 
 def why_empty(pools: Pools, side: str, model: str = "", without: str | None = None) -> str:
-    """What each worker of the pool is doing instead: "d0 drained by the operator, d1 serving
-    prefill" (`without` left out, as if gone)."""
+    """What each worker of the pool out of rotation does instead: "d0 drained by the operator,
+    d1 serving prefill" (`without` left out, as if gone)."""
     parts = [
         f"{w.spec.id} {' and '.join(reasons)}"
         for w in _candidates(pools, side, model, without)
         if (reasons := _reasons(pools, w, side))
     ]
-    return ", ".join(parts) or f"no {side} worker is configured or registered"
+    return ", ".join(parts)  # empty: the pool has no worker at all (or all in rotation)
 
 
 def _back_in_s(pools: Pools, w: WorkerState, side: str) -> float:
@@ -142,10 +142,17 @@ def retry_after_s(pools: Pools, side: str, model: str = "") -> float:
     return OPERATOR_RETRY_AFTER_S if math.isinf(soonest) else max(1.0, soonest)
 
 
+def _coming(w: WorkerState, side: str) -> bool:
+    """Draining for a switch to `side`, and fit to serve once there: the role manager puts it
+    in that pool by itself within a few seconds."""
+    return w.current_role == f"draining-to-{side}" and w.available
+
+
 def emptied_without(pools: Pools, worker_id: str) -> list[tuple[str, str]]:
-    """The pools, as (side, model), that `worker_id` is in rotation in with no other worker:
-    taking it out (drain, role switch, removal) would leave them empty. A pool that is empty
-    already is not listed: taking out a worker that is not serving changes nothing there."""
+    """The pools, as (side, model), that `worker_id` is in rotation in with no other worker in
+    rotation or on its way there (draining for a switch to that side): taking it out (drain,
+    role switch, removal) would leave them empty until an operator acts. A pool that is
+    empty already is not listed: taking out a worker that is not serving changes nothing."""
     w = pools.workers.get(worker_id)
     if w is None or not w.available:
         return []
@@ -154,5 +161,7 @@ def emptied_without(pools: Pools, worker_id: str) -> list[tuple[str, str]]:
         (side, model)
         for model in models
         for side in SIDES
-        if _on_side(pools, w, side) and not in_rotation(pools, side, model, without=worker_id)
+        if _on_side(pools, w, side)
+        and not in_rotation(pools, side, model, without=worker_id)
+        and not any(_coming(o, side) for o in _candidates(pools, side, model, worker_id))
     ]

@@ -134,6 +134,8 @@ async def test_a_registered_decode_worker_serves_on_every_replica(redis_prefix: 
             answer = await r.json()
         assert answer["choices"][0]["message"]["content"] == expected_answer(CHAT, body)[0]
         async with s.delete(a + "/admin/workers/d-new", headers=auth) as r:
+            assert r.status == 409  # the only decode worker: refused unless forced
+        async with s.delete(a + "/admin/workers/d-new", headers=auth, json={"force": True}) as r:
             assert r.status == 200
         for _ in range(100):
             if "d-new" not in await _workers(s, b):
@@ -252,8 +254,9 @@ async def test_a_registration_can_read_the_layout_from_the_worker(redis_prefix: 
             assert r.status == 400
             assert (await r.json())["error"]["param"] == "discover_layout"
         assert "d-down" not in await _workers(s, a)
-        for wid in ("d-new", "d-32"):
-            async with s.delete(a + f"/admin/workers/{wid}", headers=auth) as r:
+        for wid in ("d-new", "d-32"):  # the last decode worker goes too: forced
+            force = {"force": True}
+            async with s.delete(a + f"/admin/workers/{wid}", headers=auth, json=force) as r:
                 assert r.status == 200
 
 
