@@ -8,6 +8,11 @@
 SGLang's router charges both workers of a pair for one side's failure and lets all traffic in
 when half-open (docs/design.md §4); here a prefill failure opens only the prefill worker's breaker,
 and half-open admits a bounded number of probe requests.
+
+A request is judged by its whole answer, not by its headers: a worker that answers 200 and then
+garbage, or goes silent mid-stream, has failed (`Verdict`, owed from dispatch until the answer is
+whole, given exactly once). A passing `/health` never closes the breaker: a worker whose API server
+lives while its engine is broken answers `/health` fine, so only a real request that works does.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["BreakerSettings", "CircuitBreaker"]
+__all__ = ["BreakerSettings", "CircuitBreaker", "Verdict"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +73,21 @@ class CircuitBreaker:
             return True
         return False
 
+    def dispatch(self) -> Verdict | None:
+        """A request is being sent: its verdict, to be given once its answer is judged; None
+        if the breaker no longer lets it through. Placement asked `allows()` before the
+        reservation's round trip, and several requests placed at once on a half-open worker
+        would all be sent as its probes (or after it opened again)."""
+        if not self.allows():
+            return None
+        return Verdict(self, self.on_dispatch())
+
+    def on_abandon(self, probe: bool = False) -> None:
+        """A request ended with no verdict on the worker (the client left, its deadline passed):
+        a probe's place is given back, nothing else changes."""
+        if probe:
+            self.probes_in_flight = max(0, self.probes_in_flight - 1)
+
     def on_success(self, probe: bool = False) -> None:
         if probe:
             self.probes_in_flight = max(0, self.probes_in_flight - 1)
@@ -91,7 +111,34 @@ class CircuitBreaker:
             self.opened_at = self.clock()
             self.trips += 1
 
-    def on_health(self, ok: bool) -> None:
-        """A health probe's verdict: a recovered worker comes back without waiting for traffic."""
-        if ok and self.opened_at is not None and self.state == "half_open":
-            self.on_success()
+
+class Verdict:
+    """What one dispatched request owes its worker's breaker: `ok()`, `failed()` or
+    `abandon()`, whichever comes first; later calls do nothing, so every path out of a request
+    may settle it without counting twice (and a half-open probe's place is always given back)."""
+
+    __slots__ = ("breaker", "probe", "settled")
+
+    def __init__(self, breaker: CircuitBreaker, probe: bool) -> None:
+        self.breaker, self.probe, self.settled = breaker, probe, False
+
+    def __repr__(self) -> str:
+        return f"Verdict(probe={self.probe}, settled={self.settled})"
+
+    def _settle(self) -> bool:
+        if self.settled:
+            return False
+        self.settled = True
+        return True
+
+    def ok(self) -> None:
+        if self._settle():
+            self.breaker.on_success(self.probe)
+
+    def failed(self) -> None:
+        if self._settle():
+            self.breaker.on_failure(self.probe)
+
+    def abandon(self) -> None:
+        if self._settle():
+            self.breaker.on_abandon(self.probe)

@@ -68,8 +68,9 @@ class HealthProber:
         if ok:
             if not w.healthy:
                 log.info("worker %s is healthy again", w.spec.id)
+            # Not the breaker: /health passes on a worker whose engine is broken; a half-open
+            # breaker is closed by a real request that works (router/breaker.py).
             w.healthy, w.consecutive_failures = True, 0
-            w.breaker.on_health(True)
         else:
             w.consecutive_failures += 1
             if w.healthy and w.consecutive_failures >= 2:

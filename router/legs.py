@@ -5,7 +5,11 @@ body unread) or raises a `LegFailure`. Two shapes, by the prefill worker's adapt
 - vLLM NIXL pull mode: the prefill leg first; its `kv_transfer_params` go into the decode leg;
 - SGLang rooms / vLLM Mooncake (`concurrent_legs`): both legs at once, the decode answer
   returned as soon as it starts, a leg that fails cancels the other.
-Every leg's breaker and error accounting is one context, `leg_errors(side, worker)`.
+Every leg's breaker and error accounting is one context, `leg_errors(side, worker)`. A leg is
+judged by its answer, not by its status line: the prefill's is checked for its KV handle inside
+that context, and the decode's verdict waits for the end of its answer (`decode_answered`,
+`stream_failure`; `Attempt.decode_verdict`), so a worker that answers 200 and then garbage
+opens its breaker like one that answers 500 (issue 20).
 
 Invariant kept here: a prefill is never sent without a decode reservation in hand.
 
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
 
 import aiohttp
@@ -28,7 +32,8 @@ import orjson
 from policies.base import Candidate, RequestInfo
 from router.adapters import ConcurrentAdapter, ProtocolViolation, WorkerAdapter, prefill_target
 from router.attempt import Ask, Attempt, Call, LegFailure, upstream_failure
-from router.errors import DeadlineExceeded, UpstreamError
+from router.breaker import Verdict
+from router.errors import DeadlineExceeded, Unavailable, UpstreamError
 from router.gateway import Gateway
 from router.pools import WorkerState
 from router.relay import RelayResult
@@ -41,6 +46,7 @@ __all__ = [
     "DecodeResponse",
     "READY_MARK_AFTER_S",
     "RESUMED_HEADER",
+    "decode_answered",
     "hold_intent",
     "kv_accepted",
     "leg_errors",
@@ -101,42 +107,65 @@ def _pull_adapter(gw: Gateway, worker: WorkerState) -> WorkerAdapter:
 
 @contextlib.asynccontextmanager
 async def leg_errors(
-    gw: Gateway, side: str, worker: WorkerState, timeout_s: float | None = None
-) -> AsyncIterator[None]:
+    gw: Gateway,
+    side: str,
+    worker: WorkerState,
+    timeout_s: float | None = None,
+    deferred: bool = False,
+) -> AsyncIterator[Verdict]:
     """One leg to `worker`: its breaker is charged by the outcome, its errors are counted, and a
     transport failure (or, with `timeout_s`, no answer in time) becomes a retryable LegFailure.
 
     A worker's error answer (a LegFailure raised in the block) charges the breaker only when
     retrying can help and the worker is to blame: not for the client's bad request, and on the
-    decode side not for a KV handle that expired (the worker is fine)."""
+    decode side not for a KV handle that expired (the worker is fine). A block that ends well
+    is a success, unless `deferred`: then the yielded verdict is the caller's to give once the
+    answer is read. The request's own deadline, or its cancellation, is no verdict on the
+    worker (a half-open probe's place is given back)."""
     spec = worker.spec
-    probe = worker.breaker.on_dispatch()
+    verdict = worker.breaker.dispatch()
+    if verdict is None:  # its breaker opened, or took its probe, since this pair was placed
+        gw.metrics.upstream_errors.labels(side=side, kind="breaker_open").inc()
+        err = Unavailable(f"{side} worker {spec.id}'s circuit breaker is open", retry_after_s=1.0)
+        raise LegFailure(side, spec.id, err, True)
     try:
         async with asyncio.timeout(timeout_s):
-            yield
+            yield verdict
     except LegFailure as f:
         # The labels as they have always been: the decode's by HTTP status, the prefill's by
-        # the error's class.
-        kind = str(f.status) if side == "decode" else type(f.error).__name__
+        # the error's class; an answer that is not one, "protocol".
+        kind = f.kind or (str(f.status) if side == "decode" else type(f.error).__name__)
         gw.metrics.upstream_errors.labels(side=side, kind=kind).inc()
         if f.retryable and not (side == "decode" and f.kv_handle):
-            worker.breaker.on_failure(probe)
+            verdict.failed()
         else:
-            worker.breaker.on_success(probe)
+            verdict.ok()
         raise
     except aiohttp.ClientError as exc:  # before TimeoutError: some are TimeoutErrors too
         gw.metrics.upstream_errors.labels(side=side, kind="connection").inc()
-        worker.breaker.on_failure(probe)
+        verdict.failed()
         err = UpstreamError(f"{side} worker {spec.id} failed: {exc!r}")
         raise LegFailure(side, spec.id, err, True) from exc
     except TimeoutError as exc:
         if timeout_s is None:
+            verdict.abandon()
             raise  # the request's own deadline, not this leg's
         gw.metrics.upstream_errors.labels(side=side, kind="timeout").inc()
-        worker.breaker.on_failure(probe)
+        verdict.failed()
         deadline = DeadlineExceeded(f"{side} worker {spec.id} did not answer within {timeout_s} s")
         raise LegFailure(side, spec.id, deadline, True) from exc
-    worker.breaker.on_success(probe)
+    except BaseException:
+        verdict.abandon()  # cancelled: the client left, or the other leg failed
+        raise
+    if not deferred:
+        verdict.ok()
+
+
+def decode_answered(attempt: Attempt) -> None:
+    """The decode worker's answer is whole: the success its breaker was owed since the leg
+    opened (a whole answer, a stream to its end, or the worker's verdict on the request)."""
+    if attempt.decode_verdict is not None:
+        attempt.decode_verdict.ok()
 
 
 def _headers(call: Call, worker: WorkerState, resumed_tokens: int = 0) -> dict[str, str]:
@@ -156,8 +185,16 @@ def _headers(call: Call, worker: WorkerState, resumed_tokens: int = 0) -> dict[s
     return headers
 
 
-async def _prefill_leg(call: Call, attempt: Attempt, wire_body: dict[str, Any], ask: Ask) -> bytes:
-    """POST the prefill leg; its answer on 200, else a LegFailure charged to the prefill."""
+async def _prefill_leg(
+    call: Call,
+    attempt: Attempt,
+    wire_body: dict[str, Any],
+    ask: Ask,
+    answer: Callable[[bytes], Any] | None = None,
+) -> Any:
+    """POST the prefill leg; its answer on 200 (what `answer` makes of it, which raises
+    LegFailure for an answer that is not one: the breaker is charged as for an error status),
+    else a LegFailure charged to the prefill."""
     gw = call.gw
     worker = gw.pools.workers[attempt.candidate.prefill_id or ""]
     if attempt.decode_id is None:  # pragma: no cover - the invariant, checked loudly
@@ -178,6 +215,8 @@ async def _prefill_leg(call: Call, attempt: Attempt, wire_body: dict[str, Any], 
                 data = await resp.read()
             if resp.status != 200:
                 raise upstream_failure("prefill", spec.id, resp.status, data)
+            if answer is not None:
+                return answer(data)
     finally:
         call.trace.finish("prefill")
         worker.queued_prompt_tokens -= ask.prompt_tokens
@@ -194,14 +233,17 @@ async def _prefill(call: Call, attempt: Attempt, ask: Ask) -> dict[str, Any]:
     wire_body = adapter.prefill_body(ask.body)
     if call.parsed.path == RESPONSES:
         wire_body = responses_prefill_body(wire_body)  # its cap is `max_output_tokens`
-    data = await _prefill_leg(call, attempt, wire_body, ask)
-    try:
-        params = adapter.kv_params(orjson.loads(data))
-    except (orjson.JSONDecodeError, ProtocolViolation) as exc:
-        gw.metrics.upstream_errors.labels(side="prefill", kind="protocol").inc()
-        worker.breaker.on_failure()
-        err = UpstreamError(f"prefill worker {worker.spec.id} answered badly: {exc}")
-        raise LegFailure("prefill", worker.spec.id, err, True) from exc
+
+    def kv_handle(data: bytes) -> dict[str, Any]:
+        try:
+            return adapter.kv_params(orjson.loads(data))
+        except (orjson.JSONDecodeError, ProtocolViolation) as exc:
+            err = UpstreamError(f"prefill worker {worker.spec.id} answered badly: {exc}")
+            failure = LegFailure("prefill", worker.spec.id, err, True)
+            failure.kind = "protocol"
+            raise failure from exc
+
+    params: dict[str, Any] = await _prefill_leg(call, attempt, wire_body, ask, kv_handle)
     # The KV now lives on the prefill worker and no decode has it yet: its entry, written
     # pending with the reservation, is ready. No store call is awaited here (issue 12).
     loop = asyncio.get_running_loop()
@@ -314,7 +356,8 @@ async def _open_decode(
     spec, t = worker.spec, gw.settings.timeouts
     call.trace.begin("decode", worker=spec.id)
     resp: DecodeResponse
-    async with leg_errors(gw, "decode", worker):
+    async with leg_errors(gw, "decode", worker, deferred=True) as verdict:
+        attempt.decode_verdict = verdict  # given when the answer is read (router/respond.py)
         if not call.assembling and gw.splice is not None and gw.splice.supports(spec.url):
             # Its errors are aiohttp.ClientConnectionErrors: the same retryable failures.
             resp = await gw.splice.post(
@@ -361,8 +404,13 @@ def stream_failure(
     if partner is not None and partner.done() and not partner.cancelled():
         exc = partner.exception()
         if isinstance(exc, LegFailure):
+            if attempt.decode_verdict is not None:
+                attempt.decode_verdict.abandon()  # cut because of the prefill, not its fault
             return exc
-    worker.breaker.on_failure()
+    if attempt.decode_verdict is not None:
+        attempt.decode_verdict.failed()
+    else:  # pragma: no cover - every relayed answer comes from _open_decode
+        worker.breaker.on_failure()
     kind = result.error_kind or "stream_cut"
     gw.metrics.upstream_errors.labels(side="decode", kind=kind).inc()
     reason = f"decode worker {worker.spec.id} ended the stream early: {result.upstream_error}"

@@ -227,6 +227,8 @@ class RequestFlow:
     async def release_attempt(self, record: Record | None = None) -> None:
         """Give back what the current attempt holds; safe to call twice."""
         attempt, self.attempt = self.attempt, None
+        if attempt is not None and attempt.decode_verdict is not None:
+            attempt.decode_verdict.abandon()  # no-op once judged; else no verdict on the worker
         await release(self.call, attempt, record)
 
     async def settle(self) -> None:

@@ -25,8 +25,8 @@ import orjson
 from router.api import CHAT, ParsedRequest
 from router.assemble import DISCARD, assemble
 from router.attempt import Ask, Attempt, Call, LegFailure, loop_time
-from router.errors import RouterError, UpstreamError, UpstreamRejected, sse_error_frame
-from router.legs import DecodeResponse, kv_accepted, stream_failure
+from router.errors import RouterError, UpstreamRejected, sse_error_frame
+from router.legs import DecodeResponse, decode_answered, kv_accepted, stream_failure
 from router.relay import RelayResult, relay_sse
 from router.reserve import grow
 from router.responses_pd import RESPONSES, assembled, error_event, output_tokens
@@ -115,6 +115,16 @@ class Progress:
             return sys.maxsize  # nothing to grow
         grow(self.call, attempt, ask, total)
         return attempt.grow_at_tokens
+
+
+def _is_answer(answer: Any, path: str) -> bool:
+    """A whole answer's shape: the Responses API's `output` list, or a non-empty `choices`."""
+    if not isinstance(answer, dict):
+        return False
+    if path == RESPONSES:
+        return isinstance(answer.get("output"), list)
+    choices = answer.get("choices")
+    return isinstance(choices, list) and bool(choices)
 
 
 class Responder:
@@ -211,6 +221,7 @@ class Responder:
             gw.metrics.client_disconnects.inc()
             return Served(499)
         if result.completed:
+            decode_answered(attempt)
             return Served(200, ask.resumed + result.tokens)
         return Broken(stream_failure(gw, attempt, worker, result))
 
@@ -222,12 +233,17 @@ class Responder:
         try:
             data = await resp.read()
             answer = orjson.loads(data)
+            if not _is_answer(answer, self.call.parsed.path):
+                raise ValueError(f"not an answer: {data[:80]!r}")
             usage = answer.get("usage") or {}
-        except (aiohttp.ClientError, orjson.JSONDecodeError, AttributeError) as exc:
-            err = UpstreamError(f"decode worker {decode_id} answered badly: {exc!r}")
-            return Broken(LegFailure("decode", decode_id, err, True))
+        except (aiohttp.ClientError, ValueError) as exc:  # JSONDecodeError is a ValueError
+            # A 200 that is not an answer is the worker's failure, like a 500 (issue 20).
+            worker = gw.pools.workers[decode_id]
+            result = RelayResult(upstream_error=f"answered badly: {exc!r}", error_kind="malformed")
+            return Broken(stream_failure(gw, attempt, worker, result))
         finally:
             resp.close()
+        decode_answered(attempt)
         kv_accepted(self.call, attempt)
         gw.metrics.ttft.observe(gw.clock() - self.call.started)
         # Chat and completions count `completion_tokens`, the Responses API `output_tokens`.
@@ -244,6 +260,7 @@ class Responder:
         if self.call.parsed.path == RESPONSES:
             answer = assembled(result.chunks) if result.completed else None
             if answer is not None:
+                decode_answered(attempt)
                 return Served(200, output_tokens(answer) or result.tokens, orjson.dumps(answer))
             if result.completed:  # a completing event that does not parse: retried as broken
                 result.completed, result.error_kind = False, "malformed"
@@ -256,6 +273,7 @@ class Responder:
             result.completed, result.error_kind = False, "malformed"
             result.upstream_error = "the decode stream held no answer that parses"
         elif whole is not None:
+            decode_answered(attempt)  # a whole answer, or the worker's verdict on the request
             if not isinstance(whole, dict):  # a 4xx the worker reported in the stream
                 raise UpstreamRejected(
                     whole.status or 400,

@@ -9,8 +9,15 @@ back. The cutter's rules, once:
 - a server-side error event (vLLM answers 200, then reports a failed KV pull or engine error
   as `data: {"error": ...}`) ends the stream: what came before it is forwarded, the rest not,
   and the caller retries or resumes;
-- a first event that is not a JSON object (a broken engine, a proxy's error page) ends the
-  stream before anything reached the client, so the request can be retried;
+- a first event that is not an answer's (not a JSON object with `choices` or an `error`: a
+  broken engine, a proxy's error page) ends the stream before anything reached the client, so
+  the request can be retried; reads with no data event (comments, stray lines) before it are
+  not forwarded, so a body with no SSE framing at all never reaches the client either;
+- later, an event that does not parse ends the stream where it starts (what came before is
+  forwarded; the caller resumes): a read is looked at only when two byte counts say one of its
+  events is not `data: {...}` (the final `[DONE]` read, comments, junk), so a stream of
+  ordinary events pays three `count`s per read and no parse (issue 20; before, the junk went
+  to the client, whose SSE parser failed mid-answer);
 - tokens are counted with byte searches over the whole read, and the last bytes are kept to
   tell a finished stream (`data: [DONE]`) from a cut one.
 
@@ -41,11 +48,13 @@ __all__ = [
     "malformed",
     "split_at_error",
     "ERROR_EVENT",
+    "MALFORMED_EVENT",
     "MALFORMED_FIRST_EVENT",
 ]
 
 ERROR_EVENT: Final = "decode worker reported an error mid-stream"
 MALFORMED_FIRST_EVENT: Final = "decode worker's first event is not a JSON object"
+MALFORMED_EVENT: Final = "decode worker sent an event that does not parse mid-stream"
 _DONE: Final = b"data: [DONE]"
 _TAIL: Final = 32  # bytes kept to find `[DONE]` at the end, even when split over reads
 # The Responses stream's events, as their first line (whole events only reach these checks).
@@ -69,6 +78,51 @@ def malformed(data: bytes) -> bool:
         except orjson.JSONDecodeError:
             return True
     return False
+
+
+def _payloads(data: bytes) -> list[tuple[int, bytes]]:
+    """(offset of its event, payload) of every `data:` line of whole events `data`, [DONE]
+    aside."""
+    out = []
+    start = 0
+    while start < len(data):
+        end = data.find(b"\n\n", start)
+        end = len(data) if end < 0 else end + 2
+        for line in data[start:end].split(b"\n"):
+            payload = sse_data(line)
+            if payload is not None and payload != b"[DONE]":
+                out.append((start, payload))
+        start = end
+    return out
+
+
+def _as_object(payload: bytes) -> dict[str, object] | None:
+    try:
+        obj = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def first_events(data: bytes) -> str | None:
+    """The verdict on whole events `data` of a completions or chat stream before anything was
+    forwarded: "junk" if a data event is not an answer's chunk (a JSON object with `choices`)
+    or an error, None if there is no data event yet, "ok" otherwise."""
+    payloads = _payloads(data)
+    for _, payload in payloads:
+        obj = _as_object(payload)
+        if obj is None or not ("choices" in obj or "error" in obj):
+            return "junk"
+    return "ok" if payloads else None
+
+
+def junk_at(data: bytes) -> int | None:
+    """Where in whole events `data` the first event whose data does not parse as a JSON object
+    starts, or None when every one does."""
+    for start, payload in _payloads(data):
+        if _as_object(payload) is None:
+            return start
+    return None
 
 
 def split_at_error(data: bytes) -> tuple[bytes, WorkerError | None]:
@@ -178,10 +232,21 @@ class SseCutter:
         if self.responses:
             return self._responses(data)
         if not self.forwarded:
-            if malformed(data):
-                self.stop, self.stop_kind = MALFORMED_FIRST_EVENT, "malformed"
-                return b""
+            verdict = first_events(data)
+            if verdict != "ok":
+                if verdict == "junk":
+                    self.stop, self.stop_kind = MALFORMED_FIRST_EVENT, "malformed"
+                return b""  # no data event yet: nothing the client could use
             self.forwarded = True
+        else:
+            events = data.count(b"\n\n")
+            if data.count(b"}\n\n") != events or data.count(b"data: {") != events:
+                cut = junk_at(data)  # not only `data: {...}` events: look (the rare read)
+                if cut is not None:
+                    data = data[:cut]
+                    self.stop, self.stop_kind = MALFORMED_EVENT, "malformed"
+                    if not data:
+                        return b""
         self.tokens += data.count(self._token) - data.count(self._empty)
         # A reference, not a slice: `finished` looks at the end only when asked, once.
         self.tail = data if len(data) >= _TAIL else (self.tail + data)[-_TAIL:]

@@ -3,6 +3,12 @@
 A FaultConfig is the frozen description (CLI flags, or `POST /sim/faults` JSON); a FaultState is
 its live counterpart in one worker: the seeded RNG for `error_rate` and, when `count` is set, how
 many more times each fault may still fire — so a test can fail exactly the next request.
+
+Garbage (`garbage`: a shape of GARBAGE_SHAPES, on the legs `garbage_leg` names and the endpoint
+`garbage_path`, or every one) is a worker whose `/health` is fine but whose answers are not:
+a 200 that does not parse, parses to the wrong shape, stops mid-body, or a prefill's answer
+without its KV handle (rendered by sim/garbage.py). `hang` accepts a request and never answers;
+`hang_after_tokens` streams that many tokens, then goes silent without closing.
 """
 
 from __future__ import annotations
@@ -14,9 +20,29 @@ from dataclasses import asdict, dataclass, fields
 import orjson
 from aiohttp import web
 
-__all__ = ["FaultConfig", "FaultState", "ERROR_STATUSES", "error_body", "error_response"]
+__all__ = [
+    "FaultConfig",
+    "FaultState",
+    "ERROR_STATUSES",
+    "GARBAGE_LEGS",
+    "GARBAGE_SHAPES",
+    "error_body",
+    "error_response",
+]
 
 ERROR_STATUSES: tuple[int | str, ...] = (500, 503, 429, "malformed")
+
+# What a broken worker's 200 may hold (sim/garbage.py renders each, streamed and whole).
+GARBAGE_SHAPES: tuple[str, ...] = (
+    "not_json",  # an HTML error page where JSON (or SSE JSON events) should be
+    "wrong_shape",  # JSON, but not an answer: {"status": "ok"}
+    "no_framing",  # a streamed body with no SSE framing at all (plain lines)
+    "truncated",  # the first tokens, then the body stops mid-event (chunked, never terminated)
+    "junk_after_tokens",  # the first tokens, then events that do not parse, then [DONE]
+    "no_kv_params",  # prefill: a well-formed answer without kv_transfer_params
+)
+# Which legs garbage fires on: a prefill (do_remote_decode), a decode (remote or local), any.
+GARBAGE_LEGS: tuple[str, ...] = ("any", "prefill", "decode")
 
 _ERROR_TYPES = {
     400: "BadRequestError",
@@ -35,6 +61,8 @@ _EVENTS = (
     "decode_error_event_after_tokens",
     "decode_stall_after_headers",
     "hang",
+    "hang_after_tokens",
+    "garbage",
     "error",
 )
 
@@ -51,6 +79,11 @@ class FaultConfig:
     # As vLLM while a KV pull hangs: a streaming decode sends its headers, then nothing.
     decode_stall_after_headers: bool = False
     hang: bool = False  # accept and never answer, until the client goes away
+    hang_after_tokens: int | None = None  # stream N tokens, then silence (the socket stays open)
+    garbage: str | None = None  # a 200 of this shape (GARBAGE_SHAPES) instead of the answer
+    garbage_leg: str = "any"  # on which legs (GARBAGE_LEGS)
+    garbage_path: str | None = None  # on this endpoint only (e.g. "/v1/chat/completions")
+    garbage_after_tokens: int = 3  # the valid tokens before a mid-body shape breaks
     slow_factor: float = 1.0  # multiplies every simulated duration
     error_rate: float = 0.0  # fraction of generation requests answered with error_status
     error_status: int | str = 500  # 500, 503, 429 or "malformed" (200 with invalid JSON)
@@ -64,7 +97,16 @@ class FaultConfig:
             raise ValueError("error_rate must be within [0, 1]")
         if self.error_status not in ERROR_STATUSES:
             raise ValueError(f"error_status must be one of {ERROR_STATUSES}")
-        for name in ("decode_die_after_tokens", "decode_error_event_after_tokens"):
+        if self.garbage is not None and self.garbage not in GARBAGE_SHAPES:
+            raise ValueError(f"garbage must be one of {GARBAGE_SHAPES}")
+        if self.garbage_leg not in GARBAGE_LEGS:
+            raise ValueError(f"garbage_leg must be one of {GARBAGE_LEGS}")
+        for name in (
+            "decode_die_after_tokens",
+            "decode_error_event_after_tokens",
+            "hang_after_tokens",
+            "garbage_after_tokens",
+        ):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0")
@@ -100,8 +142,19 @@ def _check_type(name: str, value: object) -> None:
         "hang",
     ):
         ok = isinstance(value, bool)
-    elif name in ("decode_die_after_tokens", "decode_error_event_after_tokens", "count"):
+    elif name in (
+        "decode_die_after_tokens",
+        "decode_error_event_after_tokens",
+        "hang_after_tokens",
+        "count",
+    ):
         ok = value is None or (isinstance(value, int) and not isinstance(value, bool))
+    elif name == "garbage_after_tokens":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif name in ("garbage", "garbage_path"):
+        ok = value is None or isinstance(value, str)
+    elif name == "garbage_leg":
+        ok = isinstance(value, str)
     elif name in ("slow_factor", "error_rate"):
         ok = isinstance(value, int | float) and not isinstance(value, bool)
     elif name == "seed":
@@ -137,6 +190,22 @@ class FaultState:
         if not getattr(self.config, name):
             return False
         return self._take(name)
+
+    def garbage_for(self, leg: str, path: str) -> str | None:
+        """The garbage shape this request on `leg` ("prefill" or "decode") of `path` is
+        answered with, or None; a shape that has no meaning on the leg (a decode answer has no
+        KV handle to leave out) never fires there."""
+        c = self.config
+        if c.garbage is None or c.garbage_leg not in ("any", leg):
+            return None
+        if c.garbage_path is not None and c.garbage_path != path:
+            return None
+        if c.garbage == "no_kv_params" and leg != "prefill":
+            return None
+        return c.garbage if self._take("garbage") else None
+
+    def hang_after(self) -> int | None:
+        return self._after_tokens("hang_after_tokens")
 
     def die_after_tokens(self) -> int | None:
         return self._after_tokens("decode_die_after_tokens")

@@ -31,6 +31,7 @@ from .bootstrap import KvRoomError, RoomKv, bootstrap_params, hold_room, pull_ro
 from .choices import serve_choices
 from .decode_engine import Sequence
 from .faults import error_body, error_response
+from .garbage import garbage_response, silent_after_tokens
 from .openai_format import AnswerFormat, malformed_response
 from .sglang_protocol import SglangFormat
 from .worker_state import WORKER, Worker
@@ -139,11 +140,37 @@ async def _generation(
         else AnswerFormat
     )
     fmt = fmt_class(path, request_id, worker.config.model_name, spec.prompt_tokens, body)
+    if type(fmt) is AnswerFormat:  # garbage in OpenAI shapes only (not SGLang's, Responses')
+        broken = await _broken_answer(worker, request, mode, fmt, spec)
+        if broken is not None:
+            return broken
     worker.metrics.inc("requests", label=mode)
     if mode == "prefill":
         room = kv_params.get("bootstrap_room") if kv_params else None
         return await _prefill(worker, request, spec, fmt, request_id, room)
     return await _decode(worker, request, spec, fmt, request_id, kv_params)
+
+
+async def _broken_answer(
+    worker: Worker,
+    request: web.Request,
+    mode: str,
+    fmt: AnswerFormat,
+    spec: textgen.AnswerSpec,
+) -> web.StreamResponse | None:
+    """An injected garbage answer (sim/garbage.py), or a decode that goes silent after some
+    tokens; None when neither fires for this request."""
+    leg = "prefill" if mode == "prefill" else "decode"
+    shape = worker.faults.garbage_for(leg, request.path)
+    if shape is not None:
+        worker.metrics.inc("faults", label=f"garbage_{shape}")
+        after = worker.faults.config.garbage_after_tokens
+        return await garbage_response(request, shape, fmt, spec, after)
+    after_tokens = worker.faults.hang_after() if leg == "decode" else None
+    if after_tokens is not None:
+        worker.metrics.inc("faults", label="hang_after_tokens")
+        return await silent_after_tokens(request, fmt, spec, after_tokens)
+    return None
 
 
 def _mode(worker: Worker, body: Mapping[str, Any]) -> tuple[str, dict[str, Any] | None]:

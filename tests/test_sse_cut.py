@@ -107,12 +107,23 @@ def test_a_malformed_first_event_forwards_nothing() -> None:
         assert cutter.stop == MALFORMED_FIRST_EVENT and cutter.stop_kind == "malformed"
 
 
-def test_only_the_first_piece_is_checked_for_json() -> None:
-    """Later garbage is the client's to judge: parsing every event would cost CPU per token."""
+def test_junk_mid_stream_ends_the_stream_where_it_starts() -> None:
+    """Later junk never reaches the client (its SSE parser would fail mid-answer): the events
+    before it are forwarded, the stream stops there and is resumed (issue 20)."""
+    for junk in (b"data: not json\n\n", b'data: {"choices": [{"delta": \n\n'):
+        cutter = SseCutter(True)
+        assert cutter.feed(event("a")) == event("a")
+        assert cutter.feed(event("b") + junk + event("c")) == event("b")
+        assert cutter.stop_kind == "malformed" and cutter.tokens == 2
+
+
+def test_a_body_without_sse_framing_reaches_nobody() -> None:
+    """Plain lines and comments before the first data event are not forwarded; a first event
+    of the wrong shape (JSON, but no `choices`) is junk like one that does not parse."""
     cutter = SseCutter(True)
-    assert cutter.feed(event("a")) == event("a")
-    assert cutter.feed(b"data: not json\n\n") == b"data: not json\n\n"
-    assert cutter.stop is None
+    assert cutter.feed(b"upstream connect error\n\n") == b"" and cutter.stop is None
+    assert cutter.feed(b'data: {"status": "ok"}\n\n') == b""
+    assert cutter.stop_kind == "malformed" and not cutter.forwarded
 
 
 def test_comments_and_done_are_not_malformed() -> None:

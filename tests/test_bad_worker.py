@@ -1,0 +1,221 @@
+"""A worker whose `/health` is fine but whose real answers are garbage or never come (issue 20).
+
+Two prefill and two decode simulated workers, one of them bad (sim/faults.py `garbage`, `hang`,
+`hang_after_tokens`); requests through the `openai` client. For each fault: every request gets
+its exact answer (retried, or resumed on the good decode worker), the bad worker's breaker is
+open after at most a few requests on it, and nothing is reserved or stranded once quiet. The
+half-open breaker is closed again by a real request that works, never by `/health` alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import pytest
+from openai import AsyncOpenAI
+
+from sim.textgen import expected_answer
+from tests.conftest import MODEL, SimCluster, sim_cluster
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+FAST_RETRY = {"backoff_base_s": 0.005, "backoff_max_s": 0.02}
+# Short legs, so a hung worker costs a fraction of a second per request on it; the TTFT
+# deadline covers a hung prefill and a hung decode in one request, with room to spare.
+SHORT_LEGS = {"prefill_s": 0.5, "idle_s": 0.5, "ttft_s": 20.0}
+REQUESTS = 16
+MAX_ON_BAD = 5  # requests the bad worker may see before its breaker keeps it out
+
+
+def _client(c: SimCluster) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=c.router_url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+async def set_faults(c: SimCluster, wid: str, **faults: Any) -> None:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(c.workers[wid] + "/sim/faults", json=faults) as r,
+    ):
+        assert r.status == 200, await r.text()
+
+
+def _body(path: str, i: int) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 24, "ignore_eos": True}
+    prompt = f"bad worker case {i}: tell me a long story"
+    if path == CHAT:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+async def _ask(client: AsyncOpenAI, path: str, body: dict[str, Any], stream: bool) -> str:
+    """The answer's text as the client read it (an error, or a stream that breaks, raises)."""
+    args = {k: v for k, v in body.items() if k not in ("model", "ignore_eos")}
+    extra = {"ignore_eos": True}
+    if path == CHAT:
+        if not stream:
+            answer = await client.chat.completions.create(model=MODEL, extra_body=extra, **args)
+            return answer.choices[0].message.content or ""
+        chat_parts = []
+        chat_stream = await client.chat.completions.create(
+            model=MODEL, extra_body=extra, stream=True, **args
+        )
+        async for chunk in chat_stream:
+            for choice in chunk.choices:
+                chat_parts.append(choice.delta.content or "")
+        return "".join(chat_parts)
+    if not stream:
+        whole = await client.completions.create(model=MODEL, extra_body=extra, **args)
+        return whole.choices[0].text
+    parts = []
+    text_stream = await client.completions.create(
+        model=MODEL, extra_body=extra, stream=True, **args
+    )
+    async for piece in text_stream:
+        parts.extend(choice.text for choice in piece.choices)
+    return "".join(parts)
+
+
+async def _run(c: SimCluster, path: str, stream: bool, n: int = REQUESTS, start: int = 0) -> None:
+    """`n` requests, four at a time (so placement spreads them over both pairs); every one
+    must come back whole and exact."""
+    gate = asyncio.Semaphore(4)
+
+    async def one(i: int) -> tuple[str, str]:
+        body = _body(path, i)
+        async with gate:
+            got = await _ask(client, path, body, stream)
+        return got, expected_answer(path, body)[0]
+
+    async with _client(c) as client:
+        results = await asyncio.gather(*(one(start + i) for i in range(n)))
+    for got, want in results:
+        assert got == want
+
+
+async def _generation_requests(c: SimCluster, wid: str) -> int:
+    paths = (CHAT, COMPLETIONS)
+    return sum(1 for r in await c.worker_requests(wid) if r["path"] in paths)
+
+
+async def assert_quiet(c: SimCluster) -> None:
+    for _ in range(100):
+        if not any((await c.reserved_blocks()).values()) and not any((await c.stranded()).values()):
+            break
+        await asyncio.sleep(0.05)
+    assert set((await c.reserved_blocks()).values()) == {0}
+    assert set((await c.stranded()).values()) == {0}
+    assert c.gateway.leases.live == {}
+
+
+async def _admin_breaker(c: SimCluster, wid: str) -> str:
+    async with aiohttp.ClientSession() as s, s.get(c.router_url + "/admin/workers") as r:
+        assert r.status == 200
+        workers = (await r.json())["workers"]
+    return str(next(w for w in workers if w["id"] == wid)["breaker"])
+
+
+# (bad worker, its faults): the shapes of sim/garbage.py on the leg they break, and the hangs.
+CASES = [
+    ("p1", {"garbage": "not_json"}),
+    ("p1", {"garbage": "wrong_shape"}),
+    ("p1", {"garbage": "no_kv_params"}),
+    ("p1", {"garbage": "truncated"}),
+    ("p1", {"hang": True}),
+    ("d1", {"garbage": "not_json"}),
+    ("d1", {"garbage": "wrong_shape"}),
+    ("d1", {"garbage": "no_framing"}),
+    ("d1", {"garbage": "truncated"}),
+    ("d1", {"garbage": "junk_after_tokens"}),
+    ("d1", {"hang": True}),
+    ("d1", {"hang_after_tokens": 3}),
+]
+
+
+def _case_id(case: tuple[str, dict[str, Any]]) -> str:
+    wid, faults = case
+    return f"{wid}-" + "-".join(str(v) for v in faults.values())
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+@pytest.mark.parametrize(("bad", "faults"), CASES, ids=[_case_id(c) for c in CASES])
+async def test_bad_worker_is_taken_out_and_no_client_sees_it(
+    redis_prefix: str, bad: str, faults: dict[str, Any], stream: bool
+) -> None:
+    async with sim_cluster(
+        prefill=2,
+        decode=2,
+        redis_prefix=redis_prefix,
+        retry=FAST_RETRY,
+        timeouts=SHORT_LEGS,
+        # A cooldown longer than the test: the bad worker, once out, stays out.
+        breaker={"cooldown_s": 60.0},
+    ) as c:
+        await set_faults(c, bad, **faults)
+        breaker = c.gateway.pools.workers[bad].breaker
+        # Rounds until the breaker opens: a hung worker holds its first requests while the
+        # rest of a round goes to the good pair, so one round may not reach it often enough.
+        for rounds in range(4):
+            await _run(c, CHAT, stream, start=rounds * REQUESTS)
+            if breaker.state != "closed":
+                break
+        on_bad = await _generation_requests(c, bad)
+        assert breaker.state == "open", (breaker, on_bad)
+        assert await _admin_breaker(c, bad) == "open"
+        assert on_bad <= MAX_ON_BAD, on_bad
+        await assert_quiet(c)
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS], ids=["chat", "completions"])
+async def test_garbage_only_on_one_endpoint(redis_prefix: str, path: str) -> None:
+    """A worker broken on one endpoint only (`garbage_path`): out once that endpoint shows it;
+    the other endpoint's requests are served by it as usual until then."""
+    async with sim_cluster(
+        prefill=2, decode=2, redis_prefix=redis_prefix, retry=FAST_RETRY, timeouts=SHORT_LEGS
+    ) as c:
+        await set_faults(c, "d1", garbage="wrong_shape", garbage_path=CHAT)
+        await _run(c, path, True)
+        breaker = c.gateway.pools.workers["d1"].breaker
+        assert breaker.state == ("open" if path == CHAT else "closed"), breaker
+        await assert_quiet(c)
+
+
+async def test_half_open_is_decided_by_a_real_request_not_by_health(redis_prefix: str) -> None:
+    """The bad decode worker passes every `/health`: half-open lets one real request through,
+    whose failure opens the breaker again for twice as long. (A passing health probe used to
+    close it, so every cooldown let the worker back in whole: three more failed requests a
+    cooldown.) Once the worker is fixed, a real request closes the breaker."""
+    async with sim_cluster(
+        prefill=2,
+        decode=2,
+        redis_prefix=redis_prefix,
+        retry=FAST_RETRY,
+        timeouts=SHORT_LEGS,
+        breaker={"cooldown_s": 0.2, "max_cooldown_s": 60.0},
+        health_interval_s=0.05,
+    ) as c:
+        await set_faults(c, "d1", garbage="not_json")
+        breaker = c.gateway.pools.workers["d1"].breaker
+        loop = asyncio.get_running_loop()
+        until, rounds = loop.time() + 2.5, 0
+        while loop.time() < until:
+            await _run(c, CHAT, True, n=4, start=rounds * 4)
+            rounds += 1
+            await asyncio.sleep(0.05)
+        on_bad = await _generation_requests(c, "d1")
+        assert breaker.state != "closed" and breaker.trips >= 2, (breaker, on_bad)
+        # 3 to open, then one probe per cooldown (0.2, 0.4, 0.8, 1.6 s: at most 4 in 2.5 s);
+        # closed by each health probe, it would be 3 per 0.2 s.
+        assert on_bad <= 3 + 5, (breaker, on_bad)
+
+        await set_faults(c, "d1")  # fixed
+        for rounds in range(rounds, rounds + 200):
+            if breaker.state == "closed":
+                break
+            await _run(c, CHAT, True, n=4, start=rounds * 4)
+            await asyncio.sleep(0.05)
+        assert breaker.state == "closed", breaker
+        await assert_quiet(c)
