@@ -21,6 +21,7 @@ import aiohttp
 import yaml
 
 from policies.costmodel import perf_model
+from router.redact import mask_url
 
 __all__ = ["ClusterShape", "LocalCluster", "free_port", "local_cluster"]
 
@@ -73,7 +74,9 @@ async def _wait_http(
             except (TimeoutError, aiohttp.ClientError):
                 pass
             if asyncio.get_running_loop().time() > deadline:
-                raise RuntimeError(f"{what} did not come up at {url} within {timeout_s:.0f} s")
+                raise RuntimeError(
+                    f"{what} did not come up at {mask_url(url)} within {timeout_s:.0f} s"
+                )
             await asyncio.sleep(0.1)
 
 
@@ -93,7 +96,8 @@ async def _spawn(
 
 async def _start_redis(cluster: LocalCluster, env_url: str | None) -> None:
     if env_url:
-        cluster.redis_url, cluster.redis_note = env_url, f"Redis at REDIS_URL ({env_url})"
+        # The note is printed (demo, validate): the URL's password is not.
+        cluster.redis_url, cluster.redis_note = env_url, f"Redis at REDIS_URL ({mask_url(env_url)})"
         return
     binary = shutil.which("redis-server")
     if binary is None:

@@ -12,6 +12,7 @@ import asyncio
 import os
 import signal
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -62,45 +63,54 @@ def serve(ns: argparse.Namespace) -> int:
         "policy": ns.policy,
         "estimator": ns.estimator,
     }
-    from router.logs import configure_logging, secrets_of
+    from router.logs import configure_logging
+    from router.redact import Redactor, mask_url, scrub, secrets_of
 
     try:
         settings = load_serve_settings(ns, env=os.environ, overrides=overrides)
     except (ConfigError, ValueError) as exc:
-        print(f"disagg-router: {exc}", file=sys.stderr)
+        # A config error may quote a URL (a bad worker or Redis URL): credentials hidden.
+        print(f"disagg-router: {scrub(str(exc))}", file=sys.stderr)
         return 2
     # Now that the secrets are known, they are scrubbed from every line.
-    configure_logging(ns.log_level, ns.log_format, secrets=secrets_of(settings))
+    redact = Redactor(secrets_of(settings))
+    configure_logging(ns.log_level, ns.log_format, secrets=redact.secrets)
     if settings.tracing:
         from router.tracing import configure_sdk
 
-        configure_sdk()
+        configure_sdk(exporter=os.environ.get("OTEL_TRACES_EXPORTER", ""))
     try:
         app = create_app(settings)
     except (ConfigError, ValueError) as exc:
-        print(f"disagg-router: {exc}", file=sys.stderr)
+        print(f"disagg-router: {redact(str(exc))}", file=sys.stderr)
         return 2
 
     def ready(addresses: list) -> None:  # type: ignore[type-arg]
         store = settings.redis_url or "in-process store (single replica)"
-        print(
+        line = (
             f"disagg-router serving on http://{settings.host}:{addresses[0][1]} "
-            f"policy={settings.policy} estimator={settings.estimator} state={store}",
-            flush=True,
+            f"policy={settings.policy} estimator={settings.estimator} state={mask_url(store)}"
         )
+        print(redact(line), flush=True)
 
     _raise_open_files_limit()
-    with asyncio.Runner(loop_factory=_uvloop_factory()) as runner:
-        runner.run(
-            run_app_until_signal(
-                app,
-                settings.host,
-                settings.port,
-                timeouts=settings.timeouts,
-                backlog=settings.listen_backlog,
-                on_ready=ready,
+    try:
+        with asyncio.Runner(loop_factory=_uvloop_factory()) as runner:
+            runner.run(
+                run_app_until_signal(
+                    app,
+                    settings.host,
+                    settings.port,
+                    timeouts=settings.timeouts,
+                    backlog=settings.listen_backlog,
+                    on_ready=ready,
+                )
             )
-        )
+    except Exception:
+        # E.g. Redis silent at start-up: its URL is in the message, and Python's own
+        # traceback printer knows no secrets. This one is scrubbed.
+        print(redact(traceback.format_exc()), file=sys.stderr, end="")
+        return 1
     return 0
 
 

@@ -25,9 +25,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from multidict import CIMultiDict, CIMultiDictProxy
 from prometheus_client.parser import text_string_to_metric_families
+from yarl import URL
 
 from policies.base import KVLayout
+from router.redact import mask_url
 
 __all__ = [
     "LoadSnapshot",
@@ -110,7 +113,8 @@ async def fetch_vllm_load(
     session: aiohttp.ClientSession, url: str, clock: Clock = time.monotonic
 ) -> LoadSnapshot:
     async with session.get(url.rstrip("/") + "/metrics") as resp:
-        resp.raise_for_status()
+        if resp.status >= 400:  # as raise_for_status, without the headers
+            raise _refused(resp, "/metrics")
         text = await resp.text()
     return parse_vllm_metrics(text, clock())
 
@@ -148,6 +152,15 @@ def parse_sglang_load(load: Any, server_info: Mapping[str, Any] | None, at: floa
     return LoadSnapshot(max(0, total - waiting), waiting, usage, blocks, at)
 
 
+def _refused(resp: aiohttp.ClientResponse, what: str) -> aiohttp.ClientResponseError:
+    """The error for a worker's non-200 answer, without the request's headers (its repr would
+    show them: the worker's API key, a URL's credentials as `Basic ...`) and with the URL's
+    credentials masked: these errors end up in logs and in admin answers."""
+    url = URL(mask_url(str(resp.request_info.real_url)))
+    info = aiohttp.RequestInfo(url, resp.method, CIMultiDictProxy(CIMultiDict()), url)
+    return aiohttp.ClientResponseError(info, (), status=resp.status, message=what)
+
+
 async def _get_json(session: aiohttp.ClientSession, url: str, *paths: str) -> Any:
     """The first path that answers 200 (SGLang renamed /get_server_info to /server_info)."""
     last: aiohttp.ClientResponseError | None = None
@@ -155,9 +168,7 @@ async def _get_json(session: aiohttp.ClientSession, url: str, *paths: str) -> An
         async with session.get(url.rstrip("/") + path) as resp:
             if resp.status == 200:
                 return await resp.json(content_type=None)
-            last = aiohttp.ClientResponseError(
-                resp.request_info, resp.history, status=resp.status, message=path
-            )
+            last = _refused(resp, path)
     assert last is not None
     raise last
 

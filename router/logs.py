@@ -5,29 +5,26 @@ just logs. The request id travels in a context variable, set once where a reques
 made (router/app.py) and inherited by whatever that request's task logs or starts, so no
 call site passes it along.
 
-Secrets never reach the output: the configured ones (client API keys, the admin token,
-workers' API keys, passwords in Redis URLs) are replaced by their values wherever a line
-shows them, and so is anything after `Bearer ` and the password of any `scheme://user:pw@`
-URL, however it got into the message.
+Secrets never reach the output (router/redact.py): the configured ones (client API keys, the
+admin tokens, workers' API keys, the passwords of the Redis and worker URLs) are masked wherever
+a line shows them, and so is anything after `Bearer ` or `Basic ` and the credentials of any URL
+(userinfo, `?password=`...), however it got into the message or its traceback.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import sys
 from collections.abc import Iterable
 from contextvars import ContextVar
 from typing import IO
-from urllib.parse import urlsplit
+
+from router.redact import Redactor, secrets_of
 
 __all__ = ["REQUEST_ID", "bind_request_id", "configure_logging", "secrets_of"]
 
 REQUEST_ID: ContextVar[str | None] = ContextVar("request_id", default=None)
 
-_MASK = "***"
-_BEARER = re.compile(r"(?i)(bearer\s+)[^\s'\",;]+")
-_URL_PASSWORD = re.compile(r"(://[^/\s:@]*:)[^@\s/]+@")
 _TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
 
 
@@ -47,15 +44,7 @@ class _Redact(logging.Filter):
 
     def __init__(self, secrets: Iterable[str]) -> None:
         super().__init__()
-        # Longest first, so that a secret containing another is masked whole.
-        self.secrets = sorted({str(s) for s in secrets if s and len(str(s)) >= 4}, key=len)[::-1]
-
-    def scrub(self, text: str) -> str:
-        for secret in self.secrets:
-            if secret in text:
-                text = text.replace(secret, _MASK)
-        text = _BEARER.sub(rf"\g<1>{_MASK}", text)
-        return _URL_PASSWORD.sub(rf"\g<1>{_MASK}@", text)
+        self.scrub = Redactor(secrets)
 
     def filter(self, record: logging.LogRecord) -> bool:
         try:
@@ -64,10 +53,23 @@ class _Redact(logging.Filter):
             message = str(record.msg)
         record.msg, record.args = self.scrub(message), None
         if record.exc_info and not record.exc_text:
-            record.exc_text = self.scrub(logging.Formatter().formatException(record.exc_info))
-        elif record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
             record.exc_text = self.scrub(record.exc_text)
+        # The JSON formatter formats exc_info again (unscrubbed) when it is there; without it,
+        # both formatters show the scrubbed exc_text.
+        record.exc_info = None
+        if record.stack_info:
+            record.stack_info = self.scrub(record.stack_info)
+        for key, value in record.__dict__.items():
+            # `extra=` fields: the JSON formatter prints each of them.
+            if key not in _RECORD_FIELDS and isinstance(value, str):
+                record.__dict__[key] = self.scrub(value)
         return True
+
+
+# A LogRecord's own attributes (names, paths, levels): the rest came in through `extra=`.
+_RECORD_FIELDS = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "request_id"}
 
 
 def _json_formatter() -> logging.Formatter:
@@ -77,17 +79,6 @@ def _json_formatter() -> logging.Formatter:
         "%(asctime)s %(levelname)s %(name)s %(message)s %(request_id)s",
         rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
     )
-
-
-def secrets_of(settings: object) -> list[str]:
-    """Every secret value a Settings object holds (duck-typed: logs imports no config)."""
-    found: list[str] = [str(k) for k in getattr(settings, "api_keys", ())]
-    found.append(str(getattr(settings, "admin_token", "")))
-    found += [str(w.api_key) for w in getattr(settings, "workers", ())]
-    url = getattr(settings, "redis_url", None)
-    if url:
-        found.append(urlsplit(url).password or "")
-    return [s for s in found if s]
 
 
 def configure_logging(

@@ -192,7 +192,7 @@ class _Forward:
             if value is not None:
                 headers[name] = value
         if w.spec.api_key:
-            headers["Authorization"] = f"Bearer {w.spec.api_key}"
+            headers["Authorization"] = "Bearer " + w.spec.api_key.reveal()
         elif s.forward_client_auth and "Authorization" in self.http.headers:
             headers["Authorization"] = self.http.headers["Authorization"]
         return headers

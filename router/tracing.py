@@ -15,6 +15,9 @@ a no-op on a shared null object: the request path pays one attribute lookup per 
 
 Spans are begun and finished by name rather than as context managers: the KV handoff starts in
 the prefill step and ends in the relay, and the two legs of SGLang/Mooncake run at once.
+
+No span carries a secret: string attributes go through `router.redact.scrub` (URL credentials,
+Authorization values), and an error's status says only its exception's type.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import contextlib
 import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
+
+from router.redact import scrub
 
 __all__ = ["Tracing", "RequestTrace", "otel_available", "configure_sdk"]
 
@@ -64,13 +69,22 @@ class RequestTrace:
 _NULL = RequestTrace()
 
 
+def _scrubbed(attributes: dict[str, Any]) -> dict[str, Any]:
+    """Ids and counts pass as they are; a string that could hold a URL or a header is scrubbed
+    (one `in` test per string attribute: the request path pays nothing more)."""
+    for key, value in attributes.items():
+        if isinstance(value, str) and ("://" in value or " " in value):
+            attributes[key] = scrub(value)
+    return attributes
+
+
 class _OtelTrace(RequestTrace):
     __slots__ = ("_tracer", "_root", "_root_ctx", "_open")
 
     def __init__(self, tracer: Any, name: str, parent: Any, attributes: dict[str, Any]) -> None:
         self._tracer = tracer
         self._root = tracer.start_span(
-            name, context=parent, kind=trace.SpanKind.SERVER, attributes=attributes
+            name, context=parent, kind=trace.SpanKind.SERVER, attributes=_scrubbed(attributes)
         )
         self._root_ctx = trace.set_span_in_context(self._root)
         self._open: dict[str, Any] = {}
@@ -78,7 +92,7 @@ class _OtelTrace(RequestTrace):
     def begin(self, name: str, **attributes: Any) -> None:
         self.finish(name)  # a retried leg: the failed attempt's span ends here
         self._open[name] = self._tracer.start_span(
-            name, context=self._root_ctx, attributes=attributes
+            name, context=self._root_ctx, attributes=_scrubbed(attributes)
         )
 
     def finish(self, name: str) -> None:
@@ -144,22 +158,32 @@ class Tracing:
         )
 
 
-def configure_sdk(service_name: str = "disagg-router") -> None:
+def configure_sdk(service_name: str = "disagg-router", exporter: str = "") -> None:
     """The process entry's setup when tracing is on: an SDK provider exporting by OTLP when
     the exporter package is installed (its endpoint from the standard OTEL_EXPORTER_OTLP_*
-    variables). A provider set up already (e.g. by `opentelemetry-instrument`) is kept."""
+    variables), or to stdout when `exporter` is "console" (the entry passes the standard
+    OTEL_TRACES_EXPORTER: for a look at the spans without a collector). A provider set up
+    already (e.g. by `opentelemetry-instrument`) is kept."""
     if trace is None:
         return
     try:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.export import (
+            BatchSpanProcessor,
+            ConsoleSpanExporter,
+            SimpleSpanProcessor,
+        )
     except ImportError:
         log.warning("tracing: the OpenTelemetry SDK is not installed: spans are not exported")
         return
     if isinstance(trace.get_tracer_provider(), TracerProvider):
         return
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    if exporter.strip().lower() == "console":
+        provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
+        trace.set_tracer_provider(provider)
+        return
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     except ImportError:

@@ -31,10 +31,21 @@ class ConfigError(ValueError):
 
 
 class Secret(str):
-    """A string that hides itself in reprs and logs (API keys, tokens)."""
+    """A string that hides itself wherever it is printed (API keys, tokens): its repr, str(),
+    f-strings, `%s` and format() show `***`. Comparisons, `encode()` and hashing see the value;
+    `reveal()` is the value as a plain str, for the one place that sends it (a header)."""
 
     def __repr__(self) -> str:
         return "Secret('***')" if self else "Secret('')"
+
+    def __str__(self) -> str:
+        return "***" if self else ""
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+    def reveal(self) -> str:
+        return str.__str__(self)  # str's own: an exact str of the value
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ import contextlib
 import functools
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any, Concatenate, ParamSpec, Self, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -29,6 +29,7 @@ from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from state.base import StoreBusy, StoreError
 from state.keys import DEFAULT_PREFIX, Keys
+from state.redact import mask_url, mask_urls
 
 __all__ = [
     "CLUSTER_SCHEMES",
@@ -95,7 +96,9 @@ def store_call(
                 # The blocking pool's wait ran out ("No connection available."): nothing was
                 # sent, the store is not at fault.
                 raise StoreBusy(f"no Redis connection came free ({fn.__name__})") from exc
-            raise StoreError(f"the state store failed ({fn.__name__}): {exc!r}") from exc
+            raise StoreError(
+                f"the state store failed ({fn.__name__}): {mask_urls(repr(exc))}"
+            ) from exc
 
     return call
 
@@ -128,25 +131,23 @@ def _cluster_client(url: str, max_connections: int) -> RedisCluster:
             socket_timeout=10.0,
         )
     except RedisClusterException as exc:  # e.g. a database other than 0
-        raise ValueError(f"bad cluster URL {redact_url(url)}: {exc}") from exc
+        raise ValueError(f"bad cluster URL {redact_url(url)}: {mask_urls(str(exc))}") from None
 
 
-def redact_url(url: str) -> str:
-    """`url` with its password (userinfo or ``?password=``) replaced by ``***``."""
-    parts = urlsplit(url)
-    if parts.password is None and "password=" not in parts.query.lower():
-        return url  # nothing to hide; urlunsplit would also turn unix:///p into unix:/p
-    netloc = parts.netloc
-    if parts.password is not None:
-        user = parts.username or ""
-        netloc = f"{user}:***@{netloc.rpartition('@')[2]}"
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode(
-            [(k, "***" if k.lower() == "password" else v) for k, v in pairs], safe="*"
-        )
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+# The one masking rule (state/redact.py), under the name state has always exported.
+redact_url = mask_url
+
+
+def _url_problem(url: str, exc: Exception) -> str:
+    """What redis-py found wrong with `url`, unless the URL holds credentials: its messages
+    quote pieces of the URL, and a password with an unescaped '#' or '/' is read as a port
+    ("Port could not be cast to integer value as 'p4ss'")."""
+    if mask_url(url) == url:
+        return str(exc)
+    return (
+        "a port that is not a number, or a password with an unescaped '#', '/', '?' or '@' "
+        "(percent-encode it)"
+    )
 
 
 def text(value: Any) -> str:
@@ -236,18 +237,21 @@ class RedisConnection:
                 _pool_timeout_s=pool_timeout_s,
             )
         # URL query options (e.g. ?socket_connect_timeout=1) override these defaults.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url,
-            max_connections=max_connections,
-            timeout=pool_timeout_s,
-            socket_connect_timeout=5.0,
-            socket_timeout=10.0,
-            # After Redis restarts, every pooled connection is dead until used: a call that
-            # finds its connection closed is sent once more on a fresh one (at once), instead
-            # of failing a request against a Redis that is back. Only a closed connection:
-            # a timed-out command may have run, and is not sent twice.
-            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-        )
+        try:
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url,
+                max_connections=max_connections,
+                timeout=pool_timeout_s,
+                socket_connect_timeout=5.0,
+                socket_timeout=10.0,
+                # After Redis restarts, every pooled connection is dead until used: a call that
+                # finds its connection closed is sent once more on a fresh one (at once),
+                # instead of failing a request against a Redis that is back. Only a closed
+                # connection: a timed-out command may have run, and is not sent twice.
+                retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+            )
+        except ValueError as exc:
+            raise ValueError(f"bad Redis URL {mask_url(url)}: {_url_problem(url, exc)}") from None
         client = aioredis.Redis.from_pool(pool)  # owns the pool: aclose() disconnects it
         return cls(client, Keys(prefix), _owns_client=True, _url=url)
 
@@ -343,7 +347,9 @@ class RedisConnection:
             await self._client.ping()
         except FAILURES as exc:
             where = redact_url(self._url) if self._url else _describe(self._client)
-            raise StoreUnavailableError(f"Redis at {where} did not answer: {exc}") from exc
+            raise StoreUnavailableError(
+                f"Redis at {where} did not answer: {mask_urls(str(exc))}"
+            ) from exc
 
     async def close(self) -> None:
         if self._owns_client:
