@@ -178,7 +178,7 @@ def _headers(call: Call, worker: WorkerState, resumed_tokens: int = 0) -> dict[s
     if resumed_tokens:
         headers[RESUMED_HEADER] = str(resumed_tokens)
     if worker.spec.api_key:
-        headers["Authorization"] = f"Bearer {worker.spec.api_key}"
+        headers["Authorization"] = "Bearer " + worker.spec.api_key.reveal()
     elif s.forward_client_auth and "Authorization" in call.headers:
         headers["Authorization"] = call.headers["Authorization"]
     call.trace.inject(headers, "prefill" if worker.spec.role == "prefill" else "decode")
