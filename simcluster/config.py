@@ -113,6 +113,12 @@ class ClusterConfig:
     # KV transfers queue on the links they use: one at a time out of a prefill worker's NIC and
     # into a decode worker's (False: every transfer gets the whole link, as before).
     link_contention: bool = False
+    # The router's in-flight corrections (policies/overruns.py, simcluster/feedback.py): live
+    # overruns raise their class's estimate; forced growth keeps a margin back on its worker.
+    inflight_feedback: bool = True
+    overrun_margin: bool = True
+    margin_half_life_s: float = 60.0
+    margin_max_share: float = 0.25
 
     def __post_init__(self) -> None:
         if not self.prefill and not self.decode:

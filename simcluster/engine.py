@@ -45,6 +45,7 @@ from policies.base import (
     blocks_for,
 )
 from simcluster.config import ClusterConfig, SimWorkerSpec
+from simcluster.feedback import Feedback
 from simcluster.metrics import GapHistogram, RequestRecord, SimResult
 from simcluster.roles import RoleController, Slot
 from simcluster.workers import DecodeWorker, Job, PrefillWorker, quantize
@@ -146,6 +147,17 @@ class _Engine:
         self.records: list[RequestRecord | None] = [None] * len(requests)
         self.c_forecast = 0
         self.n_learned = 0  # completions recorded in the output-length histograms
+        self.feedback: Feedback | None = None
+        if self.estimator is not None:
+            self.feedback = Feedback(
+                self.estimator,
+                self.push_call,
+                lambda: self.now,
+                inflight=config.inflight_feedback,
+                margin=config.overrun_margin,
+                half_life_s=config.margin_half_life_s,
+                max_share=config.margin_max_share,
+            )
         self.t_last = 0.0  # last request outcome (a stale deadline event may come later)
         self.c_queued = 0
         self.n_done = 0
@@ -256,14 +268,20 @@ class _Engine:
         if est is not None:
             keys = est.class_keys(info)
             hist = self.hist
-            estimate = est.estimate(info, {k: hist.get(k, {}) for k in keys})
+            completed = {k: hist.get(k, {}) for k in keys}
+            assert self.feedback is not None
+            estimate = est.estimate(info, self.feedback.histograms(completed))
         else:
             # No reservation, no output awareness: the policy's room check covers the prompt.
             estimate = OutputEstimate(reserve_tokens=1 if not self.cfg.reserve else info.max_tokens)
         job.info = info = replace(info, estimate=estimate)
         # Expected completions use the reserved (upper) quantile, so a room forecast errs late.
         job.est_tokens = info.reserve_output_tokens
-        job.est_ver = self.n_learned
+        job.est_ver = self._est_version()
+
+    def _est_version(self) -> int:
+        """Moves whenever an estimate could: a completion learned, or a live overrun reported."""
+        return self.n_learned + (self.feedback.version if self.feedback is not None else 0)
 
     def _view(self, forecast_at: float | None = None) -> ClusterView:
         cfg = self.cfg
@@ -271,6 +289,8 @@ class _Engine:
             decode = tuple([d.view() for d in self.d_live])
         else:
             decode = tuple([self._forecast(d, forecast_at) for d in self.d_live])
+        if self.feedback is not None:
+            decode = self.feedback.with_margins(decode, self.now)
         return ClusterView(
             prefill=tuple([p.view() for p in self.p_live]),
             decode=decode,
@@ -298,7 +318,7 @@ class _Engine:
 
     def _admit(self, job: Job) -> bool:
         """Place and (in reserve mode) reserve; dispatch to P. False = the policy said no."""
-        if job.est_ver != self.n_learned:
+        if job.est_ver != self._est_version():
             # A queued request is re-estimated when the statistics moved: a cold-start
             # max_tokens estimate must not keep blocking the queue's head once we know better.
             self._estimate(job)
@@ -458,6 +478,8 @@ class _Engine:
     def _step(self, d: DecodeWorker) -> None:
         now = self.now
         finished, evicted, failed, handoffs = d.boundary(now, self.gaps.add)
+        if self.feedback is not None:
+            self.feedback.after_step(d, now)
         if self.roles is not None and d not in self.d_live:
             self.roles.after_boundary(d)
         if d.stepping:
@@ -492,6 +514,8 @@ class _Engine:
 
     def _finish(self, job: Job, outcome: str, reason: str = "") -> None:
         job.done = True
+        if self.feedback is not None:
+            self.feedback.ended(job)
         self.n_done += 1
         self.t_last = self.now
         ok = outcome == "ok"

@@ -243,7 +243,7 @@ class DecodeWorker:
         "heap", "ph_used", "ph_held", "step", "used", "held", "kv_tokens", "durs", "durs_base",
         "stepping", "extra_s", "waiting", "handoff_wait", "reservations", "area", "last_t",
         "_view", "c_grown", "c_overran", "step_base", "step_per_block", "rate", "step_s",
-        "join_mid_step", "can_prefill", "nic_free",
+        "join_mid_step", "can_prefill", "nic_free", "overran_now",
     )  # fmt: skip
 
     def __init__(self, idx: int, spec: SimWorkerSpec, layout: KVLayout, *, quantum: float = 0.0,
@@ -278,6 +278,7 @@ class DecodeWorker:
         self._view: DecodeView | None = None
         self.c_grown = 0
         self.c_overran = 0
+        self.overran_now: list[Job] = []  # outgrew their reservations at the last boundary
         self.step_base = spec.perf.step_base_s
         self.step_per_block = spec.perf.step_s_per_block
         self.rate = spec.perf.prefill_tokens_per_s()
@@ -486,6 +487,7 @@ class DecodeWorker:
                 else:
                     self.c_overran += 1
                 job.over = True
+                self.overran_now.append(job)
                 self.ph_held[job.phase] += 1
         self.held += self.ph_held[ph]
         for job in finished:

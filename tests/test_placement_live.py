@@ -26,7 +26,7 @@ import aiohttp
 import pytest
 
 from policies.base import Candidate, ClusterView, Placement, RequestInfo
-from policies.estimators import bucket_of, histogram_quantiles
+from policies.estimators import asked_bucket, bucket_of, histogram_quantiles
 from policies.registry import PolicyLoadError
 from router.app import create_app
 from router.config import settings_from_mapping
@@ -266,7 +266,12 @@ async def test_long_expected_answer_avoids_the_nearly_full_decode_worker(
     d1, every time; a short one fits both and is served too. The real answers are short
     (X-Sim-Output-Tokens): only the estimate, and so the reservation, differs."""
     async with _cluster(
-        prefill=1, decode=2, redis_prefix=redis_prefix, kv_blocks=1000, estimator=estimator
+        prefill=1,
+        decode=2,
+        redis_prefix=redis_prefix,
+        kv_blocks=1000,
+        estimator=estimator,
+        trust_hints=True,
     ) as c:
 
         def request(expected: int) -> tuple[dict[str, Any], dict[str, str]]:
@@ -393,6 +398,7 @@ async def test_plugin_policy_by_dotted_path_serves_requests_and_decides(redis_pr
             policy=PLUGIN,
             policy_args={"max_candidates": 2},
             estimator="hint",
+            trust_hints=True,  # the hint sizes the reservation, as a trusted caller's does
         ) as c,
         aiohttp.ClientSession() as s,
     ):
@@ -553,7 +559,7 @@ async def test_online_estimator_converges_on_a_trace_distribution(redis_prefix: 
         # Every completion was recorded in the shared store, in the request's class.
         probe = RequestInfo(request_id="probe", model=MODEL, prompt_tokens=12, max_tokens=cap)
         keys = gw.estimator.class_keys(probe)
-        assert keys[0] == f"m={MODEL}|p=256"
+        assert keys[0] == f"m={MODEL}|p=256|a={asked_bucket(cap)}"
         stored = await gw.store.output_histograms(keys)
         assert histogram_quantiles(stored[keys[0]], [0.5])[0] == n
         assert {int(k): int(v) for k, v in stored[keys[0]].items()} == _bucket_counts(lengths)

@@ -197,7 +197,7 @@ async def test_an_answer_longer_than_reserved_grows_the_reservation(redis_prefix
     """The reservation is sized by the client's hint (2 tokens); the answer streams 96 output
     text deltas, counted as tokens, so the reservation grows while it streams."""
     async with (
-        sim_cluster(redis_prefix=redis_prefix, estimator="hint") as c,
+        sim_cluster(redis_prefix=redis_prefix, estimator="hint", trust_hints=True) as c,
         aiohttp.ClientSession() as s,
     ):
         body = {

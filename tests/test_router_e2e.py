@@ -249,7 +249,11 @@ async def test_many_concurrent_requests_with_disconnects_leave_nothing_reserved(
 
 async def test_predictive_admission_counts_on_room_forecast_to_free(redis_prefix: str) -> None:
     """A reservation of this replica that is expected to end before the new request's prefill
-    does lets the new request in (Mooncake's prediction-based admission); instant does not."""
+    does lets the new request in (Mooncake's prediction-based admission); instant does not.
+    The reservation is expected to end in 1 s, the request's prefill (~4,000 tokens) takes
+    ~0.15 s: it waits (room is expected well before its deadline) and is admitted on the
+    forecast once the end is within its prefill, before the reservation is released."""
+    prompt = "forecast " * 1_800  # ~4,000 tokens at 4 characters a token
     for mode, admitted in (("predictive", True), ("instant", False)):
         async with sim_cluster(
             redis_prefix=redis_prefix,
@@ -259,16 +263,41 @@ async def test_predictive_admission_counts_on_room_forecast_to_free(redis_prefix
         ) as c:
             gw = c.gateway
             assert await gw.store.reserve("d0", "ending-soon", 400, 30.0)
-            gw.leases.hold("d0", "ending-soon", 400, gw.clock())  # expected to end now
+            gw.leases.hold("d0", "ending-soon", 400, gw.clock() + 1.0)
             try:
                 async with aiohttp.ClientSession() as s:
-                    async with s.post(c.router_url + CHAT, json=_chat_body("forecast", 8)) as r:
+                    async with s.post(c.router_url + CHAT, json=_chat_body(prompt, 8)) as r:
                         assert (r.status == 200) is admitted, await r.text()
                 assert gw.metrics.admitted_on_forecast._value.get() == (1 if admitted else 0)
             finally:
                 gw.leases.drop("ending-soon")
                 assert await gw.store.release("d0", "ending-soon") == 400
             assert await c.reserved_blocks() == {"d0": 0}
+
+
+async def test_predictive_admission_does_not_count_on_a_reservation_past_its_expected_end(
+    redis_prefix: str,
+) -> None:
+    """A reservation already past its expected end (its answer outran the estimate, or its
+    client holds the room without reading) is not room about to free: counting it admitted
+    requests onto a worker that stayed full (issue 20). Now the request waits, then is refused."""
+    async with sim_cluster(
+        redis_prefix=redis_prefix,
+        kv_blocks=400,
+        estimator="max_tokens",
+        admission={"mode": "predictive", "max_wait_s": 0.5},
+    ) as c:
+        gw = c.gateway
+        assert await gw.store.reserve("d0", "late", 400, 30.0)
+        gw.leases.hold("d0", "late", 400, gw.clock() - 1.0)  # expected to have ended a second ago
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(c.router_url + CHAT, json=_chat_body("late", 8)) as r:
+                    assert r.status == 429, await r.text()
+            assert gw.metrics.admitted_on_forecast._value.get() == 0
+        finally:
+            gw.leases.drop("late")
+            assert await gw.store.release("d0", "late") == 400
 
 
 async def test_client_api_keys_are_checked_and_never_forwarded(redis_prefix: str) -> None:

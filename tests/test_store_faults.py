@@ -242,7 +242,11 @@ async def test_answers_outgrowing_a_full_worker_are_counted_past_capacity(
     """The README's promise: a reservation is never silently smaller than use. Before, growth
     that found no free room was logged and dropped."""
     async with sim_cluster(
-        redis_prefix=redis_prefix, kv_blocks=12, time_scale=2.0, estimator="hint"
+        redis_prefix=redis_prefix,
+        kv_blocks=12,
+        time_scale=2.0,
+        estimator="hint",
+        trust_hints=True,
     ) as c:
         body = {
             "model": MODEL,
