@@ -81,8 +81,9 @@ class ShiftSpec:
 
 @dataclass(frozen=True, slots=True)
 class FloodSpec:
-    duration_s: float = 40.0
+    duration_s: float = 45.0
     clients: int = 200
+    ramp_s: float = 15.0  # clients start one after the other over this long
     answer_tokens: int = 3000
     max_tokens: int = 4000
     hint: int = 1
@@ -220,8 +221,8 @@ async def run_shift(spec: ShiftSpec, *, workdir: Path | None = None) -> dict[str
                     "phase 2": reservations(sampler.samples, t_from=t2),
                 },
                 "clients": {
-                    "phase 1": clients(phase1.results, t1_clock),
-                    "phase 2 normal": clients(normal.results, t2_clock),
+                    "phase 1": clients(phase1.results, t1_clock, phase1.in_flight),
+                    "phase 2 normal": clients(normal.results, t2_clock, normal.in_flight),
                 },
                 "hogs": hogs(hog_results),
                 "operator": dict(answers),
@@ -269,14 +270,14 @@ async def run_flood(spec: FloodSpec, *, workdir: Path | None = None) -> dict[str
                 "flood", session, cluster.router_urls, (pool,), (1.0,), spec.duration_s + 60.0
             )
             t0 = time.perf_counter()
-            await flood.run(spec.clients, spec.duration_s)
+            await flood.run(spec.clients, spec.duration_s, spec.ramp_s)
             await sampler.stop()
             rep: dict[str, Any] = {
                 "scenario": "hint-flood",
                 "time_scale": spec.time_scale,
                 "spec": asdict(spec),
                 "reservations": {"run": reservations(sampler.samples)},
-                "clients": {"flood": clients(flood.results, t0)},
+                "clients": {"flood": clients(flood.results, t0, flood.in_flight)},
                 "router": await _router_metrics(session, cluster.router_urls),
                 "sim": await _sim_states(session, cluster),
             }

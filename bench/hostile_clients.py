@@ -72,9 +72,15 @@ class Looper:
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     _count: int = 0
 
-    async def client(self, i: int) -> None:
+    @property
+    def in_flight(self) -> int:
+        """Requests sent and not yet ended (cut short when the phase ends)."""
+        return self._count - len(self.results)
+
+    async def client(self, i: int, start_after_s: float) -> None:
         rng = random.Random(self.seed * 100_003 + i)
         url = self.urls[i % len(self.urls)]  # spread over the replicas
+        await self._pause(start_after_s)
         while not self.stop.is_set():
             pool = rng.choices(self.pools, self.weights)[0]
             req = pool[rng.randrange(len(pool))]
@@ -93,9 +99,10 @@ class Looper:
         except TimeoutError:
             pass
 
-    async def run(self, n: int, duration_s: float) -> None:
-        """n clients for duration_s; those in flight then are cancelled (their clients go)."""
-        tasks = [asyncio.create_task(self.client(i)) for i in range(n)]
+    async def run(self, n: int, duration_s: float, ramp_s: float = 0.0) -> None:
+        """n clients for duration_s, client i starting at i x ramp_s / n; the requests in
+        flight at the end are cancelled (their clients go)."""
+        tasks = [asyncio.create_task(self.client(i, i * ramp_s / n)) for i in range(n)]
         try:
             await asyncio.wait_for(self.stop.wait(), duration_s)
         except TimeoutError:

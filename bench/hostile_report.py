@@ -71,12 +71,13 @@ def reservations(samples: Sequence[StoreSample], t_from: float = 0.0) -> dict[st
     }
 
 
-def clients(results: Sequence[Result], t0: float) -> dict[str, Any]:
+def clients(results: Sequence[Result], t0: float, in_flight: int = 0) -> dict[str, Any]:
     ok = [r for r in results if r.outcome == "ok"]
     shed = [r for r in results if r.outcome == "shed"]
     counts = outcome_counts(list(results))
     return {
         "requests": len(results),
+        "in_flight_at_end": in_flight,  # cut short by the end of the phase, not counted
         "ok": len(ok),
         "shed_429": len(shed),
         "other": len(results) - len(ok) - len(shed),
@@ -117,7 +118,8 @@ def _workers_lines(res: dict[str, Any]) -> list[str]:
 
 def _client_line(name: str, c: dict[str, Any]) -> str:
     return (
-        f"  {name:<15} {c['requests']} requests: ok {c['ok']}, 429 {c['shed_429']}, other "
+        f"  {name:<15} {c['requests']} requests (+{c['in_flight_at_end']} in flight at the end): "
+        f"ok {c['ok']}, 429 {c['shed_429']}, other "
         f"{c['other']}; TTFT p50/p99 {c['ttft_s'].get('p50')} / {c['ttft_s'].get('p99')} s; "
         f"first 429 at +{c['first_429_after_s']} s, 429 wait p50/p99 "
         f"{c['429_wait_s'].get('p50')} / {c['429_wait_s'].get('p99')} s"
