@@ -27,6 +27,7 @@ from policies.costmodel import PerfModel
 from policies.scaling import ScalingSLO
 from router.admission import AdmissionSettings
 from router.breaker import BreakerSettings
+from router.redact import masked_repr
 from router.worker_spec import (
     ConfigError,
     Secret,
@@ -217,6 +218,8 @@ class Settings:
     load_max_age_s: float = 3.0  # older load readings are not trusted (never taken as idle)
     default_perf: PerfModel | None = None  # the `perf:` profile, for workers registered later
     default_layout: KVLayout = field(default_factory=KVLayout)
+
+    __repr__ = masked_repr  # the Redis and worker URLs' passwords are not shown
 
     def __post_init__(self) -> None:
         if not self.models:

@@ -12,13 +12,24 @@ start-up line one without (`scrub`), which still hides headers and URL credentia
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable
+from typing import Any
 from urllib.parse import quote, unquote
 
 from state.redact import MASK, mask_url, mask_urls
 
-__all__ = ["MASK", "Redactor", "mask_url", "mask_urls", "scrub", "secrets_of", "url_secrets"]
+__all__ = [
+    "MASK",
+    "Redactor",
+    "mask_url",
+    "mask_urls",
+    "masked_repr",
+    "scrub",
+    "secrets_of",
+    "url_secrets",
+]
 
 # The credential after an Authorization scheme, wherever the header shows up (a repr of a
 # request's headers, a forwarded header echoed by a worker).
@@ -81,9 +92,19 @@ def secrets_of(settings: object) -> list[str]:
     """Every secret value a Settings object holds (duck-typed: no import of the config)."""
     found: list[str] = list(getattr(settings, "api_keys", ()))
     found.append(getattr(settings, "admin_token", ""))
+    found.append(getattr(settings, "admin_read_token", ""))
     found.append(getattr(settings, "admin_read_token", ""))  # the admin API's read-only token
     for w in getattr(settings, "workers", ()):
         found.append(getattr(w, "api_key", ""))
         found += url_secrets(getattr(w, "url", None))
     found += url_secrets(getattr(settings, "redis_url", None))
     return [str.__str__(s) for s in found if s]
+
+
+def masked_repr(obj: Any) -> str:
+    """A dataclass's repr with the credentials of its URLs masked (its Secrets mask
+    themselves): the `__repr__` of the settings and of a worker's spec, which carry URLs."""
+    shown = ", ".join(
+        f"{f.name}={getattr(obj, f.name)!r}" for f in dataclasses.fields(obj) if f.repr
+    )
+    return scrub(f"{type(obj).__qualname__}({shown})")

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 from policies.base import KVLayout
 from policies.costmodel import PerfModel, perf_model
+from router.redact import masked_repr
 
 __all__ = [
     "ConfigError",
@@ -66,6 +67,8 @@ class WorkerSpec:
     # it; `layout_configured` are the fields its own entry set, which win over what it reports.
     discover_layout: bool = False
     layout_configured: tuple[tuple[str, Any], ...] = ()
+
+    __repr__ = masked_repr  # a URL's password is not shown
 
     @property
     def is_prefill(self) -> bool:

@@ -352,16 +352,21 @@ def test_a_logged_traceback_is_scrubbed_in_json() -> None:
         assert secret not in text, text
 
 
-def test_secrets_of_includes_worker_url_passwords() -> None:
+def test_the_settings_know_their_secrets_and_never_show_them() -> None:
     from router.config import settings_from_mapping
 
+    worker = {"id": "d0", "url": "http://u:url-pw-2@h:1", "role": "decode", "kv_blocks": 8}
     settings = settings_from_mapping(
         {
             "model": MODEL,
             "redis_url": "redis://h:6379/0?password=query-pw-1",
-            "workers": [
-                {"id": "d0", "url": "http://u:url-pw-2@h:1", "role": "decode", "kv_blocks": 8}
-            ],
+            "api_keys": ["client-key-3"],
+            "admin_token": "admin-token-4",
+            "workers": [{**worker, "api_key": "worker-key-5"}],
         }
     )
-    assert {"query-pw-1", "url-pw-2"} <= set(secrets_of(settings))
+    secrets = {"query-pw-1", "url-pw-2", "client-key-3", "admin-token-4", "worker-key-5"}
+    assert secrets <= set(secrets_of(settings))
+    shown = f"{settings!r} {settings} {settings.workers[0]!r}"
+    assert "redis://h:6379/0?password=***" in shown and "u:***@h:1" in shown
+    assert not [s for s in secrets if s in shown], shown
