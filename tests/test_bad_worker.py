@@ -13,6 +13,7 @@ import asyncio
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 from openai import AsyncOpenAI
 
@@ -212,10 +213,104 @@ async def test_half_open_is_decided_by_a_real_request_not_by_health(redis_prefix
         assert on_bad <= 3 + 5, (breaker, on_bad)
 
         await set_faults(c, "d1")  # fixed
-        for rounds in range(rounds, rounds + 200):
+        for later in range(rounds, rounds + 200):
             if breaker.state == "closed":
                 break
-            await _run(c, CHAT, True, n=4, start=rounds * 4)
+            await _run(c, CHAT, True, n=4, start=later * 4)
             await asyncio.sleep(0.05)
         assert breaker.state == "closed", breaker
+        await assert_quiet(c)
+
+
+async def _raw_stream(c: SimCluster, i: int) -> bytes:
+    body = {**_body(CHAT, i), "stream": True}
+    async with aiohttp.ClientSession() as s, s.post(c.router_url + CHAT, json=body) as r:
+        assert r.status == 200
+        return await r.read()
+
+
+def _check_events(raw: bytes, want: str) -> None:
+    """Every byte the client got is a `data:` event that parses (or [DONE]); the text exact."""
+    assert raw.endswith(b"data: [DONE]\n\n"), raw[-200:]
+    text = []
+    for event in raw.split(b"\n\n")[:-2]:
+        assert event.startswith(b"data: {"), event
+        for choice in orjson.loads(event[6:])["choices"]:
+            text.append(choice["delta"].get("content") or "")
+    assert "".join(text) == want
+
+
+STREAM_GARBAGE = ["not_json", "wrong_shape", "no_framing", "truncated", "junk_after_tokens"]
+
+
+@pytest.mark.parametrize("shape", STREAM_GARBAGE)
+async def test_no_garbage_byte_reaches_the_client(redis_prefix: str, shape: str) -> None:
+    """Read raw: an SSE parser skips lines it does not know, so the openai client alone would
+    not notice a body without framing passed through; nothing of the bad stream may arrive."""
+    async with sim_cluster(
+        prefill=1,
+        decode=2,
+        redis_prefix=redis_prefix,
+        retry=FAST_RETRY,
+        breaker={"cooldown_s": 60.0},
+    ) as c:
+        await set_faults(c, "d1", garbage=shape)
+        breaker = c.gateway.pools.workers["d1"].breaker
+        for i in range(40):
+            raw = await _raw_stream(c, i)
+            _check_events(raw, expected_answer(CHAT, _body(CHAT, i))[0])
+            if breaker.state == "open":
+                break
+        assert breaker.state == "open" and await _generation_requests(c, "d1") <= MAX_ON_BAD
+        await assert_quiet(c)
+
+
+@pytest.mark.parametrize("shape", ["not_json", "wrong_shape", "truncated", "junk_after_tokens"])
+async def test_whole_answers_of_garbage_are_retried(redis_prefix: str, shape: str) -> None:
+    """Answers asked whole from the decode worker (`assemble_non_streaming: false`): a 200 that
+    is not an answer (or of the wrong shape) is retried and charged, never passed on."""
+    async with sim_cluster(
+        prefill=2,
+        decode=2,
+        redis_prefix=redis_prefix,
+        retry=FAST_RETRY,
+        breaker={"cooldown_s": 60.0},
+        assemble_non_streaming=False,
+    ) as c:
+        await set_faults(c, "d1", garbage=shape)
+        breaker = c.gateway.pools.workers["d1"].breaker
+        for rounds in range(4):
+            await _run(c, COMPLETIONS, False, start=rounds * REQUESTS)
+            if breaker.state != "closed":
+                break
+        assert breaker.state == "open" and await _generation_requests(c, "d1") <= MAX_ON_BAD
+        await assert_quiet(c)
+
+
+async def test_a_probe_whose_client_leaves_gives_its_place_back(redis_prefix: str) -> None:
+    """A half-open probe whose client goes away mid-stream says nothing of the worker: its place
+    is given back (else the breaker stays half-open with its one probe "in flight" forever and
+    the worker, fixed or not, never gets a request again)."""
+    async with sim_cluster(
+        decode=1, redis_prefix=redis_prefix, retry=FAST_RETRY, breaker={"cooldown_s": 0.2}
+    ) as c:
+        breaker = c.gateway.pools.workers["d0"].breaker
+        for _ in range(3):
+            breaker.on_failure()
+        await asyncio.sleep(0.25)
+        assert breaker.state == "half_open"
+        await set_faults(c, "d0", slow_factor=200.0)  # a long stream: time to leave mid-way
+        body = {**_body(CHAT, 1), "stream": True}
+        async with aiohttp.ClientSession() as s, s.post(c.router_url + CHAT, json=body) as r:
+            assert r.status == 200
+            await r.content.readline()  # the first event: the probe is streaming
+            assert breaker.probes_in_flight == 1
+        for _ in range(100):  # the router sees the client gone and releases the attempt
+            if breaker.probes_in_flight == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert breaker.probes_in_flight == 0 and breaker.state == "half_open"
+        await set_faults(c, "d0")
+        await _run(c, CHAT, True, n=1, start=2)  # the next probe closes it
+        assert breaker.state == "closed"
         await assert_quiet(c)
