@@ -192,6 +192,12 @@ def parse_worker(
     for key in ("group", "engine_id", "api_key"):
         if raw.get(key) is not None:
             _check_str(f"{where}.{key}", raw[key], 4096 if key == "api_key" else 256)
+    if raw.get("api_key") and "@" in parts.netloc:
+        # Both would be an Authorization header: aiohttp refuses the request (a 500).
+        raise ConfigError(
+            f"{where}: an api_key and credentials in the url (user:password@) cannot both be "
+            "given: the worker gets one Authorization header"
+        )
     if raw["role"] not in ("prefill", "decode", "both"):
         raise ConfigError(f"{where}: role must be prefill, decode or both, not {raw['role']!r}")
     if raw.get("adapter", "vllm") not in _ADAPTERS:

@@ -203,27 +203,32 @@ async def _exercise(s: aiohttp.ClientSession, base: str, seen: Seen, dead: str) 
         "role": "decode",
         "adapter": "sim",
         "kv_blocks": 64,
-        "api_key": SECRETS["registered-key"],
     }
+    with_key = {**registration, "id": "r1", "url": dead, "api_key": SECRETS["registered-key"]}
     workers = base + "/admin/workers"
     await seen.call(s, "POST", workers, "wrong-" + admin, json=registration)
-    status, text = await seen.call(s, "POST", workers, admin, json=registration)
-    assert status == 201, text
-    bad = {**registration, "id": "r1", "url": f"ftp://buser:{SECRETS['bad-url-pw']}@h:1"}
-    assert (await seen.call(s, "POST", workers, admin, json=bad))[0] == 400
-    discover = {
-        **registration,
-        "id": "r2",
-        "url": _with_userinfo(dead, "duser", SECRETS["discover-url-pw"]),
-        "discover_layout": True,
-    }
-    discover.pop("api_key")
-    assert (await seen.call(s, "POST", workers, admin, json=discover))[0] == 400
+    for entry in (registration, with_key):
+        status, text = await seen.call(s, "POST", workers, admin, json=entry)
+        assert status == 201, text
+    refused = [
+        {**registration, "id": "r2", "url": f"ftp://buser:{SECRETS['bad-url-pw']}@h:1"},
+        {**with_key, "id": "r3", "url": registration["url"]},  # a key and URL credentials
+        {
+            **registration,
+            "id": "r4",
+            "url": _with_userinfo(dead, "duser", SECRETS["discover-url-pw"]),
+            "discover_layout": True,
+        },
+    ]
+    for entry in refused:
+        status, text = await seen.call(s, "POST", workers, admin, json=entry)
+        assert status == 400, text
     await seen.call(s, "GET", workers, admin)
     await seen.call(s, "POST", workers + "/d0/drain", admin)
     await seen.call(s, "POST", workers + "/d0/undrain", admin)
     await seen.call(s, "POST", workers + "/d0/role", admin, json={"role": "prefill"})
     await seen.call(s, "DELETE", workers + "/r0", admin)
+    await seen.call(s, "DELETE", workers + "/r1", admin)
     await seen.call(s, "GET", base + "/metrics", None)
     await seen.call(s, "GET", base + "/metrics", admin)
 
@@ -352,6 +357,16 @@ def test_a_logged_traceback_is_scrubbed_in_json() -> None:
         assert secret not in text, text
 
 
+def test_a_worker_with_a_key_and_url_credentials_is_refused() -> None:
+    """Both become an Authorization header: aiohttp refused every request to it (a 500)."""
+    from router.config import ConfigError, settings_from_mapping
+
+    worker = {"id": "d0", "url": "http://u:url-pw-6@h:1", "role": "decode", "kv_blocks": 8}
+    with pytest.raises(ConfigError, match="cannot both be given") as err:
+        settings_from_mapping({"model": MODEL, "workers": [{**worker, "api_key": "key-7777"}]})
+    assert "url-pw-6" not in str(err.value) and "key-7777" not in str(err.value)
+
+
 def test_the_settings_know_their_secrets_and_never_show_them() -> None:
     from router.config import settings_from_mapping
 
@@ -362,7 +377,10 @@ def test_the_settings_know_their_secrets_and_never_show_them() -> None:
             "redis_url": "redis://h:6379/0?password=query-pw-1",
             "api_keys": ["client-key-3"],
             "admin_token": "admin-token-4",
-            "workers": [{**worker, "api_key": "worker-key-5"}],
+            "workers": [
+                worker,
+                {**worker, "id": "d1", "url": "http://h:2", "api_key": "worker-key-5"},
+            ],
         }
     )
     secrets = {"query-pw-1", "url-pw-2", "client-key-3", "admin-token-4", "worker-key-5"}
