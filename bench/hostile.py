@@ -81,7 +81,7 @@ class ShiftSpec:
 
 @dataclass(frozen=True, slots=True)
 class FloodSpec:
-    duration_s: float = 45.0
+    duration_s: float = 90.0
     clients: int = 200
     ramp_s: float = 15.0  # clients start one after the other over this long
     answer_tokens: int = 3000

@@ -4,10 +4,10 @@ reservations(samples)   per decode worker: peak reserved blocks vs capacity (the
                         sum, sampled every ~100 ms), time over capacity, and growth past
                         capacity per reservation: a reservation whose blocks went up between
                         two samples while its worker's sum was above capacity was grown past
-                        it (forced). It is a *late* one when its worker was already above
-                        capacity at its first sighting or at the sample before: admission
-                        put it on a worker that was over-committed (not a sequence that was
-                        resident when the worker filled up).
+                        it (forced). It is a *late* one when it was first seen after its
+                        worker had already been above capacity once: admission put it there
+                        after forced growth had shown that worker's estimates short (not a
+                        sequence resident when the worker first filled up).
 clients(results, t0)    ok / 429 / other, TTFT p50/p99, the first 429's time after t0 and
                         how long the 429s made their clients wait
 format_report(report)   the text the command prints
@@ -39,6 +39,7 @@ def reservations(samples: Sequence[StoreSample], t_from: float = 0.0) -> dict[st
         cap = max(s.capacity.get(wid, 0) for s in samples)
         peak = max(samples, key=lambda s: s.reserved.get(wid, 0))
         over = [s for s in samples if s.reserved.get(wid, 0) > cap]
+        first_over = next((i for i, s in enumerate(samples) if s.reserved.get(wid, 0) > cap), None)
         first_seen: dict[str, int] = {}  # reservation id -> index of its first sample
         grown_over: set[str] = set()
         late: set[str] = set()
@@ -50,8 +51,7 @@ def reservations(samples: Sequence[StoreSample], t_from: float = 0.0) -> dict[st
                     first_seen[rid] = i
                 if rid in prev and blocks > prev[rid] and s.reserved.get(wid, 0) > cap:
                     grown_over.add(rid)
-                    j = first_seen[rid]
-                    if any(samples[k].reserved.get(wid, 0) > cap for k in (j, j - 1) if k >= 0):
+                    if first_over is not None and first_seen[rid] > first_over:
                         late.add(rid)
         workers[wid] = {
             "capacity": cap,

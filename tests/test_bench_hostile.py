@@ -26,19 +26,20 @@ def test_growth_past_capacity_is_told_resident_from_late() -> None:
     samples = [
         _sample(0.0, cap, {"a": 50, "b": 40}),  # a and b resident, 90 of 100
         _sample(0.1, cap, {"a": 70, "b": 40}),  # a grows past capacity (110)
-        _sample(0.2, cap, {"a": 70, "b": 40, "c": 2}),  # c admitted onto a worker over capacity
+        _sample(0.2, cap, {"a": 70, "b": 40, "c": 2}),  # c admitted after the worker went over
         _sample(0.3, cap, {"a": 70, "b": 40, "c": 9}),  # c grown past it: late
         _sample(0.4, cap, {"b": 40, "c": 9}),  # a done: 49, under capacity
         _sample(0.5, cap, {"b": 40, "c": 12}),  # growth under capacity is not forced
+        _sample(0.6, cap, {"b": 90, "c": 12}),  # b, resident from the start, grown past it
     ]
     d0 = reservations(samples)["workers"]["d0"]
     assert d0["capacity"] == cap
     assert d0["peak_reserved"] == 119
     assert d0["peak_ratio"] == 1.19
     assert d0["reservations_seen"] == 3
-    assert d0["grown_past_capacity"] == 2  # a and c
+    assert d0["grown_past_capacity"] == 3  # a, c, then b
     assert d0["late_grown_past_capacity"] == 1  # c only
-    assert d0["s_over_capacity"] == pytest.approx(0.3)
+    assert d0["s_over_capacity"] == pytest.approx(0.4)
 
 
 def test_no_growth_past_capacity_within_it() -> None:
