@@ -97,10 +97,12 @@ async def _fresh_view(gw: Gateway) -> None:
     await gw.pools.sync_registry(gw.session)
 
 
-def _refuse_if_emptied(gw: Gateway, wid: str, action: str, force: bool) -> None:
+def _refuse_if_emptied(
+    gw: Gateway, wid: str, action: str, force: bool, arriving: str | None = None
+) -> None:
     """409 if taking `wid` out of rotation leaves a pool with none (unless forced); `action`
-    names it ("draining d0")."""
-    emptied = emptied_without(gw.pools, wid)
+    names it ("draining d0"); `arriving`: the side a role switch sends it to."""
+    emptied = emptied_without(gw.pools, wid, arriving)
     if not emptied:
         return
     pools = ", ".join(f"the {side} pool of {model}" for side, model in emptied)
@@ -330,7 +332,7 @@ async def set_role(request: web.Request) -> web.Response:
         # A switch drains it first: in neither pool until it is done. One already serving
         # (or heading to) that role changes nothing.
         if w.role_state is None or w.role_state.target != role:
-            _refuse_if_emptied(gw, wid, f"switching {wid} to {role}", force)
+            _refuse_if_emptied(gw, wid, f"switching {wid} to {role}", force, arriving=role)
     try:
         record = await manager.force(wid, role)
     except KeyError:

@@ -19,7 +19,7 @@ from router.attempt import Ask, Attempt, Call, loop_time
 from router.errors import NoCapacity, Unavailable
 from router.gateway import Gateway
 from router.legs import hold_intent, strand_intent
-from router.rotation import in_rotation, models_of, retry_after_s, why_empty
+from router.rotation import models_of, pool_alive, retry_after_s, why_empty
 from state.base import StoreError
 
 __all__ = ["Seat", "admit_and_reserve", "estimate", "grow"]
@@ -287,13 +287,14 @@ async def _try_reserve(gw: Gateway, info: RequestInfo, avoid: set[str]) -> Attem
 
 
 def _check_pools_alive(gw: Gateway, model: str = "") -> None:
-    """No worker in rotation on one side for the request's model: waiting for room is
-    pointless, fail fast (503) saying what each worker of that side does instead (drained,
-    serving the other role, probe failing: router/rotation.py), with a Retry-After of when one
-    may be back by itself (longer when only an operator can bring one back)."""
+    """No worker in rotation on one side for the request's model, nor one on its way there (a
+    role switch's drain): waiting for room is pointless, fail fast (503) saying what each worker
+    of that side does instead (drained, serving the other role, probe failing:
+    router/rotation.py), with a Retry-After of when one may be back by itself (longer when only
+    an operator can bring one back)."""
     pools = gw.pools
     for side in ("decode", "prefill"):
-        if not in_rotation(pools, side, model):
+        if not pool_alive(pools, side, model):
             of = f" for {model}" if model and len(models_of(pools)) > 1 else ""
             why = why_empty(pools, side, model) or "none is configured or registered"
             raise Unavailable(

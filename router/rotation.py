@@ -22,6 +22,7 @@ __all__ = [
     "emptied_without",
     "in_rotation",
     "models_of",
+    "pool_alive",
     "why_empty",
     "retry_after_s",
 ]
@@ -148,11 +149,22 @@ def _coming(w: WorkerState, side: str) -> bool:
     return w.current_role == f"draining-to-{side}" and w.available
 
 
-def emptied_without(pools: Pools, worker_id: str) -> list[tuple[str, str]]:
+def pool_alive(pools: Pools, side: str, model: str = "", without: str | None = None) -> bool:
+    """A worker in rotation on `side` for `model`, or one on its way there (draining for a
+    switch to it): waiting for room there is not in vain. `without` left out, as if gone."""
+    return bool(in_rotation(pools, side, model, without)) or any(
+        _coming(w, side) for w in _candidates(pools, side, model, without)
+    )
+
+
+def emptied_without(
+    pools: Pools, worker_id: str, arriving: str | None = None
+) -> list[tuple[str, str]]:
     """The pools, as (side, model), that `worker_id` is in rotation in with no other worker in
     rotation or on its way there (draining for a switch to that side): taking it out (drain,
-    role switch, removal) would leave them empty until an operator acts. A pool that is
-    empty already is not listed: taking out a worker that is not serving changes nothing."""
+    role switch, removal) would leave them empty until an operator acts. `arriving`: the side
+    a role switch sends it to, where it is itself on its way. A pool that is empty already is
+    not listed: taking out a worker that is not serving changes nothing."""
     w = pools.workers.get(worker_id)
     if w is None or not w.available:
         return []
@@ -161,7 +173,7 @@ def emptied_without(pools: Pools, worker_id: str) -> list[tuple[str, str]]:
         (side, model)
         for model in models
         for side in SIDES
-        if _on_side(pools, w, side)
-        and not in_rotation(pools, side, model, without=worker_id)
-        and not any(_coming(o, side) for o in _candidates(pools, side, model, worker_id))
+        if side != arriving
+        and _on_side(pools, w, side)
+        and not pool_alive(pools, side, model, without=worker_id)
     ]

@@ -151,6 +151,7 @@ async def test_role_switches_are_guarded_and_the_503_names_the_other_role(
             redis_prefix=redis_prefix,
             admin_token=TOKEN,
             roles=SLOW_ROLES,
+            admission={"max_wait_s": 0.5},
         ) as c,
         aiohttp.ClientSession() as s,
     ):
@@ -177,12 +178,12 @@ async def test_role_switches_are_guarded_and_the_503_names_the_other_role(
         )
         assert retry_after == "30"  # the static role policy never switches it back
 
-        # b0 on its way back to decode: the pool refills by itself, the retry says so.
+        # b0 on its way back to decode: the pool refills by itself, so a request waits for
+        # room (here until its short admission deadline: a 429), it is not failed at once.
         status, body = await _post(s, f"{url}/b0/role", {"role": "decode"})
         assert status == 200 and body["current_role"] == "draining-to-decode", body
-        status, body, retry_after = await _chat(s, c.router_url)
-        # settle_s + interval_s: the lease holder puts it in the pool once settled.
-        assert status == 503 and retry_after == "601", body
+        status, body, _ = await _chat(s, c.router_url)
+        assert status == 429, body
 
         # p0 is the last prefill worker (b0 drains to decode): draining it is refused. d0 is
         # not the last decode worker any more: b0, on its way there, counts.
@@ -193,8 +194,8 @@ async def test_role_switches_are_guarded_and_the_503_names_the_other_role(
 
 
 async def test_switching_the_only_both_worker_is_refused(redis_prefix: str) -> None:
-    """b0 alone serves both sides: a switch to either role empties the other pool while it
-    drains, and the 409 names both pools."""
+    """b0 alone serves both sides: a switch to decode empties the prefill pool for good (the
+    decode pool only while it drains: it is on its way back there)."""
     async with (
         sim_cluster(
             prefill=0,
@@ -211,8 +212,10 @@ async def test_switching_the_only_both_worker_is_refused(redis_prefix: str) -> N
         assert status == 409, body
         message = body["error"]["message"]
         assert message.startswith("switching b0 to decode would leave")
-        assert f"the prefill pool of {MODEL}" in message
-        assert f"the decode pool of {MODEL}" in message
+        assert f"the prefill pool of {MODEL} with no worker" in message
+        assert "decode pool" not in message
+        status, body = await _post(s, f"{url}/b0/role", {"role": "prefill"})
+        assert status == 409 and f"the decode pool of {MODEL}" in body["error"]["message"]
         assert c.gateway.pools.workers["b0"].role_state is None
         status, body, _ = await _chat(s, c.router_url)
         assert status == 200, body
