@@ -477,13 +477,14 @@ class Pools:
         prefill_ids = [w.spec.id for w in self._strandable]
         # One store call (one round trip on one Redis): this runs 10 times a second while busy.
         usage, stranded = await self.store.usage_view(decode_ids, prefill_ids)
+        lost_capacity: list[WorkerState] = []
         for wid, u in usage.items():
             if (w := self.workers.get(wid)) is not None:
                 w.reserved_blocks, w.reservations = u.reserved_blocks, u.reservations
                 if u.capacity_blocks == 0 and w.capacity_blocks > 0:
-                    # This worker's keys are gone (one shard of a cluster lost them, or the
-                    # marker check has not run since): its room would read as none at all.
-                    await self.store.set_capacity(wid, w.capacity_blocks)
+                    lost_capacity.append(w)
+        if lost_capacity:
+            await self._reassert_capacities(lost_capacity)
         now = time.monotonic()
         if self._last_refresh is not None:
             total = sum(w.stranded_bytes for w in self._strandable)
@@ -494,6 +495,21 @@ class Pools:
                 st.stranded_bytes = nbytes
                 if nbytes:
                     self._stranded.set()
+
+    async def _reassert_capacities(self, workers: list[WorkerState]) -> None:
+        """These workers' capacity keys are gone (one shard of a cluster lost them, or the
+        marker check has not run since): their room would read as none at all, so write it
+        back. Not for a dynamic worker no longer registered: another replica's admin API
+        deleted it (with every key it had) and this replica's registry sync has not dropped it
+        yet; writing its capacity back would leave that key behind for good."""
+        registered: dict[str, str] | None = None
+        for w in workers:
+            if w.dynamic:
+                if registered is None:
+                    registered = await self.store.registered_workers()
+                if w.spec.id not in registered:
+                    continue
+            await self.store.set_capacity(w.spec.id, w.capacity_blocks)
 
     def is_busy(self, busy: Callable[[], bool] | None) -> bool:
         """This replica has requests in flight or waiting (`busy`), or legs on a worker."""

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
@@ -32,6 +33,7 @@ from state.base import StoreError
 from tests.conftest import MODEL, REDIS_URL, running_router
 from tests.redis_server import PrivateRedis
 from tests.test_admin import TOKEN
+from tests.test_state_loss import _redis_traces
 from tests.test_store_faults import fail_calls
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -262,3 +264,31 @@ async def test_a_role_read_before_the_loss_is_noticed_is_kept_and_put_back(
         assert await a.store.forget_role("b0")
         await a.sync_registry()
         assert (await a.store.worker_roles()) == {"b0": forced}
+
+
+async def test_a_worker_deleted_on_one_replica_leaves_no_key_behind_on_the_other(
+    redis_prefix: str,
+) -> None:
+    """Until its next registry sync the other replica still has the worker: its state refresh
+    must not write the deleted worker's capacity back (it took a capacity reading 0 for a
+    shard that lost its keys)."""
+    registration = orjson.dumps(
+        {"id": "d9", "url": "http://127.0.0.1:9", "role": "decode", "adapter": "vllm",
+         "kv_blocks": 50}
+    ).decode()  # fmt: skip
+    async with _two_pools(redis_prefix) as (a, b):
+        await a.store.register_worker("d9", registration)
+        for p in (a, b):
+            await p.sync_registry()
+            assert "d9" in p.workers
+        await a.store.set_drained("d9", True)
+        await b.refresh_from_store(check_marker=False)
+        assert await _redis_traces(a.store, "d9")  # type: ignore[arg-type]
+        # The admin API's delete on a: the store forgets it, a's pools drop it.
+        assert await a.store.unregister_worker("d9")
+        a.remove("d9")
+        await b.refresh_from_store(check_marker=False)  # before b's registry sync
+        await b.sync_registry()
+        assert "d9" not in b.workers
+        await b.refresh_from_store()
+        assert await _redis_traces(a.store, "d9") == set()  # type: ignore[arg-type]
