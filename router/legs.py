@@ -126,8 +126,8 @@ async def leg_errors(
     verdict = worker.breaker.dispatch()
     if verdict is None:  # its breaker opened, or took its probe, since this pair was placed
         gw.metrics.upstream_errors.labels(side=side, kind="breaker_open").inc()
-        err = Unavailable(f"{side} worker {spec.id}'s circuit breaker is open", retry_after_s=1.0)
-        raise LegFailure(side, spec.id, err, True)
+        refused = Unavailable(f"{side} worker {spec.id}'s circuit breaker is open", retry_after_s=1)
+        raise LegFailure(side, spec.id, refused, True)
     try:
         async with asyncio.timeout(timeout_s):
             yield verdict

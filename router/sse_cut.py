@@ -14,10 +14,10 @@ back. The cutter's rules, once:
   the request can be retried; reads with no data event (comments, stray lines) before it are
   not forwarded, so a body with no SSE framing at all never reaches the client either;
 - later, an event that does not parse ends the stream where it starts (what came before is
-  forwarded; the caller resumes): a read is looked at only when two byte counts say one of its
-  events is not `data: {...}` (the final `[DONE]` read, comments, junk), so a stream of
-  ordinary events pays three `count`s per read and no parse (issue 20; before, the junk went
-  to the client, whose SSE parser failed mid-answer);
+  forwarded; the caller resumes): a read is parsed only when one of its events does not end
+  in `}` as a JSON event does (the final `[DONE]` read, comments, junk), so the ordinary read,
+  one event, pays one `find` and no parse (~0.15 µs; issue 20: before, the junk went to the
+  client, whose SSE parser failed mid-answer). Junk that happens to end in `}` still passes;
 - tokens are counted with byte searches over the whole read, and the last bytes are kept to
   tell a finished stream (`data: [DONE]`) from a cut one.
 
@@ -238,10 +238,11 @@ class SseCutter:
                     self.stop, self.stop_kind = MALFORMED_FIRST_EVENT, "malformed"
                 return b""  # no data event yet: nothing the client could use
             self.forwarded = True
-        else:
-            events = data.count(b"\n\n")
-            if data.count(b"}\n\n") != events or data.count(b"data: {") != events:
-                cut = junk_at(data)  # not only `data: {...}` events: look (the rare read)
+        elif data.find(b"\n\n") != len(data) - 2 or data[-3:-2] != b"}":  # not one `...}` event
+            # Several events, or one that does not end as JSON does: every event must end in
+            # `}`, else look (the rare read: [DONE], comments, junk).
+            if data.count(b"}\n\n") != data.count(b"\n\n"):
+                cut = junk_at(data)
                 if cut is not None:
                     data = data[:cut]
                     self.stop, self.stop_kind = MALFORMED_EVENT, "malformed"
