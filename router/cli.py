@@ -65,6 +65,7 @@ def serve(ns: argparse.Namespace) -> int:
     }
     from router.logs import configure_logging
     from router.redact import Redactor, mask_url, scrub, secrets_of
+    from state import StoreError
 
     try:
         settings = load_serve_settings(ns, env=os.environ, overrides=overrides)
@@ -106,9 +107,12 @@ def serve(ns: argparse.Namespace) -> int:
                     on_ready=ready,
                 )
             )
+    except (StoreError, ValueError) as exc:
+        # At start-up: Redis silent, or its URL unusable. One line, credentials masked.
+        print(f"disagg-router: {redact(str(exc))}", file=sys.stderr)
+        return 1
     except Exception:
-        # E.g. Redis silent at start-up: its URL is in the message, and Python's own
-        # traceback printer knows no secrets. This one is scrubbed.
+        # Python's own traceback printer knows no secrets: this one is scrubbed.
         print(redact(traceback.format_exc()), file=sys.stderr, end="")
         return 1
     return 0

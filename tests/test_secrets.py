@@ -108,12 +108,12 @@ async def _wait_redis(port: int, password: str) -> None:
         await client.aclose()
 
 
-def _router_argv(config: Path) -> list[str]:
+def _router_argv(*args: str) -> list[str]:
     script = Path(sys.executable).parent / "disagg-router"
     if script.exists():
-        return [str(script), "serve", "--config", str(config), "--log-format", "json"]
+        return [str(script), "serve", *args]
     entry = "from router.cli import main; raise SystemExit(main())"
-    return [sys.executable, "-c", entry, "serve", "--config", str(config), "--log-format", "json"]
+    return [sys.executable, "-c", entry, "serve", *args]
 
 
 @contextlib.asynccontextmanager
@@ -125,7 +125,7 @@ async def _router(config: Path, out: Path, err: Path) -> AsyncIterator[None]:
     }
     with out.open("wb") as o, err.open("wb") as e:
         proc = await asyncio.create_subprocess_exec(
-            *_router_argv(config),
+            *_router_argv("--config", str(config), "--log-format", "json"),
             stdout=o,
             stderr=e,
             start_new_session=True,
@@ -300,6 +300,26 @@ async def test_no_secret_in_anything_the_router_process_prints(tmp_path: Path) -
     for wid, name in (("p0", "prefill-worker-key"), ("d0", "decode-worker-key")):
         auth = {h.get("Authorization") or h.get("authorization") for h in sent[wid]}
         assert auth and auth <= {f"Bearer {SECRETS[name]}"}, (wid, auth)
+
+
+def test_a_redis_url_that_fails_at_start_up_is_told_masked(tmp_path: Path) -> None:
+    """redis-py reads a password with an unescaped '#' as the port, and its error quoted it:
+    Python's traceback printed the password. The router says one masked line instead."""
+    password = _secret("start-pw")
+    for url in (f"redis://u:{password}#x@127.0.0.1:1/0", f"redis://u:{password}@127.0.0.1:1/0"):
+        argv = _router_argv("--redis-url", url, "--port", "0")
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert done.returncode == 1, done
+        assert password not in done.stdout + done.stderr, done.stderr
+        assert "redis://u:***@127.0.0.1:1/0" in done.stderr, done.stderr
+
+
+async def test_the_launcher_tells_its_redis_masked(tmp_path: Path) -> None:
+    from launcher.localcluster import ClusterShape, LocalCluster, _start_redis
+
+    cluster = LocalCluster(ClusterShape(), workdir=tmp_path)
+    await _start_redis(cluster, "redis://:launch-pw-8@127.0.0.1:6379/0")
+    assert cluster.redis_note == "Redis at REDIS_URL (redis://:***@127.0.0.1:6379/0)"
 
 
 @pytest.mark.parametrize(
