@@ -299,3 +299,22 @@ async def test_long_non_streamed_answer(redis_prefix: str, assembled: bool) -> N
         else:
             assert status in (502, 503), result
         await assert_quiet(c)
+
+
+def test_garbage_faults_fire_on_their_leg_and_endpoint_only() -> None:
+    """sim/faults.py's garbage: a shape of GARBAGE_SHAPES, on the legs and endpoint named,
+    `count` times; a shape with no meaning on a leg (a decode has no KV handle) never fires."""
+    from sim.faults import FaultConfig, FaultState
+
+    for bad in ({"garbage": "nope"}, {"garbage_leg": "both"}, {"hang_after_tokens": -1}):
+        with pytest.raises(ValueError):
+            FaultConfig.from_mapping(bad)
+    state = FaultState(FaultConfig(garbage="wrong_shape", garbage_leg="decode", garbage_path=CHAT))
+    assert state.garbage_for("prefill", CHAT) is None
+    assert state.garbage_for("decode", "/v1/completions") is None
+    assert state.garbage_for("decode", CHAT) == "wrong_shape"
+    state = FaultState(FaultConfig(garbage="no_kv_params", count=1))
+    assert state.garbage_for("decode", CHAT) is None
+    assert state.garbage_for("prefill", CHAT) == "no_kv_params"
+    assert state.garbage_for("prefill", CHAT) is None  # its one time is spent
+    assert FaultState(FaultConfig(hang_after_tokens=2, count=1)).hang_after() == 2
