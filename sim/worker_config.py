@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from policies.costmodel import GPUS, MODELS
 
-from .faults import ERROR_STATUSES, FaultConfig
+from .faults import ERROR_STATUSES, GARBAGE_LEGS, GARBAGE_SHAPES, FaultConfig
 
 __all__ = ["ROLES", "WorkerConfig", "add_worker_arguments", "config_from_args"]
 
@@ -102,6 +102,13 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     faults.add_argument("--fault-decode-fail-before-first", action="store_true")
     faults.add_argument("--fault-decode-die-after-tokens", type=int, default=None, metavar="N")
     faults.add_argument("--fault-hang", action="store_true")
+    faults.add_argument(
+        "--fault-hang-after-tokens", type=int, default=None, metavar="N", help="then silence"
+    )
+    faults.add_argument(
+        "--fault-garbage", choices=GARBAGE_SHAPES, default=None, help="/health stays fine"
+    )
+    faults.add_argument("--fault-garbage-leg", choices=GARBAGE_LEGS, default="any")
     faults.add_argument("--fault-slow-factor", type=float, default=1.0)
     faults.add_argument("--fault-error-rate", type=float, default=0.0)
     faults.add_argument(
@@ -123,6 +130,9 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
         decode_fail_before_first=ns.fault_decode_fail_before_first,
         decode_die_after_tokens=ns.fault_decode_die_after_tokens,
         hang=ns.fault_hang,
+        hang_after_tokens=ns.fault_hang_after_tokens,
+        garbage=ns.fault_garbage,
+        garbage_leg=ns.fault_garbage_leg,
         slow_factor=ns.fault_slow_factor,
         error_rate=ns.fault_error_rate,
         error_status=status,
