@@ -278,7 +278,7 @@ async def _drain(request: web.Request, drained: bool) -> web.Response:
     gw = _gateway(request)
     _require_token(gw, request)
     wid = request.match_info["worker_id"]
-    force = (await _options(request)).get("force", False)
+    force = drained and (await _options(request)).get("force", False)  # undrain: no body
     if wid not in gw.pools.workers:
         return _not_found(wid)
     if drained:
