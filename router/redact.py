@@ -93,7 +93,6 @@ def secrets_of(settings: object) -> list[str]:
     found: list[str] = list(getattr(settings, "api_keys", ()))
     found.append(getattr(settings, "admin_token", ""))
     found.append(getattr(settings, "admin_read_token", ""))
-    found.append(getattr(settings, "admin_read_token", ""))  # the admin API's read-only token
     for w in getattr(settings, "workers", ()):
         found.append(getattr(w, "api_key", ""))
         found += url_secrets(getattr(w, "url", None))
