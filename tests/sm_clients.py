@@ -1,0 +1,149 @@
+"""The state machine's clients (tests/test_state_machine.py): each an asyncio task on the
+cluster's loop that records what it saw, and what it saw wrong.
+
+- `whole_or_stream`: reads the answer to its end (aiohttp);
+- `vanish`: a raw connection that reads a little and closes mid-answer;
+- `hold`: a raw connection with a tiny receive buffer that reads the head and then nothing,
+  holding its room until a later step closes it (`Held.close`).
+
+What counts as wrong: a 5xx other than 503, an error body that is not OpenAI's shape, a 200
+stream that does not end in `data: [DONE]`, a whole answer without its n choices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import orjson
+
+from tests.rawhttp import build_request
+
+__all__ = ["Outcomes", "Held", "whole_or_stream", "vanish", "hold"]
+
+CHAT = "/v1/chat/completions"
+
+
+@dataclass
+class Outcomes:
+    statuses: dict[str, int] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    def count(self, what: str) -> None:
+        self.statuses[what] = self.statuses.get(what, 0) + 1
+
+
+def _check_error(status: int, raw: bytes, out: Outcomes, rid: str) -> None:
+    if status >= 500 and status != 503:
+        out.problems.append(f"{rid}: {status} {raw[:300]!r}")
+        return
+    try:
+        error = orjson.loads(raw)["error"]
+        assert set(error) == {"message", "type", "param", "code"}, error
+    except Exception as exc:
+        out.problems.append(f"{rid}: {status} with a body that is not an OpenAI error: {exc!r}")
+
+
+async def whole_or_stream(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    out: Outcomes,
+) -> None:
+    rid = headers["X-Request-Id"]
+    try:
+        async with session.post(url + CHAT, json=body, headers=headers) as r:
+            raw = await r.read()
+            status = r.status
+    except (aiohttp.ClientError, TimeoutError):
+        out.count("cut")  # its replica was killed under it
+        return
+    out.count(str(status))
+    if status != 200:
+        _check_error(status, raw, out, rid)
+    elif body.get("stream"):
+        if not raw.endswith(b"data: [DONE]\n\n"):
+            out.problems.append(f"{rid}: a 200 stream not ending in [DONE]: {raw[-200:]!r}")
+    else:
+        choices = orjson.loads(raw).get("choices", [])
+        if len(choices) != body.get("n", 1):
+            out.problems.append(f"{rid}: {len(choices)} choices, asked {body.get('n', 1)}")
+
+
+def _request_bytes(
+    url: str, body: dict[str, Any], headers: dict[str, str]
+) -> tuple[str, int, bytes]:
+    parts = urlsplit(url)
+    head = [("Content-Type", "application/json"), *headers.items()]
+    return (
+        parts.hostname or "",
+        parts.port or 80,
+        build_request("POST", CHAT, head, orjson.dumps(body)),
+    )
+
+
+async def vanish(
+    url: str, body: dict[str, Any], headers: dict[str, str], after_bytes: int, out: Outcomes
+) -> None:
+    """Read `after_bytes` of the answer (0: not even the head), then close the connection."""
+    host, port, data = _request_bytes(url, body, headers)
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+    except OSError:
+        out.count("cut")
+        return
+    try:
+        writer.write(data)
+        if after_bytes:
+            with contextlib.suppress(asyncio.IncompleteReadError, OSError, TimeoutError):
+                await asyncio.wait_for(reader.readexactly(after_bytes), 5.0)
+        else:
+            await asyncio.sleep(0.01)
+        out.count("vanished")
+    finally:
+        writer.transport.abort()
+
+
+@dataclass
+class Held:
+    writer: asyncio.StreamWriter | None = None
+    status: int | None = None
+
+    async def close(self) -> None:
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            writer.transport.abort()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
+async def hold(
+    url: str, body: dict[str, Any], headers: dict[str, str], held: Held, out: Outcomes
+) -> None:
+    """Read the response head, then nothing: a receive buffer of a few KB fills and the router's
+    writes stall, with its reservation held."""
+    host, port, data = _request_bytes(url, body, headers)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    try:
+        await asyncio.get_running_loop().sock_connect(sock, (host, port))
+        reader, writer = await asyncio.open_connection(sock=sock, limit=1024)
+    except OSError:
+        sock.close()
+        out.count("cut")
+        return
+    held.writer = writer
+    writer.write(data)
+    try:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10.0)
+        held.status = int(head.split(b" ", 2)[1])
+        out.count(f"held {held.status}")
+    except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError, TimeoutError):
+        out.count("held cut")

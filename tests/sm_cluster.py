@@ -1,0 +1,354 @@
+"""The small cluster the reservation state machine drives (tests/test_state_machine.py).
+
+Everything runs on one asyncio loop in a thread of its own (`LoopThread`), so the machine's
+synchronous rules hand it coroutines and the cluster keeps streaming between steps:
+
+- a private `redis-server` (tests/redis_server.py) that can be SIGKILLed and restarted empty;
+- simulated workers (sim/), each stoppable and restartable on its own port;
+- router replicas in process, sharing the store; a replica is killed abruptly by making its
+  store unreachable first (every call raises, as a dead process's would never arrive), then
+  tearing it down: nothing it held is released, its reservations must expire by lease.
+
+Each replica's store is wrapped by a `Tracker`, which records the store calls in flight (sent,
+answer not yet seen by the router) and every reservation made. That is what makes the
+invariants exact: the snapshot (tests/sm_invariants.py) reads Redis with a *blocking* client
+from inside the loop, so no router code runs while it reads, and the only difference between
+the store and the routers' view is the calls the tracker lists as in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from router.app import GATEWAY, create_app
+from router.config import settings_from_mapping
+from router.logs import REQUEST_ID
+from router.server import RouterRunner, serving
+from sim.worker import WorkerConfig, running_worker
+from state.base import StoreError
+from tests.conftest import MODEL
+from tests.redis_server import PrivateRedis
+
+__all__ = ["Cluster", "LoopThread", "RidInfo", "Tracker", "TOKEN"]
+
+T = TypeVar("T")
+TOKEN = "sm-admin-token"
+LEASE_S = 3.0  # reservation lease: a killed replica's room comes back within it
+TIME_SCALE = 20.0
+BLOCK = 16
+# The store calls whose effect on reservations or the ledger the router learns from their
+# answer: in flight, the store may be ahead of the router's view.
+TRACKED = ("reserve", "renew_many", "renew", "resize", "finish", "release", "strand", "unstrand")
+STORE_CALLS = (
+    *TRACKED,
+    "set_capacity",
+    "decode_usage",
+    "mark_ready",
+    "stranded_bytes",
+    "reap_stranded",
+    "note_request",
+    "try_retry",
+    "record_output",
+    "output_histograms",
+    "register_worker",
+    "unregister_worker",
+    "registered_workers",
+    "set_drained",
+    "drained_workers",
+    "worker_roles",
+    "set_role",
+    "forget_role",
+    "hold_lease",
+    "release_lease",
+    "check_marker",
+    "ping",
+    "registry_view",
+    "usage_view",
+)
+
+
+class LoopThread:
+    """An event loop running in a daemon thread; `run` waits for a coroutine's result."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+class ErrorLog(logging.Handler):
+    """Every ERROR the router logs (an unhandled error's traceback among them): a violation."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(self.format(record))
+
+
+@dataclass
+class RidInfo:
+    replica: int
+    worker: str
+    initial: int  # blocks held by the reserve
+    request_id: str | None
+
+
+@dataclass
+class Tracker:
+    """Store calls in flight and every reservation made, across replicas."""
+
+    inflight: dict[int, tuple[int, str, frozenset[str]]] = field(default_factory=dict)
+    rids: dict[str, RidInfo] = field(default_factory=dict)
+    _seq: itertools.count[int] = field(default_factory=itertools.count)
+
+    def wrap(self, store: Any, replica: int) -> None:
+        for name in TRACKED:
+            real = getattr(store, name)
+            setattr(store, name, self._wrapped(name, real, replica))
+
+    def _wrapped(
+        self, name: str, real: Callable[..., Awaitable[Any]], replica: int
+    ) -> Callable[..., Awaitable[Any]]:
+        sig = inspect.signature(real)
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            bound = sig.bind(*args, **kwargs).arguments
+            worker, rids = _touched(name, bound)
+            key = next(self._seq)
+            self.inflight[key] = (replica, worker, rids)
+            try:
+                result = await real(*args, **kwargs)
+            finally:
+                del self.inflight[key]
+            # No await between here and the caller's next line: the router's view follows.
+            if name == "reserve" and result:
+                rid = bound["reservation_id"]
+                self.rids[rid] = RidInfo(replica, worker, bound["blocks"], REQUEST_ID.get())
+            return result
+
+        return call
+
+    def inflight_rids(self) -> set[str]:
+        return {rid for _, _, rids in self.inflight.values() for rid in rids}
+
+
+def _touched(name: str, a: dict[str, Any]) -> tuple[str, frozenset[str]]:
+    """(worker, reservation or ledger ids) a tracked call may change."""
+    if name in ("reserve", "renew", "resize", "release"):
+        rids = {a["reservation_id"]}
+        intent = a.get("intent")
+        if intent is not None:
+            rids.add(intent.request_id)
+        return a["worker_id"], frozenset(rids)
+    if name == "renew_many":
+        return a["worker_id"], frozenset(a["reservations"])
+    if name in ("strand", "unstrand"):
+        return a["prefill_id"], frozenset({a["request_id"]})
+    ids = {step[1] for step in (a.get("release"), a.get("unstrand")) if step is not None}
+    return "", frozenset(ids)
+
+
+@dataclass
+class Worker:
+    config: WorkerConfig
+    stack: contextlib.AsyncExitStack | None = None
+    url: str = ""
+
+    @property
+    def up(self) -> bool:
+        return self.stack is not None
+
+    async def start(self) -> None:
+        self.stack = contextlib.AsyncExitStack()
+        self.url = await self.stack.enter_async_context(running_worker(self.config))
+        if self.config.port == 0:  # the same port on every restart: the router knows it
+            port = int(self.url.rsplit(":", 1)[1])
+            self.config = WorkerConfig(**{**_fields(self.config), "port": port})
+
+    async def stop(self) -> None:
+        stack, self.stack = self.stack, None
+        if stack is not None:
+            await stack.aclose()
+
+
+def _fields(cfg: WorkerConfig) -> dict[str, Any]:
+    return {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
+
+
+@dataclass
+class Replica:
+    index: int
+    app: web.Application
+    url: str
+    stack: contextlib.AsyncExitStack
+    alive: bool = True
+
+    @property
+    def gw(self) -> Any:
+        return self.app[GATEWAY]
+
+
+def _worker_config(role: str, wid: str, kv_blocks: int) -> WorkerConfig:
+    return WorkerConfig(
+        role=role,
+        worker_id=wid,
+        model=MODEL,
+        kv_blocks=kv_blocks,
+        time_scale=TIME_SCALE,
+        kv_lease_s=30.0 * TIME_SCALE,
+        mean_output_tokens=48,
+    )
+
+
+@dataclass
+class Cluster:
+    """p0, p1 prefill; d0, d1 decode; b0 `both` (decode at first); r0 a decode worker the
+    machine registers and deletes through the admin API."""
+
+    decode_blocks: int = 160
+    redis: PrivateRedis = field(default_factory=PrivateRedis)
+    tracker: Tracker = field(default_factory=Tracker)
+    workers: dict[str, Worker] = field(default_factory=dict)
+    replicas: list[Replica] = field(default_factory=list)
+    # reservation id -> the time its lease must have ended by (its replica was killed)
+    orphans: dict[str, float] = field(default_factory=dict)
+    reset_until: float = 0.0  # a Redis restarted empty: the routers put back by then
+    # A deleted worker's keys go with it (state/ unregister_worker), live reservations too:
+    # the streams still on it have theirs put back by the next renewal tick (<= 1 s).
+    deleted_until: dict[str, float] = field(default_factory=dict)
+    redis_up: bool = True
+    errors: ErrorLog = field(default_factory=ErrorLog)
+
+    CONFIGURED = (("prefill", "p0"), ("prefill", "p1"), ("decode", "d0"), ("decode", "d1"))
+
+    async def start(self) -> None:
+        logging.getLogger("router").addHandler(self.errors)
+        self.redis.start()
+        for role, wid in (*self.CONFIGURED, ("both", "b0"), ("decode", "r0")):
+            blocks = self.decode_blocks if role != "prefill" else 4096
+            self.workers[wid] = Worker(_worker_config(role, wid, blocks))
+            await self.workers[wid].start()
+        for _ in range(2):
+            await self.start_replica()
+
+    def entry(self, wid: str) -> dict[str, Any]:
+        w = self.workers[wid]
+        entry: dict[str, Any] = {"id": wid, "url": w.url, "role": w.config.role, "adapter": "sim"}
+        if w.config.role != "prefill":
+            entry["kv_blocks"] = w.config.kv_blocks
+        return entry
+
+    def settings(self) -> Any:
+        workers = [self.entry(wid) for _, wid in self.CONFIGURED] + [self.entry("b0")]
+        return settings_from_mapping(
+            {
+                "model": MODEL,
+                "perf": {"model": MODEL, "gpu": "h100"},
+                "redis_url": self.redis.url,
+                "key_prefix": "dr:",
+                "workers": workers,
+                "admin_token": TOKEN,
+                "reservation_lease_s": LEASE_S,
+                "kv_lease_s": 2.0,
+                "stranded_reap_s": 0.25,
+                "health_interval_s": 0.2,
+                "health_idle_interval_s": 0.2,
+                "health_timeout_s": 1.0,
+                "state_refresh_s": 0.05,
+                "registry_refresh_s": 0.2,
+                "histogram_refresh_s": 0.2,
+                "shutdown_grace_s": 0.5,
+                "load_poll_s": 0,
+                "redis_pool_timeout_s": 1.0,
+                "admission": {"max_wait_s": 1.0},
+                "timeouts": {
+                    "prefill_s": 3.0,
+                    "ttft_s": 4.0,
+                    "idle_s": 2.0,
+                    "connect_s": 1.0,
+                    "client_stall_s": 4.0,
+                },
+                "retry": {"backoff_base_s": 0.005, "backoff_max_s": 0.02},
+                "breaker": {"cooldown_s": 0.5},
+                "roles": {"interval_s": 0.2, "settle_s": 0.3, "drain_deadline_s": 1.5},
+            }
+        )
+
+    async def start_replica(self) -> Replica:
+        stack = contextlib.AsyncExitStack()
+        settings = self.settings()
+        app = create_app(settings)
+        runner = await stack.enter_async_context(
+            serving(app, "127.0.0.1", 0, settings.timeouts, shutdown_timeout=1.0)
+        )
+        assert isinstance(runner, RouterRunner)
+        replica = Replica(
+            len(self.replicas), app, f"http://127.0.0.1:{runner.addresses[0][1]}", stack
+        )
+        self.tracker.wrap(replica.gw.store, replica.index)
+        self.replicas.append(replica)
+        return replica
+
+    @property
+    def alive(self) -> list[Replica]:
+        return [r for r in self.replicas if r.alive]
+
+    async def kill_replica(self, replica: Replica) -> None:
+        """As a SIGKILL would: from now on nothing this replica does reaches the store."""
+        replica.alive = False
+        store = replica.gw.store
+
+        async def unreachable(*args: Any, **kwargs: Any) -> Any:
+            raise StoreError("this replica was killed")
+
+        for name in STORE_CALLS:
+            setattr(store, name, unreachable)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(replica.stack.aclose(), 15.0)
+        # Every lease it renewed ends one lease after its last renewal, which was before now.
+        gone = time.time() + LEASE_S + 0.25
+        for rid, info in self.tracker.rids.items():
+            if info.replica == replica.index:
+                self.orphans[rid] = gone
+
+    async def kill_redis(self) -> None:
+        self.redis_up = False
+        self.redis.kill()
+
+    async def restart_redis(self) -> None:
+        self.redis.start()  # empty
+        self.redis_up = True
+        # The routers see the reset within a registry refresh and put back what they hold;
+        # renewals put back any that raced it within a renewal tick.
+        self.reset_until = time.time() + 3.0
+
+    async def close(self) -> None:
+        for r in self.alive:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(r.stack.aclose(), 20.0)
+            r.alive = False
+        for w in self.workers.values():
+            await w.stop()
+        self.redis.kill()
+        logging.getLogger("router").removeHandler(self.errors)
