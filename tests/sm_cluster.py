@@ -226,7 +226,7 @@ class Cluster:
     """p0, p1 prefill; d0, d1 decode; b0 `both` (decode at first); r0 a decode worker the
     machine registers and deletes through the admin API."""
 
-    decode_blocks: int = 160
+    decode_blocks: int = 400
     redis: PrivateRedis = field(default_factory=PrivateRedis)
     tracker: Tracker = field(default_factory=Tracker)
     workers: dict[str, Worker] = field(default_factory=dict)

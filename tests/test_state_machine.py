@@ -48,6 +48,15 @@ HINTS = [None, None, "1", "4", "5000", "junk", "-3", "²", " 12"]
 WORKERS = ("p0", "p1", "d0", "d1", "b0")
 QUIET_WITHIN_S = 20.0  # a killed replica's leases (3 s) and stranded entries (~5 s) run out
 
+# Router errors of known bugs, each with an xfail(strict=True) regression in
+# tests/test_state_machine_regressions.py and a row in docs/reliability.md: tolerated here (the
+# client's 500 too), so the long run explores past them. Remove one when its bug is fixed.
+KNOWN = (
+    # a decode worker deleted between placement and its decode leg (legs.py:81,
+    # respond.py:178: gw.pools.workers[id])
+    "KeyError: 'r0'",
+)
+
 _loop: LoopThread | None = None
 
 
@@ -133,15 +142,17 @@ class ReservationMachine(RuleBasedStateMachine):
         task.add_done_callback(self.tasks.discard)
 
     @rule(clients=st.lists(client, min_size=1, max_size=8))
-    def traffic(self, clients: list[tuple[Any, ...]]) -> None:
-        """Clients that read their answer, vanish mid-answer, or hold it unread."""
+    def add_clients(self, clients: list[tuple[Any, ...]]) -> None:
+        """Clients that read their answer, vanish mid-answer, or hold it unread. Hypothesis's
+        simplest step is the first of the rules with the fewest arguments, by name: this one,
+        so that even a run of simplest steps sends requests."""
         self._start(clients)
 
     def _start(self, clients: list[tuple[Any, ...]]) -> None:
         for kind, stream, hint, n, max_tokens, long, replica, after_bytes in clients:
             url = self._url(replica)
             if kind == "hold":  # a long stream, so its writes outgrow the buffers
-                body, headers = self._request(True, hint, min(n, 2), 1500, True)
+                body, headers = self._request(True, hint, 1, 4000, True)
                 held = Held()
                 self.held.append(held)
                 self._spawn(hold(url, body, headers, held, self.out))
@@ -161,10 +172,10 @@ class ReservationMachine(RuleBasedStateMachine):
     def time_passes(self, dt: float) -> None:
         time.sleep(dt)
 
-    @rule()
-    def clients_finish(self) -> None:
+    @rule(within_s=st.just(30.0))
+    def clients_finish(self, within_s: float) -> None:
         """Every reading client ends (bounded): a quiescent point but for held clients."""
-        self._wait_clients(30.0)
+        self._wait_clients(within_s)
 
     # -- admin -----------------------------------------------------------------------------
     def _admin(self, method: str, path: str, body: dict[str, Any] | None, replica: int) -> int:
@@ -232,9 +243,9 @@ class ReservationMachine(RuleBasedStateMachine):
         self._start(load)
         self.lt.run(self.c.start_replica())
 
-    @rule()
-    def quiet_point(self) -> None:
-        self._check_quiet()
+    @rule(within_s=st.just(QUIET_WITHIN_S))
+    def quiet_point(self, within_s: float) -> None:
+        self._check_quiet(within_s)
 
     # -- invariants ------------------------------------------------------------------------
     @invariant()
@@ -242,8 +253,13 @@ class ReservationMachine(RuleBasedStateMachine):
         self.steps += 1
         bad = self.lt.run(self._exact())
         assert not bad, "\n".join(bad)
-        assert not self.out.problems, "\n".join(self.out.problems)
-        assert not self.c.errors.records, "\n".join(self.c.errors.records)
+        errors = [e for e in self.c.errors.records if not any(k in e for k in KNOWN)]
+        assert not errors, "\n".join(errors)
+        # A known bug's 500s, one per error it logged (and only those).
+        known_500s = len(self.c.errors.records) - len(errors)
+        problems = [p for p in self.out.problems if "internal router error" not in p]
+        assert not problems, "\n".join(problems)
+        assert len(self.out.problems) - len(problems) <= known_500s, self.out.problems
 
     async def _exact(self) -> list[str]:
         return exact(self.c, snapshot(self.c, self.sync), self.bounds)
@@ -257,12 +273,12 @@ class ReservationMachine(RuleBasedStateMachine):
             time.sleep(0.05)
         assert not self.tasks, f"{len(self.tasks)} clients still running after {within_s} s"
 
-    def _check_quiet(self) -> None:
+    def _check_quiet(self, within_s: float = QUIET_WITHIN_S) -> None:
         for held in self.held:
             self.lt.run(held.close())
         self.held.clear()
         self._wait_clients(40.0)
-        deadline = time.monotonic() + QUIET_WITHIN_S
+        deadline = time.monotonic() + within_s
         bad = self.lt.run(self._quiet())
         while bad and time.monotonic() < deadline:
             time.sleep(0.1)
