@@ -62,7 +62,9 @@ class Feedback:
     def _report(self, job: Job, d: DecodeWorker, now: float) -> None:
         if job.done or job.d is not d or job.info is None or self.live is None:
             return
-        tokens = job.gen + (d.step - job.s0)
+        # Preempted and waiting to be recomputed, it has written `gen` (its residency's steps
+        # are already in it); counting the steps since its old s0 again would overstate it.
+        tokens = job.gen + (d.step - job.s0) if job.idx in d.seqs else job.gen
         self.live.overran(str(job.idx), self.estimator.class_keys(job.info), tokens)
         # The router reports again once the answer has grown by a quarter (its next growth).
         step_s = d.durs[-1] if d.durs else d.step_base

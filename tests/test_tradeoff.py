@@ -67,3 +67,33 @@ def test_tables_show_every_cell_at_both_loads() -> None:
     assert len(lines) == 4
     assert all(ln.count("|") == lines[0].count("|") for ln in lines)
     assert "after shift SLO %" in text
+
+
+def test_a_preempted_sequence_is_reported_at_what_it_has_written() -> None:
+    """simcluster/feedback.py: a sequence preempted (its tokens kept in `gen`) and waiting to be
+    recomputed was reported at gen + the steps since its old residency began, counting those
+    steps twice: a censored sample longer than the answer (seen on conv-shift at q0.5)."""
+    from policies.base import RequestInfo
+    from policies.estimators import OnlineQuantileEstimator, bucket_of
+    from simcluster.feedback import Feedback
+    from simcluster.workers import DecodeWorker, Job
+
+    cfg = TINY.config()
+    d = DecodeWorker(0, cfg.decode[0], cfg.layout_of(cfg.decode[0]))
+    est = OnlineQuantileEstimator()
+    fb = Feedback(est, lambda t, fn: None, lambda: 0.0)
+    info = RequestInfo("7", cfg.model, 300, cfg.max_tokens)
+    keys = est.class_keys(info)
+
+    def reported() -> dict[int, int]:
+        return dict(fb.histograms({k: {} for k in keys})[keys[-1]])
+
+    job = Job(7, 0.0, 300, 500, ())
+    job.info, job.d = info, d
+    job.gen, job.s0, d.step = 60, 0, 200  # evicted at step 60 of its residency, waiting since
+    fb._report(job, d, 0.0)
+    assert reported() == {bucket_of(60): 1}
+    d.seqs[job.idx] = job  # recomputed: resident again from step 200
+    job.s0, d.step = 200, 300
+    fb._report(job, d, 0.0)
+    assert reported() == {bucket_of(160): 1}
