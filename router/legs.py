@@ -78,7 +78,7 @@ async def open_legs(call: Call, attempt: Attempt, ask: Ask) -> DecodeResponse:
     body = ask.body
     if prefill_id is not None:
         kv = await _prefill(call, attempt, ask)
-        decode = gw.pools.workers[attempt.candidate.decode_id]
+        decode = gw.pools.worker(attempt.candidate.decode_id)
         body = _pull_adapter(gw, decode).decode_body(ask.body, kv)
     return await _open_decode(call, attempt, body, ask.resumed)
 
@@ -91,7 +91,7 @@ def _whole_on_decode(gw: Gateway, n: int, prefill_id: str) -> bool:
     SGLang's decode workers cannot prefill: there `n` goes to both legs unchanged."""
     if n <= 1:
         return False
-    return gw.pools.workers[prefill_id].spec.adapter != "sglang"
+    return gw.pools.worker(prefill_id).spec.adapter != "sglang"
 
 
 def _pull_adapter(gw: Gateway, worker: WorkerState) -> WorkerAdapter:
@@ -196,7 +196,7 @@ async def _prefill_leg(
     LegFailure for an answer that is not one: the breaker is charged as for an error status),
     else a LegFailure charged to the prefill."""
     gw = call.gw
-    worker = gw.pools.workers[attempt.candidate.prefill_id or ""]
+    worker = gw.pools.worker(attempt.candidate.prefill_id or "")
     if attempt.decode_id is None:  # pragma: no cover - the invariant, checked loudly
         raise RuntimeError("refusing to prefill without a decode reservation")
     spec = worker.spec
@@ -228,7 +228,7 @@ async def _prefill_leg(
 async def _prefill(call: Call, attempt: Attempt, ask: Ask) -> dict[str, Any]:
     """vLLM NIXL pull mode: prefill first, then hand its kv_transfer_params to decode."""
     gw = call.gw
-    worker = gw.pools.workers[attempt.candidate.prefill_id or ""]
+    worker = gw.pools.worker(attempt.candidate.prefill_id or "")
     adapter = _pull_adapter(gw, worker)
     wire_body = adapter.prefill_body(ask.body)
     if call.parsed.path == RESPONSES:
@@ -303,7 +303,7 @@ def _mark_ready(gw: Gateway, attempt: Attempt, answered: float) -> None:
 
 
 def _concurrent(gw: Gateway, prefill_id: str) -> bool:
-    spec = gw.pools.workers[prefill_id].spec
+    spec = gw.pools.worker(prefill_id).spec
     return bool(getattr(gw.adapters[spec.adapter], "concurrent_legs", False))
 
 
@@ -311,7 +311,7 @@ async def _concurrent_legs(call: Call, attempt: Attempt, ask: Ask) -> DecodeResp
     """SGLang rooms / vLLM Mooncake: both legs at once. The decode stream is returned as soon
     as it starts (not after the prefill's answer); a leg that fails cancels the other."""
     gw = call.gw
-    worker = gw.pools.workers[attempt.candidate.prefill_id or ""]
+    worker = gw.pools.worker(attempt.candidate.prefill_id or "")
     adapter = gw.adapters[worker.spec.adapter]
     target = prefill_target(worker.spec.url, worker.spec.bootstrap_port, worker.spec.engine_id)
     try:
@@ -352,7 +352,7 @@ async def _open_decode(
     call: Call, attempt: Attempt, body: dict[str, Any], resumed: int
 ) -> DecodeResponse:
     gw = call.gw
-    worker = gw.pools.workers[attempt.candidate.decode_id]
+    worker = gw.pools.worker(attempt.candidate.decode_id)
     spec, t = worker.spec, gw.settings.timeouts
     call.trace.begin("decode", worker=spec.id)
     resp: DecodeResponse

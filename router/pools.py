@@ -36,6 +36,10 @@ from state.base import DrainMark, StateStore, StoreError, WorkerRole
 
 __all__ = ["WorkerState", "Pools"]
 
+# Removed workers kept for the requests still on them: a removal is an operator's act, so a
+# few dozen is plenty, and bounded whatever an API client does.
+_DEPARTED_KEPT = 64
+
 log = logging.getLogger(__name__)
 
 
@@ -119,6 +123,8 @@ class Pools:
         self.settings = settings
         self.store = store
         self.workers: dict[str, WorkerState] = {}
+        # Workers removed while requests may still be on them (`worker`): the last few, by id.
+        self._departed: dict[str, WorkerState] = {}
         for spec in settings.workers:
             self.add(spec)
         self.stranded_byte_seconds = 0.0
@@ -218,8 +224,22 @@ class Pools:
         return state
 
     def remove(self, worker_id: str) -> bool:
-        """Out of the pools at once; requests already on it finish (releases go by id)."""
-        return self.workers.pop(worker_id, None) is not None
+        """Out of the pools at once; requests already on it finish (releases go by id, their
+        legs find it through `worker`)."""
+        state = self.workers.pop(worker_id, None)
+        if state is None:
+            return False
+        self._departed.pop(worker_id, None)
+        self._departed[worker_id] = state
+        while len(self._departed) > _DEPARTED_KEPT:
+            del self._departed[next(iter(self._departed))]
+        return True
+
+    def worker(self, worker_id: str) -> WorkerState:
+        """The worker an attempt was placed on, also when it has been removed since: its
+        request still runs its legs there (KeyError only for an id never known)."""
+        state = self.workers.get(worker_id)
+        return state if state is not None else self._departed[worker_id]
 
     def unpaired(self) -> list[str]:
         """Workers whose KV layout matches no worker on the other side: never used for a

@@ -175,7 +175,7 @@ class Responder:
         """One decode stream into `sink` (the client's stream, or DISCARD when assembling); the
         connection is closed afterwards (unfinished: dropping it is vLLM's abort signal)."""
         gw = self.call.gw
-        worker = gw.pools.workers[attempt.candidate.decode_id]
+        worker = gw.pools.worker(attempt.candidate.decode_id)
         worker.resident_seqs += 1
         worker.open_streams.add(resp)  # a role drain past its deadline may cut it (router/roles.py)
         self.progress.watch(attempt, ask)
@@ -238,7 +238,7 @@ class Responder:
             usage = answer.get("usage") or {}
         except (aiohttp.ClientError, ValueError) as exc:  # JSONDecodeError is a ValueError
             # A 200 that is not an answer is the worker's failure, like a 500 (issue 20).
-            worker = gw.pools.workers[decode_id]
+            worker = gw.pools.worker(decode_id)
             result = RelayResult(upstream_error=f"answered badly: {exc!r}", error_kind="malformed")
             return Broken(stream_failure(gw, attempt, worker, result))
         finally:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
-import pytest
 
 from sim.textgen import expected_answer
 from sim.worker import WorkerConfig, running_worker
@@ -19,14 +18,6 @@ TOKEN = "sm-regression-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    run=True,
-    reason="router/legs.py open_legs (line 81) and router/respond.py _relay (line 178) look "
-    "the decode worker up with gw.pools.workers[id]: a worker deleted through the admin API "
-    "between placement and the decode leg is a KeyError there, a 500 to the client "
-    "(legs.py and respond.py are not this change's to fix)",
-)
 async def test_a_decode_worker_deleted_during_the_prefill_still_serves_its_request(
     redis_prefix: str,
 ) -> None:
