@@ -19,6 +19,7 @@ the store and the routers' view is the calls the tracker lists as in flight.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import inspect
 import itertools
@@ -96,14 +97,20 @@ class LoopThread:
 
 
 class ErrorLog(logging.Handler):
-    """Every ERROR the router logs (an unhandled error's traceback among them): a violation."""
+    """Every ERROR the router logs (an unhandled error's traceback among them): a violation.
+    The last warnings are kept for the report of one."""
 
     def __init__(self) -> None:
-        super().__init__(logging.ERROR)
+        super().__init__(logging.WARNING)
         self.records: list[str] = []
+        self.warnings: collections.deque[str] = collections.deque(maxlen=20)
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(self.format(record))
+        line = self.format(record)
+        if record.levelno >= logging.ERROR:
+            self.records.append(line)
+        else:
+            self.warnings.append(f"{record.created:.3f} {line}")
 
 
 @dataclass
@@ -120,6 +127,9 @@ class Tracker:
 
     inflight: dict[int, tuple[int, str, frozenset[str]]] = field(default_factory=dict)
     rids: dict[str, RidInfo] = field(default_factory=dict)
+    # id -> the tracked calls that touched it: (call, replica, start, end, outcome); for the
+    # report of a violation
+    history: dict[str, list[tuple[str, int, float, float, str]]] = field(default_factory=dict)
     _seq: itertools.count[int] = field(default_factory=itertools.count)
 
     def wrap(self, store: Any, replica: int) -> None:
@@ -137,10 +147,19 @@ class Tracker:
             worker, rids = _touched(name, bound)
             key = next(self._seq)
             self.inflight[key] = (replica, worker, rids)
+            start, outcome = time.time(), "cancelled"
             try:
                 result = await real(*args, **kwargs)
+                outcome = repr(result)[:60]
+            except Exception as exc:
+                outcome = repr(exc)[:60]
+                raise
             finally:
                 del self.inflight[key]
+                for rid in rids:
+                    self.history.setdefault(rid, []).append(
+                        (name, replica, start, time.time(), outcome)
+                    )
             # No await between here and the caller's next line: the router's view follows.
             if name == "reserve" and result:
                 rid = bound["reservation_id"]

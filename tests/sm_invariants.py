@@ -134,7 +134,14 @@ def exact(c: Cluster, s: Snapshot, bounds: Mapping[str, RequestBound]) -> list[s
                     bad.append(f"{rid} of a killed replica renewed after its death on {w}")
                 continue
             info = c.tracker.rids.get(rid)
-            bad.append(f"stranded reservation {rid} on {w} ({blocks} blocks, {info})")
+            calls = [
+                (n, rep, round(t0 - s.now, 3), round(t1 - s.now, 3), out)
+                for n, rep, t0, t1, out in c.tracker.history.get(rid, [])
+            ]
+            bad.append(
+                f"stranded reservation {rid} on {w} ({blocks} blocks, lease ends in "
+                f"{exp - s.now:.3f} s, {info}); its calls (times from now): {calls}"
+            )
         cap = s.capacity.get(w)
         if cap is not None and not settling:
             growth = sum(

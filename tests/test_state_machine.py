@@ -104,7 +104,7 @@ class ReservationMachine(RuleBasedStateMachine):
         self.session = self.lt.run(_session())
         self.out = Outcomes()
         self.bounds: dict[str, RequestBound] = {}
-        self.tasks: set[asyncio.Future[Any]] = set()
+        self.tasks: dict[asyncio.Future[Any], str] = {}  # client -> what it is, since when
         self.held: list[Held] = []
         self.ids = itertools.count()
         self.registered = False
@@ -136,10 +136,10 @@ class ReservationMachine(RuleBasedStateMachine):
         alive = self.c.alive
         return alive[replica % len(alive)].url
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any, what: str) -> None:
         task = asyncio.run_coroutine_threadsafe(coro, self.lt.loop)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        self.tasks[task] = f"{what} at {time.time():.3f}"
+        task.add_done_callback(lambda t: self.tasks.pop(t, None))
 
     @rule(clients=st.lists(client, min_size=1, max_size=8))
     def add_clients(self, clients: list[tuple[Any, ...]]) -> None:
@@ -155,13 +155,15 @@ class ReservationMachine(RuleBasedStateMachine):
                 body, headers = self._request(True, hint, 1, 4000, True)
                 held = Held()
                 self.held.append(held)
-                self._spawn(hold(url, body, headers, held, self.out))
+                self._spawn(hold(url, body, headers, held, self.out), f"hold {headers}")
                 continue
             body, headers = self._request(stream, hint, n, max_tokens, long)
             if kind == "vanish":
-                self._spawn(vanish(url, body, headers, after_bytes, self.out))
+                what = f"vanish after {after_bytes} B {headers} {body}"
+                self._spawn(vanish(url, body, headers, after_bytes, self.out), what)
             else:
-                self._spawn(whole_or_stream(self.session, url, body, headers, self.out))
+                what = f"read {headers} {body} on {url}"
+                self._spawn(whole_or_stream(self.session, url, body, headers, self.out), what)
 
     @precondition(lambda self: self.held)
     @rule(which=st.integers(0, 7))
@@ -252,7 +254,7 @@ class ReservationMachine(RuleBasedStateMachine):
     def reservations_match(self) -> None:
         self.steps += 1
         bad = self.lt.run(self._exact())
-        assert not bad, "\n".join(bad)
+        assert not bad, "\n".join([*bad, "recent warnings:", *self.c.errors.warnings])
         errors = [e for e in self.c.errors.records if not any(k in e for k in KNOWN)]
         assert not errors, "\n".join(errors)
         # A known bug's 500s, one per error it logged (and only those).
@@ -271,7 +273,11 @@ class ReservationMachine(RuleBasedStateMachine):
         deadline = time.monotonic() + within_s
         while self.tasks and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not self.tasks, f"{len(self.tasks)} clients still running after {within_s} s"
+        assert not self.tasks, (
+            f"{len(self.tasks)} clients still running after {within_s} s (now "
+            f"{time.time():.3f}): {list(self.tasks.values())}; recent warnings: "
+            f"{list(self.c.errors.warnings)}"
+        )
 
     def _check_quiet(self, within_s: float = QUIET_WITHIN_S) -> None:
         for held in self.held:
