@@ -33,13 +33,14 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from bench.hostile_clients import HogResult, Looper, hog, operator, request_pool
+from bench.hostile_clients import HogResult, Looper, cancel_all, hog, operator, request_pool
 from bench.hostile_cluster import ClusterShape, HostileCluster, StoreSampler
 from bench.hostile_report import clients, format_report, hogs, reservations
 from bench.load import git_commit
@@ -146,10 +147,127 @@ def _peak_targets(res: dict[str, Any], bound: float) -> tuple[bool, str]:
     return worst <= bound, f"worst peak {worst:.0%} of capacity (bound {bound:.0%})"
 
 
-async def run_shift(spec: ShiftSpec, *, workdir: Path | None = None) -> dict[str, Any]:
+async def _bounded(
+    shape: ClusterShape,
+    traffic: Callable[[HostileCluster, aiohttp.ClientSession], Awaitable[dict[str, Any]]],
+    *,
+    budget_s: float,
+    sessions: int,
+    workdir: Path | None,
+) -> dict[str, Any]:
+    """Start the cluster, run `traffic` within `budget_s`, stop everything; the report."""
     raise_nofile(8192)
     own_dir = workdir is None
     workdir = workdir or Path(tempfile.mkdtemp(prefix="bench-hostile-"))
+    cluster = HostileCluster(shape, workdir)
+    t_start = time.perf_counter()
+    try:
+        try:
+            async with asyncio.timeout(budget_s):
+                await cluster.start()
+                async with new_session(sessions) as session:
+                    rep = await traffic(cluster, session)
+                    rep["router"] = await _router_metrics(session, cluster.router_urls)
+                    rep["sim"] = await _sim_states(session, cluster)
+        except TimeoutError as exc:
+            raise RuntimeError(f"the run did not end within its {budget_s:.0f} s bound") from exc
+        return _finish(rep, cluster, t_start)
+    finally:
+        cluster.stop()
+        if own_dir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+async def _phase1(
+    spec: ShiftSpec, cluster: HostileCluster, session: aiohttp.ClientSession
+) -> tuple[Looper, dict[str, int], float]:
+    """Short and long answers while the operator moves the `both` workers; (the clients,
+    the operator's answers, when it started)."""
+    short = request_pool("short", spec.short_tokens, spec.phase1_max_tokens, 32)
+    long = request_pool("long", spec.long_tokens, spec.phase1_max_tokens, 32)
+    weights = (1.0 - spec.long_share, spec.long_share)
+    clients_ = Looper(
+        "phase1", session, cluster.router_urls, (short, long), weights, spec.phase1_s + 60.0
+    )
+    stop_operator = asyncio.Event()
+    moves = asyncio.create_task(operator(cluster, session, spec.move_every_s, stop_operator))
+    t0 = time.perf_counter()
+    if spec.phase1_s > 0:
+        await clients_.run(spec.phase1_clients, spec.phase1_s)
+    stop_operator.set()
+    return clients_, dict(await moves), t0
+
+
+async def _phase2(
+    spec: ShiftSpec, cluster: HostileCluster, session: aiohttp.ClientSession
+) -> tuple[Looper, list[HogResult], float]:
+    """The non-reading crowd beside the normal clients; (normal clients, hogs, start)."""
+    urls = cluster.router_urls
+    hog_pool = request_pool("hog", spec.hog_tokens, spec.hog_tokens, 16)
+    hogs_ = [HogResult() for _ in range(spec.hogs)]
+    t0 = time.perf_counter()
+    hog_tasks = [
+        asyncio.create_task(
+            hog(res, urls[i % len(urls)], hog_pool[i % len(hog_pool)], spec.hold_s, 90.0)
+        )
+        for i, res in enumerate(hogs_)
+    ]
+    normal_pool = request_pool("normal", spec.normal_tokens, spec.normal_tokens, 16)
+    normal = Looper("normal", session, urls, (normal_pool,), (1.0,), deadline_s=90.0)
+    await normal.run(spec.normal_clients, spec.phase2_s)
+    await cancel_all(hog_tasks)  # those still holding close their sockets now
+    return normal, hogs_, t0
+
+
+async def _shift(
+    spec: ShiftSpec, cluster: HostileCluster, session: aiohttp.ClientSession
+) -> dict[str, Any]:
+    all_decode = {wid: "decode" for wid in cluster.shape.both_ids}
+    for wid in all_decode:
+        await cluster.set_role(session, wid, "decode")
+    if not await cluster.until_roles(session, all_decode, 30.0):
+        raise RuntimeError("the both workers never took the decode role")
+    sampler = StoreSampler(cluster.redis_url, cluster.key_prefix, cluster.shape.decode_ids)
+    sampler.start()
+    try:
+        phase1, moves, t1 = await _phase1(spec, cluster, session)
+        for wid in all_decode:
+            await cluster.set_role(session, wid, "decode")
+        back = await cluster.until_roles(session, all_decode, spec.drain_deadline_s + 20.0)
+        t2_sampled = sampler.samples[-1].t if sampler.samples else 0.0
+        normal, hogs_, t2 = await _phase2(spec, cluster, session)
+    finally:
+        await sampler.stop()
+    phase2 = reservations(sampler.samples, t_from=t2_sampled)
+    norm = clients(normal.results, t2, normal.in_flight)
+    p99 = norm["ttft_s"].get("p99")
+    return {
+        "scenario": "shift",
+        "time_scale": spec.time_scale,
+        "spec": asdict(spec),
+        "roles_back_to_decode": back,
+        "reservations": {
+            "phase 1": reservations([s for s in sampler.samples if s.t < t2_sampled]),
+            "phase 2": phase2,
+        },
+        "clients": {
+            "phase 1": clients(phase1.results, t1, phase1.in_flight),
+            "phase 2 normal": norm,
+        },
+        "hogs": hogs(hogs_),
+        "operator": moves,
+        "targets": {
+            "reserved <= 1.1 x capacity": _peak_targets(phase2, 1.1),
+            "every normal request ok": _target(
+                norm["requests"] > 0 and norm["ok"] == norm["requests"],
+                f"{norm['ok']} ok of {norm['requests']} ({norm['outcomes']})",
+            ),
+            "normal TTFT p99 < 2 s": _target(p99 is not None and p99 < 2.0, f"p99 {p99} s"),
+        },
+    }
+
+
+async def run_shift(spec: ShiftSpec, *, workdir: Path | None = None) -> dict[str, Any]:
     shape = ClusterShape(
         workers=(("p0", "prefill"), ("d0", "decode"), ("b0", "both"), ("b1", "both")),
         decode_blocks=spec.decode_blocks,
@@ -159,97 +277,47 @@ async def run_shift(spec: ShiftSpec, *, workdir: Path | None = None) -> dict[str
             "roles": {"interval_s": 0.5, "settle_s": 1.0, "drain_deadline_s": spec.drain_deadline_s}
         },
     )
-    cluster = HostileCluster(shape, workdir)
-    t_start = time.perf_counter()
+    return await _bounded(
+        shape,
+        lambda cluster, session: _shift(spec, cluster, session),
+        budget_s=spec.phase1_s + spec.phase2_s + 3 * spec.drain_deadline_s + 180.0,
+        sessions=spec.phase1_clients + spec.normal_clients + 64,
+        workdir=workdir,
+    )
+
+
+async def _flood(
+    spec: FloodSpec, cluster: HostileCluster, session: aiohttp.ClientSession
+) -> dict[str, Any]:
+    sampler = StoreSampler(cluster.redis_url, cluster.key_prefix, cluster.shape.decode_ids)
+    sampler.start()
+    pool = request_pool("flood", spec.answer_tokens, spec.max_tokens, 32, hint=spec.hint)
+    urls = cluster.router_urls
+    flood = Looper("flood", session, urls, (pool,), (1.0,), spec.duration_s + 60.0)
+    t0 = time.perf_counter()
     try:
-        await cluster.start()
-        async with new_session(spec.phase1_clients + spec.normal_clients + 64) as session:
-            all_decode = {wid: "decode" for wid in shape.both_ids}
-            for wid in shape.both_ids:
-                await cluster.set_role(session, wid, "decode")
-            if not await cluster.until_roles(session, all_decode, 30.0):
-                raise RuntimeError("the both workers never took the decode role")
-            sampler = StoreSampler(cluster.redis_url, cluster.key_prefix, shape.decode_ids)
-            sampler.start()
-            short = request_pool("short", spec.short_tokens, spec.phase1_max_tokens, 32)
-            long = request_pool("long", spec.long_tokens, spec.phase1_max_tokens, 32)
-            phase1 = Looper(
-                "phase1",
-                session,
-                cluster.router_urls,
-                (short, long),
-                (1.0 - spec.long_share, spec.long_share),
-                deadline_s=spec.phase1_s + 60.0,
-            )
-            stop_operator = asyncio.Event()
-            moves = asyncio.create_task(
-                operator(cluster, session, spec.move_every_s, stop_operator)
-            )
-            t1_clock = time.perf_counter()
-            if spec.phase1_s > 0:
-                await phase1.run(spec.phase1_clients, spec.phase1_s)
-            stop_operator.set()
-            answers = await moves
-            for wid in shape.both_ids:
-                await cluster.set_role(session, wid, "decode")
-            back = await cluster.until_roles(session, all_decode, spec.drain_deadline_s + 20.0)
-            t2 = sampler.samples[-1].t if sampler.samples else 0.0
-            t2_clock = time.perf_counter()
-            hog_req = request_pool("hog", spec.hog_tokens, spec.hog_tokens, 16)
-            urls = cluster.router_urls
-            hog_results = [HogResult() for _ in range(spec.hogs)]
-            hog_tasks = [
-                asyncio.create_task(
-                    hog(res, urls[i % len(urls)], hog_req[i % len(hog_req)], spec.hold_s, 90.0)
-                )
-                for i, res in enumerate(hog_results)
-            ]
-            normal_pool = request_pool("normal", spec.normal_tokens, spec.normal_tokens, 16)
-            normal = Looper("normal", session, urls, (normal_pool,), (1.0,), deadline_s=90.0)
-            await normal.run(spec.normal_clients, spec.phase2_s)
-            for task in hog_tasks:
-                task.cancel()  # those still holding close their sockets now
-            await asyncio.gather(*hog_tasks, return_exceptions=True)
-            await sampler.stop()
-            rep: dict[str, Any] = {
-                "scenario": "shift",
-                "time_scale": spec.time_scale,
-                "spec": asdict(spec),
-                "roles_back_to_decode": back,
-                "reservations": {
-                    "phase 1": reservations([s for s in sampler.samples if s.t < t2]),
-                    "phase 2": reservations(sampler.samples, t_from=t2),
-                },
-                "clients": {
-                    "phase 1": clients(phase1.results, t1_clock, phase1.in_flight),
-                    "phase 2 normal": clients(normal.results, t2_clock, normal.in_flight),
-                },
-                "hogs": hogs(hog_results),
-                "operator": dict(answers),
-                "router": await _router_metrics(session, cluster.router_urls),
-                "sim": await _sim_states(session, cluster),
-            }
-        norm = rep["clients"]["phase 2 normal"]
-        p99 = norm["ttft_s"].get("p99")
-        rep["targets"] = {
-            "reserved <= 1.1 x capacity": _peak_targets(rep["reservations"]["phase 2"], 1.1),
-            "every normal request ok": _target(
-                norm["requests"] > 0 and norm["ok"] == norm["requests"],
-                f"{norm['ok']} ok of {norm['requests']} ({norm['outcomes']})",
-            ),
-            "normal TTFT p99 < 2 s": _target(p99 is not None and p99 < 2.0, f"p99 {p99} s"),
-        }
-        return _finish(rep, cluster, t_start)
+        await flood.run(spec.clients, spec.duration_s, spec.ramp_s)
     finally:
-        cluster.stop()
-        if own_dir:
-            shutil.rmtree(workdir, ignore_errors=True)
+        await sampler.stop()
+    res = reservations(sampler.samples)
+    late = sum(w["late_grown_past_capacity"] for w in res["workers"].values())
+    grown = sum(w["grown_past_capacity"] for w in res["workers"].values())
+    return {
+        "scenario": "hint-flood",
+        "time_scale": spec.time_scale,
+        "spec": asdict(spec),
+        "reservations": {"run": res},
+        "clients": {"flood": clients(flood.results, t0, flood.in_flight)},
+        "targets": {
+            "reserved <= capacity": _peak_targets(res, 1.0),
+            "forced growth only on resident sequences": _target(
+                late == 0, f"{late} late reservations grown past capacity ({grown} in all)"
+            ),
+        },
+    }
 
 
 async def run_flood(spec: FloodSpec, *, workdir: Path | None = None) -> dict[str, Any]:
-    raise_nofile(8192)
-    own_dir = workdir is None
-    workdir = workdir or Path(tempfile.mkdtemp(prefix="bench-hostile-"))
     estimator_args = {"fallback": "online_quantile"} if spec.estimator == "hint" else {}
     shape = ClusterShape(
         workers=(("p0", "prefill"), ("d0", "decode"), ("d1", "decode"), ("d2", "decode")),
@@ -258,45 +326,13 @@ async def run_flood(spec: FloodSpec, *, workdir: Path | None = None) -> dict[str
         log_level=spec.log_level,
         router={"estimator": spec.estimator, "estimator_args": estimator_args},
     )
-    cluster = HostileCluster(shape, workdir)
-    t_start = time.perf_counter()
-    try:
-        await cluster.start()
-        async with new_session(spec.clients + 64) as session:
-            sampler = StoreSampler(cluster.redis_url, cluster.key_prefix, shape.decode_ids)
-            sampler.start()
-            pool = request_pool("flood", spec.answer_tokens, spec.max_tokens, 32, hint=spec.hint)
-            flood = Looper(
-                "flood", session, cluster.router_urls, (pool,), (1.0,), spec.duration_s + 60.0
-            )
-            t0 = time.perf_counter()
-            await flood.run(spec.clients, spec.duration_s, spec.ramp_s)
-            await sampler.stop()
-            rep: dict[str, Any] = {
-                "scenario": "hint-flood",
-                "time_scale": spec.time_scale,
-                "spec": asdict(spec),
-                "reservations": {"run": reservations(sampler.samples)},
-                "clients": {"flood": clients(flood.results, t0, flood.in_flight)},
-                "router": await _router_metrics(session, cluster.router_urls),
-                "sim": await _sim_states(session, cluster),
-            }
-        res = rep["reservations"]["run"]
-        late = sum(w["late_grown_past_capacity"] for w in res["workers"].values())
-        grown = sum(w["grown_past_capacity"] for w in res["workers"].values())
-        rep["targets"] = {
-            "reserved <= capacity": _peak_targets(res, 1.0),
-            "forced growth only on resident sequences": _target(
-                late == 0,
-                f"{late} late reservations grown past capacity ({grown} in all; router "
-                f"counted {rep['router'].get(_FORCED, 0):.0f} forced growths)",
-            ),
-        }
-        return _finish(rep, cluster, t_start)
-    finally:
-        cluster.stop()
-        if own_dir:
-            shutil.rmtree(workdir, ignore_errors=True)
+    return await _bounded(
+        shape,
+        lambda cluster, session: _flood(spec, cluster, session),
+        budget_s=spec.duration_s + 180.0,
+        sessions=spec.clients + 64,
+        workdir=workdir,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

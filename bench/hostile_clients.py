@@ -29,7 +29,7 @@ import aiohttp
 from bench.hostile_cluster import MODEL, HostileCluster
 from bench.loadclient import LoadRequest, Result, make_request, send
 
-__all__ = ["HogResult", "Looper", "hog", "operator", "request_pool"]
+__all__ = ["HogResult", "Looper", "cancel_all", "hog", "operator", "request_pool"]
 
 HINT_HEADER = "X-Expected-Output-Tokens"
 PROMPT_TOKENS = 100  # every request in one prompt bucket (policies/estimators.py: p=256)
@@ -108,9 +108,16 @@ class Looper:
         except TimeoutError:
             pass
         self.stop.set()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(tasks)
+
+
+async def cancel_all(tasks: Sequence[asyncio.Task[None]], timeout_s: float = 10.0) -> None:
+    """Cancel `tasks` and wait for them, but not forever: a library that turns a cancellation
+    into an error of its own could keep a client looping (the run must end by itself)."""
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout_s)
 
 
 @dataclass(slots=True)

@@ -14,6 +14,7 @@ Loopback only, every process in a session of its own (bench/procs.py), stopped i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -180,7 +181,7 @@ class HostileCluster:
 
     async def roles(self, session: aiohttp.ClientSession) -> list[dict[str, str]]:
         """Each replica's view of the `both` workers' roles."""
-        out = []
+        out: list[dict[str, str]] = []
         for url in self.router_urls:
             async with session.get(
                 url + "/admin/roles", timeout=aiohttp.ClientTimeout(total=10)
@@ -224,6 +225,7 @@ class StoreSampler:
         self.errors = 0
         self.t0 = time.perf_counter()
         self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
 
     def _key(self, wid: str, part: str) -> str:
         return f"{self.prefix}{{d:{wid}}}:{part}"  # state/keys.py, Keys.decode_*
@@ -231,15 +233,19 @@ class StoreSampler:
     async def _loop(self) -> None:
         client = aioredis.from_url(self.redis_url)
         try:
-            while True:
+            while not self._stopping.is_set():
                 started = time.perf_counter()
                 try:
                     await self._sample(client)
                 except (OSError, aioredis.RedisError):
                     self.errors += 1
-                await asyncio.sleep(max(0.0, self.period_s - (time.perf_counter() - started)))
+                pause = max(0.0, self.period_s - (time.perf_counter() - started))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), pause)
         finally:
-            await client.aclose()
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(2.0):
+                    await client.aclose()
 
     async def _sample(self, client: aioredis.Redis) -> None:
         pipe = client.pipeline(transaction=False)
@@ -261,6 +267,13 @@ class StoreSampler:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task is not None:
+        """Stop between two samples. Not by cancelling a sample: redis-py may turn the
+        cancellation of a pipeline into a ConnectionError, which the loop counts and goes on
+        after (a run hung there for 10 minutes); a cancel only if it does not stop in 5 s."""
+        self._stopping.set()
+        if self._task is None:
+            return
+        done, _ = await asyncio.wait({self._task}, timeout=5.0)
+        if not done:
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await asyncio.wait({self._task}, timeout=5.0)
