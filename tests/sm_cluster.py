@@ -130,6 +130,9 @@ class Tracker:
     # id -> the tracked calls that touched it: (call, replica, start, end, outcome); for the
     # report of a violation
     history: dict[str, list[tuple[str, int, float, float, str]]] = field(default_factory=dict)
+    # ids a renewal put back after the store lost them (a reset, a deleted worker's keys):
+    # held again over capacity if need be, on top of whatever took their room meanwhile
+    put_back: set[str] = field(default_factory=set)
     _seq: itertools.count[int] = field(default_factory=itertools.count)
 
     def wrap(self, store: Any, replica: int) -> None:
@@ -161,6 +164,8 @@ class Tracker:
                         (name, replica, start, time.time(), outcome)
                     )
             # No await between here and the caller's next line: the router's view follows.
+            if name == "renew_many":
+                self.put_back.update(result)
             if name == "reserve" and result:
                 rid = bound["reservation_id"]
                 self.rids[rid] = RidInfo(replica, worker, bound["blocks"], REQUEST_ID.get())

@@ -149,6 +149,9 @@ def exact(c: Cluster, s: Snapshot, bounds: Mapping[str, RequestBound]) -> list[s
                 for rid, b in unexpired.items()
                 if rid in c.tracker.rids
             )
+            # Known (bug table): new reservations take the room of reservations the store lost
+            # before their renewal puts them back, over capacity.
+            growth += sum(b for rid, b in unexpired.items() if rid in c.tracker.put_back)
             total = sum(unexpired.values())
             if total > cap + growth:
                 bad.append(
