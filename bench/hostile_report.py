@@ -20,7 +20,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.hostile_cluster import StoreSample
-from bench.loadclient import Result, failure_kinds, outcome_counts, percentiles
+from bench.loadclient import (
+    Result,
+    failure_examples,
+    failure_kinds,
+    outcome_counts,
+    percentiles,
+)
 
 __all__ = ["clients", "format_report", "reservations"]
 
@@ -88,6 +94,7 @@ def clients(results: Sequence[Result], t0: float, in_flight: int = 0) -> dict[st
             k: _r(v, 2) for k, v in percentiles([r.t_end - r.t_send for r in shed]).items()
         },
         "failure_kinds": failure_kinds(list(results), ("ok",)),
+        "failure_examples": failure_examples(list(results), ("ok",), per_kind=2),
     }
 
 
