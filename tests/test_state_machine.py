@@ -48,15 +48,6 @@ HINTS = [None, None, "1", "4", "5000", "junk", "-3", "²", " 12"]
 WORKERS = ("p0", "p1", "d0", "d1", "b0")
 QUIET_WITHIN_S = 20.0  # a killed replica's leases (3 s) and stranded entries (~5 s) run out
 
-# Router errors of known bugs, each with an xfail(strict=True) regression in
-# tests/test_state_machine_regressions.py and a row in docs/reliability.md: tolerated here (the
-# client's 500 too), so the long run explores past them. Remove one when its bug is fixed.
-KNOWN = (
-    # a decode worker deleted between placement and its decode leg (legs.py:81,
-    # respond.py:178: gw.pools.workers[id])
-    "KeyError: 'r0'",
-)
-
 _loop: LoopThread | None = None
 
 
@@ -255,13 +246,8 @@ class ReservationMachine(RuleBasedStateMachine):
         self.steps += 1
         bad = self.lt.run(self._exact())
         assert not bad, "\n".join([*bad, "recent warnings:", *self.c.errors.warnings])
-        errors = [e for e in self.c.errors.records if not any(k in e for k in KNOWN)]
-        assert not errors, "\n".join(errors)
-        # A known bug's 500s, one per error it logged (and only those).
-        known_500s = len(self.c.errors.records) - len(errors)
-        problems = [p for p in self.out.problems if "internal router error" not in p]
-        assert not problems, "\n".join(problems)
-        assert len(self.out.problems) - len(problems) <= known_500s, self.out.problems
+        assert not self.out.problems, "\n".join(self.out.problems)
+        assert not self.c.errors.records, "\n".join(self.c.errors.records)
 
     async def _exact(self) -> list[str]:
         return exact(self.c, snapshot(self.c, self.sync), self.bounds)
