@@ -6,7 +6,8 @@ cluster's loop that records what it saw, and what it saw wrong.
 - `hold`: a raw connection with a tiny receive buffer that reads the head and then nothing,
   holding its room until a later step closes it (`Held.close`).
 
-What counts as wrong: a 5xx other than 503, an error body that is not OpenAI's shape, a 200
+What counts as wrong: a 5xx other than 503 (a dependency down) and 504 (the request's
+deadline), an error body that is not OpenAI's shape, a 200
 stream that does not end in `data: [DONE]`, a whole answer without its n choices.
 """
 
@@ -39,7 +40,8 @@ class Outcomes:
 
 
 def _check_error(status: int, raw: bytes, out: Outcomes, rid: str) -> None:
-    if status >= 500 and status != 503:
+    # 503: a dependency down; 504: the request's own deadline (time to first token) passed
+    if status >= 500 and status not in (503, 504):
         out.problems.append(f"{rid}: {status} {raw[:300]!r}")
         return
     try:
