@@ -307,7 +307,12 @@ def _check_pools_alive(gw: Gateway, model: str = "") -> None:
 def _never_fits(gw: Gateway, info: RequestInfo) -> bool:
     """Larger than any decode worker even when idle: waiting for room would be in vain."""
     need = info.prompt_tokens + info.reserve_output_tokens
-    return all(need > w.capacity_blocks * w.spec.layout.block_size for w in gw.pools.decode_workers)
+    workers = list(gw.pools.decode_workers)
+    # None at all in the decode pool (a `both` worker on its way there: _check_pools_alive let
+    # it through) is not "too large": room comes with the worker.
+    return bool(workers) and all(
+        need > w.capacity_blocks * w.spec.layout.block_size for w in workers
+    )
 
 
 def grow(call: Call, attempt: Attempt, ask: Ask, tokens: int) -> None:

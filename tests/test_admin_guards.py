@@ -12,6 +12,7 @@ against the router in front of simulated workers and the real Redis.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
@@ -348,3 +349,40 @@ def _entries(c: Any) -> list[dict[str, Any]]:
             entry["kv_blocks"] = c.configs[wid].kv_blocks
         out.append(entry)
     return out
+
+
+async def test_a_request_waits_for_a_worker_on_its_way_to_an_empty_decode_pool(
+    redis_prefix: str,
+) -> None:
+    """The decode pool is empty (b0, the only decode-capable worker, was switched to prefill,
+    forced) and b0 drains back toward decode: a request waits for it and is served when it
+    lands. Before, an empty decode pool counted as "too large for every decode worker" and
+    the request got a 429 at once (seen on real vLLM engines swapping two kv_both workers'
+    roles together)."""
+    async with (
+        sim_cluster(
+            prefill=1,
+            decode=0,
+            both=1,
+            redis_prefix=redis_prefix,
+            admin_token=TOKEN,
+            roles={"settle_s": 0.5, "interval_s": 0.1},
+            admission={"max_wait_s": 20.0},
+        ) as c,
+        aiohttp.ClientSession() as s,
+    ):
+        url = c.router_url + "/admin/workers"
+        pools = c.gateway.pools
+        status, body = await _post(s, f"{url}/b0/role", {"role": "prefill", "force": True})
+        assert status == 200, body
+        for _ in range(200):
+            if pools.workers["b0"].current_role == "prefill":
+                break
+            await asyncio.sleep(0.05)
+        assert pools.workers["b0"].current_role == "prefill"
+        status, body = await _post(s, f"{url}/b0/role", {"role": "decode"})
+        assert status == 200 and body["current_role"] == "draining-to-decode", body
+        assert list(pools.decode_workers) == []
+        status, body, _ = await _chat(s, c.router_url)
+        assert status == 200, body
+        assert pools.workers["b0"].current_role == "decode"
