@@ -143,7 +143,10 @@ def _finish(rep: dict[str, Any], cluster: HostileCluster, t_start: float) -> dic
 
 
 def _peak_targets(res: dict[str, Any], bound: float) -> tuple[bool, str]:
-    worst = max((w["peak_ratio"] or 0.0 for w in res["workers"].values()), default=0.0)
+    unknown = [wid for wid, w in res["workers"].items() if w["peak_ratio"] is None]
+    if unknown or not res["workers"]:
+        return False, f"no capacity read for {unknown or 'any worker'}: nothing to compare"
+    worst = max(w["peak_ratio"] for w in res["workers"].values())
     return worst <= bound, f"worst peak {worst:.0%} of capacity (bound {bound:.0%})"
 
 

@@ -113,9 +113,10 @@ def hogs(results: Sequence[Any]) -> dict[str, Any]:
 def _workers_lines(res: dict[str, Any]) -> list[str]:
     lines = []
     for wid, w in res.get("workers", {}).items():
+        ratio = "-" if w["peak_ratio"] is None else format(w["peak_ratio"], ".0%")
         lines.append(
             f"    {wid:<4} peak {w['peak_reserved']:>6} / {w['capacity']} blocks "
-            f"({w['peak_ratio']:.0%}) at t={w['peak_at_s']} s with {w['peak_reservations']} "
+            f"({ratio}) at t={w['peak_at_s']} s with {w['peak_reservations']} "
             f"reservations; over capacity {w['s_over_capacity']} s; grown past capacity "
             f"{w['grown_past_capacity']} reservations ({w['late_grown_past_capacity']} late) of "
             f"{w['reservations_seen']}"
