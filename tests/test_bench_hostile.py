@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.hostile import FloodSpec, ShiftSpec, format_report, run_flood, run_shift
+from bench.hostile import FloodSpec, ShiftSpec, _peak_targets, format_report, run_flood, run_shift
 from bench.hostile_cluster import StoreSample
 from bench.hostile_report import reservations
 
@@ -48,6 +48,14 @@ def test_no_growth_past_capacity_within_it() -> None:
     assert (d0["grown_past_capacity"], d0["late_grown_past_capacity"]) == (0, 0)
     assert d0["peak_reserved"] == 49
     assert reservations(samples, t_from=5.0) == {"samples": 0, "workers": {}}
+
+
+def test_the_peak_target_compares_with_capacity_and_never_passes_unread() -> None:
+    over = reservations([_sample(0.0, 100, {"a": 111})])
+    assert _peak_targets(over, 1.1)[0] is False
+    assert _peak_targets(reservations([_sample(0.0, 100, {"a": 110})]), 1.1)[0] is True
+    unread = reservations([_sample(0.0, 0, {"a": 5})])  # no capacity key: not a pass
+    assert _peak_targets(unread, 1.1)[0] is False
 
 
 @pytest.mark.slow
