@@ -351,9 +351,10 @@ class Cluster:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(replica.stack.aclose(), 15.0)
         # Every lease it renewed ends one lease after its last renewal, which was before now.
+        # Any id it touched: a reserve cancelled by the kill may have landed all the same.
         gone = time.time() + LEASE_S + 0.25
-        for rid, info in self.tracker.rids.items():
-            if info.replica == replica.index:
+        for rid, calls in self.tracker.history.items():
+            if any(rep == replica.index for _, rep, _, _, _ in calls):
                 self.orphans[rid] = gone
 
     async def kill_redis(self) -> None:
