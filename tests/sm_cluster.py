@@ -158,12 +158,13 @@ class Tracker:
                 outcome = repr(exc)[:60]
                 raise
             finally:
-                del self.inflight[key]
+                # Still in flight for a moment: a call awaited through asyncio.gather (the
+                # renewals) reaches its caller a few loop iterations after it returns here.
+                asyncio.get_running_loop().call_later(0.05, self.inflight.pop, key, None)
                 for rid in rids:
                     self.history.setdefault(rid, []).append(
                         (name, replica, start, time.time(), outcome)
                     )
-            # No await between here and the caller's next line: the router's view follows.
             if name == "renew_many":
                 self.put_back.update(result)
             if name == "reserve" and result:
