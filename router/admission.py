@@ -2,9 +2,12 @@
 
 A request that finds no room (or no free concurrency slot) waits here until room may have
 appeared — a local release, or a store refresh that shows other replicas' releases — or until
-its deadline; a full queue refuses at once. Only the head waiter retries on each wake-up, so the
-order is FIFO within a priority (lower `priority` first, as vLLM orders it) and a wake-up does
-not set off a thundering herd of placement attempts.
+its deadline; a full queue refuses at once. A wake-up goes to the head waiter, so the order is
+FIFO within a priority (lower `priority` first, as vLLM orders it), and carries a small budget:
+a waiter that still finds no room passes the wake-up on to the next one in line, at most
+`BACKFILL` waiters a round. So a large request at the head (4,000 tokens asked on full workers)
+does not hold back the small ones behind it that fit, and a wake-up never sets off a thundering
+herd of placement attempts.
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-__all__ = ["AdmissionSettings", "Admission", "QueueFull"]
+__all__ = ["AdmissionSettings", "Admission", "QueueFull", "BACKFILL"]
+
+# Waiters one wake-up may reach: the head, then the next ones in line while each finds no room.
+BACKFILL = 8
 
 
 class QueueFull(Exception):
@@ -43,7 +49,7 @@ class AdmissionSettings:
 class _Waiter:
     priority: int
     seq: int
-    future: asyncio.Future[None] = field(compare=False)
+    future: asyncio.Future[int] = field(compare=False)
 
 
 class Admission:
@@ -75,31 +81,45 @@ class Admission:
         self.inflight -= 1
         self.notify()
 
-    async def wait(self, priority: int, ticket: int, deadline: float) -> bool:
-        """Wait for a wake-up; False when the loop-time `deadline` passes first."""
+    async def wait(self, priority: int, ticket: int, deadline: float) -> int:
+        """Wait for a wake-up: its budget (>= 1: how many waiters, this one included, it may
+        still reach, see `pass_on`); 0 when the loop-time `deadline` passes first."""
         if self._waiting >= self.settings.max_waiters:
             raise QueueFull(f"the admission queue is full ({self.settings.max_waiters} waiting)")
         loop = asyncio.get_running_loop()
         if deadline <= loop.time():
-            return False
+            return 0
         waiter = _Waiter(priority, ticket, loop.create_future())
         heapq.heappush(self._heap, waiter)
         self._waiting += 1
         try:
             async with asyncio.timeout_at(deadline):
-                await waiter.future
-            return True
+                return await waiter.future
         except TimeoutError:
-            return False
+            return 0
         finally:
             self._waiting -= 1
             if not waiter.future.done():
                 waiter.future.cancel()  # lazily dropped from the heap by notify()
 
-    def notify(self) -> None:
-        """Room may have appeared: let the head waiter try again."""
+    def notify(self, budget: int = BACKFILL) -> None:
+        """Room may have appeared: let the head waiter try again (and pass it on, `pass_on`)."""
         while self._heap:
             head = heapq.heappop(self._heap)
             if not head.future.done():
-                head.future.set_result(None)
+                head.future.set_result(budget)
                 return
+
+    def pass_on(self, priority: int, ticket: int, budget: int) -> None:
+        """The waiter (`priority`, `ticket`) woke and found no room: wake the first one after
+        it in line with what is left of the wake-up's budget (nothing when it is spent)."""
+        if budget < 1:
+            return
+        after = (priority, ticket)
+        nxt: _Waiter | None = None
+        for w in self._heap:  # at most max_waiters, at most BACKFILL times a round
+            if not w.future.done() and (w.priority, w.seq) > after:
+                if nxt is None or (w.priority, w.seq) < (nxt.priority, nxt.seq):
+                    nxt = w
+        if nxt is not None:
+            nxt.future.set_result(budget)  # its entry leaves the heap lazily (notify)

@@ -89,6 +89,7 @@ async def admit_and_reserve(call: Call, info: RequestInfo, seat: Seat, avoid: se
         gw, min(call.started + adm.settings.max_wait_s, call.started + gw.settings.timeouts.ttft_s)
     )
     overruns_seen = gw.overruns.version
+    baton = 0  # what is left of the wake-up this request woke with (router/admission.py)
     while True:
         if overruns_seen != gw.overruns.version:
             # A class overran while this request waited: size it on what is known now.
@@ -108,6 +109,9 @@ async def admit_and_reserve(call: Call, info: RequestInfo, seat: Seat, avoid: se
             outcome.grow_at_tokens = info.reserve_output_tokens
             outcome.classes = tuple(gw.estimator.class_keys(info))
             return outcome
+        if baton > 1:  # no room for this one: the next in line may be smaller
+            adm.pass_on(info.priority, seat.ticket, baton - 1)
+        baton = 0
         _check_pools_alive(gw, info.model)
         if adm.settings.mode == "instant" or _never_fits(gw, info):
             gw.metrics.rejections.labels(reason="no_room").inc()
@@ -126,7 +130,7 @@ async def admit_and_reserve(call: Call, info: RequestInfo, seat: Seat, avoid: se
         try:
             gw.metrics.admission_waiting.inc()
             try:
-                woken = await adm.wait(info.priority, seat.ticket, wait_until)
+                baton = await adm.wait(info.priority, seat.ticket, wait_until)
             finally:
                 gw.metrics.admission_waiting.dec()
         except QueueFull as exc:
@@ -134,7 +138,7 @@ async def admit_and_reserve(call: Call, info: RequestInfo, seat: Seat, avoid: se
             raise NoCapacity(
                 f"{exc}; {outcome.reason}", retry_after_s=outcome.retry_after_s
             ) from exc
-        if not woken:
+        if not baton:
             gw.metrics.rejections.labels(reason="deadline").inc()
             raise NoCapacity(
                 f"no decode room before the request's deadline: {outcome.reason}",
@@ -194,11 +198,15 @@ def _predicted_wait(gw: Gateway, info: RequestInfo) -> float | None:
 def _with_margins(gw: Gateway, view: ClusterView) -> ClusterView:
     """The view with each decode worker's overrun margin held (policies/overruns.py): room kept
     back for the growth of answers longer than their estimates. A worker the shared view shows
-    reserved past its capacity is such growth, seen by every replica."""
+    reserved past its capacity is such growth, seen by every replica: what the store holds,
+    not the view's count, which adds this replica's reservations still on their way (a burst's
+    pending blocks are no growth, and would close the worker to everyone)."""
     now = gw.clock()
+    workers = gw.pools.workers
     for d in view.decode:
-        if d.reserved_blocks > d.capacity_blocks:
-            gw.margin.observe(d.worker_id, d.reserved_blocks - d.capacity_blocks, now)
+        w = workers.get(d.worker_id)
+        if w is not None and w.reserved_blocks > w.capacity_blocks:
+            gw.margin.observe(d.worker_id, w.reserved_blocks - w.capacity_blocks, now)
     margins = gw.margin.margins({d.worker_id: d.capacity_blocks for d in view.decode}, now)
     if not margins:
         return view

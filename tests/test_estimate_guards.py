@@ -170,3 +170,74 @@ async def test_no_room_expected_before_the_deadline_is_refused_at_once(redis_pre
         rejected = gw.metrics.rejections.labels(reason="predicted_wait")
         assert _counter(rejected) == 1
         await assert_quiet(c)
+
+
+async def test_a_large_request_at_the_head_does_not_hold_back_a_small_one_that_fits(
+    redis_prefix: str,
+) -> None:
+    """Two requests wait for room on a full worker (another replica holds it: no known end, so
+    no early refusal): a large one first, then a small one. Room for the small one only
+    appears: the head still finds none and passes the wake-up on, the small one is served.
+    Before, only the head retried and the small one waited out its deadline behind it."""
+    async with sim_cluster(
+        redis_prefix=redis_prefix,
+        kv_blocks=100,
+        time_scale=50.0,
+        estimator="max_tokens",
+        admission={"max_wait_s": 4.0},
+    ) as c:
+        gw = c.gateway
+        assert await gw.store.reserve("d0", "other", 98, 30.0)
+        async with aiohttp.ClientSession() as s:
+            large = asyncio.ensure_future(s.post(c.router_url + CHAT, json=_body(1, 780)))
+            for _ in range(200):
+                if gw.admission.waiting == 1:
+                    break
+                await asyncio.sleep(0.01)
+            small = asyncio.ensure_future(s.post(c.router_url + CHAT, json=_body(2, 60)))
+            for _ in range(200):
+                if gw.admission.waiting == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert gw.admission.waiting == 2
+            # The other replica's request ends and a smaller one of it takes most of the room.
+            assert await gw.store.reserve("d0", "other-2", 60, 30.0, overbook_blocks=60)
+            assert await gw.store.release("d0", "other") == 98
+            async with await small as r:
+                assert r.status == 200, await r.text()
+                await r.read()
+            assert not large.done()  # served while the large one still waits at the head
+            assert gw.admission.waiting == 1
+            async with await large as r:
+                assert r.status == 429, await r.text()
+        assert await gw.store.release("d0", "other-2") == 60
+        await assert_quiet(c)
+
+
+async def test_a_burst_of_pending_reservations_is_not_taken_for_forced_growth(
+    redis_prefix: str,
+) -> None:
+    """The margin is learned from what the store holds past capacity, not from the view's
+    count with this replica's reservations still on their way: a burst's pending blocks (or
+    two replicas racing for the same room) are no growth, and a margin learned from them
+    closed the workers to the normal clients of issue 20's reproduction."""
+    async with sim_cluster(redis_prefix=redis_prefix, kv_blocks=100, estimator="max_tokens") as c:
+        gw = c.gateway
+        from router.reserve import _with_margins
+
+        gw.pools.note_pending("d0", 5_000)
+        try:
+            _with_margins(gw, gw.pools.snapshot(model=MODEL))
+            assert gw.margin.margins({"d0": 100}, gw.clock()) == {}
+        finally:
+            gw.pools.note_pending("d0", -5_000)
+        # What the store holds past capacity (forced growth, seen by every replica) does count.
+        assert await gw.store.reserve("d0", "grown", 90, 30.0)
+        assert await gw.store.resize("d0", "grown", 130, force=True)
+        for _ in range(100):
+            if gw.pools.workers["d0"].reserved_blocks == 130:
+                break
+            await asyncio.sleep(0.02)
+        _with_margins(gw, gw.pools.snapshot(model=MODEL))
+        assert gw.margin.margins({"d0": 100}, gw.clock()) == {"d0": 25}  # a quarter at most
+        assert await gw.store.release("d0", "grown") == 130
