@@ -192,6 +192,12 @@ class LeaseKeeper:
             log.debug("end-of-request bookkeeping deferred: %s", exc)
             self._owe(release, unstrand, ready_at)
             return 0
+        except asyncio.CancelledError:
+            # The request's task was cancelled mid-call (its client left, the replica stops):
+            # whether the script ran is unknown. Owed, so the retry (idempotent by id) lands
+            # it; otherwise the room would stay held until its lease ran out.
+            self._owe(release, unstrand, ready_at)
+            raise
         self._owe(
             release if done.released_blocks is None else None,
             unstrand if done.unstranded_bytes is None else None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from router.leases import LeaseKeeper
@@ -116,3 +117,38 @@ async def test_an_owed_unstrand_of_a_pending_entry_is_kept_until_the_reaper_woul
     now[0] += 151.0
     store.finish = down  # type: ignore[method-assign]
     assert await keeper.settle_owed() == 0
+
+
+async def test_a_release_cancelled_mid_call_is_owed_and_lands(redis_prefix: str) -> None:
+    """A request's task cancelled while its end-of-request call is on its way (its client
+    left, its replica stops): the release is owed and retried, not left to its lease (found
+    by the state machine: 190 blocks held for the rest of a 3 s lease with nothing live)."""
+    import asyncio
+
+    store = await open_store(REDIS_URL, redis_prefix)
+    try:
+        await store.set_capacity("d0", 100)
+        assert await store.reserve("d0", "r1", 60, 30.0)
+        keeper = LeaseKeeper(store, 30.0)
+        keeper.hold("d0", "r1", 60)
+        real_finish = store.finish
+        started = asyncio.Event()
+
+        async def slow_finish(*args: Any, **kwargs: Any) -> Any:
+            started.set()
+            await asyncio.sleep(10)  # cancelled here, before the script is sent
+            return await real_finish(*args, **kwargs)
+
+        store.finish = slow_finish  # type: ignore[method-assign]
+        task = asyncio.ensure_future(keeper.finish(("d0", "r1"), None))
+        await started.wait()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        del store.finish
+        assert keeper.live == {} and set(keeper.owed_releases) == {"r1"}
+        await keeper.settle_owed()
+        assert keeper.owed_releases == {}
+        assert (await store.decode_usage(["d0"]))["d0"].reserved_blocks == 0
+    finally:
+        await store.close()
