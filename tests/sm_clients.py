@@ -116,8 +116,10 @@ async def vanish(
 class Held:
     writer: asyncio.StreamWriter | None = None
     status: int | None = None
+    closed: bool = False  # closed before it connected: `hold` drops the connection at once
 
     async def close(self) -> None:
+        self.closed = True
         writer, self.writer = self.writer, None
         if writer is not None:
             writer.transport.abort()
@@ -142,6 +144,9 @@ async def hold(
         out.count("cut")
         return
     held.writer = writer
+    if held.closed:  # a later step closed it while it was connecting
+        await held.close()
+        return
     writer.write(data)
     try:
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10.0)
