@@ -223,7 +223,9 @@ class LeaseKeeper:
     # -- the background work ---------------------------------------------------------------------
     async def renew_all(self) -> int:
         """Renew every live lease, one call per decode worker; returns how many the store had
-        lost and were put back."""
+        lost and were put back. Each worker's answer is taken as it comes, not once all have
+        answered: a reservation released while its renewal was on its way, and put back by
+        it, is owed at once, not only when the slowest worker's call is done."""
         if not self.live:
             return 0  # nothing held: no tick work
         by_worker: dict[str, dict[str, int]] = {}
@@ -231,32 +233,34 @@ class LeaseKeeper:
             by_worker.setdefault(wid, {})[rid] = self.expected.get(rid, (0, 0.0))[0]
         wids = list(by_worker)
         results = await asyncio.gather(
-            *(self.store.renew_many(wid, by_worker[wid], self.lease_s) for wid in wids),
-            return_exceptions=True,
+            *(self._renew_worker(wid, by_worker[wid]) for wid in wids), return_exceptions=True
         )
         put_back = 0
         failed: list[str] = []
         for wid, result in zip(wids, results, strict=True):
             if isinstance(result, BaseException):
                 failed.append(f"{wid}: {result}")
-                continue
-            back = [rid for rid in result if rid in self.live]
-            for rid in result:
-                if rid not in self.live and rid not in self.owed_releases:
-                    # Released while this renewal was on its way, and put back by it after the
-                    # release ran: release it again rather than leave it for its lease.
-                    self.owed_releases[rid] = _Owed(wid, self.clock())
-            if back:
-                put_back += len(back)
-                log.warning(
-                    "%d reservation(s) on %s had been lost by the store under live requests: "
-                    "put back",
-                    len(back),
-                    wid,
-                )
+            else:
+                put_back += result
         if failed:
             log.warning("lease renewal failed for %d worker(s): %s", len(failed), failed[0])
         return put_back
+
+    async def _renew_worker(self, wid: str, reservations: dict[str, int]) -> int:
+        result = await self.store.renew_many(wid, reservations, self.lease_s)
+        back = [rid for rid in result if rid in self.live]
+        for rid in result:
+            if rid not in self.live and rid not in self.owed_releases:
+                # Released while this renewal was on its way, and put back by it after the
+                # release ran: release it again rather than leave it for its lease.
+                self.owed_releases[rid] = _Owed(wid, self.clock())
+        if back:
+            log.warning(
+                "%d reservation(s) on %s had been lost by the store under live requests: put back",
+                len(back),
+                wid,
+            )
+        return len(back)
 
     async def settle_owed(self) -> int:
         """Retry owed releases and unstrands (and deferred strands); returns how many are

@@ -152,3 +152,52 @@ async def test_a_release_cancelled_mid_call_is_owed_and_lands(redis_prefix: str)
         assert (await store.decode_usage(["d0"]))["d0"].reserved_blocks == 0
     finally:
         await store.close()
+
+
+async def test_a_put_back_of_a_released_reservation_is_owed_before_the_slowest_renewal_ends(
+    redis_prefix: str,
+) -> None:
+    """A renewal on its way while its reservation is released puts it back; that is owed (and
+    released again) as soon as that worker's renewal answers, not once every worker's has: a
+    slow renewal elsewhere held the room meanwhile (found by the state machine's long run)."""
+    import asyncio
+
+    store = await open_store(REDIS_URL, redis_prefix)
+    try:
+        for wid in ("d0", "d1"):
+            await store.set_capacity(wid, 100)
+        assert await store.reserve("d0", "r0", 40, 30.0)
+        assert await store.reserve("d1", "r1", 40, 30.0)
+        keeper = LeaseKeeper(store, 30.0)
+        keeper.hold("d0", "r0", 40)
+        keeper.hold("d1", "r1", 40)
+        real_renew = store.renew_many
+        d0_renewed = asyncio.Event()
+        release_d1 = asyncio.Event()
+
+        async def renew(wid: str, reservations: Any, lease_s: float) -> Any:
+            if wid == "d0":
+                # r0's request ends while this renewal is on its way: released first.
+                assert await store.release("d0", "r0") == 40
+                keeper.drop("r0")
+                out = await real_renew(wid, reservations, lease_s)
+                d0_renewed.set()
+                return out
+            await release_d1.wait()  # d1's renewal is slow
+            return await real_renew(wid, reservations, lease_s)
+
+        store.renew_many = renew  # type: ignore[method-assign]
+        tick = asyncio.ensure_future(keeper.renew_all())
+        await d0_renewed.wait()
+        await asyncio.sleep(0)  # the d0 answer's own processing
+        assert "r0" in keeper.owed_releases  # owed while d1's renewal is still on its way
+        release_d1.set()
+        await tick
+        del store.renew_many
+        await keeper.settle_owed()
+        usage = await store.decode_usage(["d0", "d1"])
+        assert (usage["d0"].reserved_blocks, usage["d1"].reserved_blocks) == (0, 40)
+        keeper.drop("r1")
+        assert await store.release("d1", "r1") == 40
+    finally:
+        await store.close()
