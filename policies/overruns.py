@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from policies.base import DecodeView
 
 __all__ = ["LiveOverruns", "OverrunMargin"]
 
@@ -159,3 +161,16 @@ class OverrunMargin:
                 if m:
                     out[worker_id] = m
         return out
+
+    def held(self, views: tuple[DecodeView, ...], now: float) -> tuple[DecodeView, ...]:
+        """`views` as placement should see them: each worker's margin counted as reserved
+        (the same tuple when no worker has one)."""
+        margins = self.margins({v.worker_id: v.capacity_blocks for v in views}, now)
+        if not margins:
+            return views
+        return tuple(
+            replace(v, reserved_blocks=v.reserved_blocks + margins[v.worker_id])
+            if v.worker_id in margins
+            else v
+            for v in views
+        )

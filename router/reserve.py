@@ -207,16 +207,8 @@ def _with_margins(gw: Gateway, view: ClusterView) -> ClusterView:
         w = workers.get(d.worker_id)
         if w is not None and w.reserved_blocks > w.capacity_blocks:
             gw.margin.observe(d.worker_id, w.reserved_blocks - w.capacity_blocks, now)
-    margins = gw.margin.margins({d.worker_id: d.capacity_blocks for d in view.decode}, now)
-    if not margins:
-        return view
-    decode = tuple(
-        replace(d, reserved_blocks=d.reserved_blocks + margins[d.worker_id])
-        if d.worker_id in margins
-        else d
-        for d in view.decode
-    )
-    return replace(view, decode=decode)
+    decode = gw.margin.held(view.decode, now)
+    return view if decode is view.decode else replace(view, decode=decode)
 
 
 async def _try_reserve(gw: Gateway, info: RequestInfo, avoid: set[str]) -> Attempt | Rejection:

@@ -14,7 +14,6 @@ the same from the simulated decode steps, so both run one `LiveOverruns` and one
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 
 from policies.base import DecodeView, OutputLengthEstimator
 from policies.overruns import LiveOverruns, OverrunMargin
@@ -75,14 +74,4 @@ class Feedback:
             self.live.ended(str(job.idx))
 
     def with_margins(self, views: tuple[DecodeView, ...], now: float) -> tuple[DecodeView, ...]:
-        if self.margin is None:
-            return views
-        margins = self.margin.margins({v.worker_id: v.capacity_blocks for v in views}, now)
-        if not margins:
-            return views
-        return tuple(
-            replace(v, reserved_blocks=v.reserved_blocks + margins[v.worker_id])
-            if v.worker_id in margins
-            else v
-            for v in views
-        )
+        return views if self.margin is None else self.margin.held(views, now)
