@@ -5,11 +5,7 @@ COPY pyproject.toml README.md ./
 COPY router ./router
 COPY policies ./policies
 COPY state ./state
-COPY sim ./sim
-COPY simcluster ./simcluster
-COPY bench ./bench
-COPY launcher ./launcher
-COPY uvrun ./uvrun
+COPY disagg_tools ./disagg_tools
 RUN pip install --no-cache-dir .
 USER nobody
 ENTRYPOINT ["disagg-router"]

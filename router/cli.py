@@ -1,7 +1,8 @@
 """The router's own entry: `disagg-router serve` (and `python -m router.cli serve`).
 
 `add_serve_arguments` defines serve's options, `serve` runs the router until SIGTERM; the
-umbrella command (`launcher/cli.py`: serve | worker | demo | bench | simulate) mounts both.
+umbrella command (`disagg_tools/launcher/cli.py`: serve | worker | demo | bench | simulate) mounts
+both.
 Only this module knows about signals, the open-files limit and the aiohttp runner.
 """
 

@@ -1,6 +1,6 @@
 """What the role policy sees of the live pools: a `RoleSnapshot` from the router's accounting.
 
-The same fields the simulator fills (sim/cluster_roles.py), from the live signals:
+The same fields the simulator fills (disagg_tools/sim/cluster_roles.py), from the live signals:
 - prefill demand: prompt tokens arriving per second (the autoscaling meter, router/scaling.py)
   and the prompt tokens queued on prefill workers now, with a decayed recent peak (bursts break
   the TTFT SLO at a low mean load);

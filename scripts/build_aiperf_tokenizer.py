@@ -2,7 +2,8 @@
 
 aiperf needs a Hugging Face tokenizer to size its synthetic prompts and count output tokens;
 fetching one from the hub is not possible offline. This one splits on whitespace and
-punctuation, knows the simulated workers' filler words (sim/textgen.py `VOCAB`, so an answer's
+punctuation, knows the simulated workers' filler words (disagg_tools/sim/textgen.py `VOCAB`, so an
+answer's
 token count is its word count, as the simulated worker counts it) and the most frequent words of
 aiperf's own prompt corpus (its shakespeare.txt). Run it with a Python that has `tokenizers`
 (the aiperf venv of scripts/install_aiperf.sh has it):
@@ -29,7 +30,7 @@ UNK = "[UNK]"
 
 def _corpus() -> list[str]:
     sys.path.insert(0, str(ROOT))
-    from sim.textgen import VOCAB  # stdlib-only module: importable from any venv
+    from disagg_tools.sim.textgen import VOCAB  # stdlib-only module: importable from any venv
 
     lines = [" ".join(VOCAB)] * 50  # frequent enough to be kept whatever the cut
     spec = find_spec("aiperf")

@@ -17,10 +17,10 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
+from disagg_tools.sim.worker import WorkerConfig, running_worker
 from router.app import GATEWAY, create_app
 from router.config import Settings, settings_from_mapping
 from router.server import serving
-from sim.worker import WorkerConfig, running_worker
 
 REDIS_URL = os.environ.get("DISAGG_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 

@@ -4,7 +4,7 @@ Everything runs on one asyncio loop in a thread of its own (`LoopThread`), so th
 synchronous rules hand it coroutines and the cluster keeps streaming between steps:
 
 - a private `redis-server` (tests/redis_server.py) that can be SIGKILLed and restarted empty;
-- simulated workers (sim/), each stoppable and restartable on its own port;
+- simulated workers (disagg_tools/sim/), each stoppable and restartable on its own port;
 - router replicas in process, sharing the store; a replica is killed abruptly by making its
   store unreachable first (every call raises, as a dead process's would never arrive), then
   tearing it down: nothing it held is released, its reservations must expire by lease.
@@ -32,11 +32,11 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from disagg_tools.sim.worker import WorkerConfig, running_worker
 from router.app import GATEWAY, create_app
 from router.config import settings_from_mapping
 from router.logs import REQUEST_ID
 from router.server import RouterRunner, serving
-from sim.worker import WorkerConfig, running_worker
 from state.base import StoreError
 from tests.conftest import MODEL
 from tests.redis_server import PrivateRedis

@@ -15,6 +15,8 @@ import orjson
 import pytest
 from aiohttp import web
 
+from disagg_tools.sim.textgen import expected_answer
+from disagg_tools.sim.worker import WorkerConfig, running_worker
 from router.adapters.base import ConcurrentAdapter, PrefillTarget, ProtocolViolation, prefill_target
 from router.adapters.errors import (
     WorkerError,
@@ -27,8 +29,6 @@ from router.adapters.mooncake import MooncakeAdapter, parse_query, query_engine_
 from router.adapters.sglang import SglangAdapter, batch_size
 from router.adapters.vllm import VllmNixlAdapter
 from router.relay import split_at_error
-from sim.textgen import expected_answer
-from sim.worker import WorkerConfig, running_worker
 
 CHAT_BODY: dict[str, Any] = {
     "model": "llama-3-8b",

@@ -10,9 +10,9 @@ from typing import Any
 
 import aiohttp
 
+from disagg_tools.sim.textgen import expected_answer
+from disagg_tools.sim.worker import WorkerConfig, running_worker
 from router.config import settings_from_mapping
-from sim.textgen import expected_answer
-from sim.worker import WorkerConfig, running_worker
 from tests.conftest import MODEL, REDIS_URL, free_port, running_router
 
 CHAT = "/v1/chat/completions"

@@ -1,6 +1,7 @@
 """A worker whose `/health` is fine but whose real answers are garbage or never come (issue 20).
 
-Two prefill and two decode simulated workers, one of them bad (sim/faults.py `garbage`, `hang`,
+Two prefill and two decode simulated workers, one of them bad (disagg_tools/sim/faults.py
+`garbage`, `hang`,
 `hang_after_tokens`); requests through the `openai` client. For each fault: every request gets
 its exact answer (retried, or resumed on the good decode worker), the bad worker's breaker is
 open after at most a few requests on it, and nothing is reserved or stranded once quiet. The
@@ -17,7 +18,7 @@ import orjson
 import pytest
 from openai import AsyncOpenAI
 
-from sim.textgen import expected_answer
+from disagg_tools.sim.textgen import expected_answer
 from tests.conftest import MODEL, SimCluster, sim_cluster
 
 CHAT = "/v1/chat/completions"
@@ -119,7 +120,8 @@ async def _admin_breaker(c: SimCluster, wid: str) -> str:
     return str(next(w for w in workers if w["id"] == wid)["breaker"])
 
 
-# (bad worker, its faults): the shapes of sim/garbage.py on the leg they break, and the hangs.
+# (bad worker, its faults): the shapes of disagg_tools/sim/garbage.py on the leg they break, and
+# the hangs.
 CASES = [
     ("p1", {"garbage": "not_json"}),
     ("p1", {"garbage": "wrong_shape"}),

@@ -1,4 +1,5 @@
-"""Smoke tests of the simulator benchmark instruments (bench/experiments.py and the modules it
+"""Smoke tests of the simulator benchmark instruments (disagg_tools/bench/experiments.py and the
+modules it
 runs): tiny traces, tiny clusters, seconds in all. They check that each instrument runs and
 yields complete, sane numbers, not the numbers themselves (docs/benchmarks.md holds those)."""
 
@@ -10,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import calibration, goodput, simruns, specs, tables
-from bench.traces import TraceRequest
+from disagg_tools.bench import calibration, goodput, simruns, specs, tables
+from disagg_tools.bench.traces import TraceRequest
 
 
 def _trace(n: int = 60, rate: float = 4.0, seed: int = 0) -> list[TraceRequest]:
@@ -155,8 +156,8 @@ def test_validation_measures_the_live_side_as_the_simulator_does() -> None:
     binned in the simulator's own gap histogram, and unfinished requests count for neither."""
     from array import array
 
-    from bench.replay import RequestRecord
-    from simcluster.metrics import GapHistogram, percentile
+    from disagg_tools.bench.replay import RequestRecord
+    from disagg_tools.simcluster.metrics import GapHistogram, percentile
 
     recs = []
     for i in range(10):

@@ -1,4 +1,5 @@
-"""CI versions of `python -m bench.hostile` (issue 20's reproduction) at a tiny scale, and the
+"""CI versions of `python -m disagg_tools.bench.hostile` (issue 20's reproduction) at a tiny scale,
+and the
 figures' arithmetic on hand-made store samples.
 
 The end-to-end runs (marked `slow`: router replicas, simulated workers and a PRIVATE
@@ -12,9 +13,16 @@ from __future__ import annotations
 
 import pytest
 
-from bench.hostile import FloodSpec, ShiftSpec, _peak_targets, format_report, run_flood, run_shift
-from bench.hostile_cluster import StoreSample
-from bench.hostile_report import reservations
+from disagg_tools.bench.hostile import (
+    FloodSpec,
+    ShiftSpec,
+    _peak_targets,
+    format_report,
+    run_flood,
+    run_shift,
+)
+from disagg_tools.bench.hostile_cluster import StoreSample
+from disagg_tools.bench.hostile_report import reservations
 
 
 def _sample(t: float, cap: int, holds: dict[str, int]) -> StoreSample:

@@ -17,10 +17,10 @@ import orjson
 import pytest
 from aiohttp import web
 
-from bench.cli import add_bench_arguments, run_bench
-from bench.goodput import GoodputSearch, goodput_search, goodput_search_sync
-from bench.replay import ORACLE_HEADER, OUTCOMES, ReplayResult, endpoint_url, replay
-from bench.report import (
+from disagg_tools.bench.cli import add_bench_arguments, run_bench
+from disagg_tools.bench.goodput import GoodputSearch, goodput_search, goodput_search_sync
+from disagg_tools.bench.replay import ORACLE_HEADER, OUTCOMES, ReplayResult, endpoint_url, replay
+from disagg_tools.bench.report import (
     meets_slo,
     percentile,
     plot_attainment_vs_rate,
@@ -30,7 +30,7 @@ from bench.report import (
     to_text,
     write_report,
 )
-from bench.traces import TraceRequest
+from disagg_tools.bench.traces import TraceRequest
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 
 import pytest
 
+from disagg_tools.simcluster.config import ClusterConfig
+from disagg_tools.simcluster.engine import simulate
+from disagg_tools.simcluster.metrics import GapHistogram
+from disagg_tools.simcluster.workers import _step_time_fn
 from policies.base import (
     Candidate,
     ClusterView,
@@ -19,10 +23,6 @@ from policies.base import (
     blocks_for,
 )
 from policies.costmodel import perf_model
-from simcluster.config import ClusterConfig
-from simcluster.engine import simulate
-from simcluster.metrics import GapHistogram
-from simcluster.workers import _step_time_fn
 
 
 @dataclass(frozen=True)
@@ -377,7 +377,7 @@ def test_timer_quantum_rounds_each_sleep_half_to_even() -> None:
     assert rec.e2e_s == pytest.approx(rec.ttft_s + sum(steps[1:]), rel=1e-9)
     assert all(abs(g / 0.002 - round(g / 0.002)) < 1e-6 for g in (rec.max_gap_s, rec.mean_gap_s))
     # uvloop's rounding of a 4.5 ms sleep at 1 ms resolution: 4 ms (half to even), 5.5 -> 6.
-    from simcluster.workers import quantize
+    from disagg_tools.simcluster.workers import quantize
 
     assert quantize(0.0045, 0.001) == pytest.approx(0.004)
     assert quantize(0.0055, 0.001) == pytest.approx(0.006)

@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 import yaml
 from openai import AsyncOpenAI
 
-from sim.textgen import expected_answer
+from disagg_tools.sim.textgen import expected_answer
 from state import Keys
 from tests.compose_services import ROOT, ComposeCluster, ComposeError, load_compose
 

@@ -16,10 +16,10 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from disagg_tools.sim.textgen import expected_answer
+from disagg_tools.sim.worker import WorkerConfig, running_worker
 from router.app import GATEWAY
 from router.config import settings_from_mapping
-from sim.textgen import expected_answer
-from sim.worker import WorkerConfig, running_worker
 from tests.conftest import MODEL, REDIS_URL, running_router
 from tests.test_faults import sse_text
 

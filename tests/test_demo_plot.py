@@ -1,4 +1,5 @@
-"""`disagg-router demo --plot FILE` (launcher/demo_plot.py): a short demo writes a real PNG of
+"""`disagg-router demo --plot FILE` (disagg_tools/launcher/demo_plot.py): a short demo writes a
+real PNG of
 its latency distributions, quietly (no progress bar into a pipe); without matplotlib, or with a
 file it cannot write, it says so in one line and exits 2 before any cluster starts."""
 
@@ -10,8 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.replay import ReplayResult, RequestRecord
-from launcher.demo_plot import write_latency_plot
+from disagg_tools.bench.replay import ReplayResult, RequestRecord
+from disagg_tools.launcher.demo_plot import write_latency_plot
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -21,7 +22,7 @@ BAR_MARKS = ("%|", "█", "▉", "▌")
 def _demo(*args: str, prelude: str = "") -> subprocess.CompletedProcess[str]:
     """The demo in a child process, stdout and stderr pipes (not terminals), its own Redis."""
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    code = f"{prelude}import sys; from launcher.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = f"{prelude}import sys; from disagg_tools.launcher.cli import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.run(
         [sys.executable, "-c", code, "demo", *args],
         cwd=REPO,

@@ -8,6 +8,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from disagg_tools.sim.worker import WorkerConfig, running_worker
 from policies.base import KVLayout
 from router.discovery import (
     LoadSnapshot,
@@ -19,7 +20,6 @@ from router.discovery import (
     parse_sglang_load,
     parse_vllm_metrics,
 )
-from sim.worker import WorkerConfig, running_worker
 
 REAL_VLLM_METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

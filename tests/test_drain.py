@@ -12,9 +12,9 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from disagg_tools.sim.textgen import expected_answer
+from disagg_tools.sim.worker import WorkerConfig, running_worker
 from router.app import GATEWAY
-from sim.textgen import expected_answer
-from sim.worker import WorkerConfig, running_worker
 from tests.conftest import MODEL, running_router
 from tests.test_admin import TOKEN, _settings
 

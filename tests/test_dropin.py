@@ -24,11 +24,11 @@ import yaml
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
+from disagg_tools.sim.textgen import expected_answer
+from disagg_tools.sim.worker import WorkerConfig, running_worker
 from router.config import ConfigError
 from router.discovery import WorkerFacts
 from router.dropin import FlagWorker, dropin_mapping
-from sim.textgen import expected_answer
-from sim.worker import WorkerConfig, running_worker
 from tests.conftest import REDIS_URL
 
 SERVED = "acme/drop-in-8b"  # what the workers serve; configured nowhere

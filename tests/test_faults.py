@@ -11,7 +11,7 @@ import aiohttp
 import orjson
 import pytest
 
-from sim.textgen import expected_answer
+from disagg_tools.sim.textgen import expected_answer
 from tests.conftest import MODEL, SimCluster, sim_cluster
 
 CHAT = "/v1/chat/completions"
@@ -302,9 +302,10 @@ async def test_long_non_streamed_answer(redis_prefix: str, assembled: bool) -> N
 
 
 def test_garbage_faults_fire_on_their_leg_and_endpoint_only() -> None:
-    """sim/faults.py's garbage: a shape of GARBAGE_SHAPES, on the legs and endpoint named,
+    """disagg_tools/sim/faults.py's garbage: a shape of GARBAGE_SHAPES, on the legs and endpoint
+    named,
     `count` times; a shape with no meaning on a leg (a decode has no KV handle) never fires."""
-    from sim.faults import FaultConfig, FaultState
+    from disagg_tools.sim.faults import FaultConfig, FaultState
 
     for bad in ({"garbage": "nope"}, {"garbage_leg": "both"}, {"hang_after_tokens": -1}):
         with pytest.raises(ValueError):

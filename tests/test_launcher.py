@@ -1,4 +1,5 @@
-"""The umbrella command (`launcher/cli.py`): every subcommand mounted, and `simulate` fed a trace
+"""The umbrella command (`disagg_tools/launcher/cli.py`): every subcommand mounted, and `simulate`
+fed a trace
 that the launcher parses (the simulator itself reads no trace format)."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.cli import build_parser, main
+from disagg_tools.launcher.cli import build_parser, main
 
 
 def _azure_trace(path: Path, n: int = 40) -> Path:

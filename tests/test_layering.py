@@ -1,22 +1,23 @@
 """The layers have no arrow back: every import statement in the source, read with `ast`.
 
-The arrow table (also in docs/design.md, "Layers"). A package may import the standard library,
+The arrow table (also in docs/design.md, "Layers"). A layer may import the standard library,
 the third-party libraries not forbidden to it, itself, and the first-party modules listed;
-an entry names a package or one module of it (`sim.textgen` allows that module only).
+an entry names a layer or one module of it (`disagg_tools.sim.textgen` allows that module
+only). The tools are one namespaced package, `disagg_tools`, each of its subpackages a layer.
 
-    policies   → (nothing)                       no asyncio, aiohttp, redis: pure, synchronous
-    state      → policies                        no aiohttp
-    router     → policies, state                 the product: nothing above it
-    sim        → policies, uvrun                  the simulated GPU worker
-    simcluster → policies                        pure: no asyncio, aiohttp, redis, prometheus
-    bench      → policies, simcluster, sim.textgen, uvrun
+    policies                → (nothing)          no asyncio, aiohttp, redis: pure, synchronous
+    state                   → policies           no aiohttp
+    router                  → policies, state    the product: nothing above it
+    disagg_tools.sim        → policies, uvrun    the simulated GPU worker
+    disagg_tools.simcluster → policies           pure: no asyncio, aiohttp, redis, prometheus
+    disagg_tools.bench      → policies, simcluster, sim.textgen, uvrun
                                                  the client tools and the simulator experiments
                                                  (bench sits above the simulator; it checks
                                                  answers against the worker's toy model)
-    uvrun      → (nothing)                       the uvloop start-up of the tools (the router
+    disagg_tools.uvrun      → (nothing)          the uvloop start-up of the tools (the router
                                                  picks its loop itself: it imports no uvrun)
-    launcher   → anything                        the umbrella CLI, local cluster, validation
-    tests      → anything
+    disagg_tools.launcher   → anything           the umbrella CLI, local cluster, validation
+    tests                   → anything
 
 Every statement counts: module level, inside functions, under `TYPE_CHECKING`, `import x` and
 `from x import y`, relative ones resolved against the importing module's package. Dynamic
@@ -39,25 +40,43 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-FIRST_PARTY = ("policies", "state", "router", "sim", "simcluster", "bench", "uvrun", "launcher")
+T = "disagg_tools"
+SIM, SIMCLUSTER, BENCH, UVRUN, LAUNCHER = (
+    f"{T}.sim",
+    f"{T}.simcluster",
+    f"{T}.bench",
+    f"{T}.uvrun",
+    f"{T}.launcher",
+)
+FIRST_PARTY = ("policies", "state", "router", T, SIM, SIMCLUSTER, BENCH, UVRUN, LAUNCHER)
 ANYTHING = frozenset(FIRST_PARTY)
 
 ALLOWED: dict[str, frozenset[str]] = {
     "policies": frozenset(),
     "state": frozenset({"policies"}),
     "router": frozenset({"policies", "state"}),
-    "sim": frozenset({"policies", "uvrun"}),
-    "simcluster": frozenset({"policies"}),
-    "bench": frozenset({"policies", "simcluster", "sim.textgen", "uvrun"}),
-    "uvrun": frozenset(),
-    "launcher": ANYTHING,
+    T: frozenset(),  # the namespace's own __init__: a docstring
+    SIM: frozenset({"policies", UVRUN}),
+    SIMCLUSTER: frozenset({"policies"}),
+    BENCH: frozenset({"policies", SIMCLUSTER, f"{SIM}.textgen", UVRUN}),
+    UVRUN: frozenset(),
+    LAUNCHER: ANYTHING,
 }
 
 FORBIDDEN_THIRD_PARTY: dict[str, frozenset[str]] = {
     "policies": frozenset({"asyncio", "aiohttp", "redis", "uvloop"}),
     "state": frozenset({"aiohttp"}),
-    "simcluster": frozenset({"asyncio", "aiohttp", "redis", "prometheus_client", "uvloop"}),
+    SIMCLUSTER: frozenset({"asyncio", "aiohttp", "redis", "prometheus_client", "uvloop"}),
 }
+
+
+def layer_of(name: str) -> str | None:
+    """The layer a dotted name is in (a tools subpackage is a layer of its own), or None when
+    it is not first-party. `disagg_tools` alone (its `__init__`) is a layer too."""
+    parts = name.split(".")
+    if parts[0] == T and len(parts) > 1 and f"{T}.{parts[1]}" in FIRST_PARTY:
+        return f"{T}.{parts[1]}"
+    return parts[0] if parts[0] in FIRST_PARTY else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,9 +123,18 @@ def imports_in(source: str, module: str, *, is_package: bool, path: Path = ROOT)
     return out
 
 
+def _layer_files(root: Path, layer: str) -> list[Path]:
+    where = root / layer.replace(".", "/")
+    if where.with_suffix(".py").is_file():
+        return [where.with_suffix(".py")]
+    if layer == T:
+        return [where / "__init__.py"]
+    return sorted(where.rglob("*.py"))
+
+
 def source_imports(root: Path = ROOT) -> Iterator[Import]:
     for package in FIRST_PARTY:
-        for path in sorted((root / package).rglob("*.py")):
+        for path in _layer_files(root, package):
             name = module_name(path, root)
             yield from imports_in(
                 path.read_text(encoding="utf-8"),
@@ -122,8 +150,9 @@ def _covered(target: str, entry: str) -> bool:
 
 def violation(imp: Import) -> str | None:
     """Why `imp` breaks the table, or None."""
-    layer = imp.module.split(".")[0]
-    top = imp.target.split(".")[0]
+    layer = layer_of(imp.module)
+    assert layer is not None, imp
+    top = layer_of(imp.target) or imp.target.split(".")[0]
     if top == layer:
         return None
     if top in FIRST_PARTY:
@@ -148,16 +177,16 @@ def test_the_checker_catches_a_function_level_import_of_an_upper_layer() -> None
         "from policies.base import blocks_for\n"
         "def entry():\n"
         "    if True:\n"
-        "        from bench.cli import run_bench\n"
-        "    import sim.worker\n"
+        "        from disagg_tools.bench.cli import run_bench\n"
+        "    import disagg_tools.sim.worker\n"
         "    return run_bench\n"
     )
     found = imports_in(source, "router.cli", is_package=False)
     assert {i.target for i in found} == {
         "asyncio",
         "policies.base.blocks_for",
-        "bench.cli.run_bench",
-        "sim.worker",
+        "disagg_tools.bench.cli.run_bench",
+        "disagg_tools.sim.worker",
     }
     bad = violations(found)
     assert len(bad) == 2, bad
@@ -174,31 +203,33 @@ def test_the_checker_resolves_relative_imports_and_type_checking_blocks() -> Non
         "if TYPE_CHECKING:\n"
         "    from router.config import Settings\n"
     )
-    found = imports_in(source, "sim.sub.mod", is_package=False)
+    found = imports_in(source, f"{SIM}.sub.mod", is_package=False)
     targets = {i.target for i in found}
-    assert {"sim.sub.textgen", "sim.sub.worker.running_worker", "sim.launcher"} <= targets
+    assert {f"{SIM}.sub.textgen", f"{SIM}.sub.worker.running_worker", f"{SIM}.launcher"} <= (
+        targets
+    )
     # sim.launcher is sim's own; router.config is an arrow sim does not have.
     assert [v for v in violations(found)] == [
         next(str(i) for i in found if i.target == "router.config.Settings")
-        + ": sim may import only ['policies', 'uvrun']"
+        + f": {SIM} may import only ['{UVRUN}', 'policies']"
     ]
-    from_package = imports_in("from .faults import FaultConfig\n", "sim", is_package=True)
-    assert [i.target for i in from_package] == ["sim.faults.FaultConfig"]
+    from_package = imports_in("from .faults import FaultConfig\n", SIM, is_package=True)
+    assert [i.target for i in from_package] == [f"{SIM}.faults.FaultConfig"]
 
 
 def test_the_checker_allows_one_module_not_its_package() -> None:
-    ok = imports_in("from sim.textgen import expected_answer\n", "bench.x", is_package=False)
+    ok = imports_in(f"from {SIM}.textgen import expected_answer\n", f"{BENCH}.x", is_package=False)
     assert violations(ok) == []
-    also_ok = imports_in("from sim import textgen\n", "bench.x", is_package=False)
+    also_ok = imports_in(f"from {SIM} import textgen\n", f"{BENCH}.x", is_package=False)
     assert violations(also_ok) == []
-    bad = imports_in("from sim import worker\nimport sim\n", "bench.x", is_package=False)
+    bad = imports_in(f"from {SIM} import worker\nimport {SIM}\n", f"{BENCH}.x", is_package=False)
     assert len(violations(bad)) == 2
 
 
 def test_the_checker_applies_the_third_party_bans() -> None:
     found = imports_in("def f():\n    import asyncio\n", "policies.x", is_package=False)
     assert violations(found) == [f"{found[0]}: policies must not use asyncio"]
-    found = imports_in("import prometheus_client\n", "simcluster.x", is_package=False)
+    found = imports_in("import prometheus_client\n", f"{SIMCLUSTER}.x", is_package=False)
     assert len(violations(found)) == 1
 
 
@@ -214,11 +245,11 @@ def test_every_import_statement_in_the_source_follows_the_arrows() -> None:
 
 def test_nothing_imports_the_router_or_the_launcher_back() -> None:
     for imp in source_imports():
-        layer = imp.module.split(".")[0]
-        top = imp.target.split(".")[0]
-        if layer != "launcher" and top == "launcher":
+        layer = layer_of(imp.module)
+        top = layer_of(imp.target)
+        if layer != LAUNCHER and top == LAUNCHER:
             pytest.fail(str(imp))
-        if layer not in ("router", "launcher") and top == "router":
+        if layer not in ("router", LAUNCHER) and top == "router":
             pytest.fail(str(imp))
 
 
@@ -226,7 +257,14 @@ def test_nothing_imports_the_router_or_the_launcher_back() -> None:
 
 
 def _modules(package: str) -> list[str]:
-    return [f"{package}.{m.name}" for m in pkgutil.iter_modules([str(ROOT / package)])]
+    where = ROOT / package.replace(".", "/")
+    if not where.is_dir():
+        return []
+    return [f"{package}.{m.name}" for m in pkgutil.iter_modules([str(where)])]
+
+
+def _layers_loaded(module: str) -> set[str]:
+    return {layer_of(m) or m.split(".")[0] for m in _imported_after(module)}
 
 
 @functools.cache
@@ -245,35 +283,31 @@ def _imported_after(module: str) -> frozenset[str]:
 
 def test_policies_import_no_io_libraries_nor_upper_layers() -> None:
     for module in ["policies"] + _modules("policies"):
-        loaded = {m.split(".")[0] for m in _imported_after(module)}
-        assert not loaded & {"aiohttp", "redis", "router", "state", "sim", "bench", "asyncio"}, (
-            module
-        )
+        loaded = _layers_loaded(module)
+        assert not loaded & {"aiohttp", "redis", "router", "state", SIM, BENCH, "asyncio"}, module
 
 
 def test_state_knows_nothing_of_http_or_the_router() -> None:
     for module in ["state"] + _modules("state"):
-        loaded = {m.split(".")[0] for m in _imported_after(module)}
-        assert not loaded & {"aiohttp", "router", "sim", "bench"}, module
+        loaded = _layers_loaded(module)
+        assert not loaded & {"aiohttp", "router", SIM, BENCH}, module
 
 
 def test_bench_is_a_pure_client() -> None:
-    for module in ["bench"] + _modules("bench"):
-        loaded = {m.split(".")[0] for m in _imported_after(module)}
-        assert not loaded & {"router", "state", "sim", "launcher"}, module
+    for module in [BENCH] + _modules(BENCH):
+        loaded = _layers_loaded(module)
+        assert not loaded & {"router", "state", SIM, LAUNCHER}, module
 
 
 def test_the_cluster_simulator_loads_no_io_library() -> None:
-    for module in ["simcluster"] + _modules("simcluster"):
-        loaded = {m.split(".")[0] for m in _imported_after(module)}
-        assert not loaded & {"aiohttp", "redis", "prometheus_client", "router", "sim", "bench"}, (
-            module
-        )
+    for module in [SIMCLUSTER] + _modules(SIMCLUSTER):
+        loaded = _layers_loaded(module)
+        assert not loaded & {"aiohttp", "redis", "prometheus_client", "router", SIM, BENCH}, module
 
 
 def test_the_simulated_workers_toy_model_loads_without_aiohttp() -> None:
-    for module in ("sim", "sim.textgen"):
-        loaded = {m.split(".")[0] for m in _imported_after(module)}
+    for module in (SIM, f"{SIM}.textgen"):
+        loaded = _layers_loaded(module)
         assert not loaded & {"aiohttp", "redis", "prometheus_client"}, module
 
 

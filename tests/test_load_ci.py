@@ -1,4 +1,5 @@
-"""CI versions of `python -m bench.load`: a 500-stream burst and a 500-request non-streaming
+"""CI versions of `python -m disagg_tools.bench.load`: a 500-stream burst and a 500-request
+non-streaming
 burst through one router subprocess (the shared Redis under this test's own key prefix), every
 answer checked token for token against the simulated workers' text.
 
@@ -15,9 +16,9 @@ import orjson
 import pytest
 from aiohttp import web
 
-from bench.load import LoadSpec, format_report, run
-from bench.loadclient import make_request, new_session, send
-from bench.procs import ClusterSpec
+from disagg_tools.bench.load import LoadSpec, format_report, run
+from disagg_tools.bench.loadclient import make_request, new_session, send
+from disagg_tools.bench.procs import ClusterSpec
 from tests.conftest import REDIS_URL
 
 

@@ -14,8 +14,8 @@ import orjson
 import pytest
 from openai import AsyncOpenAI
 
+from disagg_tools.sim.textgen import expected_choice
 from policies.base import RequestInfo, blocks_for, extra_choice_tokens
-from sim.textgen import expected_choice
 from tests.conftest import MODEL, SimCluster, sim_cluster
 
 CHAT = "/v1/chat/completions"

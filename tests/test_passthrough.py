@@ -10,8 +10,8 @@ import pytest
 from multidict import CIMultiDict
 from openai import AsyncOpenAI
 
-from sim.extra_endpoints import embedding_of
-from sim.textgen import VOCAB, expected_answer
+from disagg_tools.sim.extra_endpoints import embedding_of
+from disagg_tools.sim.textgen import VOCAB, expected_answer
 from tests.conftest import MODEL, SimCluster, sim_cluster
 
 CHAT = "/v1/chat/completions"

@@ -2,7 +2,8 @@
 
 Evidence that the simulated worker speaks the real wire protocols: each router is started on
 loopback in front of one simulated prefill and one simulated decode worker, and what comes back
-through it must be exactly `sim.textgen.expected_answer`, with the KV really handed over (the
+through it must be exactly `disagg_tools.sim.textgen.expected_answer`, with the KV really handed
+over (the
 decode worker counts the pull, nothing mismatched). Install the wheels with
 `scripts/install_peers.sh`; a test skips only when its wheel cannot be imported.
 """
@@ -23,8 +24,8 @@ import aiohttp
 import orjson
 import pytest
 
-from sim.textgen import expected_answer
-from sim.worker import WorkerConfig, running_worker
+from disagg_tools.sim.textgen import expected_answer
+from disagg_tools.sim.worker import WorkerConfig, running_worker
 
 pytestmark = pytest.mark.peers
 

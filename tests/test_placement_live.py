@@ -25,12 +25,12 @@ from typing import Any
 import aiohttp
 import pytest
 
+from disagg_tools.sim.textgen import expected_answer
 from policies.base import Candidate, ClusterView, Placement, RequestInfo
 from policies.estimators import asked_bucket, bucket_of, histogram_quantiles
 from policies.registry import PolicyLoadError
 from router.app import create_app
 from router.config import settings_from_mapping
-from sim.textgen import expected_answer
 from tests.conftest import MODEL, SimCluster, sim_cluster
 
 CHAT = "/v1/chat/completions"

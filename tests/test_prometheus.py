@@ -29,9 +29,9 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from disagg_tools.sim.sim_metrics import SimMetrics
+from disagg_tools.sim.textgen import expected_answer
 from router.metrics import RouterMetrics
-from sim.sim_metrics import SimMetrics
-from sim.textgen import expected_answer
 from tests.compose_services import ROOT, ComposeCluster, load_compose
 
 CHAT = "/v1/chat/completions"

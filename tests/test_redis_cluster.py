@@ -19,7 +19,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from sim.textgen import expected_answer
+from disagg_tools.sim.textgen import expected_answer
 from state import DecodeUsage, Keys, RedisStore, StoreError, open_store
 from tests.conftest import MODEL, sim_cluster
 from tests.redis_cluster import PrivateRedisCluster, redis_cluster

@@ -32,8 +32,8 @@ import redis.asyncio as aioredis
 import yaml
 from redis.asyncio.cluster import RedisCluster
 
-from sim.textgen import expected_answer
-from sim.worker import WorkerConfig, running_worker
+from disagg_tools.sim.textgen import expected_answer
+from disagg_tools.sim.worker import WorkerConfig, running_worker
 from state import Keys
 from tests.conftest import MODEL, REDIS_URL, free_port, sim_cluster
 from tests.redis_cluster import die_with_parent, redis_cluster

@@ -9,10 +9,10 @@ from typing import Any
 
 import orjson
 
+from disagg_tools.sim.textgen import expected_answer
 from router.api import CHAT, parse_request
 from router.app import served_models
 from router.lifecycle import ClientSide, RequestFlow
-from sim.textgen import expected_answer
 from tests.conftest import SimCluster, sim_cluster
 from tests.test_faults import FAST_RETRY, assert_quiet, body_for, set_faults, sse_text
 

@@ -11,7 +11,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from sim.textgen import expected_answer
+from disagg_tools.sim.textgen import expected_answer
 from tests.conftest import MODEL, SimCluster, sim_cluster
 
 RESPONSES = "/v1/responses"

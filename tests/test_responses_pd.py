@@ -15,10 +15,10 @@ import orjson
 import pytest
 from openai import AsyncOpenAI
 
+from disagg_tools.sim.textgen import expected_answer
 from router.errors import InvalidRequest
 from router.responses_pd import assembled, parse_responses, prefill_body
 from router.sse_cut import SseCutter
-from sim.textgen import expected_answer
 from tests.conftest import MODEL, SimCluster, sim_cluster
 
 RESPONSES = "/v1/responses"

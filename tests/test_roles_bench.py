@@ -1,4 +1,5 @@
-"""Smoke tests of bench/roles.py on a synthetic workload and a tiny cluster: the instruments run
+"""Smoke tests of disagg_tools/bench/roles.py on a synthetic workload and a tiny cluster: the
+instruments run
 and their tables are complete (docs/elastic-roles.md holds the numbers)."""
 
 from __future__ import annotations
@@ -8,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from bench import roles as br
-from bench import roles_report as report
-from bench.specs import ShapeSpec
-from bench.traces import TraceRequest
+from disagg_tools.bench import roles as br
+from disagg_tools.bench import roles_report as report
+from disagg_tools.bench.specs import ShapeSpec
+from disagg_tools.bench.traces import TraceRequest
 
 
 def _workload(n: int = 200, warm: int = 50) -> br.Workload:

@@ -17,11 +17,11 @@ import aiohttp
 from aiohttp import web
 from openai import AsyncOpenAI
 
+from disagg_tools.sim.textgen import expected_answer
+from disagg_tools.sim.worker import WorkerConfig, running_worker
 from policies.roles import ElasticRoles
 from router.app import GATEWAY
 from router.roles import ROLES
-from sim.textgen import expected_answer
-from sim.worker import WorkerConfig, running_worker
 from tests.conftest import MODEL, running_router
 from tests.test_admin import TOKEN, _settings
 

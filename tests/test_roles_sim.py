@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 import pytest
 
+from disagg_tools.simcluster.config import ClusterConfig
+from disagg_tools.simcluster.engine import simulate
+from disagg_tools.simcluster.roles import RoleAccountingError
 from policies.base import RolePlan, RoleSnapshot, RoleSwitch
 from policies.roles import ElasticRoles, StaticRoles
 from policies.two_sided import TwoSidedPolicy
-from simcluster.config import ClusterConfig
-from simcluster.engine import simulate
-from simcluster.roles import RoleAccountingError
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ def test_elastic_policy_moves_workers_to_the_bottleneck() -> None:
 
 
 def test_a_drained_worker_that_still_holds_blocks_is_an_error(monkeypatch) -> None:
-    from simcluster import workers as cluster_workers
+    from disagg_tools.simcluster import workers as cluster_workers
 
     original = cluster_workers.DecodeWorker.take
 

@@ -30,9 +30,9 @@ import redis.asyncio as aioredis
 from aiohttp import web
 from redis.asyncio.connection import AbstractConnection
 
-import sim.worker
+import disagg_tools.sim.worker
+from disagg_tools.sim.worker_state import WORKER
 from router.legs import READY_MARK_AFTER_S
-from sim.worker_state import WORKER
 from state.keys import Keys
 from state.redis_scripts import RESERVE_SCRIPT
 from tests.conftest import MODEL, REDIS_URL, SimCluster, sim_cluster
@@ -98,7 +98,7 @@ class Wire:
                 wire.sends.append(send)
             await real_send(conn, command, *a, **k)
 
-        real_handler = sim.worker.handle_generation
+        real_handler = disagg_tools.sim.worker.handle_generation
 
         async def handler(request: web.Request) -> web.StreamResponse:
             wid = request.app[WORKER].config.worker_id
@@ -110,7 +110,7 @@ class Wire:
 
         monkeypatch.setattr(AbstractConnection, "send_packed_command", send)
         # create_worker_app looks the handler up when it builds each worker's app.
-        monkeypatch.setattr(sim.worker, "handle_generation", handler)
+        monkeypatch.setattr(disagg_tools.sim.worker, "handle_generation", handler)
 
     def watch_router(self, c: SimCluster) -> None:
         tasks = c.gateway.tasks

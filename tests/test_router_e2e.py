@@ -10,7 +10,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from sim.textgen import expected_answer
+from disagg_tools.sim.textgen import expected_answer
 from tests.conftest import MODEL, sim_cluster
 
 CHAT = "/v1/chat/completions"

@@ -33,12 +33,12 @@ import redis.asyncio as aioredis
 import yaml
 from openai import AsyncOpenAI
 
+from disagg_tools.sim.faults import FaultConfig
+from disagg_tools.sim.worker import WorkerConfig, running_worker
 from router.config import Settings
 from router.logs import configure_logging, secrets_of
 from router.redact import Redactor, mask_url
 from router.worker_spec import Secret
-from sim.faults import FaultConfig
-from sim.worker import WorkerConfig, running_worker
 from tests.conftest import MODEL, free_port
 from tests.redis_cluster import die_with_parent
 
@@ -315,7 +315,7 @@ def test_a_redis_url_that_fails_at_start_up_is_told_masked(tmp_path: Path) -> No
 
 
 async def test_the_launcher_tells_its_redis_masked(tmp_path: Path) -> None:
-    from launcher.localcluster import ClusterShape, LocalCluster, _start_redis
+    from disagg_tools.launcher.localcluster import ClusterShape, LocalCluster, _start_redis
 
     cluster = LocalCluster(ClusterShape(), workdir=tmp_path)
     await _start_redis(cluster, "redis://:launch-pw-8@127.0.0.1:6379/0")

@@ -16,8 +16,8 @@ import aiohttp
 import orjson
 import yaml
 
-from sim.textgen import expected_answer
-from sim.worker import WorkerConfig, running_worker
+from disagg_tools.sim.textgen import expected_answer
+from disagg_tools.sim.worker import WorkerConfig, running_worker
 from state import open_store
 from tests.conftest import MODEL, REDIS_URL
 

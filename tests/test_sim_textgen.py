@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim import textgen
-from sim.textgen import (
+from disagg_tools.sim import textgen
+from disagg_tools.sim.textgen import (
     VOCAB,
     advance,
     context_state,

@@ -13,9 +13,9 @@ import orjson
 import pytest
 from aiohttp import web
 
-from sim.faults import FaultConfig
-from sim.textgen import expected_answer
-from sim.worker import (
+from disagg_tools.sim.faults import FaultConfig
+from disagg_tools.sim.textgen import expected_answer
+from disagg_tools.sim.worker import (
     WorkerConfig,
     add_worker_arguments,
     config_from_args,

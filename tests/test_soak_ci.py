@@ -1,4 +1,5 @@
-"""CI version of `python -m bench.soak`: 60 seconds of trace traffic while workers are SIGKILLed
+"""CI version of `python -m disagg_tools.bench.soak`: 60 seconds of trace traffic while workers are
+SIGKILLed
 and restarted, a PRIVATE Redis (never the shared one) is SIGKILLed and restarted empty, a few
 percent of worker answers fail and some clients vanish mid-stream.
 
@@ -12,7 +13,7 @@ import math
 
 import pytest
 
-from bench.soak import DEFAULT_TRACE, SoakSpec, format_report, run
+from disagg_tools.bench.soak import DEFAULT_TRACE, SoakSpec, format_report, run
 
 pytestmark = pytest.mark.slow
 

@@ -12,10 +12,10 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
+from disagg_tools.sim.textgen import expected_answer
+from disagg_tools.sim.worker import WorkerConfig, running_worker
 from router.app import GATEWAY
 from router.config import settings_from_mapping
-from sim.textgen import expected_answer
-from sim.worker import WorkerConfig, running_worker
 from state import Keys
 from tests.conftest import MODEL, running_router, sim_cluster
 from tests.redis_server import PrivateRedis

@@ -198,7 +198,7 @@ async def stream_text(c: SimCluster, body: dict[str, Any]) -> tuple[str, list[di
 
 
 async def test_redis_killed_then_restarted_empty(redis_prefix: str) -> None:
-    from sim.textgen import expected_answer
+    from disagg_tools.sim.textgen import expected_answer
 
     with PrivateRedis() as redis:
         async with cluster_on(redis) as c:

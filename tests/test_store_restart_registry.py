@@ -23,11 +23,11 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
+from disagg_tools.sim.worker import WorkerConfig, running_worker
 from router.app import GATEWAY
 from router.config import Settings, settings_from_mapping
 from router.drain import set_drained
 from router.pools import Pools
-from sim.worker import WorkerConfig, running_worker
 from state import RedisStore
 from state.base import StoreError
 from tests.conftest import MODEL, REDIS_URL, running_router

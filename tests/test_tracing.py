@@ -10,10 +10,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+from disagg_tools.sim.worker import WorkerConfig, running_worker
 from router.app import create_app
 from router.config import settings_from_mapping
 from router.server import serving
-from sim.worker import WorkerConfig, running_worker
 from tests.conftest import MODEL
 
 pytest.importorskip("opentelemetry.sdk.trace")

@@ -1,12 +1,14 @@
-"""bench/tradeoff.py on a tiny shift from short to long answers (seconds): the in-flight
-corrections (policies/overruns.py, run by simcluster/feedback.py) must cut forced growth there,
+"""disagg_tools/bench/tradeoff.py on a tiny shift from short to long answers (seconds): the
+in-flight
+corrections (policies/overruns.py, run by disagg_tools/simcluster/feedback.py) must cut forced
+growth there,
 where the asked-bucket classes cannot tell the long answers from the short ones."""
 
 from __future__ import annotations
 
-from bench import tradeoff
-from bench.specs import ShapeSpec, TraceSpec
-from bench.traces import TraceRequest
+from disagg_tools.bench import tradeoff
+from disagg_tools.bench.specs import ShapeSpec, TraceSpec
+from disagg_tools.bench.traces import TraceRequest
 
 # Two decode workers of 1,000 blocks (16 K tokens each): ~23 sequences of 700 tokens apiece.
 TINY = ShapeSpec("tiny", 1, 2, "llama-3-8b", capacity_blocks=1000)
@@ -70,13 +72,14 @@ def test_tables_show_every_cell_at_both_loads() -> None:
 
 
 def test_a_preempted_sequence_is_reported_at_what_it_has_written() -> None:
-    """simcluster/feedback.py: a sequence preempted (its tokens kept in `gen`) and waiting to be
+    """disagg_tools/simcluster/feedback.py: a sequence preempted (its tokens kept in `gen`) and
+    waiting to be
     recomputed was reported at gen + the steps since its old residency began, counting those
     steps twice: a censored sample longer than the answer (seen on conv-shift at q0.5)."""
+    from disagg_tools.simcluster.feedback import Feedback
+    from disagg_tools.simcluster.workers import DecodeWorker, Job
     from policies.base import RequestInfo
     from policies.estimators import OnlineQuantileEstimator, bucket_of
-    from simcluster.feedback import Feedback
-    from simcluster.workers import DecodeWorker, Job
 
     cfg = TINY.config()
     d = DecodeWorker(0, cfg.decode[0], cfg.layout_of(cfg.decode[0]))

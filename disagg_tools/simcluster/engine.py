@@ -1,0 +1,623 @@
+"""Discrete-event simulator of a disaggregated cluster behind the router
+(docs/design.md §2, §6, §7).
+
+It runs the same `PlacementPolicy` and `OutputLengthEstimator` objects as the live router, on
+`ClusterView` snapshots built from its own accounting, and times work with the same `PerfModel`
+as the simulated GPU workers, so a policy's ranking here says something about the product.
+
+One request's life in the simulator:
+
+    ARRIVAL ─ estimate ─ place ─ reserve on D ─┬─ prefill FIFO on P ─ KV stranded on P ─ handoff
+            └─ rejected: admission queue (FIFO, bounded) ─ room / TTFT deadline ─> 429
+    handoff ─ D has room (or on_full="preempt") ─ transfer over the P→D link ─ join D's batch
+            └─ on_full="refuse": KV waits stranded on P until D frees blocks
+    decode: one event per step per worker advances its whole batch; a sequence that outgrows its
+    reservation grows it (or runs on unreserved blocks); when blocks run out the newest sequence
+    is preempted and later recomputed locally on D, as vLLM does.
+
+Two router modes: `reserve=True` (ours) holds `Candidate.reserve_blocks` on D before prefill;
+`reserve=False` (the peers) reserves nothing and gives the policy no output-length estimate, so a
+policy's room check covers the prompt only ("place and hope").
+
+With `ClusterConfig.elastic` every worker is `kv_both`: a `RolePolicy` moves workers between the
+pools, with drain and a reconfiguration pause (`disagg_tools.simcluster.roles`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Protocol
+
+from disagg_tools.simcluster.config import ClusterConfig, SimWorkerSpec
+from disagg_tools.simcluster.feedback import Feedback
+from disagg_tools.simcluster.metrics import GapHistogram, RequestRecord, SimResult
+from disagg_tools.simcluster.roles import RoleController, Slot
+from disagg_tools.simcluster.workers import DecodeWorker, Job, PrefillWorker, quantize
+from policies.base import (
+    ClusterView,
+    DecodeView,
+    OutputEstimate,
+    OutputLengthEstimator,
+    Placement,
+    PlacementPolicy,
+    RequestInfo,
+    RolePolicy,
+    blocks_for,
+)
+
+__all__ = ["TraceLike", "simulate"]
+
+_ARRIVAL, _PREFILL_DONE, _TRANSFER_DONE, _STEP, _DEADLINE, _DISPATCH, _CALL = range(7)
+
+
+class TraceLike(Protocol):
+    """Any request record with these four attributes (e.g.
+    `disagg_tools.bench.traces.TraceRequest`)."""
+
+    @property
+    def arrival_s(self) -> float: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def output_tokens(self) -> int: ...
+    @property
+    def prefix_hash_ids(self) -> Sequence[int]: ...
+
+
+class _Engine:
+    def __init__(
+        self,
+        requests: Sequence[TraceLike],
+        config: ClusterConfig,
+        policy: PlacementPolicy,
+        estimator: OutputLengthEstimator | None,
+        seed: int,
+        slo_ttft_s: float,
+        slo_tpot_s: float,
+        rate_scale: float,
+        send_hints: bool | None,
+        role_policy: RolePolicy | None = None,
+    ) -> None:
+        if rate_scale <= 0:
+            raise ValueError(f"rate_scale must be > 0, got {rate_scale}")
+        self.cfg = config
+        self.policy = policy
+        self.estimator = estimator if config.reserve else None
+        # The true length goes out as `hint_output_tokens` only when asked (a perfect client
+        # hint) or for the oracle, which reads it as the truth: online_quantile classes requests
+        # by hint bucket, and a truthful hint would quietly turn it into an oracle.
+        if send_hints is None:
+            send_hints = getattr(estimator, "name", None) == "oracle"
+        self.send_hints = send_hints
+        self.rng = random.Random(seed)
+        self.slo_ttft_s = slo_ttft_s
+        self.slo_tpot_s = slo_tpot_s
+        cap, lru = config.stranded_cap_bytes, config.prefix_cache_blocks
+        self.quantum = config.timer_quantum_s
+
+        def prefill_worker(i: int, s: SimWorkerSpec) -> PrefillWorker:
+            return PrefillWorker(i, s, config.layout_of(s), cap, lru, config.prefix_block_tokens)
+
+        def decode_worker(i: int, s: SimWorkerSpec) -> DecodeWorker:
+            return DecodeWorker(i, s, config.layout_of(s), quantum=self.quantum,
+                                step_extra_s=config.step_overhead_s,
+                                join_mid_step=config.join_mid_step,
+                                can_prefill=config.local_prefill)  # fmt: skip
+
+        self.roles: RoleController | None = None
+        if config.elastic:
+            # Each worker is one GPU with both personas; only the one of its role is live.
+            specs = (*config.prefill, *config.decode)
+            self.prefills = [prefill_worker(i, s) for i, s in enumerate(specs)]
+            self.decodes = [decode_worker(i, s) for i, s in enumerate(specs)]
+            n_p = len(config.prefill)
+            self.p_live = self.prefills[:n_p]
+            self.d_live = self.decodes[n_p:]
+            slots = [
+                Slot(i, p, d, "prefill" if i < n_p else "decode")
+                for i, (p, d) in enumerate(zip(self.prefills, self.decodes, strict=True))
+            ]
+            if role_policy is None:
+                from policies.roles import StaticRoles
+
+                role_policy = StaticRoles()
+            self.roles = RoleController(self, role_policy, slots)
+        else:
+            if role_policy is not None:
+                raise ValueError("a role policy needs ClusterConfig(elastic=True)")
+            self.prefills = [prefill_worker(i, s) for i, s in enumerate(config.prefill)]
+            self.decodes = [decode_worker(i, s) for i, s in enumerate(config.decode)]
+            self.p_live = self.prefills
+            self.d_live = self.decodes
+        self.pmap = {p.wid: p for p in self.prefills}
+        self.dmap = {d.wid: d for d in self.decodes}
+        self.kvbpt = config.kv_bytes_per_token
+        self.now = 0.0
+        self.events: list[tuple[float, int, int, object]] = []
+        self.seq = 0
+        self.n_events = 0
+        self.queue: deque[Job] = deque()
+        self.q_live = 0
+        self.hist: dict[str, dict[int, int]] = {}
+        self.gaps = GapHistogram()
+        self.records: list[RequestRecord | None] = [None] * len(requests)
+        self.c_forecast = 0
+        self.n_learned = 0  # completions recorded in the output-length histograms
+        self.feedback: Feedback | None = None
+        if self.estimator is not None:
+            self.feedback = Feedback(
+                self.estimator,
+                self.push_call,
+                lambda: self.now,
+                inflight=config.inflight_feedback,
+                margin=config.overrun_margin,
+                half_life_s=config.margin_half_life_s,
+                max_share=config.margin_max_share,
+            )
+        self.t_last = 0.0  # last request outcome (a stale deadline event may come later)
+        self.c_queued = 0
+        self.n_done = 0
+        self.n_requests = len(requests)
+        self.jobs: list[Job] = []
+        t0 = min((r.arrival_s for r in requests), default=0.0)
+        for i, r in enumerate(requests):
+            out = max(1, min(int(r.output_tokens), config.max_tokens))
+            arrival = (r.arrival_s - t0) / rate_scale
+            job = Job(i, arrival, max(1, int(r.prompt_tokens)), out, tuple(r.prefix_hash_ids))
+            job.kv_bytes = job.prompt * self.kvbpt
+            self._push(arrival, _ARRIVAL, job)
+        if self.roles is not None and requests:
+            self.roles.start()
+
+    # -- event plumbing ---------------------------------------------------------------------
+    def _push(self, t: float, kind: int, obj: object) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, obj))
+
+    # Hooks for `disagg_tools.simcluster.roles.RoleController`.
+    def push_call(self, t: float, fn: Callable[[], None]) -> None:
+        self._push(t, _CALL, fn)
+
+    def schedule_step(self, d: DecodeWorker) -> None:
+        self._push(self.now + d.current_step_s, _STEP, d)
+
+    def start_prefill(self, p: PrefillWorker) -> None:
+        self._start_prefill(p)
+
+    def drain_queue(self) -> None:
+        self._drain_queue()
+
+    def handoff(self, job: Job) -> None:
+        """Hand the job's KV to its decode worker now, or queue the handoff there."""
+        d = job.d
+        assert d is not None
+        need = blocks_for(job.prompt, d.bs)
+        if d.capacity - d.used >= need:
+            d.allocate(self.now, job, need)
+            self._start_transfer(job)
+        else:
+            job.refusals += 1
+            d.handoff_wait.append(job)
+
+    def run(self) -> SimResult:
+        events = self.events
+        pop = heapq.heappop
+        wall0 = time.perf_counter()
+        n = 0
+        while events:
+            t, _, kind, obj = pop(events)
+            self.now = t
+            n += 1
+            if kind == _STEP:
+                self._step(obj)  # type: ignore[arg-type]
+            elif kind == _ARRIVAL:
+                self._arrive(obj)  # type: ignore[arg-type]
+            elif kind == _PREFILL_DONE:
+                self._prefill_done(obj)  # type: ignore[arg-type]
+            elif kind == _TRANSFER_DONE:
+                self._transfer_done(obj)  # type: ignore[arg-type]
+            elif kind == _DEADLINE:
+                self._deadline(obj)  # type: ignore[arg-type]
+            elif kind == _DISPATCH:
+                self._dispatched(obj)  # type: ignore[arg-type]
+            else:
+                obj()  # type: ignore[operator]
+        wall = time.perf_counter() - wall0
+        return self._result(n, wall)
+
+    # -- router ----------------------------------------------------------------------------
+    def _arrive(self, job: Job) -> None:
+        cfg = self.cfg
+        info = RequestInfo(
+            request_id=str(job.idx),
+            model=cfg.model,
+            prompt_tokens=job.prompt,
+            max_tokens=cfg.max_tokens,
+            prefix_hashes=job.hashes,
+            arrival_s=job.arrival,
+            slo_ttft_s=self.slo_ttft_s,
+            slo_itl_s=None,
+            hint_output_tokens=job.out if self.send_hints else None,
+        )
+        job.info = info
+        if self.roles is not None:
+            self.roles.on_arrival(self.now, job)
+        self._estimate(job)
+        job.deadline = job.arrival + self.slo_ttft_s
+        if self.q_live == 0 and self._admit(job):
+            return
+        if self.q_live >= cfg.queue_limit:
+            self._finish(job, "rejected", "admission queue full")
+            return
+        job.queued = True
+        job.queued_at = self.now
+        self.queue.append(job)
+        self.q_live += 1
+        self.c_queued += 1
+        self._push(job.deadline, _DEADLINE, job)
+
+    def _estimate(self, job: Job) -> None:
+        """(Re-)estimate the output length from the histograms as they are now."""
+        info = job.info
+        assert info is not None
+        est = self.estimator
+        if est is not None:
+            keys = est.class_keys(info)
+            hist = self.hist
+            completed = {k: hist.get(k, {}) for k in keys}
+            assert self.feedback is not None
+            estimate = est.estimate(info, self.feedback.histograms(completed))
+        else:
+            # No reservation, no output awareness: the policy's room check covers the prompt.
+            estimate = OutputEstimate(reserve_tokens=1 if not self.cfg.reserve else info.max_tokens)
+        job.info = info = replace(info, estimate=estimate)
+        # Expected completions use the reserved (upper) quantile, so a room forecast errs late.
+        job.est_tokens = info.reserve_output_tokens
+        job.est_ver = self._est_version()
+
+    def _est_version(self) -> int:
+        """Moves whenever an estimate could: a completion learned, or a live overrun reported."""
+        return self.n_learned + (self.feedback.version if self.feedback is not None else 0)
+
+    def _view(self, forecast_at: float | None = None) -> ClusterView:
+        cfg = self.cfg
+        if forecast_at is None:
+            decode = tuple([d.view() for d in self.d_live])
+        else:
+            decode = tuple([self._forecast(d, forecast_at) for d in self.d_live])
+        if self.feedback is not None:
+            decode = self.feedback.with_margins(decode, self.now)
+        return ClusterView(
+            prefill=tuple([p.view() for p in self.p_live]),
+            decode=decode,
+            kv_bytes_per_token=self.kvbpt,
+            links=cfg.links,
+            default_link_bytes_per_s=cfg.default_link_bytes_per_s,
+            link_latency_s=cfg.link_latency_s,
+        )
+
+    def _forecast(self, d: DecodeWorker, at: float) -> DecodeView:
+        """D as it should look at `at`: reservations expected to finish by then are gone."""
+        v = d.view()
+        freed = 0
+        seqs = d.seqs
+        now = self.now
+        for j in d.reservations.values():
+            # One already past its expected end outran the upper quantile: no forecast for it.
+            if now < j.exp_end <= at:
+                used = blocks_for(j.ctx0 + d.step - j.s0, d.bs) if j.idx in seqs else j.alloc
+                freed += max(j.res, used)
+        if not freed:
+            return v
+        held = max(0, d.held - freed)
+        return replace(v, reserved_blocks=held, used_blocks=min(d.used, held))
+
+    def _admit(self, job: Job) -> bool:
+        """Place and (in reserve mode) reserve; dispatch to P. False = the policy said no."""
+        if job.est_ver != self._est_version():
+            # A queued request is re-estimated when the statistics moved: a cold-start
+            # max_tokens estimate must not keep blocking the queue's head once we know better.
+            self._estimate(job)
+        info = job.info
+        assert info is not None
+        decision = self.policy.place(info, self._view())
+        if isinstance(decision, Placement) and self._take(job, decision, forecast=False):
+            return True
+        if self.cfg.admission == "predictive" and self.cfg.reserve:
+            # Mooncake-style: admit on the room forecast when this prefill should complete.
+            wait = min(((p.queued_tokens + job.prompt) / p.rate for p in self.p_live), default=0.0)
+            decision = self.policy.place(info, self._view(self.now + wait))
+            if isinstance(decision, Placement) and self._take(job, decision, forecast=True):
+                self.c_forecast += 1
+                return True
+        return False
+
+    def _take(self, job: Job, decision: Placement, forecast: bool) -> bool:
+        cfg = self.cfg
+        for cand in decision.candidates:
+            d = self.dmap[cand.decode_id]
+            p = self.pmap[cand.prefill_id] if cand.prefill_id is not None else None
+            if cfg.reserve:
+                need = max(cand.reserve_blocks, blocks_for(job.prompt + 1, d.bs))
+                if not forecast and d.free_held < need:
+                    continue  # the snapshot is ours, so this only happens if a policy ignores room
+                d.reserve(self.now, job, need)
+                if self.roles is not None:
+                    self.roles.on_reserve(self.now, job, need)
+                step = d.step_estimate()
+                ttft = cand.predicted_ttft_s or job.prompt / max(1.0, d.rate)
+                job.exp_end = self.now + ttft + job.est_tokens * step
+            self._dispatch(job, p, d)
+            return True
+        return False
+
+    def _dispatch(self, job: Job, p: PrefillWorker | None, d: DecodeWorker) -> None:
+        job.admitted_at = self.now
+        job.d = d
+        job.p = p
+        if self.cfg.router_overhead_s > 0:
+            # The live path's fixed cost (hops, store round trips): the job reaches its prefill
+            # worker (or D, for a local prefill) that much later. Its room is already held.
+            self._push(self.now + self.cfg.router_overhead_s, _DISPATCH, job)
+            return
+        self._dispatched(job)
+
+    def _dispatched(self, job: Job) -> None:
+        p, d = job.p, job.d
+        assert d is not None
+        if p is None:  # conditional disaggregation: D prefills it inside its next step
+            job.local = True
+            d.waiting.append(job)
+            d._view = None
+            if d.poll(self.now):
+                self._push(self.now + d.current_step_s, _STEP, d)
+            return
+        if self.roles is not None and p not in self.p_live and self.p_live:
+            # Its prefill worker started draining while the job was on its way: the next best.
+            p = job.p = min(self.p_live, key=lambda w: (w.queued_tokens, w.idx))
+        p.enqueue(job)
+        if self.roles is not None:
+            self.roles.on_dispatch(self.now)
+        self._start_prefill(p)
+
+    def _drain_queue(self) -> None:
+        q = self.queue
+        while q:
+            job = q[0]
+            if not job.queued:
+                q.popleft()
+                continue
+            if not self._admit(job):
+                return
+            q.popleft()
+            job.queued = False
+            self.q_live -= 1
+
+    def _deadline(self, job: Job) -> None:
+        if job.queued:
+            job.queued = False
+            self.q_live -= 1
+            self._finish(job, "rejected", "no room before the TTFT deadline")
+
+    # -- prefill side ------------------------------------------------------------------------
+    def _start_prefill(self, p: PrefillWorker) -> None:
+        job = p.next_job()
+        if job is None:
+            return
+        cached = p.cached_tokens(job)
+        dur = p.perf.prefill_s(job.prompt, cached)
+        if self.roles is not None:
+            self.roles.on_prefill_start(self.now, job, cached)
+        if self.cfg.prefill_jitter:
+            j = self.cfg.prefill_jitter
+            dur *= self.rng.uniform(1.0 - j, 1.0 + j)
+        if self.quantum:
+            dur = quantize(dur, self.quantum)
+        p.busy_s += dur
+        self._push(self.now + dur, _PREFILL_DONE, p)
+
+    def _prefill_done(self, p: PrefillWorker) -> None:
+        job = p.busy
+        assert job is not None and job.d is not None
+        p.finish(self.now, job)
+        self._start_prefill(p)
+        if self.roles is not None:
+            self._check_p(p)
+        d = job.d
+        need = blocks_for(job.prompt, d.bs)
+        if need > d.capacity:
+            p.release(self.now, job)
+            d.cancel(self.now, job)
+            self._finish(job, "failed", "prompt larger than the decode worker's KV")
+            self._start_prefill(p)
+            if self.roles is not None:
+                self._check_p(p)
+            return
+        # Our router never pushes KV at a full D (room was reserved, or admitted on a forecast
+        # that has not come true yet): the KV waits on P. The peers follow `on_full`.
+        if d.capacity - d.used >= need or (self.cfg.on_full == "preempt" and not self.cfg.reserve):
+            d.allocate(self.now, job, need)
+            self._start_transfer(job)
+        else:
+            job.refusals += 1
+            d.handoff_wait.append(job)
+
+    def _start_transfer(self, job: Job) -> None:
+        p, d = job.p, job.d
+        assert p is not None and d is not None
+        bw = self.cfg.link_bytes_per_s(p.group, d.group)
+        dur = self.cfg.link_latency_s + job.kv_bytes / bw
+        if self.quantum:
+            dur = quantize(dur, self.quantum)
+        start = self.now
+        if self.cfg.link_contention:
+            # One transfer at a time out of P's NIC and into D's: it waits for both.
+            start = max(start, p.nic_free, d.nic_free)
+            p.nic_free = d.nic_free = start + dur
+        self._push(start + dur, _TRANSFER_DONE, job)
+
+    def _transfer_done(self, job: Job) -> None:
+        p, d = job.p, job.d
+        assert p is not None and d is not None
+        p.release(self.now, job)
+        self._start_prefill(p)  # the stranded cap may have held it back
+        if self.roles is not None:
+            self._check_p(p)
+        step = d.step_estimate()
+        job.exp_end = self.now + max(1, job.est_tokens) * step
+        if d.arrive(self.now, job):
+            self._push(self.now + d.current_step_s, _STEP, d)
+        if self.q_live:
+            self._drain_queue()
+
+    # -- decode side -------------------------------------------------------------------------
+    def _step(self, d: DecodeWorker) -> None:
+        now = self.now
+        finished, evicted, failed, handoffs = d.boundary(now, self.gaps.add)
+        if self.feedback is not None:
+            self.feedback.after_step(d, now)
+        if self.roles is not None and d not in self.d_live:
+            self.roles.after_boundary(d)
+        if d.stepping:
+            self._push(now + d.durs[-1], _STEP, d)
+        for job in finished:
+            job.last_t = now
+            self._complete(job)
+        for job in failed:
+            self._finish(job, "failed", "sequence outgrew the decode worker's KV")
+        for job in handoffs:
+            self._start_transfer(job)
+        if (finished or evicted or failed) and self.q_live:
+            self._drain_queue()
+
+    def _check_p(self, p: PrefillWorker) -> None:
+        assert self.roles is not None
+        slot = self.roles.p_slot(p)
+        if slot is not None and slot.state == "draining":
+            self.roles.check(slot)
+
+    def _complete(self, job: Job) -> None:
+        if self.roles is not None:
+            self.roles.on_complete(self.now, job)
+        est = self.estimator
+        if est is not None and job.info is not None:
+            bucket = est.bucket_of(job.out)
+            for key in est.class_keys(job.info):
+                h = self.hist.setdefault(key, {})
+                h[bucket] = h.get(bucket, 0) + 1
+            self.n_learned += 1
+        self._finish(job, "ok")
+
+    def _finish(self, job: Job, outcome: str, reason: str = "") -> None:
+        job.done = True
+        if self.feedback is not None:
+            self.feedback.ended(job)
+        self.n_done += 1
+        self.t_last = self.now
+        ok = outcome == "ok"
+        n = job.out
+        self.records[job.idx] = RequestRecord(
+            index=job.idx,
+            arrival_s=job.arrival,
+            prompt_tokens=job.prompt,
+            output_tokens=n,
+            outcome=outcome,  # type: ignore[arg-type]
+            ttft_s=job.first_t - job.arrival if ok else -1.0,
+            e2e_s=job.last_t - job.arrival if ok else -1.0,
+            mean_gap_s=(job.last_t - job.first_t) / (n - 1) if ok and n > 1 else 0.0,
+            max_gap_s=job.max_gap,
+            queued_s=job.admitted_at - job.arrival,
+            preemptions=job.preemptions,
+            refusals=job.refusals,
+            reason=reason,
+        )
+        job.info = None  # keep memory per finished request small
+
+    def _result(self, n_events: int, wall: float) -> SimResult:
+        stuck = [i for i, r in enumerate(self.records) if r is None]
+        if stuck:
+            raise RuntimeError(f"{len(stuck)} requests never finished (first: {stuck[:5]})")
+        now = self.now
+        for p in self.prefills:
+            p._tick(now)
+        for d in self.decodes:
+            d._tick(now)
+        counters: dict[str, float] = {
+            "queued": self.c_queued,
+            "admitted_on_forecast": self.c_forecast,
+            "overrun_grown": sum(d.c_grown for d in self.decodes),
+            "overrun_unreserved": sum(d.c_overran for d in self.decodes),
+            "handoff_refusals": sum(r.refusals for r in self.records if r is not None),
+            "stranded_byte_s": sum(p.area for p in self.prefills),
+            "peak_stranded_bytes": max((p.peak_stranded for p in self.prefills), default=0),
+            "reserved_unused_block_s": sum(d.area for d in self.decodes),
+            "end_reserved_blocks": sum(d.held for d in self.decodes),
+            "end_used_blocks": sum(d.used for d in self.decodes),
+            "end_stranded_bytes": sum(p.stranded for p in self.prefills),
+            "prefill_busy_s": sum(p.busy_s for p in self.prefills),
+        }
+        roles = None
+        if self.roles is not None:
+            roles = self.roles.summary()
+            counters["role_switches"] = len(roles["switches"])
+            counters["role_migrated"] = roles["migrated"]
+            counters["role_retargeted"] = roles["retargeted"]
+            if (
+                counters["end_reserved_blocks"]
+                or counters["end_used_blocks"]
+                or counters["end_stranded_bytes"]
+            ):
+                raise RuntimeError(f"accounting not empty after the run: {counters}")
+        records = [r for r in self.records if r is not None]
+        return SimResult(
+            records=records,
+            gaps=self.gaps,
+            slo_ttft_s=self.slo_ttft_s,
+            slo_tpot_s=self.slo_tpot_s,
+            sim_end_s=self.t_last,
+            counters=counters,
+            events=n_events,
+            wall_s=wall,
+            roles=roles,
+        )
+
+
+def simulate(
+    requests: Sequence[TraceLike],
+    config: ClusterConfig,
+    policy: PlacementPolicy,
+    estimator: OutputLengthEstimator | None = None,
+    *,
+    seed: int = 0,
+    slo_ttft_s: float = 2.0,
+    slo_tpot_s: float = 0.1,
+    rate_scale: float = 1.0,
+    send_hints: bool | None = None,
+    role_policy: RolePolicy | None = None,
+) -> SimResult:
+    """Replay `requests` (arrival times divided by `rate_scale`) through the cluster.
+
+    `policy` and `estimator` are used as given (the caller builds fresh ones per run when they
+    keep state, e.g. round-robin's counter). The admission-queue deadline is the TTFT SLO.
+    `send_hints` puts each request's true output length in `RequestInfo.hint_output_tokens`
+    (None = only for an estimator named "oracle"). `role_policy` moves workers between the
+    pools of an elastic cluster (`ClusterConfig.elastic`; default there: static).
+    """
+    engine = _Engine(
+        requests,
+        config,
+        policy,
+        estimator,
+        seed,
+        slo_ttft_s,
+        slo_tpot_s,
+        rate_scale,
+        send_hints,
+        role_policy,
+    )
+    return engine.run()

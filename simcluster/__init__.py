@@ -1,7 +1,0 @@
-"""disagg-router: simcluster — the discrete-event cluster simulator (pure: no sockets, no clock).
-
-It runs the router's own policies and estimators (`policies/`) against simulated prefill and
-decode pools; the entry points are `simcluster.engine.simulate` and `disagg-router simulate`
-(`simcluster.cli`). Importing it loads neither aiohttp, redis nor prometheus_client
-(tests/test_layering.py).
-"""
