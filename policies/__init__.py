@@ -34,7 +34,7 @@ from policies.estimators import (
     score_estimate,
 )
 from policies.registry import PolicyLoadError, load_estimator, load_policy, load_role_policy
-from policies.roles import ElasticRoles, StaticRoles, role_pressures
+from policies.role_policies import ElasticRoles, StaticRoles, role_pressures
 from policies.two_sided import TwoSidedPolicy
 
 __all__ = [

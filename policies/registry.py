@@ -39,7 +39,7 @@ from policies.estimators import (
     OnlineQuantileEstimator,
     OracleEstimator,
 )
-from policies.roles import ElasticRoles, StaticRoles
+from policies.role_policies import ElasticRoles, StaticRoles
 from policies.two_sided import TwoSidedPolicy
 
 __all__ = [

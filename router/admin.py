@@ -18,7 +18,8 @@ Registrations live in the shared store, so every replica adopts them within
 Who may call what: router/auth.py (the GETs need a token once client keys are configured).
 
 Guard rails: a drain, a role switch or a removal that would leave a pool (one side of one
-model, router/rotation.py) with no worker in rotation is refused with 409, naming the pool, the
+model, router/workers/rotation.py) with no worker in rotation is refused with 409, naming the pool,
+the
 worker and what the pool's other workers are doing, unless the body says `{"force": true}`.
 The check reads the shared registry first (the other replicas' drains and roles as they are
 now), but it is not atomic across replicas: two operators taking out a pool's last two workers
@@ -37,14 +38,14 @@ from aiohttp import web
 from router.appkeys import GATEWAY
 from router.auth import check_admin_read, check_admin_write
 from router.config import ConfigError
-from router.drain import set_drained
 from router.errors import InvalidRequest, RouterError, Unavailable
 from router.gateway import Gateway
-from router.pools import WorkerState
 from router.redact import mask_url
-from router.roles import ROLES, RoleChangeRefused
-from router.rotation import emptied_without, why_empty
+from router.role_manager import ROLES, RoleChangeRefused
 from router.scaling import scaling_report
+from router.workers.drain import set_drained
+from router.workers.pools import WorkerState
+from router.workers.rotation import emptied_without, why_empty
 
 __all__ = ["add_admin_routes"]
 

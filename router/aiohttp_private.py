@@ -3,7 +3,7 @@
 The router needs two things aiohttp does not offer publicly: the protocol arguments of the
 `web.Server` an `AppRunner` made (router/server.py `_adopt` rebuilds it with our protocol),
 and the payload writer of a prepared `StreamResponse`, whose transport the splice relay
-(router/splice.py) writes its chunks onto. Both go through `aiohttp_private`, which checks
+(router/relay/splice.py) writes its chunks onto. Both go through `aiohttp_private`, which checks
 what it reads and raises `AiohttpChanged` saying what moved when an aiohttp upgrade renames or
 retypes it, instead of the router failing somewhere later (tests/test_aiohttp_private.py and
 tests/test_client_bounds.py run it against the installed aiohttp).
@@ -48,7 +48,7 @@ def aiohttp_private(
 
 def prepared_writer(client: web.StreamResponse) -> tuple[AbstractStreamWriter, asyncio.Transport]:
     """The payload writer and transport of `client`, a prepared (headers sent) response, for
-    writing body bytes without aiohttp's per-write overhead (router/splice.py). Raises
+    writing body bytes without aiohttp's per-write overhead (router/relay/splice.py). Raises
     `ConnectionResetError` if the client has gone already."""
     # None once the body is ended (write_eof) or before prepare: nothing may be written then.
     writer = aiohttp_private(client, "_payload_writer", AbstractStreamWriter, optional=True)

@@ -28,20 +28,20 @@ from router.errors import BodyTooLarge, RouterError, Unauthorized, as_router_err
 from router.gateway import Gateway
 from router.histograms import HistogramCache
 from router.leases import LeaseKeeper
-from router.lifecycle import ClientSide, RequestFlow
 from router.logs import bind_request_id
 from router.metrics import RouterMetrics
 from router.passthrough import PASSTHROUGH_ROUTES, add_passthrough_routes, forward
-from router.pools import Pools
+from router.relay.upstream_pool import SplicePool
+from router.request.lifecycle import ClientSide, RequestFlow
 from router.responses import RESPONSES_ROUTE
 from router.responses_pd import RESPONSES, parse_responses, serves_split
 from router.retry_budget import RetryBudget
-from router.roles import ROLES, RoleManager
+from router.role_manager import ROLES, RoleManager
 from router.scaling import export_scaling, scaling_report
 from router.server import read_body
 from router.shutdown import SHUTDOWN, Shutdown
 from router.tracing import Tracing
-from router.upstream_pool import SplicePool
+from router.workers.pools import Pools
 from state import StoreError, open_store
 
 __all__ = ["create_app", "GATEWAY", "SETTINGS"]

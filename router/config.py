@@ -26,9 +26,9 @@ from policies.base import KVLayout
 from policies.costmodel import PerfModel
 from policies.scaling import ScalingSLO
 from router.admission import AdmissionSettings
-from router.breaker import BreakerSettings
 from router.redact import masked_repr
-from router.worker_spec import (
+from router.workers.breaker import BreakerSettings
+from router.workers.worker_spec import (
     ConfigError,
     Secret,
     WorkerSpec,
@@ -95,7 +95,8 @@ class RetrySettings:
 
 @dataclass(frozen=True, slots=True)
 class RoleSettings:
-    """The role manager (router/roles.py): which `both` workers serve prefill, which decode."""
+    """The role manager (router/role_manager.py): which `both` workers serve prefill, which
+    decode."""
 
     policy: str = "static"  # static | elastic | a dotted path (policies/registry.py)
     policy_args: Mapping[str, Any] = field(default_factory=dict)
@@ -158,7 +159,7 @@ class Settings:
     health_interval_s: float = 2.0
     # While every worker is healthy and this replica is quiet (nothing in flight or waiting),
     # the probe interval doubles from health_interval_s up to this; the first request or
-    # failed probe brings it back (router/pools.py). An idle router's probes then cost ~4x
+    # failed probe brings it back (router/workers/pools.py). An idle router's probes then cost ~4x
     # less; a worker that dies while nobody asks is noticed this much later (a request's own
     # failure trips its breaker at once). <= health_interval_s: never back off.
     health_idle_interval_s: float = 8.0
@@ -185,13 +186,14 @@ class Settings:
     api_keys: tuple[Secret, ...] = ()
     forward_client_auth: bool = False
     upstream_connections: int = 4096
-    # How decode streams reach the client: "splice" (router/splice.py: a raw keep-alive client
+    # How decode streams reach the client: "splice" (router/relay/splice.py: a raw keep-alive client
     # whose protocol callbacks write whole SSE events straight to the client's transport; ~30 %
     # less relay CPU per token, a third of the TTFT tail at 256 streams; http:// workers) or
     # "aiohttp" (its client + StreamResponse.write; also what https:// workers always use).
     relay: str = "splice"
     # Non-streaming requests are streamed from the decode worker and assembled into one JSON
-    # answer (router/assemble.py): the TTFT, idle and KV-handoff deadlines then hold for them
+    # answer (router/request/assemble.py): the TTFT, idle and KV-handoff deadlines then hold for
+    # them
     # too. False: the worker answers whole (for upstreams that cannot stream).
     assemble_non_streaming: bool = True
     # Token for the admin API's write side (register / remove workers); empty = disabled.

@@ -4,7 +4,7 @@ It runs with no configuration file, like `vllm-router --vllm-pd-disaggregation -
 --decode URL` or `python -m sglang_router.launch_router --pd-disaggregation --prefill URL 9000
 --decode URL` (the same grammar: `--prefill` takes a URL and an optional bootstrap port or
 `none`, both flags repeat). What a file would say is read from the workers themselves before
-serving (router/discovery.py `WorkerFacts`): the served model names, the decode KV capacity
+serving (router/workers/discovery.py `WorkerFacts`): the served model names, the decode KV capacity
 (vLLM `vllm:cache_config_info`, SGLang `max_total_num_tokens`), the context length, an SGLang
 prefill's bootstrap port; the KV layout is read as for any `discover_layout` worker.
 
@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from router.config import ConfigError, Settings, load_settings, read_config
-from router.discovery import WorkerFacts, fetch_worker_facts
+from router.workers.discovery import WorkerFacts, fetch_worker_facts
 
 __all__ = [
     "FlagWorker",
@@ -87,7 +87,7 @@ def _prefill_entry(values: Sequence[str]) -> FlagWorker:
 
 
 def add_dropin_arguments(parser: argparse.ArgumentParser) -> None:
-    """The worker flags of `serve` (its host/port/redis/policy flags are router/cli.py's)."""
+    """The worker flags of `serve` (its host/port/redis/policy flags are router/serve_cli.py's)."""
     group = parser.add_argument_group(
         "drop-in (no configuration file needed; docs/real-workers.md has the migration table)"
     )

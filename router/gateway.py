@@ -17,11 +17,11 @@ from router.config import Settings
 from router.histograms import HistogramCache
 from router.leases import LeaseKeeper
 from router.metrics import RouterMetrics
-from router.pools import Pools
+from router.relay.upstream_pool import SplicePool
 from router.retry_budget import RetryBudget
 from router.scaling import DemandMeter
 from router.tracing import Tracing
-from router.upstream_pool import SplicePool
+from router.workers.pools import Pools
 from state.base import StateStore
 
 __all__ = ["Gateway"]

@@ -7,7 +7,8 @@
   Redis restarted empty) is put back, over capacity if need be: its sequence really occupies
   the worker.
 - **Stranded entries** of this replica's requests are remembered, so they can be written again
-  when the store lost them. Each is written with its reservation, pending (router/reserve.py);
+  when the store lost them. Each is written with its reservation, pending
+  (router/request/reserve.py);
   marking it ready is a background call that never creates an entry (`kv_ready`).
 - **Owed steps**: an end-of-request release or unstrand that failed (the store was down, or one
   step errored) is retried every second until it lands or its lease has run out anyway. An owed

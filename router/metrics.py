@@ -187,7 +187,8 @@ class RouterMetrics:
             ["task"],
             registry=r,
         )
-        # -- elastic roles (router/roles.py) ---------------------------------------------------
+        # -- elastic roles (router/role_manager.py)
+        # ---------------------------------------------------
         self.worker_role = Gauge(
             p + "worker_role",
             "1 for a `both` worker's current role (prefill, decode, draining-to-prefill, "

@@ -35,7 +35,6 @@ import orjson
 from aiohttp import web
 
 from router.api import parse_json_object
-from router.attempt import LegFailure, upstream_failure
 from router.auth import bearer_token, token_matches
 from router.errors import (
     BodyTooLarge,
@@ -49,9 +48,10 @@ from router.errors import (
     as_router_error,
 )
 from router.gateway import Gateway
-from router.pools import WorkerState
+from router.request.attempt import LegFailure, upstream_failure
 from router.server import read_body
 from router.shutdown import SHUTDOWN
+from router.workers.pools import WorkerState
 from state import StoreError
 
 __all__ = [

@@ -1,6 +1,6 @@
 """The text of a request's prompt, per endpoint, without a tokenizer: chat messages, a
 completion's prompt, a Responses request's instructions and input items. The prefix hashes
-(router/prefixes.py) and the Responses token estimate (router/responses_pd.py) read the same
+(router/workers/prefixes.py) and the Responses token estimate (router/responses_pd.py) read the same
 text, so a Responses prompt gets prefix affinity like a chat one."""
 
 from __future__ import annotations

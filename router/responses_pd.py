@@ -4,7 +4,7 @@ vLLM 0.32's Responses endpoint carries a KV handle as chat does (docs/real-worke
 references): `ResponsesRequest.kv_transfer_params` is copied into the SamplingParams' extra_args,
 where the NIXL connector reads it, and `ResponsesResponse.kv_transfer_params` hands the prefill's
 handle back at the top of the answer. So a stateless Responses request takes chat's path
-(router/lifecycle.py `RequestFlow`): admission, estimate, placement, the decode reservation
+(router/request/lifecycle.py `RequestFlow`): admission, estimate, placement, the decode reservation
 before any prefill, the prefill leg, the decode leg, release. The stages ask this module for the
 few places where Responses differs:
 
@@ -15,7 +15,7 @@ few places where Responses differs:
                       handle (the stream has it only in `response.completed`, too late)
     decode leg        the client's body (`store: false`) plus the handle
                       (router/adapters/vllm.py decode_body)
-    stream            router/sse_cut.py's Responses mode: a token is a
+    stream            router/relay/sse_cut.py's Responses mode: a token is a
                       `response.output_text.delta`, the stream is whole once
                       `response.completed` came; `error` / `response.failed` end it; the
                       opening events (sent before the KV pull) are held until the next one
@@ -58,7 +58,8 @@ __all__ = [
     "upstream_body",
 ]
 
-# Worker adapters whose prefill leg answers a KV handle the decode leg pulls (router/legs.py).
+# Worker adapters whose prefill leg answers a KV handle the decode leg pulls
+# (router/request/legs.py).
 _PULL_ADAPTERS = frozenset({"vllm", "sim"})
 # Tokens a chat template adds around each input item (as router/api.py counts chat messages).
 _PER_ITEM_TOKENS = 4
@@ -168,7 +169,8 @@ def prefill_body(adapter_body: dict[str, Any]) -> dict[str, Any]:
 
 
 def upstream_body(body: dict[str, Any]) -> dict[str, Any]:
-    """A whole answer asked of the decode worker as a stream (router/assemble.py says why); the
+    """A whole answer asked of the decode worker as a stream (router/request/assemble.py says why);
+    the
     Responses stream has no `stream_options`: its `response.completed` carries the usage."""
     return {**body, "stream": True}
 

@@ -316,7 +316,8 @@ class StateStore(Protocol):
 
     async def close(self) -> None: ...
 
-    # -- one read for the registry sync (router/pools.py) -----------------------------------
+    # -- one read for the registry sync (router/workers/pools.py)
+    # -----------------------------------
     async def registry_view(
         self, marker_ttl_s: float
     ) -> tuple[bool, dict[str, str], dict[str, DrainMark], dict[str, WorkerRole]]:
@@ -325,7 +326,8 @@ class StateStore(Protocol):
         registry's hash tag): (data lost, registrations, drain marks, roles). A replica reads
         this every `registry_refresh_s`, busy or idle."""
 
-    # -- one read for the state refresher (router/pools.py) ----------------------------------
+    # -- one read for the state refresher (router/workers/pools.py)
+    # ----------------------------------
     async def usage_view(
         self, decode_ids: Iterable[str], prefill_ids: Iterable[str]
     ) -> tuple[dict[str, DecodeUsage], dict[str, int]]:

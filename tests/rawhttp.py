@@ -8,7 +8,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-from router.http_reader import Head, HttpReadError, IncompleteResponse, ResponseReader
+from router.relay.http_reader import Head, HttpReadError, IncompleteResponse, ResponseReader
 
 __all__ = ["Hang", "RawResponse", "build_request", "parse_response", "send_raw"]
 
@@ -94,7 +94,7 @@ def send_raw(port: int, request: bytes, *, timeout: float = 15.0) -> RawResponse
 
 def parse_response(raw: bytes) -> RawResponse:
     """The one response in `raw` (all the server sent before closing), read by the router's
-    own reader (router/http_reader.py): the tests share its one chunked decoder."""
+    own reader (router/relay/http_reader.py): the tests share its one chunked decoder."""
     reader = ResponseReader()
     try:
         events = reader.feed(raw)

@@ -34,7 +34,7 @@ KEYS = Keys("dr:")
 @dataclass(frozen=True)
 class RequestBound:
     """What one client request can hold at most: its prompt and every choice's max_tokens,
-    grown by the router's growth steps (a quarter past what was sent, router/reserve.py)."""
+    grown by the router's growth steps (a quarter past what was sent, router/request/reserve.py)."""
 
     prompt_chars: int
     max_tokens: int

@@ -28,7 +28,7 @@ from router.adapters.errors import (
 from router.adapters.mooncake import MooncakeAdapter, parse_query, query_engine_ids
 from router.adapters.sglang import SglangAdapter, batch_size
 from router.adapters.vllm import VllmNixlAdapter
-from router.relay import split_at_error
+from router.relay.aiohttp_relay import split_at_error
 
 CHAT_BODY: dict[str, Any] = {
     "model": "llama-3-8b",

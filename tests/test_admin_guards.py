@@ -20,7 +20,7 @@ import pytest
 
 from router.config import ConfigError, settings_from_mapping
 from router.logs import secrets_of
-from router.worker_spec import Secret
+from router.workers.worker_spec import Secret
 from tests.conftest import MODEL, REDIS_URL, sim_cluster
 
 CHAT = "/v1/chat/completions"

@@ -1,4 +1,4 @@
-"""A non-streaming answer assembled from a decode worker's stream (router/assemble.py): the
+"""A non-streaming answer assembled from a decode worker's stream (router/request/assemble.py): the
 OpenAI shapes of both endpoints, from chunks as vLLM sends them."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 
 from router.adapters.errors import WorkerError
-from router.assemble import assemble, stream_upstream, streamable
+from router.request.assemble import assemble, stream_upstream, streamable
 
 
 def sse(*events: dict[str, Any]) -> list[bytes]:

@@ -17,9 +17,9 @@ import orjson
 import pytest
 from aiohttp import web
 
-from disagg_tools.bench.cli import add_bench_arguments, run_bench
 from disagg_tools.bench.goodput import GoodputSearch, goodput_search, goodput_search_sync
 from disagg_tools.bench.replay import ORACLE_HEADER, OUTCOMES, ReplayResult, endpoint_url, replay
+from disagg_tools.bench.replay_cli import add_bench_arguments, run_bench
 from disagg_tools.bench.report import (
     meets_slo,
     percentile,

@@ -20,8 +20,8 @@ from aiohttp import web
 
 from router.app import GATEWAY
 from router.config import ConfigError, Timeouts, settings_from_mapping
+from router.relay.upstream_pool import HIGH_WATER, SplicePool
 from router.server import RouterRunner, _adopt, _Protocol, _Server, serving
-from router.upstream_pool import HIGH_WATER, SplicePool
 from tests.conftest import MODEL, SimCluster, sim_cluster
 from tests.test_splice import SSE_HEAD, chunk, read_request, sse_event, upstream
 

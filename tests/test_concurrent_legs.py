@@ -330,7 +330,7 @@ async def test_mooncake_prefill_engine_id_is_read_at_start_up(redis_prefix: str)
 
 
 def test_prefix_hashes_share_exactly_the_shared_prefix() -> None:
-    from router.prefixes import BLOCK_CHARS, RecentPrefixes, prefix_hashes
+    from router.workers.prefixes import BLOCK_CHARS, RecentPrefixes, prefix_hashes
 
     common = "x" * (2 * BLOCK_CHARS)
     a = prefix_hashes("/v1/completions", {"prompt": common + "a" * BLOCK_CHARS})

@@ -22,7 +22,8 @@ BAR_MARKS = ("%|", "█", "▉", "▌")
 def _demo(*args: str, prelude: str = "") -> subprocess.CompletedProcess[str]:
     """The demo in a child process, stdout and stderr pipes (not terminals), its own Redis."""
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    code = f"{prelude}import sys; from disagg_tools.launcher.cli import main; sys.exit(main(sys.argv[1:]))"
+    entry = "from disagg_tools.launcher.main import main"
+    code = f"{prelude}import sys; {entry}; sys.exit(main(sys.argv[1:]))"
     return subprocess.run(
         [sys.executable, "-c", code, "demo", *args],
         cwd=REPO,

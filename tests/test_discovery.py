@@ -10,7 +10,7 @@ import pytest
 
 from disagg_tools.sim.worker import WorkerConfig, running_worker
 from policies.base import KVLayout
-from router.discovery import (
+from router.workers.discovery import (
     LoadSnapshot,
     fetch_layout,
     fetch_sglang_load,

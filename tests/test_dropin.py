@@ -27,8 +27,8 @@ from openai.types.chat import ChatCompletionMessageParam
 from disagg_tools.sim.textgen import expected_answer
 from disagg_tools.sim.worker import WorkerConfig, running_worker
 from router.config import ConfigError
-from router.discovery import WorkerFacts
 from router.dropin import FlagWorker, dropin_mapping
+from router.workers.discovery import WorkerFacts
 from tests.conftest import REDIS_URL
 
 SERVED = "acme/drop-in-8b"  # what the workers serve; configured nowhere
@@ -40,7 +40,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def _entry() -> list[str]:
     script = Path(sys.executable).with_name("disagg-router")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "router.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "router.serve_cli"]
 
 
 @contextlib.asynccontextmanager
@@ -309,7 +309,8 @@ def test_the_file_and_flags_together_end_to_end(tmp_path: Path) -> None:
     ]
 
 
-# --- what the workers' answers say (pure parsers, router/discovery.py) -------------------------
+# --- what the workers' answers say (pure parsers, router/workers/discovery.py)
+# -------------------------
 
 VLLM_METRICS = """\
 # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
@@ -324,7 +325,7 @@ vllm:num_requests_running{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruc
 
 
 def test_vllm_facts_from_models_and_cache_config() -> None:
-    from router.discovery import worker_facts_sglang, worker_facts_vllm
+    from router.workers.discovery import worker_facts_sglang, worker_facts_vllm
 
     models = {
         "data": [

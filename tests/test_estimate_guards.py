@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from policies.base import RequestInfo
-from router.reserve import estimated
+from router.request.reserve import estimated
 from tests.conftest import MODEL, SimCluster, sim_cluster
 from tests.test_faults import assert_quiet
 
@@ -223,7 +223,7 @@ async def test_a_burst_of_pending_reservations_is_not_taken_for_forced_growth(
     closed the workers to the normal clients of issue 20's reproduction."""
     async with sim_cluster(redis_prefix=redis_prefix, kv_blocks=100, estimator="max_tokens") as c:
         gw = c.gateway
-        from router.reserve import _with_margins
+        from router.request.reserve import _with_margins
 
         gw.pools.note_pending("d0", 5_000)
         try:

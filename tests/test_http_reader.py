@@ -1,4 +1,5 @@
-"""The pure HTTP/1.1 response reader (router/http_reader.py): no sockets, bytes in, events out.
+"""The pure HTTP/1.1 response reader (router/relay/http_reader.py): no sockets, bytes in, events
+out.
 
 The property tests cut one response's bytes at arbitrary places and check the reader sees the
 same head, body and end whatever the cuts.
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.http_reader import (
+from router.relay.http_reader import (
     END,
     MAX_HEAD,
     Event,

@@ -1,4 +1,4 @@
-"""The umbrella command (`disagg_tools/launcher/cli.py`): every subcommand mounted, and `simulate`
+"""The umbrella command (`disagg_tools/launcher/main.py`): every subcommand mounted, and `simulate`
 fed a trace
 that the launcher parses (the simulator itself reads no trace format)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from disagg_tools.launcher.cli import build_parser, main
+from disagg_tools.launcher.main import build_parser, main
 
 
 def _azure_trace(path: Path, n: int = 40) -> Path:
@@ -30,9 +30,9 @@ def test_every_subcommand_is_mounted_and_serve_is_the_routers_own() -> None:
         ["simulate", "--trace", "t.csv"],
     ):
         assert parser.parse_args(argv).command == argv[0]
-    from router.cli import build_parser as router_parser
+    from router.serve_cli import build_parser as router_parser
 
-    # The same serve options in both entries (one definition: router.cli.add_serve_arguments).
+    # The same serve options in both entries (one definition: router.serve_cli.add_serve_arguments).
     ours = vars(parser.parse_args(["serve", "--policy", "random", "--port", "7"]))
     theirs = vars(router_parser().parse_args(["serve", "--policy", "random", "--port", "7"]))
     assert ours == theirs

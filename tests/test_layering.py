@@ -81,7 +81,7 @@ def layer_of(name: str) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class Import:
-    module: str  # the importing module, e.g. "router.cli"
+    module: str  # the importing module, e.g. "router.serve_cli"
     target: str  # what it names, e.g. "bench.cli.run_bench" or "aiohttp.web"
     path: Path
     line: int
@@ -177,20 +177,20 @@ def test_the_checker_catches_a_function_level_import_of_an_upper_layer() -> None
         "from policies.base import blocks_for\n"
         "def entry():\n"
         "    if True:\n"
-        "        from disagg_tools.bench.cli import run_bench\n"
+        "        from disagg_tools.bench.replay_cli import run_bench\n"
         "    import disagg_tools.sim.worker\n"
         "    return run_bench\n"
     )
-    found = imports_in(source, "router.cli", is_package=False)
+    found = imports_in(source, "router.serve_cli", is_package=False)
     assert {i.target for i in found} == {
         "asyncio",
         "policies.base.blocks_for",
-        "disagg_tools.bench.cli.run_bench",
+        "disagg_tools.bench.replay_cli.run_bench",
         "disagg_tools.sim.worker",
     }
     bad = violations(found)
     assert len(bad) == 2, bad
-    assert any("bench.cli.run_bench" in v and ":5:" in v for v in bad)
+    assert any("bench.replay_cli.run_bench" in v and ":5:" in v for v in bad)
     assert any("sim.worker" in v and ":6:" in v for v in bad)
 
 

@@ -228,5 +228,6 @@ async def test_chat_fields_reach_prefill_and_decode_unchanged(
         if stream:
             assert decode["stream_options"] == {"include_usage": True}
         else:
-            # A whole answer is streamed from the decode worker and assembled (router/assemble.py).
+            # A whole answer is streamed from the decode worker and assembled
+            # (router/request/assemble.py).
             assert decode["stream"] is True and decode["stream_options"] == {"include_usage": True}

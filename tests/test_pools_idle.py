@@ -1,4 +1,5 @@
-"""The pools' background loops while the replica is quiet (router/pools.py): what an idle router
+"""The pools' background loops while the replica is quiet (router/workers/pools.py): what an idle
+router
 does not do, and how the first placement brings the busy cadence back.
 
 A real aiohttp server stands in for the workers and counts what it is asked (`/health`,
@@ -21,8 +22,8 @@ import pytest
 from aiohttp import web
 
 from router.config import RetrySettings, Settings, settings_from_mapping
-from router.pools import Pools
 from router.retry_budget import RetryBudget
+from router.workers.pools import Pools
 from state import MemoryStore
 
 MODEL = "llama-3-8b"

@@ -53,7 +53,7 @@ def _router_argv(config: Path) -> list[str]:
     script = Path(sys.executable).parent / "disagg-router"
     if script.exists():
         return [str(script), "serve", "--config", str(config)]
-    entry = "from router.cli import main; raise SystemExit(main())"
+    entry = "from router.serve_cli import main; raise SystemExit(main())"
     return [sys.executable, "-c", entry, "serve", "--config", str(config)]
 
 

@@ -1,5 +1,7 @@
-"""The request path driven without the router's HTTP server (router/lifecycle.py): a fake client
-side (router/respond.py `ClientSide`) in front of `RequestFlow`, the gateway of a sim cluster
+"""The request path driven without the router's HTTP server (router/request/lifecycle.py): a fake
+client
+side (router/request/respond.py `ClientSide`) in front of `RequestFlow`, the gateway of a sim
+cluster
 (simulated workers on loopback, real Redis). A streamed request, a resumed one, a whole one and
 a client that leaves mid-stream each go through the orchestrator, and leave nothing held."""
 
@@ -12,7 +14,7 @@ import orjson
 from disagg_tools.sim.textgen import expected_answer
 from router.api import CHAT, parse_request
 from router.app import served_models
-from router.lifecycle import ClientSide, RequestFlow
+from router.request.lifecycle import ClientSide, RequestFlow
 from tests.conftest import SimCluster, sim_cluster
 from tests.test_faults import FAST_RETRY, assert_quiet, body_for, set_faults, sse_text
 
@@ -61,7 +63,7 @@ async def serve(
 
 
 # The fake stream is no aiohttp response, so the decode legs go through aiohttp's client and
-# router/relay.py (the splice relay writes to aiohttp's transport).
+# router/relay/aiohttp_relay.py (the splice relay writes to aiohttp's transport).
 CLUSTER: dict[str, Any] = {"relay": "aiohttp", "retry": FAST_RETRY}
 
 

@@ -2,7 +2,8 @@
 `openai` client in front of 1 prefill + 1 decode simulated worker. The prefill worker gets the
 prefill leg (`max_output_tokens: 1`, not streamed, not stored, the `do_remote_decode` skeleton),
 the decode worker pulls its KV and streams; nothing is left reserved or stranded after, whatever
-failed. Also the Responses mode of the SSE cutter (router/sse_cut.py) and the sim's side of the
+failed. Also the Responses mode of the SSE cutter (router/relay/sse_cut.py) and the sim's side of
+the
 protocol (a decode refuses KV that is not its prompt's, as for chat)."""
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from openai import AsyncOpenAI
 
 from disagg_tools.sim.textgen import expected_answer
 from router.errors import InvalidRequest
+from router.relay.sse_cut import SseCutter
 from router.responses_pd import assembled, parse_responses, prefill_body
-from router.sse_cut import SseCutter
 from tests.conftest import MODEL, SimCluster, sim_cluster
 
 RESPONSES = "/v1/responses"
@@ -384,7 +385,7 @@ def test_responses_prompts_get_prefix_hashes_like_chat() -> None:
     """Placement's prefix affinity reads a Responses prompt (instructions, then the input items)
     as it reads a chat one: prompts sharing a prefix share exactly its leading hashes."""
     from router.api import RESPONSES
-    from router.prefixes import BLOCK_CHARS, prefix_hashes
+    from router.workers.prefixes import BLOCK_CHARS, prefix_hashes
 
     system = "s" * (2 * BLOCK_CHARS)
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from policies.base import RolePlan, RolePolicy, RoleSnapshot, RoleSwitch, RoleWorkerView
 from policies.registry import BUILTIN_ROLE_POLICIES, PolicyLoadError, load_role_policy
-from policies.roles import ElasticRoles, StaticRoles, role_pressures, split_of
+from policies.role_policies import ElasticRoles, StaticRoles, role_pressures, split_of
 
 RATE = 20_000.0  # prefill tokens/s per worker
 CAP = 10_000  # KV blocks per worker
@@ -280,7 +280,7 @@ class _NotAPlan:
 
 
 def test_dotted_path_role_policy() -> None:
-    assert load_role_policy("policies.roles:ElasticRoles", {"seed": 3}).seed == 3
+    assert load_role_policy("policies.role_policies:ElasticRoles", {"seed": 3}).seed == 3
 
 
 @pytest.mark.parametrize(

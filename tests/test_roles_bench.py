@@ -1,4 +1,4 @@
-"""Smoke tests of disagg_tools/bench/roles.py on a synthetic workload and a tiny cluster: the
+"""Smoke tests of disagg_tools/bench/roles_bench.py on a synthetic workload and a tiny cluster: the
 instruments run
 and their tables are complete (docs/elastic-roles.md holds the numbers)."""
 

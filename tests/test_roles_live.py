@@ -19,9 +19,9 @@ from openai import AsyncOpenAI
 
 from disagg_tools.sim.textgen import expected_answer
 from disagg_tools.sim.worker import WorkerConfig, running_worker
-from policies.roles import ElasticRoles
+from policies.role_policies import ElasticRoles
 from router.app import GATEWAY
-from router.roles import ROLES
+from router.role_manager import ROLES
 from tests.conftest import MODEL, running_router
 from tests.test_admin import TOKEN, _settings
 

@@ -9,9 +9,9 @@ import pytest
 
 from disagg_tools.simcluster.config import ClusterConfig
 from disagg_tools.simcluster.engine import simulate
-from disagg_tools.simcluster.roles import RoleAccountingError
+from disagg_tools.simcluster.role_switching import RoleAccountingError
 from policies.base import RolePlan, RoleSnapshot, RoleSwitch
-from policies.roles import ElasticRoles, StaticRoles
+from policies.role_policies import ElasticRoles, StaticRoles
 from policies.two_sided import TwoSidedPolicy
 
 

@@ -38,7 +38,7 @@ from disagg_tools.sim.worker import WorkerConfig, running_worker
 from router.config import Settings
 from router.logs import configure_logging, secrets_of
 from router.redact import Redactor, mask_url
-from router.worker_spec import Secret
+from router.workers.worker_spec import Secret
 from tests.conftest import MODEL, free_port
 from tests.redis_cluster import die_with_parent
 
@@ -112,7 +112,7 @@ def _router_argv(*args: str) -> list[str]:
     script = Path(sys.executable).parent / "disagg-router"
     if script.exists():
         return [str(script), "serve", *args]
-    entry = "from router.cli import main; raise SystemExit(main())"
+    entry = "from router.serve_cli import main; raise SystemExit(main())"
     return [sys.executable, "-c", entry, "serve", *args]
 
 

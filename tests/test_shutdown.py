@@ -27,7 +27,7 @@ GRACE_S = 3.0
 
 def _command(config: Path) -> list[str]:
     script = Path(sys.executable).with_name("disagg-router")
-    entry = [str(script)] if script.exists() else [sys.executable, "-m", "router.cli"]
+    entry = [str(script)] if script.exists() else [sys.executable, "-m", "router.serve_cli"]
     return [*entry, "serve", "--config", str(config)]
 
 

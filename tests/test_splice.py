@@ -1,4 +1,4 @@
-"""The splice decode transport (router/splice.py): its HTTP/1.1 client against scripted raw
+"""The splice decode transport (router/relay/splice.py): its HTTP/1.1 client against scripted raw
 workers, `relay_splice` behind a real aiohttp server read by a raw socket, aiohttp and the
 openai client, and the whole router with `relay: splice` in front of the simulated workers.
 
@@ -20,9 +20,9 @@ from aiohttp import web
 from openai import AsyncOpenAI
 
 from router.config import ConfigError, settings_from_mapping
-from router.relay import RelayResult, count_tokens, parse_sent_text
-from router.splice import relay_splice
-from router.upstream_pool import (
+from router.relay.aiohttp_relay import RelayResult, count_tokens, parse_sent_text
+from router.relay.splice import relay_splice
+from router.relay.upstream_pool import (
     SpliceConnectError,
     SpliceIdleTimeout,
     SplicePool,
@@ -613,7 +613,7 @@ async def test_aiohttp_relay_forwards_whole_events_whatever_the_reads() -> None:
     boundary at all), forwards only whole events and in order."""
     from aiohttp import web as _web
 
-    from router.relay import relay_sse
+    from router.relay.aiohttp_relay import relay_sse
 
     events = [b'data: {"choices":[{"delta":{"content":" w%d"}}]}\n\n' % i for i in range(6)]
     stream = b"".join(events) + b"data: [DONE]\n\n"

@@ -1,4 +1,4 @@
-"""The SSE event cutter both relays share (router/sse_cut.py), fed reads directly."""
+"""The SSE event cutter both relays share (router/relay/sse_cut.py), fed reads directly."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.sse_cut import ERROR_EVENT, MALFORMED_FIRST_EVENT, SseCutter, count_tokens
+from router.relay.sse_cut import ERROR_EVENT, MALFORMED_FIRST_EVENT, SseCutter, count_tokens
 
 DONE = b"data: [DONE]\n\n"
 

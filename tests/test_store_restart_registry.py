@@ -26,8 +26,8 @@ from aiohttp import web
 from disagg_tools.sim.worker import WorkerConfig, running_worker
 from router.app import GATEWAY
 from router.config import Settings, settings_from_mapping
-from router.drain import set_drained
-from router.pools import Pools
+from router.workers.drain import set_drained
+from router.workers.pools import Pools
 from state import RedisStore
 from state.base import StoreError
 from tests.conftest import MODEL, REDIS_URL, running_router

@@ -1,9 +1,10 @@
 """disagg-router bench: a client that replays request traces against any OpenAI-compatible
 endpoint and reports latency, SLO attainment and goodput. It imports nothing of the router.
 
-The command line and the goodput search live in `disagg_tools.bench.cli` (not re-exported here, so
+The command line and the goodput search live in `disagg_tools.bench.replay_cli` (not re-exported
+here, so
 that
-`python -m disagg_tools.bench.cli` does not import itself twice)."""
+`python -m disagg_tools.bench.replay_cli` does not import itself twice)."""
 
 from disagg_tools.bench.replay import OUTCOMES, ReplayResult, RequestRecord, replay
 from disagg_tools.bench.report import (

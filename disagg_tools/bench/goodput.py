@@ -4,7 +4,8 @@ Goodput (DistServe): the highest arrival-rate scale at which at least `target` (
 requests meet both SLOs. Attainment falls with load, so the search brackets the crossing from
 `start` by growing or shrinking the rate by `factor`, then bisects geometrically until the
 passing and failing rates are within `rel_tol` of each other. It is given a callable that
-measures attainment at one rate scale: a live replay (`disagg_tools.bench.cli --search`, async) or a
+measures attainment at one rate scale: a live replay (`disagg_tools.bench.replay_cli --search`,
+async) or a
 simulator run (`disagg_tools.bench.simruns`, sync).
 """
 

@@ -9,7 +9,7 @@ One run, the same two workers (`disagg_tools.bench.fixed_worker`: one prefill, o
 at one token per 20 ms whatever the load), and in turn:
 
     baseline  the client itself: prefill call (max_tokens 1 + kv_transfer_params), then decode
-    ours      `python -m router.cli serve --config …` (in-process store; `ours_redis`: Redis)
+    ours      `python -m router.serve_cli serve --config …` (in-process store; `ours_redis`: Redis)
     sglang    `python -m sglang_router.launch_router --pd-disaggregation …`
     vllm      `vllm-router --vllm-pd-disaggregation …`
 
@@ -336,7 +336,16 @@ def router_command(
         cfg = log_dir / f"{config_name or name}.yaml"
         _our_config(ns, prefill, decode, cfg, redis=name == "ours_redis")
         serve = ["--log-level", "WARNING", "serve", "--config", str(cfg)]
-        return [sys.executable, "-m", "router.cli", *serve, "--host", HOST, "--port", str(port)], {}
+        return [
+            sys.executable,
+            "-m",
+            "router.serve_cli",
+            *serve,
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+        ], {}
     # The peers try to download a tokenizer at start-up: a closed loopback port fails it at once.
     env = {"HF_ENDPOINT": f"http://{HOST}:{free_port()}"}
     if name == "sglang":

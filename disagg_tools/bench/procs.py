@@ -364,7 +364,7 @@ class Cluster:
         cmd = [
             sys.executable,
             "-m",
-            "router.cli",
+            "router.serve_cli",
             "--log-level",
             s.log_level,
             "serve",

@@ -1,6 +1,7 @@
-"""The reports of disagg_tools/bench/roles.py: its markdown tables and its plots
+"""The reports of disagg_tools/bench/roles_bench.py: its markdown tables and its plots
 (docs/elastic-roles.md),
-from the result rows its runs write (``python -m disagg_tools.bench.roles tables | plots`` rebuild
+from the result rows its runs write (``python -m disagg_tools.bench.roles_bench tables | plots``
+rebuild
 them from
 the JSON alone)."""
 

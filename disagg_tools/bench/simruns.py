@@ -27,9 +27,9 @@ from disagg_tools.bench.specs import (
     WarmEstimator,
 )
 from disagg_tools.bench.traces import TraceRequest, load_trace
-from disagg_tools.simcluster.cli import parse_case
 from disagg_tools.simcluster.engine import simulate
 from disagg_tools.simcluster.metrics import SimResult
+from disagg_tools.simcluster.simulate_cli import parse_case
 from policies.registry import load_estimator, load_policy
 
 __all__ = ["admission_comparison", "policy_comparison", "run_case", "scaling", "simulate_case"]

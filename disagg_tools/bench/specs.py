@@ -77,7 +77,8 @@ class ShapeSpec:
 
 @dataclass(frozen=True, slots=True)
 class CaseSpec:
-    """A policy run the way its router runs it. `case` is `disagg_tools.simcluster.cli.parse_case`
+    """A policy run the way its router runs it. `case` is
+    `disagg_tools.simcluster.simulate_cli.parse_case`
     syntax."""
 
     label: str

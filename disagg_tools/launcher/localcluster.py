@@ -218,7 +218,7 @@ async def local_cluster(
             [
                 sys.executable,
                 "-m",
-                "router.cli",
+                "router.serve_cli",
                 "--log-level",
                 "WARNING",
                 "serve",

@@ -20,7 +20,7 @@ Two router modes: `reserve=True` (ours) holds `Candidate.reserve_blocks` on D be
 policy's room check covers the prompt only ("place and hope").
 
 With `ClusterConfig.elastic` every worker is `kv_both`: a `RolePolicy` moves workers between the
-pools, with drain and a reconfiguration pause (`disagg_tools.simcluster.roles`).
+pools, with drain and a reconfiguration pause (`disagg_tools.simcluster.role_switching`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Protocol
 from disagg_tools.simcluster.config import ClusterConfig, SimWorkerSpec
 from disagg_tools.simcluster.feedback import Feedback
 from disagg_tools.simcluster.metrics import GapHistogram, RequestRecord, SimResult
-from disagg_tools.simcluster.roles import RoleController, Slot
+from disagg_tools.simcluster.role_switching import RoleController, Slot
 from disagg_tools.simcluster.workers import DecodeWorker, Job, PrefillWorker, quantize
 from policies.base import (
     ClusterView,
@@ -123,7 +123,7 @@ class _Engine:
                 for i, (p, d) in enumerate(zip(self.prefills, self.decodes, strict=True))
             ]
             if role_policy is None:
-                from policies.roles import StaticRoles
+                from policies.role_policies import StaticRoles
 
                 role_policy = StaticRoles()
             self.roles = RoleController(self, role_policy, slots)
@@ -179,7 +179,7 @@ class _Engine:
         self.seq += 1
         heapq.heappush(self.events, (t, self.seq, kind, obj))
 
-    # Hooks for `disagg_tools.simcluster.roles.RoleController`.
+    # Hooks for `disagg_tools.simcluster.role_switching.RoleController`.
     def push_call(self, t: float, fn: Callable[[], None]) -> None:
         self._push(t, _CALL, fn)
 

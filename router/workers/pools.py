@@ -21,17 +21,17 @@ import aiohttp
 import orjson
 
 from policies.base import ClusterView, DecodeView, PrefillView
-from router.breaker import CircuitBreaker
 from router.config import ConfigError, Settings
-from router.discovery import (
+from router.workers.breaker import CircuitBreaker
+from router.workers.discovery import (
     LoadSnapshot,
     fetch_sglang_load,
     fetch_vllm_load,
 )
-from router.drain import apply_drained, drain_view
-from router.health_probe import HealthProber
-from router.prefixes import RecentPrefixes
-from router.worker_spec import WorkerSpec, parse_worker
+from router.workers.drain import apply_drained, drain_view
+from router.workers.health_probe import HealthProber
+from router.workers.prefixes import RecentPrefixes
+from router.workers.worker_spec import WorkerSpec, parse_worker
 from state.base import DrainMark, StateStore, StoreError, WorkerRole
 
 __all__ = ["WorkerState", "Pools"]
@@ -73,11 +73,11 @@ class WorkerState:
     registration: str | None = None  # a dynamic worker's registry entry, to put back if lost
     # False until a `discover_layout` worker has told its layout: never paired on a guess.
     layout_known: bool = True
-    drained: bool = False  # an operator's drain (router/drain.py): no new placements
+    drained: bool = False  # an operator's drain (router/workers/drain.py): no new placements
     # The store's record of its last drain or undrain (None: none known): what this replica
     # puts back if the store loses it, compared by time with the other replicas' views.
     drain_mark: DrainMark | None = None
-    # A `both` worker's current role from the store (router/roles.py); None: never given one,
+    # A `both` worker's current role from the store (router/role_manager.py); None: never given one,
     # it serves as it always has (decode, prefilling its own requests when the policy says).
     role_state: WorkerRole | None = None
     # Its decode streams open on this replica, so that a drain past its deadline can cut them

@@ -1,11 +1,12 @@
 """Elastic prefill/decode roles against fixed splits, in the cluster simulator
 (docs/elastic-roles.md).
 
-    python -m disagg_tools.bench.roles cells [--traces conv,code,mooncake] [--shapes
+    python -m disagg_tools.bench.roles_bench cells [--traces conv,code,mooncake] [--shapes
     8b-2p6d,70b-4p4d]
-    python -m disagg_tools.bench.roles mix   [--mix conv-mooncake,conv-code] [--shape 8b-2p6d]
-    python -m disagg_tools.bench.roles arrangements [--traces conv,mooncake] [--links 25,100,400]
-    python -m disagg_tools.bench.roles tables | plots       (again from the JSON under --out)
+    python -m disagg_tools.bench.roles_bench mix   [--mix conv-mooncake,conv-code] [--shape 8b-2p6d]
+    python -m disagg_tools.bench.roles_bench arrangements [--traces conv,mooncake] [--links
+    25,100,400]
+    python -m disagg_tools.bench.roles_bench tables | plots       (again from the JSON under --out)
 
 **cells**: on each trace × shape (fixed GPU count), the goodput of (a) the peers' policies and
 two_sided+online at the shape's own split, (b) two_sided+online at every split 1P:(N-1)D ..
@@ -64,8 +65,8 @@ from disagg_tools.bench.specs import (
     WarmEstimator,
 )
 from disagg_tools.bench.traces import TraceRequest, load_trace
-from disagg_tools.simcluster.cli import parse_case
 from disagg_tools.simcluster.engine import simulate
+from disagg_tools.simcluster.simulate_cli import parse_case
 from policies.registry import load_estimator, load_policy, load_role_policy
 
 __all__ = ["Workload", "ramped", "mix_workload", "run", "cells", "mix", "arrangements", "main"]
@@ -632,7 +633,7 @@ def arrangements_at_rate(
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m disagg_tools.bench.roles",
+        prog="python -m disagg_tools.bench.roles_bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -15,11 +15,11 @@ from dataclasses import replace
 
 from policies.base import ClusterView, Rejection, RequestInfo, blocks_for, extra_choice_tokens
 from router.admission import QueueFull
-from router.attempt import Ask, Attempt, Call, loop_time
 from router.errors import NoCapacity, Unavailable
 from router.gateway import Gateway
-from router.legs import hold_intent, strand_intent
-from router.rotation import models_of, pool_alive, retry_after_s, why_empty
+from router.request.attempt import Ask, Attempt, Call, loop_time
+from router.request.legs import hold_intent, strand_intent
+from router.workers.rotation import models_of, pool_alive, retry_after_s, why_empty
 from state.base import StoreError
 
 __all__ = ["Seat", "admit_and_reserve", "estimate", "grow"]
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 class Seat:
     """The request's place under the router's concurrency cap: its queue ticket, and whether it
-    has entered (it leaves once, at the end: router/lifecycle.py `cleanup`)."""
+    has entered (it leaves once, at the end: router/request/lifecycle.py `cleanup`)."""
 
     __slots__ = ("ticket", "admitted")
 
@@ -290,7 +290,8 @@ def _check_pools_alive(gw: Gateway, model: str = "") -> None:
     """No worker in rotation on one side for the request's model, nor one on its way there (a
     role switch's drain): waiting for room is pointless, fail fast (503) saying what each worker
     of that side does instead (drained, serving the other role, probe failing:
-    router/rotation.py), with a Retry-After of when one may be back by itself (longer when only
+    router/workers/rotation.py), with a Retry-After of when one may be back by itself (longer when
+    only
     an operator can bring one back)."""
     pools = gw.pools
     for side in ("decode", "prefill"):

@@ -1,9 +1,10 @@
 """One request's life (docs/design.md §2), top to bottom:
 
-    admit and reserve (router/reserve.py) → prefill leg, decode leg (router/legs.py)
-    → relay the answer (router/respond.py) → release (router/release.py)
+    admit and reserve (router/request/reserve.py) → prefill leg, decode leg (router/request/legs.py)
+    → relay the answer (router/request/respond.py) → release (router/request/release.py)
        └─ a leg fails before the client got a byte: release, retry on another pair (budgeted)
-       └─ decode dies mid-stream: resume (router/resume.py) — the next try continues the stream
+       └─ decode dies mid-stream: resume (router/request/resume.py) — the next try continues the
+       stream
           (not a Responses stream: it ends with an error event, router/responses_pd.py)
 
 The retry/resume loop is `_serve`, written once. Invariants kept here: each attempt's
@@ -22,8 +23,6 @@ import uuid
 
 from policies.base import RequestInfo
 from router.api import ParsedRequest
-from router.assemble import stream_upstream, streamable
-from router.attempt import Ask, Attempt, Call, LegFailure, loop_time
 from router.errors import (
     DeadlineExceeded,
     RouterError,
@@ -32,13 +31,15 @@ from router.errors import (
     as_router_error,
 )
 from router.gateway import Gateway
-from router.legs import open_legs
-from router.prefixes import prefix_hashes
-from router.release import Record, outcome, release
-from router.reserve import Seat, admit_and_reserve, estimate
-from router.respond import Broken, ClientSide, Progress, Responder, Served
+from router.request.assemble import stream_upstream, streamable
+from router.request.attempt import Ask, Attempt, Call, LegFailure, loop_time
+from router.request.legs import open_legs
+from router.request.release import Record, outcome, release
+from router.request.reserve import Seat, admit_and_reserve, estimate
+from router.request.respond import Broken, ClientSide, Progress, Responder, Served
+from router.request.resume import resume_ask
 from router.responses_pd import RESPONSES, upstream_body
-from router.resume import resume_ask
+from router.workers.prefixes import prefix_hashes
 from state.base import StoreError
 
 __all__ = ["ClientSide", "RequestFlow"]

@@ -1,7 +1,7 @@
 """What the request path's stages share: the request (`Call`), what one try asks the workers
 for (`Ask`), what one try holds (`Attempt`), and how a failed leg is described (`LegFailure`).
 
-A `Call` is immutable: the stages (router/reserve.py, legs.py, respond.py, resume.py,
+A `Call` is immutable: the stages (router/request/reserve.py, legs.py, respond.py, resume.py,
 release.py) read the request from it and keep no state of their own. An `Attempt` is what one
 try holds and must give back (the decode reservation, the stranded-KV entry, a concurrent
 prefill leg); a `LegFailure` says which side failed, whose breaker pays, and whether trying
@@ -18,10 +18,10 @@ from typing import Any
 from policies.base import Candidate
 from router.adapters.errors import parse_error_body
 from router.api import ParsedRequest
-from router.breaker import Verdict
 from router.errors import RouterError, Unavailable, UpstreamError, UpstreamRejected
 from router.gateway import Gateway
 from router.tracing import RequestTrace
+from router.workers.breaker import Verdict
 
 __all__ = ["Ask", "Attempt", "Call", "LegFailure", "loop_time", "upstream_failure"]
 
@@ -42,7 +42,7 @@ class Call:
     started: float  # gw.clock() at arrival
     trace: RequestTrace
     prefixes: tuple[int, ...]
-    # Asked for whole, streamed from the decode worker and assembled (router/assemble.py).
+    # Asked for whole, streamed from the decode worker and assembled (router/request/assemble.py).
     assembling: bool
 
     def __repr__(self) -> str:
@@ -52,7 +52,8 @@ class Call:
 @dataclass(frozen=True, slots=True)
 class Ask:
     """What one try asks the workers for: the client's body, or the body that resumes a broken
-    stream (router/resume.py) with its prompt size, token cap and the tokens already sent."""
+    stream (router/request/resume.py) with its prompt size, token cap and the tokens already
+    sent."""
 
     body: dict[str, Any]
     prompt_tokens: int
@@ -135,7 +136,8 @@ class Attempt:
         self.stranded_id = ""
         self.stranded_bytes = 0
         # Marks the entry ready if the decode has not taken the KV soon after the prefill
-        # answered (router/legs.py): most decodes take it first, and no store call is needed.
+        # answered (router/request/legs.py): most decodes take it first, and no store call is
+        # needed.
         self.ready_mark: asyncio.TimerHandle | None = None
         # Event-loop time by which the decode worker must show it took the KV (first event).
         self.handoff_by: float | None = None
@@ -143,7 +145,7 @@ class Attempt:
         self.overran = False
         self.growing = False  # a reservation growth is on its way to the store
         self.partner: asyncio.Task[bytes] | None = None  # a concurrent prefill leg
-        # What the decode worker's breaker is owed once its answer is read (router/legs.py);
+        # What the decode worker's breaker is owed once its answer is read (router/request/legs.py);
         # abandoned on release if nothing judged it (the client left, the deadline passed).
         self.decode_verdict: Verdict | None = None
         # The estimator's classes of the request: an overrun raises their estimates in flight.

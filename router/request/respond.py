@@ -23,15 +23,15 @@ import aiohttp
 import orjson
 
 from router.api import CHAT, ParsedRequest
-from router.assemble import DISCARD, assemble
-from router.attempt import Ask, Attempt, Call, LegFailure, loop_time
 from router.errors import RouterError, UpstreamRejected, sse_error_frame
-from router.legs import DecodeResponse, decode_answered, kv_accepted, stream_failure
-from router.relay import RelayResult, relay_sse
-from router.reserve import grow
+from router.relay.aiohttp_relay import RelayResult, relay_sse
+from router.relay.splice import relay_splice
+from router.relay.upstream_pool import SpliceResponse
+from router.request.assemble import DISCARD, assemble
+from router.request.attempt import Ask, Attempt, Call, LegFailure, loop_time
+from router.request.legs import DecodeResponse, decode_answered, kv_accepted, stream_failure
+from router.request.reserve import grow
 from router.responses_pd import RESPONSES, assembled, error_event, output_tokens
-from router.splice import relay_splice
-from router.upstream_pool import SpliceResponse
 
 __all__ = ["Broken", "ClientSide", "ClientStream", "Progress", "Responder", "Served"]
 
@@ -77,14 +77,15 @@ class Broken:
 
 class Progress:
     """What the relay reports as an answer streams, applied where it belongs: the first token
-    clears the stranded KV (router/legs.py), observes the TTFT and moves the request's deadline
-    from TTFT to total; the token count grows the reservation (router/reserve.py)."""
+    clears the stranded KV (router/request/legs.py), observes the TTFT and moves the request's
+    deadline
+    from TTFT to total; the token count grows the reservation (router/request/reserve.py)."""
 
     __slots__ = ("call", "deadline", "first_token_at", "_attempt", "_ask")
 
     def __init__(self, call: Call) -> None:
         self.call = call
-        self.deadline: asyncio.Timeout | None = None  # the request's (router/lifecycle.py)
+        self.deadline: asyncio.Timeout | None = None  # the request's (router/request/lifecycle.py)
         self.first_token_at: float | None = None  # of the request: a resumed stream keeps it
         self._attempt: Attempt | None = None
         self._ask: Ask | None = None
@@ -177,7 +178,9 @@ class Responder:
         gw = self.call.gw
         worker = gw.pools.worker(attempt.candidate.decode_id)
         worker.resident_seqs += 1
-        worker.open_streams.add(resp)  # a role drain past its deadline may cut it (router/roles.py)
+        worker.open_streams.add(
+            resp
+        )  # a role drain past its deadline may cut it (router/role_manager.py)
         self.progress.watch(attempt, ask)
         try:
             relay: Any = relay_splice if isinstance(resp, SpliceResponse) else relay_sse

@@ -14,7 +14,7 @@ opens its breaker like one that answers 500 (issue 20).
 Invariant kept here: a prefill is never sent without a decode reservation in hand.
 
 Round trips: the stranded-KV entry of a pulled prefill is written with the reservation, before
-the prefill is sent (`strand_intent`, router/reserve.py), so nothing is awaited between the
+the prefill is sent (`strand_intent`, router/request/reserve.py), so nothing is awaited between the
 prefill's answer and the decode leg; the entry is cleared when the decode shows it took the KV
 (`kv_accepted`), as a background job (docs/benchmarks-overhead.md, "Round trips").
 """
@@ -31,15 +31,15 @@ import orjson
 
 from policies.base import Candidate, RequestInfo
 from router.adapters import ConcurrentAdapter, ProtocolViolation, WorkerAdapter, prefill_target
-from router.attempt import Ask, Attempt, Call, LegFailure, upstream_failure
-from router.breaker import Verdict
 from router.errors import DeadlineExceeded, Unavailable, UpstreamError
 from router.gateway import Gateway
-from router.pools import WorkerState
-from router.relay import RelayResult
+from router.relay.aiohttp_relay import RelayResult
+from router.relay.upstream_pool import SpliceResponse
+from router.request.attempt import Ask, Attempt, Call, LegFailure, upstream_failure
 from router.responses_pd import RESPONSES
 from router.responses_pd import prefill_body as responses_prefill_body
-from router.upstream_pool import SpliceResponse
+from router.workers.breaker import Verdict
+from router.workers.pools import WorkerState
 from state.base import StrandIntent
 
 __all__ = [
@@ -285,7 +285,8 @@ def strand_intent(
 
 
 def hold_intent(gw: Gateway, attempt: Attempt, intent: StrandIntent, written: bool) -> None:
-    """The reservation holds: its attempt owns the entry (released with it, router/release.py),
+    """The reservation holds: its attempt owns the entry (released with it,
+    router/request/release.py),
     which counts on the prefill worker from now on (placement's stranded-KV cap, a role drain
     waiting for the KV to leave)."""
     attempt.stranded_on, attempt.stranded_id = intent.prefill_id, intent.request_id
@@ -357,7 +358,9 @@ async def _open_decode(
     call.trace.begin("decode", worker=spec.id)
     resp: DecodeResponse
     async with leg_errors(gw, "decode", worker, deferred=True) as verdict:
-        attempt.decode_verdict = verdict  # given when the answer is read (router/respond.py)
+        attempt.decode_verdict = (
+            verdict  # given when the answer is read (router/request/respond.py)
+        )
         if not call.assembling and gw.splice is not None and gw.splice.supports(spec.url):
             # Its errors are aiohttp.ClientConnectionErrors: the same retryable failures.
             resp = await gw.splice.post(

@@ -2,10 +2,10 @@
 both relays share with their caller: `RelayResult` and `RelayObserver`.
 
 No per-chunk JSON parsing: each read of aiohttp's body stream goes through the shared SSE
-cutter (router/sse_cut.py) and what it gives back is forwarded as read (so a burst the client
+cutter (router/relay/sse_cut.py) and what it gives back is forwarded as read (so a burst the client
 is too slow for is coalesced by the socket, not by us); the forwarded pieces are kept so that a
 failure can later be told exactly what the client already has (`parse_sent_text`). The splice
-relay (router/splice.py) keeps the same contract from the upstream protocol's callbacks.
+relay (router/relay/splice.py) keeps the same contract from the upstream protocol's callbacks.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router.sse_cut import (
+from router.relay.sse_cut import (
     ERROR_EVENT,
     MALFORMED_FIRST_EVENT,
     SseCutter,
@@ -91,7 +91,8 @@ async def relay_sse(
 ) -> RelayResult:
     """Forward `upstream`'s SSE body to `client` until it ends, either side fails, or is cancelled.
 
-    What is forwarded is what `router.sse_cut.SseCutter` gives back; `observer` hears the first
+    What is forwarded is what `router.relay.sse_cut.SseCutter` gives back; `observer` hears the
+    first
     token and the running token count. Deadlines are the caller's: aiohttp's sock_read timeout
     is the idle one, an enclosing asyncio.timeout the TTFT/total one, and `first_event_by`
     (event-loop time) the KV handoff's: a decode worker that has not produced its first event by

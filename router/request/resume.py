@@ -1,7 +1,7 @@
 """Resuming a stream whose decode worker died: the request that continues it.
 
 Entry point: `resume_ask(call, sent)`: from the events the client already has, the `Ask` of the
-next try (router/attempt.py), which the orchestrator runs like any other.
+next try (router/request/attempt.py), which the orchestrator runs like any other.
 
 The new request carries the prompt plus the answer so far, so the new decode worker picks up at
 the next token — the way greedy decoding of the same model would continue. Chat continues the
@@ -18,9 +18,9 @@ import aiohttp
 import orjson
 
 from router.api import CHAT, ParsedRequest
-from router.attempt import Ask, Call
 from router.errors import UpstreamError
-from router.relay import parse_sent_text
+from router.relay.aiohttp_relay import parse_sent_text
+from router.request.attempt import Ask, Call
 
 __all__ = ["resume_ask", "resume_body", "tokens_in"]
 

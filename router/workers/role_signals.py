@@ -19,7 +19,7 @@ import time
 
 from policies.base import Role, RoleSnapshot, RoleWorkerView
 from router.config import Settings
-from router.pools import Pools, WorkerState
+from router.workers.pools import Pools, WorkerState
 
 __all__ = ["QueuePeak", "role_of", "role_snapshot"]
 

@@ -1,7 +1,7 @@
-"""The router's own entry: `disagg-router serve` (and `python -m router.cli serve`).
+"""The router's own entry: `disagg-router serve` (and `python -m router.serve_cli serve`).
 
 `add_serve_arguments` defines serve's options, `serve` runs the router until SIGTERM; the
-umbrella command (`disagg_tools/launcher/cli.py`: serve | worker | demo | bench | simulate) mounts
+umbrella command (`disagg_tools/launcher/main.py`: serve | worker | demo | bench | simulate) mounts
 both.
 Only this module knows about signals, the open-files limit and the aiohttp runner.
 """
@@ -173,7 +173,7 @@ def add_log_level_argument(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """`[--log-level L] serve ...`: the same command line as the umbrella's serve."""
-    parser = argparse.ArgumentParser(prog="python -m router.cli", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m router.serve_cli", description=__doc__)
     add_log_level_argument(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_arguments(sub.add_parser("serve", help="run the router"))

@@ -1,10 +1,13 @@
 """The process entry: `disagg-router serve | worker | demo | bench | simulate`.
 
 Each subcommand belongs to its own package; this module only mounts their arguments and
-dispatches. `serve` is the router's own entry (`router.cli`), `worker` the simulated GPU worker
-(`disagg_tools.sim.worker`), `bench` the trace replay client (`disagg_tools.bench.cli`), `simulate`
+dispatches. `serve` is the router's own entry (`router.serve_cli`), `worker` the simulated GPU
+worker
+(`disagg_tools.sim.worker`), `bench` the trace replay client (`disagg_tools.bench.replay_cli`),
+`simulate`
 the cluster simulator
-(`disagg_tools.simcluster.cli`, fed a trace parsed here by `disagg_tools.bench.traces`), `demo` a
+(`disagg_tools.simcluster.simulate_cli`, fed a trace parsed here by `disagg_tools.bench.traces`),
+`demo` a
 local cluster
 (`disagg_tools.launcher.demo`).
 """
@@ -16,7 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from disagg_tools import uvrun
-from router.cli import add_log_level_argument, add_serve_arguments, serve
+from router.serve_cli import add_log_level_argument, add_serve_arguments, serve
 
 __all__ = ["build_parser", "main"]
 
@@ -35,11 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demo_arguments(sub.add_parser("demo", help="a local cluster, real trace traffic, a report"))
 
-    from disagg_tools.bench.cli import add_bench_arguments
+    from disagg_tools.bench.replay_cli import add_bench_arguments
 
     add_bench_arguments(sub.add_parser("bench", help="replay a trace against an endpoint"))
 
-    from disagg_tools.simcluster.cli import add_simulate_arguments
+    from disagg_tools.simcluster.simulate_cli import add_simulate_arguments
 
     add_simulate_arguments(sub.add_parser("simulate", help="discrete-event cluster simulator"))
     return parser
@@ -47,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _simulate(ns: argparse.Namespace) -> int:
     from disagg_tools.bench.traces import load_trace
-    from disagg_tools.simcluster.cli import run_simulate
+    from disagg_tools.simcluster.simulate_cli import run_simulate
 
     try:
         requests = load_trace(ns.trace, limit=ns.limit, poisson_rate=ns.poisson_rate, seed=ns.seed)
@@ -77,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return uvrun.run(run_demo(ns))
     if ns.command == "bench":
-        from disagg_tools.bench.cli import run_bench
+        from disagg_tools.bench.replay_cli import run_bench
 
         return uvrun.run(run_bench(ns))
     if ns.command == "simulate":

@@ -3,9 +3,10 @@
     disagg-router bench --url http://127.0.0.1:8000 --trace AzureLLMInferenceTrace_conv.csv \
         --requests 500 --rate-scale 2 --slo-ttft 1 --slo-tpot 0.1 --out results/
 
-`disagg_tools.launcher.cli` mounts this with `add_bench_arguments(subparser)` and runs `await
+`disagg_tools.launcher.main` mounts this with `add_bench_arguments(subparser)` and runs `await
 run_bench(ns)`;
-`python -m disagg_tools.bench.cli` runs it standalone. `--search` finds the goodput (DistServe: the
+`python -m disagg_tools.bench.replay_cli` runs it standalone. `--search` finds the goodput
+(DistServe: the
 highest
 rate at which at least 90 % of requests meet both SLOs) with `disagg_tools.bench.goodput`, the
 search the
@@ -211,7 +212,7 @@ async def _search(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry: `python -m disagg_tools.bench.cli --url ... --trace ...`."""
+    """Standalone entry: `python -m disagg_tools.bench.replay_cli --url ... --trace ...`."""
     parser = add_bench_arguments(argparse.ArgumentParser(prog="disagg-router bench"))
     return asyncio.run(run_bench(parser.parse_args(argv)))
 

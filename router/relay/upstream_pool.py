@@ -2,8 +2,8 @@
 
 Per worker `(host, port)` a pool of `asyncio.Protocol` connections (`TCP_NODELAY`), at most
 one request in flight on each. `data_received` hands the bytes to a `ResponseReader`
-(router/http_reader.py) and passes the body pieces it yields to the attached sink — the splice
-relay's (router/splice.py) — from the protocol callback itself: no StreamReader, no future and
+(router/relay/http_reader.py) and passes the body pieces it yields to the attached sink — the splice
+relay's (router/relay/splice.py) — from the protocol callback itself: no StreamReader, no future and
 no task wake-up per read (docs/benchmarks-overhead.md, proposals 1 and 2). The relaying
 coroutine only awaits "the answer is over". Until a sink attaches, body bytes are kept
 (`body`), at most ~HIGH_WATER of them before reading pauses, unless `read()` wants them whole.
@@ -37,7 +37,14 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from router.http_reader import END, Event, Head, HttpReadError, IncompleteResponse, ResponseReader
+from router.relay.http_reader import (
+    END,
+    Event,
+    Head,
+    HttpReadError,
+    IncompleteResponse,
+    ResponseReader,
+)
 
 __all__ = [
     "HIGH_WATER",

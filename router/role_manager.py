@@ -9,13 +9,13 @@ alike) and tries to hold the `roles` lease; the one holding it decides for all:
    leaving prefill, when no stranded KV is left on it (pulled by its decode, or reaped). Either
    way not before `settle_s`, so every replica has seen the drain (a placement decided before
    it did is then visible in the store). Done: it becomes `<role>` and enters that pool.
-2. **Decide.** The role policy (the object the simulator runs, policies/roles.py) gets a
-   `RoleSnapshot` of the live signals (router/role_signals.py) and names the switches to
+2. **Decide.** The role policy (the object the simulator runs, policies/role_policies.py) gets a
+   `RoleSnapshot` of the live signals (router/workers/role_signals.py) and names the switches to
    start; hysteresis, time in role and the switch cap are the policy's.
 
 Past `drain_deadline_s`, every replica cuts its own decode streams still running on a worker
 leaving decode: each resumes on another decode worker with the exact tokens sent so far (the
-resume path of a broken stream, router/lifecycle.py). A worker leaving prefill has its
+resume path of a broken stream, router/request/lifecycle.py). A worker leaving prefill has its
 stranded KV reaped then. Each change is a compare-and-set on the role's version, so two
 replicas (or an operator's `POST /admin/workers/{id}/role` racing the leader) never flip one
 worker twice.
@@ -36,8 +36,8 @@ from aiohttp import web
 from policies.base import RolePlan, RolePolicy
 from policies.registry import load_role_policy
 from router.gateway import Gateway
-from router.pools import WorkerState
-from router.role_signals import QueuePeak, role_of, role_snapshot
+from router.workers.pools import WorkerState
+from router.workers.role_signals import QueuePeak, role_of, role_snapshot
 from state.base import ROLE_STATES, StoreError, WorkerRole
 
 __all__ = ["ROLES", "RoleChangeRefused", "RoleEvent", "RoleManager"]

@@ -1,4 +1,5 @@
-"""The SSE event cutter both decode-leg relays share (router/relay.py, router/splice.py).
+"""The SSE event cutter both decode-leg relays share (router/relay/aiohttp_relay.py,
+router/relay/splice.py).
 
 A relay hands it each read of the worker's body (framing removed) and forwards what it gives
 back. The cutter's rules, once:

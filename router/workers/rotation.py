@@ -1,5 +1,5 @@
 """Who is in rotation in each pool, and why a worker is not: the admin API's guard rails
-(router/admin.py) and the 503 a request gets when a pool is empty (router/reserve.py).
+(router/admin.py) and the 503 a request gets when a pool is empty (router/request/reserve.py).
 
 A pool is one side (prefill or decode) of one model, as placement sees it (`Pools.snapshot`):
 the workers of that side whose layout names the model, or names none (they serve every
@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from router.pools import Pools, WorkerState
+from router.workers.pools import Pools, WorkerState
 
 __all__ = [
     "OPERATOR_RETRY_AFTER_S",
@@ -37,7 +37,8 @@ OPERATOR_RETRY_AFTER_S = 30.0
 
 
 def _serves(w: WorkerState, model: str) -> bool:
-    # The model rule of router/pools.py's snapshot: a worker naming no model serves every one.
+    # The model rule of router/workers/pools.py's snapshot: a worker naming no model serves every
+    # one.
     return not model or not w.spec.layout.model or w.spec.layout.model == model
 
 

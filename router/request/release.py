@@ -9,7 +9,7 @@ the lease keeper, never renewed.
 from __future__ import annotations
 
 from policies.base import RequestInfo
-from router.attempt import Attempt, Call
+from router.request.attempt import Attempt, Call
 
 __all__ = ["Record", "outcome", "release"]
 

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from router.discovery import fetch_layout_facts, merge_layout
+from router.workers.discovery import fetch_layout_facts, merge_layout
 
 if TYPE_CHECKING:
-    from router.pools import Pools, WorkerState
+    from router.workers.pools import Pools, WorkerState
 
 __all__ = ["HealthProber"]
 
@@ -69,7 +69,7 @@ class HealthProber:
             if not w.healthy:
                 log.info("worker %s is healthy again", w.spec.id)
             # Not the breaker: /health passes on a worker whose engine is broken; a half-open
-            # breaker is closed by a real request that works (router/breaker.py).
+            # breaker is closed by a real request that works (router/workers/breaker.py).
             w.healthy, w.consecutive_failures = True, 0
         else:
             w.consecutive_failures += 1

@@ -1,9 +1,9 @@
 """The decode leg as a splice: worker bytes → client transport from the protocol callback.
 
 `settings.relay == "splice"` sends the decode leg through the raw HTTP/1.1 client of
-router/upstream_pool.py instead of aiohttp's. While a stream is relayed, each body piece the
+router/relay/upstream_pool.py instead of aiohttp's. While a stream is relayed, each body piece the
 upstream connection reads goes, in its `data_received`, through the shared SSE cutter
-(router/sse_cut.py) and, re-framed as one chunk, straight onto the client's transport that
+(router/relay/sse_cut.py) and, re-framed as one chunk, straight onto the client's transport that
 aiohttp prepared (router/aiohttp_private.py `prepared_writer`): no task wake-up per read.
 
 Back-pressure: above HIGH_WATER queued towards the client, the worker's connection stops
@@ -20,9 +20,9 @@ from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 
 from router.aiohttp_private import prepared_writer
-from router.relay import NO_FIRST_EVENT, RelayObserver, RelayResult
-from router.sse_cut import SseCutter
-from router.upstream_pool import (
+from router.relay.aiohttp_relay import NO_FIRST_EVENT, RelayObserver, RelayResult
+from router.relay.sse_cut import SseCutter
+from router.relay.upstream_pool import (
     HIGH_WATER,
     SpliceDisconnected,
     SpliceError,
@@ -139,7 +139,8 @@ async def relay_splice(
     observer: RelayObserver | None = None,
     first_event_by: float | None = None,
 ) -> RelayResult:
-    """`router.relay.relay_sse`'s contract, done from the upstream protocol's callbacks.
+    """`router.relay.aiohttp_relay.relay_sse`'s contract, done from the upstream protocol's
+    callbacks.
 
     The client's chunked framing is written here, on the transport aiohttp prepared (headers
     sent), so `client.write_eof()` still ends the body correctly.

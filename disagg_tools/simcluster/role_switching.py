@@ -1,5 +1,6 @@
 """Elastic roles in the cluster simulator: `kv_both` workers moved between the pools by a
-`RolePolicy` (policies/roles.py), with drain and a reconfiguration pause (docs/elastic-roles.md).
+`RolePolicy` (policies/role_policies.py), with drain and a reconfiguration pause
+(docs/elastic-roles.md).
 
 Every elastic worker is one GPU with two personas, a `PrefillWorker` and a `DecodeWorker`, of
 which at most one is in its pool's view (the placement policy sees only workers serving its
