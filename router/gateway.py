@@ -18,10 +18,21 @@ from router.histograms import HistogramCache
 from router.leases import LeaseKeeper
 from router.metrics import RouterMetrics
 from router.relay.upstream_pool import SplicePool
+from router.request.holdings import Book
+from router.request.legs import Legs
+from router.request.lifecycle import RequestStages
+from router.request.pairing import Pairing
+from router.request.release import Releaser
+from router.request.reserve import Reserver
+from router.request.respond import Answering
+from router.request.resume import Resumer
 from router.retry_budget import RetryBudget
 from router.scaling import DemandMeter
 from router.tracing import Tracing
+from router.workers.health_probe import HealthProber
 from router.workers.pools import Pools
+from router.workers.refresher import StateRefresher
+from router.workers.registry import RegistrySync
 from state.base import StateStore
 
 __all__ = ["Gateway"]
@@ -36,6 +47,11 @@ class Gateway:
     estimator: OutputLengthEstimator
     metrics: RouterMetrics
     pools: Pools
+    # The workers' loops the handlers call into: the admin API's fresh registry read and
+    # probes, the store's health for /ready (built and started in router/app.py).
+    registry: RegistrySync
+    prober: HealthProber
+    refresher: StateRefresher
     leases: LeaseKeeper
     histograms: HistogramCache
     admission: Admission
@@ -50,6 +66,8 @@ class Gateway:
     # past their reservation raise their class's estimate; forced growth keeps room back.
     overruns: LiveOverruns = field(init=False)
     margin: OverrunMargin = field(init=False)
+    # The request path's stages, each handed what it uses (router/request/lifecycle.py).
+    requests: RequestStages = field(init=False)
 
     def __post_init__(self) -> None:
         self.demand = DemandMeter(self.settings.scaling.window_s, self.clock)
@@ -61,6 +79,54 @@ class Gateway:
         # may speak another protocol (stateless objects, so this costs nothing).
         for name in ADAPTERS:
             self.adapters.setdefault(name, adapter_for(name))
+        self.requests = self._request_stages()
+
+    def _request_stages(self) -> RequestStages:
+        """The request path's stages, each given the services it uses and nothing else."""
+        book = Book(
+            self.store,
+            self.leases,
+            self.pools,
+            self.tasks,
+            self.metrics,
+            self.overruns,
+            self.margin,
+            self.admission,
+            self.clock,
+        )
+        pairing = Pairing(self.pools, self.adapters)
+        reserver = Reserver(
+            settings=self.settings,
+            store=self.store,
+            pools=self.pools,
+            policy=self.policy,
+            estimator=self.estimator,
+            histograms=self.histograms,
+            overruns=self.overruns,
+            margin=self.margin,
+            admission=self.admission,
+            leases=self.leases,
+            metrics=self.metrics,
+            book=book,
+            pairing=pairing,
+            clock=self.clock,
+        )
+        legs = Legs(
+            self.settings, self.session, self.splice, self.pools, pairing, self.metrics, self.clock
+        )
+        return RequestStages(
+            settings=self.settings,
+            metrics=self.metrics,
+            tracing=self.tracing,
+            admission=self.admission,
+            retry_budget=self.retry_budget,
+            clock=self.clock,
+            reserve=reserver,
+            legs=legs,
+            answering=Answering(self.metrics, self.settings.timeouts, self.clock),
+            resume=Resumer(self.settings, self.session, self.pools),
+            release=Releaser(book, self.estimator, self.metrics, self.clock),
+        )
 
     def __repr__(self) -> str:
         return (

@@ -10,8 +10,9 @@ few places where Responses differs:
 
     parse             `parse_responses`: `input` + `instructions` give the prompt estimate,
                       `max_output_tokens` the token cap (router/api.py's ParsedRequest)
-    prefill leg       `prefill_body`: the cap is `max_output_tokens: 1` (not `max_tokens`),
-                      `stream: false`, `store: false`; its answer's `kv_transfer_params` is the
+    prefill leg       `prefill_body` (router/request/responses_api.py, as the two below):
+                      the cap is `max_output_tokens: 1` (not `max_tokens`), `stream: false`,
+                      `store: false`; its answer's `kv_transfer_params` is the
                       handle (the stream has it only in `response.completed`, too late)
     decode leg        the client's body (`store: false`) plus the handle
                       (router/adapters/vllm.py decode_body)
@@ -24,7 +25,7 @@ few places where Responses differs:
     broken stream     no resume (a Responses stream cannot be continued under the same response
                       id and sequence numbers): a try that broke before the client got an event
                       is retried, one that broke after ends with an `error` event
-                      (`error_event`)
+                      (router/errors.py `stream_error_frame`)
 
 `serves_split` decides per request whether the path applies: only with a prefill worker in
 rotation whose protocol is NIXL pull (the concurrent SGLang/Mooncake legs put their bootstrap
@@ -38,25 +39,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
-from router.adapters.errors import sse_data
 from router.api import ParsedRequest, output_cap, parse_json_object
+from router.config import Settings
 from router.errors import InvalidRequest, ModelNotFound
-from router.gateway import Gateway
 from router.prompt_text import text_of
-from router.responses import RESPONSES, error_event, stateless_body
+from router.responses import RESPONSES, stateless_body
+from router.workers.pools import Pools
 
-__all__ = [
-    "RESPONSES",
-    "assembled",
-    "error_event",
-    "output_tokens",
-    "parse_responses",
-    "prefill_body",
-    "serves_split",
-    "upstream_body",
-]
+__all__ = ["RESPONSES", "parse_responses", "serves_split"]
 
 # Worker adapters whose prefill leg answers a KV handle the decode leg pulls
 # (router/request/legs.py).
@@ -66,9 +56,9 @@ _PER_ITEM_TOKENS = 4
 _INT_MAX = 2**63 - 1
 
 
-def serves_split(gw: Gateway, body: dict[str, Any]) -> bool:
+def serves_split(settings: Settings, pools: Pools, body: dict[str, Any]) -> bool:
     """Whether this request goes through the prefill/decode path (else: whole on one worker)."""
-    if not gw.settings.responses_split:
+    if not settings.responses_split:
         return False
     tools = body.get("tools")
     if isinstance(tools, list) and any(
@@ -78,7 +68,7 @@ def serves_split(gw: Gateway, body: dict[str, Any]) -> bool:
     model = body.get("model")
     prefill = [
         w
-        for w in gw.pools.prefill_workers
+        for w in pools.prefill_workers
         if w.available and (not model or not w.spec.layout.model or w.spec.layout.model == model)
     ]
     return bool(prefill) and all(w.spec.adapter in _PULL_ADAPTERS for w in prefill)
@@ -153,49 +143,3 @@ def parse_responses(
         prompt_tokens=prompt_tokens,
         max_tokens=cap,
     )
-
-
-def prefill_body(adapter_body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill leg of a Responses request, from the vLLM adapter's chat-shaped one: the
-    cap that makes it a prefill is `max_output_tokens` (vLLM's ResponsesRequest builds its
-    SamplingParams.max_tokens from it; `max_tokens` is an unknown field to it, ignored);
-    nothing is stored."""
-    dropped = ("max_tokens", "max_completion_tokens")
-    out = {k: v for k, v in adapter_body.items() if k not in dropped}
-    out["max_output_tokens"] = 1
-    out["stream"] = False
-    out["store"] = False
-    return out
-
-
-def upstream_body(body: dict[str, Any]) -> dict[str, Any]:
-    """A whole answer asked of the decode worker as a stream (router/request/assemble.py says why);
-    the
-    Responses stream has no `stream_options`: its `response.completed` carries the usage."""
-    return {**body, "stream": True}
-
-
-def assembled(chunks: list[bytes]) -> dict[str, Any] | None:
-    """The whole answer a relayed Responses stream spells: the `response` object of its
-    `response.completed` (or `response.incomplete`) event; None if there is none that parses."""
-    for event in reversed(b"".join(chunks).split(b"\n\n")):
-        lines = event.split(b"\n")
-        if lines[0] not in (b"event: response.completed", b"event: response.incomplete"):
-            continue
-        for line in lines[1:]:
-            payload = sse_data(line)
-            if payload is None:
-                continue
-            try:
-                obj = orjson.loads(payload)
-            except orjson.JSONDecodeError:
-                return None
-            response = obj.get("response") if isinstance(obj, dict) else None
-            return response if isinstance(response, dict) else None
-    return None
-
-
-def output_tokens(answer: dict[str, Any]) -> int:
-    usage = answer.get("usage")
-    tokens = usage.get("output_tokens") if isinstance(usage, dict) else None
-    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else 0

@@ -34,8 +34,8 @@ from typing import Any, cast
 import orjson
 from aiohttp import web
 
-from router import relay as relay_mod
-from router import splice as splice_mod
+from router.relay import aiohttp_relay as relay_mod
+from router.relay import splice as splice_mod
 
 BATCH = 64
 

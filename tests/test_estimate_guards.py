@@ -13,7 +13,6 @@ import aiohttp
 import pytest
 
 from policies.base import RequestInfo
-from router.request.reserve import estimated
 from tests.conftest import MODEL, SimCluster, sim_cluster
 from tests.test_faults import assert_quiet
 
@@ -95,7 +94,7 @@ async def test_live_overruns_raise_the_estimate_before_they_complete(redis_prefi
                 async with s.post(c.router_url + CHAT, json=body, headers=short) as r:
                     assert r.status == 200
             await asyncio.sleep(0.2)  # the histogram cache refreshes
-            before = (await estimated(gw, probe)).reserve_output_tokens
+            before = (await gw.requests.reserve.estimated(probe)).reserve_output_tokens
             assert before <= 16, before
             # Four long answers of the same class, read slowly: they overrun their reservations.
             responses = [
@@ -109,7 +108,7 @@ async def test_live_overruns_raise_the_estimate_before_they_complete(redis_prefi
                 while time.monotonic() < deadline and raised <= 64:
                     for r in responses:
                         await r.content.read(4096)
-                    raised = (await estimated(gw, probe)).reserve_output_tokens
+                    raised = (await gw.requests.reserve.estimated(probe)).reserve_output_tokens
                 assert raised > 64, (before, raised, len(gw.overruns))
                 assert len(gw.overruns) >= 1
             finally:
@@ -223,11 +222,10 @@ async def test_a_burst_of_pending_reservations_is_not_taken_for_forced_growth(
     closed the workers to the normal clients of issue 20's reproduction."""
     async with sim_cluster(redis_prefix=redis_prefix, kv_blocks=100, estimator="max_tokens") as c:
         gw = c.gateway
-        from router.request.reserve import _with_margins
 
         gw.pools.note_pending("d0", 5_000)
         try:
-            _with_margins(gw, gw.pools.snapshot(model=MODEL))
+            gw.requests.reserve._with_margins(gw.pools.snapshot(model=MODEL))
             assert gw.margin.margins({"d0": 100}, gw.clock()) == {}
         finally:
             gw.pools.note_pending("d0", -5_000)
@@ -238,6 +236,6 @@ async def test_a_burst_of_pending_reservations_is_not_taken_for_forced_growth(
             if gw.pools.workers["d0"].reserved_blocks == 130:
                 break
             await asyncio.sleep(0.02)
-        _with_margins(gw, gw.pools.snapshot(model=MODEL))
+        gw.requests.reserve._with_margins(gw.pools.snapshot(model=MODEL))
         assert gw.margin.margins({"d0": 100}, gw.clock()) == {"d0": 25}  # a quarter at most
         assert await gw.store.release("d0", "grown") == 130

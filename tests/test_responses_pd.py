@@ -19,7 +19,8 @@ from openai import AsyncOpenAI
 from disagg_tools.sim.textgen import expected_answer
 from router.errors import InvalidRequest
 from router.relay.sse_cut import SseCutter
-from router.responses_pd import assembled, parse_responses, prefill_body
+from router.request.responses_api import assembled, prefill_body
+from router.responses_pd import parse_responses
 from tests.conftest import MODEL, SimCluster, sim_cluster
 
 RESPONSES = "/v1/responses"

@@ -32,7 +32,7 @@ from redis.asyncio.connection import AbstractConnection
 
 import disagg_tools.sim.worker
 from disagg_tools.sim.worker_state import WORKER
-from router.request.legs import READY_MARK_AFTER_S
+from router.request.holdings import READY_MARK_AFTER_S
 from state.keys import Keys
 from state.redis_scripts import RESERVE_SCRIPT
 from tests.conftest import MODEL, REDIS_URL, SimCluster, sim_cluster

@@ -1,5 +1,5 @@
-"""The aiohttp decode-leg relay (`settings.relay: aiohttp`, and https:// workers), and what
-both relays share with their caller: `RelayResult` and `RelayObserver`.
+"""The aiohttp decode-leg relay (`settings.relay: aiohttp`, and https:// workers): `relay_sse`,
+and `AiohttpAnswer`, an aiohttp response bound to it (the contract: router/relay/contract.py).
 
 No per-chunk JSON parsing: each read of aiohttp's body stream goes through the shared SSE
 cutter (router/relay/sse_cut.py) and what it gives back is forwarded as read (so a burst the client
@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any
 
 import aiohttp
 import orjson
 from aiohttp import web
 
+from router.relay.contract import NO_FIRST_EVENT, RelayObserver, RelayResult
 from router.relay.sse_cut import (
     ERROR_EVENT,
     MALFORMED_FIRST_EVENT,
@@ -30,6 +30,7 @@ from router.relay.sse_cut import (
 )
 
 __all__ = [
+    "AiohttpAnswer",
     "RelayObserver",
     "RelayResult",
     "relay_sse",
@@ -43,40 +44,6 @@ __all__ = [
 ]
 
 _DONE = b"data: [DONE]"
-
-
-@dataclass(slots=True)
-class RelayResult:
-    tokens: int = 0
-    completed: bool = False  # saw `data: [DONE]`
-    client_gone: bool = False
-    upstream_error: str | None = None  # the worker cut the stream, read failed or sent an error
-    # Which failure, for the metrics: "kv_handoff_timeout", "error_event"; None = a cut stream.
-    error_kind: str | None = None
-    first_token_at: float | None = None
-    chunks: list[bytes] = field(default_factory=list)
-
-    def __repr__(self) -> str:
-        return (
-            f"RelayResult(tokens={self.tokens}, completed={self.completed}, "
-            f"client_gone={self.client_gone}, upstream_error={self.upstream_error!r})"
-        )
-
-
-NO_FIRST_EVENT = "no first token before the KV handoff deadline (the KV is presumed lost)"
-
-
-class RelayObserver(Protocol):
-    """What a relay tells its caller as the stream goes (both called synchronously)."""
-
-    def first_token(self) -> None:
-        """The first event reached the client (the decode worker accepted the KV); once."""
-
-    def tokens(self, total: int) -> int:
-        """`total` tokens forwarded so far. Returns the total it next wants to hear of: the
-        relay calls again only after a forwarded read takes the count above it (0: after
-        every forwarded read), so an observer with nothing to do until a threshold costs one
-        comparison per read, not a call."""
 
 
 async def relay_sse(
@@ -175,3 +142,41 @@ def parse_sent_text(chunks: list[bytes], chat: bool) -> tuple[str, int]:
                     parts.append(piece)
                     tokens += 1
     return "".join(parts), tokens
+
+
+class AiohttpAnswer:
+    """An aiohttp response bound to the aiohttp relay (router/relay/contract.py `Relay`)."""
+
+    __slots__ = ("resp",)
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self.resp = resp
+
+    def __repr__(self) -> str:
+        return f"AiohttpAnswer({self.resp.status})"
+
+    async def read(self) -> bytes:
+        return await self.resp.read()
+
+    def close(self) -> None:
+        self.resp.close()
+
+    async def relay(
+        self,
+        client: Any,
+        *,
+        chat: bool,
+        responses: bool,
+        clock: Callable[[], float],
+        observer: RelayObserver | None,
+        first_event_by: float | None,
+    ) -> RelayResult:
+        return await relay_sse(
+            self.resp,
+            client,
+            chat=chat,
+            responses=responses,
+            clock=clock,
+            observer=observer,
+            first_event_by=first_event_by,
+        )

@@ -15,12 +15,13 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 
 from router.aiohttp_private import prepared_writer
-from router.relay.aiohttp_relay import NO_FIRST_EVENT, RelayObserver, RelayResult
+from router.relay.contract import NO_FIRST_EVENT, RelayObserver, RelayResult
 from router.relay.sse_cut import SseCutter
 from router.relay.upstream_pool import (
     HIGH_WATER,
@@ -30,7 +31,7 @@ from router.relay.upstream_pool import (
     UpstreamConn,
 )
 
-__all__ = ["relay_splice"]
+__all__ = ["SpliceAnswer", "relay_splice"]
 
 
 class _Splice:
@@ -188,3 +189,41 @@ async def relay_splice(
     if not result.completed and result.upstream_error is None:
         result.upstream_error = f"decode stream ended without {splice.cutter.end_name}"
     return result
+
+
+class SpliceAnswer:
+    """A raw-pool response bound to the splice relay (router/relay/contract.py `Relay`)."""
+
+    __slots__ = ("resp",)
+
+    def __init__(self, resp: SpliceResponse) -> None:
+        self.resp = resp
+
+    def __repr__(self) -> str:
+        return f"SpliceAnswer({self.resp!r})"
+
+    async def read(self) -> bytes:
+        return await self.resp.read()
+
+    def close(self) -> None:
+        self.resp.close()
+
+    async def relay(
+        self,
+        client: Any,
+        *,
+        chat: bool,
+        responses: bool,
+        clock: Callable[[], float],
+        observer: RelayObserver | None,
+        first_event_by: float | None,
+    ) -> RelayResult:
+        return await relay_splice(
+            self.resp,
+            client,
+            chat=chat,
+            responses=responses,
+            clock=clock,
+            observer=observer,
+            first_event_by=first_event_by,
+        )

@@ -3,15 +3,16 @@ for (`Ask`), what one try holds (`Attempt`), and how a failed leg is described (
 
 A `Call` is immutable: the stages (router/request/reserve.py, legs.py, respond.py, resume.py,
 release.py) read the request from it and keep no state of their own. An `Attempt` is what one
-try holds and must give back (the decode reservation, the stranded-KV entry, a concurrent
-prefill leg); a `LegFailure` says which side failed, whose breaker pays, and whether trying
-again can help.
+try holds and must give back: the decode reservation and the stranded-KV entry, each with its
+owner (router/request/holdings.py), a concurrent prefill leg, and the verdict the decode
+worker's breaker is owed; a `LegFailure` says which side failed, whose breaker pays, and
+whether trying again can help.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,27 +20,27 @@ from policies.base import Candidate
 from router.adapters.errors import parse_error_body
 from router.api import ParsedRequest
 from router.errors import RouterError, Unavailable, UpstreamError, UpstreamRejected
-from router.gateway import Gateway
+from router.request.holdings import Reservation, StrandedEntry
 from router.tracing import RequestTrace
 from router.workers.breaker import Verdict
 
 __all__ = ["Ask", "Attempt", "Call", "LegFailure", "loop_time", "upstream_failure"]
 
 
-def loop_time(gw: Gateway, flow_time: float) -> float:
-    """`flow_time` (on `gw.clock`) as event-loop time, the clock asyncio's deadlines use."""
-    return flow_time + (asyncio.get_running_loop().time() - gw.clock())
+def loop_time(clock: Callable[[], float], flow_time: float) -> float:
+    """`flow_time` (on `clock`, the router's) as event-loop time, the clock asyncio's
+    deadlines use."""
+    return flow_time + (asyncio.get_running_loop().time() - clock())
 
 
 @dataclass(frozen=True, slots=True)
 class Call:
     """One request as every stage sees it."""
 
-    gw: Gateway
     parsed: ParsedRequest
     headers: Mapping[str, str]  # the client's
     request_id: str
-    started: float  # gw.clock() at arrival
+    started: float  # the router's clock at arrival
     trace: RequestTrace
     prefixes: tuple[int, ...]
     # Asked for whole, streamed from the decode worker and assembled (router/request/assemble.py).
@@ -107,52 +108,28 @@ def upstream_failure(side: str, worker_id: str, status: int, data: bytes) -> Leg
 class Attempt:
     """One (prefill, decode) try: what it holds and must give back."""
 
-    __slots__ = (
-        "reservation_id",
-        "decode_id",
-        "blocks",
-        "stranded_on",
-        "stranded_id",
-        "stranded_bytes",
-        "ready_mark",
-        "handoff_by",
-        "candidate",
-        "grow_at_tokens",
-        "overran",
-        "growing",
-        "partner",
-        "decode_verdict",
-        "classes",
-    )
+    __slots__ = ("candidate", "reservation", "stranded", "handoff_by", "partner", "decode_verdict")
 
-    def __init__(self, candidate: Candidate, reservation_id: str) -> None:
+    def __init__(self, candidate: Candidate, reservation: Reservation) -> None:
         self.candidate = candidate
-        self.reservation_id = reservation_id
-        self.decode_id: str | None = candidate.decode_id
-        self.blocks = candidate.reserve_blocks
-        # The prefill worker whose ledger holds this attempt's stranded-KV entry (written with
-        # the reservation, pending until the prefill answers), the entry's id there, its size.
-        self.stranded_on: str | None = None
-        self.stranded_id = ""
-        self.stranded_bytes = 0
-        # Marks the entry ready if the decode has not taken the KV soon after the prefill
-        # answered (router/request/legs.py): most decodes take it first, and no store call is
-        # needed.
-        self.ready_mark: asyncio.TimerHandle | None = None
+        self.reservation = reservation
+        # The pulled prefill's KV between the legs (None for a local pair, concurrent legs, or
+        # an answer the decode prefills itself).
+        self.stranded: StrandedEntry | None = None
         # Event-loop time by which the decode worker must show it took the KV (first event).
         self.handoff_by: float | None = None
-        self.grow_at_tokens = 0
-        self.overran = False
-        self.growing = False  # a reservation growth is on its way to the store
         self.partner: asyncio.Task[bytes] | None = None  # a concurrent prefill leg
-        # What the decode worker's breaker is owed once its answer is read (router/request/legs.py);
-        # abandoned on release if nothing judged it (the client left, the deadline passed).
+        # What the decode worker's breaker is owed once its answer is read (router/request/
+        # legs.py); abandoned on release if nothing judged it (the client left, the deadline).
         self.decode_verdict: Verdict | None = None
-        # The estimator's classes of the request: an overrun raises their estimates in flight.
-        self.classes: tuple[str, ...] = ()
+
+    @property
+    def decode_id(self) -> str | None:
+        """The decode worker whose room this try holds; None once released."""
+        return self.reservation.decode_id
 
     def __repr__(self) -> str:
         return (
             f"Attempt({self.candidate.prefill_id}->{self.candidate.decode_id}, "
-            f"blocks={self.blocks}, stranded_on={self.stranded_on})"
+            f"{self.reservation!r}, {self.stranded!r})"
         )

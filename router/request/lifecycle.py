@@ -2,6 +2,7 @@
 
     admit and reserve (router/request/reserve.py) → prefill leg, decode leg (router/request/legs.py)
     → relay the answer (router/request/respond.py) → release (router/request/release.py)
+    (each stage an object built once per app with what it uses: `RequestStages`)
        └─ a leg fails before the client got a byte: release, retry on another pair (budgeted)
        └─ decode dies mid-stream: resume (router/request/resume.py) — the next try continues the
        stream
@@ -20,9 +21,13 @@ import contextlib
 import logging
 import random
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from policies.base import RequestInfo
-from router.api import ParsedRequest
+from router.admission import Admission
+from router.api import RESPONSES, ParsedRequest
+from router.config import Settings
 from router.errors import (
     DeadlineExceeded,
     RouterError,
@@ -30,19 +35,22 @@ from router.errors import (
     UpstreamError,
     as_router_error,
 )
-from router.gateway import Gateway
+from router.metrics import RouterMetrics
 from router.request.assemble import stream_upstream, streamable
 from router.request.attempt import Ask, Attempt, Call, LegFailure, loop_time
-from router.request.legs import open_legs
-from router.request.release import Record, outcome, release
-from router.request.reserve import Seat, admit_and_reserve, estimate
-from router.request.respond import Broken, ClientSide, Progress, Responder, Served
-from router.request.resume import resume_ask
-from router.responses_pd import RESPONSES, upstream_body
+from router.request.holdings import Record
+from router.request.legs import Legs
+from router.request.release import Releaser
+from router.request.reserve import Reserver, Seat
+from router.request.respond import Answering, Broken, ClientSide, Progress, Responder, Served
+from router.request.responses_api import upstream_body
+from router.request.resume import Resumer
+from router.retry_budget import RetryBudget
+from router.tracing import Tracing
 from router.workers.prefixes import prefix_hashes
 from state.base import StoreError
 
-__all__ = ["ClientSide", "RequestFlow"]
+__all__ = ["ClientSide", "RequestFlow", "RequestStages"]
 
 log = logging.getLogger(__name__)
 
@@ -70,29 +78,48 @@ def _no_resume(parsed: ParsedRequest, sent: list[bytes], failure: LegFailure) ->
     ) from failure
 
 
+@dataclass(frozen=True, slots=True)
+class RequestStages:
+    """The request path's stages, each built once per app with what it uses (router/gateway.py
+    assembles them), and what the orchestrator itself reads."""
+
+    settings: Settings
+    metrics: RouterMetrics
+    tracing: Tracing
+    admission: Admission
+    retry_budget: RetryBudget
+    clock: Callable[[], float]
+    reserve: Reserver
+    legs: Legs
+    answering: Answering
+    resume: Resumer
+    release: Releaser
+
+    def __repr__(self) -> str:
+        return f"RequestStages({self.reserve!r}, {self.legs!r})"
+
+
 class RequestFlow:
     """Serves one validated request. `run()` returns the whole answer's body (None when it was
     streamed to the client); `cleanup()` runs after, whatever happened."""
 
-    def __init__(self, gw: Gateway, client: ClientSide) -> None:
+    def __init__(self, stages: RequestStages, client: ClientSide) -> None:
         parsed = client.parsed
-        self.gw = gw
+        self.stages = stages
         self.request_id = _client_request_id(client.headers.get("X-Request-Id"))
+        assemble = stages.settings.assemble_non_streaming
         self.call = Call(
-            gw=gw,
             parsed=parsed,
             headers=client.headers,
             request_id=self.request_id,
-            started=gw.clock(),
-            trace=gw.tracing.request(parsed.path, client.headers, self.request_id),
+            started=stages.clock(),
+            trace=stages.tracing.request(parsed.path, client.headers, self.request_id),
             prefixes=prefix_hashes(parsed.path, parsed.body),
-            assembling=(
-                not parsed.stream and gw.settings.assemble_non_streaming and streamable(parsed.body)
-            ),
+            assembling=not parsed.stream and assemble and streamable(parsed.body),
         )
-        self.progress = Progress(self.call)
+        self.progress = Progress(self.call, stages.answering)
         self.responder = Responder(self.call, client, self.progress)
-        self.seat = Seat(gw.admission.ticket())
+        self.seat = Seat(stages.admission.ticket())
         self.info: RequestInfo | None = None  # of the first try: its estimate gets the feedback
         self.attempt: Attempt | None = None  # the one being tried, until released
         self.attempts = 0
@@ -107,13 +134,13 @@ class RequestFlow:
         return f"RequestFlow({self.request_id}, attempts={self.attempts}, {self.attempt!r})"
 
     async def run(self) -> bytes | None:
-        gw, t, started = self.gw, self.gw.settings.timeouts, self.call.started
+        stages, t, started = self.stages, self.stages.settings.timeouts, self.call.started
         first = started + t.ttft_s
         if t.total_s:
             first = min(first, started + t.total_s)
-        gw.retry_budget.note_request()
+        stages.retry_budget.note_request()
         try:
-            async with asyncio.timeout_at(loop_time(gw, first)) as deadline:
+            async with asyncio.timeout_at(loop_time(stages.clock, first)) as deadline:
                 self.progress.deadline = deadline
                 if self._interrupted is not None:
                     deadline.reschedule(asyncio.get_running_loop().time())
@@ -121,7 +148,7 @@ class RequestFlow:
         except TimeoutError as exc:
             err = self._interrupted
             if err is None:
-                gw.metrics.upstream_errors.labels(side="any", kind="deadline").inc()
+                stages.metrics.upstream_errors.labels(side="any", kind="deadline").inc()
                 if self.progress.first_token_at is not None:
                     message = f"the request missed its total deadline ({t.total_s} s)"
                 else:
@@ -150,10 +177,11 @@ class RequestFlow:
         while True:
             try:
                 if info is None:
-                    info = await estimate(call, ask)
+                    info = await self.stages.reserve.estimate(call, ask)
                     if self.info is None:
                         self.info = info
-                        self.gw.metrics.predicted_output_tokens.observe(info.reserve_output_tokens)
+                        predicted = self.stages.metrics.predicted_output_tokens
+                        predicted.observe(info.reserve_output_tokens)
                 ended = await self._try(ask, info)
                 if isinstance(ended, Served):
                     return await self._served(ended)
@@ -165,7 +193,8 @@ class RequestFlow:
                     if parsed.n > 1 or parsed.path == RESPONSES:
                         _no_resume(parsed, responder.sent, failure)  # else retried as a leg
                     else:
-                        ask, info = await resume_ask(call, responder.sent), None  # continue it
+                        # Continue it: the next try asks for the rest.
+                        ask, info = await self.stages.resume.ask(call, responder.sent), None
                 await self._before_retry(failure)
             except (RouterError, StoreError) as exc:
                 if responder.stream is None:
@@ -178,16 +207,18 @@ class RequestFlow:
     async def _try(self, ask: Ask, info: RequestInfo) -> Served | Broken | LegFailure:
         """One try: a LegFailure when a leg failed before the answer began, Broken when the
         answer did and broke."""
+        stages = self.stages
         self.attempts += 1
         with self.call.trace.span("admission"):
-            attempt = self.attempt = await admit_and_reserve(self.call, info, self.seat, self.avoid)
+            attempt = await stages.reserve.admit_and_reserve(self.call, info, self.seat, self.avoid)
+            self.attempt = attempt
         try:
-            resp = await open_legs(self.call, attempt, ask)
+            decode = await stages.legs.open(self.call, attempt, ask)
         except LegFailure as failure:
             return failure
         if ask.resume:
-            self.gw.metrics.resumes.inc()
-        return await self.responder.respond(attempt, resp, ask)
+            stages.metrics.resumes.inc()
+        return await self.responder.respond(attempt, decode, ask)
 
     async def _served(self, served: Served) -> bytes | None:
         self.status, self.output_tokens = served.status, served.output_tokens
@@ -200,20 +231,20 @@ class RequestFlow:
 
     async def _before_retry(self, failure: LegFailure) -> None:
         """Spend a retry (or give up with 503) and back off with full jitter."""
-        gw, r = self.gw, self.gw.settings.retry
+        stages, r = self.stages, self.stages.settings.retry
         self.avoid.add(failure.worker_id)
         if self.attempts >= r.max_attempts:
             raise Unavailable(
                 f"gave up after {self.attempts} attempts; last: {failure.error.message}",
                 retry_after_s=1.0,
             ) from failure
-        if not await gw.retry_budget.try_retry():
-            gw.metrics.retry_budget_exhausted.inc()
+        if not await stages.retry_budget.try_retry():
+            stages.metrics.retry_budget_exhausted.inc()
             raise Unavailable(
                 f"the cluster-wide retry budget is spent; not retrying: {failure.error.message}",
                 retry_after_s=1.0,
             ) from failure
-        gw.metrics.retries.labels(side=failure.side).inc()
+        stages.metrics.retries.labels(side=failure.side).inc()
         backoff = min(r.backoff_max_s, r.backoff_base_s * 2 ** (self.attempts - 1))
         await asyncio.sleep(self._rng.uniform(0, backoff))
 
@@ -228,9 +259,7 @@ class RequestFlow:
     async def release_attempt(self, record: Record | None = None) -> None:
         """Give back what the current attempt holds; safe to call twice."""
         attempt, self.attempt = self.attempt, None
-        if attempt is not None and attempt.decode_verdict is not None:
-            attempt.decode_verdict.abandon()  # no-op once judged; else no verdict on the worker
-        await release(self.call, attempt, record)
+        await self.stages.release.release(attempt, record)
 
     async def settle(self) -> None:
         """Release what the request holds and record its output length: once (a stream does
@@ -240,17 +269,18 @@ class RequestFlow:
         self._settled = True
         try:
             first = self.progress.first_token_at
-            await self.release_attempt(outcome(self.call, self.info, self.output_tokens, first))
+            record = self.stages.release.outcome(self.call, self.info, self.output_tokens, first)
+            await self.release_attempt(record)
         except Exception:  # a bug: the reservation's lease still frees it, but say so loudly
             log.exception("cleanup of %s failed (its lease will expire)", self.request_id)
 
     async def cleanup(self) -> None:
-        gw = self.gw
+        stages = self.stages
         try:
             await self.settle()
         finally:
             if self.seat.admitted:
                 self.seat.admitted = False
-                gw.admission.leave()
-            gw.metrics.duration.observe(gw.clock() - self.call.started)
+                stages.admission.leave()
+            stages.metrics.duration.observe(stages.clock() - self.call.started)
             self.call.trace.close(self.status)

@@ -1,6 +1,7 @@
 """The client's answer from the decode worker's: streamed, whole, or assembled from a stream.
 
-Entry point: `Responder.respond(attempt, resp, ask)` serves one open decode answer and returns
+Entry point: `Responder.respond(attempt, decode, ask)` serves one open decode answer (bound to
+its relay by the leg: router/request/legs.py `DecodeAnswer`) and returns
 `Served` (the request is answered, or the client left) or `Broken` (nothing usable came; the
 orchestrator retries, or resumes a stream that had started). The relay reports progress to one
 `Progress` object (`first_token()`, `tokens(total)`), never into the orchestrator.
@@ -22,18 +23,34 @@ from typing import Any, Protocol
 import aiohttp
 import orjson
 
-from router.api import CHAT, ParsedRequest
-from router.errors import RouterError, UpstreamRejected, sse_error_frame
-from router.relay.aiohttp_relay import RelayResult, relay_sse
-from router.relay.splice import relay_splice
-from router.relay.upstream_pool import SpliceResponse
+from router.api import CHAT, RESPONSES, ParsedRequest
+from router.config import Timeouts
+from router.errors import RouterError, UpstreamRejected, stream_error_frame
+from router.metrics import RouterMetrics
+from router.relay.contract import RelayResult
 from router.request.assemble import DISCARD, assemble
 from router.request.attempt import Ask, Attempt, Call, LegFailure, loop_time
-from router.request.legs import DecodeResponse, decode_answered, kv_accepted, stream_failure
-from router.request.reserve import grow
-from router.responses_pd import RESPONSES, assembled, error_event, output_tokens
+from router.request.legs import DecodeAnswer
+from router.request.responses_api import assembled, output_tokens
 
-__all__ = ["Broken", "ClientSide", "ClientStream", "Progress", "Responder", "Served"]
+__all__ = [
+    "Answering",
+    "Broken",
+    "ClientSide",
+    "ClientStream",
+    "Progress",
+    "Responder",
+    "Served",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Answering:
+    """The respond stage's share of the replica, handed to it once."""
+
+    metrics: RouterMetrics
+    timeouts: Timeouts
+    clock: Callable[[], float]
 
 
 class ClientStream(Protocol):
@@ -77,14 +94,14 @@ class Broken:
 
 class Progress:
     """What the relay reports as an answer streams, applied where it belongs: the first token
-    clears the stranded KV (router/request/legs.py), observes the TTFT and moves the request's
-    deadline
-    from TTFT to total; the token count grows the reservation (router/request/reserve.py)."""
+    tells the stranded KV's owner the decode took it, observes the TTFT and moves the request's
+    deadline from TTFT to total; the token count grows the reservation (both owners:
+    router/request/holdings.py)."""
 
-    __slots__ = ("call", "deadline", "first_token_at", "_attempt", "_ask")
+    __slots__ = ("call", "stage", "deadline", "first_token_at", "_attempt", "_ask")
 
-    def __init__(self, call: Call) -> None:
-        self.call = call
+    def __init__(self, call: Call, stage: Answering) -> None:
+        self.call, self.stage = call, stage
         self.deadline: asyncio.Timeout | None = None  # the request's (router/request/lifecycle.py)
         self.first_token_at: float | None = None  # of the request: a resumed stream keeps it
         self._attempt: Attempt | None = None
@@ -95,16 +112,17 @@ class Progress:
         self._attempt, self._ask = attempt, ask
 
     def first_token(self) -> None:
-        call, gw = self.call, self.call.gw
+        call, stage = self.call, self.stage
         if self._attempt is not None:
             kv_accepted(call, self._attempt)
         if self.first_token_at is not None:  # a resumed stream: TTFT was the first attempt's
             return
-        self.first_token_at = gw.clock()
-        gw.metrics.ttft.observe(self.first_token_at - call.started)
-        t = gw.settings.timeouts
+        self.first_token_at = stage.clock()
+        stage.metrics.ttft.observe(self.first_token_at - call.started)
+        t = stage.timeouts
         if self.deadline is not None:
-            self.deadline.reschedule(loop_time(gw, call.started + t.total_s) if t.total_s else None)
+            end = loop_time(stage.clock, call.started + t.total_s) if t.total_s else None
+            self.deadline.reschedule(end)
 
     def tokens(self, total: int) -> int:
         """Grow the reservation if `total` outgrew it; the relay calls again only once the
@@ -114,8 +132,17 @@ class Progress:
         attempt, ask = self._attempt, self._ask
         if attempt is None or ask is None or attempt.decode_id is None:
             return sys.maxsize  # nothing to grow
-        grow(self.call, attempt, ask, total)
-        return attempt.grow_at_tokens
+        reservation = attempt.reservation
+        n = self.call.parsed.n
+        reservation.grow(total, prompt_tokens=ask.prompt_tokens, resumed=ask.resumed, n=n)
+        return reservation.grow_at_tokens
+
+
+def kv_accepted(call: Call, attempt: Attempt) -> None:
+    """The decode worker produced output, so it holds the KV (the handoff's span ends)."""
+    call.trace.finish("kv_handoff")
+    if attempt.stranded is not None:
+        attempt.stranded.accepted()
 
 
 def _is_answer(answer: Any, path: str) -> bool:
@@ -133,19 +160,20 @@ class Responder:
     the client's stream (resumable: `sent` keeps what the client has); whole asks the decode
     worker for one JSON body; assembled streams from the worker and answers whole."""
 
-    __slots__ = ("call", "client", "progress", "stream", "sent")
+    __slots__ = ("call", "stage", "client", "progress", "stream", "sent")
 
     def __init__(self, call: Call, client: ClientSide, progress: Progress) -> None:
         self.call, self.client, self.progress = call, client, progress
+        self.stage = progress.stage
         self.stream: ClientStream | None = None  # once the client's stream has started
         self.sent: list[bytes] = []  # every event the client's stream has been written
 
-    async def respond(self, attempt: Attempt, resp: DecodeResponse, ask: Ask) -> Served | Broken:
+    async def respond(self, attempt: Attempt, decode: DecodeAnswer, ask: Ask) -> Served | Broken:
         if self.call.assembling:
-            return await self._assembled(attempt, resp, ask)
+            return await self._assembled(attempt, decode, ask)
         if not self.call.parsed.stream:
-            return await self._whole(attempt, resp)
-        return await self._streamed(attempt, resp, ask)
+            return await self._whole(attempt, decode)
+        return await self._streamed(attempt, decode, ask)
 
     async def finish(self) -> None:
         """End a completed stream (after the release: a slow client holds no decode room)."""
@@ -154,16 +182,13 @@ class Responder:
         try:
             await self.stream.write_eof()
         except (ConnectionError, RuntimeError):
-            self.call.gw.metrics.client_disconnects.inc()
+            self.stage.metrics.client_disconnects.inc()
 
     async def write_error(self, err: RouterError) -> None:
         """Headers are gone: end the stream with a valid SSE error frame, never a silent cut."""
         if self.stream is None:
             return
-        if self.call.parsed.path == RESPONSES:
-            frame = error_event(err)  # the Responses API's own error event
-        else:
-            frame = sse_error_frame(err.message, err.type, err.code)
+        frame = stream_error_frame(err, responses_api=self.call.parsed.path == RESPONSES)
         try:
             await self.stream.write(frame)
             await self.stream.write_eof()
@@ -171,36 +196,31 @@ class Responder:
             pass
 
     async def _relay(
-        self, attempt: Attempt, resp: DecodeResponse, sink: Any, ask: Ask
-    ) -> tuple[Any, RelayResult]:
+        self, attempt: Attempt, decode: DecodeAnswer, sink: Any, ask: Ask
+    ) -> RelayResult:
         """One decode stream into `sink` (the client's stream, or DISCARD when assembling); the
         connection is closed afterwards (unfinished: dropping it is vLLM's abort signal)."""
-        gw = self.call.gw
-        worker = gw.pools.worker(attempt.candidate.decode_id)
+        worker, answer = decode.worker, decode.answer
         worker.resident_seqs += 1
-        worker.open_streams.add(
-            resp
-        )  # a role drain past its deadline may cut it (router/role_manager.py)
+        # A role drain past its deadline may cut it (router/role_manager.py).
+        worker.open_streams.add(answer)
         self.progress.watch(attempt, ask)
         try:
-            relay: Any = relay_splice if isinstance(resp, SpliceResponse) else relay_sse
-            result: RelayResult = await relay(
-                resp,
+            return await answer.relay(
                 sink,
                 chat=self.call.parsed.path == CHAT,
                 responses=self.call.parsed.path == RESPONSES,
-                clock=gw.clock,
+                clock=self.stage.clock,
                 observer=self.progress,
                 first_event_by=attempt.handoff_by,
             )
         finally:
             worker.resident_seqs -= 1
-            worker.open_streams.discard(resp)
-            resp.close()
-        return worker, result
+            worker.open_streams.discard(answer)
+            answer.close()
 
-    async def _streamed(self, attempt: Attempt, resp: DecodeResponse, ask: Ask) -> Served | Broken:
-        gw = self.call.gw
+    async def _streamed(self, attempt: Attempt, decode: DecodeAnswer, ask: Ask) -> Served | Broken:
+        metrics = self.stage.metrics
         if self.stream is None:
             headers = {
                 "Content-Type": "text/event-stream",
@@ -212,63 +232,61 @@ class Responder:
             except BaseException as exc:
                 # The client left while its decode leg was being opened: abort the leg now
                 # (closing is vLLM's abort signal) instead of leaving it to stream unread.
-                resp.close()
+                decode.answer.close()
                 if not isinstance(exc, ConnectionError):
                     raise
-                gw.metrics.client_disconnects.inc()
+                metrics.client_disconnects.inc()
                 return Served(499)
-        worker, result = await self._relay(attempt, resp, self.stream, ask)
+        result = await self._relay(attempt, decode, self.stream, ask)
         self.sent.extend(result.chunks)
-        gw.metrics.tokens_relayed.inc(result.tokens)
+        metrics.tokens_relayed.inc(result.tokens)
         if result.client_gone:
-            gw.metrics.client_disconnects.inc()
+            metrics.client_disconnects.inc()
             return Served(499)
         if result.completed:
-            decode_answered(attempt)
+            decode.answered()
             return Served(200, ask.resumed + result.tokens)
-        return Broken(stream_failure(gw, attempt, worker, result))
+        return Broken(decode.failure(result))
 
-    async def _whole(self, attempt: Attempt, resp: DecodeResponse) -> Served | Broken:
+    async def _whole(self, attempt: Attempt, decode: DecodeAnswer) -> Served | Broken:
         """Answered whole by the decode worker (`assemble_non_streaming: false`, or a request
         vLLM cannot stream): nothing reaches the client until the answer is whole, so a broken
         answer is retried like a failed leg."""
-        gw, decode_id = self.call.gw, attempt.candidate.decode_id
         try:
-            data = await resp.read()
+            data = await decode.answer.read()
             answer = orjson.loads(data)
             if not _is_answer(answer, self.call.parsed.path):
                 raise ValueError(f"not an answer: {data[:80]!r}")
             usage = answer.get("usage") or {}
         except (aiohttp.ClientError, ValueError) as exc:  # JSONDecodeError is a ValueError
             # A 200 that is not an answer is the worker's failure, like a 500 (issue 20).
-            worker = gw.pools.worker(decode_id)
             result = RelayResult(upstream_error=f"answered badly: {exc!r}", error_kind="malformed")
-            return Broken(stream_failure(gw, attempt, worker, result))
+            return Broken(decode.failure(result))
         finally:
-            resp.close()
-        decode_answered(attempt)
+            decode.answer.close()
+        decode.answered()
         kv_accepted(self.call, attempt)
-        gw.metrics.ttft.observe(gw.clock() - self.call.started)
+        self.stage.metrics.ttft.observe(self.stage.clock() - self.call.started)
         # Chat and completions count `completion_tokens`, the Responses API `output_tokens`.
         tokens = usage.get("completion_tokens") or usage.get("output_tokens") or 0
         return Served(200, int(tokens), data)
 
-    async def _assembled(self, attempt: Attempt, resp: DecodeResponse, ask: Ask) -> Served | Broken:
+    async def _assembled(self, attempt: Attempt, decode: DecodeAnswer, ask: Ask) -> Served | Broken:
         """Asked for whole, streamed from the decode worker: the first token clears the stranded
         KV and the TTFT deadline as in a stream. Nothing reaches the client before the answer
         is whole, so a broken stream is retried from the start, never resumed."""
         # The relay keeps every whole event it passes on (`result.chunks`): the answer is
         # assembled from those, so the sink keeps nothing.
-        worker, result = await self._relay(attempt, resp, DISCARD, ask)
+        result = await self._relay(attempt, decode, DISCARD, ask)
         if self.call.parsed.path == RESPONSES:
             answer = assembled(result.chunks) if result.completed else None
             if answer is not None:
-                decode_answered(attempt)
+                decode.answered()
                 return Served(200, output_tokens(answer) or result.tokens, orjson.dumps(answer))
             if result.completed:  # a completing event that does not parse: retried as broken
                 result.completed, result.error_kind = False, "malformed"
                 result.upstream_error = "the decode stream's response.completed does not parse"
-            return Broken(stream_failure(self.call.gw, attempt, worker, result))
+            return Broken(decode.failure(result))
         whole = assemble(result.chunks, self.call.parsed.path == CHAT) if result.completed else None
         if isinstance(whole, dict) and not whole["choices"]:
             # A stream that ended well but spelled no answer (events that do not parse):
@@ -276,7 +294,7 @@ class Responder:
             result.completed, result.error_kind = False, "malformed"
             result.upstream_error = "the decode stream held no answer that parses"
         elif whole is not None:
-            decode_answered(attempt)  # a whole answer, or the worker's verdict on the request
+            decode.answered()  # a whole answer, or the worker's verdict on the request
             if not isinstance(whole, dict):  # a 4xx the worker reported in the stream
                 raise UpstreamRejected(
                     whole.status or 400,
@@ -288,4 +306,4 @@ class Responder:
             usage = whole.get("usage") or {}
             tokens = int(usage.get("completion_tokens") or result.tokens)
             return Served(200, tokens, orjson.dumps(whole))
-        return Broken(stream_failure(self.call.gw, attempt, worker, result))
+        return Broken(decode.failure(result))

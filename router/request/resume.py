@@ -1,6 +1,6 @@
 """Resuming a stream whose decode worker died: the request that continues it.
 
-Entry point: `resume_ask(call, sent)`: from the events the client already has, the `Ask` of the
+Entry point: `Resumer.ask(call, sent)`: from the events the client already has, the `Ask` of the
 next try (router/request/attempt.py), which the orchestrator runs like any other.
 
 The new request carries the prompt plus the answer so far, so the new decode worker picks up at
@@ -12,64 +12,76 @@ completions append the text to the prompt. The token cap shrinks by what was alr
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import orjson
 
 from router.api import CHAT, ParsedRequest
+from router.config import Settings
 from router.errors import UpstreamError
 from router.relay.aiohttp_relay import parse_sent_text
 from router.request.attempt import Ask, Call
+from router.workers.pools import Pools
 
-__all__ = ["resume_ask", "resume_body", "tokens_in"]
-
-
-async def resume_ask(call: Call, sent: list[bytes]) -> Ask:
-    """The try that continues the answer whose events so far are `sent`."""
-    gw, parsed = call.gw, call.parsed
-    text, resumed = parse_sent_text(sent, parsed.path == CHAT)
-    resumed = max(resumed, await tokens_in(call, text))
-    body, prompt_tokens, max_tokens = resume_body(
-        parsed, text, resumed, gw.settings.chars_per_token
-    )
-    return Ask(body, prompt_tokens, max_tokens, resumed, resume=True)
+__all__ = ["Resumer", "resume_body"]
 
 
-async def tokens_in(call: Call, text: str) -> int:
-    """How many tokens `text` is, by a real vLLM worker's own tokenizer (`POST /tokenize`);
-    0 when no such worker answers.
+@dataclass(frozen=True, slots=True)
+class Resumer:
+    """The resume stage: what it needs of the replica, handed to it once."""
 
-    Counting chunks undercounts what was sent: vLLM merges several tokens into one chunk when
-    its API server falls behind, and a resumed answer would then run past `max_tokens`. The
-    simulated worker always sends one token per chunk (and its /tokenize only approximates),
-    so it is not asked. Resuming is rare; one extra call then is cheap."""
-    gw = call.gw
-    if not text:
+    settings: Settings
+    session: aiohttp.ClientSession
+    pools: Pools
+
+    def __repr__(self) -> str:
+        return "Resumer()"
+
+    async def ask(self, call: Call, sent: list[bytes]) -> Ask:
+        """The try that continues the answer whose events so far are `sent`."""
+        parsed = call.parsed
+        text, resumed = parse_sent_text(sent, parsed.path == CHAT)
+        resumed = max(resumed, await self.tokens_in(call, text))
+        body, prompt_tokens, max_tokens = resume_body(
+            parsed, text, resumed, self.settings.chars_per_token
+        )
+        return Ask(body, prompt_tokens, max_tokens, resumed, resume=True)
+
+    async def tokens_in(self, call: Call, text: str) -> int:
+        """How many tokens `text` is, by a real vLLM worker's own tokenizer (`POST /tokenize`);
+        0 when no such worker answers.
+
+        Counting chunks undercounts what was sent: vLLM merges several tokens into one chunk when
+        its API server falls behind, and a resumed answer would then run past `max_tokens`. The
+        simulated worker always sends one token per chunk (and its /tokenize only approximates),
+        so it is not asked. Resuming is rare; one extra call then is cheap."""
+        if not text:
+            return 0
+        model = call.parsed.body.get("model")
+        asked = 0
+        for w in list(self.pools.workers.values()):
+            if w.spec.adapter not in ("vllm", "mooncake") or not w.healthy or asked >= 2:
+                continue
+            asked += 1
+            try:
+                async with asyncio.timeout(self.settings.timeouts.connect_s + 5.0):
+                    async with self.session.post(
+                        w.spec.url + "/tokenize",
+                        data=orjson.dumps(
+                            {"model": model, "prompt": text, "add_special_tokens": False}
+                        ),
+                        headers={"Content-Type": "application/json"},
+                    ) as resp:
+                        if resp.status != 200:
+                            continue
+                        count = orjson.loads(await resp.read()).get("count")
+            except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, AttributeError):
+                continue
+            if isinstance(count, int) and count >= 0:
+                return count
         return 0
-    model = call.parsed.body.get("model")
-    asked = 0
-    for w in list(gw.pools.workers.values()):
-        if w.spec.adapter not in ("vllm", "mooncake") or not w.healthy or asked >= 2:
-            continue
-        asked += 1
-        try:
-            async with asyncio.timeout(gw.settings.timeouts.connect_s + 5.0):
-                async with gw.session.post(
-                    w.spec.url + "/tokenize",
-                    data=orjson.dumps(
-                        {"model": model, "prompt": text, "add_special_tokens": False}
-                    ),
-                    headers={"Content-Type": "application/json"},
-                ) as resp:
-                    if resp.status != 200:
-                        continue
-                    count = orjson.loads(await resp.read()).get("count")
-        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, AttributeError):
-            continue
-        if isinstance(count, int) and count >= 0:
-            return count
-    return 0
 
 
 def resume_body(
