@@ -44,8 +44,8 @@ from router.redact import mask_url
 from router.role_manager import ROLES, RoleChangeRefused
 from router.scaling import scaling_report
 from router.workers.drain import set_drained
-from router.workers.pools import WorkerState
 from router.workers.rotation import emptied_without, why_empty
+from router.workers.worker_state import WorkerState
 
 __all__ = ["add_admin_routes"]
 
@@ -95,7 +95,7 @@ async def _fresh_view(gw: Gateway) -> None:
     """The registry as the store has it now (the other replicas' drains, roles, removals), not
     as the last refresh saw it: a guard decided on a stale view would let two operators on two
     replicas empty a pool a refresh apart."""
-    await gw.pools.sync_registry(gw.session)
+    await gw.registry.sync(gw.session)
 
 
 def _refuse_if_emptied(
@@ -123,7 +123,7 @@ def _refuse_if_emptied(
 
 
 def describe(gw: Gateway, w: WorkerState) -> dict[str, object]:
-    unpaired = set(gw.pools.unpaired())
+    unpaired = set(gw.pools.members.unpaired())
     load = w.load
     return {
         "id": w.spec.id,
@@ -158,7 +158,7 @@ async def admin_state(request: web.Request) -> web.Response:
             "live_reservations": len(gw.leases.live),
             "inflight": gw.admission.inflight,
             "waiting": gw.admission.waiting,
-            "unpaired": gw.pools.unpaired(),
+            "unpaired": gw.pools.members.unpaired(),
             "workers": [describe(gw, w) for w in gw.pools.workers.values()],
         }
     )
@@ -171,7 +171,8 @@ async def list_workers(request: web.Request) -> web.Response:
 
 async def scaling(request: web.Request) -> web.Response:
     gw = _readable(request)
-    return _json({"slo": _slo(gw), "models": scaling_report(gw)})
+    report = scaling_report(gw.settings, gw.demand, gw.pools.workers.values())
+    return _json({"slo": _slo(gw), "models": report})
 
 
 def _slo(gw: Gateway) -> dict[str, object]:
@@ -188,7 +189,7 @@ async def _discovered(gw: Gateway, raw: dict[str, Any], url: str, adapter: str) 
     """The registration with the layout the worker reports, under what the caller configured.
     Stored that way, so every replica pairs the worker alike without asking it again."""
     try:
-        facts = await gw.pools.health.layout_facts(gw.session, url, adapter)
+        facts = await gw.prober.layout_facts(gw.session, url, adapter)
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         raise InvalidRequest(
             f"could not read the KV layout of the worker at {url} ({exc!r}); register it "
@@ -208,10 +209,10 @@ async def register_worker(request: web.Request) -> web.Response:
         discover = raw.pop("discover_layout", False)
         if not isinstance(discover, bool):
             raise InvalidRequest("discover_layout must be true or false", param="discover_layout")
-        spec = gw.pools.parse_registration(raw)  # checked before any call to the worker
+        spec = gw.pools.members.parse_registration(raw)  # checked before any call to the worker
         if discover:
             raw = await _discovered(gw, raw, spec.url, spec.adapter)
-            spec = gw.pools.parse_registration(raw)
+            spec = gw.pools.members.parse_registration(raw)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"the registration is not valid JSON: {exc}") from exc
     except (ConfigError, TypeError, ValueError) as exc:
@@ -227,9 +228,9 @@ async def register_worker(request: web.Request) -> web.Response:
     await gw.store.register_worker(spec.id, registration)
     if spec.is_decode:
         await gw.store.set_capacity(spec.id, spec.capacity_blocks)
-    state = gw.pools.add(spec, dynamic=True, registration=registration)
+    state = gw.pools.members.add(spec, dynamic=True, registration=registration)
     # In rotation now if it answers, else when it does.
-    await gw.pools.health.probe(gw.session, state)
+    await gw.prober.probe(gw.session, state)
     return _json(describe(gw, state), status=201)
 
 
@@ -245,7 +246,7 @@ async def remove_worker(request: web.Request) -> web.Response:
         await _fresh_view(gw)
         _refuse_if_emptied(gw, wid, f"removing {wid}", force)
     removed = await gw.store.unregister_worker(wid)
-    gw.pools.remove(wid)
+    gw.pools.members.remove(wid)
     if not removed and current is None:
         return _json(
             {

@@ -41,7 +41,17 @@ from router.scaling import export_scaling, scaling_report
 from router.server import read_body
 from router.shutdown import SHUTDOWN, Shutdown
 from router.tracing import Tracing
+from router.workers.accounting import LocalAccounting
+from router.workers.health_probe import HealthProber
+from router.workers.load_poller import LoadPoller
+from router.workers.loop_timing import LoopTiming
+from router.workers.membership import Membership
+from router.workers.placement_view import PlacementView
 from router.workers.pools import Pools
+from router.workers.refresher import StateRefresher
+from router.workers.registry import RegistrySync
+from router.workers.store_loss import StoreLoss
+from router.workers.stranded_reaper import StrandedReaper
 from state import StoreError, open_store
 
 __all__ = ["create_app", "GATEWAY", "SETTINGS"]
@@ -239,7 +249,7 @@ async def health(request: web.Request) -> web.Response:
             "status": "ok" if ok else "degraded",
             "prefill": prefill,
             "decode": decode,
-            "store": gw.pools.store_ok,
+            "store": gw.refresher.store_ok,
         },
         status=200 if ok else 503,
     )
@@ -251,7 +261,7 @@ async def ready(request: web.Request) -> web.Response:
     out while this says 503."""
     gw = request.app[GATEWAY]
     pools_ok, prefill, decode = _pools_usable(gw)
-    store_ok = gw.pools.store_ok
+    store_ok = gw.refresher.store_ok
     stopping = request.app[SHUTDOWN].stopping
     ok = pools_ok and store_ok and not stopping
     body: dict[str, object] = {
@@ -288,17 +298,17 @@ async def metrics(request: web.Request) -> web.Response:
         else:
             m.stranded_bytes.labels(worker=w.spec.id).set(w.stranded_bytes)
     m.active_reservations.set(len(gw.leases.live))
-    m.store_up.set(1 if gw.pools.store_ok else 0)
+    m.store_up.set(1 if gw.refresher.store_ok else 0)
     m.owed_store_steps.set(gw.leases.owed)
-    m.unpaired_workers.set(len(gw.pools.unpaired()))
-    m.stranded_byte_seconds.set(gw.pools.stranded_byte_seconds)
-    export_scaling(scaling_report(gw), m)
+    m.unpaired_workers.set(len(gw.pools.members.unpaired()))
+    m.stranded_byte_seconds.set(gw.refresher.stranded_byte_seconds)
+    export_scaling(scaling_report(gw.settings, gw.demand, gw.pools.workers.values()), m)
     return web.Response(body=m.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
 
-async def _learn_mooncake_engines(pools: Pools, session: aiohttp.ClientSession) -> None:
+async def _learn_mooncake_engines(members: Membership, session: aiohttp.ClientSession) -> None:
     """Mooncake prefill workers name their engine in `GET <bootstrap>/query`: read it once."""
-    for w in list(pools.prefill_workers):
+    for w in list(members.prefill_workers):
         spec = w.spec
         if spec.adapter != "mooncake" or spec.engine_id:
             continue
@@ -316,40 +326,6 @@ async def _learn_mooncake_engines(pools: Pools, session: aiohttp.ClientSession) 
             )
             continue
         w.spec = replace(spec, engine_id=ids[min(ids)])
-
-
-async def _reap_stranded(gw: Gateway) -> None:
-    """KV stranded longer than the KV lease is gone from the prefill worker: count and drop it.
-
-    The request that owned it fails its decode leg and is retried (or fails) through the normal
-    path; this keeps the ledger (and placement's backpressure) honest meanwhile.
-    """
-    while True:
-        # While no prefill worker holds stranded KV (every replica's entries, as the last
-        # refresh read them, and this replica's since), there is nothing to reap: no wake-ups.
-        await gw.pools.stranded_somewhere()
-        await gw.pools.beat(gw.settings.stranded_reap_s)
-        for w in list(gw.pools.prefill_workers):
-            if w.stranded_bytes == 0:
-                continue  # nothing stranded there: no store call
-            try:
-                expired = await gw.store.reap_stranded(w.spec.id, gw.settings.kv_lease_s)
-            except asyncio.CancelledError:
-                raise
-            except StoreError:
-                continue  # the refresher reports the outage once
-            except Exception as exc:
-                log.warning("reaping stranded KV on %s failed: %r", w.spec.id, exc)
-                continue
-            for entry in expired:
-                log.warning(
-                    "stranded KV of %s on %s expired after %.0f s (%d bytes)",
-                    entry.request_id,
-                    entry.prefill_id,
-                    gw.settings.kv_lease_s,
-                    entry.nbytes,
-                )
-                gw.metrics.stranded_expired.labels(worker=w.spec.id).inc()
 
 
 async def _tally_requests(gw: Gateway) -> None:
@@ -382,7 +358,40 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
         session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None)
         )
-        pools = Pools(settings, store)
+        admission = Admission(settings.admission)
+        leases = LeaseKeeper(
+            store, settings.reservation_lease_s, stranded_lease_s=settings.kv_lease_s
+        )
+
+        # The worker pools, each piece given what it uses (router/workers/).
+        members = Membership(settings)
+        # Quiet (nothing in flight or waiting here, no leg on a worker): the loops slow down.
+        timing = LoopTiming(
+            members.carrying_work, lambda: admission.inflight > 0 or admission.waiting > 0
+        )
+        accounting = LocalAccounting(members, timing)
+        pools = Pools(members, accounting, PlacementView(members, settings))
+
+        async def on_store_reset() -> None:
+            metrics.store_resets.inc()
+            await leases.reassert()
+
+        loss = StoreLoss(settings, store, members, on_store_reset)
+        prober = HealthProber(members, timing, settings)
+        registry = RegistrySync(settings, store, members, loss, prober, timing)
+        # Each refresh may show room freed by other replicas: wake the admission queue.
+        refresher = StateRefresher(
+            settings, store, members, accounting, loss, timing, on_refresh=admission.notify
+        )
+        reaper = StrandedReaper(
+            settings,
+            store,
+            members,
+            accounting,
+            timing,
+            on_expired=lambda wid: metrics.stranded_expired.labels(worker=wid).inc(),
+        )
+
         gw = Gateway(
             settings=settings,
             store=store,
@@ -391,11 +400,12 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
             estimator=app[_ESTIMATOR],
             metrics=metrics,
             pools=pools,
-            leases=LeaseKeeper(
-                store, settings.reservation_lease_s, stranded_lease_s=settings.kv_lease_s
-            ),
+            registry=registry,
+            prober=prober,
+            refresher=refresher,
+            leases=leases,
             histograms=HistogramCache(store, settings.histogram_refresh_s, tasks),
-            admission=Admission(settings.admission),
+            admission=admission,
             tasks=tasks,
             retry_budget=RetryBudget(store, settings.retry),
             splice=SplicePool(settings.upstream_connections)
@@ -405,43 +415,33 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
         )
         app[GATEWAY] = gw
 
-        async def on_store_reset() -> None:
-            metrics.store_resets.inc()
-            await gw.leases.reassert()
-
-        pools.on_store_reset = on_store_reset
-        await pools.register_capacities()
-        await _learn_mooncake_engines(pools, session)
-        await pools.sync_registry(session)
+        await loss.register_capacities()
+        await _learn_mooncake_engines(members, session)
+        await registry.sync(session)
         # Before serving: whatever does not answer yet is retried by the health prober.
         await asyncio.gather(
             *(
-                pools.health.discover_layout(session, w)
-                for w in pools.workers.values()
+                prober.discover_layout(session, w)
+                for w in members.workers.values()
                 if not w.layout_known
             )
         )
-        for wid in pools.unpaired():
+        for wid in members.unpaired():
             log.warning(
                 "worker %s has no partner with the same KV layout: it will not be "
                 "used for a prefill/decode handoff",
                 wid,
             )
-        await pools.refresh_from_store()
+        await refresher.refresh()
 
-        # Each refresh may show room freed by other replicas: wake the admission queue.
-        # Quiet (nothing in flight or waiting here): the refresher and load poller slow down.
-        def busy() -> bool:
-            return gw.admission.inflight > 0 or gw.admission.waiting > 0
-
-        tasks.loop(pools.run_refresher(gw.admission.notify, busy), "pools-refresh")
-        tasks.loop(_reap_stranded(gw), "stranded-reaper")
-        tasks.loop(pools.health.run(session, busy), "health-probe")
-        tasks.loop(pools.run_registry_sync(session), "registry-sync")
-        tasks.loop(pools.run_load_poller(session, busy), "load-poller")
-        tasks.loop(gw.leases.run(), "lease-keeper")
+        tasks.loop(refresher.run(), "pools-refresh")
+        tasks.loop(reaper.run(), "stranded-reaper")
+        tasks.loop(prober.run(session), "health-probe")
+        tasks.loop(registry.run(session), "registry-sync")
+        tasks.loop(LoadPoller(settings, members, timing).run(session), "load-poller")
+        tasks.loop(leases.run(), "lease-keeper")
         tasks.loop(_tally_requests(gw), "retry-tally")
-        app[ROLES] = RoleManager(gw, app[_ROLE_POLICY])
+        app[ROLES] = RoleManager(gw, members, accounting, app[_ROLE_POLICY])
         tasks.loop(app[ROLES].run(), "role-manager")
         try:
             yield

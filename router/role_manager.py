@@ -36,8 +36,10 @@ from aiohttp import web
 from policies.base import RolePlan, RolePolicy
 from policies.registry import load_role_policy
 from router.gateway import Gateway
-from router.workers.pools import WorkerState
+from router.workers.accounting import LocalAccounting
+from router.workers.membership import Membership
 from router.workers.role_signals import QueuePeak, role_of, role_snapshot
+from router.workers.worker_state import WorkerState
 from state.base import ROLE_STATES, StoreError, WorkerRole
 
 __all__ = ["ROLES", "RoleChangeRefused", "RoleEvent", "RoleManager"]
@@ -72,8 +74,16 @@ class RoleEvent:
 
 
 class RoleManager:
-    def __init__(self, gw: Gateway, policy: RolePolicy | None = None) -> None:
+    def __init__(
+        self,
+        gw: Gateway,
+        members: Membership,
+        accounting: LocalAccounting,
+        policy: RolePolicy | None = None,
+    ) -> None:
         self.gw = gw
+        self.members = members
+        self._accounting = accounting
         s = gw.settings.roles
         self.settings = s
         self.policy: RolePolicy = policy or load_role_policy(s.policy, dict(s.policy_args))
@@ -93,7 +103,7 @@ class RoleManager:
         try:
             while True:
                 try:
-                    if any(True for _ in self.gw.pools.both_workers):  # else nothing to re-role
+                    if any(True for _ in self.members.both_workers):  # else nothing to re-role
                         await self.tick()
                 except asyncio.CancelledError:
                     raise
@@ -115,7 +125,7 @@ class RoleManager:
     async def tick(self) -> None:
         gw = self.gw
         roles = await gw.store.worker_roles()
-        gw.pools.apply_roles(roles)
+        self.members.apply_roles(roles)
         self._export_roles()
         self._cut_overdue_streams()
         ttl = max(3 * self.settings.interval_s, 1.0)
@@ -128,8 +138,8 @@ class RoleManager:
         arriving = sum(gw.demand.arriving_tokens_per_s(m) for m in gw.demand.models())
         recent = tuple(t for t in self._switch_starts if now - t < 60.0)
         snapshot = role_snapshot(
-            gw.pools, gw.settings, arriving_tokens_per_s=arriving, peak=self._peak,
-            recent_switches_s=recent, now_s=now,
+            self.members.workers.values(), gw.settings, arriving_tokens_per_s=arriving,
+            peak=self._peak, recent_switches_s=recent, now_s=now,
         )  # fmt: skip
         plan = self.policy.decide(snapshot)
         self.last_plan, self.last_decided_s = plan, now
@@ -137,14 +147,14 @@ class RoleManager:
         gw.metrics.role_pressure.labels(phase="decode").set(_finite(plan.decode_pressure))
         gw.metrics.role_decisions.labels(note=_note_kind(plan)).inc()
         for switch in plan.switches:
-            w = gw.pools.workers.get(switch.worker_id)
+            w = self.members.workers.get(switch.worker_id)
             if w is None or w.spec.role != "both":
                 continue
             await self._start(w, switch.to_role, "policy", switch.reason)
 
     def _export_roles(self) -> None:
         gauge = self.gw.metrics.worker_role
-        for w in self.gw.pools.both_workers:
+        for w in self.members.both_workers:
             current = w.current_role
             for role in ("both", *ROLE_STATES):
                 gauge.labels(worker=w.spec.id, role=role).set(1 if role == current else 0)
@@ -153,7 +163,7 @@ class RoleManager:
     async def force(self, worker_id: str, role: str) -> WorkerRole:
         """An operator's switch of `worker_id` to `role` (prefill | decode): it drains first,
         like the policy's; the lease holder completes it."""
-        w = self.gw.pools.workers.get(worker_id)
+        w = self.members.workers.get(worker_id)
         if w is None:
             raise KeyError(worker_id)
         if w.spec.role != "both":
@@ -163,14 +173,14 @@ class RoleManager:
             )
         store = self.gw.store
         known, roles = w.role_state, await store.worker_roles()
-        self.gw.pools.apply_roles(roles)
+        self.members.apply_roles(roles)
         if known is not None and worker_id not in roles:
             # The store has no role for it though this replica knows one: it lost its data
             # and no registry sync has put it back yet. Put it back first, so the operator's
             # change continues the worker's versions instead of starting over at 1 (which a
             # replica's later put-back of a higher version would silently undo).
             await store.restore_registry({}, {worker_id: known})
-            self.gw.pools.apply_roles(await store.worker_roles())
+            self.members.apply_roles(await store.worker_roles())
         current = w.role_state
         if current is not None and current.target == role:
             return current  # already there, or on its way
@@ -197,7 +207,7 @@ class RoleManager:
         record = await self.gw.store.set_role(w.spec.id, role, expect)
         if record is None:  # another replica (or the operator) came first: take theirs
             # (or the store lost its roles: ours is kept until the registry sync puts it back)
-            self.gw.pools.apply_roles(await self.gw.store.worker_roles())
+            self.members.apply_roles(await self.gw.store.worker_roles())
             return None
         w.role_state = record
         return record
@@ -209,7 +219,7 @@ class RoleManager:
 
     async def _finish_drains(self) -> None:
         now = time.time()
-        for w in list(self.gw.pools.both_workers):
+        for w in list(self.members.both_workers):
             record = w.role_state
             if record is None or not record.draining:
                 continue
@@ -231,7 +241,7 @@ class RoleManager:
     async def _reap(self, w: WorkerState) -> None:
         gw = self.gw
         for entry in await gw.store.reap_stranded(w.spec.id, 0.0):
-            gw.pools.note_stranded(w.spec.id, -entry.nbytes)
+            self._accounting.note_stranded(w.spec.id, -entry.nbytes)
             gw.metrics.stranded_expired.labels(worker=w.spec.id).inc()
             log.warning(
                 "worker %s leaves prefill: stranded KV of %s reaped past the drain deadline",
@@ -244,7 +254,7 @@ class RoleManager:
         closed, so each resumes elsewhere with the tokens sent (the draining worker is in no
         pool, so the resume cannot land on it again)."""
         now = time.time()
-        for w in self.gw.pools.both_workers:
+        for w in self.members.both_workers:
             record = w.role_state
             if record is None or record.role != "draining-to-prefill" or not w.open_streams:
                 continue
@@ -261,7 +271,7 @@ class RoleManager:
     def report(self) -> dict[str, Any]:
         plan = self.last_plan
         workers = []
-        for w in self.gw.pools.both_workers:
+        for w in self.members.both_workers:
             record = w.role_state
             workers.append(
                 {

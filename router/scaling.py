@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 from policies.scaling import (
@@ -27,9 +27,10 @@ from policies.scaling import (
     recommend_decode,
     recommend_prefill,
 )
+from router.config import Settings
+from router.workers.worker_state import WorkerState
 
 if TYPE_CHECKING:
-    from router.gateway import Gateway
     from router.metrics import RouterMetrics
 
 __all__ = ["DemandMeter", "scaling_report", "export_scaling"]
@@ -80,13 +81,15 @@ class DemandMeter:
         return set(self._arrived) | set(self._output)
 
 
-def scaling_report(gw: Gateway) -> list[dict[str, object]]:
+def scaling_report(
+    settings: Settings, demand: DemandMeter, workers_in_pools: Iterable[WorkerState]
+) -> list[dict[str, object]]:
     """Per model: each pool's demand and recommendation (None without a perf profile)."""
-    s = gw.settings
+    s = settings
     slo = s.scaling
     default_model = s.models[0]
-    models = dict.fromkeys([*s.models, *sorted(gw.demand.models())])
-    workers = list(gw.pools.workers.values())
+    models = dict.fromkeys([*s.models, *sorted(demand.models())])
+    workers = list(workers_in_pools)
     for w in workers:
         models.setdefault(w.spec.layout.model or default_model)
     out: list[dict[str, object]] = []
@@ -97,7 +100,7 @@ def scaling_report(gw: Gateway) -> list[dict[str, object]]:
         live_p = [w for w in prefill if w.available]
         live_d = [w for w in decode if w.available]
         p_demand = PrefillDemand(
-            arriving_tokens_per_s=gw.demand.arriving_tokens_per_s(model),
+            arriving_tokens_per_s=demand.arriving_tokens_per_s(model),
             queued_tokens=sum(w.queued_prompt_tokens for w in prefill),
             replicas=len(live_p),
         )
@@ -105,7 +108,7 @@ def scaling_report(gw: Gateway) -> list[dict[str, object]]:
             resident_seqs=sum(max(w.reservations, w.resident_seqs) for w in decode),
             reserved_blocks=sum(w.reserved_blocks for w in decode),
             capacity_blocks=sum(w.capacity_blocks for w in live_d),
-            output_tokens_per_s=gw.demand.output_tokens_per_s(model),
+            output_tokens_per_s=demand.output_tokens_per_s(model),
             replicas=len(live_d),
         )
         p_perf = next((w.spec.perf for w in prefill if w.spec.perf), s.default_perf)

@@ -198,7 +198,7 @@ def fuzz(base_url: str, served: set[tuple[str, str]], bridge: LoopBridge, gw: An
             # percent-encoded, so the DELETE went elsewhere; the router itself takes /%2E.
             tally.skipped[f"id the HTTP client cannot address, removed in the store: {wid!r}"] += 1
             bridge.run(gw.store.unregister_worker(wid))
-            gw.pools.remove(wid)
+            gw.pools.members.remove(wid)
 
     def nothing(case: Any, response: Any) -> None:
         return None

@@ -4,7 +4,7 @@
   and b0 forced to prefill through one replica's admin API; Redis SIGKILLed and started
   empty. From the restart on, both replicas keep d0 drained and b0 in prefill (sampled
   throughout, not only at the end), and the new Redis holds both again.
-- The replicas' put-back, step by step on two `Pools` over the shared Redis (their own key
+- The replicas' put-back, step by step on two replicas' pools over the shared Redis (their own key
   prefix): a drain undone on one replica just before the loss, still shown by the other, is
   not brought back whichever replica puts back first; a newer role version wins the same way;
   a put-back cut short by a store error is finished at the next check.
@@ -27,12 +27,12 @@ from disagg_tools.sim.worker import WorkerConfig, running_worker
 from router.app import GATEWAY
 from router.config import Settings, settings_from_mapping
 from router.workers.drain import set_drained
-from router.workers.pools import Pools
 from state import RedisStore
 from state.base import StoreError
 from tests.conftest import MODEL, REDIS_URL, running_router
 from tests.redis_server import PrivateRedis
 from tests.test_admin import TOKEN
+from tests.test_pools_idle import Replica, replica
 from tests.test_state_loss import _redis_traces
 from tests.test_store_faults import fail_calls
 
@@ -156,7 +156,7 @@ async def _until_async(cond: Any, what: str, timeout_s: float = 10.0) -> None:
 # -- the put-back, step by step -------------------------------------------------------------
 
 
-def _pools(prefix: str) -> Pools:
+def _pools(prefix: str) -> Replica:
     """A replica's pools on the shared Redis, with a store object of its own (as a replica
     has); workers at an address nothing answers (nothing here probes them)."""
     nowhere = "http://127.0.0.1:9"
@@ -166,16 +166,16 @@ def _pools(prefix: str) -> Pools:
         {"id": "b0", "url": nowhere, "role": "both", "adapter": "vllm", "kv_blocks": 100},
     ]
     settings = _settings(REDIS_URL, prefix, workers)
-    return Pools(settings, RedisStore.from_url(REDIS_URL, prefix))
+    return replica(settings, RedisStore.from_url(REDIS_URL, prefix))
 
 
 @contextlib.asynccontextmanager
-async def _two_pools(prefix: str) -> AsyncIterator[tuple[Pools, Pools]]:
+async def _two_pools(prefix: str) -> AsyncIterator[tuple[Replica, Replica]]:
     a, b = _pools(prefix), _pools(prefix)
     try:
-        await a.register_capacities()
+        await a.loss.register_capacities()
         for p in (a, b):
-            await p.sync_registry()  # each one's first look at the marker
+            await p.registry.sync()  # each one's first look at the marker
         yield a, b
     finally:
         for p in (a, b):
@@ -198,30 +198,30 @@ async def test_a_drain_undone_before_the_loss_is_not_brought_back(
 ) -> None:
     async with _two_pools(redis_prefix) as (a, b):
         # Drained and b0 moved through a, both replicas see it.
-        await set_drained(a.store, a.workers.values(), "d0", True)
+        await set_drained(a.store, a.members.workers.values(), "d0", True)
         assert await a.store.set_role("b0", "prefill", 0) is not None
         for p in (a, b):
-            await p.sync_registry()
-        assert a.workers["d0"].drained and b.workers["d0"].drained
+            await p.registry.sync()
+        assert a.members.workers["d0"].drained and b.members.workers["d0"].drained
         # Then b undoes the drain and moves b0 on; the store loses everything before a's next
         # registry read, so a still shows the drain and the older role.
-        await set_drained(b.store, b.workers.values(), "d0", False)
+        await set_drained(b.store, b.members.workers.values(), "d0", False)
         moved = await b.store.set_role("b0", "draining-to-decode", 1)
         assert moved is not None
-        await b.sync_registry()
+        await b.registry.sync()
         await _lose_everything(redis_prefix)
-        assert a.workers["d0"].drained and a.workers["b0"].role_state.version == 1
+        assert a.members.workers["d0"].drained and a.members.workers["b0"].role_state.version == 1
 
         order = [a, b] if first == "stale" else [b, a]
         for p in order:
-            await p.sync_registry()  # each learns of the loss and puts back its own view
+            await p.registry.sync()  # each learns of the loss and puts back its own view
         for p in (a, b):
-            await p.sync_registry()
+            await p.registry.sync()
         assert await a.store.drained_workers() == set()
         assert (await a.store.worker_roles())["b0"] == moved
         for p in (a, b):
-            assert not p.workers["d0"].drained
-            assert p.workers["b0"].role_state == moved
+            assert not p.members.workers["d0"].drained
+            assert p.members.workers["b0"].role_state == moved
         # Capacities are back too (every replica's put-back writes them).
         usage = await a.store.decode_usage(["d0", "b0"])
         assert usage["d0"].capacity_blocks == usage["b0"].capacity_blocks == 100
@@ -229,18 +229,18 @@ async def test_a_drain_undone_before_the_loss_is_not_brought_back(
 
 async def test_a_put_back_cut_short_is_finished_at_the_next_check(redis_prefix: str) -> None:
     async with _two_pools(redis_prefix) as (a, _):
-        await set_drained(a.store, a.workers.values(), "d0", True)
+        await set_drained(a.store, a.members.workers.values(), "d0", True)
         assert await a.store.set_role("b0", "prefill", 0) is not None
-        await a.sync_registry()
+        await a.registry.sync()
         await _lose_everything(redis_prefix)
         failed = fail_calls(a.store, "restore_registry")
         with pytest.raises(StoreError):
-            await a.sync_registry()  # the marker is back already: the loss no longer shows
+            await a.registry.sync()  # the marker is back already: the loss no longer shows
         assert failed == [1]
-        await a.sync_registry()
+        await a.registry.sync()
         assert await a.store.drained_workers() == {"d0"}
         assert (await a.store.worker_roles())["b0"].role == "prefill"
-        assert a.workers["d0"].drained and a.workers["b0"].current_role == "prefill"
+        assert a.members.workers["d0"].drained and a.members.workers["b0"].current_role == "prefill"
 
 
 async def test_a_role_read_before_the_loss_is_noticed_is_kept_and_put_back(
@@ -251,18 +251,19 @@ async def test_a_role_read_before_the_loss_is_noticed_is_kept_and_put_back(
     registry sync puts it back."""
     async with _two_pools(redis_prefix) as (a, _):
         forced = await a.store.set_role("b0", "prefill", 0)
-        await a.sync_registry()
-        assert a.workers["b0"].current_role == "prefill"
+        await a.registry.sync()
+        assert a.members.workers["b0"].current_role == "prefill"
         await _lose_everything(redis_prefix)
-        assert a.apply_roles(await a.store.worker_roles()) == {"b0": forced}  # the tick's read
-        assert a.workers["b0"].current_role == "prefill"
-        await a.sync_registry()
+        # The tick's read:
+        assert a.members.apply_roles(await a.store.worker_roles()) == {"b0": forced}
+        assert a.members.workers["b0"].current_role == "prefill"
+        await a.registry.sync()
         assert (await a.store.worker_roles()) == {"b0": forced}
-        assert a.workers["b0"].role_state == forced
+        assert a.members.workers["b0"].role_state == forced
         # Outside a loss too (one replica's sync finding the role gone while the worker stays),
         # the sync puts back what it kept.
         assert await a.store.forget_role("b0")
-        await a.sync_registry()
+        await a.registry.sync()
         assert (await a.store.worker_roles()) == {"b0": forced}
 
 
@@ -279,16 +280,16 @@ async def test_a_worker_deleted_on_one_replica_leaves_no_key_behind_on_the_other
     async with _two_pools(redis_prefix) as (a, b):
         await a.store.register_worker("d9", registration)
         for p in (a, b):
-            await p.sync_registry()
-            assert "d9" in p.workers
+            await p.registry.sync()
+            assert "d9" in p.members.workers
         await a.store.set_drained("d9", True)
-        await b.refresh_from_store(check_marker=False)
+        await b.refresher.refresh(check_marker=False)
         assert await _redis_traces(a.store, "d9")  # type: ignore[arg-type]
         # The admin API's delete on a: the store forgets it, a's pools drop it.
         assert await a.store.unregister_worker("d9")
-        a.remove("d9")
-        await b.refresh_from_store(check_marker=False)  # before b's registry sync
-        await b.sync_registry()
-        assert "d9" not in b.workers
-        await b.refresh_from_store()
+        a.members.remove("d9")
+        await b.refresher.refresh(check_marker=False)  # before b's registry sync
+        await b.registry.sync()
+        assert "d9" not in b.members.workers
+        await b.refresher.refresh()
         assert await _redis_traces(a.store, "d9") == set()  # type: ignore[arg-type]

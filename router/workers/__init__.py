@@ -1,14 +1,27 @@
 """The workers behind the router, as placement sees them.
 
-    worker_spec   a worker's configuration (URL, role, model, layout, secrets masked)
-    discovery     where the worker list comes from (static, a file, DNS)
-    pools         membership, the registry sync, load polling and the placement snapshot
-    health_probe  each worker's health and KV layout
-    breaker       the per-worker circuit breaker (answers judged, not only statuses)
-    drain         draining a worker out of rotation
-    rotation      who is in rotation per pool, and why a worker is not
-    prefixes      prompt prefix hashes for cache affinity
-    role_signals  the live signals the role policy reads
+    worker_spec      a worker's configuration (URL, role, model, layout, secrets masked)
+    worker_state     one worker as this replica sees it (health, load, what is placed on it)
+    membership       who is in the pools, joining and leaving, which pool each is in
+    accounting       this replica's own count of what it puts on the workers
+    placement_view   the snapshot placement policies decide on
+    pools            the three above behind one name, for a request's stages
+    loop_timing      when the background loops wake (a shared beat, the quiet cadence)
+    health_probe     each worker's health and KV layout
+    load_poller      the workers' own load reports
+    registry         the registry sync: workers registered through any replica
+    refresher        every replica's reservations and stranded KV, from the store
+    store_loss       a store that lost its data, noticed and put back
+    stranded_reaper  stranded KV past its lease, dropped
+    discovery        what workers report about themselves (load, layout, facts)
+    breaker          the per-worker circuit breaker (answers judged, not only statuses)
+    drain            draining a worker out of rotation
+    rotation         who is in rotation per pool, and why a worker is not
+    prefixes         prompt prefix hashes for cache affinity
+    role_signals     the live signals the role policy reads
+
+Each loop is built where the app is assembled (router/app.py) and given the pieces it uses;
+none builds another.
 
 It knows nothing of one request's path: the request package asks it who serves.
 """

@@ -4,7 +4,7 @@ The drained set lives in the shared store (`{reg}:drained`), so a drain taken by
 admin API reaches every replica within its registry refresh (`registry_refresh_s`); the
 replica that takes the call applies it at once. Each change is recorded with its time (a
 `DrainMark`, undrains too): each replica keeps the marks it last saw, and puts them back if
-the store loses its data (router/workers/pools.py `_put_back`), the latest mark winning.
+the store loses its data (router/workers/store_loss.py), the latest mark winning.
 
 A drained worker stays in the pools (its health is still probed, its reservations still
 renewed and released): it is only left out of the placement snapshot, through

@@ -1,4 +1,4 @@
-"""Health probes and KV-layout discovery of the pools' workers (`Pools.health`).
+"""Health probes and KV-layout discovery of the pools' workers.
 
 A worker is in rotation once it answers `/health` and its KV layout is known: configured, or
 read from the worker itself (`discover_layout`). Two failed probes in a row take it out; a worker
@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 
+from router.config import Settings
 from router.workers.discovery import fetch_layout_facts, merge_layout
-
-if TYPE_CHECKING:
-    from router.workers.pools import Pools, WorkerState
+from router.workers.loop_timing import LoopTiming
+from router.workers.membership import Membership
+from router.workers.worker_state import WorkerState
 
 __all__ = ["HealthProber"]
 
@@ -28,18 +28,20 @@ log = logging.getLogger(__name__)
 
 
 class HealthProber:
-    def __init__(self, pools: Pools) -> None:
-        self.pools = pools
+    def __init__(self, members: Membership, timing: LoopTiming, settings: Settings) -> None:
+        self._members = members
+        self._timing = timing
+        self._settings = settings
 
     def __repr__(self) -> str:
-        return f"HealthProber({len(self.pools.workers)} workers)"
+        return f"HealthProber({len(self._members.workers)} workers)"
 
     async def layout_facts(
         self, session: aiohttp.ClientSession, url: str, adapter: str
     ) -> dict[str, Any]:
         """What the worker at `url` reports of its KV layout, within two health-probe timeouts
         (it takes two requests for vLLM). Raises aiohttp.ClientError, TimeoutError, ValueError."""
-        async with asyncio.timeout(2 * self.pools.settings.health_timeout_s):
+        async with asyncio.timeout(2 * self._settings.health_timeout_s):
             return await fetch_layout_facts(session, url, adapter)
 
     async def discover_layout(self, session: aiohttp.ClientSession, w: WorkerState) -> bool:
@@ -58,7 +60,7 @@ class HealthProber:
 
     async def probe(self, session: aiohttp.ClientSession, w: WorkerState) -> None:
         try:
-            timeout = aiohttp.ClientTimeout(total=self.pools.settings.health_timeout_s)
+            timeout = aiohttp.ClientTimeout(total=self._settings.health_timeout_s)
             async with session.get(w.spec.url + "/health", timeout=timeout) as resp:
                 ok = resp.status == 200
         except (TimeoutError, aiohttp.ClientError):
@@ -85,34 +87,32 @@ class HealthProber:
                     # its layout is read again before it is used again.
                     w.layout_known = False
 
-    def _may_slow(self, busy: Callable[[], bool] | None) -> bool:
+    def _may_slow(self) -> bool:
         """Every worker answers its probes (layout known, breaker closed), and this replica is
         quiet. A drained worker counts as answering: drained is a state, not a failure."""
-        if self.pools.is_busy(busy):
+        if self._timing.busy():
             return False
         return all(
             w.healthy
             and w.consecutive_failures == 0
             and w.layout_known
             and w.breaker.opened_at is None
-            for w in self.pools.workers.values()
+            for w in self._members.workers.values()
         )
 
-    async def run(
-        self, session: aiohttp.ClientSession, busy: Callable[[], bool] | None = None
-    ) -> None:
+    async def run(self, session: aiohttp.ClientSession) -> None:
         """Every `health_interval_s`; while every worker is healthy and this replica is quiet,
         the interval doubles up to `health_idle_interval_s`. A failed probe, a worker out of
         rotation, or the first placement after the quiet spell brings it back at once."""
-        s = self.pools.settings
+        s = self._settings
         interval = s.health_interval_s
         while True:
             await asyncio.gather(
-                *(self.probe(session, w) for w in list(self.pools.workers.values()))
+                *(self.probe(session, w) for w in list(self._members.workers.values()))
             )
-            if self._may_slow(busy):
+            if self._may_slow():
                 interval = min(2 * interval, max(s.health_interval_s, s.health_idle_interval_s))
-                await self.pools.quiet_sleep(interval)
+                await self._timing.quiet_sleep(interval)
             else:
                 interval = s.health_interval_s
-                await self.pools.beat(interval)
+                await self._timing.beat(interval)

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 
 from policies.base import Role, RoleSnapshot, RoleWorkerView
 from router.config import Settings
-from router.workers.pools import Pools, WorkerState
+from router.workers.worker_state import WorkerState
 
 __all__ = ["QueuePeak", "role_of", "role_snapshot"]
 
@@ -71,7 +72,7 @@ def _view(w: WorkerState) -> RoleWorkerView:
 
 
 def role_snapshot(
-    pools: Pools,
+    workers_in_pools: Iterable[WorkerState],
     settings: Settings,
     *,
     arriving_tokens_per_s: float,
@@ -81,7 +82,7 @@ def role_snapshot(
 ) -> RoleSnapshot:
     """The snapshot at `now_s` (unix seconds: the store's role times are on that clock)."""
     now = time.time() if now_s is None else now_s
-    workers = tuple(_view(w) for w in pools.workers.values() if w.healthy)
+    workers = tuple(_view(w) for w in workers_in_pools if w.healthy)
     queued = sum(w.queued_prompt_tokens for w in workers)
     return RoleSnapshot(
         now_s=now,

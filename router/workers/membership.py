@@ -1,0 +1,169 @@
+"""Who is in the pools: the worker states by id, joining and leaving, and which pool each is in.
+
+The configured workers are in from the start; the registry sync (router/workers/registry.py)
+and the admin API add and remove the dynamic ones. A removed worker is remembered for a while,
+for the requests still running their legs on it. A `both` worker is in one pool at a time, the
+one its current role names (the store's, applied here by `apply_roles`); draining between the
+two, in neither.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Protocol
+
+from router.config import Settings
+from router.workers.breaker import CircuitBreaker
+from router.workers.worker_spec import WorkerSpec, parse_worker
+from router.workers.worker_state import WorkerState
+from state.base import WorkerRole
+
+__all__ = ["Membership", "PoolMembers"]
+
+# Removed workers kept for the requests still on them: a removal is an operator's act, so a
+# few dozen is plenty, and bounded whatever an API client does.
+_DEPARTED_KEPT = 64
+
+log = logging.getLogger(__name__)
+
+
+class PoolMembers(Protocol):
+    """What the rotation rules (router/workers/rotation.py) read of the membership."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def workers(self) -> dict[str, WorkerState]: ...
+
+    def can_prefill_locally(self, w: WorkerState) -> bool: ...
+
+
+class Membership:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.workers: dict[str, WorkerState] = {}
+        # Workers removed while requests may still be on them (`worker`): the last few, by id.
+        self._departed: dict[str, WorkerState] = {}
+        for spec in settings.workers:
+            self.add(spec)
+
+    def __repr__(self) -> str:
+        return f"Membership({list(self.workers.values())!r})"
+
+    # -- joining and leaving ------------------------------------------------------------------
+    def add(
+        self, spec: WorkerSpec, dynamic: bool = False, registration: str | None = None
+    ) -> WorkerState:
+        cap = spec.capacity_blocks if spec.is_decode else 0
+        state = WorkerState(
+            spec=spec,
+            capacity_blocks=cap,
+            dynamic=dynamic,
+            registration=registration,
+            breaker=CircuitBreaker(self.settings.breaker),
+            layout_known=not spec.discover_layout,
+            # A worker that joins at run time enters rotation once a health probe passes
+            # (the admin API probes it at once; other replicas' probers within an interval).
+            healthy=not dynamic,
+        )
+        self.workers[spec.id] = state
+        return state
+
+    def remove(self, worker_id: str) -> bool:
+        """Out of the pools at once; requests already on it finish (releases go by id, their
+        legs find it through `worker`)."""
+        state = self.workers.pop(worker_id, None)
+        if state is None:
+            return False
+        self._departed.pop(worker_id, None)
+        self._departed[worker_id] = state
+        while len(self._departed) > _DEPARTED_KEPT:
+            del self._departed[next(iter(self._departed))]
+        return True
+
+    def worker(self, worker_id: str) -> WorkerState:
+        """The worker an attempt was placed on, also when it has been removed since: its
+        request still runs its legs there (KeyError only for an id never known)."""
+        state = self.workers.get(worker_id)
+        return state if state is not None else self._departed[worker_id]
+
+    def parse_registration(self, raw: object) -> WorkerSpec:
+        """A registration (the admin API's body, the store's registry entry) as a spec, with
+        the configuration's defaults under it."""
+        s = self.settings
+        return parse_worker(raw, s.default_perf, s.default_layout, "registration")
+
+    # -- the pools ----------------------------------------------------------------------------
+    @property
+    def prefill_workers(self) -> Iterable[WorkerState]:
+        return (w for w in self.workers.values() if w.in_prefill_pool)
+
+    @property
+    def decode_workers(self) -> Iterable[WorkerState]:
+        return (w for w in self.workers.values() if w.in_decode_pool)
+
+    @property
+    def both_workers(self) -> Iterable[WorkerState]:
+        return (w for w in self.workers.values() if w.spec.role == "both")
+
+    # Whatever a worker's role now, the store's ledgers for each side it can serve are read:
+    # a worker leaving decode still holds reservations, one leaving prefill stranded KV.
+    @property
+    def reservable(self) -> Iterable[WorkerState]:
+        return (w for w in self.workers.values() if w.spec.is_decode)
+
+    @property
+    def strandable(self) -> Iterable[WorkerState]:
+        return (w for w in self.workers.values() if w.spec.is_prefill)
+
+    def can_prefill_locally(self, w: WorkerState) -> bool:
+        """A decode-side `both` worker that may prefill its own requests (no role yet, or
+        `roles.local_prefill`)."""
+        if w.spec.role != "both":
+            return False
+        return w.role_state is None or self.settings.roles.local_prefill
+
+    def unpaired(self) -> list[str]:
+        """Workers whose KV layout matches no worker on the other side: never used for a
+        handoff (a 'both' worker can still serve alone), reported so operators see it."""
+        prefill_layouts = {w.spec.layout.key for w in self.prefill_workers}
+        decode_layouts = {w.spec.layout.key for w in self.decode_workers}
+        out = [w.spec.id for w in self.prefill_workers if w.spec.layout.key not in decode_layouts]
+        out += [
+            w.spec.id
+            for w in self.decode_workers
+            if w.spec.role == "decode" and w.spec.layout.key not in prefill_layouts
+        ]
+        return out
+
+    def carrying_work(self) -> bool:
+        """Some worker has legs of this replica's requests on it, or a placement being written:
+        the replica is not quiet (router/workers/loop_timing.py)."""
+        return any(w.inflight or w.pending_blocks for w in self.workers.values())
+
+    # -- the `both` workers' roles ------------------------------------------------------------
+    def apply_roles(self, roles: dict[str, WorkerRole]) -> dict[str, WorkerRole]:
+        """Take the store's roles of the `both` workers (logged on a change). A worker whose
+        role the store no longer has keeps the one known here: a role is never removed while
+        the worker is in the pools (deleting it removes both), so its absence means the store
+        lost it (a Redis restarted empty), and falling back to no role would flip a worker
+        forced to prefill back into decode. Returns those kept, for the registry sync to put
+        back (not the role manager: a worker deleted meanwhile must not get its role back)."""
+        kept: dict[str, WorkerRole] = {}
+        for w in self.both_workers:
+            record = roles.get(w.spec.id)
+            if record is None and w.role_state is not None:
+                kept[w.spec.id] = w.role_state
+                continue
+            if record != w.role_state:
+                old = w.role_state.role if w.role_state is not None else None
+                if record is not None and old != record.role:
+                    log.info("worker %s is now %s", w.spec.id, record.role)
+                w.role_state = record
+        return kept
+
+    def role_view(self) -> dict[str, WorkerRole]:
+        """The roles this replica knows, as of its last read or change."""
+        return {w.spec.id: w.role_state for w in self.both_workers if w.role_state is not None}

@@ -1,0 +1,142 @@
+"""The state refresher: every replica's reservations and stranded KV, read from the store.
+
+Each refresh is one store call (`usage_view`: reserved blocks and live reservations per decode
+worker, stranded bytes per prefill worker), run every `state_refresh_s` while anything moves:
+it replaces this replica's adjusted figures with the store's (router/workers/accounting.py),
+puts back a capacity key the store lost, and tells the admission queue (`on_refresh`) that
+room freed by other replicas may show. It also keeps the store's health as it last saw it,
+for /ready and the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from router.config import Settings
+from router.workers.accounting import LocalAccounting
+from router.workers.loop_timing import LoopTiming
+from router.workers.membership import Membership
+from router.workers.store_loss import StoreLoss
+from router.workers.worker_state import WorkerState
+from state.base import StateStore, StoreError
+
+__all__ = ["StateRefresher"]
+
+log = logging.getLogger(__name__)
+
+
+class StateRefresher:
+    def __init__(
+        self,
+        settings: Settings,
+        store: StateStore,
+        members: Membership,
+        accounting: LocalAccounting,
+        loss: StoreLoss,
+        timing: LoopTiming,
+        on_refresh: Callable[[], None] | None = None,
+    ) -> None:
+        self._settings = settings
+        self._store = store
+        self._members = members
+        self._accounting = accounting
+        self._loss = loss
+        self._timing = timing
+        self._on_refresh = on_refresh
+        self.store_ok = False  # the store answered the last refresh
+        self.stranded_byte_seconds = 0.0  # stranded KV held over time, as the refreshes saw it
+        self._last_refresh: float | None = None
+
+    def __repr__(self) -> str:
+        return f"StateRefresher(store_ok={self.store_ok})"
+
+    async def refresh(self, check_marker: bool = True) -> None:
+        try:
+            await self._refresh(check_marker)
+        except StoreError as exc:
+            if self.store_ok:
+                log.warning("the state store stopped answering: %s", exc)
+            self.store_ok = False
+            raise
+        if not self.store_ok:
+            log.info("the state store answers")
+        self.store_ok = True
+
+    async def _refresh(self, check_marker: bool) -> None:
+        if check_marker:
+            await self._loss.check()
+        members = self._members
+        decode_ids = [w.spec.id for w in members.reservable]
+        prefill_ids = [w.spec.id for w in members.strandable]
+        # One store call (one round trip on one Redis): this runs 10 times a second while busy.
+        usage, stranded = await self._store.usage_view(decode_ids, prefill_ids)
+        lost_capacity: list[WorkerState] = []
+        for wid, u in usage.items():
+            if (w := members.workers.get(wid)) is not None:
+                w.reserved_blocks, w.reservations = u.reserved_blocks, u.reservations
+                if u.capacity_blocks == 0 and w.capacity_blocks > 0:
+                    lost_capacity.append(w)
+        if lost_capacity:
+            await self._reassert_capacities(lost_capacity)
+        now = time.monotonic()
+        if self._last_refresh is not None:
+            total = sum(w.stranded_bytes for w in members.strandable)
+            self.stranded_byte_seconds += total * (now - self._last_refresh)
+        self._last_refresh = now
+        for wid, nbytes in stranded.items():
+            self._accounting.stranded_from_store(wid, nbytes)
+
+    async def _reassert_capacities(self, workers: list[WorkerState]) -> None:
+        """These workers' capacity keys are gone (one shard of a cluster lost them, or the
+        marker check has not run since): their room would read as none at all, so write it
+        back. Not for a dynamic worker no longer registered: another replica's admin API
+        deleted it (with every key it had) and this replica's registry sync has not dropped it
+        yet; writing its capacity back would leave that key behind for good."""
+        registered: dict[str, str] | None = None
+        for w in workers:
+            if w.dynamic:
+                if registered is None:
+                    registered = await self._store.registered_workers()
+                if w.spec.id not in registered:
+                    continue
+            await self._store.set_capacity(w.spec.id, w.capacity_blocks)
+
+    def _store_view(self) -> tuple[tuple[str, int, int], ...]:
+        return tuple(
+            (w.spec.id, w.reserved_blocks, w.stranded_bytes) for w in self._members.workers.values()
+        )
+
+    async def run(self) -> None:
+        """Every `state_refresh_s` while anything moves; while this replica is quiet and the
+        store shows no change, the interval doubles up to 10 x (at most 1 s): an idle router
+        reads the store about once a second, and the first change it sees (another replica's
+        reservation, a reset store) or the first placement here brings it back to
+        `state_refresh_s`. While quiet it leaves the marker check to the registry sync (same
+        cadence, same check): this replica holds nothing in the store then that a reset would
+        make it put back in a hurry."""
+        base = self._settings.state_refresh_s
+        idle_cap = max(base, min(1.0, 10 * base))
+        interval = base
+        while True:
+            before = self._store_view()
+            changed = True
+            try:
+                await self.refresh(check_marker=interval == base)
+                changed = self._store_view() != before
+                if self._on_refresh is not None:
+                    self._on_refresh()
+            except asyncio.CancelledError:
+                raise
+            except StoreError:
+                pass  # logged once when it starts failing (refresh)
+            except Exception as exc:  # a bug must not kill the loop
+                log.warning("state refresh failed: %r", exc)
+            if changed or self._timing.busy():
+                interval = base
+                await self._timing.beat(interval)
+            else:
+                interval = min(2 * interval, idle_cap)
+                await self._timing.quiet_sleep(interval)

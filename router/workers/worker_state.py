@@ -1,0 +1,88 @@
+"""One worker as this router replica sees it: its configuration, health, what is placed on it.
+
+A `WorkerState` is a plain record. Several objects write to it, each its own fields: the
+membership (router/workers/membership.py) creates it, the health prober its health and layout,
+the local accounting and the state refresher the load figures, the registry sync its drain and
+role, the request path what it has in flight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.workers.breaker import CircuitBreaker
+from router.workers.discovery import LoadSnapshot
+from router.workers.prefixes import RecentPrefixes
+from router.workers.worker_spec import WorkerSpec
+from state.base import DrainMark, WorkerRole
+
+__all__ = ["WorkerState"]
+
+
+@dataclass(slots=True)
+class WorkerState:
+    spec: WorkerSpec
+    healthy: bool = True
+    consecutive_failures: int = 0
+    inflight: int = 0
+    queued_prompt_tokens: int = 0  # prompts dispatched for prefill, answer not yet back
+    resident_seqs: int = 0  # decode streams open on this worker (this replica)
+    capacity_blocks: int = 0
+    reserved_blocks: int = 0  # all replicas, from the store, adjusted locally
+    reservations: int = 0  # live reservations of all replicas, at the last refresh
+    # Reservations this replica has placed here and is still writing to the store: counted in
+    # placement so that a burst's concurrent placements see one another instead of all taking
+    # the same momentarily emptiest worker.
+    pending_blocks: int = 0
+    stranded_bytes: int = 0
+    recent_prefixes: RecentPrefixes = field(default_factory=RecentPrefixes)
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    load: LoadSnapshot | None = None  # the worker's own report, when polled
+    dynamic: bool = False  # registered through the admin API (not from the config file)
+    registration: str | None = None  # a dynamic worker's registry entry, to put back if lost
+    # False until a `discover_layout` worker has told its layout: never paired on a guess.
+    layout_known: bool = True
+    drained: bool = False  # an operator's drain (router/workers/drain.py): no new placements
+    # The store's record of its last drain or undrain (None: none known): what this replica
+    # puts back if the store loses it, compared by time with the other replicas' views.
+    drain_mark: DrainMark | None = None
+    # A `both` worker's current role from the store (router/role_manager.py); None: never given one,
+    # it serves as it always has (decode, prefilling its own requests when the policy says).
+    role_state: WorkerRole | None = None
+    # Its decode streams open on this replica, so that a drain past its deadline can cut them
+    # (they resume elsewhere with the tokens sent so far).
+    open_streams: set[Any] = field(default_factory=set)
+
+    @property
+    def worker_id(self) -> str:
+        return self.spec.id
+
+    @property
+    def current_role(self) -> str:
+        """prefill | decode | both (a `both` worker with no role yet) | draining-to-<role>."""
+        if self.spec.role != "both" or self.role_state is None:
+            return self.spec.role
+        return self.role_state.role
+
+    @property
+    def in_prefill_pool(self) -> bool:
+        return self.current_role == "prefill"
+
+    @property
+    def in_decode_pool(self) -> bool:
+        return self.current_role in ("decode", "both")
+
+    @property
+    def available(self) -> bool:
+        """In rotation: passing health probes, its circuit breaker lets a request through, and
+        not drained."""
+        return self.healthy and self.layout_known and not self.drained and self.breaker.allows()
+
+    def __repr__(self) -> str:
+        return (
+            f"WorkerState({self.spec.id} {self.spec.role} healthy={self.healthy} "
+            f"queued={self.queued_prompt_tokens} seqs={self.resident_seqs} "
+            f"reserved={self.reserved_blocks}/{self.capacity_blocks} "
+            f"stranded={self.stranded_bytes})"
+        )
