@@ -1,7 +1,7 @@
 """Who is in rotation in each pool, and why a worker is not: the admin API's guard rails
 (router/admin.py) and the 503 a request gets when a pool is empty (router/request/reserve.py).
 
-A pool is one side (prefill or decode) of one model, as placement sees it (`Pools.snapshot`):
+A pool is one side (prefill or decode) of one model, as placement sees it (`PlacementView`):
 the workers of that side whose layout names the model, or names none (they serve every
 model). A `both` worker is on the side its current role names, in neither while it drains for
 a switch; with no role yet (or `roles.local_prefill`) a decode-side `both` worker prefills its
@@ -14,7 +14,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from router.workers.pools import Pools, WorkerState
+from router.workers.membership import PoolMembers
+from router.workers.worker_state import WorkerState
 
 __all__ = [
     "OPERATOR_RETRY_AFTER_S",
@@ -47,13 +48,13 @@ def _could_serve(w: WorkerState, side: str) -> bool:
     return w.spec.is_prefill if side == "prefill" else w.spec.is_decode
 
 
-def _on_side(pools: Pools, w: WorkerState, side: str) -> bool:
+def _on_side(pools: PoolMembers, w: WorkerState, side: str) -> bool:
     if side == "decode":
         return w.in_decode_pool
     return w.in_prefill_pool or (w.in_decode_pool and pools.can_prefill_locally(w))
 
 
-def models_of(pools: Pools) -> tuple[str, ...]:
+def models_of(pools: PoolMembers) -> tuple[str, ...]:
     """The configured model names plus those the workers' layouts name."""
     names = dict.fromkeys(pools.settings.models)
     for w in pools.workers.values():
@@ -63,7 +64,7 @@ def models_of(pools: Pools) -> tuple[str, ...]:
 
 
 def in_rotation(
-    pools: Pools, side: str, model: str = "", without: str | None = None
+    pools: PoolMembers, side: str, model: str = "", without: str | None = None
 ) -> list[WorkerState]:
     """The workers in rotation on `side` for `model` ("": any), leaving out `without`."""
     return [
@@ -74,7 +75,7 @@ def in_rotation(
 
 
 def _candidates(
-    pools: Pools, side: str, model: str, without: str | None = None
+    pools: PoolMembers, side: str, model: str, without: str | None = None
 ) -> Iterable[WorkerState]:
     return (
         w
@@ -83,7 +84,7 @@ def _candidates(
     )
 
 
-def _reasons(pools: Pools, w: WorkerState, side: str) -> list[str]:
+def _reasons(pools: PoolMembers, w: WorkerState, side: str) -> list[str]:
     """Why `w` takes no `side` work now (empty: it is in rotation there)."""
     out: list[str] = []
     if not _on_side(pools, w, side):
@@ -103,7 +104,7 @@ def _reasons(pools: Pools, w: WorkerState, side: str) -> list[str]:
     return out
 
 
-def why_empty(pools: Pools, side: str, model: str = "", without: str | None = None) -> str:
+def why_empty(pools: PoolMembers, side: str, model: str = "", without: str | None = None) -> str:
     """What each worker of the pool out of rotation does instead: "d0 drained by the operator,
     d1 serving prefill" (`without` left out, as if gone)."""
     parts = [
@@ -114,7 +115,7 @@ def why_empty(pools: Pools, side: str, model: str = "", without: str | None = No
     return ", ".join(parts)  # empty: the pool has no worker at all (or all in rotation)
 
 
-def _back_in_s(pools: Pools, w: WorkerState, side: str) -> float:
+def _back_in_s(pools: PoolMembers, w: WorkerState, side: str) -> float:
     """When `w` may be back on `side` by itself (inf: only by an operator's hand)."""
     s = pools.settings
     if w.drained:
@@ -135,7 +136,7 @@ def _back_in_s(pools: Pools, w: WorkerState, side: str) -> float:
     return t
 
 
-def retry_after_s(pools: Pools, side: str, model: str = "") -> float:
+def retry_after_s(pools: PoolMembers, side: str, model: str = "") -> float:
     """An honest Retry-After for an empty pool: the soonest any of its workers may be back by
     itself, or OPERATOR_RETRY_AFTER_S when none will without the operator."""
     soonest = min(
@@ -150,7 +151,7 @@ def _coming(w: WorkerState, side: str) -> bool:
     return w.current_role == f"draining-to-{side}" and w.available
 
 
-def pool_alive(pools: Pools, side: str, model: str = "", without: str | None = None) -> bool:
+def pool_alive(pools: PoolMembers, side: str, model: str = "", without: str | None = None) -> bool:
     """A worker in rotation on `side` for `model`, or one on its way there (draining for a
     switch to it): waiting for room there is not in vain. `without` left out, as if gone."""
     return bool(in_rotation(pools, side, model, without)) or any(
@@ -159,7 +160,7 @@ def pool_alive(pools: Pools, side: str, model: str = "", without: str | None = N
 
 
 def emptied_without(
-    pools: Pools, worker_id: str, arriving: str | None = None
+    pools: PoolMembers, worker_id: str, arriving: str | None = None
 ) -> list[tuple[str, str]]:
     """The pools, as (side, model), that `worker_id` is in rotation in with no other worker in
     rotation or on its way there (draining for a switch to that side): taking it out (drain,
