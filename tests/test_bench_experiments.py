@@ -1,6 +1,5 @@
-"""Smoke tests of the simulator benchmark instruments (disagg_tools/bench/experiments.py and the
-modules it
-runs): tiny traces, tiny clusters, seconds in all. They check that each instrument runs and
+"""Smoke tests of the simulator benchmark instruments (disagg_tools/experiments/ and the modules
+it runs): tiny traces, tiny clusters, seconds in all. They check that each instrument runs and
 yields complete, sane numbers, not the numbers themselves (docs/benchmarks.md holds those)."""
 
 from __future__ import annotations
@@ -11,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from disagg_tools.bench import calibration, goodput, simruns, specs, tables
-from disagg_tools.bench.traces import TraceRequest
+from disagg_tools import goodput
+from disagg_tools.experiments import simruns, specs, tables
+from disagg_tools.replay import calibration
+from disagg_tools.traces import TraceRequest
 
 
 def _trace(n: int = 60, rate: float = 4.0, seed: int = 0) -> list[TraceRequest]:
@@ -156,7 +157,7 @@ def test_validation_measures_the_live_side_as_the_simulator_does() -> None:
     binned in the simulator's own gap histogram, and unfinished requests count for neither."""
     from array import array
 
-    from disagg_tools.bench.replay import RequestRecord
+    from disagg_tools.replay.replayer import RequestRecord
     from disagg_tools.simcluster.metrics import GapHistogram, percentile
 
     recs = []

@@ -1,6 +1,5 @@
-"""CI versions of `python -m disagg_tools.bench.hostile` (issue 20's reproduction) at a tiny scale,
-and the
-figures' arithmetic on hand-made store samples.
+"""CI versions of `python -m disagg_tools.loadgen.hostile` (issue 20's reproduction) at a tiny
+scale, and the figures' arithmetic on hand-made store samples.
 
 The end-to-end runs (marked `slow`: router replicas, simulated workers and a PRIVATE
 redis-server as subprocesses) assert that the scenario completes and reports sane numbers:
@@ -13,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from disagg_tools.bench.hostile import (
+from disagg_tools.loadgen.hostile import (
     FloodSpec,
     ShiftSpec,
     _peak_targets,
@@ -21,8 +20,8 @@ from disagg_tools.bench.hostile import (
     run_flood,
     run_shift,
 )
-from disagg_tools.bench.hostile_cluster import StoreSample
-from disagg_tools.bench.hostile_report import reservations
+from disagg_tools.loadgen.hostile_cluster import StoreSample
+from disagg_tools.loadgen.hostile_report import reservations
 
 
 def _sample(t: float, cap: int, holds: dict[str, int]) -> StoreSample:

@@ -1,7 +1,7 @@
 """The router-overhead instrument works: a tiny run produces complete, sane records.
 
 Smoke only (a handful of short streams at concurrency 1 and 4): no timed assertions. The full
-measurement is `python -m disagg_tools.bench.overhead` (docs/benchmarks-overhead.md).
+measurement is `python -m disagg_tools.overhead` (docs/benchmarks-overhead.md).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from disagg_tools.bench.overhead_client import StreamRecord, _Conn
-from disagg_tools.bench.overhead_report import percentile, replace_between_markers
+from disagg_tools.overhead.overhead_client import StreamRecord, _Conn
+from disagg_tools.overhead.overhead_report import percentile, replace_between_markers
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENS = 6
@@ -29,7 +29,7 @@ def _run_bench(tmp_path: Path, targets: str, *extra: str) -> dict[str, Any]:
     cmd = [
         sys.executable,
         "-m",
-        "disagg_tools.bench.overhead",
+        "disagg_tools.overhead",
         "--targets",
         targets,
         "--concurrency",
@@ -107,7 +107,7 @@ def test_smoke_baseline_and_our_router(tmp_path: Path) -> None:
     md = result["_markdown"]
     assert "<!-- overhead:begin -->" in md and "#### 4 concurrent streams" in md
     assert "| ours |" in md and "#### Saturation" in md
-    # Into a pipe: every rung's line, and no progress bar (disagg_tools/bench/progress.py draws on
+    # Into a pipe: every rung's line, and no progress bar (disagg_tools/progress.py draws on
     # a TTY only).
     lines = result["_stderr"].splitlines()
     assert sum(line.startswith("[ladder round 1]") for line in lines) == 4
@@ -194,13 +194,13 @@ async def test_client_parser_survives_any_split() -> None:
 
 
 def test_idle_phase_measures_our_router_against_four_workers(tmp_path: Path) -> None:
-    """`disagg_tools.bench.overhead_idle` starts four workers and our router in front of all four,
+    """`disagg_tools.overhead.idle` starts four workers and our router in front of all four,
     and
     reports a CPU figure read from /proc (no bound on it: that is the benchmark's to show)."""
     cmd = [
         sys.executable,
         "-m",
-        "disagg_tools.bench.overhead_idle",
+        "disagg_tools.overhead.idle",
         "--targets",
         "ours",
         "--no-pin",
@@ -225,7 +225,7 @@ def test_the_ladder_draws_a_progress_bar_on_a_terminal(tmp_path: Path) -> None:
     master, slave = os.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
     cmd = [
-        sys.executable, "-m", "disagg_tools.bench.overhead",
+        sys.executable, "-m", "disagg_tools.overhead",
         "--targets", "baseline", "--concurrency", "1",
         "--rounds", "1", "--requests-c1", "2", "--tokens", str(TOKENS), "--interval-ms", "2",
         "--prefill-ms", "1", "--no-saturation", "--no-pin", "--json", str(tmp_path / "o.json"),

@@ -17,10 +17,9 @@ import orjson
 import pytest
 from aiohttp import web
 
-from disagg_tools.bench.goodput import GoodputSearch, goodput_search, goodput_search_sync
-from disagg_tools.bench.replay import ORACLE_HEADER, OUTCOMES, ReplayResult, endpoint_url, replay
-from disagg_tools.bench.replay_cli import add_bench_arguments, run_bench
-from disagg_tools.bench.report import (
+from disagg_tools.goodput import GoodputSearch, goodput_search, goodput_search_sync
+from disagg_tools.replay.replay_cli import add_bench_arguments, run_bench
+from disagg_tools.replay.replay_report import (
     meets_slo,
     percentile,
     plot_attainment_vs_rate,
@@ -30,7 +29,8 @@ from disagg_tools.bench.report import (
     to_text,
     write_report,
 )
-from disagg_tools.bench.traces import TraceRequest
+from disagg_tools.replay.replayer import ORACLE_HEADER, OUTCOMES, ReplayResult, endpoint_url, replay
+from disagg_tools.traces import TraceRequest
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from disagg_tools.bench.traces import (
+from disagg_tools.traces import (
     CHARS_PER_TOKEN,
     MOONCAKE_BLOCK_TOKENS,
     TraceFormatError,

@@ -11,8 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from disagg_tools.bench.replay import ReplayResult, RequestRecord
 from disagg_tools.launcher.demo_plot import write_latency_plot
+from disagg_tools.replay.replayer import ReplayResult, RequestRecord
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -10,10 +10,19 @@ only). The tools are one namespaced package, `disagg_tools`, each of its subpack
     router                  → policies, state    the product: nothing above it
     disagg_tools.sim        → policies, uvrun    the simulated GPU worker
     disagg_tools.simcluster → policies           pure: no asyncio, aiohttp, redis, prometheus
-    disagg_tools.bench      → policies, simcluster, sim.textgen, uvrun
-                                                 the client tools and the simulator experiments
-                                                 (bench sits above the simulator; it checks
-                                                 answers against the worker's toy model)
+    disagg_tools.procs      → (nothing)          child processes, free ports, /proc readings
+    disagg_tools.traces     → (nothing)          the trace formats
+    disagg_tools.progress   → (nothing)          progress bars (tqdm)
+    disagg_tools.goodput    → progress           the goodput search
+    disagg_tools.replay     → traces, progress, goodput, simcluster.metrics
+                                                 the replay bench (the simulator's percentiles)
+    disagg_tools.overhead   → procs, progress, uvrun, simcluster.metrics
+                                                 the overhead benchmark
+    disagg_tools.loadgen    → procs, traces, uvrun, sim.textgen
+                                                 load, soak, hostile (answers checked against
+                                                 the worker's toy model)
+    disagg_tools.experiments → policies, simcluster, traces, goodput
+                                                 the simulator experiments
     disagg_tools.uvrun      → (nothing)          the uvloop start-up of the tools (the router
                                                  picks its loop itself: it imports no uvrun)
     disagg_tools.launcher   → anything           the umbrella CLI, local cluster, validation
@@ -41,14 +50,18 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 T = "disagg_tools"
-SIM, SIMCLUSTER, BENCH, UVRUN, LAUNCHER = (
-    f"{T}.sim",
-    f"{T}.simcluster",
-    f"{T}.bench",
-    f"{T}.uvrun",
-    f"{T}.launcher",
+SIM, SIMCLUSTER, UVRUN, LAUNCHER = f"{T}.sim", f"{T}.simcluster", f"{T}.uvrun", f"{T}.launcher"
+# The client tools: four products over the modules they share.
+REPLAY, OVERHEAD, LOADGEN, EXPERIMENTS = (
+    f"{T}.replay",
+    f"{T}.overhead",
+    f"{T}.loadgen",
+    f"{T}.experiments",
 )
-FIRST_PARTY = ("policies", "state", "router", T, SIM, SIMCLUSTER, BENCH, UVRUN, LAUNCHER)
+PROCS, TRACES, PROGRESS, GOODPUT = f"{T}.procs", f"{T}.traces", f"{T}.progress", f"{T}.goodput"
+CLIENT_TOOLS = (REPLAY, OVERHEAD, LOADGEN, EXPERIMENTS, PROCS, TRACES, PROGRESS, GOODPUT)
+FIRST_PARTY = ("policies", "state", "router", T, SIM, SIMCLUSTER, *CLIENT_TOOLS, UVRUN, LAUNCHER)
+UPPER_TOOLS = frozenset({SIM, *CLIENT_TOOLS})  # what policies, state and simcluster never load
 ANYTHING = frozenset(FIRST_PARTY)
 
 ALLOWED: dict[str, frozenset[str]] = {
@@ -58,7 +71,14 @@ ALLOWED: dict[str, frozenset[str]] = {
     T: frozenset(),  # the namespace's own __init__: a docstring
     SIM: frozenset({"policies", UVRUN}),
     SIMCLUSTER: frozenset({"policies"}),
-    BENCH: frozenset({"policies", SIMCLUSTER, f"{SIM}.textgen", UVRUN}),
+    PROCS: frozenset(),
+    TRACES: frozenset(),
+    PROGRESS: frozenset(),
+    GOODPUT: frozenset({PROGRESS}),
+    REPLAY: frozenset({TRACES, PROGRESS, GOODPUT, f"{SIMCLUSTER}.metrics"}),
+    OVERHEAD: frozenset({PROCS, PROGRESS, UVRUN, f"{SIMCLUSTER}.metrics"}),
+    LOADGEN: frozenset({PROCS, TRACES, UVRUN, f"{SIM}.textgen"}),
+    EXPERIMENTS: frozenset({"policies", SIMCLUSTER, TRACES, GOODPUT}),
     UVRUN: frozenset(),
     LAUNCHER: ANYTHING,
 }
@@ -82,7 +102,7 @@ def layer_of(name: str) -> str | None:
 @dataclass(frozen=True, slots=True)
 class Import:
     module: str  # the importing module, e.g. "router.serve_cli"
-    target: str  # what it names, e.g. "bench.cli.run_bench" or "aiohttp.web"
+    target: str  # what it names, e.g. "disagg_tools.replay.replay_cli.run_bench" or "aiohttp.web"
     path: Path
     line: int
 
@@ -177,7 +197,7 @@ def test_the_checker_catches_a_function_level_import_of_an_upper_layer() -> None
         "from policies.base import blocks_for\n"
         "def entry():\n"
         "    if True:\n"
-        "        from disagg_tools.bench.replay_cli import run_bench\n"
+        "        from disagg_tools.replay.replay_cli import run_bench\n"
         "    import disagg_tools.sim.worker\n"
         "    return run_bench\n"
     )
@@ -185,12 +205,12 @@ def test_the_checker_catches_a_function_level_import_of_an_upper_layer() -> None
     assert {i.target for i in found} == {
         "asyncio",
         "policies.base.blocks_for",
-        "disagg_tools.bench.replay_cli.run_bench",
+        "disagg_tools.replay.replay_cli.run_bench",
         "disagg_tools.sim.worker",
     }
     bad = violations(found)
     assert len(bad) == 2, bad
-    assert any("bench.replay_cli.run_bench" in v and ":5:" in v for v in bad)
+    assert any("replay.replay_cli.run_bench" in v and ":5:" in v for v in bad)
     assert any("sim.worker" in v and ":6:" in v for v in bad)
 
 
@@ -218,11 +238,13 @@ def test_the_checker_resolves_relative_imports_and_type_checking_blocks() -> Non
 
 
 def test_the_checker_allows_one_module_not_its_package() -> None:
-    ok = imports_in(f"from {SIM}.textgen import expected_answer\n", f"{BENCH}.x", is_package=False)
+    ok = imports_in(
+        f"from {SIM}.textgen import expected_answer\n", f"{LOADGEN}.x", is_package=False
+    )
     assert violations(ok) == []
-    also_ok = imports_in(f"from {SIM} import textgen\n", f"{BENCH}.x", is_package=False)
+    also_ok = imports_in(f"from {SIM} import textgen\n", f"{LOADGEN}.x", is_package=False)
     assert violations(also_ok) == []
-    bad = imports_in(f"from {SIM} import worker\nimport {SIM}\n", f"{BENCH}.x", is_package=False)
+    bad = imports_in(f"from {SIM} import worker\nimport {SIM}\n", f"{LOADGEN}.x", is_package=False)
     assert len(violations(bad)) == 2
 
 
@@ -284,25 +306,37 @@ def _imported_after(module: str) -> frozenset[str]:
 def test_policies_import_no_io_libraries_nor_upper_layers() -> None:
     for module in ["policies"] + _modules("policies"):
         loaded = _layers_loaded(module)
-        assert not loaded & {"aiohttp", "redis", "router", "state", SIM, BENCH, "asyncio"}, module
+        assert not loaded & {"aiohttp", "redis", "router", "state", "asyncio", *UPPER_TOOLS}, module
 
 
 def test_state_knows_nothing_of_http_or_the_router() -> None:
     for module in ["state"] + _modules("state"):
         loaded = _layers_loaded(module)
-        assert not loaded & {"aiohttp", "router", SIM, BENCH}, module
+        assert not loaded & {"aiohttp", "router", *UPPER_TOOLS}, module
 
 
-def test_bench_is_a_pure_client() -> None:
-    for module in [BENCH] + _modules(BENCH):
-        loaded = _layers_loaded(module)
-        assert not loaded & {"router", "state", SIM, LAUNCHER}, module
+@pytest.mark.parametrize("tool", CLIENT_TOOLS)
+def test_bench_is_a_pure_client(tool: str) -> None:
+    """Every client tool, each module alone: none of the router, the store or the launcher, and
+    of the simulated worker only its toy model (the load tools check answers against it)."""
+    toy_model = {SIM, f"{SIM}.textgen"}
+    for module in [tool] + _modules(tool):
+        after = _imported_after(module)
+        assert not {layer_of(m) for m in after} & {"router", "state", LAUNCHER}, module
+        worker = {m for m in after if layer_of(m) == SIM} - toy_model
+        assert not worker, (module, sorted(worker))
 
 
 def test_the_cluster_simulator_loads_no_io_library() -> None:
     for module in [SIMCLUSTER] + _modules(SIMCLUSTER):
         loaded = _layers_loaded(module)
-        assert not loaded & {"aiohttp", "redis", "prometheus_client", "router", SIM, BENCH}, module
+        assert not loaded & {
+            "aiohttp",
+            "redis",
+            "prometheus_client",
+            "router",
+            *UPPER_TOOLS,
+        }, module
 
 
 def test_the_simulated_workers_toy_model_loads_without_aiohttp() -> None:

@@ -1,4 +1,4 @@
-"""CI versions of `python -m disagg_tools.bench.load`: a 500-stream burst and a 500-request
+"""CI versions of `python -m disagg_tools.loadgen.load`: a 500-stream burst and a 500-request
 non-streaming
 burst through one router subprocess (the shared Redis under this test's own key prefix), every
 answer checked token for token against the simulated workers' text.
@@ -16,9 +16,9 @@ import orjson
 import pytest
 from aiohttp import web
 
-from disagg_tools.bench.load import LoadSpec, format_report, run
-from disagg_tools.bench.loadclient import make_request, new_session, send
-from disagg_tools.bench.procs import ClusterSpec
+from disagg_tools.loadgen.load import LoadSpec, format_report, run
+from disagg_tools.loadgen.load_cluster import ClusterSpec
+from disagg_tools.loadgen.loadclient import make_request, new_session, send
 from tests.conftest import REDIS_URL
 
 

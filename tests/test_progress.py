@@ -1,4 +1,4 @@
-"""Progress bars (disagg_tools/bench/progress.py): drawn on a terminal (a pseudo-terminal here),
+"""Progress bars (disagg_tools/progress.py): drawn on a terminal (a pseudo-terminal here),
 nothing at
 all when the stream is a pipe or a file — the replay hook the bench and the demo use, and the
 goodput search's bar."""
@@ -15,8 +15,8 @@ from typing import IO, Any
 
 import pytest
 
-from disagg_tools.bench.goodput import goodput_search_sync
-from disagg_tools.bench.progress import ReplayBar, note, on_terminal
+from disagg_tools.goodput import goodput_search_sync
+from disagg_tools.progress import ReplayBar, note, on_terminal
 
 # What a tqdm bar is drawn with: the bar's edge and its blocks.
 BAR_MARKS = ("%|", "█", "▏", "▎", "▍", "▌", "▋", "▊", "▉")

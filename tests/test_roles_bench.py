@@ -1,6 +1,6 @@
-"""Smoke tests of disagg_tools/bench/roles_bench.py on a synthetic workload and a tiny cluster: the
-instruments run
-and their tables are complete (docs/elastic-roles.md holds the numbers)."""
+"""Smoke tests of disagg_tools/experiments/elastic_roles.py on a synthetic workload and a tiny
+cluster: the instruments run and their tables are complete (docs/elastic-roles.md holds the
+numbers)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from disagg_tools.bench import roles as br
-from disagg_tools.bench import roles_report as report
-from disagg_tools.bench.specs import ShapeSpec
-from disagg_tools.bench.traces import TraceRequest
+from disagg_tools.experiments import elastic_roles as br
+from disagg_tools.experiments import elastic_roles_report as report
+from disagg_tools.experiments.specs import ShapeSpec
+from disagg_tools.traces import TraceRequest
 
 
 def _workload(n: int = 200, warm: int = 50) -> br.Workload:

@@ -1,7 +1,6 @@
-"""CI version of `python -m disagg_tools.bench.soak`: 60 seconds of trace traffic while workers are
-SIGKILLed
-and restarted, a PRIVATE Redis (never the shared one) is SIGKILLed and restarted empty, a few
-percent of worker answers fail and some clients vanish mid-stream.
+"""CI version of `python -m disagg_tools.loadgen.soak`: 60 seconds of trace traffic while workers
+are SIGKILLed and restarted, a PRIVATE Redis (never the shared one) is SIGKILLed and restarted
+empty, a few percent of worker answers fail and some clients vanish mid-stream.
 
 Marked `slow`. No timing is asserted: the recovery check only asks that an exact answer follows
 every fault before the traffic ends, and the quiet check waits three lease periods.
@@ -13,7 +12,7 @@ import math
 
 import pytest
 
-from disagg_tools.bench.soak import DEFAULT_TRACE, SoakSpec, format_report, run
+from disagg_tools.loadgen.soak import DEFAULT_TRACE, SoakSpec, format_report, run
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""disagg_tools/bench/tradeoff.py on a tiny shift from short to long answers (seconds): the
+"""disagg_tools/experiments/tradeoff.py on a tiny shift from short to long answers (seconds): the
 in-flight
 corrections (policies/overruns.py, run by disagg_tools/simcluster/feedback.py) must cut forced
 growth there,
@@ -6,9 +6,9 @@ where the asked-bucket classes cannot tell the long answers from the short ones.
 
 from __future__ import annotations
 
-from disagg_tools.bench import tradeoff
-from disagg_tools.bench.specs import ShapeSpec, TraceSpec
-from disagg_tools.bench.traces import TraceRequest
+from disagg_tools.experiments import tradeoff
+from disagg_tools.experiments.specs import ShapeSpec, TraceSpec
+from disagg_tools.traces import TraceRequest
 
 # Two decode workers of 1,000 blocks (16 K tokens each): ~23 sequences of 700 tokens apiece.
 TINY = ShapeSpec("tiny", 1, 2, "llama-3-8b", capacity_blocks=1000)

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import aiohttp
 
-from disagg_tools.bench.progress import ReplayBar
-from disagg_tools.bench.replay import replay
-from disagg_tools.bench.report import summarize, to_text
-from disagg_tools.bench.traces import TraceRequest, load_trace
 from disagg_tools.launcher.demo_plot import plot_problem, write_latency_plot
 from disagg_tools.launcher.localcluster import ClusterShape, local_cluster
+from disagg_tools.progress import ReplayBar
+from disagg_tools.replay.replay_report import summarize, to_text
+from disagg_tools.replay.replayer import replay
+from disagg_tools.traces import TraceRequest, load_trace
 
 __all__ = ["add_demo_arguments", "run_demo", "default_trace"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from disagg_tools.bench.replay import ReplayResult
+from disagg_tools.replay.replayer import ReplayResult
 
 __all__ = ["FORMATS", "plot_problem", "write_latency_plot"]
 

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import socket
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Sequence
@@ -20,16 +19,11 @@ from pathlib import Path
 import aiohttp
 import yaml
 
+from disagg_tools.procs import free_port
 from policies.costmodel import perf_model
 from router.redact import mask_url
 
-__all__ = ["ClusterShape", "LocalCluster", "free_port", "local_cluster"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["ClusterShape", "LocalCluster", "local_cluster"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,10 +3,10 @@
 Each subcommand belongs to its own package; this module only mounts their arguments and
 dispatches. `serve` is the router's own entry (`router.serve_cli`), `worker` the simulated GPU
 worker
-(`disagg_tools.sim.worker`), `bench` the trace replay client (`disagg_tools.bench.replay_cli`),
+(`disagg_tools.sim.worker`), `bench` the trace replay client (`disagg_tools.replay.replay_cli`),
 `simulate`
 the cluster simulator
-(`disagg_tools.simcluster.simulate_cli`, fed a trace parsed here by `disagg_tools.bench.traces`),
+(`disagg_tools.simcluster.simulate_cli`, fed a trace parsed here by `disagg_tools.traces`),
 `demo` a
 local cluster
 (`disagg_tools.launcher.demo`).
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demo_arguments(sub.add_parser("demo", help="a local cluster, real trace traffic, a report"))
 
-    from disagg_tools.bench.replay_cli import add_bench_arguments
+    from disagg_tools.replay.replay_cli import add_bench_arguments
 
     add_bench_arguments(sub.add_parser("bench", help="replay a trace against an endpoint"))
 
@@ -49,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _simulate(ns: argparse.Namespace) -> int:
-    from disagg_tools.bench.traces import load_trace
     from disagg_tools.simcluster.simulate_cli import run_simulate
+    from disagg_tools.traces import load_trace
 
     try:
         requests = load_trace(ns.trace, limit=ns.limit, poisson_rate=ns.poisson_rate, seed=ns.seed)
@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return uvrun.run(run_demo(ns))
     if ns.command == "bench":
-        from disagg_tools.bench.replay_cli import run_bench
+        from disagg_tools.replay.replay_cli import run_bench
 
         return uvrun.run(run_bench(ns))
     if ns.command == "simulate":

@@ -1,16 +1,15 @@
 """`python -m disagg_tools.launcher.validate`: the simulator against the live simulated cluster.
 
 The same trace slice through router + simulated workers (`disagg_tools.launcher.localcluster`,
-time-scaled)
-and through the simulator (`disagg_tools.bench.simruns`), same shape, policy and estimator; p50/p90
-TTFT and
-ITL side by side (docs/benchmarks.md, "Validation"). With `--calibrate` the router's fixed
-per-request cost and the per-step overhead are measured first on a synthetic workload.
+time-scaled) and through the simulator (`disagg_tools.experiments.simruns`), same shape, policy
+and estimator; p50/p90 TTFT and ITL side by side (docs/benchmarks.md, "Validation"). With
+`--calibrate` the router's fixed per-request cost and the per-step overhead are measured first
+on a synthetic workload.
 
 Like is compared with like: TTFT and TPOT percentiles on both sides are
 `disagg_tools.simcluster.metrics.percentile` over the requests that finished, and the live ITL goes
 through
-the simulator's own gap histogram (`disagg_tools.bench.calibration.live_metrics`).
+the simulator's own gap histogram (`disagg_tools.replay.calibration.live_metrics`).
 
     python -m disagg_tools.launcher.validate --requests 300 --time-scale 2 [--calibrate |
     --overheads R_MS,S_MS]
@@ -25,20 +24,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from disagg_tools.bench.calibration import (
+from disagg_tools.experiments.experiments_cli import write_json
+from disagg_tools.experiments.simruns import run_case, simulate_case
+from disagg_tools.experiments.specs import TRACE_DIR, TRACES, CaseSpec, ShapeSpec, TraceSpec
+from disagg_tools.experiments.tables import validation_table
+from disagg_tools.launcher.localcluster import ClusterShape, local_cluster
+from disagg_tools.replay.calibration import (
     N_ISOLATED,
     calibration_requests,
     live_metrics,
     live_mirror,
 )
-from disagg_tools.bench.experiments import write_json
-from disagg_tools.bench.replay import replay
-from disagg_tools.bench.report import summarize
-from disagg_tools.bench.simruns import run_case, simulate_case
-from disagg_tools.bench.specs import TRACE_DIR, TRACES, CaseSpec, ShapeSpec, TraceSpec
-from disagg_tools.bench.tables import validation_table
-from disagg_tools.bench.traces import TraceRequest, load_trace
-from disagg_tools.launcher.localcluster import ClusterShape, local_cluster
+from disagg_tools.replay.replay_report import summarize
+from disagg_tools.replay.replayer import replay
+from disagg_tools.traces import TraceRequest, load_trace
 
 __all__ = ["calibrate", "main", "validate"]
 
