@@ -1,12 +1,11 @@
-"""The goodput search, one for the live bench and the simulator experiments.
+"""The goodput search, one for the replay bench and the simulator experiments.
 
 Goodput (DistServe): the highest arrival-rate scale at which at least `target` (90 %) of the
 requests meet both SLOs. Attainment falls with load, so the search brackets the crossing from
 `start` by growing or shrinking the rate by `factor`, then bisects geometrically until the
 passing and failing rates are within `rel_tol` of each other. It is given a callable that
-measures attainment at one rate scale: a live replay (`disagg_tools.replay.replay_cli --search`,
-async) or a
-simulator run (`disagg_tools.experiments.simruns`, sync).
+measures attainment at one rate scale: a live replay (`disagg_tools.replay.replay_cli
+--search`, async) or a simulator run (`disagg_tools.experiments.simruns`, sync).
 """
 
 from __future__ import annotations

@@ -50,8 +50,8 @@ def note(line: str, stream: IO[str] | None = None) -> None:
 
 
 class ReplayBar:
-    """A replay's progress hook (bench.replay's `ProgressFn`): requests done of the total,
-    with the outcomes so far (ok, error, timeout...) after the bar."""
+    """A replay's progress hook (`disagg_tools.replay.replayer.ProgressFn`): requests done of
+    the total, with the outcomes so far (ok, error, timeout...) after the bar."""
 
     def __init__(self, stream: IO[str] | None, *, desc: str) -> None:
         self._bar = bar(stream, desc=desc, unit="req")

@@ -1,19 +1,18 @@
 """Scripted simulator experiments behind docs/benchmarks.md: every table there comes from one
 command here (the live validation is `python -m disagg_tools.launcher.validate`).
 
-    python -m disagg_tools.experiments policies   [--traces conv,code,mooncake] [--shapes
-    8b-2p6d,70b-4p4d]
+    python -m disagg_tools.experiments policies  [--traces conv,code,mooncake]
+                                                 [--shapes 8b-2p6d,70b-4p4d]
     python -m disagg_tools.experiments admission
-    python -m disagg_tools.experiments scaling    [--sizes 16,64,256,1000]
-    python -m disagg_tools.experiments all        (the three above, then the Markdown tables)
-    python -m disagg_tools.experiments tables     (every table again from the JSON under
-    --out)
-    python -m disagg_tools.experiments plots      (the PNGs again from policies.json)
+    python -m disagg_tools.experiments scaling   [--sizes 16,64,256,1000]
+    python -m disagg_tools.experiments all       (the three above, then the Markdown tables)
+    python -m disagg_tools.experiments tables    (every table again from the JSON under --out)
+    python -m disagg_tools.experiments plots     (the PNGs again from policies.json)
 
 Each prints Markdown tables and writes JSON (and PNG plots) under `--out` (default
 `bench-results/`). The pieces: `disagg_tools.experiments.specs` (traces, shapes, cases),
-`disagg_tools.experiments.simruns` (the
-runs), `disagg_tools.goodput` (the search), `disagg_tools.experiments.tables` (tables and plots).
+`disagg_tools.experiments.simruns` (the runs), `disagg_tools.goodput` (the search),
+`disagg_tools.experiments.tables` (tables and plots).
 """
 
 from __future__ import annotations

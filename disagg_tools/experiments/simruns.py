@@ -1,10 +1,9 @@
 """The simulator experiments behind docs/benchmarks.md: one run of a case, goodput searches
 over policies, admission modes at fixed overload, and the simulator's speed vs cluster size.
 
-Runs go through `disagg_tools.simcluster.engine.simulate` (bench sits above the simulator: see the
-layer
-table in tests/test_layering.py); searches use `disagg_tools.goodput`, the live bench's
-search.
+Runs go through `disagg_tools.simcluster.engine.simulate` (the experiments sit above the
+simulator: see the layer table in tests/test_layering.py); searches use `disagg_tools.goodput`,
+the replay bench's search.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Markdown tables and attainment plots of the experiments (bench.experiments,
+"""The Markdown tables and attainment plots of the experiments (experiments_cli,
 launcher.validate), from their result dicts, so `tables` and `plots` can redraw them from JSON."""
 
 from __future__ import annotations

@@ -10,16 +10,17 @@ two_sided with the online_quantile estimator, on the memory-bound shape (8B, 4 H
 feedback only (policies/overruns.py LiveOverruns: a live request past its reservation counts
 as a censored sample of its class), the per-worker margin only (OverrunMargin: room held back
 after forced growth), and both (the default); and the first and last at the median instead of
-the p90. Workloads (`WORKLOADS`): the shared traces as bench.experiments runs them, and two
-shifts from short to long answers with one `max_tokens` for all, so the asked-bucket classes do
-not separate them and only the in-flight corrections can catch the shift:
+the p90. Workloads (`WORKLOADS`): the shared traces as `disagg_tools.experiments` runs them,
+and two shifts from short to long answers with one `max_tokens` for all, so the asked-bucket
+classes do not separate them and only the in-flight corrections can catch the shift:
 
 - conv-shift: conv's slice, its second half's answers x4-x8 (seeded per row), cut at max_tokens;
 - synth-shift: Poisson arrivals at 1 req/s x scale, prompts ~N(1000, 300), answers ~N(200, 40)
   then ~N(1500, 300). Both start warm on short answers, as a long-running router would.
 
-Per (workload, cell): the goodput search (bench.goodput), then two fixed loads for all cells,
-the no-correction cell's goodput (the knee) and `--over` times it, where forced growth shows.
+Per (workload, cell): the goodput search (`disagg_tools.goodput`), then two fixed loads for all
+cells, the no-correction cell's goodput (the knee) and `--over` times it, where forced growth
+shows.
 Forced growth is `overrun_unreserved` (a sequence outgrew its reservation on a worker with no
 free room), `overrun_grown` the growth into free room. Prints Markdown; JSON under --out.
 """

@@ -1,9 +1,9 @@
 """Issue 20's reproduction as a bench scenario: wrong output-length estimates, on loopback.
 
-    python -m disagg_tools.loadgen.hostile shift        # the over-commit under shifting answers
-    (~2.5 min)
-    python -m disagg_tools.loadgen.hostile hint-flood   # X-Expected-Output-Tokens: 1 on 3,000-token
-    answers
+    python -m disagg_tools.loadgen.hostile shift       # the over-commit under shifting
+                                                       # answers (~2.5 min)
+    python -m disagg_tools.loadgen.hostile hint-flood  # X-Expected-Output-Tokens: 1 on
+                                                       # 3,000-token answers
     [--time-scale 1] [--json FILE] [--keep-logs] (and each scenario's sizes: --help)
 
 **shift**: two router replicas (`disagg-router serve --config FILE`, one process each) on one
@@ -12,14 +12,14 @@ private Redis; one prefill worker p0; three simulated decode workers of 3,000 bl
 or 1,500 tokens (`--long-share` of them long) over both replicas while an operator moves b0/b1
 between roles through the admin API every `--move-every-s`. The `both` workers are then moved back
 to decode. Phase 2 (`--phase2-s`): 300 clients ask for 4,000 tokens each, read the response head
-and stop reading (hogs: bench.hostile_clients), beside 20 normal clients looping on 64-token
+and stop reading (hogs: hostile_clients), beside 20 normal clients looping on 64-token
 answers. Targets: reserved never above 1.1 x capacity on any worker, every normal request ok,
 the normal clients' TTFT p99 < 2 s.
 
 **hint-flood**: one prefill and three decode workers, two replicas, the `hint` estimator (it
 trusts the header; `--estimator`): `--clients` loop on answers of 3,000 tokens sent with
 `X-Expected-Output-Tokens: 1`. Targets: reserved never above capacity; growth past capacity only
-on resident sequences (no "late" reservation grown past it: bench.hostile_report).
+on resident sequences (no "late" reservation grown past it: hostile_report).
 
 Reserved blocks are the store's own (Redis, every ~100 ms); forced growth is also the routers'
 `disagg_router_reservation_forced_growth_total`, summed over the replicas. Exit 1 when a target

@@ -2,7 +2,7 @@
 head and then nothing, and the operator who moves `both` workers between roles.
 
     Looper    one client sending requests back to back until told to stop, each answer checked
-              token for token (bench.loadclient.send); a 429 waits its Retry-After (at most 2 s)
+              token for token (loadclient.send); a 429 waits its Retry-After (at most 2 s)
     hog       a raw socket with a small receive buffer: sends one request, reads up to the end
               of the response head, then never reads again and closes after `hold_s` — the
               router's writes back up, the worker's answer keeps growing (its KV with it)

@@ -1,10 +1,8 @@
 """A crowd through one router: every answer exact, or a clean 429 — nothing lost.
 
-    python -m disagg_tools.loadgen.load --burst 2000                    # 2,000 requests in the same
-    instant
-    python -m disagg_tools.loadgen.load --ramp 2000 --ramp-s 20         # linear ramp to 2,000
-    concurrent slots
-    python -m disagg_tools.loadgen.load --burst 500 --no-stream         # non-streaming answers
+    python -m disagg_tools.loadgen.load --burst 2000             # 2,000 requests at one instant
+    python -m disagg_tools.loadgen.load --ramp 2000 --ramp-s 20  # a linear ramp to 2,000 slots
+    python -m disagg_tools.loadgen.load --burst 500 --no-stream  # non-streaming answers
     [--output-tokens 32] [--prompt-tokens 64] [--time-scale 20] [--redis private|shared]
     [--deadline-s 120] [--json FILE] [--keep-logs]
 

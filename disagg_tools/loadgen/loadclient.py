@@ -1,10 +1,9 @@
 """A many-connection checking client: every answer compared token for token with the sim's text.
 
 The simulated workers answer with `disagg_tools.sim.textgen`'s deterministic greedy text, so the
-client knows
-what must arrive before it sends: `expected_answer(path, body, headers)` with the same
-`X-Sim-Output-Tokens` header the router forwards to the workers. Every request ends in exactly
-one outcome:
+client knows what must arrive before it sends: `expected_answer(path, body, headers)` with the
+same `X-Sim-Output-Tokens` header the router forwards to the workers. Every request ends in
+exactly one outcome:
 
     ok           200, the exact expected text and finish reason ([DONE] seen when streaming)
     shed         429 with a Retry-After and an OpenAI JSON error body (admission may shed)

@@ -1,15 +1,14 @@
 """A fixed-rate stand-in GPU worker for the router-overhead benchmark: N tokens, one every I ms.
 
-    python -m disagg_tools.overhead.fixed_worker --role prefill|decode --port N [--interval-ms 20]
-    [--prefill-ms 10]
+    python -m disagg_tools.overhead.fixed_worker --role prefill|decode --port N
+                                                 [--interval-ms 20] [--prefill-ms 10]
 
-Why not the simulated worker (`disagg_tools.sim.worker`): its step time follows the roofline model,
-so ITL
-grows with the batch (1 → 1,024 streams), its aiohttp stack costs ~30 µs of CPU per token on a
-core the load generator needs, and it speaks only vLLM's NIXL protocol. The overhead benchmark
-needs the opposite: a worker whose timing does not depend on load (every stream gets its tokens
-at `first + k × interval`, whatever the concurrency), cheap enough in CPU to share a core with
-the load generator, and speaking both PD protocols the peers use:
+Why not the simulated worker (`disagg_tools.sim.worker`): its step time follows the roofline
+model, so ITL grows with the batch (1 → 1,024 streams), its aiohttp stack costs ~30 µs of CPU
+per token on a core the load generator needs, and it speaks only vLLM's NIXL protocol. The
+overhead benchmark needs the opposite: a worker whose timing does not depend on load (every
+stream gets its tokens at `first + k × interval`, whatever the concurrency), cheap enough in CPU
+to share a core with the load generator, and speaking both PD protocols the peers use:
 
     vLLM NIXL (pull):  kv_transfer_params.do_remote_decode → prefill: one token + kv_transfer_params
                        kv_transfer_params.do_remote_prefill (or none) → decode: the stream

@@ -19,9 +19,8 @@ def live_mirror(
     time_scale: float, router_overhead_s: float = 0.0, step_overhead_s: float = 0.0
 ) -> dict[str, Any]:
     """ClusterConfig overrides that make the simulator run the live simulated cluster's
-    mechanics at `time_scale` (see `disagg_tools.simcluster.config.ClusterConfig`): every sleep of
-    the
-    simulated workers rounded to uvloop's 1 ms (× time scale in simulated time), a sequence
+    mechanics at `time_scale` (see `disagg_tools.simcluster.config.ClusterConfig`): every sleep
+    of the simulated workers rounded to uvloop's 1 ms (× time scale in simulated time), a sequence
     joins a decode batch mid-step, no extra link latency (the live KV pull has none beyond its
     HTTP hop, which the router overhead covers), plus the two measured overheads."""
     return {

@@ -3,14 +3,10 @@
     disagg-router bench --url http://127.0.0.1:8000 --trace AzureLLMInferenceTrace_conv.csv \
         --requests 500 --rate-scale 2 --slo-ttft 1 --slo-tpot 0.1 --out results/
 
-`disagg_tools.launcher.main` mounts this with `add_bench_arguments(subparser)` and runs `await
-run_bench(ns)`;
-`python -m disagg_tools.replay.replay_cli` runs it standalone. `--search` finds the goodput
-(DistServe: the
-highest
-rate at which at least 90 % of requests meet both SLOs) with `disagg_tools.goodput`, the
-search the
-simulator experiments use too.
+`disagg_tools.launcher.main` mounts this with `add_bench_arguments(subparser)` and runs
+`await run_bench(ns)`; `python -m disagg_tools.replay.replay_cli` runs it standalone.
+`--search` finds the goodput (DistServe: the highest rate at which at least 90 % of requests
+meet both SLOs) with `disagg_tools.goodput`, the search the simulator experiments use too.
 """
 
 from __future__ import annotations
