@@ -1,9 +1,9 @@
 """Relay CPU per token, in process: `python scripts/relay_micro.py [--tokens N] [--rounds R]`.
 
-It needs router code, so it lives here, not under disagg_tools/bench/ (bench never imports router).
-Run it
-against another checkout with `PYTHONPATH=/path/to/checkout python scripts/relay_micro.py` to
-compare before and after a change (it speaks both relay interfaces: `observer=` and the older
+It needs router code, so it lives here, not among the client tools (disagg_tools/replay/,
+overhead/, loadgen/, experiments/ never import router). Run it against another checkout with
+`PYTHONPATH=/path/to/checkout python scripts/relay_micro.py` to compare before and after a
+change (it speaks both relay interfaces: `observer=` and the older
 `on_first_token=`/`on_tokens=`).
 
 - splice: a real SplicePool connection to a loopback stand-in that sends only the response

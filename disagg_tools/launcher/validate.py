@@ -110,7 +110,7 @@ def _median(xs: Sequence[float]) -> float:
     return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
 
 
-# Both sides under the simulator's summary keys, computed the same way (bench.calibration).
+# Both sides under the simulator's summary keys, computed the same way (replay.calibration).
 _METRICS = (
     ("TTFT p50", "ttft_p50_s"),
     ("TTFT p90", "ttft_p90_s"),

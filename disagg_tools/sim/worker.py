@@ -237,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`python -m disagg_tools.sim.worker [--log-level L] --role ...`: the worker's own entry, the
     same flags
     as the umbrella's `disagg-router worker`, for the tools below the launcher that spawn
-    workers (disagg_tools/bench/procs.py, disagg_tools/launcher/localcluster.py)."""
+    workers (disagg_tools/loadgen/, disagg_tools/launcher/localcluster.py)."""
     parser = argparse.ArgumentParser(prog="python -m disagg_tools.sim.worker", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("DISAGG_ROUTER_LOG_LEVEL", "INFO"))
     add_worker_arguments(parser)

@@ -76,11 +76,10 @@ class ClusterConfig:
     # Multiplicative uniform noise on prefill times (0 = the cost model exactly).
     prefill_jitter: float = 0.0
     # -- Mirroring the live simulated cluster (router + `disagg_tools.sim.worker` processes); all
-    # off by
-    # default, so the simulator charges the cost model exactly. `disagg_tools.bench.experiments
-    # validate
-    # --calibrate` measures and sets them. Times are simulated (real-cluster) seconds: a live
-    # cost of w wall seconds at time scale S is w * S here.
+    # off by default, so the simulator charges the cost model exactly.
+    # `python -m disagg_tools.launcher.validate --calibrate` measures and sets them. Times are
+    # simulated (real-cluster) seconds: a live cost of w wall seconds at time scale S is w * S
+    # here.
     # Fixed per-request cost of the live path that the cost model does not know: HTTP hops
     # (client -> router -> P -> router -> D -> P's KV endpoint ... -> router -> client), store
     # round trips, router work, timer overshoot of the prefill and transfer sleeps. Charged as a

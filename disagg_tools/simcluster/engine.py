@@ -57,7 +57,7 @@ _ARRIVAL, _PREFILL_DONE, _TRANSFER_DONE, _STEP, _DEADLINE, _DISPATCH, _CALL = ra
 
 class TraceLike(Protocol):
     """Any request record with these four attributes (e.g.
-    `disagg_tools.bench.traces.TraceRequest`)."""
+    `disagg_tools.traces.TraceRequest`)."""
 
     @property
     def arrival_s(self) -> float: ...

@@ -113,7 +113,7 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     The project's one definition, used by the simulator's summaries and every bench report:
     linear interpolation between the closest order statistics (numpy's default, "linear", as
     vLLM's and SGLang's benchmark scripts report). It lives here, in the lowest layer that
-    reports percentiles; `bench` imports it (tests/test_layering.py)."""
+    reports percentiles; the replay and overhead reports import it (tests/test_layering.py)."""
     return percentile_sorted(sorted(values), q)
 
 
@@ -185,7 +185,7 @@ class SimResult:
             "failed": sum(1 for r in recs if r.outcome == "failed"),
             "slo_attainment": good / len(recs) if recs else 0.0,
             # Requests/s that met both SLOs over the arrival span; the DistServe goodput is the
-            # highest *offered* rate with attainment >= 0.9 (see bench.goodput).
+            # highest *offered* rate with attainment >= 0.9 (see disagg_tools.goodput).
             "slo_met_rps": good / span if span > 0 else float(good),
             "ttft_p50_s": _pct(ttft, 50),
             "ttft_p90_s": _pct(ttft, 90),

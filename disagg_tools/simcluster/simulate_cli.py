@@ -7,9 +7,8 @@
 `compare()` runs several cases (policy + router mode) on one trace and cluster shape and returns
 one row per case, for tables such as docs/benchmarks.md. Policies and estimators come from
 `policies.registry`, so built-in names and dotted paths both work. The trace is parsed by the
-caller (the umbrella CLI, `disagg_tools/launcher/main.py`, with `disagg_tools.bench.traces`) and
-passed in: the simulator
-reads any sequence of `TraceLike` rows and imports no trace format.
+caller (the umbrella CLI, `disagg_tools/launcher/main.py`, with `disagg_tools.traces`) and
+passed in: the simulator reads any sequence of `TraceLike` rows and imports no trace format.
 """
 
 from __future__ import annotations
