@@ -103,7 +103,8 @@ def _refuse_if_emptied(
 ) -> None:
     """409 if taking `wid` out of rotation leaves a pool with none (unless forced); `action`
     names it ("draining d0"); `arriving`: the side a role switch sends it to."""
-    emptied = emptied_without(gw.pools, wid, arriving)
+    members = gw.pools.members
+    emptied = emptied_without(members, wid, arriving)
     if not emptied:
         return
     pools = ", ".join(f"the {side} pool of {model}" for side, model in emptied)
@@ -111,7 +112,7 @@ def _refuse_if_emptied(
         log.warning("%s (forced): %s now has no worker in rotation", action, pools)
         return
     others = "; ".join(
-        f"{side}: {why_empty(gw.pools, side, model, without=wid) or f'{wid} is its only worker'}"
+        f"{side}: {why_empty(members, side, model, without=wid) or f'{wid} is its only worker'}"
         for side, model in emptied
     )
     raise Conflict(
