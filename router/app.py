@@ -21,10 +21,11 @@ from router.admin import add_admin_routes
 from router.admission import Admission
 from router.api import CHAT, COMPLETIONS, parse_request
 from router.appkeys import GATEWAY
-from router.auth import bearer_token, check_scrape, token_matches
+from router.auth import check_scrape
 from router.background import BackgroundTasks
 from router.config import Settings
-from router.errors import BodyTooLarge, RouterError, Unauthorized, as_router_error, error_body
+from router.errors import RouterError, as_router_error, error_response
+from router.front_door import RequestCount, enter
 from router.gateway import Gateway
 from router.histograms import HistogramCache
 from router.leases import LeaseKeeper
@@ -38,7 +39,6 @@ from router.responses_pd import RESPONSES, parse_responses, serves_split
 from router.retry_budget import RetryBudget
 from router.role_manager import ROLES, RoleManager
 from router.scaling import export_scaling, scaling_report
-from router.server import read_body
 from router.shutdown import SHUTDOWN, Shutdown
 from router.tracing import Tracing
 from router.workers.accounting import LocalAccounting
@@ -69,47 +69,24 @@ def _json(data: object, status: int = 200) -> web.Response:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler):  # type: ignore[no-untyped-def]
-    """The one place errors become responses; anything unexpected is still an OpenAI body."""
+    """The one place a handler's errors become answers, built as every error answer is
+    (router/errors.py); anything unexpected is still an OpenAI body."""
     try:
         return await handler(request)
-    except (RouterError, StoreError) as exc:
-        err = as_router_error(exc)
-        if isinstance(exc, StoreError):
-            log.debug("%s %s: %s", request.method, request.path, exc)
-        return web.Response(
-            body=err.body(),
-            status=err.status,
-            headers=err.headers(),
-            content_type="application/json",
-        )
-    except web.HTTPRequestEntityTooLarge:
-        limit = request.app[SETTINGS].max_body_bytes
-        err = BodyTooLarge(f"the request body is larger than {limit} bytes")
-        return web.Response(body=err.body(), status=413, content_type="application/json")
+    except ConnectionResetError:
+        raise  # the client is gone: nobody to answer
     except web.HTTPException as exc:
         if exc.status < 400:
-            raise
-        return web.Response(
-            body=error_body(exc.reason, "invalid_request_error"),
-            status=exc.status,
-            content_type="application/json",
-        )
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception:
+            raise  # a redirect is an answer, not an error
+        err = as_router_error(exc, body_limit=request.app[SETTINGS].max_body_bytes)
+    except (RouterError, StoreError) as exc:
+        if isinstance(exc, StoreError):
+            log.debug("%s %s: %s", request.method, request.path, exc)
+        err = as_router_error(exc)
+    except Exception as exc:
         log.exception("unhandled error serving %s %s", request.method, request.path)
-        return web.Response(
-            body=error_body("internal router error", "internal_error"),
-            status=500,
-            content_type="application/json",
-        )
-
-
-def _check_auth(settings: Settings, request: web.Request) -> None:
-    if not settings.api_keys:
-        return
-    if not token_matches(bearer_token(request), settings.api_keys):
-        raise Unauthorized("a valid API key is required (Authorization: Bearer ...)")
+        err = as_router_error(exc)
+    return error_response(err)
 
 
 class _AiohttpClient:
@@ -140,13 +117,9 @@ class _AiohttpClient:
 async def _generate(request: web.Request, path: str) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     s = gw.settings
-    status = 500
-    try:
-        request.app[SHUTDOWN].check()  # 503 once this replica is shutting down
-        _check_auth(s, request)
-        if request.content_length is not None and request.content_length > s.max_body_bytes:
-            raise BodyTooLarge(f"the request body is larger than {s.max_body_bytes} bytes")
-        raw = await read_body(request, s.timeouts.body_s)  # 408 if slow, 400 if undecodable
+    with RequestCount(gw.metrics, path) as count:
+        entry = await enter(request, s)  # shutdown, API key, body, id (router/front_door.py)
+        raw = entry.raw
         models, cpt = served_models(gw), s.chars_per_token
         if path == RESPONSES:
             parsed = parse_responses(
@@ -161,37 +134,33 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
                 chars_per_token=cpt,
                 max_n=s.max_n,
             )
-        if path == RESPONSES and not serves_split(gw, parsed.body):
+        if path == RESPONSES and not serves_split(gw.settings, gw.pools, parsed.body):
             # No NIXL-pull prefill worker in rotation (or built-in tools): whole on one worker.
             sent = orjson.dumps(parsed.body)
             resp = await forward(
-                gw, request, RESPONSES_ROUTE, sent, parsed.model, stream=parsed.stream
+                gw,
+                request,
+                RESPONSES_ROUTE,
+                sent,
+                parsed.model,
+                request_id=entry.request_id,
+                stream=parsed.stream,
             )
-            status = resp.status
+            count.status = resp.status
             return resp
         client = _AiohttpClient(request)
-        flow = RequestFlow(gw, ClientSide(parsed, request.headers, client.start_stream))
+        flow = RequestFlow(gw.requests, ClientSide(parsed, request.headers, client.start_stream))
         bind_request_id(flow.request_id)  # on every log line of this request (router/logs.py)
         model = parsed.model or s.models[0]
         gw.demand.note_arrival(model, parsed.prompt_tokens)  # autoscaling (router/scaling.py)
         with request.app[SHUTDOWN].track(flow):
             try:
                 body = await flow.run()
-                status = flow.status
+                count.status = flow.status
                 return client.answer(body, flow.request_id)
             finally:
                 await asyncio.shield(flow.cleanup())
                 gw.demand.note_output(model, flow.output_tokens or 0)
-    except (RouterError, StoreError) as exc:
-        status = as_router_error(exc).status
-        raise
-    except asyncio.CancelledError:
-        status = 499  # the client went away
-        gw.metrics.client_disconnects.inc()
-        raise
-    finally:
-        gw.metrics.requests.labels(route=path, status=str(status)).inc()
-        log.debug("%s answered %d", path, status)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

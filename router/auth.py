@@ -1,7 +1,8 @@
 """Bearer-token checks for the client API keys and the admin tokens: one parser, constant time,
 and who may see what.
 
-    generation routes, passthrough      a client key when `api_keys` is set (router/app.py)
+    generation routes, passthrough      a client key when `api_keys` is set (`check_client_key`,
+                                        at the front door: router/front_door.py)
     admin GETs (state, workers,         the admin token or `admin_read_token`, once client keys
       scaling, roles)                   are configured or `admin_read_token` is set; else open
     admin writes (register, delete,     the admin token (`admin_token`); none configured: 403
@@ -27,6 +28,7 @@ from router.errors import Forbidden, Unauthorized
 __all__ = [
     "bearer_token",
     "token_matches",
+    "check_client_key",
     "check_admin_read",
     "check_admin_write",
     "check_scrape",
@@ -49,6 +51,12 @@ def token_matches(given: str, accepted: Iterable[str]) -> bool:
         # (A Secret prints ***; its encode() is its value.)
         found |= bool(token) and hmac.compare_digest(raw, token.encode())
     return found
+
+
+def check_client_key(settings: Settings, request: web.Request) -> None:
+    """A client API key, when `api_keys` is set (else every client is served)."""
+    if settings.api_keys and not token_matches(bearer_token(request), settings.api_keys):
+        raise Unauthorized("a valid API key is required (Authorization: Bearer ...)")
 
 
 def admin_reads_protected(settings: Settings) -> bool:

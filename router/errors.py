@@ -10,13 +10,25 @@
     ├── UpstreamError                502 upstream_error          (a worker failed or spoke nonsense)
     │   └── UpstreamRejected         the worker's own 4xx status, passed through
     ├── Unavailable                  503 service_unavailable (+ Retry-After)
-    └── DeadlineExceeded             504 timeout
+    │   └── NotInRotation            503 no_worker_in_rotation   (no worker can serve it now)
+    ├── DeadlineExceeded             504 timeout
+    └── HTTPRefusal                  the HTTP server's own status (no such route or method, a
+                                     request aiohttp's parser cannot read)
 
-Errors are mapped to responses in exactly one place (`router.app`'s middleware); code that
-catches a foreign exception converts it here with `raise ... from exc`. The one foreign error
-mapped rather than converted is the state store's `StoreError`, which can rise from any store
-call: `as_router_error` turns it into a 503 — or a 429 for `StoreBusy`, the router's own
-overload — for the middleware and a stream's error frame alike.
+Every error answer is built here, from a `RouterError`, in one of two shapes:
+
+    err.body(), error_response(err)   {"error": {"message", "type", "param", "code"}}: the
+                                      app's middleware (router/app.py) and the HTTP server's
+                                      own answers (router/server.py `handle_error`)
+    stream_error_frame(err, ...)      the frame that ends a stream whose headers already went
+                                      out: vLLM's `data: {"error": ...}` and `[DONE]`, or the
+                                      Responses API's `event: error`
+
+Code that catches a foreign exception converts it here with `raise ... from exc`. The foreign
+errors mapped rather than converted are the state store's `StoreError`, which can rise from
+any store call (`as_router_error`: a 503, or a 429 for `StoreBusy`, the router's own
+overload), and whatever else reaches the middleware (`as_router_error` again: aiohttp's own
+HTTP errors keep their status, anything unexpected is a 500 that tells the client nothing).
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ import math
 from typing import Any
 
 import orjson
+from aiohttp import web
 
 from router.redact import scrub
 from state.base import StoreBusy, StoreError
@@ -41,8 +54,13 @@ __all__ = [
     "UpstreamRejected",
     "Unavailable",
     "DeadlineExceeded",
+    "HTTPRefusal",
+    "NotInRotation",
+    "INTERNAL_ERROR_MESSAGE",
     "error_body",
+    "error_response",
     "sse_error_frame",
+    "stream_error_frame",
     "as_router_error",
     "STORE_RETRY_AFTER_S",
 ]
@@ -50,18 +68,17 @@ __all__ = [
 # A store outage is usually a restart or a failover: seconds.
 STORE_RETRY_AFTER_S = 2.0
 
+# What a client is told of a bug: nothing (the traceback is in the log).
+INTERNAL_ERROR_MESSAGE = "internal router error"
+
 
 def error_body(message: str, type_: str, param: str | None = None, code: Any = None) -> bytes:
+    """The OpenAI error object, the one shape of every error the router answers with."""
     # A message may quote a worker's error or a URL (router/redact.py: credentials masked).
     message = scrub(message)
     return orjson.dumps(
         {"error": {"message": message, "type": type_, "param": param, "code": code}}
     )
-
-
-def sse_error_frame(message: str, type_: str, code: Any = None) -> bytes:
-    """The error frame that ends a stream whose headers already went out (vLLM's shape)."""
-    return b"data: " + error_body(message, type_, None, code) + b"\n\ndata: [DONE]\n\n"
 
 
 class RouterError(Exception):
@@ -154,16 +171,47 @@ class Unavailable(_RetryAfter):
     type = "service_unavailable"
 
 
+class NotInRotation(Unavailable):
+    """No worker in rotation can serve the request: `what` names the pool ("decode worker for
+    m"), `why` what its workers do instead (router/workers/rotation.py `why_empty`)."""
+
+    code = "no_worker_in_rotation"
+
+    def __init__(self, what: str, why: str, *, retry_after_s: float) -> None:
+        why = why or "none is configured or registered"
+        super().__init__(f"no {what} is in rotation: {why}", retry_after_s=retry_after_s)
+
+
 class DeadlineExceeded(RouterError):
     status = 504
     type = "timeout"
 
 
-def as_router_error(exc: RouterError | StoreError) -> RouterError:
-    """The response for `exc`: itself if a RouterError; for a StoreError a 503 (its detail,
-    which names hosts, stays in the log), or a 429 when the router itself is overloaded."""
+class HTTPRefusal(RouterError):
+    """An answer the HTTP server gives of its own (aiohttp's: a route or method that does not
+    exist, a request its parser cannot read), with aiohttp's status."""
+
+    def __init__(
+        self, status: int, message: str, *, type_: str = "invalid_request_error", code: Any = None
+    ) -> None:
+        super().__init__(message, code=code)
+        self.status = status
+        self.type = type_
+
+
+def as_router_error(exc: BaseException, *, body_limit: int = 0) -> RouterError:
+    """The answer for `exc`: itself if a RouterError; for a StoreError a 503 (its detail,
+    which names hosts, stays in the log), or a 429 when the router itself is overloaded; for
+    aiohttp's own HTTP errors their status (413 says `body_limit`); else a 500 that tells
+    the client nothing."""
     if isinstance(exc, RouterError):
         return exc
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return BodyTooLarge(f"the request body is larger than {body_limit} bytes")
+    if isinstance(exc, web.HTTPException):
+        return HTTPRefusal(exc.status, exc.reason)
+    if not isinstance(exc, StoreError):
+        return RouterError(INTERNAL_ERROR_MESSAGE)
     if isinstance(exc, StoreBusy):
         return NoCapacity(
             "the router is overloaded (no state-store connection came free in time); retry",
@@ -174,4 +222,34 @@ def as_router_error(exc: RouterError | StoreError) -> RouterError:
         "the router's shared state store is unavailable; retry shortly",
         retry_after_s=STORE_RETRY_AFTER_S,
         code="store_unavailable",
+    )
+
+
+# -- the answers built from a RouterError (besides `err.body()`) -------------------------------
+
+
+def sse_error_frame(message: str, type_: str, code: Any = None) -> bytes:
+    """vLLM's shape of the error that ends a stream (`param` null), then [DONE]. Kept for its
+    callers until they take `stream_error_frame`, which builds it from the error."""
+    return b"data: " + error_body(message, type_, None, code) + b"\n\ndata: [DONE]\n\n"
+
+
+def _responses_error_event(err: RouterError) -> bytes:
+    # The Responses API's stream error event (OpenAI's `ResponseErrorEvent` fields).
+    event = {"type": "error", "code": err.type, "message": scrub(err.message), "param": err.param}
+    return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
+
+
+def stream_error_frame(err: RouterError, *, responses_api: bool = False) -> bytes:
+    """What ends a stream whose headers already went out, never a silent cut: the Responses
+    API's own error event when `responses_api`, else vLLM's error frame and [DONE]."""
+    if responses_api:
+        return _responses_error_event(err)
+    return sse_error_frame(err.message, err.type, err.code)
+
+
+def error_response(err: RouterError) -> web.Response:
+    """`err` as a whole HTTP answer: its status, its headers, its OpenAI body."""
+    return web.Response(
+        body=err.body(), status=err.status, headers=err.headers(), content_type="application/json"
     )

@@ -5,17 +5,19 @@
     POST /v1/responses                            a worker that runs both phases
                                                   (router/responses.py)
 
-Behind the same front door as chat: the API keys, the body limit and read timeout, the OpenAI
-error shapes, the shutdown check; an unknown model is a 404 `model_not_found`. The worker is
-the least busy one in rotation (healthy, breaker closed, not drained) that serves the model, the
-least recently picked among equals. A failure before the client got a byte — connection error,
-timeout, 5xx, 429/503 — is charged to that worker's breaker and retried on another worker,
-within `retry.max_attempts` and the cluster-wide retry budget, with jittered backoff; a worker's
-own 4xx passes through unchanged. No worker in rotation: 503 with Retry-After.
+Behind the same front door as chat (router/front_door.py: the shutdown check, the API keys, the
+body limit and read timeout, the request id), with the same OpenAI error shapes; an unknown
+model is a 404 `model_not_found`. The worker is the least busy one in rotation (healthy, breaker
+closed, not drained) that serves the model, the least recently picked among equals, and is sent
+the headers every leg is (router/upstream_headers.py). A failure before the client got a byte —
+connection error, timeout, 5xx, 429/503 — is charged to that worker's breaker and retried on
+another worker by the retry policy chat's legs have (router/retry_policy.py: the attempts cap,
+the cluster-wide budget, jittered backoff); a worker's own 4xx passes through unchanged. No
+worker in rotation: 503 `no_worker_in_rotation` with Retry-After.
 
 Streams (a Responses request with `stream: true`) are forwarded event by event; a stream the
-worker breaks after the first byte ends with the route's own error event (it cannot be resumed:
-these endpoints carry no KV handle to resume from).
+worker breaks after the first byte ends with the route's error frame (router/errors.py
+`stream_error_frame`; it cannot be resumed: these endpoints carry no KV handle to resume from).
 """
 
 from __future__ import annotations
@@ -23,8 +25,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import random
-import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,25 +34,22 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router.api import parse_json_object
-from router.auth import bearer_token, token_matches
+from router.api import RESPONSES, parse_json_object
 from router.errors import (
-    BodyTooLarge,
     DeadlineExceeded,
     InvalidRequest,
     ModelNotFound,
+    NotInRotation,
     RouterError,
-    Unauthorized,
-    Unavailable,
     UpstreamError,
-    as_router_error,
+    stream_error_frame,
 )
+from router.front_door import RequestCount, enter
 from router.gateway import Gateway
 from router.request.attempt import LegFailure, upstream_failure
-from router.server import read_body
-from router.shutdown import SHUTDOWN
+from router.retry_policy import RetryPolicy
+from router.upstream_headers import upstream_headers
 from router.workers.pools import WorkerState
-from state import StoreError
 
 __all__ = [
     "ANY_ROLE",
@@ -61,7 +58,6 @@ __all__ = [
     "Route",
     "add_passthrough_routes",
     "forward",
-    "read_json_request",
 ]
 
 log = logging.getLogger(__name__)
@@ -76,7 +72,6 @@ BOTH_PHASES: tuple[frozenset[str], ...] = (frozenset({"both"}), frozenset({"deco
 class Route:
     path: str
     tiers: tuple[frozenset[str], ...]  # worker roles that serve it, most preferred first
-    error_event: Callable[[RouterError], bytes] | None = None  # ends a broken stream
     # The route's own checks: the body to send (the same object when unchanged) and whether
     # the answer streams (400s raised here); None = the body as is, never streamed.
     shape: Callable[[dict[str, Any]], tuple[dict[str, Any], bool]] | None = None
@@ -115,10 +110,6 @@ class Picks:
 _PICKS = web.AppKey("passthrough_picks", Picks)
 
 
-def _serves(w: WorkerState, model: str | None) -> bool:
-    return model is None or not w.spec.layout.model or w.spec.layout.model == model
-
-
 def _candidates(gw: Gateway, route: Route, model: str | None, tried: set[str]) -> list[WorkerState]:
     """The most preferred tier's workers in rotation for `model`, untried ones first."""
     for fresh_only in (True, False):
@@ -128,7 +119,7 @@ def _candidates(gw: Gateway, route: Route, model: str | None, tried: set[str]) -
                 for w in gw.pools.workers.values()
                 if w.spec.role in roles
                 and w.available
-                and _serves(w, model)
+                and w.spec.serves(model)
                 and not (fresh_only and w.spec.id in tried)
             ]
             if found:
@@ -143,59 +134,40 @@ def _json_object(data: bytes) -> bool:
         return False
 
 
-def _request_id(value: str | None) -> str:
-    """The client's X-Request-Id when it is a sane header token, else one of ours (as chat)."""
-    if value and len(value) <= 128 and value.isascii() and value.isprintable() and " " not in value:
-        return value
-    return f"dr-{uuid.uuid4().hex}"
-
-
-def _check_auth(gw: Gateway, request: web.Request) -> None:
-    keys = gw.settings.api_keys
-    if keys and not token_matches(bearer_token(request), keys):
-        raise Unauthorized("a valid API key is required (Authorization: Bearer ...)")
-
-
-async def read_json_request(
-    gw: Gateway, request: web.Request, models: tuple[str, ...]
-) -> tuple[bytes, dict[str, Any], str | None]:
-    """The front door: shutdown, auth, body limit and timeout, a JSON object, a served model.
-    Returns (raw body, parsed body, model or None when the body names none)."""
-    s = gw.settings
-    request.app[SHUTDOWN].check()
-    _check_auth(gw, request)
-    if request.content_length is not None and request.content_length > s.max_body_bytes:
-        raise BodyTooLarge(f"the request body is larger than {s.max_body_bytes} bytes")
-    raw = await read_body(request, s.timeouts.body_s)
-    body = parse_json_object(raw)
+def _served_model(body: dict[str, Any], models: tuple[str, ...]) -> str | None:
+    """The model the body names, one this router serves (400, 404); None when it names none
+    (vLLM's tokenize takes none either: any worker answers)."""
     model = body.get("model")
-    if model is not None and (not isinstance(model, str) or not model):
+    if model is None:
+        return None
+    if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' must be a non-empty string", param="model")
-    if model is not None and model not in models:
+    if model not in models:
         raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
-    return raw, body, model
+    return model
+
+
+def _none_in_rotation(gw: Gateway, route: Route, model: str | None) -> NotInRotation:
+    workers = gw.pools.workers.values()
+    known = any(
+        w.spec.serves(model) and any(w.spec.role in r for r in route.tiers) for w in workers
+    )
+    return NotInRotation(
+        f"worker for {route.path} of model {model or '(any)'}",
+        "health probes failing, circuit breakers open or drained" if known else "",
+        retry_after_s=min((w.breaker.cooldown_s for w in workers), default=1.0),
+    )
 
 
 class _Forward:
     """One passthrough request: pick, send, retry before the first byte, relay."""
 
-    def __init__(self, gw: Gateway, request: web.Request, route: Route, picks: Picks) -> None:
+    def __init__(
+        self, gw: Gateway, request: web.Request, route: Route, picks: Picks, request_id: str
+    ) -> None:
         self.gw, self.http, self.route, self.picks = gw, request, route, picks
-        self.request_id = _request_id(request.headers.get("X-Request-Id"))
-        self._rng = random.Random(self.request_id)
-
-    def _headers(self, w: WorkerState) -> dict[str, str]:
-        s = self.gw.settings
-        headers = {"Content-Type": "application/json", "X-Request-Id": self.request_id}
-        for name in s.forward_headers:
-            value = self.http.headers.get(name)
-            if value is not None:
-                headers[name] = value
-        if w.spec.api_key:
-            headers["Authorization"] = "Bearer " + w.spec.api_key.reveal()
-        elif s.forward_client_auth and "Authorization" in self.http.headers:
-            headers["Authorization"] = self.http.headers["Authorization"]
-        return headers
+        self.request_id = request_id
+        self.retries = RetryPolicy(gw.settings.retry, gw.retry_budget, gw.metrics, request_id)
 
     def _failed(self, w: WorkerState, probe: bool, kind: str, err: RouterError) -> LegFailure:
         self.gw.metrics.upstream_errors.labels(side=w.spec.role, kind=kind).inc()
@@ -203,42 +175,20 @@ class _Forward:
         return LegFailure(w.spec.role, w.spec.id, err, True)
 
     async def run(self, raw: bytes, model: str | None, stream: bool) -> web.StreamResponse:
-        gw, r = self.gw, self.gw.settings.retry
-        gw.retry_budget.note_request()
-        tried: set[str] = set()
-        attempts = 0
+        retries = self.retries
+        retries.begin()
         while True:
-            found = _candidates(gw, self.route, model, tried)
+            found = _candidates(self.gw, self.route, model, retries.tried)
             if not found:
-                cooldowns = [w.breaker.cooldown_s for w in gw.pools.workers.values()]
-                raise Unavailable(
-                    f"no worker for {self.route.path} of model {model or '(any)'} is in "
-                    "rotation (health probes failing or circuit breakers open)",
-                    retry_after_s=min(cooldowns, default=1.0),
-                )
+                raise _none_in_rotation(self.gw, self.route, model)
             worker = self.picks.choose(found)
-            attempts += 1
+            retries.attempt()
             try:
                 return await self._attempt(worker, raw, stream)
             except LegFailure as failure:
-                tried.add(worker.spec.id)
                 if not failure.retryable:
-                    raise failure.error from failure
-                if attempts >= r.max_attempts:
-                    raise Unavailable(
-                        f"gave up after {attempts} attempts; last: {failure.error.message}",
-                        retry_after_s=1.0,
-                    ) from failure
-                if not await gw.retry_budget.try_retry():
-                    gw.metrics.retry_budget_exhausted.inc()
-                    raise Unavailable(
-                        "the cluster-wide retry budget is spent; not retrying: "
-                        + failure.error.message,
-                        retry_after_s=1.0,
-                    ) from failure
-                gw.metrics.retries.labels(side=failure.side).inc()
-                backoff = min(r.backoff_max_s, r.backoff_base_s * 2 ** (attempts - 1))
-                await asyncio.sleep(self._rng.uniform(0, backoff))
+                    raise failure.error from failure  # the worker's verdict on the request
+                await retries.before_retry(failure)
 
     async def _attempt(self, w: WorkerState, raw: bytes, stream: bool) -> web.StreamResponse:
         gw, t = self.gw, self.gw.settings.timeouts
@@ -257,7 +207,9 @@ class _Forward:
                     resp = await gw.session.post(
                         spec.url + self.route.path,
                         data=raw,
-                        headers=self._headers(w),
+                        headers=upstream_headers(
+                            gw.settings, self.http.headers, self.request_id, spec
+                        ),
                         timeout=timeout,
                     )
                     if resp.status != 200 or not stream:
@@ -320,8 +272,9 @@ class _Forward:
                 self.gw.metrics.upstream_errors.labels(side=w.spec.role, kind="stream_cut").inc()
                 w.breaker.on_failure()
                 err = UpstreamError(f"worker {w.spec.id} ended the stream early: {exc!r}")
-                if self.route.error_event is not None:
-                    await client.write(self.route.error_event(err))
+                await client.write(
+                    stream_error_frame(err, responses_api=self.route.path == RESPONSES)
+                )
             await client.write_eof()
         except (ConnectionError, RuntimeError):
             self.gw.metrics.client_disconnects.inc()  # the client left: closing aborts upstream
@@ -337,10 +290,13 @@ async def forward(
     raw: bytes,
     model: str | None,
     *,
+    request_id: str,
     stream: bool = False,
 ) -> web.StreamResponse:
-    """Serve `raw` (the client's body, unchanged) by one worker of `route`'s roles."""
-    return await _Forward(gw, request, route, request.app[_PICKS]).run(raw, model, stream)
+    """Serve `raw` (the body to send) by one worker of `route`'s roles; `request_id` is the
+    front door's (router/front_door.py)."""
+    picks = request.app[_PICKS]
+    return await _Forward(gw, request, route, picks, request_id).run(raw, model, stream)
 
 
 def add_passthrough_routes(
@@ -355,25 +311,20 @@ def add_passthrough_routes(
     def handler(route: Route) -> Callable[[web.Request], Any]:
         async def handle(request: web.Request) -> web.StreamResponse:
             gw = gateway(request.app)
-            status = 500
-            try:
-                raw, body, model = await read_json_request(gw, request, models(gw))
+            with RequestCount(gw.metrics, route.path) as count:
+                entry = await enter(request, gw.settings)
+                raw, body = entry.raw, parse_json_object(entry.raw)
+                model = _served_model(body, models(gw))
                 stream = False
                 if route.shape is not None:
                     sent, stream = route.shape(body)
                     if sent is not body:
                         raw = orjson.dumps(sent)
-                resp = await forward(gw, request, route, raw, model, stream=stream)
-                status = resp.status
+                resp = await forward(
+                    gw, request, route, raw, model, request_id=entry.request_id, stream=stream
+                )
+                count.status = resp.status
                 return resp
-            except (RouterError, StoreError) as exc:
-                status = as_router_error(exc).status
-                raise
-            except asyncio.CancelledError:
-                status = 499
-                raise
-            finally:
-                gw.metrics.requests.labels(route=route.path, status=str(status)).inc()
 
         return handle
 

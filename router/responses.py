@@ -20,10 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
 from router.api import RESPONSES
-from router.errors import InvalidRequest, RouterError
+from router.errors import InvalidRequest, RouterError, stream_error_frame
 from router.passthrough import BOTH_PHASES, Route
 
 __all__ = ["RESPONSES", "RESPONSES_ROUTE", "error_event", "stateless_body"]
@@ -36,10 +34,9 @@ _STATELESS = (
 
 
 def error_event(err: RouterError) -> bytes:
-    """The Responses API's stream error event (OpenAI's `ResponseErrorEvent` fields), which
-    ends a stream that broke after the client got an event."""
-    event = {"type": "error", "code": err.type, "message": err.message, "param": err.param}
-    return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
+    """The Responses API's stream error event, which ends a stream that broke after the client
+    got an event (built where every error answer is: router/errors.py)."""
+    return stream_error_frame(err, responses_api=True)
 
 
 def stateless_body(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -61,4 +58,4 @@ def stateless_body(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
 
 
 # The whole-on-one-worker path (router/app.py forwards to it a body `stateless_body` checked).
-RESPONSES_ROUTE = Route(RESPONSES, BOTH_PHASES, error_event=error_event)
+RESPONSES_ROUTE = Route(RESPONSES, BOTH_PHASES)

@@ -15,7 +15,7 @@ aiohttp's `RequestHandler` with these additions (`Timeouts` fields, 0 turns one 
   response, since all of them write through this transport.
 - every error aiohttp answers itself (`handle_error`: the HTTP parser's 400s — control
   characters, a bad Content-Length, a 9 KB URL, a bad method — and a 500 that escapes the
-  app) gets an OpenAI-style JSON body.
+  app) gets an OpenAI-style JSON body, built as the app's are (router/errors.py).
 
 `body_s` is the handler's (`read_body`), as is mapping a body aiohttp cannot decode to 400.
 
@@ -38,7 +38,14 @@ from aiohttp.http_exceptions import ContentEncodingError
 
 from router.aiohttp_private import AiohttpChanged, aiohttp_private
 from router.config import Timeouts
-from router.errors import InvalidRequest, error_body
+from router.errors import (
+    INTERNAL_ERROR_MESSAGE,
+    DeadlineExceeded,
+    HTTPRefusal,
+    InvalidRequest,
+    RouterError,
+    error_response,
+)
 
 __all__ = ["BadRequestBody", "RequestTimeout", "RouterRunner", "read_body", "serving"]
 
@@ -222,11 +229,12 @@ class _Protocol(web.RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
+        err: RouterError
         if status == 504:  # a handler's TimeoutError that nothing caught
-            body = error_body("the request timed out in the router", "timeout")
+            err = DeadlineExceeded("the request timed out in the router")
         elif status >= 500:
             self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
-            body = error_body("internal router error", "internal_error")
+            err = HTTPRefusal(status, INTERNAL_ERROR_MESSAGE, type_="internal_error")
         else:
             # Junk from the network is routine: no traceback in the log for each one.
             log.debug("bad request from %s: %r", request.remote, exc)
@@ -234,15 +242,12 @@ class _Protocol(web.RequestHandler):
             if isinstance(exc, ContentEncodingError):
                 code = "bad_content_encoding"
             text = (message or getattr(exc, "message", None) or "bad request").strip()
-            body = error_body(
-                f"the request is not valid HTTP: {text[:_MAX_MESSAGE]}",
-                "invalid_request_error",
-                None,
-                code,
+            err = HTTPRefusal(
+                status, f"the request is not valid HTTP: {text[:_MAX_MESSAGE]}", code=code
             )
         if request.writer.output_size > 0:  # as aiohttp: too late for another response
             raise ConnectionError("the response has started; cannot send an error")
-        resp = web.Response(status=status, body=body, content_type="application/json")
+        resp = error_response(err)
         resp.force_close()
         return resp
 

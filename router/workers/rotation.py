@@ -37,12 +37,6 @@ SIDES = ("prefill", "decode")
 OPERATOR_RETRY_AFTER_S = 30.0
 
 
-def _serves(w: WorkerState, model: str) -> bool:
-    # The model rule of router/workers/pools.py's snapshot: a worker naming no model serves every
-    # one.
-    return not model or not w.spec.layout.model or w.spec.layout.model == model
-
-
 def _could_serve(w: WorkerState, side: str) -> bool:
     """Registered for `side` at all (a plain decode worker never prefills, and vice versa)."""
     return w.spec.is_prefill if side == "prefill" else w.spec.is_decode
@@ -70,7 +64,10 @@ def in_rotation(
     return [
         w
         for w in pools.workers.values()
-        if w.spec.id != without and w.available and _on_side(pools, w, side) and _serves(w, model)
+        if w.spec.id != without
+        and w.available
+        and _on_side(pools, w, side)
+        and w.spec.serves(model)
     ]
 
 
@@ -80,7 +77,7 @@ def _candidates(
     return (
         w
         for w in pools.workers.values()
-        if w.spec.id != without and _could_serve(w, side) and _serves(w, model)
+        if w.spec.id != without and _could_serve(w, side) and w.spec.serves(model)
     )
 
 

@@ -78,6 +78,11 @@ class WorkerSpec:
     def is_decode(self) -> bool:
         return self.role in ("decode", "both")
 
+    def serves(self, model: str | None) -> bool:
+        """Whether this worker serves `model` (None or "": any): its layout names that model,
+        or names none (it serves every one)."""
+        return not model or not self.layout.model or self.layout.model == model
+
     @property
     def capacity_blocks(self) -> int:
         if self.kv_blocks is not None:

@@ -1,0 +1,115 @@
+"""The front door: what every request path does before it serves, and the count on its way out.
+
+Both request paths come in here: generation (chat, completions, the Responses API's
+prefill/decode path: router/app.py) and the routes served whole by one worker
+(router/passthrough.py). In order, `enter` checks
+
+    the replica           503 + Retry-After once it is shutting down (router/shutdown.py)
+    the client            401 without one of the client API keys, when `api_keys` is set
+                          (router/auth.py `check_client_key`)
+    the body's size       413 by its Content-Length before a byte is read, and by aiohttp's
+                          `client_max_size` past it (a gzip bomb: the middleware's 413)
+    the body's arrival    408 when it is not whole within `timeouts.body_s`, 400 when it cannot
+                          be decoded (router/server.py `read_body`)
+
+and names the request: the client's `X-Request-Id` when it is a sane token, else one of ours.
+What the body must say is each route's own (router/api.py, router/responses_pd.py, a
+passthrough route's model check).
+
+`RequestCount` counts the request once in `requests_total` by route and the status it ended
+with, whatever ended it (499 when the client went away).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+from types import TracebackType
+
+from aiohttp import web
+
+from router.auth import check_client_key
+from router.config import Settings
+from router.errors import BodyTooLarge, as_router_error
+from router.metrics import RouterMetrics
+from router.server import read_body
+from router.shutdown import SHUTDOWN
+
+__all__ = ["Entry", "RequestCount", "client_request_id", "enter"]
+
+log = logging.getLogger(__name__)
+
+# A client's id goes into upstream headers, the logs and the ledger: a header token of
+# visible ASCII, short enough to keep every one of those small.
+_MAX_REQUEST_ID = 128
+
+
+def client_request_id(value: str | None) -> str:
+    """The client's X-Request-Id when it is a sane token (visible ASCII, no space, at most 128
+    characters), else one of ours."""
+    if (
+        value
+        and len(value) <= _MAX_REQUEST_ID
+        and value.isascii()
+        and value.isprintable()
+        and " " not in value
+    ):
+        return value
+    return f"dr-{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """A request let in: its body as the client sent it, and its id."""
+
+    raw: bytes
+    request_id: str
+
+    def __repr__(self) -> str:
+        return f"Entry({self.request_id}, {len(self.raw)} bytes)"
+
+
+async def enter(request: web.Request, settings: Settings) -> Entry:
+    """Let `request` in, or raise the error that says why not (the module docstring)."""
+    request.app[SHUTDOWN].check()
+    check_client_key(settings, request)
+    limit = settings.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise BodyTooLarge(f"the request body is larger than {limit} bytes")
+    raw = await read_body(request, settings.timeouts.body_s)
+    return Entry(raw, client_request_id(request.headers.get("X-Request-Id")))
+
+
+class RequestCount:
+    """`with RequestCount(metrics, route) as count:` counts the request once, on the way out,
+    by the status it ended with: `count.status` as the handler set it when it returned, the
+    error's status when one ended it, 499 when the client went away (a disconnect cancels
+    the handler: router/server.py `handler_cancellation`)."""
+
+    __slots__ = ("_metrics", "_route", "status")
+
+    def __init__(self, metrics: RouterMetrics, route: str) -> None:
+        self._metrics, self._route = metrics, route
+        self.status = 500  # until the handler says otherwise: what a bug answers
+
+    def __repr__(self) -> str:
+        return f"RequestCount({self._route}, {self.status})"
+
+    def __enter__(self) -> RequestCount:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if isinstance(exc, asyncio.CancelledError):
+            self.status = 499
+            self._metrics.client_disconnects.inc()
+        elif isinstance(exc, Exception):
+            self.status = as_router_error(exc).status  # what the middleware answers
+        self._metrics.requests.labels(route=self._route, status=str(self.status)).inc()
+        log.debug("%s answered %d", self._route, self.status)
