@@ -59,7 +59,6 @@ __all__ = [
     "INTERNAL_ERROR_MESSAGE",
     "error_body",
     "error_response",
-    "sse_error_frame",
     "stream_error_frame",
     "as_router_error",
     "STORE_RETRY_AFTER_S",
@@ -228,24 +227,19 @@ def as_router_error(exc: BaseException, *, body_limit: int = 0) -> RouterError:
 # -- the answers built from a RouterError (besides `err.body()`) -------------------------------
 
 
-def sse_error_frame(message: str, type_: str, code: Any = None) -> bytes:
-    """vLLM's shape of the error that ends a stream (`param` null), then [DONE]. Kept for its
-    callers until they take `stream_error_frame`, which builds it from the error."""
-    return b"data: " + error_body(message, type_, None, code) + b"\n\ndata: [DONE]\n\n"
-
-
-def _responses_error_event(err: RouterError) -> bytes:
-    # The Responses API's stream error event (OpenAI's `ResponseErrorEvent` fields).
-    event = {"type": "error", "code": err.type, "message": scrub(err.message), "param": err.param}
-    return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
-
-
 def stream_error_frame(err: RouterError, *, responses_api: bool = False) -> bytes:
     """What ends a stream whose headers already went out, never a silent cut: the Responses
-    API's own error event when `responses_api`, else vLLM's error frame and [DONE]."""
+    API's own error event (OpenAI's `ResponseErrorEvent` fields) when `responses_api`, else
+    vLLM's error frame (its `param` null) and [DONE]."""
     if responses_api:
-        return _responses_error_event(err)
-    return sse_error_frame(err.message, err.type, err.code)
+        event = {
+            "type": "error",
+            "code": err.type,
+            "message": scrub(err.message),
+            "param": err.param,
+        }
+        return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
+    return b"data: " + error_body(err.message, err.type, None, err.code) + b"\n\ndata: [DONE]\n\n"
 
 
 def error_response(err: RouterError) -> web.Response:

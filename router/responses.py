@@ -21,22 +21,16 @@ from __future__ import annotations
 from typing import Any
 
 from router.api import RESPONSES
-from router.errors import InvalidRequest, RouterError, stream_error_frame
+from router.errors import InvalidRequest
 from router.passthrough import BOTH_PHASES, Route
 
-__all__ = ["RESPONSES", "RESPONSES_ROUTE", "error_event", "stateless_body"]
+__all__ = ["RESPONSES", "RESPONSES_ROUTE", "stateless_body"]
 
 
 _STATELESS = (
     "the router is stateless: {what} is not supported. Send the whole conversation in 'input' "
     "(or vLLM's 'previous_response'), with 'store' false or absent."
 )
-
-
-def error_event(err: RouterError) -> bytes:
-    """The Responses API's stream error event, which ends a stream that broke after the client
-    got an event (built where every error answer is: router/errors.py)."""
-    return stream_error_frame(err, responses_api=True)
 
 
 def stateless_body(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
