@@ -57,6 +57,13 @@ class Conflict(RouterError):
     type = "conflict_error"
 
 
+class NotFound(RouterError):
+    """No worker of that id (answered by the middleware, as every error: router/errors.py)."""
+
+    status = 404
+    type = "not_found_error"
+
+
 def _gateway(request: web.Request) -> Gateway:
     return request.app[GATEWAY]
 
@@ -249,32 +256,12 @@ async def remove_worker(request: web.Request) -> web.Response:
     removed = await gw.store.unregister_worker(wid)
     gw.pools.members.remove(wid)
     if not removed and current is None:
-        return _json(
-            {
-                "error": {
-                    "message": f"no registered worker {wid}",
-                    "type": "not_found_error",
-                    "param": "id",
-                    "code": None,
-                }
-            },
-            404,
-        )
+        raise NotFound(f"no registered worker {wid}", param="id")
     return _json({"removed": wid})
 
 
-def _not_found(wid: str) -> web.Response:
-    return _json(
-        {
-            "error": {
-                "message": f"no worker {wid}",
-                "type": "not_found_error",
-                "param": "id",
-                "code": None,
-            }
-        },
-        404,
-    )
+def _not_found(wid: str) -> NotFound:
+    return NotFound(f"no worker {wid}", param="id")
 
 
 async def _drain(request: web.Request, drained: bool) -> web.Response:
@@ -283,13 +270,13 @@ async def _drain(request: web.Request, drained: bool) -> web.Response:
     wid = request.match_info["worker_id"]
     force = drained and (await _options(request)).get("force", False)  # undrain: no body
     if wid not in gw.pools.workers:
-        return _not_found(wid)
+        raise _not_found(wid)
     if drained:
         await _fresh_view(gw)
         _refuse_if_emptied(gw, wid, f"draining {wid}", force)
     state = gw.pools.workers.get(wid)
     if state is None:  # removed through another replica meanwhile
-        return _not_found(wid)
+        raise _not_found(wid)
     changed = await set_drained(gw.store, gw.pools.workers.values(), wid, drained)
     return _json({**describe(gw, state), "changed": changed})
 
@@ -339,7 +326,7 @@ async def set_role(request: web.Request) -> web.Response:
     try:
         record = await manager.force(wid, role)
     except KeyError:
-        return _not_found(wid)
+        raise _not_found(wid) from None
     except RoleChangeRefused as exc:
         raise Conflict(str(exc), param="id") from exc
     state = gw.pools.workers[wid]
