@@ -25,7 +25,6 @@ pools, with drain and a reconfiguration pause (`disagg_tools.simcluster.role_swi
 
 from __future__ import annotations
 
-import heapq
 import random
 import time
 from collections import deque
@@ -34,8 +33,9 @@ from dataclasses import replace
 from typing import Protocol
 
 from disagg_tools.simcluster.config import ClusterConfig, SimWorkerSpec
+from disagg_tools.simcluster.events import EventQueue
 from disagg_tools.simcluster.feedback import Feedback
-from disagg_tools.simcluster.metrics import GapHistogram, RequestRecord, SimResult
+from disagg_tools.simcluster.metrics import GapHistogram, Outcome, RequestRecord, SimResult
 from disagg_tools.simcluster.role_switching import RoleController, Slot
 from disagg_tools.simcluster.workers import DecodeWorker, Job, PrefillWorker, quantize
 from policies.base import (
@@ -51,8 +51,6 @@ from policies.base import (
 )
 
 __all__ = ["TraceLike", "simulate"]
-
-_ARRIVAL, _PREFILL_DONE, _TRANSFER_DONE, _STEP, _DEADLINE, _DISPATCH, _CALL = range(7)
 
 
 class TraceLike(Protocol):
@@ -138,9 +136,7 @@ class _Engine:
         self.dmap = {d.wid: d for d in self.decodes}
         self.kvbpt = config.kv_bytes_per_token
         self.now = 0.0
-        self.events: list[tuple[float, int, int, object]] = []
-        self.seq = 0
-        self.n_events = 0
+        self.events = EventQueue()
         self.queue: deque[Job] = deque()
         self.q_live = 0
         self.hist: dict[str, dict[int, int]] = {}
@@ -170,21 +166,17 @@ class _Engine:
             arrival = (r.arrival_s - t0) / rate_scale
             job = Job(i, arrival, max(1, int(r.prompt_tokens)), out, tuple(r.prefix_hash_ids))
             job.kv_bytes = job.prompt * self.kvbpt
-            self._push(arrival, _ARRIVAL, job)
+            self.events.at(arrival, self._arrive, job)
         if self.roles is not None and requests:
             self.roles.start()
 
-    # -- event plumbing ---------------------------------------------------------------------
-    def _push(self, t: float, kind: int, obj: object) -> None:
-        self.seq += 1
-        heapq.heappush(self.events, (t, self.seq, kind, obj))
-
-    # Hooks for `disagg_tools.simcluster.role_switching.RoleController`.
+    # -- hooks for `disagg_tools.simcluster.role_switching.RoleController` and `Feedback` ------
     def push_call(self, t: float, fn: Callable[[], None]) -> None:
-        self._push(t, _CALL, fn)
+        self.events.call_at(t, fn)
 
     def schedule_step(self, d: DecodeWorker) -> None:
-        self._push(self.now + d.current_step_s, _STEP, d)
+        """D starts stepping: its first step ends one step from now."""
+        self.events.at(self.now + d.current_step_s, self._step, d)
 
     def start_prefill(self, p: PrefillWorker) -> None:
         self._start_prefill(p)
@@ -205,28 +197,12 @@ class _Engine:
             d.handoff_wait.append(job)
 
     def run(self) -> SimResult:
-        events = self.events
-        pop = heapq.heappop
         wall0 = time.perf_counter()
         n = 0
-        while events:
-            t, _, kind, obj = pop(events)
+        for t, fire in self.events.drain():
             self.now = t
             n += 1
-            if kind == _STEP:
-                self._step(obj)  # type: ignore[arg-type]
-            elif kind == _ARRIVAL:
-                self._arrive(obj)  # type: ignore[arg-type]
-            elif kind == _PREFILL_DONE:
-                self._prefill_done(obj)  # type: ignore[arg-type]
-            elif kind == _TRANSFER_DONE:
-                self._transfer_done(obj)  # type: ignore[arg-type]
-            elif kind == _DEADLINE:
-                self._deadline(obj)  # type: ignore[arg-type]
-            elif kind == _DISPATCH:
-                self._dispatched(obj)  # type: ignore[arg-type]
-            else:
-                obj()  # type: ignore[operator]
+            fire()
         wall = time.perf_counter() - wall0
         return self._result(n, wall)
 
@@ -259,7 +235,7 @@ class _Engine:
         self.queue.append(job)
         self.q_live += 1
         self.c_queued += 1
-        self._push(job.deadline, _DEADLINE, job)
+        self.events.at(job.deadline, self._deadline, job)
 
     def _estimate(self, job: Job) -> None:
         """(Re-)estimate the output length from the histograms as they are now."""
@@ -363,7 +339,7 @@ class _Engine:
         if self.cfg.router_overhead_s > 0:
             # The live path's fixed cost (hops, store round trips): the job reaches its prefill
             # worker (or D, for a local prefill) that much later. Its room is already held.
-            self._push(self.now + self.cfg.router_overhead_s, _DISPATCH, job)
+            self.events.at(self.now + self.cfg.router_overhead_s, self._dispatched, job)
             return
         self._dispatched(job)
 
@@ -375,7 +351,7 @@ class _Engine:
             d.waiting.append(job)
             d._view = None
             if d.poll(self.now):
-                self._push(self.now + d.current_step_s, _STEP, d)
+                self.schedule_step(d)
             return
         if self.roles is not None and p not in self.p_live and self.p_live:
             # Its prefill worker started draining while the job was on its way: the next best.
@@ -419,7 +395,7 @@ class _Engine:
         if self.quantum:
             dur = quantize(dur, self.quantum)
         p.busy_s += dur
-        self._push(self.now + dur, _PREFILL_DONE, p)
+        self.events.at(self.now + dur, self._prefill_done, p)
 
     def _prefill_done(self, p: PrefillWorker) -> None:
         job = p.busy
@@ -459,7 +435,7 @@ class _Engine:
             # One transfer at a time out of P's NIC and into D's: it waits for both.
             start = max(start, p.nic_free, d.nic_free)
             p.nic_free = d.nic_free = start + dur
-        self._push(start + dur, _TRANSFER_DONE, job)
+        self.events.at(start + dur, self._transfer_done, job)
 
     def _transfer_done(self, job: Job) -> None:
         p, d = job.p, job.d
@@ -471,7 +447,7 @@ class _Engine:
         step = d.step_estimate()
         job.exp_end = self.now + max(1, job.est_tokens) * step
         if d.arrive(self.now, job):
-            self._push(self.now + d.current_step_s, _STEP, d)
+            self.schedule_step(d)
         if self.q_live:
             self._drain_queue()
 
@@ -484,7 +460,7 @@ class _Engine:
         if self.roles is not None and d not in self.d_live:
             self.roles.after_boundary(d)
         if d.stepping:
-            self._push(now + d.durs[-1], _STEP, d)
+            self.events.at(now + d.durs[-1], self._step, d)
         for job in finished:
             job.last_t = now
             self._complete(job)
@@ -513,7 +489,7 @@ class _Engine:
             self.n_learned += 1
         self._finish(job, "ok")
 
-    def _finish(self, job: Job, outcome: str, reason: str = "") -> None:
+    def _finish(self, job: Job, outcome: Outcome, reason: str = "") -> None:
         job.done = True
         if self.feedback is not None:
             self.feedback.ended(job)
@@ -526,7 +502,7 @@ class _Engine:
             arrival_s=job.arrival,
             prompt_tokens=job.prompt,
             output_tokens=n,
-            outcome=outcome,  # type: ignore[arg-type]
+            outcome=outcome,
             ttft_s=job.first_t - job.arrival if ok else -1.0,
             e2e_s=job.last_t - job.arrival if ok else -1.0,
             mean_gap_s=(job.last_t - job.first_t) / (n - 1) if ok and n > 1 else 0.0,
