@@ -10,12 +10,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 from policies.base import KVLayout
 from policies.costmodel import PerfModel, perf_model
 
-__all__ = ["SimWorkerSpec", "ClusterConfig", "OnFull", "Admission"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.12
+
+__all__ = ["SimWorkerSpec", "ClusterConfig", "ClusterKnobs", "ClusterFields", "OnFull", "Admission"]
 
 OnFull = Literal["preempt", "refuse"]
 Admission = Literal["instant", "predictive"]
@@ -161,8 +164,8 @@ class ClusterConfig:
     def link_bytes_per_s(self, prefill_group: str, decode_group: str) -> float:
         return self.links.get((prefill_group, decode_group), self.default_link_bytes_per_s)
 
-    def with_(self, **changes: object) -> ClusterConfig:
-        return replace(self, **changes)  # type: ignore[arg-type]
+    def with_(self, **changes: Unpack[ClusterFields]) -> ClusterConfig:
+        return replace(self, **changes)
 
     @classmethod
     def homogeneous(
@@ -176,7 +179,7 @@ class ClusterConfig:
         decode_gpu: str | None = None,
         link_bytes_per_s: float | None = None,
         capacity_blocks: int | None = None,
-        **kwargs: object,
+        **kwargs: Unpack[ClusterKnobs],
     ) -> ClusterConfig:
         """N prefill and M decode workers of one model; decode may use another GPU.
 
@@ -206,7 +209,7 @@ class ClusterConfig:
             link_bytes_per_s *= p_perf.tp_size
         kwargs.setdefault("links", {("prefill", "decode"): link_bytes_per_s})
         kwargs.setdefault("default_link_bytes_per_s", link_bytes_per_s)
-        return cls(prefill, decode, model=model, layout=layout, **kwargs)  # type: ignore[arg-type]
+        return cls(prefill, decode, model=model, layout=layout, **kwargs)
 
     def __repr__(self) -> str:
         return (
@@ -215,3 +218,46 @@ class ClusterConfig:
             + (f", elastic, pause={self.reconfig_pause_s}s" if self.elastic else "")
             + ")"
         )
+
+
+class ClusterKnobs(TypedDict, total=False):
+    """The keyword arguments `ClusterConfig.homogeneous` passes on: every field but the workers,
+    the model and the layout, which it builds. Kept beside the dataclass so a call with a
+    misspelt knob or a wrong type fails the type check, not a run."""
+
+    links: Mapping[tuple[str, str], float]
+    default_link_bytes_per_s: float
+    link_latency_s: float
+    reserve: bool
+    on_full: OnFull
+    admission: Admission
+    queue_limit: int
+    stranded_cap_bytes: int
+    prefix_cache_blocks: int
+    prefix_block_tokens: int
+    max_tokens: int
+    prefill_jitter: float
+    router_overhead_s: float
+    step_overhead_s: float
+    timer_quantum_s: float
+    join_mid_step: bool
+    elastic: bool
+    reconfig_pause_s: float
+    drain_deadline_s: float | None
+    role_interval_s: float
+    role_window_s: float
+    local_prefill: bool
+    link_contention: bool
+    inflight_feedback: bool
+    overrun_margin: bool
+    margin_half_life_s: float
+    margin_max_share: float
+
+
+class ClusterFields(ClusterKnobs, total=False):
+    """Every field of `ClusterConfig`: what `ClusterConfig.with_` may change."""
+
+    prefill: tuple[SimWorkerSpec, ...]
+    decode: tuple[SimWorkerSpec, ...]
+    model: str
+    layout: KVLayout

@@ -11,11 +11,49 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal, TypedDict
 
-__all__ = ["GapHistogram", "RequestRecord", "SimResult", "percentile", "Outcome"]
+from policies.base import Role
+
+__all__ = [
+    "GapHistogram",
+    "RequestRecord",
+    "SimResult",
+    "percentile",
+    "Outcome",
+    "RoleSwitchLog",
+    "RolesSummary",
+]
 
 Outcome = Literal["ok", "rejected", "failed"]
+
+# One role switch of an elastic run, as it went: started at `t`, drained at `drained_t`, serving
+# in its new role at `active_t` (None until then), with the sequences it resumed elsewhere.
+RoleSwitchLog = TypedDict(
+    "RoleSwitchLog",
+    {
+        "t": float,
+        "worker": str,
+        "from": Role,  # a keyword, hence the functional form
+        "to": Role,
+        "reason": str,
+        "drained_t": float | None,
+        "active_t": float | None,
+        "migrated": int,
+    },
+)
+
+
+class RolesSummary(TypedDict):
+    """What the role controller of an elastic run recorded (`SimResult.roles`)."""
+
+    switches: list[RoleSwitchLog]
+    # Per role tick: time, prefill workers, decode workers, the policy's two pressures.
+    timeline: list[tuple[float, int, int, float, float]]
+    migrated: int  # sequences resumed on another decode worker past a drain deadline
+    retargeted: int  # reservations moved off a worker leaving decode before their KV landed
+    redispatched: int  # prompts moved off a worker leaving prefill before they started
+
 
 _INV_LOG_STEP = 1.0 / math.log(1.01)
 
@@ -145,8 +183,9 @@ class SimResult:
     counters: dict[str, float] = field(default_factory=dict)
     events: int = 0
     wall_s: float = 0.0  # host time; never part of the deterministic summary
-    # Elastic runs: the switch log, the split and pressures per role tick (simcluster.roles).
-    roles: dict[str, Any] | None = None
+    # Elastic runs: the switch log, the split and pressures per role tick
+    # (simcluster.role_switching).
+    roles: RolesSummary | None = None
 
     def attainment_by_window(
         self, window_s: float, *, first_index: int = 0

@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
+from disagg_tools.simcluster.metrics import RolesSummary, RoleSwitchLog
 from disagg_tools.simcluster.workers import DecodeWorker, Job, PrefillWorker
 from policies.base import (
     Role,
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
     from disagg_tools.simcluster.engine import _Engine
 
 __all__ = ["RoleController", "RoleAccountingError", "Slot"]
+
+W = TypeVar("W", PrefillWorker, DecodeWorker)
 
 
 class RoleAccountingError(RuntimeError):
@@ -133,7 +136,7 @@ class RoleController:
         self.ref_perf = slots[0].p.perf
         self.ref_rate = self.ref_perf.prefill_tokens_per_s()
         self.starts: list[float] = []  # switch start times (the per-minute cap)
-        self.log: list[dict[str, Any]] = []  # one entry per switch
+        self.log: list[RoleSwitchLog] = []  # one entry per switch
         self.timeline: list[tuple[float, int, int, float, float]] = []  # t, P, D, p/d pressure
         self.c_migrated = 0
         self.c_retargeted = 0
@@ -333,7 +336,7 @@ class RoleController:
             if e.q_live:
                 e.drain_queue()
 
-    def log_of(self, slot: Slot) -> dict[str, Any]:
+    def log_of(self, slot: Slot) -> RoleSwitchLog:
         return next(x for x in reversed(self.log) if x["worker"] == slot.wid)
 
     # -- moving work off a draining worker ----------------------------------------------------
@@ -443,7 +446,7 @@ class RoleController:
         return self.by_d.get(id(d))
 
     # -- the record --------------------------------------------------------------------------
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> RolesSummary:
         return {
             "switches": self.log,
             "timeline": self.timeline,
@@ -463,7 +466,7 @@ def _pending(d: DecodeWorker) -> int:
     return n
 
 
-def _insert(live: list[Any], w: Any, key: Callable[[Any], int]) -> None:
+def _insert(live: list[W], w: W, key: Callable[[W], int]) -> None:
     """Put `w` back into a live list in worker order (views stay in a stable order)."""
     k = key(w)
     i = next((n for n, x in enumerate(live) if key(x) > k), len(live))

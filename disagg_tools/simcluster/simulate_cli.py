@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from disagg_tools.simcluster.config import ClusterConfig
+from disagg_tools.simcluster.config import Admission, ClusterConfig, OnFull
 from disagg_tools.simcluster.engine import TraceLike, simulate
 
 __all__ = [
@@ -39,8 +39,8 @@ class Case:
 
     policy: str
     reserve: bool = True
-    on_full: str = "preempt"
-    admission: str = "instant"
+    on_full: OnFull = "preempt"
+    admission: Admission = "instant"
     estimator: str | None = None  # None = compare()'s default
     policy_args: Mapping[str, Any] = field(default_factory=dict)
 
@@ -58,22 +58,27 @@ class Case:
         return "/".join(parts)
 
 
+# The modifiers naming a mode, each to the mode it names (a str read from text is no Literal).
+_ON_FULL: dict[str, OnFull] = {"refuse": "refuse", "preempt": "preempt"}
+_ADMISSION: dict[str, Admission] = {"predictive": "predictive", "instant": "instant"}
+
+
 def parse_case(text: str) -> Case:
     """`policy[/noreserve][/refuse|/preempt][/predictive|/instant][/est=NAME]`."""
     policy, *mods = [t.strip() for t in text.split("/")]
-    kw: dict[str, Any] = {}
+    case = Case(policy)
     for m in mods:
         if m == "noreserve":
-            kw["reserve"] = False
-        elif m in ("refuse", "preempt"):
-            kw["on_full"] = m
-        elif m in ("predictive", "instant"):
-            kw["admission"] = m
+            case = replace(case, reserve=False)
+        elif m in _ON_FULL:
+            case = replace(case, on_full=_ON_FULL[m])
+        elif m in _ADMISSION:
+            case = replace(case, admission=_ADMISSION[m])
         elif m.startswith("est="):
-            kw["estimator"] = m[4:]
+            case = replace(case, estimator=m[4:])
         else:
             raise ValueError(f"unknown case modifier {m!r} in {text!r}")
-    return Case(policy, **kw)
+    return case
 
 
 # Ours, then the peers' policies as the peers run them: nothing reserved, vLLM-style preemption.
