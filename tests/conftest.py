@@ -1,12 +1,14 @@
 """Shared fixtures: a real Redis with a key prefix per test, real routers and simulated workers
-on ephemeral loopback ports."""
+on ephemeral loopback ports.
+
+The Redis is chosen when the session starts (tests/session_redis.py): the configured one when
+it answers, else a private `redis-server` for this session, else the session stops at once.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import random
-import socket
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -21,25 +23,44 @@ from disagg_tools.sim.worker import WorkerConfig, running_worker
 from router.app import GATEWAY, create_app
 from router.config import Settings, settings_from_mapping
 from router.server import serving
+from tests.ports import free_port as free_port  # re-exported: test modules import it from here
+from tests.session_redis import Plan, SessionRedis, configured
 
-REDIS_URL = os.environ.get("DISAGG_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+# The session's Redis URL. Until pytest_configure has run it is the configured one; there it
+# becomes the private server's when one is started. Test modules bind it by
+# `from tests.conftest import REDIS_URL` when they are collected, which is after that.
+REDIS_URL = configured(os.environ).url
+_SESSION_REDIS = SessionRedis(os.environ)
 
 
-def free_port() -> int:
-    """A free loopback port below the kernel's ephemeral range (32768+ by default), for a
-    server started later: vLLM binds some of its own ZMQ sockets to port 0, and a port we
-    picked there could be handed to another engine before ours binds it ("Address already
-    in use", and that engine never starts)."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-31999")
+def pytest_configure(config: pytest.Config) -> None:
+    """Runs before the terminal reporter exists, so a pytest.exit here prints its one line
+    (`Exit: ...` on stderr) and nothing else; the line about a private server is written in
+    pytest_sessionstart, where the reporter is there to show it also under -q."""
+    global REDIS_URL
+    if config.option.help:
+        return
+    try:
+        chosen = _SESSION_REDIS.start()
+    except RuntimeError as exc:  # the binary is there but the server did not come up
+        pytest.exit(f"could not start a private redis-server: {exc}", returncode=4)
+    if chosen is Plan.STOP:
+        pytest.exit(_SESSION_REDIS.stop_line(), returncode=4)
+    REDIS_URL = _SESSION_REDIS.url
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if _SESSION_REDIS.private is None:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(_SESSION_REDIS.private_line())
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Also after a failure or Ctrl-C: pytest unconfigures on every way out."""
+    _SESSION_REDIS.stop()
 
 
 MODEL = "llama-3-8b"
@@ -88,7 +109,8 @@ class SimCluster:
 
     async def stranded(self) -> dict[str, int]:
         gw = self.gateway
-        return await gw.store.stranded_bytes([w.spec.id for w in gw.pools.prefill_workers])
+        ids = [w.spec.id for w in gw.pools.prefill_workers]
+        return dict(await gw.store.stranded_bytes(ids))
 
     async def worker_requests(self, wid: str) -> list[dict[str, Any]]:
         async with aiohttp.ClientSession() as s, s.get(self.workers[wid] + "/sim/requests") as r:

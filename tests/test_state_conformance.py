@@ -1,7 +1,7 @@
 """One conformance suite for both state stores (docs/design.md §5): `MemoryStore` and `RedisStore`,
 the latter on one server and on a Redis Cluster.
 
-Redis tests use the real server on 127.0.0.1:6379, each under its own key prefix
+Redis tests use the session's real server (tests/conftest.py), each under its own key prefix
 (``test:<uuid>:``), and delete their keys afterwards. The "cluster" variants run on a private
 3-node cluster started once per session (tests/redis_cluster.py), skipped without redis-server.
 Leases are real and short on every store; where a test needs to step time exactly (ages, budget
@@ -38,11 +38,11 @@ from state import (
 )
 from state.base import Reserved, StrandIntent
 from state.keys import RETRY_TTL_S
+from tests.conftest import REDIS_URL
 from tests.redis_cluster import PrivateRedisCluster, redis_cluster
 
 __all__ = ["redis_cluster"]  # the session fixture, imported so the "cluster" variants find it
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 LONG = 60.0  # a lease no test outlives
 SHORT = 0.2  # a lease every expiry test outlives by sleeping EXPIRED_AFTER
 EXPIRED_AFTER = 0.5
@@ -673,7 +673,7 @@ async def test_open_store_picks_the_implementation(prefix: str) -> None:
     try:
         assert isinstance(store, RedisStore)
         assert await store.ping()
-        assert "127.0.0.1:6379" in repr(store)
+        assert redact_url(REDIS_URL) in repr(store)  # where it is, as the repr writes it
     finally:
         await store.close()
     with pytest.raises(ValueError, match="http://"):

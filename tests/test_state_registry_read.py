@@ -3,9 +3,9 @@ one read each, the same on every store.
 
 It must answer exactly what its four single reads answer (`check_marker`,
 `registered_workers`, `drained_workers`, `worker_roles`), marker semantics included: missing on
-first use and after the store lost its data, present otherwise. Run on `MemoryStore`, a real
-Redis (127.0.0.1:6379, a key prefix per test, deleted afterwards) and the private Redis Cluster
-of tests/redis_cluster.py (skipped without redis-server).
+first use and after the store lost its data, present otherwise. Run on `MemoryStore`, the
+session's real Redis (tests/conftest.py; a key prefix per test, deleted afterwards) and the
+private Redis Cluster of tests/redis_cluster.py (skipped without redis-server).
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from redis.asyncio.cluster import RedisCluster
 
 from state import Keys, MemoryStore, RedisStore, StateStore
 from state.base import DrainMark
+from tests.conftest import REDIS_URL
 from tests.redis_cluster import PrivateRedisCluster, redis_cluster
 
 __all__ = ["redis_cluster"]  # the session fixture, imported so the "cluster" variant finds it
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 TTL = 60.0
 
 
