@@ -149,7 +149,8 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
             count.status = resp.status
             return resp
         client = _AiohttpClient(request)
-        flow = RequestFlow(gw.requests, ClientSide(parsed, request.headers, client.start_stream))
+        client_side = ClientSide(parsed, request.headers, client.start_stream)
+        flow = RequestFlow(gw.requests, client_side, entry.request_id)
         bind_request_id(flow.request_id)  # on every log line of this request (router/logs.py)
         model = parsed.model or s.models[0]
         gw.demand.note_arrival(model, parsed.prompt_tokens)  # autoscaling (router/scaling.py)

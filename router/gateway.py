@@ -83,10 +83,12 @@ class Gateway:
 
     def _request_stages(self) -> RequestStages:
         """The request path's stages, each given the services it uses and nothing else."""
+        members, placement = self.pools.members, self.pools.placement
         book = Book(
             self.store,
             self.leases,
-            self.pools,
+            members,
+            self.pools.accounting,
             self.tasks,
             self.metrics,
             self.overruns,
@@ -94,11 +96,12 @@ class Gateway:
             self.admission,
             self.clock,
         )
-        pairing = Pairing(self.pools, self.adapters)
+        pairing = Pairing(members, self.adapters)
         reserver = Reserver(
             settings=self.settings,
             store=self.store,
-            pools=self.pools,
+            members=members,
+            placement=placement,
             policy=self.policy,
             estimator=self.estimator,
             histograms=self.histograms,
@@ -112,7 +115,7 @@ class Gateway:
             clock=self.clock,
         )
         legs = Legs(
-            self.settings, self.session, self.splice, self.pools, pairing, self.metrics, self.clock
+            self.settings, self.session, self.splice, members, pairing, self.metrics, self.clock
         )
         return RequestStages(
             settings=self.settings,
@@ -124,7 +127,7 @@ class Gateway:
             reserve=reserver,
             legs=legs,
             answering=Answering(self.metrics, self.settings.timeouts, self.clock),
-            resume=Resumer(self.settings, self.session, self.pools),
+            resume=Resumer(self.settings, self.session, members),
             release=Releaser(book, self.estimator, self.metrics, self.clock),
         )
 

@@ -69,7 +69,7 @@ def serves_split(settings: Settings, pools: Pools, body: dict[str, Any]) -> bool
     prefill = [
         w
         for w in pools.prefill_workers
-        if w.available and (not model or not w.spec.layout.model or w.spec.layout.model == model)
+        if w.available and w.spec.serves(model if isinstance(model, str) else None)
     ]
     return bool(prefill) and all(w.spec.adapter in _PULL_ADAPTERS for w in prefill)
 

@@ -54,7 +54,8 @@ async def serve(
         max_model_len=s.max_model_len,
         chars_per_token=s.chars_per_token,
     )
-    flow = RequestFlow(gw.requests, ClientSide(parsed, {"X-Request-Id": request_id}, stream.start))
+    client = ClientSide(parsed, {"X-Request-Id": request_id}, stream.start)
+    flow = RequestFlow(gw.requests, client, request_id)
     try:
         answer = await flow.run()
     finally:

@@ -12,8 +12,8 @@ Each owner goes through its life in one place, so the stages that meet it only c
 
 `release()` takes the holding once (a second call gives None), so nothing is given back twice;
 the one store call that gives back both is `Book.finish` (router/leases.py `finish`).
-A `Book` is this replica's bookkeeping of holdings: the store, the lease keeper, the pools'
-local counts, the overrun statistics. It is built once per app.
+A `Book` is this replica's bookkeeping of holdings: the store, the lease keeper, the
+workers' local counts, the overrun statistics. It is built once per app.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from router.admission import Admission
 from router.background import BackgroundTasks
 from router.leases import LeaseKeeper
 from router.metrics import RouterMetrics
-from router.workers.pools import Pools
+from router.workers.accounting import LocalAccounting
+from router.workers.membership import Membership
 from state.base import StateStore, StrandIntent
 
 __all__ = ["READY_MARK_AFTER_S", "Book", "Record", "Reservation", "StrandedEntry"]
@@ -53,7 +54,8 @@ class Book:
 
     store: StateStore
     leases: LeaseKeeper
-    pools: Pools
+    members: Membership  # who is in the pools (a grown worker's size, its block size)
+    accounting: LocalAccounting  # this replica's counts on the workers since the last refresh
     tasks: BackgroundTasks
     metrics: RouterMetrics
     overruns: LiveOverruns
@@ -65,11 +67,11 @@ class Book:
     def pending(self, decode_id: str, blocks: int) -> Iterator[None]:
         """A reservation on its way to the store: counted by placements made meanwhile (no
         await between the decision and this), uncounted once the store has answered."""
-        self.pools.note_pending(decode_id, blocks)
+        self.accounting.note_pending(decode_id, blocks)
         try:
             yield
         finally:
-            self.pools.note_pending(decode_id, -blocks)
+            self.accounting.note_pending(decode_id, -blocks)
 
     def lost(self, decode_id: str, reservation_id: str, intent: StrandIntent | None) -> None:
         """The store's answer to a reservation was lost, not necessarily the reservation (nor
@@ -96,7 +98,7 @@ class Book:
             return
         released = await self.leases.finish(freed, unstrand, record)
         if freed is not None:
-            self.pools.note_released(freed[0], released)
+            self.accounting.note_released(freed[0], released)
             if self.admission.waiting:
                 self.admission.notify()
 
@@ -151,7 +153,7 @@ class Reservation:
         itl_s: float,
     ) -> Reservation:
         """The store holds it: counted locally, renewed by the lease keeper until released."""
-        book.pools.note_reserved(decode_id, blocks)
+        book.accounting.note_reserved(decode_id, blocks)
         book.leases.hold(decode_id, reservation_id, blocks, expected_end)
         return cls(book, decode_id, reservation_id, blocks, grow_at_tokens, classes, itl_s)
 
@@ -165,7 +167,7 @@ class Reservation:
         decode_id, book = self.decode_id, self.book
         if tokens <= self.grow_at_tokens or decode_id is None or self.growing:
             return
-        worker = book.pools.workers.get(decode_id)
+        worker = book.members.workers.get(decode_id)
         if worker is None:  # removed from the pools mid-stream: its release goes by id
             return
         if not self.overran:
@@ -210,7 +212,7 @@ class Reservation:
             if self.decode_id == decode_id:  # not released meanwhile
                 book.leases.resized(rid, blocks, end)
                 if grown:
-                    book.pools.note_reserved(decode_id, blocks - self.blocks)
+                    book.accounting.note_reserved(decode_id, blocks - self.blocks)
                 self.blocks = blocks
         finally:
             self.growing = False
@@ -218,7 +220,7 @@ class Reservation:
     def _forced(self, decode_id: str, blocks: int) -> None:
         book = self.book
         book.metrics.reservation_forced_growth.inc()
-        worker = book.pools.workers.get(decode_id)
+        worker = book.members.workers.get(decode_id)
         if worker is not None:
             # Admission counted on less than these sequences hold: keep the excess back from
             # new placements there until the growth has room again.
@@ -272,7 +274,7 @@ class StrandedEntry:
     def hold(cls, book: Book, intent: StrandIntent, written: bool) -> StrandedEntry:
         """The reservation holds: this try owns the entry, which counts on the prefill worker
         from now on (placement's stranded-KV cap, a role drain waiting for the KV to leave)."""
-        book.pools.note_stranded(intent.prefill_id, intent.nbytes)
+        book.accounting.note_stranded(intent.prefill_id, intent.nbytes)
         book.leases.stranded(intent, written)
         return cls(book, intent)
 
@@ -310,5 +312,5 @@ class StrandedEntry:
         if not self.held:
             return None
         self.held = False
-        self.book.pools.note_stranded(self.prefill_id, -self.nbytes)
+        self.book.accounting.note_stranded(self.prefill_id, -self.nbytes)
         return self.prefill_id, self.entry_id

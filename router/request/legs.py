@@ -45,8 +45,10 @@ from router.relay.upstream_pool import SplicePool
 from router.request.attempt import Ask, Attempt, Call, LegFailure, upstream_failure
 from router.request.pairing import Pairing
 from router.request.responses_api import prefill_body as responses_prefill_body
+from router.upstream_headers import upstream_headers
 from router.workers.breaker import Verdict
-from router.workers.pools import Pools, WorkerState
+from router.workers.membership import Membership
+from router.workers.worker_state import WorkerState
 
 __all__ = ["DecodeAnswer", "Legs", "RESUMED_HEADER"]
 
@@ -97,7 +99,7 @@ class Legs:
     settings: Settings
     session: aiohttp.ClientSession
     splice: SplicePool | None  # the decode legs' raw client when settings.relay == "splice"
-    pools: Pools
+    members: Membership
     pairing: Pairing
     metrics: RouterMetrics
     clock: Callable[[], float]
@@ -115,7 +117,7 @@ class Legs:
         body = ask.body
         if prefill_id is not None:
             kv = await self._prefill(call, attempt, ask)
-            decode = self.pools.worker(attempt.candidate.decode_id)
+            decode = self.members.worker(attempt.candidate.decode_id)
             body = self.pairing.pull_adapter(decode).decode_body(ask.body, kv)
         return await self._open_decode(call, attempt, body, ask.resumed)
 
@@ -179,18 +181,11 @@ class Legs:
             verdict.ok()
 
     def _headers(self, call: Call, worker: WorkerState, resumed_tokens: int = 0) -> dict[str, str]:
-        s = self.settings
-        headers = {"Content-Type": "application/json", "X-Request-Id": call.request_id}
-        for name in s.forward_headers:
-            value = call.headers.get(name)
-            if value is not None:
-                headers[name] = value
+        """Every path's upstream headers (router/upstream_headers.py), and what only a leg
+        knows: a resumed stream's token count, its tracing span."""
+        headers = upstream_headers(self.settings, call.headers, call.request_id, worker.spec)
         if resumed_tokens:
             headers[RESUMED_HEADER] = str(resumed_tokens)
-        if worker.spec.api_key:
-            headers["Authorization"] = "Bearer " + worker.spec.api_key.reveal()
-        elif s.forward_client_auth and "Authorization" in call.headers:
-            headers["Authorization"] = call.headers["Authorization"]
         call.trace.inject(headers, "prefill" if worker.spec.role == "prefill" else "decode")
         return headers
 
@@ -205,7 +200,7 @@ class Legs:
         """POST the prefill leg; its answer on 200 (what `answer` makes of it, which raises
         LegFailure for an answer that is not one: the breaker is charged as for an error status),
         else a LegFailure charged to the prefill."""
-        worker = self.pools.worker(attempt.candidate.prefill_id or "")
+        worker = self.members.worker(attempt.candidate.prefill_id or "")
         if attempt.decode_id is None:  # pragma: no cover - the invariant, checked loudly
             raise RuntimeError("refusing to prefill without a decode reservation")
         spec = worker.spec
@@ -235,7 +230,7 @@ class Legs:
 
     async def _prefill(self, call: Call, attempt: Attempt, ask: Ask) -> dict[str, Any]:
         """vLLM NIXL pull mode: prefill first, then hand its kv_transfer_params to decode."""
-        worker = self.pools.worker(attempt.candidate.prefill_id or "")
+        worker = self.members.worker(attempt.candidate.prefill_id or "")
         adapter = self.pairing.pull_adapter(worker)
         wire_body = adapter.prefill_body(ask.body)
         if call.parsed.path == RESPONSES:
@@ -269,7 +264,7 @@ class Legs:
     async def _concurrent_legs(self, call: Call, attempt: Attempt, ask: Ask) -> DecodeAnswer:
         """SGLang rooms / vLLM Mooncake: both legs at once. The decode stream is returned as soon
         as it starts (not after the prefill's answer); a leg that fails cancels the other."""
-        worker = self.pools.worker(attempt.candidate.prefill_id or "")
+        worker = self.members.worker(attempt.candidate.prefill_id or "")
         adapter = self.pairing.concurrent_adapter(worker)
         target = prefill_target(worker.spec.url, worker.spec.bootstrap_port, worker.spec.engine_id)
         try:
@@ -308,7 +303,7 @@ class Legs:
     async def _open_decode(
         self, call: Call, attempt: Attempt, body: dict[str, Any], resumed: int
     ) -> DecodeAnswer:
-        worker = self.pools.worker(attempt.candidate.decode_id)
+        worker = self.members.worker(attempt.candidate.decode_id)
         spec, t = worker.spec, self.settings.timeouts
         call.trace.begin("decode", worker=spec.id)
         answer: Relay

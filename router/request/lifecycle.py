@@ -19,8 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,7 +29,6 @@ from router.config import Settings
 from router.errors import (
     DeadlineExceeded,
     RouterError,
-    Unavailable,
     UpstreamError,
     as_router_error,
 )
@@ -46,6 +43,7 @@ from router.request.respond import Answering, Broken, ClientSide, Progress, Resp
 from router.request.responses_api import upstream_body
 from router.request.resume import Resumer
 from router.retry_budget import RetryBudget
+from router.retry_policy import RetryPolicy
 from router.tracing import Tracing
 from router.workers.prefixes import prefix_hashes
 from state.base import StoreError
@@ -53,14 +51,6 @@ from state.base import StoreError
 __all__ = ["ClientSide", "RequestFlow", "RequestStages"]
 
 log = logging.getLogger(__name__)
-
-
-def _client_request_id(value: str | None) -> str:
-    """The client's X-Request-Id when it is a sane token (visible ASCII, at most 128
-    characters: it goes into upstream headers, logs and the ledger), else one of ours."""
-    if value and len(value) <= 128 and value.isascii() and value.isprintable() and " " not in value:
-        return value
-    return f"dr-{uuid.uuid4().hex}"
 
 
 def _no_resume(parsed: ParsedRequest, sent: list[bytes], failure: LegFailure) -> None:
@@ -103,10 +93,11 @@ class RequestFlow:
     """Serves one validated request. `run()` returns the whole answer's body (None when it was
     streamed to the client); `cleanup()` runs after, whatever happened."""
 
-    def __init__(self, stages: RequestStages, client: ClientSide) -> None:
+    def __init__(self, stages: RequestStages, client: ClientSide, request_id: str) -> None:
+        """`request_id`: the front door's (router/front_door.py `client_request_id`)."""
         parsed = client.parsed
         self.stages = stages
-        self.request_id = _client_request_id(client.headers.get("X-Request-Id"))
+        self.request_id = request_id
         assemble = stages.settings.assemble_non_streaming
         self.call = Call(
             parsed=parsed,
@@ -122,23 +113,30 @@ class RequestFlow:
         self.seat = Seat(stages.admission.ticket())
         self.info: RequestInfo | None = None  # of the first try: its estimate gets the feedback
         self.attempt: Attempt | None = None  # the one being tried, until released
-        self.attempts = 0
-        self.avoid: set[str] = set()  # workers that failed this request
+        # The tries: their cap, the cluster-wide budget, the backoff (router/retry_policy.py);
+        # `retries.tried` are the workers that failed this request.
+        self.retries = RetryPolicy(
+            stages.settings.retry, stages.retry_budget, stages.metrics, request_id
+        )
         self.output_tokens: int | None = None
         self.status = 200
-        self._rng = random.Random(self.request_id)
         self._settled = False  # released and recorded (settle)
         self._interrupted: RouterError | None = None  # the replica shuts down (interrupt)
 
     def __repr__(self) -> str:
-        return f"RequestFlow({self.request_id}, attempts={self.attempts}, {self.attempt!r})"
+        return f"RequestFlow({self.request_id}, {self.retries!r}, {self.attempt!r})"
+
+    @property
+    def attempts(self) -> int:
+        """The tries made so far (a resumed stream's continuation is one)."""
+        return self.retries.attempts
 
     async def run(self) -> bytes | None:
         stages, t, started = self.stages, self.stages.settings.timeouts, self.call.started
         first = started + t.ttft_s
         if t.total_s:
             first = min(first, started + t.total_s)
-        stages.retry_budget.note_request()
+        self.retries.begin()
         try:
             async with asyncio.timeout_at(loop_time(stages.clock, first)) as deadline:
                 self.progress.deadline = deadline
@@ -195,7 +193,7 @@ class RequestFlow:
                     else:
                         # Continue it: the next try asks for the rest.
                         ask, info = await self.stages.resume.ask(call, responder.sent), None
-                await self._before_retry(failure)
+                await self.retries.before_retry(failure)
             except (RouterError, StoreError) as exc:
                 if responder.stream is None:
                     raise
@@ -208,9 +206,10 @@ class RequestFlow:
         """One try: a LegFailure when a leg failed before the answer began, Broken when the
         answer did and broke."""
         stages = self.stages
-        self.attempts += 1
+        self.retries.attempt()
         with self.call.trace.span("admission"):
-            attempt = await stages.reserve.admit_and_reserve(self.call, info, self.seat, self.avoid)
+            avoid = self.retries.tried
+            attempt = await stages.reserve.admit_and_reserve(self.call, info, self.seat, avoid)
             self.attempt = attempt
         try:
             decode = await stages.legs.open(self.call, attempt, ask)
@@ -228,25 +227,6 @@ class RequestFlow:
             await asyncio.shield(self.settle())
             await self.responder.finish()
         return served.body
-
-    async def _before_retry(self, failure: LegFailure) -> None:
-        """Spend a retry (or give up with 503) and back off with full jitter."""
-        stages, r = self.stages, self.stages.settings.retry
-        self.avoid.add(failure.worker_id)
-        if self.attempts >= r.max_attempts:
-            raise Unavailable(
-                f"gave up after {self.attempts} attempts; last: {failure.error.message}",
-                retry_after_s=1.0,
-            ) from failure
-        if not await stages.retry_budget.try_retry():
-            stages.metrics.retry_budget_exhausted.inc()
-            raise Unavailable(
-                f"the cluster-wide retry budget is spent; not retrying: {failure.error.message}",
-                retry_after_s=1.0,
-            ) from failure
-        stages.metrics.retries.labels(side=failure.side).inc()
-        backoff = min(r.backoff_max_s, r.backoff_base_s * 2 ** (self.attempts - 1))
-        await asyncio.sleep(self._rng.uniform(0, backoff))
 
     def interrupt(self, err: RouterError) -> None:
         """End the request now with `err` (router/shutdown.py), by the path of a missed

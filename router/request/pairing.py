@@ -18,18 +18,19 @@ from typing import cast
 from router.adapters import ConcurrentAdapter, WorkerAdapter
 from router.errors import UpstreamError
 from router.request.attempt import LegFailure
-from router.workers.pools import Pools, WorkerState
+from router.workers.membership import Membership
+from router.workers.worker_state import WorkerState
 
 __all__ = ["Pairing"]
 
 
 class Pairing:
-    __slots__ = ("pools", "adapters")
+    __slots__ = ("members", "adapters")
 
     def __init__(
-        self, pools: Pools, adapters: dict[str, WorkerAdapter | ConcurrentAdapter]
+        self, members: Membership, adapters: dict[str, WorkerAdapter | ConcurrentAdapter]
     ) -> None:
-        self.pools, self.adapters = pools, adapters
+        self.members, self.adapters = members, adapters
 
     def __repr__(self) -> str:
         return f"Pairing(adapters={sorted(self.adapters)})"
@@ -42,10 +43,10 @@ class Pairing:
         1"). SGLang's decode workers cannot prefill: there `n` goes to both legs unchanged."""
         if n <= 1:
             return False
-        return self.pools.worker(prefill_id).spec.adapter != "sglang"
+        return self.members.worker(prefill_id).spec.adapter != "sglang"
 
     def concurrent(self, prefill_id: str) -> bool:
-        spec = self.pools.worker(prefill_id).spec
+        spec = self.members.worker(prefill_id).spec
         return bool(getattr(self.adapters[spec.adapter], "concurrent_legs", False))
 
     def kv_waits(self, n: int, prefill_id: str | None) -> bool:

@@ -27,14 +27,15 @@ from policies.base import (
 from policies.overruns import LiveOverruns, OverrunMargin
 from router.admission import Admission, QueueFull
 from router.config import Settings
-from router.errors import NoCapacity, Unavailable
+from router.errors import NoCapacity, NotInRotation
 from router.histograms import HistogramCache
 from router.leases import LeaseKeeper
 from router.metrics import RouterMetrics
 from router.request.attempt import Ask, Attempt, Call, loop_time
 from router.request.holdings import Book, Reservation, StrandedEntry
 from router.request.pairing import Pairing
-from router.workers.pools import Pools
+from router.workers.membership import Membership
+from router.workers.placement_view import PlacementView
 from router.workers.rotation import models_of, pool_alive, retry_after_s, why_empty
 from state.base import StateStore, StoreError, StrandIntent
 
@@ -63,7 +64,8 @@ class Reserver:
 
     settings: Settings
     store: StateStore
-    pools: Pools
+    members: Membership
+    placement: PlacementView  # the snapshot placement decides on
     policy: PlacementPolicy
     estimator: OutputLengthEstimator
     histograms: HistogramCache
@@ -86,7 +88,7 @@ class Reserver:
         # The choices' partial blocks are counted in the largest block size of the
         # decode workers, so the reservation is an upper bound wherever placement puts it.
         block_size = max(
-            (w.spec.layout.block_size for w in self.pools.decode_workers),
+            (w.spec.layout.block_size for w in self.members.decode_workers),
             default=16,
         )
         info = RequestInfo(
@@ -188,10 +190,10 @@ class Reserver:
         by the time this request's prefill would finish."""
         speeds = [
             w.spec.perf.prefill_tokens_per_s()
-            for w in self.pools.prefill_workers
+            for w in self.members.prefill_workers
             if w.available and w.spec.perf is not None
         ] or [10_000.0]
-        queued = min((w.queued_prompt_tokens for w in self.pools.prefill_workers), default=0)
+        queued = min((w.queued_prompt_tokens for w in self.members.prefill_workers), default=0)
         horizon = (queued + info.prompt_tokens) / max(speeds)
         now = self.clock()
         return self.leases.freeing_by(now + horizon, now)
@@ -206,7 +208,7 @@ class Reserver:
         balancer serve the same mix, so each known end stands for its share of the worker's
         reservations (the store's reserved count over this replica's)."""
         now = self.clock()
-        view = self._with_margins(self.pools.snapshot(model=info.model))
+        view = self._with_margins(self.placement.snapshot(model=info.model))
         need_tokens = info.prompt_tokens + info.reserve_output_tokens
         soonest: float | None = None
         for d in view.decode:
@@ -237,7 +239,7 @@ class Reserver:
         not the view's count, which adds this replica's reservations still on their way (a burst's
         pending blocks are no growth, and would close the worker to everyone)."""
         now = self.clock()
-        workers = self.pools.workers
+        workers = self.members.workers
         for d in view.decode:
             w = workers.get(d.worker_id)
             if w is not None and w.reserved_blocks > w.capacity_blocks:
@@ -246,18 +248,18 @@ class Reserver:
         return view if decode is view.decode else replace(view, decode=decode)
 
     async def _try_reserve(self, info: RequestInfo, avoid: set[str]) -> Attempt | Rejection:
-        pools = self.pools
-        view = self._with_margins(pools.snapshot(frozenset(avoid), info.model))
+        snapshot = self.placement.snapshot
+        view = self._with_margins(snapshot(frozenset(avoid), info.model))
         decision = self.policy.place(info, view)
         if isinstance(decision, Rejection) and avoid:
             # Avoiding the workers that failed this request left nowhere to go: a worker that
             # failed once may well serve the retry (its circuit breaker decides, not this).
-            decision = self.policy.place(info, self._with_margins(pools.snapshot(model=info.model)))
+            decision = self.policy.place(info, self._with_margins(snapshot(model=info.model)))
         overbook: dict[str, int] = {}
         if isinstance(decision, Rejection) and self.admission.settings.mode == "predictive":
             overbook = self._forecast(info)
             if overbook:
-                view = pools.snapshot(frozenset(avoid), info.model, freeing=overbook)
+                view = snapshot(frozenset(avoid), info.model, freeing=overbook)
                 decision = self.policy.place(info, self._with_margins(view))
         if isinstance(decision, Rejection):
             return decision
@@ -344,21 +346,20 @@ class Reserver:
         each worker of that side does instead (drained, serving the other role, probe failing:
         router/workers/rotation.py), with a Retry-After of when one may be back by itself
         (longer when only an operator can bring one back)."""
-        pools = self.pools
+        pools = self.members
         for side in ("decode", "prefill"):
             if not pool_alive(pools, side, model):
                 of = f" for {model}" if model and len(models_of(pools)) > 1 else ""
-                why = why_empty(pools, side, model) or "none is configured or registered"
-                raise Unavailable(
-                    f"no {side} worker is in rotation{of}: {why}",
+                raise NotInRotation(
+                    f"{side} worker{of}",
+                    why_empty(pools, side, model),
                     retry_after_s=retry_after_s(pools, side, model),
-                    code="no_worker_in_rotation",
                 )
 
     def _never_fits(self, info: RequestInfo) -> bool:
         """Larger than any decode worker even when idle: waiting for room would be in vain."""
         need = info.prompt_tokens + info.reserve_output_tokens
-        workers = list(self.pools.decode_workers)
+        workers = list(self.members.decode_workers)
         # None at all in the decode pool (a `both` worker on its way there: _check_pools_alive let
         # it through) is not "too large": room comes with the worker.
         return bool(workers) and all(

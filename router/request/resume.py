@@ -23,7 +23,7 @@ from router.config import Settings
 from router.errors import UpstreamError
 from router.relay.aiohttp_relay import parse_sent_text
 from router.request.attempt import Ask, Call
-from router.workers.pools import Pools
+from router.workers.membership import Membership
 
 __all__ = ["Resumer", "resume_body"]
 
@@ -34,7 +34,7 @@ class Resumer:
 
     settings: Settings
     session: aiohttp.ClientSession
-    pools: Pools
+    members: Membership
 
     def __repr__(self) -> str:
         return "Resumer()"
@@ -61,7 +61,7 @@ class Resumer:
             return 0
         model = call.parsed.body.get("model")
         asked = 0
-        for w in list(self.pools.workers.values()):
+        for w in list(self.members.workers.values()):
             if w.spec.adapter not in ("vllm", "mooncake") or not w.healthy or asked >= 2:
                 continue
             asked += 1

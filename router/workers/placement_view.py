@@ -20,10 +20,6 @@ __all__ = ["PlacementView"]
 _NO_LOAD = LoadSnapshot(running=0, waiting=0, kv_usage=None, num_gpu_blocks=None, at=0.0)
 
 
-def _serves(w: WorkerState, model: str) -> bool:
-    return not model or not w.spec.layout.model or w.spec.layout.model == model
-
-
 class PlacementView:
     def __init__(self, members: Membership, settings: Settings) -> None:
         self._members = members
@@ -70,7 +66,7 @@ class PlacementView:
                 recent_prefixes=w.recent_prefixes.frozen,
             )
             for w in members.prefill_workers
-            if _serves(w, model)
+            if w.spec.serves(model)
         )
         decode = tuple(
             DecodeView(
@@ -93,7 +89,7 @@ class PlacementView:
                 queued_prompt_tokens=w.queued_prompt_tokens,
             )
             for w in members.decode_workers
-            if _serves(w, model)
+            if w.spec.serves(model)
         )
         return ClusterView(
             prefill=prefill, decode=decode, kv_bytes_per_token=self._settings.kv_bytes_per_token
