@@ -327,32 +327,33 @@ class ResponsesFormat:
             "kv_transfer_params": kv,
         }
 
-    def _event(self, event: dict[str, Any]) -> bytes:
-        event["sequence_number"] = self._sequence
+    def _event(self, kind: str, fields: dict[str, Any]) -> bytes:
+        """One SSE event of type `kind`: its data is `fields` with the type first and the
+        stream's sequence number last, as vLLM orders them."""
+        event = {"type": kind, **fields, "sequence_number": self._sequence}
         self._sequence += 1
-        return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
 
     def role_event(self) -> bytes:
         start = self._response("in_progress", None, None)
-        return self._event({"type": "response.created", "response": start})
+        return self._event("response.created", {"response": start})
 
     def events(self, tok: str, finish: str | None, sent: int) -> bytes:
         out = b""
         if tok:
             self._text.append(tok)
             delta = {
-                "type": "response.output_text.delta",
                 "item_id": f"msg_{self.rid}",
                 "output_index": 0,
                 "content_index": 0,
                 "delta": tok,
                 "logprobs": [],
             }
-            out += self._event(delta)
+            out += self._event("response.output_text.delta", delta)
         if finish is not None:
             status = "completed" if finish == "stop" else "incomplete"
             done = self._response(status, "".join(self._text), self._usage(sent))
-            out += self._event({"type": "response.completed", "response": done})
+            out += self._event("response.completed", {"response": done})
         return out
 
     def full(

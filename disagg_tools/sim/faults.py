@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
+from typing import Any, cast
 
 import orjson
 from aiohttp import web
@@ -126,8 +127,11 @@ class FaultConfig:
             raise ValueError(f"unknown fault fields {sorted(unknown)}; known: {sorted(known)}")
         for name, value in data.items():
             _check_type(name, value)
+        # JSON in, fields out: each key is a field and each value its field's type, checked
+        # just above, which the type checker cannot follow through `_check_type`.
+        checked = cast("Mapping[str, Any]", data)
         try:
-            return cls(**data)  # type: ignore[arg-type]
+            return cls(**checked)
         except TypeError as exc:
             raise ValueError(str(exc)) from exc
 
@@ -207,16 +211,17 @@ class FaultState:
         return c.garbage if self._take("garbage") else None
 
     def hang_after(self) -> int | None:
-        return self._after_tokens("hang_after_tokens")
+        return self._after_tokens("hang_after_tokens", self.config.hang_after_tokens)
 
     def die_after_tokens(self) -> int | None:
-        return self._after_tokens("decode_die_after_tokens")
+        return self._after_tokens("decode_die_after_tokens", self.config.decode_die_after_tokens)
 
     def error_event_after_tokens(self) -> int | None:
-        return self._after_tokens("decode_error_event_after_tokens")
+        n = self.config.decode_error_event_after_tokens
+        return self._after_tokens("decode_error_event_after_tokens", n)
 
-    def _after_tokens(self, name: str) -> int | None:
-        n = getattr(self.config, name)
+    def _after_tokens(self, name: str, n: int | None) -> int | None:
+        """`n` (the fault `name`'s token count) when that fault fires for this request."""
         if n is None or not self._take(name):
             return None
         return n

@@ -27,6 +27,7 @@ from aiohttp import web
 from policies.base import blocks_for
 
 from . import textgen
+from .answer_shapes import AnswerShapes, AnswerShapesClass
 from .bootstrap import KvRoomError, RoomKv, bootstrap_params, hold_room, pull_room
 from .choices import serve_choices
 from .decode_engine import Sequence
@@ -66,7 +67,11 @@ class Dialect(Protocol):
     PD protocol (kv_transfer_params in the body, at the top of the answer) is the same."""
 
     path: str  # the textgen path its requests translate to
-    format: Any  # the class of its answer shapes, with AnswerFormat's interface
+
+    @property
+    def format(self) -> AnswerShapesClass:
+        """The class of its answer shapes."""
+        ...
 
     def as_request(self, body: dict[str, Any]) -> dict[str, Any]:
         """The body as a request of `path` (ValueError: a 400 with its message)."""
@@ -132,7 +137,7 @@ async def _generation(
     except ValueError as exc:
         raise _Refusal(400, str(exc)) from exc
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-    fmt_class: Any = (
+    fmt_class: AnswerShapesClass = (
         dialect.format
         if dialect is not None
         else SglangFormat
@@ -212,7 +217,7 @@ async def _prefill(
     worker: Worker,
     request: web.Request,
     spec: textgen.AnswerSpec,
-    fmt: AnswerFormat | SglangFormat,
+    fmt: AnswerShapes,
     rid: str,
     room: int | None = None,
 ) -> web.StreamResponse:
@@ -264,7 +269,7 @@ async def _hold_room(worker: Worker, room: int, kv: RoomKv) -> None:
 
 
 async def _one_token(
-    worker: Worker, request: web.Request, spec: textgen.AnswerSpec, fmt: AnswerFormat | SglangFormat
+    worker: Worker, request: web.Request, spec: textgen.AnswerSpec, fmt: AnswerShapes
 ) -> web.StreamResponse:
     """SGLang's prefill answer (read and dropped by the router): its first token, as asked."""
     tok, finish = next(spec.tokens())
@@ -284,7 +289,7 @@ async def _decode(
     worker: Worker,
     request: web.Request,
     spec: textgen.AnswerSpec,
-    fmt: AnswerFormat | SglangFormat,
+    fmt: AnswerShapes,
     rid: str,
     kv_params: dict[str, Any] | None,
 ) -> web.StreamResponse:
@@ -401,7 +406,7 @@ async def _stream(
     worker: Worker,
     request: web.Request,
     seq: Sequence,
-    fmt: AnswerFormat | SglangFormat,
+    fmt: AnswerShapes,
     die_after: int | None,
     error_after: int | None = None,
 ) -> web.StreamResponse:
@@ -456,7 +461,7 @@ async def _collect(
     worker: Worker,
     request: web.Request,
     seq: Sequence,
-    fmt: AnswerFormat | SglangFormat,
+    fmt: AnswerShapes,
     die_after: int | None,
 ) -> web.StreamResponse:
     pieces: list[str] = []

@@ -17,6 +17,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeGuard
 
 __all__ = [
     "VOCAB",
@@ -193,7 +194,7 @@ def _chat_context(body: Mapping[str, object]) -> str:
     return "".join(f"<|{r}|>\n{t}\n" for r, t in rendered) + "<|assistant|>\n"
 
 
-def _is_token_ids(value: object) -> bool:
+def _is_token_ids(value: object) -> TypeGuard[list[int]]:
     return (
         isinstance(value, list)
         and bool(value)
@@ -206,7 +207,7 @@ def _completion_prompt(body: Mapping[str, object]) -> str | list[int]:
     if isinstance(prompt, str):
         return prompt
     if _is_token_ids(prompt):
-        return prompt  # type: ignore[return-value]
+        return prompt
     if isinstance(prompt, list) and len(prompt) == 1:
         (only,) = prompt
         if isinstance(only, str):
