@@ -9,9 +9,12 @@ says, before any cluster starts, why a plot could not be written.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from disagg_tools.replay.replayer import ReplayResult
+
+if TYPE_CHECKING:  # matplotlib is an optional extra: imported where a plot is drawn
+    from matplotlib.axes import Axes
 
 __all__ = ["FORMATS", "plot_problem", "write_latency_plot"]
 
@@ -35,7 +38,7 @@ def _cdf(values: list[float]) -> tuple[list[float], list[float]]:
     return data, [(i + 1) / len(data) for i in range(len(data))]
 
 
-def _panel(ax: Any, values_ms: list[float], slo_ms: float, title: str, slo_label: str) -> None:
+def _panel(ax: Axes, values_ms: list[float], slo_ms: float, title: str, slo_label: str) -> None:
     if values_ms:
         xs, ys = _cdf(values_ms)
         ax.step(xs, ys, where="post", label=f"{len(values_ms)} samples")
