@@ -1,5 +1,5 @@
-"""The aiohttp decode-leg relay (`settings.relay: aiohttp`, and https:// workers): `relay_sse`,
-and `AiohttpAnswer`, an aiohttp response bound to it (the contract: router/relay/contract.py).
+"""The aiohttp decode-leg relay (`settings.relay: aiohttp`, and https:// workers): `relay_sse`
+(the contract both relays keep: router/relay/contract.py).
 
 No per-chunk JSON parsing: each read of aiohttp's body stream goes through the shared SSE
 cutter (router/relay/sse_cut.py) and what it gives back is forwarded as read (so a burst the client
@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Callable
-from typing import Any
 
 import aiohttp
 import orjson
@@ -30,7 +29,6 @@ from router.relay.sse_cut import (
 )
 
 __all__ = [
-    "AiohttpAnswer",
     "RelayObserver",
     "RelayResult",
     "relay_sse",
@@ -142,41 +140,3 @@ def parse_sent_text(chunks: list[bytes], chat: bool) -> tuple[str, int]:
                     parts.append(piece)
                     tokens += 1
     return "".join(parts), tokens
-
-
-class AiohttpAnswer:
-    """An aiohttp response bound to the aiohttp relay (router/relay/contract.py `Relay`)."""
-
-    __slots__ = ("resp",)
-
-    def __init__(self, resp: aiohttp.ClientResponse) -> None:
-        self.resp = resp
-
-    def __repr__(self) -> str:
-        return f"AiohttpAnswer({self.resp.status})"
-
-    async def read(self) -> bytes:
-        return await self.resp.read()
-
-    def close(self) -> None:
-        self.resp.close()
-
-    async def relay(
-        self,
-        client: Any,
-        *,
-        chat: bool,
-        responses: bool,
-        clock: Callable[[], float],
-        observer: RelayObserver | None,
-        first_event_by: float | None,
-    ) -> RelayResult:
-        return await relay_sse(
-            self.resp,
-            client,
-            chat=chat,
-            responses=responses,
-            clock=clock,
-            observer=observer,
-            first_event_by=first_event_by,
-        )

@@ -1,17 +1,17 @@
 """What a relay promises its caller, whichever moves the bytes (router/relay/splice.py on the raw
 pool, router/relay/aiohttp_relay.py on aiohttp): the decode leg opens the worker's answer and
-hands it back bound to its relay (`Relay`), so the choice of relay is made once, by the leg;
+hands it back bound to its relay function (`Relay`), so the choice is made once, by the leg;
 the caller relays, reads or closes it without knowing which it is. The relay reports progress
 to a `RelayObserver` and ends with a `RelayResult`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
-__all__ = ["NO_FIRST_EVENT", "Relay", "RelayObserver", "RelayResult"]
+__all__ = ["NO_FIRST_EVENT", "Relay", "RelayObserver", "RelayResult", "UpstreamResponse"]
 
 
 @dataclass(slots=True)
@@ -48,8 +48,33 @@ class RelayObserver(Protocol):
         comparison per read, not a call."""
 
 
-class Relay(Protocol):
-    """An open upstream answer (status 200, body unread) and the relay that moves it."""
+class UpstreamResponse(Protocol):
+    """What a relay needs of an upstream response besides its body stream (aiohttp's
+    ClientResponse, the raw pool's SpliceResponse)."""
+
+    async def read(self) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+R = TypeVar("R", bound=UpstreamResponse)
+
+# relay(upstream, client, *, chat, responses, clock, observer, first_event_by) -> RelayResult
+RelayFunction = Callable[..., Awaitable[RelayResult]]
+
+
+class Relay(Generic[R]):
+    """An open upstream answer (status 200, body unread) bound to the relay that moves it: the
+    leg picks the relay once (`relay_splice` for the raw pool's response, `relay_sse` for
+    aiohttp's); whoever serves the answer relays, reads or closes it without asking which."""
+
+    __slots__ = ("response", "_relay")
+
+    def __init__(self, response: R, relay: RelayFunction) -> None:
+        self.response, self._relay = response, relay
+
+    def __repr__(self) -> str:
+        return f"Relay({self.response!r})"
 
     async def relay(
         self,
@@ -63,9 +88,20 @@ class Relay(Protocol):
     ) -> RelayResult:
         """Forward its SSE body to `client` (the client's stream, or a sink that keeps
         nothing) until it ends, either side fails, or it is cancelled."""
+        return await self._relay(
+            self.response,
+            client,
+            chat=chat,
+            responses=responses,
+            clock=clock,
+            observer=observer,
+            first_event_by=first_event_by,
+        )
 
     async def read(self) -> bytes:
         """The whole body (an answer asked for whole)."""
+        return await self.response.read()
 
     def close(self) -> None:
         """Drop the connection (unfinished: vLLM's abort signal)."""
+        self.response.close()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Callable
-from typing import Any
 
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
@@ -31,7 +30,7 @@ from router.relay.upstream_pool import (
     UpstreamConn,
 )
 
-__all__ = ["SpliceAnswer", "relay_splice"]
+__all__ = ["relay_splice"]
 
 
 class _Splice:
@@ -189,41 +188,3 @@ async def relay_splice(
     if not result.completed and result.upstream_error is None:
         result.upstream_error = f"decode stream ended without {splice.cutter.end_name}"
     return result
-
-
-class SpliceAnswer:
-    """A raw-pool response bound to the splice relay (router/relay/contract.py `Relay`)."""
-
-    __slots__ = ("resp",)
-
-    def __init__(self, resp: SpliceResponse) -> None:
-        self.resp = resp
-
-    def __repr__(self) -> str:
-        return f"SpliceAnswer({self.resp!r})"
-
-    async def read(self) -> bytes:
-        return await self.resp.read()
-
-    def close(self) -> None:
-        self.resp.close()
-
-    async def relay(
-        self,
-        client: Any,
-        *,
-        chat: bool,
-        responses: bool,
-        clock: Callable[[], float],
-        observer: RelayObserver | None,
-        first_event_by: float | None,
-    ) -> RelayResult:
-        return await relay_splice(
-            self.resp,
-            client,
-            chat=chat,
-            responses=responses,
-            clock=clock,
-            observer=observer,
-            first_event_by=first_event_by,
-        )

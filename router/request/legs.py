@@ -38,9 +38,9 @@ from router.api import RESPONSES
 from router.config import Settings
 from router.errors import DeadlineExceeded, Unavailable, UpstreamError
 from router.metrics import RouterMetrics
-from router.relay.aiohttp_relay import AiohttpAnswer
+from router.relay.aiohttp_relay import relay_sse
 from router.relay.contract import Relay, RelayResult
-from router.relay.splice import SpliceAnswer
+from router.relay.splice import relay_splice
 from router.relay.upstream_pool import SplicePool
 from router.request.attempt import Ask, Attempt, Call, LegFailure, upstream_failure
 from router.request.pairing import Pairing
@@ -60,7 +60,7 @@ class DecodeAnswer:
     """The decode leg's open answer, bound to its relay (`answer`), and the worker that gives
     it: the breaker verdict it is owed is given here once the answer is read."""
 
-    answer: Relay
+    answer: Relay[Any]
     worker: WorkerState
     attempt: Attempt
     metrics: RouterMetrics
@@ -306,7 +306,7 @@ class Legs:
         worker = self.members.worker(attempt.candidate.decode_id)
         spec, t = worker.spec, self.settings.timeouts
         call.trace.begin("decode", worker=spec.id)
-        answer: Relay
+        answer: Relay[Any]
         async with self.leg_errors("decode", worker, deferred=True) as verdict:
             attempt.decode_verdict = verdict  # given when the answer is read (DecodeAnswer)
             if not call.assembling and self.splice is not None and self.splice.supports(spec.url):
@@ -322,7 +322,7 @@ class Legs:
                     data = await raw.read()
                     raw.close()
                     raise upstream_failure("decode", spec.id, raw.status, data)
-                answer = SpliceAnswer(raw)
+                answer = Relay(raw, relay_splice)
             else:
                 resp = await self.session.post(
                     spec.url + call.parsed.path,
@@ -336,5 +336,5 @@ class Legs:
                     data = await resp.read()
                     resp.release()
                     raise upstream_failure("decode", spec.id, resp.status, data)
-                answer = AiohttpAnswer(resp)
+                answer = Relay(resp, relay_sse)
         return DecodeAnswer(answer, worker, attempt, self.metrics)
