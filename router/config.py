@@ -159,9 +159,9 @@ class Settings:
     health_interval_s: float = 2.0
     # While every worker is healthy and this replica is quiet (nothing in flight or waiting),
     # the probe interval doubles from health_interval_s up to this; the first request or
-    # failed probe brings it back (router/workers/pools.py). An idle router's probes then cost ~4x
-    # less; a worker that dies while nobody asks is noticed this much later (a request's own
-    # failure trips its breaker at once). <= health_interval_s: never back off.
+    # failed probe brings it back (router/workers/loop_timing.py). An idle router's probes then
+    # cost ~4x less; a worker that dies while nobody asks is noticed this much later (a
+    # request's own failure trips its breaker at once). <= health_interval_s: never back off.
     health_idle_interval_s: float = 8.0
     # A probe slower than this counts as failed; two failures in a row take a worker out of
     # rotation. Generous by default: a busy vLLM API server can be slow to answer /health.

@@ -316,7 +316,7 @@ class StateStore(Protocol):
 
     async def close(self) -> None: ...
 
-    # -- one read for the registry sync (router/workers/pools.py)
+    # -- one read for the registry sync (router/workers/registry.py)
     # -----------------------------------
     async def registry_view(
         self, marker_ttl_s: float
@@ -326,7 +326,7 @@ class StateStore(Protocol):
         registry's hash tag): (data lost, registrations, drain marks, roles). A replica reads
         this every `registry_refresh_s`, busy or idle."""
 
-    # -- one read for the state refresher (router/workers/pools.py)
+    # -- one read for the state refresher (router/workers/refresher.py)
     # ----------------------------------
     async def usage_view(
         self, decode_ids: Iterable[str], prefill_ids: Iterable[str]

@@ -31,7 +31,7 @@ async def test_a_decode_worker_deleted_during_the_prefill_still_serves_its_reque
 ) -> None:
     """Found by the state machine: DELETE /admin/workers/r0 while a request placed on r0 was
     in its prefill; the client got `500 internal router error`. The pools' contract
-    (router/workers/pools.py `remove`) is that requests already on a removed worker finish."""
+    (router/workers/membership.py `remove`) is that requests already on a removed worker finish."""
     async with (
         sim_cluster(
             redis_prefix=redis_prefix,
@@ -92,7 +92,8 @@ async def _post(s: aiohttp.ClientSession, url: str, body: dict[str, object]) -> 
     "reservations into the room of another replica's live ones before that replica's renewal "
     "puts them back (router/leases.py renew_all, state renew_many: over capacity by design): "
     "reserved exceeds capacity until those streams end; a fix needs the store to hold new "
-    "reservations back for a renewal period after a reset (state/ and router/workers/pools.py)",
+    "reservations back for a renewal period after a reset "
+    "(state/ and router/workers/store_loss.py)",
 )
 async def test_after_a_redis_restart_put_backs_and_new_reservations_stay_within_capacity() -> None:
     """Found by the state machine (`r0: 503 blocks reserved > capacity 400`): replica A holds a

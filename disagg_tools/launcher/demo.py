@@ -24,7 +24,7 @@ from disagg_tools.launcher.localcluster import ClusterShape, local_cluster
 from disagg_tools.progress import ReplayBar
 from disagg_tools.replay.replay_report import summarize, to_text
 from disagg_tools.replay.replayer import replay
-from disagg_tools.traces import TraceRequest, load_trace
+from disagg_tools.traces import TRACE_DIR, TraceRequest, load_trace
 
 __all__ = ["add_demo_arguments", "run_demo", "default_trace"]
 
@@ -32,10 +32,10 @@ TRACE_NAME = "AzureLLMInferenceTrace_conv.csv"
 
 
 def default_trace() -> Path | None:
-    """The Azure conversation trace in ../shared/traces, looked for beside the cwd and the repo."""
-    here = Path(__file__).resolve().parent.parent
-    for base in (Path.cwd(), here):
-        candidate = base.parent / "shared" / "traces" / TRACE_NAME
+    """The Azure conversation trace in ../shared/traces, looked for beside the cwd and beside
+    the repository (`disagg_tools.traces.TRACE_DIR`, or $DISAGG_TRACES)."""
+    for where in (Path.cwd().parent / "shared" / "traces", TRACE_DIR):
+        candidate = where / TRACE_NAME
         if candidate.is_file():
             return candidate
     return None

@@ -139,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="source tree of the ours_alt target (A/B a router change: the same "
         "command, run from that directory)",
     )
+    p.add_argument(
+        "--alt-redis",
+        action="store_true",
+        help="ours_alt with the Redis store, as ours_redis (A/B the deployed configuration)",
+    )
     p.add_argument("--log-dir", default=None, help="process logs and configs (default: a temp dir)")
     p.add_argument(
         "--idle-s",

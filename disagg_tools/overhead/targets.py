@@ -180,7 +180,8 @@ def router_command(
     (the ladder's one pair, the idle phase's four)."""
     if name in ("ours", "ours_redis", "ours_alt"):
         cfg = log_dir / f"{config_name or name}.yaml"
-        _our_config(ns, prefill, decode, cfg, redis=name == "ours_redis")
+        redis = name == "ours_redis" or (name == "ours_alt" and getattr(ns, "alt_redis", False))
+        _our_config(ns, prefill, decode, cfg, redis=redis)
         serve = ["--log-level", "WARNING", "serve", "--config", str(cfg)]
         return [
             sys.executable,
