@@ -41,7 +41,8 @@ from router.adapters.base import ProtocolViolation
 from router.adapters.vllm import VllmNixlAdapter
 from router.app import GATEWAY
 from router.config import settings_from_mapping
-from tests.conftest import REDIS_URL, free_port, running_router
+import tests.conftest as top_conftest
+from tests.conftest import free_port, running_router
 
 HERE = Path(__file__).resolve().parent
 ENGINE_SITE = HERE / "engine_site"
@@ -553,7 +554,8 @@ def router_settings(cluster: VllmCluster, key_prefix: str, **overrides: Any) -> 
         "perf": {"model": "tiny-llama", "gpu": "h100", "block_size": BLOCK_SIZE},
         "layout": {"engine": "vllm", "engine_version": VLLM_VERSION},
         "max_model_len": MAX_MODEL_LEN,
-        "redis_url": REDIS_URL,
+        # Read when used: the session may have started a private Redis (tests/conftest.py).
+        "redis_url": top_conftest.REDIS_URL,
         "key_prefix": key_prefix,
         "workers": workers,
         "health_interval_s": 0.5,
