@@ -37,11 +37,11 @@ from aiohttp import web
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+import tests.conftest as top_conftest
 from router.adapters.base import ProtocolViolation
 from router.adapters.vllm import VllmNixlAdapter
 from router.app import GATEWAY
 from router.config import settings_from_mapping
-import tests.conftest as top_conftest
 from tests.conftest import free_port, running_router
 
 HERE = Path(__file__).resolve().parent
