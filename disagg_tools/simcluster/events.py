@@ -39,13 +39,12 @@ class EventQueue:
         self._seq += 1
         heapq.heappush(self._heap, (t, self._seq, fire))
 
-    def drain(self) -> Iterator[tuple[float, Callable[[], None]]]:
+    def drain(self) -> Iterator[Event]:
         """Pop events in order until none is left, including those pushed while draining."""
         heap = self._heap
         pop = heapq.heappop
         while heap:
-            t, _, fire = pop(heap)
-            yield t, fire
+            yield pop(heap)
 
     def __len__(self) -> int:
         return len(self._heap)
