@@ -19,6 +19,9 @@ Two router modes: `reserve=True` (ours) holds `Candidate.reserve_blocks` on D be
 `reserve=False` (the peers) reserves nothing and gives the policy no output-length estimate, so a
 policy's room check covers the prompt only ("place and hope").
 
+Each event carries its handler (`disagg_tools.simcluster.events`): what happens at a time is
+pushed as the call that does it, so the run loop pops and calls, in time order.
+
 With `ClusterConfig.elastic` every worker is `kv_both`: a `RolePolicy` moves workers between the
 pools, with drain and a reconfiguration pause (`disagg_tools.simcluster.role_switching`).
 """

@@ -22,6 +22,8 @@ Event = tuple[float, int, Callable[[], None]]
 
 
 class EventQueue:
+    """One run's pending events; `drain` fires them in time order as the run loop asks."""
+
     __slots__ = ("_heap", "_seq")
 
     def __init__(self) -> None:
@@ -45,6 +47,3 @@ class EventQueue:
         pop = heapq.heappop
         while heap:
             yield pop(heap)
-
-    def __len__(self) -> int:
-        return len(self._heap)
