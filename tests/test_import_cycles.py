@@ -19,13 +19,7 @@ from tests.test_layering import ROOT, Import, imports_in, module_name
 
 # Circles known and owned elsewhere: their modules (sorted) -> why each is still here. Each goes
 # when its owner breaks it (the test then says to take it out); empty, the house has none.
-EXPECTED: dict[tuple[str, ...], str] = {
-    ("disagg_tools.simcluster.engine", "disagg_tools.simcluster.role_switching"): (
-        "role_switching types its hooks with engine's private `_Engine` under TYPE_CHECKING, "
-        "engine builds the RoleController: the simulator's own redesign (issue 21, item 7) "
-        "is to give the controller what it uses"
-    ),
-}
+EXPECTED: dict[tuple[str, ...], str] = {}
 
 
 def module_of(target: str, modules: set[str]) -> str | None:

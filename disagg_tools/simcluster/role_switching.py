@@ -31,9 +31,11 @@ for room in the admission queue.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
+from disagg_tools.simcluster.config import ClusterConfig
 from disagg_tools.simcluster.metrics import RolesSummary, RoleSwitchLog
 from disagg_tools.simcluster.workers import DecodeWorker, Job, PrefillWorker
 from policies.base import (
@@ -45,10 +47,35 @@ from policies.base import (
     blocks_for,
 )
 
-if TYPE_CHECKING:
-    from disagg_tools.simcluster.engine import _Engine
+__all__ = ["EngineHooks", "RoleController", "RoleAccountingError", "Slot"]
 
-__all__ = ["RoleController", "RoleAccountingError", "Slot"]
+
+class EngineHooks(Protocol):
+    """What the role controller reads and calls of the engine that runs it
+    (`disagg_tools.simcluster.engine._Engine`): a protocol, so this module does not import the
+    engine that imports it."""
+
+    cfg: ClusterConfig
+    now: float
+    p_live: list[PrefillWorker]
+    d_live: list[DecodeWorker]
+    queue: deque[Job]
+    q_live: int
+    n_done: int
+    n_requests: int
+    slo_ttft_s: float
+    slo_tpot_s: float
+
+    def push_call(self, t: float, fn: Callable[[], None]) -> None: ...
+
+    def schedule_step(self, d: DecodeWorker) -> None: ...
+
+    def start_prefill(self, p: PrefillWorker) -> None: ...
+
+    def drain_queue(self) -> None: ...
+
+    def handoff(self, job: Job) -> None: ...
+
 
 W = TypeVar("W", PrefillWorker, DecodeWorker)
 
@@ -108,10 +135,10 @@ class _Decayed:
 
 
 class RoleController:
-    """Runs a role policy inside `disagg_tools.simcluster.engine._Engine`: ticks, drains, pauses,
+    """Runs a role policy inside the engine (`EngineHooks`): ticks, drains, pauses,
     migrations."""
 
-    def __init__(self, engine: _Engine, policy: RolePolicy, slots: list[Slot]) -> None:
+    def __init__(self, engine: EngineHooks, policy: RolePolicy, slots: list[Slot]) -> None:
         cfg = engine.cfg
         self.e = engine
         self.policy = policy
