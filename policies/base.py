@@ -170,8 +170,12 @@ class PrefillView:
     prefill_tokens_per_s: float = 10_000.0
     stranded_bytes: int = 0
     stranded_cap_bytes: int = 0  # 0 = no cap
-    # Prefix block hashes this worker prefilled recently (prefix-cache affinity).
+    # Prefix block hashes this worker prefilled recently (prefix-cache affinity, estimated).
     recent_prefixes: frozenset[int] = frozenset()
+    # Exact: the tokens at the start of this request's prompt that the worker's prefix cache
+    # holds, from its own KV events (policies/token_blocks.py names the blocks). None: not
+    # known (no events from this worker): placement falls back to `recent_prefixes`.
+    cached_prefix_tokens: int | None = None
 
     @property
     def under_stranded_cap(self) -> bool:
@@ -197,6 +201,10 @@ class DecodeView:
     can_prefill: bool = False
     prefill_tokens_per_s: float = 10_000.0
     queued_prompt_tokens: int = 0
+    # Exact, as on PrefillView: this request's leading prompt tokens the decode worker's own
+    # prefix cache holds (only the rest of the KV need cross the link; a local prefill computes
+    # only the rest). None: not known.
+    cached_prefix_tokens: int | None = None
 
     @property
     def free_blocks(self) -> int:
