@@ -23,6 +23,13 @@ sequences (at least one: the next sequence admitted to D waits too), is added to
 option's score, so short prompts stay local and long ones go remote, the crossover falling out of
 the model. `disagg_threshold_tokens` overrides the model: prompts at or under it go local first
 where a local-capable decode worker has room, longer ones only remote.
+
+Placement on facts: a view whose `cached_prefix_tokens` is known (from the worker's own KV events)
+is used exactly, by whole blocks: P computes only the uncached suffix, the link carries only the
+blocks D does not hold (vLLM's NIXL consumer pulls only what its own cache misses, design.md §9),
+and a local prefill on D computes only what D's cache misses, so a decode worker that holds
+nearly all of a prompt serves it whole when that is cheaper. Unknown (None): the estimate from
+`recent_prefixes` and `prefix_weight` stays.
 """
 
 from __future__ import annotations
@@ -49,7 +56,19 @@ from policies.baselines import (
     screen,
 )
 
-__all__ = ["TwoSidedPolicy", "prefix_hit_fraction"]
+__all__ = ["TwoSidedPolicy", "prefix_hit_fraction", "uncached_tokens"]
+
+
+def uncached_tokens(prompt_tokens: int, cached_prefix_tokens: int, block_size: int) -> int:
+    """Prompt tokens a worker must compute (or receive) given the leading tokens it caches.
+
+    The cache holds whole blocks only, so a partial count is floored to a block; at least one
+    token is always computed, because the last prompt token yields the logits (vLLM recomputes it
+    on a full hit).
+    """
+    held = min(max(0, cached_prefix_tokens), prompt_tokens)
+    held -= held % max(1, block_size)
+    return max(1, prompt_tokens - held)
 
 
 def prefix_hit_fraction(prefix_hashes: tuple[int, ...], recent: frozenset[int]) -> float:
@@ -194,8 +213,12 @@ class TwoSidedPolicy:
             for d, n in decodes:
                 r, u = d.reserved_blocks, d.used_blocks
                 step = d.step_base_s + d.step_s_per_block * ((r if r > u else u) + n)
-                t = transfers.get(d.group)
-                if t is None:
+                known = transfers.get(d.group) if d.cached_prefix_tokens is None else None
+                if known is not None:
+                    t = known
+                elif d.cached_prefix_tokens is not None:
+                    t = ctx.transfer_to(group, d)
+                else:
                     t = transfers[d.group] = transfer_s(group, d.group)
                 ttft = cost + t + step
                 append((tier, ttft, ptie, pid, d, n, ttft, step))
@@ -207,7 +230,7 @@ class TwoSidedPolicy:
                 top: _Entry | None = None
                 for group, prefills in groups.get(keys.get(id(layout)) or key_of(layout), ()):
                     po = prefills[0]
-                    ttft = po.cost_s + transfer_s(group, d.group) + step
+                    ttft = po.cost_s + ctx.transfer_to(group, d) + step
                     if top is None or (ttft, po.tie) < (top[1], top[2]):
                         top = (tier, ttft, po.tie, po.worker.worker_id, d, n, ttft, step)
                 if allow_local and d.can_prefill:
@@ -274,8 +297,13 @@ class TwoSidedPolicy:
         for key, workers in feasible.prefill_by_key.items():
             for p in workers:
                 rate = max(p.prefill_tokens_per_s, 1e-9)
-                hit = prefix_hit_fraction(hashes, p.recent_prefixes) if hashes else 0.0
-                cost = (p.queued_prompt_tokens + prompt * (1.0 - weight * hit)) / rate
+                cached = p.cached_prefix_tokens
+                if cached is not None:  # a fact: only the uncached suffix is computed
+                    compute = float(uncached_tokens(prompt, cached, p.layout.block_size))
+                else:  # a hint, discounted by `prefix_weight`
+                    hit = prefix_hit_fraction(hashes, p.recent_prefixes) if hashes else 0.0
+                    compute = prompt * (1.0 - weight * hit)
+                cost = (p.queued_prompt_tokens + compute) / rate
                 bucket = buckets.get((key, p.group))
                 if bucket is None:
                     buckets[(key, p.group)] = [(cost, p)]
@@ -339,6 +367,15 @@ class _Context:
             self._transfer[pair] = t
         return t
 
+    def transfer_to(self, p_group: str, d: DecodeView) -> float:
+        """KV transfer time into `d`: only the blocks its own cache misses cross the link."""
+        cached = d.cached_prefix_tokens
+        if cached is None:
+            return self.transfer_s(p_group, d.group)
+        prompt = self.request.prompt_tokens
+        moved = uncached_tokens(prompt, cached, d.layout.block_size)
+        return self.view.transfer_s(moved, p_group, d.group)
+
     def options(self, d: DecodeView, need: int, allow_local: bool, top_only: bool) -> list[_Ranked]:
         """Every way to serve the request with decode on `d` (only each group's best P if
         `top_only`), ranked by (tier, score, ties)."""
@@ -347,7 +384,7 @@ class _Context:
         tier = 1 if self.local_first else 0
         out: list[_Ranked] = []
         for group, prefills in self.groups.get(self.key_of(d.layout), ()):
-            transfer = self.transfer_s(group, d.group)
+            transfer = self.transfer_to(group, d)
             for po in prefills[:1] if top_only else prefills:
                 ttft = po.cost_s + transfer + step
                 rank = (tier, ttft, tie_d, po.tie)
@@ -360,7 +397,11 @@ class _Context:
 
     def _local(self, d: DecodeView, need: int, step: float, tie_d: int) -> _Ranked | None:
         rate = max(d.prefill_tokens_per_s, 1e-9)
-        prefill_s = self.request.prompt_tokens / rate
+        prompt = self.request.prompt_tokens
+        cached = d.cached_prefix_tokens
+        # Known: D computes only what its own cache misses (a held conversation stays local).
+        compute = prompt if cached is None else uncached_tokens(prompt, cached, d.layout.block_size)
+        prefill_s = compute / rate
         # The part of the prefill that does not hide in one memory-bound step stalls the batch.
         stall = max(0.0, prefill_s - d.step_time_s())
         if self.local_slo is not None and step + stall > self.local_slo:

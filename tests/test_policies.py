@@ -33,7 +33,7 @@ from policies.baselines import (
     RandomPolicy,
     RoundRobinPolicy,
 )
-from policies.two_sided import TwoSidedPolicy, prefix_hit_fraction
+from policies.two_sided import TwoSidedPolicy, prefix_hit_fraction, uncached_tokens
 
 LAYOUT = KVLayout(model="m", kv_heads=8, head_dim=128, block_size=16)
 OTHER = KVLayout(model="m", kv_heads=8, head_dim=128, block_size=32, engine_version="1")
@@ -174,6 +174,58 @@ def test_prefix_hit_is_a_leading_run() -> None:
     assert prefix_hit_fraction((1, 2, 3, 4), frozenset({1, 2, 4})) == 0.5
     assert prefix_hit_fraction((1, 2), frozenset({2})) == 0.0
     assert prefix_hit_fraction((), frozenset({1})) == 0.0
+
+
+# -- placement on facts: cached_prefix_tokens, when known, is used exactly (issue 22) -----------
+
+
+def test_uncached_tokens_counts_whole_blocks_and_always_one_token() -> None:
+    assert uncached_tokens(1000, 0, 16) == 1000
+    assert uncached_tokens(1000, 40, 16) == 1000 - 32  # a partial block is not a hit
+    assert uncached_tokens(1024, 1024, 16) == 1  # the last token yields the logits
+    assert uncached_tokens(100, 5_000, 16) == 100 - 96  # never more than the prompt
+
+
+def test_known_prefill_cache_is_used_exactly_over_the_estimate() -> None:
+    hashes = (1, 2, 3, 4)
+    # The hint says p-hinted holds the whole prefix; the fact says p-holds does (6,000 tokens).
+    hinted = P("p-hinted", recent_prefixes=frozenset(hashes), cached_prefix_tokens=0)
+    holds = P("p-holds", cached_prefix_tokens=6_000)
+    v = view([hinted, holds], [D("d0")])
+    cand = placed(TwoSidedPolicy().place(req(prompt=8_000, prefix_hashes=hashes), v))[0]
+    assert cand.prefill_id == "p-holds"
+    compute = uncached_tokens(8_000, 6_000, 16)
+    want = compute / holds.prefill_tokens_per_s + v.transfer_s(8_000, "default", "default")
+    assert cand.predicted_ttft_s == pytest.approx(want + D("d0").step_time_s(cand.reserve_blocks))
+
+
+def test_decode_cache_shrinks_the_transfer_and_wins_the_pair() -> None:
+    # A slow link: moving 8,000 tokens of KV costs 8000*128KiB/1GB/s ~ 1 s; d-warm holds 7,680.
+    warm, cold = D("d-warm", cached_prefix_tokens=7_680), D("d-cold", cached_prefix_tokens=0)
+    v = view([P("p0")], [cold, warm], default_link_bytes_per_s=1e9)
+    cands = placed(TwoSidedPolicy().place(req(prompt=8_000), v))
+    assert cands[0].decode_id == "d-warm"
+    moved = v.transfer_s(uncached_tokens(8_000, 7_680, 16), "default", "default")
+    assert cands[0].predicted_ttft_s == pytest.approx(
+        8_000 / 10_000 + moved + warm.step_time_s(cands[0].reserve_blocks)
+    )
+    # Unknown (None) on both: no preference from the cache, the tie-break decides, and the
+    # whole prompt crosses the link.
+    blind = view([P("p0")], [D("d-warm"), D("d-cold")], default_link_bytes_per_s=1e9)
+    first = placed(TwoSidedPolicy().place(req(prompt=8_000), blind))[0]
+    assert first.predicted_ttft_s > 8_000 * 128 * 1024 / 1e9
+
+
+def test_decode_worker_holding_the_prompt_serves_it_whole() -> None:
+    # 8 resident sequences make a 4,000-token local prefill expensive: remote wins when D's
+    # cache is cold, local wins when D already holds all but the last block (conditional
+    # disaggregation on facts).
+    cold = D("d0", can_prefill=True, resident_seqs=8, cached_prefix_tokens=0)
+    v = view([P("p0")], [cold])
+    assert placed(TwoSidedPolicy().place(req(prompt=4_000), v))[0].prefill_id == "p0"
+    warm = replace(cold, cached_prefix_tokens=3_984)
+    v = view([P("p0")], [warm])
+    assert placed(TwoSidedPolicy().place(req(prompt=4_000), v))[0].prefill_id is None
 
 
 def test_transfer_time_favours_the_nearby_decode_worker() -> None:
@@ -499,3 +551,49 @@ def test_two_sided_first_candidate_is_the_best_pair(v: ClusterView, r: RequestIn
         ]
         ttfts = [c.predicted_ttft_s for c in distinct]
         assert ttfts == sorted(ttfts)
+
+
+@PROPERTY_SETTINGS
+@given(v=cluster_views(), r=requests(), data=st.data())
+def test_two_sided_best_pair_on_facts(v: ClusterView, r: RequestInfo, data: st.DataObject) -> None:
+    """With cached_prefix_tokens known on some workers, the pruned search still finds the pair
+    an exhaustive search finds, each term computed from the facts (remote only, no SLO)."""
+    cached = st.none() | st.integers(0, 45_000)
+    v = replace(
+        v,
+        prefill=tuple(replace(p, cached_prefix_tokens=data.draw(cached)) for p in v.prefill),
+        decode=tuple(
+            replace(d, can_prefill=False, cached_prefix_tokens=data.draw(cached)) for d in v.decode
+        ),
+    )
+    r = replace(r, slo_itl_s=None)
+    best = math.inf
+    for p in v.prefill:
+        for d in v.decode:
+            need = blocks_for(r.prompt_tokens + r.reserve_output_tokens, d.layout.block_size)
+            if not (p.healthy and d.healthy and p.under_stranded_cap) or d.free_blocks < need:
+                continue
+            if p.layout.key != d.layout.key:
+                continue
+            if p.cached_prefix_tokens is None:
+                hit = prefix_hit_fraction(r.prefix_hashes, p.recent_prefixes)
+                compute = r.prompt_tokens * (1 - 0.5 * hit)
+            else:
+                bs = p.layout.block_size
+                compute = uncached_tokens(r.prompt_tokens, p.cached_prefix_tokens, bs)
+            moved = r.prompt_tokens
+            if d.cached_prefix_tokens is not None:
+                bs = d.layout.block_size
+                moved = uncached_tokens(r.prompt_tokens, d.cached_prefix_tokens, bs)
+            ttft = (
+                (p.queued_prompt_tokens + compute) / p.prefill_tokens_per_s
+                + v.transfer_s(moved, p.group, d.group)
+                + d.step_time_s(need)
+            )
+            best = min(best, ttft)
+    decision = TwoSidedPolicy(prefix_weight=0.5).place(r, v)
+    assert decision == TwoSidedPolicy(prefix_weight=0.5).place(r, v)
+    if best == math.inf:
+        assert isinstance(decision, Rejection)
+    else:
+        assert placed(decision)[0].predicted_ttft_s == pytest.approx(best, rel=1e-12)
