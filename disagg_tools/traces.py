@@ -40,6 +40,7 @@ __all__ = [
     "TraceRequest",
     "detect_format",
     "load_trace",
+    "multi_turn",
     "prompt_text",
     "scale_arrivals",
 ]
@@ -156,6 +157,73 @@ def load_trace(
     return [
         TraceRequest(arrival_s=a, prompt_tokens=p, output_tokens=o, prefix_hash_ids=h, index=i)
         for a, (i, _t, p, o, h) in zip(arrivals, selected, strict=True)
+    ]
+
+
+def multi_turn(
+    path: str | Path,
+    *,
+    conversations: int,
+    seed: int = 0,
+    block_tokens: int = 64,
+    mean_turns: float = 4.0,
+    think_s: float = 20.0,
+    followup_share: float = 0.25,
+    system_tokens: int = 0,
+    max_prompt_tokens: int = 32_768,
+) -> list[TraceRequest]:
+    """Conversations whose every turn extends the previous turn's prompt, from a trace's lengths.
+
+    Deterministic under `seed`. The trace's rows are taken in order, one per turn: a
+    conversation starts at its first row's arrival with that row's prompt; each later turn's
+    prompt is the previous prompt + the previous answer + a follow-up of `followup_share` of its
+    row's prompt length (follow-ups are shorter than opening contexts), and arrives an
+    exponential think time (mean `think_s`) after the previous turn. Turns per conversation are
+    geometric with mean `mean_turns`; a conversation ends early past `max_prompt_tokens`.
+
+    `prefix_hash_ids` name the prompt's full `block_tokens`-token blocks along the
+    conversation's token stream: turn k's ids extend turn k-1's, and the first
+    `system_tokens // block_tokens` ids (a shared system prompt) are the same in every
+    conversation, so a prefix cache hits exactly where the tokens are equal.
+    """
+    if conversations < 0 or block_tokens <= 0 or mean_turns < 1 or think_s <= 0:
+        raise ValueError("conversations >= 0, block_tokens > 0, mean_turns >= 1, think_s > 0")
+    rows = load_trace(path)
+    if not rows and conversations:
+        raise TraceFormatError(f"{path}: no rows to build conversations from")
+    rng = random.Random(seed)
+    system_blocks = system_tokens // block_tokens
+    next_id = system_blocks  # ids 0..system_blocks-1 are the shared system prompt
+    out: list[tuple[float, int, int, tuple[int, ...]]] = []
+    row_at = 0
+    for _ in range(conversations):
+        turns = 1
+        while rng.random() > 1.0 / mean_turns:
+            turns += 1
+        stream = list(range(system_blocks))  # this conversation's block ids, in token order
+        arrival = rows[row_at % len(rows)].arrival_s
+        prompt = 0
+        for turn in range(turns):
+            row = rows[row_at % len(rows)]
+            row_at += 1
+            if turn == 0:
+                prompt = system_tokens + max(1, row.prompt_tokens)
+            else:
+                arrival += rng.expovariate(1.0 / think_s)
+                prompt += max(1, round(row.prompt_tokens * followup_share))
+            if prompt > max_prompt_tokens:
+                break
+            full = prompt // block_tokens
+            while len(stream) < full:
+                stream.append(next_id)
+                next_id += 1
+            out.append((arrival, prompt, row.output_tokens, tuple(stream[:full])))
+            prompt += row.output_tokens  # the answer is part of the next turn's context
+    out.sort(key=lambda r: r[0])
+    t0 = out[0][0] if out else 0.0
+    return [
+        TraceRequest(arrival_s=a - t0, prompt_tokens=p, output_tokens=o, prefix_hash_ids=h, index=i)
+        for i, (a, p, o, h) in enumerate(out)
     ]
 
 

@@ -18,10 +18,21 @@ from policies.costmodel import PerfModel, perf_model
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing's own from Python 3.12
 
-__all__ = ["SimWorkerSpec", "ClusterConfig", "ClusterKnobs", "ClusterFields", "OnFull", "Admission"]
+__all__ = [
+    "SimWorkerSpec",
+    "ClusterConfig",
+    "ClusterKnobs",
+    "ClusterFields",
+    "OnFull",
+    "Admission",
+    "Affinity",
+]
 
 OnFull = Literal["preempt", "refuse"]
 Admission = Literal["instant", "predictive"]
+# What the router is told of the workers' prefix caches (disagg_tools/simcluster/prefix_facts.py).
+Affinity = Literal["exact", "exact_prefill", "estimated", "none", "oracle"]
+AFFINITIES = ("exact", "exact_prefill", "estimated", "none", "oracle")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +85,14 @@ class ClusterConfig:
     # hash id (Mooncake's traces use 512).
     prefix_cache_blocks: int = 0
     prefix_block_tokens: int = 512
+    # Exact prefix caches on both pools (`prefix_cache_blocks` each) and what the placement
+    # policy sees of them (simcluster/prefix_facts.py). None: the prefill-only LRU above, seen
+    # through `recent_prefixes` (the simulator as it was before issue 22).
+    affinity: Affinity | None = None
+    # Delay of a worker's KV events (stored/removed) on their way into the router's index.
+    kv_event_lag_s: float = 0.0
+    # Debug: at every placement, check the router's index equals the caches (with no lag).
+    check_views: bool = False
     # Client max_tokens; outputs longer than it are cut there, as a real server would.
     max_tokens: int = 4096
     # Multiplicative uniform noise on prefill times (0 = the cost model exactly).
@@ -151,6 +170,13 @@ class ClusterConfig:
             raise ValueError("reconfig_pause_s and drain_deadline_s must be >= 0")
         if self.role_interval_s <= 0 or self.role_window_s <= 0:
             raise ValueError("role_interval_s and role_window_s must be > 0")
+        if self.affinity is not None:
+            if self.affinity not in AFFINITIES:
+                raise ValueError(f"affinity must be one of {AFFINITIES} or None")
+            if self.elastic:
+                raise ValueError("exact prefix caches are not modelled with elastic roles")
+        if self.kv_event_lag_s < 0 or self.prefix_cache_blocks < 0:
+            raise ValueError("kv_event_lag_s and prefix_cache_blocks must be >= 0")
         # A frozen config should not share a dict the caller can still mutate.
         object.__setattr__(self, "links", MappingProxyType(dict(self.links)))
 
@@ -235,6 +261,9 @@ class ClusterKnobs(TypedDict, total=False):
     stranded_cap_bytes: int
     prefix_cache_blocks: int
     prefix_block_tokens: int
+    affinity: Affinity | None
+    kv_event_lag_s: float
+    check_views: bool
     max_tokens: int
     prefill_jitter: float
     router_overhead_s: float

@@ -40,6 +40,7 @@ from disagg_tools.simcluster.config import ClusterConfig, SimWorkerSpec
 from disagg_tools.simcluster.events import EventQueue
 from disagg_tools.simcluster.feedback import Feedback
 from disagg_tools.simcluster.metrics import GapHistogram, Outcome, RequestRecord, SimResult
+from disagg_tools.simcluster.prefix_facts import PrefixFacts
 from disagg_tools.simcluster.role_switching import RoleController, Slot
 from disagg_tools.simcluster.workers import DecodeWorker, Job, PrefillWorker, quantize
 from policies.base import (
@@ -100,6 +101,8 @@ class _Engine:
         self.slo_ttft_s = slo_ttft_s
         self.slo_tpot_s = slo_tpot_s
         cap, lru = config.stranded_cap_bytes, config.prefix_cache_blocks
+        if config.affinity is not None:
+            lru = 0  # the exact caches of `PrefixFacts` replace the prefill-only LRU
         self.quantum = config.timer_quantum_s
 
         def prefill_worker(i: int, s: SimWorkerSpec) -> PrefillWorker:
@@ -146,6 +149,13 @@ class _Engine:
         self.kvbpt = config.kv_bytes_per_token
         self.now = 0.0
         self.events = EventQueue()
+        # Exact prefix caches on both pools and the router's knowledge of them (issue 22).
+        self.facts: PrefixFacts | None = None
+        if config.affinity is not None:
+            wids = [p.wid for p in self.prefills] + [d.wid for d in self.decodes]
+            self.facts = PrefixFacts(config, wids, self.push_call, lambda: self.now)
+            for d in self.decodes:
+                d.local_hit = partial(self.facts.local_hit, d.wid)
         self.queue: deque[Job] = deque()
         self.q_live = 0
         self.hist: dict[str, dict[int, int]] = {}
@@ -269,7 +279,7 @@ class _Engine:
         """Moves whenever an estimate could: a completion learned, or a live overrun reported."""
         return self.n_learned + (self.feedback.version if self.feedback is not None else 0)
 
-    def _view(self, forecast_at: float | None = None) -> ClusterView:
+    def _view(self, forecast_at: float | None = None, job: Job | None = None) -> ClusterView:
         cfg = self.cfg
         if forecast_at is None:
             decode = tuple([d.view() for d in self.d_live])
@@ -277,8 +287,11 @@ class _Engine:
             decode = tuple([self._forecast(d, forecast_at) for d in self.d_live])
         if self.feedback is not None:
             decode = self.feedback.with_margins(decode, self.now)
+        prefill = tuple([p.view() for p in self.p_live])
+        if self.facts is not None and job is not None:
+            prefill, decode = self.facts.decorate(prefill, decode, job)
         return ClusterView(
-            prefill=tuple([p.view() for p in self.p_live]),
+            prefill=prefill,
             decode=decode,
             kv_bytes_per_token=self.kvbpt,
             links=cfg.links,
@@ -310,13 +323,13 @@ class _Engine:
             self._estimate(job)
         info = job.info
         assert info is not None
-        decision = self.policy.place(info, self._view())
+        decision = self.policy.place(info, self._view(job=job))
         if isinstance(decision, Placement) and self._take(job, decision, forecast=False):
             return True
         if self.cfg.admission == "predictive" and self.cfg.reserve:
             # Mooncake-style: admit on the room forecast when this prefill should complete.
             wait = min(((p.queued_tokens + job.prompt) / p.rate for p in self.p_live), default=0.0)
-            decision = self.policy.place(info, self._view(self.now + wait))
+            decision = self.policy.place(info, self._view(self.now + wait, job))
             if isinstance(decision, Placement) and self._take(job, decision, forecast=True):
                 self.c_forecast += 1
                 return True
@@ -366,6 +379,8 @@ class _Engine:
             # Its prefill worker started draining while the job was on its way: the next best.
             p = job.p = min(self.p_live, key=lambda w: (w.queued_tokens, w.idx))
         p.enqueue(job)
+        if self.facts is not None:
+            self.facts.routed(p.wid, job)
         if self.roles is not None:
             self.roles.on_dispatch(self.now)
         self._start_prefill(p)
@@ -394,7 +409,10 @@ class _Engine:
         job = p.next_job()
         if job is None:
             return
-        cached = p.cached_tokens(job)
+        if self.facts is not None:
+            cached = self.facts.prefill_hit(p.wid, job)
+        else:
+            cached = p.cached_tokens(job)
         dur = p.perf.prefill_s(job.prompt, cached)
         if self.roles is not None:
             self.roles.on_prefill_start(self.now, job, cached)
@@ -410,6 +428,8 @@ class _Engine:
         job = p.busy
         assert job is not None and job.d is not None
         p.finish(self.now, job)
+        if self.facts is not None:
+            self.facts.stored(p.wid, job)
         self._start_prefill(p)
         if self.roles is not None:
             self._check_p(p)
@@ -436,7 +456,10 @@ class _Engine:
         p, d = job.p, job.d
         assert p is not None and d is not None
         bw = self.cfg.link_bytes_per_s(p.group, d.group)
-        dur = self.cfg.link_latency_s + job.kv_bytes / bw
+        moved = job.kv_bytes
+        if self.facts is not None:  # D pulls only the blocks its own cache misses
+            moved = self.facts.moved_bytes(d.wid, job, self.kvbpt)
+        dur = self.cfg.link_latency_s + moved / bw
         if self.quantum:
             dur = quantize(dur, self.quantum)
         start = self.now
@@ -450,6 +473,8 @@ class _Engine:
         p, d = job.p, job.d
         assert p is not None and d is not None
         p.release(self.now, job)
+        if self.facts is not None:
+            self.facts.stored(d.wid, job)
         self._start_prefill(p)  # the stranded cap may have held it back
         if self.roles is not None:
             self._check_p(p)
@@ -546,6 +571,8 @@ class _Engine:
             "end_stranded_bytes": sum(p.stranded for p in self.prefills),
             "prefill_busy_s": sum(p.busy_s for p in self.prefills),
         }
+        if self.facts is not None:
+            counters.update(self.facts.counters())
         roles = None
         if self.roles is not None:
             roles = self.roles.summary()

@@ -244,7 +244,7 @@ class DecodeWorker:
         "heap", "ph_used", "ph_held", "step", "used", "held", "kv_tokens", "durs", "durs_base",
         "stepping", "extra_s", "waiting", "handoff_wait", "reservations", "area", "last_t",
         "_view", "c_grown", "c_overran", "step_base", "step_per_block", "rate", "step_s",
-        "join_mid_step", "can_prefill", "nic_free", "overran_now",
+        "join_mid_step", "can_prefill", "nic_free", "overran_now", "local_hit",
     )  # fmt: skip
 
     def __init__(self, idx: int, spec: SimWorkerSpec, layout: KVLayout, *, quantum: float = 0.0,
@@ -289,6 +289,8 @@ class DecodeWorker:
         self.join_mid_step = join_mid_step
         self.can_prefill = can_prefill
         self.nic_free = 0.0
+        # Exact prefix cache (simcluster/prefix_facts.py): tokens a local prefill is spared.
+        self.local_hit: Callable[[Job], int] | None = None
 
     # -- accounting -------------------------------------------------------------------------
     def _tick(self, now: float) -> None:
@@ -445,7 +447,8 @@ class DecodeWorker:
             self.waiting.popleft()
             self.allocate(self.last_t, job, need)
             # vLLM recomputes a preempted sequence's KV locally, inside the next step.
-            self.extra_s += self.perf.prefill_s(job.ctx0)
+            cached = self.local_hit(job) if self.local_hit is not None else 0
+            self.extra_s += self.perf.prefill_s(job.ctx0, cached)
             job.local = False
             self._merge(job)
 
