@@ -43,6 +43,7 @@ from router.gateway import Gateway
 from router.redact import mask_url
 from router.role_manager import ROLES, RoleChangeRefused
 from router.scaling import scaling_report
+from router.tokens.counting import prompt_token_modes
 from router.workers.drain import set_drained
 from router.workers.rotation import emptied_without, why_empty
 from router.workers.worker_state import WorkerState
@@ -168,6 +169,8 @@ async def admin_state(request: web.Request) -> web.Response:
             "waiting": gw.admission.waiting,
             "unpaired": gw.pools.members.unpaired(),
             "workers": [describe(gw, w) for w in gw.pools.workers.values()],
+            # Per model: exact prompt counts (its tokenizer) or estimates (router/tokens/).
+            "prompt_tokens": prompt_token_modes(gw.settings),
         }
     )
 

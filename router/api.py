@@ -7,12 +7,16 @@ untouched: vLLM and SGLang accept many extensions and a gateway must not second-
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
 from router.errors import InvalidRequest, ModelNotFound
+
+if TYPE_CHECKING:  # the tokenizer's module imports nothing of this one: no circle
+    from router.tokens.tokenizer import PromptTokenizer
 
 __all__ = [
     "CHAT",
@@ -22,6 +26,8 @@ __all__ = [
     "NO_LIMIT_CAP",
     "output_cap",
     "ParsedRequest",
+    "PromptTokensSource",
+    "TokenizerLookup",
     "parse_request",
 ]
 
@@ -34,6 +40,13 @@ RESPONSES = "/v1/responses"
 _PER_MESSAGE_TOKENS = 4
 
 
+# How a request's prompt_tokens were counted: by the model's tokenizer (router/tokens/), as the
+# token ids the client sent, or estimated from characters (settings chars_per_token).
+PromptTokensSource = Literal["tokenizer", "token_ids", "estimate"]
+# The served model's tokenizer by model name (router/tokens/counting.py), None without one.
+TokenizerLookup = Callable[[str], "PromptTokenizer | None"]
+
+
 @dataclass(frozen=True, slots=True)
 class ParsedRequest:
     path: str
@@ -44,6 +57,10 @@ class ParsedRequest:
     prompt_tokens: int
     max_tokens: int  # the effective cap on output tokens, per choice
     n: int = 1  # choices in the answer (the request's `n`)
+    # The prompt's exact token ids (the engine's own), None when only estimated: what placement
+    # names the prompt's blocks by (policies/token_blocks.py).
+    prompt_token_ids: tuple[int, ...] | None = None
+    prompt_tokens_source: PromptTokensSource = "estimate"
 
     def __repr__(self) -> str:
         return (
@@ -81,21 +98,34 @@ def _text_tokens(text: str, chars_per_token: float) -> int:
     return max(1, int((len(text) + chars_per_token - 1) // chars_per_token))
 
 
-def _prompt_tokens_completions(prompt: Any, cpt: float) -> int:
+def _token_ids(prompt: list[Any]) -> tuple[int, ...] | None:
+    """A prompt of token ids as integers (7.0 -> 7, also for the workers), None if it is not
+    one."""
+    ids = [t for t in map(_as_int, prompt) if t is not None]
+    if len(ids) != len(prompt):
+        return None
+    if any(not 0 <= t <= _INT_MAX for t in ids):
+        raise InvalidRequest(
+            f"prompt token ids must be non-negative and at most {_INT_MAX}", param="prompt"
+        )
+    prompt[:] = ids
+    return tuple(ids)
+
+
+def _prompt_tokens_completions(prompt: Any, cpt: float) -> tuple[int, tuple[int, ...] | None]:
+    """(tokens, the exact ids when the prompt is token ids) of a completion's prompt."""
     if isinstance(prompt, str):
-        return _text_tokens(prompt, cpt)
+        return _text_tokens(prompt, cpt), None
     if isinstance(prompt, list) and prompt:
-        ids = [t for t in map(_as_int, prompt) if t is not None]
-        if len(ids) == len(prompt):
-            if any(not 0 <= t <= _INT_MAX for t in ids):
-                raise InvalidRequest(
-                    f"prompt token ids must be non-negative and at most {_INT_MAX}",
-                    param="prompt",
-                )
-            prompt[:] = ids  # 7.0 -> 7 for the workers
-            return len(prompt)
+        ids = _token_ids(prompt)
+        if ids is not None:
+            return len(ids), ids
+        if len(prompt) == 1 and isinstance(prompt[0], list) and prompt[0]:
+            ids = _token_ids(prompt[0])  # `[[ids]]`: one prompt of token ids, as vLLM reads it
+            if ids is not None:
+                return len(ids), ids
         if len(prompt) == 1 and isinstance(prompt[0], str):
-            return _text_tokens(prompt[0], cpt)
+            return _text_tokens(prompt[0], cpt), None
         if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
             raise InvalidRequest(
                 "batched prompts are not supported: send one prompt per request", param="prompt"
@@ -181,6 +211,7 @@ def parse_request(
     max_model_len: int | None,
     chars_per_token: float = 4.0,
     max_n: int = DEFAULT_MAX_N,
+    tokenizer_for: TokenizerLookup | None = None,
 ) -> ParsedRequest:
     body = parse_json_object(raw)
     model = body.get("model")
@@ -211,10 +242,18 @@ def parse_request(
         if key in body and body[key] is not None and not _is_number(body[key]):
             raise InvalidRequest(f"'{key}' must be a number", param=key)
 
+    ids: tuple[int, ...] | None = None
+    source: PromptTokensSource = "estimate"
     if path == CHAT:
         prompt_tokens = _prompt_tokens_chat(body.get("messages"), chars_per_token)
     else:
-        prompt_tokens = _prompt_tokens_completions(body.get("prompt"), chars_per_token)
+        prompt_tokens, ids = _prompt_tokens_completions(body.get("prompt"), chars_per_token)
+        source = "token_ids" if ids is not None else source
+    tokenizer = tokenizer_for(model) if tokenizer_for is not None and ids is None else None
+    if tokenizer is not None:
+        ids = tokenizer.chat_ids(body) if path == CHAT else tokenizer.completion_ids(body)
+        if ids is not None:
+            prompt_tokens, source = max(1, len(ids)), "tokenizer"
 
     max_tokens = _optional_int(body, "max_tokens", 1)
     max_completion = _optional_int(body, "max_completion_tokens", 1)
@@ -236,6 +275,8 @@ def parse_request(
         prompt_tokens=prompt_tokens,
         max_tokens=cap,
         n=n or 1,
+        prompt_token_ids=ids,
+        prompt_tokens_source=source,
     )
 
 

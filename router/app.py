@@ -19,7 +19,7 @@ from router.adapters import prefill_target, query_engine_ids
 from router.adapters.mooncake import DEFAULT_BOOTSTRAP_PORT
 from router.admin import add_admin_routes
 from router.admission import Admission
-from router.api import CHAT, COMPLETIONS, parse_request
+from router.api import CHAT, COMPLETIONS
 from router.appkeys import GATEWAY
 from router.auth import check_scrape
 from router.background import BackgroundTasks
@@ -35,11 +35,12 @@ from router.passthrough import PASSTHROUGH_ROUTES, add_passthrough_routes, forwa
 from router.relay.upstream_pool import SplicePool
 from router.request.lifecycle import ClientSide, RequestFlow
 from router.responses import RESPONSES_ROUTE
-from router.responses_pd import RESPONSES, parse_responses, serves_split
+from router.responses_pd import RESPONSES, serves_split
 from router.retry_budget import RetryBudget
 from router.role_manager import ROLES, RoleManager
 from router.scaling import export_scaling, scaling_report
 from router.shutdown import SHUTDOWN, Shutdown
+from router.tokens.counting import parse_generation
 from router.tracing import Tracing
 from router.workers.accounting import LocalAccounting
 from router.workers.health_probe import HealthProber
@@ -120,20 +121,8 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
     with RequestCount(gw.metrics, path) as count:
         entry = await enter(request, s)  # shutdown, API key, body, id (router/front_door.py)
         raw = entry.raw
-        models, cpt = served_models(gw), s.chars_per_token
-        if path == RESPONSES:
-            parsed = parse_responses(
-                raw, models=models, max_model_len=s.max_model_len, chars_per_token=cpt
-            )
-        else:
-            parsed = parse_request(
-                path,
-                raw,
-                models=models,
-                max_model_len=s.max_model_len,
-                chars_per_token=cpt,
-                max_n=s.max_n,
-            )
+        # Exact prompt tokens where the model has a tokenizer (router/tokens/counting.py).
+        parsed = await parse_generation(path, raw, s, served_models(gw), gw.metrics)
         if path == RESPONSES and not serves_split(gw.settings, gw.pools, parsed.body):
             # No NIXL-pull prefill worker in rotation (or built-in tools): whole on one worker.
             sent = orjson.dumps(parsed.body)

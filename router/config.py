@@ -147,6 +147,10 @@ class Settings:
     kv_bytes_per_token: int = 131_072
     max_body_bytes: int = 8 * 1024 * 1024
     chars_per_token: float = 4.0
+    # Exact prompt token counts (router/tokens/): served model name -> a directory holding its
+    # tokenizer.json (with tokenizer_config.json / chat_template.jinja for chat), e.g. the
+    # model's Hugging Face directory. A model without one is estimated by chars_per_token.
+    tokenizers: Mapping[str, str] = field(default_factory=dict)
     # The largest `n` (choices per request) accepted; larger is a 400 (router/api.py).
     max_n: int = 128
     # Stateless /v1/responses through the prefill/decode path when a NIXL-pull prefill worker of
@@ -250,6 +254,11 @@ class Settings:
                 raise ConfigError(f"{name} must be > 0")
         if self.shutdown_grace_s < 0:
             raise ConfigError("shutdown_grace_s must be >= 0")
+        if not isinstance(self.tokenizers, Mapping):
+            raise ConfigError("tokenizers: a mapping of model name to tokenizer directory")
+        for model, directory in self.tokenizers.items():
+            if not (Path(str(directory)) / "tokenizer.json").is_file():
+                raise ConfigError(f"tokenizers.{model}: no tokenizer.json in {directory!r}")
         if self.relay not in ("aiohttp", "splice"):
             raise ConfigError(f"relay: must be aiohttp or splice, not {self.relay!r}")
         if not (self.public_metrics and self.public_openapi) and not (

@@ -267,6 +267,13 @@ class RouterMetrics:
             ["pool", "model"],
             registry=r,
         )
+        self.prompt_tokens_source = Counter(
+            p + "prompt_tokens_source",
+            "Requests by how their prompt was counted: the model's tokenizer, the client's "
+            "token ids, or the character estimate (router/tokens/)",
+            ["source"],
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -39,7 +39,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.api import ParsedRequest, output_cap, parse_json_object
+from router.api import (
+    ParsedRequest,
+    PromptTokensSource,
+    TokenizerLookup,
+    output_cap,
+    parse_json_object,
+)
 from router.config import Settings
 from router.errors import InvalidRequest, ModelNotFound
 from router.prompt_text import text_of
@@ -118,6 +124,7 @@ def parse_responses(
     models: tuple[str, ...],
     max_model_len: int | None,
     chars_per_token: float = 4.0,
+    tokenizer_for: TokenizerLookup | None = None,
 ) -> ParsedRequest:
     """A Responses body as the request path's ParsedRequest (the stateful features are 400s,
     `store: false` is added: router/responses.py `stateless_body`)."""
@@ -130,6 +137,12 @@ def parse_responses(
     if model not in models:
         raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
     prompt_tokens = _prompt_tokens(body, chars_per_token)
+    # Exact when the model has a tokenizer and the input is plain messages (router/tokens/).
+    tokenizer = tokenizer_for(model) if tokenizer_for is not None else None
+    ids = tokenizer.responses_ids(body) if tokenizer is not None else None
+    source: PromptTokensSource = "estimate"
+    if ids is not None:
+        prompt_tokens, source = max(1, len(ids)), "tokenizer"
     cap = _max_output_tokens(body)
     cap = output_cap(
         max_model_len, prompt_tokens, cap, prompt_param="input", cap_param="max_output_tokens"
@@ -142,4 +155,6 @@ def parse_responses(
         include_usage=False,
         prompt_tokens=prompt_tokens,
         max_tokens=cap,
+        prompt_token_ids=ids,
+        prompt_tokens_source=source,
     )

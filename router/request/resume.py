@@ -119,5 +119,10 @@ def resume_body(
     for key in ("min_tokens", "min_completion_tokens"):
         if isinstance(body.get(key), int):
             body[key] = max(0, body[key] - sent_tokens)
-    prompt_tokens = parsed.prompt_tokens + int(len(sent_text) / chars_per_token + 0.999)
+    # An exact prompt grows by the tokens sent, which are exact too (the engine's own, counted
+    # by a worker's tokenizer when chunks merged); an estimated one by the text's estimate.
+    if parsed.prompt_token_ids is not None:
+        prompt_tokens = parsed.prompt_tokens + sent_tokens
+    else:
+        prompt_tokens = parsed.prompt_tokens + int(len(sent_text) / chars_per_token + 0.999)
     return body, prompt_tokens, remaining

@@ -1,0 +1,356 @@
+"""Exact prompt tokens (router/tokens/): a small real tokenizer built here with the `tokenizers`
+library (word level, trained on a few strings: no download), its chat template in
+tokenizer_config.json, and the router counting prompts with it as vLLM does.
+
+Each expected count is the tokenizer's encoding of the text the chat template must produce,
+written out by hand: the renderer is checked against the template's meaning, not against itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiohttp
+import orjson
+import pytest
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+
+from policies.base import OutputHistograms, RequestInfo
+from policies.estimators import MaxTokensEstimator
+from router.api import CHAT, COMPLETIONS, parse_request
+from router.config import ConfigError, settings_from_mapping
+from router.metrics import RouterMetrics
+from router.request.resume import resume_body
+from router.responses_pd import RESPONSES, parse_responses
+from router.tokens import counting
+from router.tokens.counting import parse_generation, prompt_token_modes
+from router.tokens.tokenizer import PromptTokenizer
+from tests.conftest import MODEL, sim_cluster
+
+T = TypeVar("T")
+
+_CORPUS = [
+    "hello world how are you",
+    "the quick brown fox jumps over the lazy dog",
+    "system user assistant tools : get_weather city",
+    "tell me a story about the router and the cache",
+    "type function name description parameters object properties string",
+]
+# Role lines end with the end-of-turn token and a newline; tools, when given, lead as JSON.
+_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}tools : {% for t in tools %}{{ t | tojson }} {% endfor %}{{ eos_token }}\n"
+    "{% endif %}"
+    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant :{% endif %}"
+)
+
+
+def _build(directory: Path, *, template: str | None = _TEMPLATE) -> Path:
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation("isolated")]
+    )
+    tok.train_from_iterator(
+        _CORPUS, trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"])
+    )
+    # Completions get a BOS from the post-processor, as a Llama tokenizer.json has it.
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    config: dict[str, Any] = {"bos_token": "<s>", "eos_token": {"content": "</s>"}}
+    if template is not None:
+        config["chat_template"] = template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.fixture
+def tokenizer_dir(tmp_path: Path) -> Path:
+    return _build(tmp_path / "tiny")
+
+
+@pytest.fixture
+def raw_tokenizer(tokenizer_dir: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+
+
+def _ids(tok: Tokenizer, text: str, special: bool = False) -> tuple[int, ...]:
+    return tuple(tok.encode(text, add_special_tokens=special).ids)
+
+
+def _parse(path: str, body: dict[str, Any], directory: Path | None) -> Any:
+    lookup = (lambda m: PromptTokenizer.load(directory)) if directory is not None else None
+    raw = orjson.dumps(body)
+    if path == RESPONSES:
+        return parse_responses(raw, models=(MODEL,), max_model_len=None, tokenizer_for=lookup)
+    return parse_request(path, raw, models=(MODEL,), max_model_len=None, tokenizer_for=lookup)
+
+
+def test_a_completion_text_is_encoded_with_the_tokenizers_special_tokens(
+    tokenizer_dir: Path, raw_tokenizer: Tokenizer
+) -> None:
+    parsed = _parse(
+        COMPLETIONS, {"model": MODEL, "prompt": "Hello world, how are you?"}, tokenizer_dir
+    )
+    want = _ids(raw_tokenizer, "hello world , how are you ?", special=True)
+    assert want[0] == raw_tokenizer.token_to_id("<s>") and len(want) == 8
+    assert parsed.prompt_token_ids == want and parsed.prompt_tokens == 8
+    assert parsed.prompt_tokens_source == "tokenizer"
+    off = _parse(
+        COMPLETIONS,
+        {"model": MODEL, "prompt": ["hello world"], "add_special_tokens": False},
+        tokenizer_dir,
+    )
+    assert off.prompt_token_ids == _ids(raw_tokenizer, "hello world") and off.prompt_tokens == 2
+
+
+def test_token_id_prompts_are_taken_as_they_are_with_or_without_a_tokenizer(
+    tokenizer_dir: Path,
+) -> None:
+    for directory in (tokenizer_dir, None):
+        flat = _parse(COMPLETIONS, {"model": MODEL, "prompt": [5, 6.0, 7]}, directory)
+        assert flat.prompt_token_ids == (5, 6, 7) and flat.prompt_tokens == 3
+        assert flat.prompt_tokens_source == "token_ids" and flat.body["prompt"] == [5, 6, 7]
+        nested = _parse(COMPLETIONS, {"model": MODEL, "prompt": [[9, 8, 7, 6]]}, directory)
+        assert nested.prompt_token_ids == (9, 8, 7, 6) and nested.prompt_tokens == 4
+
+
+def test_a_multi_turn_chat_is_rendered_by_its_template_without_a_second_bos(
+    tokenizer_dir: Path, raw_tokenizer: Tokenizer
+) -> None:
+    messages = [
+        {"role": "system", "content": "tell me a story"},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}],
+        },
+        {"role": "assistant", "content": "the quick brown fox"},
+        {"role": "user", "content": "how are you?"},
+    ]
+    parsed = _parse(CHAT, {"model": MODEL, "messages": messages}, tokenizer_dir)
+    text = (
+        "<s>system : tell me a story </s>\n"
+        "user : hello\nworld </s>\n"  # text parts joined by a newline (vLLM's string format)
+        "assistant : the quick brown fox </s>\n"
+        "user : how are you? </s>\n"
+        "assistant :"
+    )
+    assert parsed.prompt_token_ids == _ids(raw_tokenizer, text)
+    assert parsed.prompt_token_ids.count(raw_tokenizer.token_to_id("<s>")) == 1
+    assert parsed.prompt_tokens == len(parsed.prompt_token_ids) == 29
+    no_prompt = _parse(
+        CHAT, {"model": MODEL, "messages": messages, "add_generation_prompt": False}, tokenizer_dir
+    )
+    assert no_prompt.prompt_tokens == 29 - 2  # without "assistant :"
+
+
+def test_continue_final_message_ends_at_the_last_messages_text(
+    tokenizer_dir: Path, raw_tokenizer: Tokenizer
+) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "the quick"},
+        ],
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+    }
+    parsed = _parse(CHAT, body, tokenizer_dir)
+    assert parsed.prompt_token_ids == _ids(
+        raw_tokenizer, "<s>user : hello </s>\nassistant : the quick"
+    )
+
+
+def test_a_tools_request_renders_the_tools_as_vllm_hands_them_over(
+    tokenizer_dir: Path, raw_tokenizer: Tokenizer
+) -> None:
+    tool = {
+        "type": "function",
+        "function": {"name": "get_weather", "parameters": {"type": "object"}},
+    }
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "tools": [tool]}
+    parsed = _parse(CHAT, body, tokenizer_dir)
+    # The dumped model: description is there (null) though the client left it out, before
+    # parameters; the JSON keeps non-ASCII and is not HTML-escaped (Hugging Face's tojson).
+    dumped = (
+        '{"type": "function", "function": {"name": "get_weather", "description": null, '
+        '"parameters": {"type": "object"}}}'
+    )
+    text = f"<s>tools : {dumped} </s>\nuser : hello </s>\nassistant :"
+    assert parsed.prompt_token_ids == _ids(raw_tokenizer, text)
+    assert parsed.prompt_tokens > _parse(CHAT, {**body, "tools": None}, tokenizer_dir).prompt_tokens
+
+
+def test_a_responses_request_is_rendered_as_chat_messages(
+    tokenizer_dir: Path, raw_tokenizer: Tokenizer
+) -> None:
+    body = {"model": MODEL, "instructions": "tell me a story", "input": "hello world"}
+    parsed = _parse(RESPONSES, body, tokenizer_dir)
+    text = "<s>system : tell me a story </s>\nuser : hello world </s>\nassistant :"
+    assert parsed.prompt_token_ids == _ids(raw_tokenizer, text)
+    assert parsed.prompt_tokens_source == "tokenizer"
+    items = {
+        "model": MODEL,
+        "input": [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}
+        ],
+    }
+    assert _parse(RESPONSES, items, tokenizer_dir).prompt_token_ids == _ids(
+        raw_tokenizer, "<s>user : hi </s>\nassistant :"
+    )
+
+
+def test_what_cannot_be_rendered_exactly_falls_back_to_the_estimate(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    cases = [
+        (CHAT, {"messages": [{"role": "user", "content": [image]}]}, tokenizer_dir),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"},
+            tokenizer_dir,
+        ),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": "hi"}]},
+            _build(tmp_path / "plain", template=None),
+        ),
+        (CHAT, {"messages": [{"role": "user", "content": "hi"}]}, None),
+        (COMPLETIONS, {"prompt": "hello world"}, None),
+        (RESPONSES, {"input": "hi", "tools": [{"type": "function", "name": "f"}]}, tokenizer_dir),
+    ]
+    for path, body, directory in cases:
+        parsed = _parse(path, {"model": MODEL, **body}, directory)
+        assert parsed.prompt_token_ids is None and parsed.prompt_tokens_source == "estimate"
+        assert parsed.prompt_tokens >= 1
+
+
+def test_a_resumed_exact_prompt_grows_by_the_tokens_sent(tokenizer_dir: Path) -> None:
+    body = {"model": MODEL, "prompt": "hello world", "max_tokens": 10}
+    exact = _parse(COMPLETIONS, body, tokenizer_dir)
+    _, tokens, remaining = resume_body(exact, " the quick brown fox jumps", 5, 4.0)
+    assert (tokens, remaining) == (exact.prompt_tokens + 5, 5)
+    estimated = _parse(COMPLETIONS, body, None)
+    _, tokens, _ = resume_body(estimated, "x" * 40, 5, 4.0)
+    assert tokens == estimated.prompt_tokens + 10  # 40 characters / 4
+
+
+def test_a_tokenizer_directory_without_tokenizer_json_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="tokenizer.json"):
+        settings_from_mapping({"model": MODEL, "tokenizers": {MODEL: str(tmp_path)}})
+
+
+async def test_large_bodies_are_tokenized_off_the_event_loop(
+    tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    threaded: list[object] = []
+    real = asyncio.to_thread
+
+    async def recording(fn: Callable[[], T]) -> T:
+        threaded.append(fn)
+        return await real(fn)
+
+    monkeypatch.setattr(counting.asyncio, "to_thread", recording)
+    settings = settings_from_mapping({"model": MODEL, "tokenizers": {MODEL: str(tokenizer_dir)}})
+    metrics = RouterMetrics()
+    small = orjson.dumps({"model": MODEL, "prompt": "hello"})
+    await parse_generation(COMPLETIONS, small, settings, (MODEL,), metrics)  # loads: a thread
+    assert len(threaded) == 1
+    await parse_generation(COMPLETIONS, small, settings, (MODEL,), metrics)  # loaded, small
+    assert len(threaded) == 1
+    words = " ".join(["hello world"] * (counting.THREAD_ABOVE_BYTES // 10))
+    big = orjson.dumps({"model": MODEL, "prompt": words})
+    parsed = await parse_generation(COMPLETIONS, big, settings, (MODEL,), metrics)
+    assert len(threaded) == 2 and parsed.prompt_tokens == 1 + 2 * (
+        counting.THREAD_ABOVE_BYTES // 10
+    )
+    assert metrics.prompt_tokens_source.labels("tokenizer")._value.get() == 3
+
+
+class RecordingEstimator(MaxTokensEstimator):
+    """Reserves max_tokens (as its parent) and keeps each request's prompt tokens as
+    placement saw them: what the decode reservation is sized from (prompt + reserved output)."""
+
+    seen: list[int] = []
+
+    def estimate(self, request: RequestInfo, histograms: OutputHistograms) -> Any:
+        if request.model != "smoke":  # the load-time smoke test's probe
+            RecordingEstimator.seen.append(request.prompt_tokens)
+        return super().estimate(request, histograms)
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    async with session.post(url, json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        return dict(await resp.json())
+
+
+async def test_the_router_reserves_by_the_exact_count_and_says_so(
+    tokenizer_dir: Path, raw_tokenizer: Tokenizer, redis_prefix: str
+) -> None:
+    RecordingEstimator.seen = []
+    # Long words: the character estimate (4 per token) is far above the exact count.
+    prompt = "tell me a story about the router and the cache " * 20
+    exact = len(_ids(raw_tokenizer, prompt, special=True))
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hello world"}],
+        "max_tokens": 4,
+    }
+    async with (
+        sim_cluster(
+            redis_prefix=redis_prefix,
+            tokenizers={MODEL: str(tokenizer_dir)},
+            estimator=f"{__name__}:RecordingEstimator",
+        ) as c,
+        aiohttp.ClientSession() as s,
+    ):
+        await _post(
+            s, c.router_url + "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4}
+        )
+        await _post(s, c.router_url + "/v1/chat/completions", chat)
+        await _post(
+            s,
+            c.router_url + "/v1/completions",
+            {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4},
+        )
+        async with s.get(c.router_url + "/metrics") as resp:
+            metrics = await resp.text()
+        async with s.get(c.router_url + "/admin/state") as resp:
+            state = await resp.json()
+    chat_text = "<s>user : hello world </s>\nassistant :"
+    assert RecordingEstimator.seen == [exact, len(_ids(raw_tokenizer, chat_text)), 3]
+    assert exact < len(prompt) / 4
+    assert 'disagg_router_prompt_tokens_source_total{source="tokenizer"} 2.0' in metrics
+    assert 'disagg_router_prompt_tokens_source_total{source="token_ids"} 1.0' in metrics
+    assert state["prompt_tokens"][MODEL] == {
+        "source": "tokenizer",
+        "tokenizer_dir": str(tokenizer_dir),
+        "loaded": True,
+    }
+
+
+async def test_without_a_tokenizer_the_router_estimates_and_says_so(redis_prefix: str) -> None:
+    async with sim_cluster(redis_prefix=redis_prefix) as c, aiohttp.ClientSession() as s:
+        await _post(
+            s, c.router_url + "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        )
+        async with s.get(c.router_url + "/metrics") as resp:
+            metrics = await resp.text()
+        async with s.get(c.router_url + "/admin/state") as resp:
+            state = await resp.json()
+    assert 'disagg_router_prompt_tokens_source_total{source="estimate"} 1.0' in metrics
+    assert state["prompt_tokens"][MODEL] == {"source": "estimate", "chars_per_token": 4.0}
+    assert (
+        prompt_token_modes(settings_from_mapping({"model": MODEL}))[MODEL]["source"] == "estimate"
+    )
