@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 # Bodies larger than this are tokenized off the event loop. Below it the work is shorter than a
 # thread hop's own cost and the loop's scheduling slack (docs/benchmarks-overhead.md).
-THREAD_ABOVE_BYTES = 16 * 1024
+THREAD_ABOVE_BYTES = 1024
 
 
 class _Loaded:

@@ -30,7 +30,12 @@ from tokenizers import Tokenizer
 
 from router.tokens.template import ChatTemplate, NotRenderable
 
-__all__ = ["PromptTokenizer"]
+__all__ = ["GIL_FREE_ABOVE_CHARS", "PromptTokenizer"]
+
+# Longer texts are encoded through `encode_batch`, which lets go of the GIL while Rust works
+# (`encode` holds it throughout: a thread running it would still stall the event loop). Below
+# this its extra fixed cost (~0.1 ms) is more than it saves (docs/benchmarks-overhead.md).
+GIL_FREE_ABOVE_CHARS = 1024
 
 _SPECIAL_NAMES = (
     "bos_token",
@@ -132,6 +137,9 @@ class PromptTokenizer:
         return cls(d, tokenizer, config, template, tool_template)
 
     def encode(self, text: str, *, add_special_tokens: bool) -> tuple[int, ...]:
+        if len(text) > GIL_FREE_ABOVE_CHARS:
+            batch = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+            return tuple(batch[0].ids)
         return tuple(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def completion_ids(self, body: dict[str, Any]) -> tuple[int, ...] | None:
