@@ -152,6 +152,8 @@ def describe(gw: Gateway, w: WorkerState) -> dict[str, object]:
         "capacity_blocks": w.capacity_blocks,
         "reserved_blocks": w.reserved_blocks,
         "stranded_bytes": w.stranded_bytes,
+        # "events": cached prefixes known from its KV events, else "estimated" (kv_events.py).
+        "prefix_cache": gw.pools.placement.prefix_cache(w.spec.id),
         "reported_load": None
         if load is None
         else {"running": load.running, "waiting": load.waiting, "kv_usage": load.kv_usage},

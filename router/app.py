@@ -44,6 +44,7 @@ from router.tokens.counting import parse_generation
 from router.tracing import Tracing
 from router.workers.accounting import LocalAccounting
 from router.workers.health_probe import HealthProber
+from router.workers.kv_events import KvEventHub
 from router.workers.load_poller import LoadPoller
 from router.workers.loop_timing import LoopTiming
 from router.workers.membership import Membership
@@ -329,7 +330,9 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
             members.carrying_work, lambda: admission.inflight > 0 or admission.waiting > 0
         )
         accounting = LocalAccounting(members, timing)
-        pools = Pools(members, accounting, PlacementView(members, settings))
+        # Each worker's KV events into its index, read by placement (router/workers/kv_events.py).
+        kv_hub = KvEventHub(members, metrics)
+        pools = Pools(members, accounting, PlacementView(members, settings, kv_hub))
 
         async def on_store_reset() -> None:
             metrics.store_resets.inc()
@@ -399,6 +402,7 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
         tasks.loop(registry.run(session), "registry-sync")
         tasks.loop(LoadPoller(settings, members, timing).run(session), "load-poller")
         tasks.loop(leases.run(), "lease-keeper")
+        tasks.loop(kv_hub.run(), "kv-events")
         tasks.loop(_tally_requests(gw), "retry-tally")
         app[ROLES] = RoleManager(gw, members, accounting, app[_ROLE_POLICY])
         tasks.loop(app[ROLES].run(), "role-manager")
@@ -406,6 +410,7 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
             yield
         finally:
             await tasks.close()
+            await kv_hub.close()
             # What the lease keeper still owes gets one last try before the store closes.
             try:
                 await gw.leases.settle_owed()

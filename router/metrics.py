@@ -255,6 +255,43 @@ class RouterMetrics:
             ["model"],
             registry=r,
         )
+        # KV events (router/workers/kv_events.py): each worker's prefix cache from its engine.
+        self.kv_events_batches = Counter(
+            p + "kv_events_batches",
+            "KV-event batches applied to a worker's index",
+            ["worker"],
+            registry=r,
+        )
+        self.kv_events_gaps = Counter(
+            p + "kv_events_gaps",
+            "Sequence gaps in a worker's KV events (batches lost on the way)",
+            ["worker"],
+            registry=r,
+        )
+        self.kv_events_replays = Counter(
+            p + "kv_events_replays",
+            "Replays of missed KV-event batches, by outcome (ok, failed)",
+            ["worker", "outcome"],
+            registry=r,
+        )
+        self.kv_events_index_drops = Counter(
+            p + "kv_events_index_drops",
+            "A worker's KV index emptied: gap, restart, cleared, malformed, overflow, start",
+            ["worker", "reason"],
+            registry=r,
+        )
+        self.kv_events_malformed = Counter(
+            p + "kv_events_malformed",
+            "KV-event messages or events that are not vLLM's format",
+            ["worker"],
+            registry=r,
+        )
+        self.kv_events_index_blocks = Gauge(
+            p + "kv_events_index_blocks",
+            "Blocks in a worker's KV index (what its events say it holds)",
+            ["worker"],
+            registry=r,
+        )
         self.pool_replicas = Gauge(
             p + "scaling_pool_replicas",
             "Workers in rotation in the pool (healthy, not drained)",

@@ -33,6 +33,7 @@ from .choices import serve_choices
 from .decode_engine import Sequence
 from .faults import error_body, error_response
 from .garbage import garbage_response, silent_after_tokens
+from .kv_events import prompt_token_ids
 from .openai_format import AnswerFormat, malformed_response
 from .sglang_protocol import SglangFormat
 from .worker_state import WORKER, Worker
@@ -150,10 +151,12 @@ async def _generation(
         if broken is not None:
             return broken
     worker.metrics.inc("requests", label=mode)
+    # The prompt's blocks enter the prefix cache once computed or pulled (sim.kv_events).
+    ids = prompt_token_ids(spec_path, spec_body) if worker.kv_events is not None else None
     if mode == "prefill":
         room = kv_params.get("bootstrap_room") if kv_params else None
-        return await _prefill(worker, request, spec, fmt, request_id, room)
-    return await _decode(worker, request, spec, fmt, request_id, kv_params)
+        return await _prefill(worker, request, spec, fmt, request_id, room, ids)
+    return await _decode(worker, request, spec, fmt, request_id, kv_params, ids)
 
 
 async def _broken_answer(
@@ -220,6 +223,7 @@ async def _prefill(
     fmt: AnswerShapes,
     rid: str,
     room: int | None = None,
+    prompt_ids: list[int] | None = None,
 ) -> web.StreamResponse:
     blocks = _take_blocks(worker, blocks_for(spec.prompt_tokens, worker.config.block_size))
     try:
@@ -227,6 +231,8 @@ async def _prefill(
             worker.metrics.inc("faults", label="prefill_fail")
             raise _Refusal(500, "injected fault: prefill failed")
         await worker.prefill.run(spec.prompt_tokens)
+        if worker.kv_events is not None and prompt_ids is not None:
+            worker.kv_events.store(prompt_ids)
         worker.metrics.inc("prompt_tokens", spec.prompt_tokens)
         worker.metrics.inc("prompt_by_source", spec.prompt_tokens, label="local_compute")
         worker.metrics.inc("generation_tokens")
@@ -292,6 +298,7 @@ async def _decode(
     fmt: AnswerShapes,
     rid: str,
     kv_params: dict[str, Any] | None,
+    prompt_ids: list[int] | None = None,
 ) -> web.StreamResponse:
     blocks = _take_blocks(worker, worker.engine.admission_blocks(spec.prompt_tokens))
     seq: Sequence | None = None
@@ -319,6 +326,8 @@ async def _decode(
                 raise _Refusal(500, "injected fault: prefill failed")
             await worker.prefill.run(spec.prompt_tokens)
             source = "local_compute"
+        if worker.kv_events is not None and prompt_ids is not None:
+            worker.kv_events.store(prompt_ids)  # pulled or computed, the decode side caches it
         worker.metrics.inc("prompt_tokens", spec.prompt_tokens)
         worker.metrics.inc("prompt_by_source", spec.prompt_tokens, label=source)
         die_after = worker.faults.die_after_tokens()

@@ -42,6 +42,7 @@ from .bootstrap import bootstrap_listener
 from .extra_endpoints import add_extra_routes
 from .faults import FaultConfig, error_response
 from .generation import handle_generation, handle_kv_pull, json_response
+from .kv_event_routes import add_kv_event_routes, kv_events_context
 from .sglang_protocol import add_sglang_routes
 from .worker_config import WorkerConfig, add_worker_arguments, config_from_args
 from .worker_state import WORKER, Worker
@@ -66,6 +67,8 @@ def create_worker_app(config: WorkerConfig) -> web.Application:
     app[WORKER] = Worker(config)
     app.cleanup_ctx.append(_background)
     app.cleanup_ctx.append(bootstrap_listener)
+    app.cleanup_ctx.append(kv_events_context)
+    add_kv_event_routes(app)  # its prefix cache's KV events (sim.kv_events)
     app.router.add_post("/v1/completions", handle_generation)
     app.router.add_post("/v1/chat/completions", handle_generation)
     app.router.add_post("/generate", handle_generation)  # SGLang native

@@ -43,6 +43,9 @@ class WorkerConfig:
     faults: FaultConfig = field(default_factory=FaultConfig)
     # SGLang PD: a prefill worker's bootstrap listener (0 = ephemeral, None = none; sim.bootstrap)
     bootstrap_port: int | None = None
+    # KV events on vLLM's wire format (sim.kv_events): the PUB and replay addresses it binds
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -96,6 +99,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bootstrap-port", type=int, default=None, help="SGLang PD bootstrap port (0 = ephemeral)"
     )
+    parser.add_argument(
+        "--kv-events-endpoint", default=None, help="publish KV events here (tcp://127.0.0.1:N)"
+    )
+    parser.add_argument("--kv-events-replay-endpoint", default=None, help="KV-event replay")
     faults = parser.add_argument_group("fault injection")
     faults.add_argument("--fault-prefill-fail", action="store_true")
     faults.add_argument("--fault-prefill-die-after-kv", action="store_true")
@@ -157,5 +164,7 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
         max_model_len=ns.max_model_len,
         faults=faults,
         bootstrap_port=ns.bootstrap_port,
+        kv_events_endpoint=ns.kv_events_endpoint,
+        kv_events_replay_endpoint=ns.kv_events_replay_endpoint,
         **extra,
     )

@@ -14,6 +14,7 @@ from policies.costmodel import perf_model
 
 from .decode_engine import BlockPool, DecodeEngine, KvLedger, PrefillQueue
 from .faults import FaultState
+from .kv_events import KvEventPublisher, SimPrefixCache
 from .rooms import RoomTable
 from .sim_metrics import SimMetrics
 from .worker_config import WorkerConfig
@@ -52,6 +53,16 @@ class Worker:
         self.session: aiohttp.ClientSession | None = None
         self.rooms = RoomTable()  # SGLang PD: prefilled KV by bootstrap_room (sim.bootstrap)
         self.bootstrap_port: int | None = None  # bound port of the bootstrap listener, if any
+        # The prefix cache and its KV events, when an endpoint is configured (sim.kv_events).
+        self.kv_events: SimPrefixCache | None = (
+            SimPrefixCache(
+                self.pool.capacity,
+                config.block_size,
+                KvEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint),
+            )
+            if config.kv_events_endpoint
+            else None
+        )
 
     def time_factor(self) -> float:
         """Real seconds per simulated second, including an injected slowdown."""

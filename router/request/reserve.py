@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from policies.base import (
@@ -141,7 +141,9 @@ class Reserver:
                 adm.enter()
                 seat.admitted = True
             outcome: Attempt | Rejection = (
-                await self._try_reserve(info, avoid)
+                # The prompt's token ids (None where not tokenized): each worker's exact
+                # cached prefix from its KV events (router/workers/placement_view.py).
+                await self._try_reserve(info, avoid, call.parsed.prompt_token_ids)
                 if seat.admitted
                 else Rejection("the router is at its concurrency cap", 1.0)
             )
@@ -247,19 +249,27 @@ class Reserver:
         decode = self.margin.held(view.decode, now)
         return view if decode is view.decode else replace(view, decode=decode)
 
-    async def _try_reserve(self, info: RequestInfo, avoid: set[str]) -> Attempt | Rejection:
+    async def _try_reserve(
+        self, info: RequestInfo, avoid: set[str], prompt_ids: Sequence[int] | None = None
+    ) -> Attempt | Rejection:
         snapshot = self.placement.snapshot
-        view = self._with_margins(snapshot(frozenset(avoid), info.model))
+        view = self._with_margins(
+            snapshot(frozenset(avoid), info.model, prompt_token_ids=prompt_ids)
+        )
         decision = self.policy.place(info, view)
         if isinstance(decision, Rejection) and avoid:
             # Avoiding the workers that failed this request left nowhere to go: a worker that
             # failed once may well serve the retry (its circuit breaker decides, not this).
-            decision = self.policy.place(info, self._with_margins(snapshot(model=info.model)))
+            decision = self.policy.place(
+                info, self._with_margins(snapshot(model=info.model, prompt_token_ids=prompt_ids))
+            )
         overbook: dict[str, int] = {}
         if isinstance(decision, Rejection) and self.admission.settings.mode == "predictive":
             overbook = self._forecast(info)
             if overbook:
-                view = snapshot(frozenset(avoid), info.model, freeing=overbook)
+                view = snapshot(
+                    frozenset(avoid), info.model, freeing=overbook, prompt_token_ids=prompt_ids
+                )
                 decision = self.policy.place(info, self._with_margins(view))
         if isinstance(decision, Rejection):
             return decision

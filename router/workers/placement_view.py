@@ -3,15 +3,23 @@
 Each view carries this replica's accounting (queued prompt tokens, reserved and pending
 blocks, stranded KV; router/workers/accounting.py) and, when fresh, the worker's own load
 report (router/workers/load_poller.py): stale reports are not trusted, least of all as idle.
+
+A worker whose KV events are applied (router/workers/kv_events.py) gets the exact cached prefix
+of the request (`cached_prefix_tokens`: its index's run of the prompt's leading blocks); the
+others get None, and placement falls back to the estimated affinity (`recent_prefixes`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from policies.base import ClusterView, DecodeView, PrefillView
+from policies.token_blocks import block_hashes
 from router.config import Settings
 from router.workers.discovery import LoadSnapshot
+from router.workers.kv_index import KvIndex
 from router.workers.membership import Membership
 from router.workers.worker_state import WorkerState
 
@@ -20,10 +28,58 @@ __all__ = ["PlacementView"]
 _NO_LOAD = LoadSnapshot(running=0, waiting=0, kv_usage=None, num_gpu_blocks=None, at=0.0)
 
 
+class KvIndexes(Protocol):
+    """Where a worker's KV index is (router/workers/kv_events.py KvEventHub)."""
+
+    def index_of(self, worker_id: str) -> KvIndex | None: ...
+
+    def describe(self, worker_id: str) -> dict[str, Any]: ...
+
+
+class _PromptBlocks:
+    """One request's prompt named in blocks, per block size, computed once per size."""
+
+    __slots__ = ("_tokens", "_by_size")
+
+    def __init__(self, tokens: Sequence[int]) -> None:
+        self._tokens = tokens
+        self._by_size: dict[int, tuple[int, ...]] = {}
+
+    def cached_tokens(self, index: KvIndex | None, fallback_block_size: int) -> int | None:
+        if index is None:
+            return None
+        size = index.block_size or fallback_block_size
+        hashes = self._by_size.get(size)
+        if hashes is None:
+            hashes = self._by_size[size] = block_hashes(self._tokens, size)
+        return index.cached_prefix_blocks(hashes) * size
+
+
 class PlacementView:
-    def __init__(self, members: Membership, settings: Settings) -> None:
+    def __init__(
+        self, members: Membership, settings: Settings, kv_indexes: KvIndexes | None = None
+    ) -> None:
         self._members = members
         self._settings = settings
+        self._kv = kv_indexes
+        # The last request's blocks: its snapshots (a retry, the forecast) reuse them.
+        self._last_prompt: _PromptBlocks | None = None
+        self._last_tokens: Sequence[int] | None = None
+
+    def _prompt_blocks(self, tokens: Sequence[int] | None) -> _PromptBlocks | None:
+        if tokens is None or self._kv is None:
+            return None
+        if tokens is not self._last_tokens:
+            self._last_tokens, self._last_prompt = tokens, _PromptBlocks(tokens)
+        return self._last_prompt
+
+    def prefix_cache(self, worker_id: str) -> dict[str, Any]:
+        """What placement knows of the worker's prefix cache: `source` "events" (from its KV
+        events: exact) or "estimated" (from the prompts this replica sent it), and the state of
+        its event stream (None: it has no `kv_events` entry)."""
+        if self._kv is None:
+            return {"source": "estimated", "kv_events": None}
+        return self._kv.describe(worker_id)
 
     def __repr__(self) -> str:
         return f"PlacementView({len(self._members.workers)} workers)"
@@ -44,12 +100,21 @@ class PlacementView:
         avoid: frozenset[str] = frozenset(),
         model: str = "",
         freeing: dict[str, int] | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
     ) -> ClusterView:
         """The workers serving `model` (all when empty); `avoid` = workers that already failed
         this request; `freeing` = blocks per decode worker forecast to be free by the time the
-        prefill ends (prediction-based admission)."""
+        prefill ends (prediction-based admission); `prompt_token_ids` = the request's prompt,
+        for the exact cached prefix of each worker with KV events (None: not known)."""
         freeing = freeing or {}
         members = self._members
+        blocks = self._prompt_blocks(prompt_token_ids)
+
+        def cached(w: WorkerState) -> int | None:
+            if blocks is None or self._kv is None:
+                return None
+            return blocks.cached_tokens(self._kv.index_of(w.spec.id), w.spec.layout.block_size)
+
         prefill = tuple(
             PrefillView(
                 worker_id=w.spec.id,
@@ -64,6 +129,7 @@ class PlacementView:
                 stranded_bytes=w.stranded_bytes,
                 stranded_cap_bytes=w.spec.stranded_cap_bytes,
                 recent_prefixes=w.recent_prefixes.frozen,
+                cached_prefix_tokens=cached(w),
             )
             for w in members.prefill_workers
             if w.spec.serves(model)
@@ -87,6 +153,7 @@ class PlacementView:
                     w.spec.perf.prefill_tokens_per_s() if w.spec.perf else 10_000.0
                 ),
                 queued_prompt_tokens=w.queued_prompt_tokens,
+                cached_prefix_tokens=cached(w),
             )
             for w in members.decode_workers
             if w.spec.serves(model)

@@ -18,6 +18,7 @@ from router.redact import masked_repr
 
 __all__ = [
     "ConfigError",
+    "KvEventsSpec",
     "Secret",
     "WorkerSpec",
     "check_int",
@@ -50,6 +51,39 @@ class Secret(str):
 
 
 @dataclass(frozen=True, slots=True)
+class KvEventsSpec:
+    """Where a worker publishes its KV-cache events (vLLM's `--kv-events-config`): the ZeroMQ
+    PUB endpoint the router's subscriber connects to, the optional ROUTER replay endpoint that
+    serves missed batches, and the topic (empty: every topic). router/workers/kv_events.py."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
+def _parse_kv_events(raw: Any, where: str) -> KvEventsSpec | None:
+    if raw is None:
+        return None
+    if isinstance(raw, KvEventsSpec):
+        return raw
+    if not isinstance(raw, Mapping) or not raw.get("endpoint"):
+        raise ConfigError(f"{where}.kv_events: expected {{endpoint: tcp://HOST:PORT[, ...]}}")
+    unknown = set(raw) - {"endpoint", "replay_endpoint", "topic"}
+    if unknown:
+        raise ConfigError(f"{where}.kv_events: unknown keys {sorted(unknown)}")
+    for key in ("endpoint", "replay_endpoint"):
+        value = raw.get(key)
+        if value is not None and (
+            not isinstance(value, str) or not value.startswith(("tcp://", "ipc://"))
+        ):
+            raise ConfigError(f"{where}.kv_events.{key}: expected tcp://HOST:PORT or ipc://PATH")
+    topic = raw.get("topic", "")
+    if not isinstance(topic, str) or len(topic) > 256:
+        raise ConfigError(f"{where}.kv_events.topic: expected a string")
+    return KvEventsSpec(raw["endpoint"], raw.get("replay_endpoint"), topic)
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerSpec:
     id: str
     url: str
@@ -67,6 +101,7 @@ class WorkerSpec:
     # it; `layout_configured` are the fields its own entry set, which win over what it reports.
     discover_layout: bool = False
     layout_configured: tuple[tuple[str, Any], ...] = ()
+    kv_events: KvEventsSpec | None = None  # None: no events, the prefix affinity is estimated
 
     __repr__ = masked_repr  # a URL's password is not shown
 
@@ -162,6 +197,7 @@ _WORKER_KEYS = {
     "bootstrap_port",
     "engine_id",
     "discover_layout",
+    "kv_events",
 }
 _ADAPTERS = ("vllm", "sim", "sglang", "mooncake")
 
@@ -233,6 +269,7 @@ def parse_worker(
         api_key=Secret(raw.get("api_key") or ""),
         discover_layout=discover,
         layout_configured=tuple(sorted(configured.items())) if discover else (),
+        kv_events=_parse_kv_events(raw.get("kv_events"), where),
     )
     if spec.is_decode:
         try:

@@ -1,0 +1,213 @@
+"""The simulated worker's prefix cache and its KV events, on vLLM 0.32's wire format.
+
+    prompt computed or pulled ─> SimPrefixCache.store(token ids) ─> one EventBatch:
+        BlockStored(new blocks, parent = the engine hash of the block before them, token ids)
+        BlockRemoved(blocks evicted, least recently used first, past the worker's KV capacity)
+    POST /reset_prefix_cache ─> AllBlocksCleared (vLLM's endpoint of that name)
+
+The publisher is vLLM's `ZmqEventPublisher` in shape (router/workers/kv_wire.py has the
+format): PUB multipart (topic, 8-byte big-endian sequence number from 0, msgpack of
+`[ts, [events], data_parallel_rank]`, events as tagged maps), and a ROUTER replay socket that
+answers `[b"", start_seq]` with `[b"", seq, payload]` for each buffered batch from start_seq, then
+`[b"", -1, b""]`. One difference: the sim binds the address it is given (tcp://127.0.0.1:N binds
+loopback), where vLLM binds only a `*` address and connects to a concrete one.
+
+Engine block hashes are salted per process (as vLLM's are), so a subscriber that indexes them by
+the router's own hash of the token ids proves it does not depend on them.
+
+The cache is an LRU of full blocks sized by the worker's KV capacity, beside the block pool (the
+pool models the KV of running requests; the cache, which prompts' blocks stay reusable). Which
+token ids a prompt has: a completions prompt given as ids, those; any other prompt, the ids the
+sim's /tokenize gives its text (crc32 of each 4-character piece), the text being what the model
+reads (chat rendered by the sim's template).
+
+Its HTTP hooks (the test endpoints, vLLM's /reset_prefix_cache, the sockets' lifetime) are in
+sim.kv_event_routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import struct
+import time
+import zlib
+from collections import OrderedDict, deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from policies.token_blocks import ROOT_HASH, block_hashes
+
+from . import textgen
+
+__all__ = ["KvEventPublisher", "SimPrefixCache", "prompt_token_ids"]
+
+_END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def prompt_token_ids(path: str, body: Mapping[str, Any]) -> list[int]:
+    """The prompt's token ids as the sim's cache names them (see the module docstring)."""
+    if path == textgen.COMPLETIONS_PATH:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            return list(prompt)
+    text = textgen.prompt_context(path, body)
+    return [zlib.crc32(text[i : i + 4].encode()) % 32_000 for i in range(0, len(text), 4)]
+
+
+class KvEventPublisher:
+    """vLLM's PUB + ROUTER replay publisher, on asyncio sockets (one per worker)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        buffer_steps: int = 10_000,
+    ) -> None:
+        self._endpoint = endpoint
+        self._replay_endpoint = replay_endpoint
+        self._topic = topic.encode()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._ctx = zmq.asyncio.Context()
+        self._pub: zmq.asyncio.Socket | None = None
+        self._replay: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.seq = 0  # the next batch's sequence number
+        self.drop_batches = 0  # test hook: the next N batches are not sent
+        self.drop_from_replay = False  # ... nor kept for replay
+        self.bound: dict[str, str | None] = {"endpoint": None, "replay_endpoint": None}
+
+    def __repr__(self) -> str:
+        return f"KvEventPublisher({self._endpoint}, seq={self.seq})"
+
+    def start(self) -> None:
+        pub = self._pub = self._ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.set_hwm(100_000)
+        pub.bind(self._endpoint)
+        self.bound["endpoint"] = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self._replay_endpoint is not None:
+            replay = self._replay = self._ctx.socket(zmq.ROUTER)
+            replay.setsockopt(zmq.LINGER, 0)
+            replay.bind(self._replay_endpoint)
+            self.bound["replay_endpoint"] = replay.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._task = asyncio.get_running_loop().create_task(self._serve_replay())
+
+    def publish(self, events: list[dict[str, Any]]) -> None:
+        if self._pub is None or not events:
+            return
+        seq, self.seq = self.seq, self.seq + 1
+        payload = msgpack.packb([time.time(), events, 0])
+        if self.drop_batches > 0:
+            self.drop_batches -= 1
+            if not self.drop_from_replay:
+                self._buffer.append((seq, payload))
+            return
+        self._buffer.append((seq, payload))
+        # A PUB never blocks: past its high-water mark it drops, as vLLM's does.
+        self._pub.send_multipart([self._topic, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
+
+    async def _serve_replay(self) -> None:
+        assert self._replay is not None
+        while True:
+            frames = await self._replay.recv_multipart()
+            if len(frames) != 3:
+                continue  # vLLM logs and ignores a malformed request too
+            client, _, start = frames
+            first = int.from_bytes(start, "big")
+            for seq, payload in list(self._buffer):
+                if seq >= first:
+                    frames = [client, b"", seq.to_bytes(8, "big"), payload]
+                    await self._replay.send_multipart(frames)
+            await self._replay.send_multipart([client, b"", _END_SEQ, b""])
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._ctx.term()
+
+
+class SimPrefixCache:
+    """An LRU of full blocks (engine hash -> router hash), publishing what it stores and evicts."""
+
+    def __init__(self, capacity_blocks: int, block_size: int, publisher: KvEventPublisher) -> None:
+        self.capacity = capacity_blocks
+        self.block_size = block_size
+        self.publisher = publisher
+        self._seed = os.urandom(8)  # vLLM's per-process hash seed
+        self._blocks: OrderedDict[int, int] = OrderedDict()
+
+    def __repr__(self) -> str:
+        return f"SimPrefixCache({len(self._blocks)}/{self.capacity} blocks)"
+
+    def _engine_hash(self, parent: int, tokens: Sequence[int]) -> int:
+        h = hashlib.blake2b(self._seed + parent.to_bytes(8, "little"), digest_size=8)
+        h.update(struct.pack(f"<{len(tokens)}I", *tokens))
+        return int.from_bytes(h.digest(), "little")  # unsigned, up to 2**64, like vLLM's ints
+
+    def store(self, token_ids: Sequence[int]) -> None:
+        """The prompt's full blocks are cached (touched when already there); one batch."""
+        bs = self.block_size
+        full = len(token_ids) - len(token_ids) % bs
+        routers = block_hashes(token_ids[:full], bs, ROOT_HASH)
+        events: list[dict[str, Any]] = []
+        run: list[int] = []
+        run_start, run_parent = 0, None
+        parent: int | None = None  # the engine hash of the block before the current one
+        for i, router in enumerate(routers):
+            engine = self._engine_hash(parent or 0, token_ids[i * bs : (i + 1) * bs])
+            if engine in self._blocks:
+                self._blocks.move_to_end(engine)
+                if run:
+                    events.append(self._stored(run, run_parent, token_ids, run_start))
+                    run = []
+            else:
+                if not run:
+                    run_start, run_parent = i, parent
+                run.append(engine)
+                self._blocks[engine] = router
+            parent = engine
+        if run:
+            events.append(self._stored(run, run_parent, token_ids, run_start))
+        evicted: list[int] = []
+        while len(self._blocks) > self.capacity:
+            evicted.append(self._blocks.popitem(last=False)[0])
+        if evicted:
+            events.append({"type": "BlockRemoved", "block_hashes": evicted, "medium": "GPU"})
+        self.publisher.publish(events)
+
+    def _stored(
+        self, run: list[int], parent: int | None, token_ids: Sequence[int], start: int
+    ) -> dict[str, Any]:
+        bs = self.block_size
+        return {
+            "type": "BlockStored",
+            "block_hashes": list(run),
+            "parent_block_hash": parent,
+            "token_ids": list(token_ids[start * bs : (start + len(run)) * bs]),
+            "block_size": bs,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+        }
+
+    def clear(self) -> None:
+        self._blocks.clear()
+        self.publisher.publish([{"type": "AllBlocksCleared"}])
+
+    def router_hashes(self) -> list[int]:
+        return sorted(set(self._blocks.values()))

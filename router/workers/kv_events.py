@@ -1,0 +1,374 @@
+"""The engines' KV events, subscribed per worker: each worker's `KvIndex` kept equal to its cache.
+
+    worker's PUB ──(topic, seq, EventBatch)──> KvEventSubscriber ──> KvIndex (router/workers/
+    worker's ROUTER <──replay from seq── (on a gap)                   kv_index.py)
+                                                    KvEventHub: one subscriber per worker with a
+                                                    `kv_events` entry, following the membership
+
+The wire format is router/workers/kv_wire.py's (vLLM 0.32). Sequence numbers decide:
+
+- the next expected one: apply the batch;
+- a higher one (batches lost: the PUB drops past its high-water mark, a slow joiner): ask the
+  replay socket for the missing ones; when it answers with all of them, apply them, then this
+  one. When it cannot (no replay endpoint, a timeout, its buffer no longer reaches back), the
+  index is dropped and rebuilt from what comes next (`kv_events_index_drops{reason="gap"}`):
+  a subset of the cache, never blocks the worker no longer holds;
+- a lower one: the publisher restarted (its counter began again at 0, and a new engine process
+  has an empty cache): the index is cleared, and batches of the new process that came before
+  this one are asked of the replay socket.
+
+On each connection (a socket monitor tells) the subscriber asks the replay socket again: at the
+first, for everything from 0 (a router started after its engines learns what they already hold,
+up to the publisher's buffer); on a reconnection, from the last batch it applied: the same batch
+back (compared by digest) is the same publisher, and what followed is applied; anything else is a
+new publisher process (restarted between two batches, its counter possibly already past ours),
+and its batches are taken from 0. The SUB's copies of replayed batches are skipped.
+
+Replicas: every router replica subscribes on its own; the index is not shared through the store.
+An index per replica costs memory (docs/kv-events.md: bytes per block), not store round trips on
+the request path; the events are per worker, small and published to any number of subscribers
+by ZeroMQ itself, and a replica's index is fresh the moment the event arrives, where a shared one
+would be a store write per event and a read per placement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Literal
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from router.metrics import RouterMetrics
+from router.workers.kv_index import KvIndex
+from router.workers.kv_wire import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    WireError,
+    decode_batch,
+    decode_seq,
+    encode_seq,
+)
+from router.workers.membership import Membership
+from router.workers.worker_spec import KvEventsSpec
+
+__all__ = ["KvEventHub", "KvEventSubscriber"]
+
+log = logging.getLogger(__name__)
+
+State = Literal["connecting", "synced", "rebuilding"]
+
+
+class KvEventSubscriber:
+    """One worker's events into its index. `state`: "connecting" (nothing known yet),
+    "synced" (every batch since the publisher's first applied), "rebuilding" (batches were
+    lost for good: the index holds what came since)."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        spec: KvEventsSpec,
+        ctx: zmq.asyncio.Context,
+        metrics: RouterMetrics,
+        *,
+        replay_timeout_s: float = 2.0,
+        max_blocks: int = 4_000_000,
+    ) -> None:
+        self.worker_id = worker_id
+        self.spec = spec
+        self.index = KvIndex(max_blocks)
+        self.state: State = "connecting"
+        self._ctx = ctx
+        self._metrics = metrics
+        self._replay_timeout_s = replay_timeout_s
+        self._next: int | None = None  # the next sequence number to apply
+        self._dup_until = -1  # SUB copies up to here were applied from a replay
+        self._last_digest = 0
+        self.batches = 0
+
+    def __repr__(self) -> str:
+        return f"KvEventSubscriber({self.worker_id}, {self.state}, next={self._next}, {self.index})"
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "blocks": len(self.index),
+            "next_seq": self._next,
+            "unchained_blocks": self.index.unchained,
+            "block_size": self.index.block_size,
+        }
+
+    async def run(self) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        # Each (re)connection is a moment batches may have been missed, or the publisher may be
+        # a new process: the monitor says when, and `_resync` asks the replay socket.
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        try:
+            sub.setsockopt(zmq.SUBSCRIBE, self.spec.topic.encode())
+            sub.connect(self.spec.endpoint)
+            while True:
+                ready = dict(await poller.poll())
+                if monitor in ready:
+                    event = parse_monitor_message(await monitor.recv_multipart())
+                    if event["event"] == zmq.EVENT_CONNECTED:
+                        await self._resync()
+                if sub in ready:
+                    await self.on_message(await sub.recv_multipart())
+        finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
+            sub.close(linger=0)
+
+    async def _resync(self) -> None:
+        """On a (re)connection. After batches were applied, a replay from the last one tells a
+        publisher that went on (that batch comes back first, the same bytes: apply what followed
+        it) from a new process (it does not: clear the index). Then, for a new process or at
+        the first connection, the publisher's buffer from 0."""
+        if self._next:
+            got = await self._replay_from(self._next - 1)
+            if got is None:
+                return  # no replay socket: a counter that goes back tells a restart
+            if got and got[0][0] == self._next - 1 and hash(got[0][1]) == self._last_digest:
+                self._apply_run(got[1:], "reconnect")
+                return
+            log.info(
+                "worker %s: a new KV-event publisher (its replay does not hold seq %d)",
+                self.worker_id,
+                self._next - 1,
+            )
+            self._restarted()
+        got = await self._replay_from(0)
+        if got is None:
+            return  # no replay socket: the first batch decides
+        if got and got[0][0] != 0:
+            self._drop("start")  # the buffer no longer reaches back to the first batch
+            self._next = got[0][0]
+        self._apply_run(got, "start")
+        if self.state == "connecting":
+            self.state = "synced"
+            if self._next is None:
+                self._next = 0
+
+    def _apply_run(self, got: list[tuple[int, bytes]], why: str) -> None:
+        """Replayed batches from the next expected on; the SUB's copies of them are skipped."""
+        for seq, payload in got:
+            if self._next is not None and seq < self._next:
+                continue  # applied already (from the SUB, while the replay was on its way)
+            if self._next is not None and seq > self._next:
+                self._drop(why)  # a hole in the replay itself
+            self._apply(seq, payload)
+        if got:
+            self._dup_until = max(self._dup_until, got[-1][0])
+
+    def _restarted(self) -> None:
+        """A new publisher process: a new, empty cache, its counter from 0."""
+        self.index.clear()
+        self._metrics.kv_events_index_drops.labels(worker=self.worker_id, reason="restart").inc()
+        self._next = 0
+        self._dup_until = -1
+        self.state = "synced"
+
+    async def on_message(self, frames: list[bytes]) -> None:
+        m = self._metrics
+        if len(frames) != 3:
+            m.kv_events_malformed.labels(worker=self.worker_id).inc()
+            return
+        try:
+            seq = decode_seq(frames[1])
+        except WireError:
+            m.kv_events_malformed.labels(worker=self.worker_id).inc()
+            return
+        if self._dup_until >= 0:
+            if seq <= self._dup_until and (self._next is None or seq < self._next):
+                return  # applied already, from a replay
+            self._dup_until = -1
+        if self._next is not None and seq < self._next:
+            # The counter went back: a new publisher process, with a new, empty cache.
+            log.info(
+                "worker %s: KV-event publisher restarted (seq %d < %d)",
+                self.worker_id,
+                seq,
+                self._next,
+            )
+            self._restarted()
+        expected = 0 if self._next is None else self._next
+        if seq > expected:
+            m.kv_events_gaps.labels(worker=self.worker_id).inc()
+            await self._recover(expected, seq)
+        elif self.state == "connecting":
+            self.state = "synced"
+        self._apply(seq, frames[2])
+
+    async def _recover(self, start: int, upto: int) -> None:
+        """Batches start..upto-1 from the replay socket, or the index dropped."""
+        got = await self._replay_from(start)
+        wanted = [(s, p) for s, p in got or () if s < upto]
+        if got is not None and [s for s, _ in wanted] == list(range(start, upto)):
+            self._metrics.kv_events_replays.labels(worker=self.worker_id, outcome="ok").inc()
+            for seq, payload in wanted:
+                self._apply(seq, payload)
+            if self.state == "connecting":
+                self.state = "synced"
+            return
+        self._metrics.kv_events_replays.labels(worker=self.worker_id, outcome="failed").inc()
+        log.warning(
+            "worker %s: KV-event batches %d..%d lost; its index is rebuilt from now",
+            self.worker_id,
+            start,
+            upto - 1,
+        )
+        self._drop("gap")
+
+    def _drop(self, reason: str) -> None:
+        self.index.clear()
+        self.state = "rebuilding"
+        self._metrics.kv_events_index_drops.labels(worker=self.worker_id, reason=reason).inc()
+
+    async def _replay_from(self, start: int) -> list[tuple[int, bytes]] | None:
+        """Every batch the publisher still buffers from `start` on, in order; None when there
+        is no replay socket or it did not answer in time."""
+        if self.spec.replay_endpoint is None:
+            return None
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        out: list[tuple[int, bytes]] = []
+        try:
+            dealer.connect(self.spec.replay_endpoint)
+            await dealer.send_multipart([b"", encode_seq(start)])
+            while True:
+                frames = await asyncio.wait_for(dealer.recv_multipart(), self._replay_timeout_s)
+                if frames and frames[0] == b"":
+                    frames = frames[1:]  # the envelope's empty delimiter
+                if len(frames) != 2:
+                    return None
+                seq = decode_seq(frames[0])
+                if seq == END_SEQ:
+                    return out
+                out.append((seq, frames[1]))
+        except (TimeoutError, WireError, zmq.ZMQError) as exc:
+            log.info("worker %s: replay from %d failed: %r", self.worker_id, start, exc)
+            return None
+        finally:
+            dealer.close(linger=0)
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        self._next = seq + 1
+        self._last_digest = hash(payload)  # to know this publisher again after a reconnection
+        m, wid = self._metrics, self.worker_id
+        try:
+            batch = decode_batch(payload)
+        except WireError as exc:
+            m.kv_events_malformed.labels(worker=wid).inc()
+            log.warning("worker %s: a KV-event batch that does not decode: %s", wid, exc)
+            self._drop("malformed")  # what it said is lost: the index may be wrong otherwise
+            return
+        self.batches += 1
+        m.kv_events_batches.labels(worker=wid).inc()
+        index = self.index
+        for event in batch.events:
+            try:
+                if isinstance(event, BlockStored):
+                    index.store(
+                        event.block_hashes,
+                        event.parent_block_hash,
+                        event.token_ids,
+                        event.block_size,
+                    )
+                    if index.overflowed:
+                        self._drop("overflow")
+                elif isinstance(event, BlockRemoved):
+                    index.remove(event.block_hashes)
+                elif isinstance(event, AllBlocksCleared):
+                    index.clear()
+                    m.kv_events_index_drops.labels(worker=wid, reason="cleared").inc()
+            except ValueError as exc:
+                m.kv_events_malformed.labels(worker=wid).inc()
+                log.warning("worker %s: a KV event the index refuses: %s", wid, exc)
+        m.kv_events_index_blocks.labels(worker=wid).set(len(index))
+
+
+class KvEventHub:
+    """A subscriber for every worker whose entry has `kv_events`, following the membership
+    (workers registered or removed at run time included); `index_of` is placement's lookup."""
+
+    def __init__(
+        self, members: Membership, metrics: RouterMetrics, *, reconcile_s: float = 1.0
+    ) -> None:
+        self._members = members
+        self._metrics = metrics
+        self._reconcile_s = reconcile_s
+        self._ctx = zmq.asyncio.Context()
+        self.subscribers: dict[str, KvEventSubscriber] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    def __repr__(self) -> str:
+        return f"KvEventHub({sorted(self.subscribers)})"
+
+    def index_of(self, worker_id: str) -> KvIndex | None:
+        """The worker's index when its events are being applied; None: no events (estimated)."""
+        sub = self.subscribers.get(worker_id)
+        if sub is None or sub.state == "connecting":
+            return None
+        return sub.index
+
+    def describe(self, worker_id: str) -> dict[str, Any]:
+        """The admin view of a worker's prefix-cache knowledge."""
+        sub = self.subscribers.get(worker_id)
+        if sub is None or sub.state == "connecting":
+            return {"source": "estimated", "kv_events": None if sub is None else sub.describe()}
+        return {"source": "events", "kv_events": sub.describe()}
+
+    def reconcile(self) -> None:
+        """Start a subscriber for each worker with events, stop those of workers gone; restart
+        one whose task ended (its failure was logged)."""
+        wanted = {
+            wid: w.spec.kv_events
+            for wid, w in self._members.workers.items()
+            if w.spec.kv_events is not None
+        }
+        for wid in list(self.subscribers):
+            task = self._tasks.get(wid)
+            if wanted.get(wid) != self.subscribers[wid].spec or task is None or task.done():
+                self._stop(wid)
+        for wid, spec in wanted.items():
+            if wid not in self.subscribers:
+                sub = KvEventSubscriber(wid, spec, self._ctx, self._metrics)
+                self.subscribers[wid] = sub
+                self._tasks[wid] = asyncio.get_running_loop().create_task(
+                    self._guarded(sub), name=f"kv-events-{wid}"
+                )
+
+    async def _guarded(self, sub: KvEventSubscriber) -> None:
+        try:
+            await sub.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("worker %s: the KV-event subscriber failed; it restarts", sub.worker_id)
+
+    def _stop(self, wid: str) -> None:
+        self.subscribers.pop(wid, None)
+        task = self._tasks.pop(wid, None)
+        if task is not None:
+            task.cancel()
+        self._metrics.kv_events_index_blocks.labels(worker=wid).set(0)
+
+    async def run(self) -> None:
+        while True:
+            self.reconcile()
+            await asyncio.sleep(self._reconcile_s)
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        for wid in list(self.subscribers):
+            self._stop(wid)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._ctx.term()
