@@ -130,3 +130,20 @@ def test_without_a_mode_the_simulator_is_as_before(conversations: list[TraceRequ
 def test_bad_knobs_are_refused(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         ClusterConfig.homogeneous(2, 2, **bad)  # type: ignore[arg-type]
+
+
+def test_the_experiment_smoke_grid_has_every_row_and_verdict() -> None:
+    from disagg_tools.experiments import prefix_facts
+
+    if not AZURE_CONV.is_file():
+        pytest.skip(f"shared trace not found: {AZURE_CONV}")
+    works = [w for w in prefix_facts.workloads(smoke=True) if w.name == "multi_turn"]
+    rows = prefix_facts.run_grid(works, caches=("gpu",))
+    assert [r["mode"] for r in rows] == list(prefix_facts.MODES)
+    by = {r["mode"]: r for r in rows}
+    assert by["exact"]["kv_gb_moved"] < by["exact_prefill"]["kv_gb_moved"]
+    assert by["exact"]["hit_rate"] > by["none"]["hit_rate"]
+    table = prefix_facts.markdown(rows)
+    assert table.count("\n") == len(rows) + 1
+    (verdict,) = prefix_facts.checks(rows)
+    assert verdict.startswith("multi_turn/gpu:")
