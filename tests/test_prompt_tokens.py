@@ -354,3 +354,29 @@ async def test_without_a_tokenizer_the_router_estimates_and_says_so(redis_prefix
     assert (
         prompt_token_modes(settings_from_mapping({"model": MODEL}))[MODEL]["source"] == "estimate"
     )
+
+
+def test_a_template_that_loops_over_content_gets_parts_and_parsed_tool_arguments(
+    tmp_path: Path, raw_tokenizer: Tokenizer
+) -> None:
+    # vLLM's "openai" content format: a template that loops over a message's content is given
+    # every content as a list of text parts, a plain string too; tool-call arguments as objects.
+    template = (
+        "{% for m in messages %}{{ m.role }} :"
+        "{% for p in m.content %} {{ p.text }}{% endfor %}"
+        "{% for c in m.tool_calls or [] %} {{ c.function.arguments.city }}{% endfor %}"
+        " {{ eos_token }}\n{% endfor %}"
+    )
+    directory = _build(tmp_path / "parts", template=template)
+    call = {"type": "function", "function": {"name": "f", "arguments": '{"city": "hello"}'}}
+    messages = [
+        {"role": "user", "content": "the quick"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "brown"}, {"type": "text", "text": "fox"}],
+        },
+    ]
+    parsed = _parse(CHAT, {"model": MODEL, "messages": messages}, directory)
+    text = "user : the quick </s>\nassistant : hello </s>\nuser : brown fox </s>\n"
+    assert parsed.prompt_token_ids == _ids(raw_tokenizer, text)
