@@ -17,12 +17,15 @@ from typing import Any, TypeVar
 import aiohttp
 import orjson
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 
 from policies.base import OutputHistograms, RequestInfo
 from policies.estimators import MaxTokensEstimator
 from router.api import CHAT, COMPLETIONS, parse_request
 from router.config import ConfigError, settings_from_mapping
+from router.errors import InvalidRequest
 from router.metrics import RouterMetrics
 from router.request.resume import resume_body
 from router.responses_pd import RESPONSES, parse_responses
@@ -380,3 +383,47 @@ def test_a_template_that_loops_over_content_gets_parts_and_parsed_tool_arguments
     parsed = _parse(CHAT, {"model": MODEL, "messages": messages}, directory)
     text = "user : the quick </s>\nassistant : hello </s>\nuser : brown fox </s>\n"
     assert parsed.prompt_token_ids == _ids(raw_tokenizer, text)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.sampled_from(["hi", "text", "user", ""]),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(["role", "content", "type", "text", "tool_calls", "function"]),
+            inner,
+            max_size=4,
+        )
+    ),
+    max_leaves=12,
+)
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    endpoint=st.sampled_from([CHAT, COMPLETIONS, RESPONSES]),
+    fields=st.dictionaries(
+        st.sampled_from(
+            [
+                "messages",
+                "prompt",
+                "input",
+                "tools",
+                "continue_final_message",
+                "chat_template_kwargs",
+            ]
+        ),
+        _JSON,
+        max_size=4,
+    ),
+)
+def test_any_body_is_counted_or_refused_never_an_error(
+    tokenizer_dir: Path, endpoint: str, fields: dict[str, Any]
+) -> None:
+    try:
+        parsed = _parse(endpoint, {"model": MODEL, **fields}, tokenizer_dir)
+    except InvalidRequest:
+        return
+    assert parsed.prompt_tokens >= 1

@@ -27,8 +27,9 @@ __all__ = ["THREAD_ABOVE_BYTES", "parse_generation", "prompt_token_modes", "toke
 
 log = logging.getLogger(__name__)
 
-# Bodies larger than this are tokenized off the event loop. Below it the work is shorter than a
-# thread hop's own cost and the loop's scheduling slack (docs/benchmarks-overhead.md).
+# Bodies larger than this are tokenized off the event loop: at ~1-3 µs of CPU per prompt token,
+# a body of this size holds the loop ~0.3-1 ms, several times the ~60 µs a thread hop costs
+# (docs/benchmarks-overhead.md "Exact prompt tokens").
 THREAD_ABOVE_BYTES = 1024
 
 

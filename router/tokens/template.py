@@ -81,12 +81,14 @@ def _content_texts(i: int, content: Any) -> list[str]:
         return []
     if isinstance(content, str):
         return [content]
+    if not isinstance(content, list):  # a Responses item is not validated before it comes here
+        raise NotRenderable(f"messages[{i}].content is neither text nor parts")
     texts = []
     for part in content:
-        kind = part.get("type")
-        if kind not in _TEXT_PARTS:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
             raise NotRenderable(f"messages[{i}] has a {kind!r} part")
-        texts.append(part.get("text") or "")
+        texts.append(part["text"])
     return texts
 
 
