@@ -254,6 +254,10 @@ def parse_request(
         ids = tokenizer.chat_ids(body) if path == CHAT else tokenizer.completion_ids(body)
         if ids is not None:
             prompt_tokens, source = max(1, len(ids)), "tokenizer"
+    keep = body.get("truncate_prompt_tokens")
+    if ids is not None and isinstance(keep, int) and not isinstance(keep, bool) and keep > 0:
+        ids = ids[-keep:]  # vLLM keeps the prompt's last `keep` tokens
+        prompt_tokens = max(1, len(ids))
 
     max_tokens = _optional_int(body, "max_tokens", 1)
     max_completion = _optional_int(body, "max_completion_tokens", 1)

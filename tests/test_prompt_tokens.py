@@ -427,3 +427,14 @@ def test_any_body_is_counted_or_refused_never_an_error(
     except InvalidRequest:
         return
     assert parsed.prompt_tokens >= 1
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tokenizer_dir: Path) -> None:
+    ids = _parse(
+        COMPLETIONS, {"model": MODEL, "prompt": [1, 2, 3, 4, 5], "truncate_prompt_tokens": 2}, None
+    )
+    assert ids.prompt_token_ids == (4, 5) and ids.prompt_tokens == 2
+    text = {"model": MODEL, "prompt": "hello world how are you", "truncate_prompt_tokens": 3}
+    parsed = _parse(COMPLETIONS, text, tokenizer_dir)
+    whole = _parse(COMPLETIONS, {**text, "truncate_prompt_tokens": None}, tokenizer_dir)
+    assert parsed.prompt_token_ids == whole.prompt_token_ids[-3:] and parsed.prompt_tokens == 3
