@@ -7,10 +7,12 @@ real Redis behind it. Waits are on conditions with a deadline, never on time alo
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
@@ -20,7 +22,13 @@ import aiohttp
 import msgpack
 import pytest
 
-from disagg_tools.sim.worker import WorkerConfig, running_worker
+from disagg_tools.sim.worker import (
+    WorkerConfig,
+    add_worker_arguments,
+    config_from_args,
+    running_worker,
+)
+from policies.base import KVLayout
 from policies.token_blocks import block_hashes
 from router.appkeys import GATEWAY
 from router.config import settings_from_mapping
@@ -34,6 +42,7 @@ from router.workers.kv_wire import (
     decode_batch,
     decode_seq,
 )
+from router.workers.worker_spec import ConfigError, KvEventsSpec, parse_worker
 from tests.conftest import MODEL, REDIS_URL, running_router
 from tests.ports import free_port
 
@@ -506,3 +515,121 @@ async def test_a_shared_prefix_is_placed_on_its_holder(redis_prefix: str) -> Non
         got = {w: await c.sim(w, "/sim/requests") for w in ("p0", "p1")}
         prefilled_on = [w for w, reqs in got.items() if reqs]
         assert prefilled_on == holders, (got, holders)
+
+
+# --- configuration ------------------------------------------------------------------------------
+
+
+def test_a_worker_entry_names_its_kv_event_endpoints() -> None:
+    spec = parse_worker(
+        {
+            "id": "p0",
+            "url": "http://127.0.0.1:8000",
+            "role": "prefill",
+            "kv_events": {"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": None},
+        },
+        None,
+        KVLayout(),
+    )
+    assert spec.kv_events == KvEventsSpec("tcp://127.0.0.1:5557", None, "")
+    plain = parse_worker({"id": "p1", "url": "http://h:1", "role": "prefill"}, None, KVLayout())
+    assert plain.kv_events is None
+
+
+@pytest.mark.parametrize(
+    "kv_events",
+    [
+        "tcp://127.0.0.1:5557",
+        {"replay_endpoint": "tcp://127.0.0.1:5558"},
+        {"endpoint": "http://127.0.0.1:5557"},
+        {"endpoint": "tcp://127.0.0.1:5557", "topics": "kv"},
+        {"endpoint": "tcp://127.0.0.1:5557", "topic": 3},
+    ],
+)
+def test_a_wrong_kv_events_entry_says_where(kv_events: Any) -> None:
+    raw = {"id": "p0", "url": "http://h:1", "role": "prefill", "kv_events": kv_events}
+    with pytest.raises(ConfigError, match="kv_events"):
+        parse_worker(raw, None, KVLayout())
+
+
+def test_the_sim_worker_cli_takes_its_kv_event_endpoints() -> None:
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+    ns = parser.parse_args(
+        [
+            "--kv-events-endpoint",
+            "tcp://127.0.0.1:5557",
+            "--kv-events-replay-endpoint",
+            "tcp://127.0.0.1:5558",
+        ]
+    )
+    cfg = config_from_args(ns)
+    assert (cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint) == (
+        "tcp://127.0.0.1:5557",
+        "tcp://127.0.0.1:5558",
+    )
+
+
+async def test_a_restart_is_seen_when_the_new_counter_is_already_past_ours(
+    redis_prefix: str,
+) -> None:
+    """The new process publishes more batches before the subscriber reconnects than the old one
+    ever did: the counter does not go back, the reconnection's replay tells the restart."""
+    async with kv_cluster(redis_prefix) as c:
+        await c.complete("b0", _prompt(20, 2))  # the old process: seq 0
+        await c.wait_equal("b0")
+        await c.restart("b0")
+        for i in range(5):  # the new one: seq 0..4, most before the SUB is back
+            await c.complete("b0", _prompt(60 + i, 1))
+
+        async def afresh() -> bool:
+            return c.counter("kv_events_index_drops", worker="b0", reason="restart") == 1
+
+        await until(afresh, "the restart seen")
+        await c.wait_equal("b0")
+        assert len(c.index("b0")) == 5
+
+
+def test_what_the_events_cost_the_loop() -> None:
+    """Prints the cost of applying a stored block and of naming a prompt in blocks
+    (docs/kv-events.md quotes it: pytest tests/test_kv_events.py -k cost -s); asserts only
+    that every block was indexed."""
+    per_batch, batches = 64, 500
+    payloads = [
+        msgpack.packb(
+            [
+                0.0,
+                [
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": [2**63 + b * per_batch + k for k in range(per_batch)],
+                        "parent_block_hash": None,
+                        "token_ids": [(b * 1000 + i) % 32_000 for i in range(per_batch * BS)],
+                        "block_size": BS,
+                        "lora_id": None,
+                        "medium": "GPU",
+                        "lora_name": None,
+                    }
+                ],
+                0,
+            ]
+        )
+        for b in range(batches)
+    ]
+    index = KvIndex()
+    start = time.perf_counter()
+    for payload in payloads:
+        for event in decode_batch(payload).events:
+            assert isinstance(event, BlockStored)
+            index.store(event.block_hashes, event.parent_block_hash, event.token_ids, BS)
+    per_block = (time.perf_counter() - start) / len(index)
+    prompt = list(range(8192))
+    start = time.perf_counter()
+    for _ in range(50):
+        block_hashes(prompt, BS)
+    per_prompt = (time.perf_counter() - start) / 50
+    print(
+        f"\nstored: {per_block * 1e6:.2f} us/block (decode + hash + index); "
+        f"a request: {per_prompt * 1e3:.2f} ms per 8k-token prompt named in blocks of {BS}"
+    )
+    assert len(index) == per_batch * batches
