@@ -5,7 +5,7 @@ Tokenizing is CPU work in the request's path, so it must not stall the event loo
 `THREAD_ABOVE_BYTES` is parsed and tokenized in a worker thread (`asyncio.to_thread`), as is the
 first request that needs a tokenizer not yet loaded (reading tokenizer.json takes tens to
 hundreds of milliseconds for a real model). The threshold is measured
-(disagg_tools/overhead/tokenize_cost.py; docs/benchmarks-overhead.md "Exact prompt tokens").
+(scripts/tokenize_cost.py; docs/benchmarks-overhead.md "Exact prompt tokens").
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 model's tokenizer against the character estimate, by prompt size, and the thread hop that takes
 a large prompt off the event loop (router/tokens/counting.py THREAD_ABOVE_BYTES).
 
-    python -m disagg_tools.overhead.tokenize_cost [--tokenizer DIR ...] [--repeats 200]
+    python scripts/tokenize_cost.py [--tokenizer DIR ...] [--repeats 200]
 
 Tokenizers: any model directory given (`--tokenizer`, e.g. the real-vLLM tiny model's), the
 repository's word-level aiperf tokenizer (examples/aiperf/tokenizer), and a byte-level BPE of
@@ -38,7 +38,7 @@ from router.tokens import counting
 from router.tokens.counting import parse_generation
 from router.tokens.tokenizer import PromptTokenizer
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 MODEL = "m"
 _TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
