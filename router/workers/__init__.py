@@ -18,6 +18,9 @@
     drain            draining a worker out of rotation
     rotation         who is in rotation per pool, and why a worker is not
     prefixes         prompt prefix hashes for cache affinity
+    kv_events        each worker's KV-event stream into its index (gaps, replays, restarts)
+    kv_index         one worker's prefix cache by the router's block names, from its events
+    kv_wire          vLLM's KV-event wire format, decoded
     role_signals     the live signals the role policy reads
 
 Each loop is built where the app is assembled (router/app.py) and given the pieces it uses;
