@@ -438,3 +438,80 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tokenizer_dir: Pat
     parsed = _parse(COMPLETIONS, text, tokenizer_dir)
     whole = _parse(COMPLETIONS, {**text, "truncate_prompt_tokens": None}, tokenizer_dir)
     assert parsed.prompt_token_ids == whole.prompt_token_ids[-3:] and parsed.prompt_tokens == 3
+
+
+# A template of the common shape (Qwen's): tools as JSON, a system message folded in, tool calls
+# with their arguments, whitespace control, loop controls.
+_TOOLS_TEMPLATE = """{%- if tools %}
+    {{- 'system : ' }}
+    {%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}{%- endif %}
+    {%- for tool in tools %}{{- ' ' }}{{- tool | tojson }}{%- endfor %}
+    {{- ' ' + eos_token + '\\n' }}
+{%- elif messages[0]['role'] == 'system' %}
+    {{- 'system : ' + messages[0]['content'] + ' ' + eos_token + '\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'system' and loop.first %}{%- continue %}{%- endif %}
+    {{- message.role + ' : ' + message.content }}
+    {%- for tc in message.tool_calls or [] %}
+        {{- ' ' + tc.function.name + ' ' }}{{- tc.function.arguments | tojson }}
+    {%- endfor %}
+    {{- ' ' + eos_token + '\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- 'assistant :' }}{%- endif %}
+"""
+
+
+def test_the_rendering_equals_hugging_faces_apply_chat_template(tmp_path: Path) -> None:
+    """The cross-check against the library vLLM renders with (run where transformers is
+    installed; the project does not depend on it). Tools are given as vLLM dumps them, so the
+    two see the same dicts."""
+    transformers = pytest.importorskip("transformers")
+    directory = _build(tmp_path / "hf", template=_TOOLS_TEMPLATE)
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(directory / "tokenizer.json"), bos_token="<s>", eos_token="</s>"
+    )
+    hf.chat_template = _TOOLS_TEMPLATE
+    tool = {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "the wéather", "parameters": None},
+    }
+    call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"city": "x"}'}}
+    cases = [
+        {"messages": [{"role": "system", "content": "tell me"}, {"role": "user", "content": "hi"}]},
+        {"messages": [{"role": "user", "content": "hello"}], "tools": [tool]},
+        {
+            "messages": [
+                {"role": "user", "content": "hello"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "sunny", "tool_call_id": "1"},
+            ],
+            "tools": [tool],
+        },
+        {
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a "}],
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+        },
+    ]
+    for body in cases:
+        ours = _parse(CHAT, {"model": MODEL, **body}, directory).prompt_token_ids
+        messages = [
+            {
+                **m,
+                "tool_calls": [
+                    {**call, "function": {**call["function"], "arguments": {"city": "x"}}}
+                ],
+            }
+            if m.get("tool_calls")
+            else m
+            for m in body["messages"]
+        ]
+        text = hf.apply_chat_template(
+            messages,
+            tools=body.get("tools"),
+            tokenize=False,
+            add_generation_prompt=body.get("add_generation_prompt", True),
+            continue_final_message=body.get("continue_final_message", False),
+        )
+        assert ours == tuple(hf(text, add_special_tokens=False)["input_ids"]), text
