@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 __all__ = ["ROOT_HASH", "block_hashes", "cached_prefix_blocks"]
 
@@ -40,7 +40,7 @@ def block_hashes(
     return tuple(out)
 
 
-def cached_prefix_blocks(hashes: Sequence[int], held: frozenset[int] | set[int]) -> int:
+def cached_prefix_blocks(hashes: Sequence[int], held: Container[int]) -> int:
     """How many of the request's leading blocks a worker holds: the length of the run of
     `hashes` from the start that are all in `held` (a prefix cache serves a prefix only)."""
     n = 0

@@ -19,20 +19,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
-__all__ = ["PrefixCache", "KVIndex", "leading_run", "CacheEvent"]
+from policies.token_blocks import cached_prefix_blocks
+
+__all__ = ["PrefixCache", "KVIndex", "CacheEvent"]
 
 # ("stored" | "removed", block ids), as a worker publishes them.
 CacheEvent = tuple[str, tuple[int, ...]]
-
-
-def leading_run(hashes: Sequence[int], held: dict[int, None] | set[int]) -> int:
-    """How many of the prompt's first blocks are held: a chained hash hits as a leading run."""
-    n = 0
-    for h in hashes:
-        if h not in held:
-            break
-        n += 1
-    return n
 
 
 class PrefixCache:
@@ -57,7 +49,7 @@ class PrefixCache:
 
     def hit_blocks(self, hashes: Sequence[int]) -> int:
         """The prompt's leading blocks held now (a lookup: nothing is touched)."""
-        return leading_run(hashes, self._lru)
+        return cached_prefix_blocks(hashes, self._lru)
 
     def store(self, hashes: Sequence[int]) -> None:
         """The worker holds these blocks now (prefilled or received): new ones are stored, held
@@ -103,7 +95,7 @@ class KVIndex:
             raise ValueError(f"unknown cache event {kind!r}")
 
     def hit_blocks(self, hashes: Sequence[int]) -> int:
-        return leading_run(hashes, self._held)
+        return cached_prefix_blocks(hashes, self._held)
 
     def blocks(self) -> frozenset[int]:
         return frozenset(self._held)

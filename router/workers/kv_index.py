@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from policies.token_blocks import ROOT_HASH, block_hashes
+from policies.token_blocks import ROOT_HASH, block_hashes, cached_prefix_blocks
 
 __all__ = ["EngineHash", "KvIndex"]
 
@@ -141,10 +141,4 @@ class KvIndex:
     def cached_prefix_blocks(self, hashes: Sequence[int]) -> int:
         """How many of a request's leading blocks (router hashes, this index's block size) the
         worker holds: a prefix cache serves a prefix only."""
-        held = self._held
-        n = 0
-        for h in hashes:
-            if h not in held:
-                break
-            n += 1
-        return n
+        return cached_prefix_blocks(hashes, self._held)
