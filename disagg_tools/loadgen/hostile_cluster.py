@@ -26,7 +26,7 @@ import aiohttp
 import redis.asyncio as aioredis
 import yaml
 
-from disagg_tools.loadgen.load_cluster import PrivateRedis, wait_http
+from disagg_tools.loadgen.load_cluster import PrivateRedis, sim_worker_command, wait_http
 from disagg_tools.procs import HOST, Child, free_port
 
 __all__ = ["ADMIN_TOKEN", "ClusterShape", "HostileCluster", "StoreSample", "StoreSampler"]
@@ -73,30 +73,16 @@ class HostileCluster:
     def _worker_cmd(self, wid: str, role: str, port: int) -> list[str]:
         s = self.shape
         blocks = s.prefill_blocks if role == "prefill" else s.decode_blocks
-        return [
-            sys.executable,
-            "-m",
-            "disagg_tools.sim.worker",
-            "--log-level",
-            s.log_level,
-            "--role",
-            role,
-            "--host",
-            HOST,
-            "--port",
-            str(port),
-            "--worker-id",
+        return sim_worker_command(
             wid,
-            "--model",
-            MODEL,
-            "--time-scale",
-            str(s.time_scale),
-            "--kv-blocks",
-            str(blocks),
-            # A prefilled KV waits 30 real seconds for its decode, whatever the time scale.
-            "--kv-lease-s",
-            str(30.0 * s.time_scale),
-        ]
+            role,
+            port,
+            model=MODEL,
+            time_scale=s.time_scale,
+            kv_blocks=blocks,
+            kv_lease_s=30.0,
+            log_level=s.log_level,
+        )
 
     def _router_config(self, port: int) -> dict[str, Any]:
         s = self.shape

@@ -18,6 +18,7 @@ import shutil
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,52 @@ class PrivateRedis:
         self.child.stop(grace_s=5.0)
 
 
+def sim_worker_command(
+    wid: str,
+    role: str,
+    port: int,
+    *,
+    model: str,
+    time_scale: float,
+    kv_blocks: int,
+    kv_lease_s: float,
+    log_level: str = "WARNING",
+    gpu: str | None = None,
+    mean_output_tokens: int | None = None,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """The command line of one simulated worker on loopback. `kv_lease_s` is in real seconds:
+    a prefilled KV waits that long for its decode whatever the time scale."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "disagg_tools.sim.worker",
+        "--log-level",
+        log_level,
+        "--role",
+        role,
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--worker-id",
+        wid,
+        "--model",
+        model,
+        "--time-scale",
+        str(time_scale),
+        "--kv-blocks",
+        str(kv_blocks),
+        "--kv-lease-s",
+        str(kv_lease_s * time_scale),
+    ]
+    if gpu is not None:
+        cmd += ["--gpu", gpu]
+    if mean_output_tokens is not None:
+        cmd += ["--mean-output-tokens", str(mean_output_tokens)]
+    return [*cmd, *extra]
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterSpec:
     n_prefill: int = 1
@@ -139,34 +186,19 @@ class Cluster:
 
     def _worker_cmd(self, wid: str, role: str, port: int) -> list[str]:
         s = self.spec
-        return [
-            sys.executable,
-            "-m",
-            "disagg_tools.sim.worker",
-            "--log-level",
-            s.log_level,
-            "--role",
-            role,
-            "--host",
-            HOST,
-            "--port",
-            str(port),
-            "--worker-id",
+        return sim_worker_command(
             wid,
-            "--model",
-            s.model,
-            "--gpu",
-            s.gpu,
-            "--time-scale",
-            str(s.time_scale),
-            "--kv-blocks",
-            str(s.kv_blocks),
-            "--mean-output-tokens",
-            str(s.mean_output_tokens),
-            "--kv-lease-s",
-            str(s.worker_kv_lease_s * s.time_scale),
-            *s.worker_args.get(wid, []),
-        ]
+            role,
+            port,
+            model=s.model,
+            time_scale=s.time_scale,
+            kv_blocks=s.kv_blocks,
+            kv_lease_s=s.worker_kv_lease_s,
+            log_level=s.log_level,
+            gpu=s.gpu,
+            mean_output_tokens=s.mean_output_tokens,
+            extra=s.worker_args.get(wid, ()),
+        )
 
     async def start(self) -> None:
         s = self.spec

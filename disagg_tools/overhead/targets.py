@@ -180,7 +180,7 @@ def router_command(
     (the ladder's one pair, the idle phase's four)."""
     if name in ("ours", "ours_redis", "ours_alt"):
         cfg = log_dir / f"{config_name or name}.yaml"
-        redis = name == "ours_redis" or (name == "ours_alt" and getattr(ns, "alt_redis", False))
+        redis = name == "ours_redis" or (name == "ours_alt" and ns.alt_redis)
         _our_config(ns, prefill, decode, cfg, redis=redis)
         serve = ["--log-level", "WARNING", "serve", "--config", str(cfg)]
         return [
