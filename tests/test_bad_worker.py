@@ -28,7 +28,13 @@ FAST_RETRY = {"backoff_base_s": 0.005, "backoff_max_s": 0.02}
 # deadline covers a hung prefill and a hung decode in one request, with room to spare.
 SHORT_LEGS = {"prefill_s": 0.5, "idle_s": 0.5, "ttft_s": 20.0}
 REQUESTS = 16
-MAX_ON_BAD = 5  # requests the bad worker may see before its breaker keeps it out
+CONCURRENCY = 4
+FAILURES_TO_OPEN = 3  # BreakerSettings' default, which these clusters keep
+# Requests the bad worker may see before its breaker keeps it out: the failures that open it,
+# plus the requests already sent to it when the last of those failures is judged. A hung worker
+# holds every request placed on it until its leg times out, so with four in flight the other
+# three were dispatched before the breaker could know (a CI run saw six, p1 hang stream).
+MAX_ON_BAD = FAILURES_TO_OPEN + CONCURRENCY - 1
 
 
 def _client(c: SimCluster) -> AsyncOpenAI:
@@ -82,9 +88,9 @@ async def _ask(client: AsyncOpenAI, path: str, body: dict[str, Any], stream: boo
 
 
 async def _run(c: SimCluster, path: str, stream: bool, n: int = REQUESTS, start: int = 0) -> None:
-    """`n` requests, four at a time (so placement spreads them over both pairs); every one
-    must come back whole and exact."""
-    gate = asyncio.Semaphore(4)
+    """`n` requests, `CONCURRENCY` at a time (so placement spreads them over both pairs); every
+    one must come back whole and exact."""
+    gate = asyncio.Semaphore(CONCURRENCY)
 
     async def one(i: int) -> tuple[str, str]:
         body = _body(path, i)
@@ -159,6 +165,7 @@ async def test_bad_worker_is_taken_out_and_no_client_sees_it(
     ) as c:
         await set_faults(c, bad, **faults)
         breaker = c.gateway.pools.workers[bad].breaker
+        assert breaker.settings.failures_to_open == FAILURES_TO_OPEN
         # Rounds until the breaker opens: a hung worker holds its first requests while the
         # rest of a round goes to the good pair, so one round may not reach it often enough.
         for rounds in range(4):
