@@ -8,9 +8,11 @@
 The publisher is vLLM's `ZmqEventPublisher` in shape (router/workers/kv_wire.py has the
 format): PUB multipart (topic, 8-byte big-endian sequence number from 0, msgpack of
 `[ts, [events], data_parallel_rank]`, events as tagged maps), and a ROUTER replay socket that
-answers `[b"", start_seq]` with `[b"", seq, payload]` for each buffered batch from start_seq, then
-`[b"", -1, b""]`. One difference: the sim binds the address it is given (tcp://127.0.0.1:N binds
-loopback), where vLLM binds only a `*` address and connects to a concrete one.
+answers `[b"", start_seq]` with `[b"", topic, seq, payload]` for each buffered batch from
+start_seq, then `[b"", b"", -1, b""]` (vLLM 0.32's `_service_replay`: the batch as the PUB sent
+it, behind the envelope's delimiter). One difference: the sim binds the address it is given
+(tcp://127.0.0.1:N binds loopback), where vLLM binds only a `*` address and connects to a
+concrete one.
 
 Engine block hashes are salted per process (as vLLM's are), so a subscriber that indexes them by
 the router's own hash of the token ids proves it does not depend on them.
@@ -127,9 +129,9 @@ class KvEventPublisher:
             first = int.from_bytes(start, "big")
             for seq, payload in list(self._buffer):
                 if seq >= first:
-                    frames = [client, b"", seq.to_bytes(8, "big"), payload]
+                    frames = [client, b"", self._topic, seq.to_bytes(8, "big"), payload]
                     await self._replay.send_multipart(frames)
-            await self._replay.send_multipart([client, b"", _END_SEQ, b""])
+            await self._replay.send_multipart([client, b"", b"", _END_SEQ, b""])
 
     async def close(self) -> None:
         if self._task is not None:

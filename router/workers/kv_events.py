@@ -245,14 +245,16 @@ class KvEventSubscriber:
             await dealer.send_multipart([b"", encode_seq(start)])
             while True:
                 frames = await asyncio.wait_for(dealer.recv_multipart(), self._replay_timeout_s)
+                # vLLM 0.32 (`_service_replay`): behind the envelope's empty delimiter, each
+                # batch as its PUB sent it (topic, seq, payload), then (b"", END_SEQ, b"").
                 if frames and frames[0] == b"":
-                    frames = frames[1:]  # the envelope's empty delimiter
-                if len(frames) != 2:
+                    frames = frames[1:]
+                if len(frames) != 3:
                     return None
-                seq = decode_seq(frames[0])
+                seq = decode_seq(frames[1])
                 if seq == END_SEQ:
                     return out
-                out.append((seq, frames[1]))
+                out.append((seq, frames[2]))
         except (TimeoutError, WireError, zmq.ZMQError) as exc:
             log.info("worker %s: replay from %d failed: %r", self.worker_id, start, exc)
             return None

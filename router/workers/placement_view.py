@@ -81,6 +81,10 @@ class PlacementView:
             return {"source": "estimated", "kv_events": None}
         return self._kv.describe(worker_id)
 
+    def kv_index(self, worker_id: str) -> KvIndex | None:
+        """The worker's index of its cached blocks, from its KV events; None: estimated."""
+        return None if self._kv is None else self._kv.index_of(worker_id)
+
     def __repr__(self) -> str:
         return f"PlacementView({len(self._members.workers)} workers)"
 
