@@ -374,3 +374,44 @@ async def test_a_chat_follow_up_is_placed_on_the_engine_holding_its_history(
     assert on_holder["local_cache_hit"] >= full_blocks * BLOCK_SIZE, on_holder
     assert on_holder["local_cache_hit"] % BLOCK_SIZE == 0, on_holder
     assert set(_delta(after, before, other.name).values()) == {0.0}
+
+
+async def test_a_router_started_after_the_engine_learns_what_it_holds_by_replay(
+    events_cluster: EventsCluster, redis_prefix: str
+) -> None:
+    """The engine's PUB socket sends a subscriber nothing from before it connected: what pb
+    cached before this router started reaches its index through pb's replay socket only."""
+    holder = events_cluster.prefills[1]
+    early = _tokens(3 * BLOCK_SIZE + 1)
+    async with aiohttp.ClientSession() as session:
+        await _complete(session, holder.url, early)
+    async with _router(events_cluster, redis_prefix) as r:
+        await _wait_indexed(r, holder.name, set(block_hashes(early, BLOCK_SIZE)))
+        assert r.gateway.metrics.kv_events_gaps.labels(worker=holder.name)._value.get() == 0
+
+
+async def test_the_index_follows_an_engine_restart(
+    events_cluster: EventsCluster, redis_prefix: str
+) -> None:
+    """pb restarts on the same ports (a new process: an empty cache, its batch counter from 0
+    again): the router's index of pb forgets what the old process held and learns what the new
+    one stores. The last test of the module: it leaves pb a fresh engine."""
+    engine = events_cluster.prefills[1]
+    before, after = _tokens(2 * BLOCK_SIZE + 3), _tokens(2 * BLOCK_SIZE + 3)
+    async with _router(events_cluster, redis_prefix) as r, aiohttp.ClientSession() as session:
+        await _complete(session, engine.url, before)
+        await _wait_indexed(r, engine.name, set(block_hashes(before, BLOCK_SIZE)))
+
+        engine.stop()
+        engine.start()
+        engine.wait_ready(time.monotonic() + START_TIMEOUT_S)
+        await _complete(session, engine.url, after)
+        new_blocks = set(block_hashes(after, BLOCK_SIZE))
+        await wait_for(
+            lambda: _indexed(r, engine.name) == new_blocks,
+            60,
+            "pb's index holds exactly the new process's blocks",
+        )
+        drops = r.gateway.metrics.kv_events_index_drops.labels(worker=engine.name, reason="restart")
+        assert drops._value.get() >= 1
+        assert r.gateway.pools.placement.prefix_cache(engine.name)["source"] == "events"
