@@ -248,3 +248,35 @@ def test_the_ladder_draws_a_progress_bar_on_a_terminal(tmp_path: Path) -> None:
     assert done.returncode == 0
     text = out.decode("utf-8", "replace")
     assert "ladder" in text and "1/1" in text and "rung" in text, text[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("flag", "exact"),
+    [("tokenizer", {"ours", "ours_redis"}), ("alt_tokenizer", {"ours_alt"})],
+)
+def test_a_tokenizer_puts_exact_counts_into_the_measured_router(
+    tmp_path: Path, flag: str, exact: set[str]
+) -> None:
+    """`--tokenizer` (ours, ours_redis) and `--alt-tokenizer` (ours_alt): the router measured is
+    configured to count prompts with that tokenizer, each of the others with the estimate."""
+    import argparse
+
+    from disagg_tools.overhead.targets import router_command
+    from router.config import load_settings
+
+    tok = ROOT / "examples" / "aiperf" / "tokenizer"
+    ns = argparse.Namespace(
+        model="llama-3-8b",
+        adapter="vllm",
+        redis_url="redis://127.0.0.1:6379/0",
+        alt_redis=False,
+        tokenizer=None,
+        alt_tokenizer=None,
+    )
+    setattr(ns, flag, str(tok))
+    workers = (["http://127.0.0.1:1"], ["http://127.0.0.1:2"])
+    for name in ("ours", "ours_redis", "ours_alt"):
+        cmd, _ = router_command(name, ns, *workers, port=3, log_dir=tmp_path)
+        settings = load_settings(cmd[cmd.index("--config") + 1])
+        want = {"llama-3-8b": str(tok.resolve())} if name in exact else {}
+        assert dict(settings.tokenizers) == want, name

@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-pin", dest="pin", action="store_false")
     p.add_argument("--ours-src", default=None)
     p.add_argument("--alt-redis", action="store_true", help="ours_alt with the Redis store")
+    p.add_argument("--tokenizer", default=None, help="ours, ours_redis: exact prompt counts")
+    p.add_argument("--alt-tokenizer", default=None, help="ours_alt: exact prompt counts")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--idle-s", type=float, default=20.0, help="seconds of no traffic per router")
     p.add_argument(

@@ -90,6 +90,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="/v1/chat/completions, not completions")
     p.add_argument("--model", default="llama-3-8b")
     p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="ours and ours_redis count prompts with this model directory's tokenizer (settings "
+        "`tokenizers`), as a deployment with exact counts does; default: the character estimate",
+    )
+    p.add_argument(
+        "--alt-tokenizer",
+        default=None,
+        metavar="DIR",
+        help="the same for ours_alt (with --ours-src . : tokenizing's cost in one run)",
+    )
+    p.add_argument(
         "--adapter",
         default="vllm",
         choices=("vllm", "sim"),

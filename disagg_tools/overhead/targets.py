@@ -147,7 +147,12 @@ async def start_workers(
 
 
 def _our_config(
-    ns: argparse.Namespace, prefill: list[str], decode: list[str], path: Path, redis: bool
+    ns: argparse.Namespace,
+    prefill: list[str],
+    decode: list[str],
+    path: Path,
+    redis: bool,
+    tokenizer: str | None,
 ) -> None:
     lines = [
         f"model: {ns.model}",
@@ -156,6 +161,9 @@ def _our_config(
     ]
     if redis:
         lines.append(f"redis_url: {ns.redis_url}")
+    if tokenizer:
+        # Exact prompt counts: the tokenizer's work is in the request path being measured.
+        lines.append(f"tokenizers: {{{ns.model}: {Path(tokenizer).resolve()}}}")
     lines.append("workers:")
     for i, url in enumerate(prefill):
         lines.append(f"  - {{id: p{i}, url: {url}, role: prefill, adapter: {ns.adapter}}}")
@@ -180,8 +188,10 @@ def router_command(
     (the ladder's one pair, the idle phase's four)."""
     if name in ("ours", "ours_redis", "ours_alt"):
         cfg = log_dir / f"{config_name or name}.yaml"
-        redis = name == "ours_redis" or (name == "ours_alt" and ns.alt_redis)
-        _our_config(ns, prefill, decode, cfg, redis=redis)
+        alt = name == "ours_alt"
+        redis = name == "ours_redis" or (alt and ns.alt_redis)
+        tokenizer = ns.alt_tokenizer if alt else ns.tokenizer
+        _our_config(ns, prefill, decode, cfg, redis=redis, tokenizer=tokenizer)
         serve = ["--log-level", "WARNING", "serve", "--config", str(cfg)]
         return [
             sys.executable,
