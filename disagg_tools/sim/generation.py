@@ -33,7 +33,6 @@ from .choices import serve_choices
 from .decode_engine import Sequence
 from .faults import error_body, error_response
 from .garbage import garbage_response, silent_after_tokens
-from .kv_events import prompt_token_ids
 from .openai_format import AnswerFormat, malformed_response
 from .sglang_protocol import SglangFormat
 from .worker_state import WORKER, Worker
@@ -152,7 +151,8 @@ async def _generation(
             return broken
     worker.metrics.inc("requests", label=mode)
     # The prompt's blocks enter the prefix cache once computed or pulled (sim.kv_events).
-    ids = prompt_token_ids(spec_path, spec_body) if worker.kv_events is not None else None
+    cache = worker.kv_events
+    ids = cache.prompt_ids(spec_path, spec_body) if cache is not None else None
     if mode == "prefill":
         room = kv_params.get("bootstrap_room") if kv_params else None
         return await _prefill(worker, request, spec, fmt, request_id, room, ids)

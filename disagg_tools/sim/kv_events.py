@@ -19,9 +19,12 @@ the router's own hash of the token ids proves it does not depend on them.
 
 The cache is an LRU of full blocks sized by the worker's KV capacity, beside the block pool (the
 pool models the KV of running requests; the cache, which prompts' blocks stay reusable). Which
-token ids a prompt has: a completions prompt given as ids, those; any other prompt, the ids the
-sim's /tokenize gives its text (crc32 of each 4-character piece), the text being what the model
-reads (chat rendered by the sim's template).
+token ids a prompt has: a completions prompt given as ids, those; any other prompt, the ids of
+the text the model reads (chat rendered by the sim's template, `textgen.prompt_context`): with
+`--tokenizer DIR`, `DIR/tokenizer.json`'s (encoded without special tokens), so a router counting
+with the same directory (settings `tokenizers`) names the same blocks; without, the ids the sim's
+/tokenize gives (crc32 of each 4-character piece), which no tokenizer reproduces. The prompt's
+count in usage stays the sim's own (`textgen.count_prompt_tokens`) either way.
 
 Its HTTP hooks (the test endpoints, vLLM's /reset_prefix_cache, the sockets' lifetime) are in
 sim.kv_event_routes.
@@ -37,22 +40,31 @@ import time
 import zlib
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import msgpack
 import zmq
 import zmq.asyncio
+from tokenizers import Tokenizer
 
 from policies.token_blocks import ROOT_HASH, block_hashes
 
 from . import textgen
 
-__all__ = ["KvEventPublisher", "SimPrefixCache", "prompt_token_ids"]
+__all__ = ["KvEventPublisher", "SimPrefixCache", "load_tokenizer", "prompt_token_ids"]
 
 _END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
-def prompt_token_ids(path: str, body: Mapping[str, Any]) -> list[int]:
+def load_tokenizer(directory: str | Path) -> Tokenizer:
+    """`--tokenizer DIR`: DIR's tokenizer.json (raises when there is none or it does not parse)."""
+    return Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
+
+
+def prompt_token_ids(
+    path: str, body: Mapping[str, Any], tokenizer: Tokenizer | None = None
+) -> list[int]:
     """The prompt's token ids as the sim's cache names them (see the module docstring)."""
     if path == textgen.COMPLETIONS_PATH:
         prompt = body.get("prompt")
@@ -63,6 +75,8 @@ def prompt_token_ids(path: str, body: Mapping[str, Any]) -> list[int]:
         ):
             return list(prompt)
     text = textgen.prompt_context(path, body)
+    if tokenizer is not None:
+        return list(tokenizer.encode(text, add_special_tokens=False).ids)
     return [zlib.crc32(text[i : i + 4].encode()) % 32_000 for i in range(0, len(text), 4)]
 
 
@@ -146,10 +160,17 @@ class KvEventPublisher:
 class SimPrefixCache:
     """An LRU of full blocks (engine hash -> router hash), publishing what it stores and evicts."""
 
-    def __init__(self, capacity_blocks: int, block_size: int, publisher: KvEventPublisher) -> None:
+    def __init__(
+        self,
+        capacity_blocks: int,
+        block_size: int,
+        publisher: KvEventPublisher,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
         self.capacity = capacity_blocks
         self.block_size = block_size
         self.publisher = publisher
+        self.tokenizer = tokenizer  # --tokenizer: text prompts' ids (prompt_token_ids)
         self._seed = os.urandom(8)  # vLLM's per-process hash seed
         self._blocks: OrderedDict[int, int] = OrderedDict()
 
@@ -160,6 +181,10 @@ class SimPrefixCache:
         h = hashlib.blake2b(self._seed + parent.to_bytes(8, "little"), digest_size=8)
         h.update(struct.pack(f"<{len(tokens)}I", *tokens))
         return int.from_bytes(h.digest(), "little")  # unsigned, up to 2**64, like vLLM's ints
+
+    def prompt_ids(self, path: str, body: Mapping[str, Any]) -> list[int]:
+        """The request's prompt token ids, as this worker's cache names them."""
+        return prompt_token_ids(path, body, self.tokenizer)
 
     def store(self, token_ids: Sequence[int]) -> None:
         """The prompt's full blocks are cached (touched when already there); one batch."""

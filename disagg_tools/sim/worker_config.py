@@ -46,6 +46,9 @@ class WorkerConfig:
     # KV events on vLLM's wire format (sim.kv_events): the PUB and replay addresses it binds
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
+    # A model directory whose tokenizer.json names text prompts' KV blocks (sim.kv_events);
+    # None = the sim's own ids (crc32 of 4-character pieces)
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -103,6 +106,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-events-endpoint", default=None, help="publish KV events here (tcp://127.0.0.1:N)"
     )
     parser.add_argument("--kv-events-replay-endpoint", default=None, help="KV-event replay")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="with --kv-events-endpoint: name text prompts' blocks by DIR/tokenizer.json's ids",
+    )
     faults = parser.add_argument_group("fault injection")
     faults.add_argument("--fault-prefill-fail", action="store_true")
     faults.add_argument("--fault-prefill-die-after-kv", action="store_true")
@@ -166,5 +175,6 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
         bootstrap_port=ns.bootstrap_port,
         kv_events_endpoint=ns.kv_events_endpoint,
         kv_events_replay_endpoint=ns.kv_events_replay_endpoint,
+        tokenizer=ns.tokenizer,
         **extra,
     )

@@ -14,7 +14,7 @@ from policies.costmodel import perf_model
 
 from .decode_engine import BlockPool, DecodeEngine, KvLedger, PrefillQueue
 from .faults import FaultState
-from .kv_events import KvEventPublisher, SimPrefixCache
+from .kv_events import KvEventPublisher, SimPrefixCache, load_tokenizer
 from .rooms import RoomTable
 from .sim_metrics import SimMetrics
 from .worker_config import WorkerConfig
@@ -59,6 +59,7 @@ class Worker:
                 self.pool.capacity,
                 config.block_size,
                 KvEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint),
+                load_tokenizer(config.tokenizer) if config.tokenizer else None,
             )
             if config.kv_events_endpoint
             else None
