@@ -1,7 +1,10 @@
 """`disagg-router demo --plot FILE` (disagg_tools/launcher/demo_plot.py): a short demo writes a
 real PNG of
 its latency distributions, quietly (no progress bar into a pipe); without matplotlib, or with a
-file it cannot write, it says so in one line and exits 2 before any cluster starts."""
+file it cannot write, it says so in one line and exits 2 before any cluster starts.
+
+The demo places on the workers' facts (their KV events, exact prompt tokens from the demo
+tokenizer) and says so from the router's /admin/state; `--no-kv-events` runs it the old way."""
 
 from __future__ import annotations
 
@@ -45,8 +48,24 @@ def test_a_short_demo_writes_a_png_of_its_latencies_and_draws_no_bar(tmp_path: P
     assert (width, height) == (1100, 420)  # two panels side by side, 11 x 4.2 in at 100 dpi
     assert len(data) > 20_000  # curves, labels and lines, not a blank canvas
     assert f"plot: {out}" in run.stdout
+    # From the router's /admin/state after the run: every worker's prefix cache known from its
+    # KV events (synced or rebuilding, not "estimated"), the prompts counted by the tokenizer.
+    facts = [line for line in run.stdout.splitlines() if line.startswith("prefix caches: ")]
+    assert len(facts) == 1, run.stdout[-2000:]
+    assert facts[0].startswith("prefix caches: events on 4/4 workers ("), facts[0]
+    assert "estimated" not in facts[0]
+    assert facts[0].endswith("; prompt tokens: exact (tokenizer)"), facts[0]
     both = run.stdout + run.stderr
     assert not any(mark in both for mark in BAR_MARKS), both[-2000:]
+
+
+def test_no_kv_events_runs_on_the_estimates() -> None:
+    run = _demo("--requests", "4", "--time-scale", "50", "--no-kv-events")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (
+        "prefix caches: events on 0/4 workers, estimated on 4; "
+        "prompt tokens: estimated (4.0 characters a token)"
+    ) in run.stdout.splitlines(), run.stdout[-2000:]
 
 
 def test_svg_by_extension_with_both_panels_and_their_slos(tmp_path: Path) -> None:

@@ -5,6 +5,10 @@ Starts Redis (REDIS_URL, else a private redis-server, else the in-process store)
 through the router (time-scaled), with a progress bar on a terminal; prints the report; shuts
 everything down. `--plot FILE` also writes the TTFT and ITL distributions
 (disagg_tools/launcher/demo_plot.py).
+The router places on the workers' own facts: their KV events and exact prompt token ids (the
+demo tokenizer, disagg_tools/launcher/demo_tokenizer.py), and the report says so from the
+router's /admin/state; `--no-kv-events` runs it on the estimated affinity and the character
+estimate instead.
 With `--serve` it keeps the cluster up for curl or the `openai` client until Ctrl-C.
 """
 
@@ -16,6 +20,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -26,7 +31,7 @@ from disagg_tools.replay.replay_report import summarize, to_text
 from disagg_tools.replay.replayer import replay
 from disagg_tools.traces import TRACE_DIR, TraceRequest, load_trace
 
-__all__ = ["add_demo_arguments", "run_demo", "default_trace"]
+__all__ = ["add_demo_arguments", "run_demo", "default_trace", "facts_line"]
 
 TRACE_NAME = "AzureLLMInferenceTrace_conv.csv"
 
@@ -84,6 +89,12 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--port", type=int, default=0, help="router port with --serve")
     parser.add_argument(
+        "--no-kv-events",
+        dest="kv_events",
+        action="store_false",
+        help="no KV events and no tokenizer: the router's estimated affinity and character counts",
+    )
+    parser.add_argument(
         "--plot",
         metavar="FILE",
         help="also write the TTFT and ITL distributions to FILE (.png or .svg; needs matplotlib)",
@@ -106,10 +117,29 @@ async def _serve_until_signal(url: str) -> None:
     await stop.wait()
 
 
-async def _reserved_after(url: str) -> int:
+async def _admin_state(url: str) -> dict[str, Any]:
     async with aiohttp.ClientSession() as s, s.get(url + "/admin/state") as resp:
-        state = await resp.json()
-    return sum(w["reserved_blocks"] for w in state["workers"])
+        state: dict[str, Any] = await resp.json()
+    return state
+
+
+def facts_line(state: dict[str, Any], model: str) -> str:
+    """What placement stood on, from the router's /admin/state: each worker's prefix-cache source
+    ("events": its KV events, else "estimated") and how the model's prompts were counted."""
+    workers = state["workers"]
+    events = [w for w in workers if w["prefix_cache"]["source"] == "events"]
+    caches = f"events on {len(events)}/{len(workers)} workers"
+    if events:
+        blocks = sum(w["prefix_cache"]["kv_events"]["blocks"] for w in events)
+        caches += f" ({blocks} blocks indexed)"
+    if len(events) < len(workers):
+        caches += f", estimated on {len(workers) - len(events)}"
+    mode = state["prompt_tokens"].get(model, {})
+    if mode.get("source") == "tokenizer":
+        tokens = "exact (tokenizer)" if mode.get("loaded") else "estimated (tokenizer not loaded)"
+    else:
+        tokens = f"estimated ({mode.get('chars_per_token', '?')} characters a token)"
+    return f"prefix caches: {caches}; prompt tokens: {tokens}"
 
 
 def _plot_refused(ns: argparse.Namespace) -> str | None:
@@ -135,6 +165,7 @@ async def run_demo(ns: argparse.Namespace) -> int:
         policy=ns.policy,
         estimator=ns.estimator,
         router_port=ns.port,
+        prefix_facts=ns.kv_events,
     )
     requests, source = ([], "") if ns.serve else _load(ns)
     print(
@@ -169,7 +200,8 @@ async def run_demo(ns: argparse.Namespace) -> int:
             bar.close()
         summary = summarize(result, slo_ttft_s=ns.slo_ttft, slo_tpot_s=ns.slo_tpot)
         await asyncio.sleep(0.2)  # let the last releases land before reading the state
-        reserved = await _reserved_after(cluster.router_url)
+        state = await _admin_state(cluster.router_url)
+    reserved = sum(w["reserved_blocks"] for w in state["workers"])
     print()
     print(
         f"disagg-router demo — policy {ns.policy}, estimator {ns.estimator}, "
@@ -177,6 +209,7 @@ async def run_demo(ns: argparse.Namespace) -> int:
     )
     print(to_text(summary), end="")
     print(f"decode blocks still reserved after the run: {reserved}")
+    print(facts_line(state, ns.model))
     if ns.plot:
         written = write_latency_plot(
             result, ns.plot, slo_ttft_s=ns.slo_ttft, slo_tpot_s=ns.slo_tpot

@@ -2,6 +2,13 @@
 
 Used by `disagg-router demo`. Every process binds to 127.0.0.1 and is stopped (SIGTERM, then
 SIGKILL) when the context exits, whatever happened.
+
+With `prefix_facts` (the default) the router places on the workers' own facts: each worker
+publishes its KV events (`--kv-events-endpoint`, `--kv-events-replay-endpoint`, loopback ports)
+and names text prompts' blocks with the demo tokenizer (`--tokenizer`, built into the workdir by
+demo_tokenizer.py), and the router subscribes to each (`kv_events`) and counts prompts with the
+same directory (`tokenizers`), so both name a prompt's blocks by the same token ids
+(docs/kv-events.md). Without it, the estimated affinity and the character estimate.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
+from disagg_tools.launcher.demo_tokenizer import build_demo_tokenizer
 from disagg_tools.procs import free_port
 from policies.costmodel import perf_model
 from router.redact import mask_url
@@ -37,6 +45,9 @@ class ClusterShape:
     policy: str = "two_sided"
     estimator: str = "online_quantile"
     router_port: int = 0  # 0 = any free port
+    # KV events from every worker and exact prompt tokens (the demo tokenizer): placement on the
+    # engines' facts; False = the estimated affinity and the character estimate
+    prefix_facts: bool = True
 
 
 @dataclass(slots=True)
@@ -48,6 +59,7 @@ class LocalCluster:
     router_url: str = ""
     worker_urls: dict[str, str] = field(default_factory=dict)
     procs: list[asyncio.subprocess.Process] = field(default_factory=list)
+    tokenizer_dir: Path | None = None  # the demo tokenizer, with prefix_facts
 
     def __repr__(self) -> str:
         return f"LocalCluster({self.router_url}, workers={list(self.worker_urls)})"
@@ -169,11 +181,22 @@ async def _start_workers(cluster: LocalCluster, kv_blocks: int) -> list[dict[str
             "--kv-lease-s",
             str(30.0 * shape.time_scale),
         ]
+        events: dict[str, str] | None = None
+        if cluster.tokenizer_dir is not None:
+            events = {
+                "endpoint": f"tcp://127.0.0.1:{free_port()}",
+                "replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
+            }
+            args += ["--kv-events-endpoint", events["endpoint"]]
+            args += ["--kv-events-replay-endpoint", events["replay_endpoint"]]
+            args += ["--tokenizer", str(cluster.tokenizer_dir)]
         proc = await _spawn(cluster, args, f"worker-{wid}.log")
         url = f"http://127.0.0.1:{port}"
         cluster.worker_urls[wid] = url
         starting.append(_wait_http(url + "/health", proc, f"worker {wid}"))
         entry: dict[str, object] = {"id": wid, "url": url, "role": role, "adapter": "sim"}
+        if events is not None:
+            entry["kv_events"] = events
         if role == "decode":
             entry["kv_blocks"] = kv_blocks
         entries.append(entry)
@@ -189,6 +212,8 @@ async def local_cluster(
     cluster = LocalCluster(shape=shape, workdir=workdir)
     try:
         await _start_redis(cluster, redis_url)
+        if shape.prefix_facts:
+            cluster.tokenizer_dir = build_demo_tokenizer(workdir / "tokenizer")
         perf = perf_model(shape.model, shape.gpu)
         kv_blocks = shape.kv_blocks or perf.kv_capacity_blocks
         workers = await _start_workers(cluster, kv_blocks)
@@ -206,6 +231,8 @@ async def local_cluster(
             # The workers run time_scale x faster than real GPUs: scale the deadlines with them.
             "health_interval_s": 1.0,
         }
+        if cluster.tokenizer_dir is not None:
+            config["tokenizers"] = {shape.model: str(cluster.tokenizer_dir)}
         (workdir / "cluster.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         proc = await _spawn(
             cluster,
