@@ -66,7 +66,10 @@ async def held_prefill_proxy(target: str, release: asyncio.Event) -> AsyncIterat
 
 @contextlib.asynccontextmanager
 async def sglang_cluster(
-    redis_prefix: str, prefill_url_override: Any = None, **settings: Any
+    redis_prefix: str,
+    prefill_url_override: Any = None,
+    configure_bootstrap: bool = True,
+    **settings: Any,
 ) -> AsyncIterator[tuple[str, web.Application, dict[str, str]]]:
     async with contextlib.AsyncExitStack() as stack:
         p_url = await stack.enter_async_context(
@@ -105,7 +108,11 @@ async def sglang_cluster(
                     "url": router_p_url,
                     "role": "prefill",
                     "adapter": "sglang",
-                    "bootstrap_port": info["disaggregation_bootstrap_port"],
+                    **(
+                        {"bootstrap_port": info["disaggregation_bootstrap_port"]}
+                        if configure_bootstrap
+                        else {}
+                    ),
                 },
                 {
                     "id": "d0",
@@ -119,6 +126,21 @@ async def sglang_cluster(
         }
         url, app = await stack.enter_async_context(running_router(settings_from_mapping(raw)))
         yield url, app, {"p0": p_url, "d0": d_url}
+
+
+async def test_an_unconfigured_bootstrap_port_is_read_from_server_info(redis_prefix: str) -> None:
+    """An operator's entry gives the prefill's URL only: the router reads the bootstrap port
+    from its `/server_info` before placing anything on it, and the pair works."""
+    async with sglang_cluster(redis_prefix, configure_bootstrap=False) as (url, app, workers):
+        info = await _json(workers["p0"] + "/server_info")
+        spec = app[GATEWAY].pools.workers["p0"].spec
+        assert spec.bootstrap_port == info["disaggregation_bootstrap_port"] > 0
+        assert spec.reads_bootstrap_port
+        body = _body("a port nobody wrote down")
+        async with aiohttp.ClientSession() as s, s.post(url + CHAT, json=body) as r:
+            assert r.status == 200
+            text, _, errors = sse_text(await r.read())
+        assert not errors and text == expected_answer(CHAT, body)[0]
 
 
 def _body(text: str, n: int = 24) -> dict[str, Any]:

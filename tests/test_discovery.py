@@ -74,6 +74,28 @@ def test_stale_is_never_idle() -> None:
             (4, 2),
         ),
         ({"load": 7}, (7, 0)),
+        # /v1/loads (SGLang 0.5.23, as its server answers): running and waiting apart
+        (
+            {
+                "version": "0.5.23",
+                "loads": [
+                    {
+                        "dp_rank": 0,
+                        "num_running_reqs": 3,
+                        "num_waiting_reqs": 2,
+                        "num_used_tokens": 800,
+                        "max_total_num_tokens": 10_000,
+                    },
+                    {
+                        "dp_rank": 1,
+                        "num_running_reqs": 1,
+                        "num_waiting_reqs": 0,
+                        "num_used_tokens": 200,
+                    },
+                ],
+            },
+            (4, 2),
+        ),
         ([], (0, 0)),
         ("garbage", (0, 0)),
     ],
@@ -83,6 +105,14 @@ def test_parse_sglang_load(load: Any, want: tuple[int, int]) -> None:
     snap = parse_sglang_load(load, info, at=1.0)
     assert (snap.running, snap.waiting) == want
     assert snap.num_gpu_blocks == 625
+
+
+def test_sglang_v1_loads_gives_its_own_capacity_and_usage() -> None:
+    load = {
+        "loads": [{"num_running_reqs": 1, "num_used_tokens": 2048, "max_total_num_tokens": 8192}]
+    }
+    snap = parse_sglang_load(load, {"page_size": 1}, at=0.0)
+    assert (snap.kv_usage, snap.num_gpu_blocks) == (0.25, 8192)
 
 
 def test_sglang_usage_from_tokens() -> None:

@@ -3,7 +3,9 @@
     vLLM    GET /metrics       vllm:num_requests_running / _waiting, vllm:kv_cache_usage_perc,
                                vllm:cache_config_info{num_gpu_blocks=...} when exported
             GET /version, /v1/models                                   -> layout facts
-    SGLang  GET /get_load      [{"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}]
+    SGLang  GET /v1/loads      {"loads": [{"dp_rank", "num_running_reqs", "num_waiting_reqs",
+                               "num_used_tokens", "max_total_num_tokens", ...}]} (0.5.x)
+            GET /get_load      [{"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}] (older)
                                (older: {"load": n})
             GET /server_info   (falls back to /get_server_info)        -> capacity, layout facts
 
@@ -47,6 +49,7 @@ __all__ = [
     "worker_facts_vllm",
     "worker_facts_sglang",
     "fetch_worker_facts",
+    "fetch_server_facts",
 ]
 
 Clock = Callable[[], float]
@@ -129,27 +132,37 @@ def _int(value: object) -> int:
 
 
 def parse_sglang_load(load: Any, server_info: Mapping[str, Any] | None, at: float) -> LoadSnapshot:
-    """A load record from `/get_load` (summed over DP ranks) and, for capacity, `/server_info`."""
+    """A load record summed over DP ranks: SGLang's `/v1/loads` (`{"loads": [{"num_running_reqs",
+    "num_waiting_reqs", "num_used_tokens", "max_total_num_tokens", ...}]}`, 0.5.x), or the
+    older `/get_load` (`[{"num_reqs", "num_waiting_reqs", "num_tokens"}]`, or `{"load"}`);
+    `/server_info` for the capacity when the record does not give it, and the page size."""
+    if isinstance(load, Mapping) and isinstance(load.get("loads"), list):
+        load = load["loads"]
     ranks = load if isinstance(load, list) else [load] if isinstance(load, Mapping) else []
-    total = waiting = tokens = 0
+    running = waiting = tokens = capacity = 0
     for rank in ranks:
         if not isinstance(rank, Mapping):
             continue
-        if "num_reqs" in rank:
-            total += _int(rank.get("num_reqs"))
+        if "num_running_reqs" in rank:  # /v1/loads
+            running += _int(rank.get("num_running_reqs"))
+            waiting += _int(rank.get("num_waiting_reqs"))
+            tokens += _int(rank.get("num_used_tokens"))
+            capacity += _int(rank.get("max_total_num_tokens"))
+        elif "num_reqs" in rank:  # /get_load: num_reqs counts the waiting ones too
+            running += _int(rank.get("num_reqs")) - _int(rank.get("num_waiting_reqs"))
             waiting += _int(rank.get("num_waiting_reqs"))
             tokens += _int(rank.get("num_tokens"))
         else:
-            total += _int(rank.get("load"))  # older SGLang: one number of requests
+            running += _int(rank.get("load"))  # older SGLang: one number of requests
     usage: float | None = None
     blocks: int | None = None
-    if server_info:
-        capacity = _int(server_info.get("max_total_num_tokens"))
-        page = _int(server_info.get("page_size")) or 1
-        if capacity > 0:
-            blocks = capacity // page
-            usage = min(1.0, tokens / capacity) if tokens else 0.0
-    return LoadSnapshot(max(0, total - waiting), waiting, usage, blocks, at)
+    info = server_info or {}
+    capacity = capacity or _int(info.get("max_total_num_tokens"))
+    page = _int(info.get("page_size")) or 1
+    if capacity > 0:
+        blocks = capacity // page
+        usage = min(1.0, tokens / capacity) if tokens else 0.0
+    return LoadSnapshot(max(0, running), waiting, usage, blocks, at)
 
 
 def _refused(resp: aiohttp.ClientResponse, what: str) -> aiohttp.ClientResponseError:
@@ -176,7 +189,8 @@ async def _get_json(session: aiohttp.ClientSession, url: str, *paths: str) -> An
 async def fetch_sglang_load(
     session: aiohttp.ClientSession, url: str, clock: Clock = time.monotonic
 ) -> LoadSnapshot:
-    load = await _get_json(session, url, "/get_load")
+    # /v1/loads since SGLang 0.5 (0.5.23 has no /get_load); /get_load before.
+    load = await _get_json(session, url, "/v1/loads", "/get_load")
     info = await _get_json(session, url, "/server_info", "/get_server_info")
     return parse_sglang_load(load, info, clock())
 
@@ -260,6 +274,17 @@ async def fetch_layout_facts(
     if engine == "sim":
         facts["engine"] = "sim"
     return facts
+
+
+async def fetch_server_facts(
+    session: aiohttp.ClientSession, url: str, engine: str
+) -> tuple[dict[str, Any], int | None]:
+    """(layout fields, SGLang bootstrap port or None) one worker reports about itself: for
+    SGLang one `/server_info` read gives both."""
+    if engine != "sglang":
+        return await fetch_layout_facts(session, url, engine), None
+    info = await _get_json(session, url, "/server_info", "/get_server_info")
+    return layout_facts_sglang(info), worker_facts_sglang(info).bootstrap_port
 
 
 async def fetch_layout(

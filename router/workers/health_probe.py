@@ -1,8 +1,10 @@
 """Health probes and KV-layout discovery of the pools' workers.
 
-A worker is in rotation once it answers `/health` and its KV layout is known: configured, or
-read from the worker itself (`discover_layout`). Two failed probes in a row take it out; a worker
-that may come back upgraded has its layout read again first. The prober slows down to
+A worker is in rotation once it answers `/health` and what its entry leaves out is known: its KV
+layout (configured, or read from the worker itself: `discover_layout`) and, for an SGLang prefill
+without a configured `bootstrap_port`, the bootstrap port its `/server_info` reports. Two failed
+probes in a row take it out; a worker that may come back upgraded (or restarted on another
+bootstrap port) has those read again first. The prober slows down to
 `health_idle_interval_s` while every worker answers and the replica is quiet: a request's own
 failure trips the breaker meanwhile, and the first placement brings the cadence back.
 """
@@ -17,7 +19,7 @@ from typing import Any
 import aiohttp
 
 from router.config import Settings
-from router.workers.discovery import fetch_layout_facts, merge_layout
+from router.workers.discovery import fetch_layout_facts, fetch_server_facts, merge_layout
 from router.workers.loop_timing import LoopTiming
 from router.workers.membership import Membership
 from router.workers.worker_state import WorkerState
@@ -45,17 +47,38 @@ class HealthProber:
             return await fetch_layout_facts(session, url, adapter)
 
     async def discover_layout(self, session: aiohttp.ClientSession, w: WorkerState) -> bool:
-        """Read a `discover_layout` worker's layout from the worker itself; its own configured
-        fields stay on top. Until this succeeds the worker is out of rotation."""
+        """Read what a worker's entry leaves out from the worker itself: a `discover_layout`
+        worker's layout (its own configured fields stay on top), an SGLang prefill's bootstrap
+        port. Until this succeeds the worker is out of rotation."""
+        spec = w.spec
         try:
-            facts = await self.layout_facts(session, w.spec.url, w.spec.adapter)
-            layout = merge_layout(w.spec.layout, facts, dict(w.spec.layout_configured))
+            async with asyncio.timeout(2 * self._settings.health_timeout_s):
+                facts, bootstrap_port = await fetch_server_facts(session, spec.url, spec.adapter)
+            layout = (
+                merge_layout(spec.layout, facts, dict(spec.layout_configured))
+                if spec.discover_layout
+                else spec.layout
+            )
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            log.warning("cannot read the KV layout of worker %s yet: %r", w.spec.id, exc)
+            log.warning("cannot read the facts of worker %s yet: %r", spec.id, exc)
             return False
-        w.spec = replace(w.spec, layout=layout)
+        if spec.reads_bootstrap_port:
+            if bootstrap_port is None:
+                log.warning(
+                    "worker %s: its /server_info gives no disaggregation_bootstrap_port (is it "
+                    "started with --disaggregation-mode prefill?); set bootstrap_port",
+                    spec.id,
+                )
+                return False
+            spec = replace(spec, bootstrap_port=bootstrap_port)
+        w.spec = replace(spec, layout=layout)
         w.layout_known = True
-        log.info("worker %s reports its KV layout: %s", w.spec.id, layout.key)
+        log.info(
+            "worker %s reports its KV layout %s%s",
+            spec.id,
+            layout.key,
+            f", bootstrap port {bootstrap_port}" if spec.reads_bootstrap_port else "",
+        )
         return True
 
     async def probe(self, session: aiohttp.ClientSession, w: WorkerState) -> None:
@@ -82,9 +105,9 @@ class HealthProber:
                     w.consecutive_failures,
                 )
                 w.healthy = False
-                if w.spec.discover_layout:
+                if w.spec.reads_server_facts:
                     # It may come back upgraded (a rolling upgrade restarts workers in place):
-                    # its layout is read again before it is used again.
+                    # its layout (and bootstrap port) are read again before it is used again.
                     w.layout_known = False
 
     def _may_slow(self) -> bool:

@@ -63,7 +63,7 @@ class Membership:
             dynamic=dynamic,
             registration=registration,
             breaker=CircuitBreaker(self.settings.breaker),
-            layout_known=not spec.discover_layout,
+            layout_known=not spec.reads_server_facts,
             # A worker that joins at run time enters rotation once a health probe passes
             # (the admin API probes it at once; other replicas' probers within an interval).
             healthy=not dynamic,

@@ -102,12 +102,26 @@ class WorkerSpec:
     discover_layout: bool = False
     layout_configured: tuple[tuple[str, Any], ...] = ()
     kv_events: KvEventsSpec | None = None  # None: no events, the prefix affinity is estimated
+    # False: `bootstrap_port` is what an SGLang prefill's /server_info reported (or not read yet)
+    bootstrap_configured: bool = True
 
     __repr__ = masked_repr  # a URL's password is not shown
 
     @property
     def is_prefill(self) -> bool:
         return self.role in ("prefill", "both")
+
+    @property
+    def reads_bootstrap_port(self) -> bool:
+        """An SGLang prefill whose entry gives no `bootstrap_port`: its /server_info's
+        `disaggregation_bootstrap_port` is read before it is used (and again after it was out:
+        a restarted engine may have another)."""
+        return self.adapter == "sglang" and self.is_prefill and not self.bootstrap_configured
+
+    @property
+    def reads_server_facts(self) -> bool:
+        """Out of rotation until the worker itself has told what its entry leaves out."""
+        return self.discover_layout or self.reads_bootstrap_port
 
     @property
     def is_decode(self) -> bool:
@@ -270,6 +284,7 @@ def parse_worker(
         discover_layout=discover,
         layout_configured=tuple(sorted(configured.items())) if discover else (),
         kv_events=_parse_kv_events(raw.get("kv_events"), where),
+        bootstrap_configured=raw.get("bootstrap_port") is not None,
     )
     if spec.is_decode:
         try:
