@@ -23,6 +23,7 @@ from router.config import Settings
 from router.errors import UpstreamError
 from router.relay.aiohttp_relay import parse_sent_text
 from router.request.attempt import Ask, Call
+from router.tokens.loaded import tokenizer_for
 from router.workers.membership import Membership
 
 __all__ = ["Resumer", "resume_body"]
@@ -50,8 +51,9 @@ class Resumer:
         return Ask(body, prompt_tokens, max_tokens, resumed, resume=True)
 
     async def tokens_in(self, call: Call, text: str) -> int:
-        """How many tokens `text` is, by a real vLLM worker's own tokenizer (`POST /tokenize`);
-        0 when no such worker answers.
+        """How many tokens `text` is: by the model's own tokenizer when the router has it
+        (settings `tokenizers`: no call, and the only way for SGLang workers, which this asks
+        nothing), else by a real vLLM worker's (`POST /tokenize`); 0 when neither can tell.
 
         Counting chunks undercounts what was sent: vLLM merges several tokens into one chunk when
         its API server falls behind, and a resumed answer would then run past `max_tokens`. The
@@ -60,6 +62,11 @@ class Resumer:
         if not text:
             return 0
         model = call.parsed.body.get("model")
+        tokenizer = (
+            tokenizer_for(self.settings.tokenizers, model) if isinstance(model, str) else None
+        )
+        if tokenizer is not None:
+            return len(tokenizer.encode(text, add_special_tokens=False))
         asked = 0
         for w in list(self.members.workers.values()):
             if w.spec.adapter not in ("vllm", "mooncake") or not w.healthy or asked >= 2:

@@ -3,6 +3,6 @@ router counts a prompt exactly as the engine will instead of estimating it from 
 
     template   the chat template rendered as Hugging Face and vLLM render it (jinja2)
     tokenizer  one model's tokenizer: a request body's prompt token ids, per endpoint
-    counting   the per-model tokenizers of the settings, loaded once, and the request parse
-               that uses them (large prompts tokenized off the event loop)
+    loaded     the per-model tokenizers of the settings, read once per directory
+    counting   the request parse that uses them (large prompts tokenized off the event loop)
 """

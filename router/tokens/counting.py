@@ -11,9 +11,7 @@ hundreds of milliseconds for a real model). The threshold is measured
 from __future__ import annotations
 
 import asyncio
-import logging
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -21,50 +19,14 @@ from router.api import ParsedRequest, parse_request
 from router.config import Settings
 from router.metrics import RouterMetrics
 from router.responses_pd import RESPONSES, parse_responses
-from router.tokens.tokenizer import PromptTokenizer
+from router.tokens.loaded import LOADED, tokenizer_for
 
-__all__ = ["THREAD_ABOVE_BYTES", "parse_generation", "prompt_token_modes", "tokenizer_for"]
-
-log = logging.getLogger(__name__)
+__all__ = ["THREAD_ABOVE_BYTES", "parse_generation", "prompt_token_modes"]
 
 # Bodies larger than this are tokenized off the event loop: at ~1-3 µs of CPU per prompt token,
 # a body of this size holds the loop ~0.3-1 ms, several times the ~60 µs a thread hop costs
 # (docs/benchmarks-overhead.md "Exact prompt tokens").
 THREAD_ABOVE_BYTES = 1024
-
-
-class _Loaded:
-    """The tokenizers read so far, by directory: one read per directory per process, however
-    many apps or models share it; a directory that fails to load is logged once and counted by
-    estimate (the worker still serves the request)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._by_dir: dict[str, PromptTokenizer | None] = {}
-
-    def ready(self, directory: str) -> bool:
-        return directory in self._by_dir
-
-    def get(self, directory: str) -> PromptTokenizer | None:
-        if directory in self._by_dir:
-            return self._by_dir[directory]
-        with self._lock:
-            if directory not in self._by_dir:
-                try:
-                    self._by_dir[directory] = PromptTokenizer.load(directory)
-                except Exception as exc:  # the Rust parser raises its own errors too
-                    log.error("tokenizer %s unreadable (%s): prompts estimated", directory, exc)
-                    self._by_dir[directory] = None
-            return self._by_dir[directory]
-
-
-_LOADED = _Loaded()
-
-
-def tokenizer_for(tokenizers: Mapping[str, str], model: str) -> PromptTokenizer | None:
-    """The model's tokenizer (loaded on first use), or None when it has none."""
-    directory = tokenizers.get(model)
-    return None if directory is None else _LOADED.get(directory)
 
 
 def _parse(
@@ -94,7 +56,7 @@ async def parse_generation(
     parse = _parse(path, raw, settings, models)
     on_loop = not settings.tokenizers or (
         len(raw) <= THREAD_ABOVE_BYTES
-        and all(_LOADED.ready(d) for d in settings.tokenizers.values())
+        and all(LOADED.ready(d) for d in settings.tokenizers.values())
     )
     parsed = parse() if on_loop else await asyncio.to_thread(parse)
     metrics.prompt_tokens_source.labels(parsed.prompt_tokens_source).inc()
@@ -111,6 +73,6 @@ def prompt_token_modes(settings: Settings) -> dict[str, dict[str, object]]:
         if directory is None:
             out[model] = {"source": "estimate", "chars_per_token": settings.chars_per_token}
         else:
-            loaded = _LOADED.get(directory) is not None if _LOADED.ready(directory) else None
+            loaded = LOADED.get(directory) is not None if LOADED.ready(directory) else None
             out[model] = {"source": "tokenizer", "tokenizer_dir": directory, "loaded": loaded}
     return out

@@ -158,13 +158,20 @@ class SglangServer(EngineProcess):
         )
         return env
 
-    def running_requests(self) -> float:
-        """`sglang:num_running_reqs` plus `sglang:num_queue_reqs` (summed over labels)."""
-        return sum(
-            v
-            for (name, _), v in self.metrics().items()
-            if name in ("sglang:num_running_reqs", "sglang:num_queue_reqs")
-        )
+    def running_requests(self) -> int:
+        """Requests the engine holds right now, from its scheduler (`/v1/loads`): running,
+        waiting, and in the PD queues (bootstrap, prealloc, transfer, retracted). Its
+        Prometheus gauges are set only at each log interval, so they lag."""
+        import json
+
+        status, body = http_get(self.url + "/v1/loads", timeout=10.0)
+        assert status == 200, body[:200]
+        total = 0
+        for load in json.loads(body)["loads"]:
+            total += int(load.get("num_running_reqs", 0)) + int(load.get("num_waiting_reqs", 0))
+            queues = load.get("disaggregation") or {}
+            total += sum(int(v) for k, v in queues.items() if k.endswith("_queue_reqs"))
+        return total
 
 
 @dataclass
