@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 from aiohttp import web
 
 from disagg_tools.sim.textgen import expected_answer
@@ -141,6 +142,22 @@ async def test_an_unconfigured_bootstrap_port_is_read_from_server_info(redis_pre
             assert r.status == 200
             text, _, errors = sse_text(await r.read())
         assert not errors and text == expected_answer(CHAT, body)[0]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_n_above_one_is_refused_in_front_of_sglang(redis_prefix: str, stream: bool) -> None:
+    """SGLang's PD pairs hang on n > 1 (the samples share one bootstrap room: seen on real
+    SGLang 0.5.23, tests/real_sglang): a clear 400 on `n`, nothing sent, nothing held."""
+    async with sglang_cluster(redis_prefix) as (url, app, workers):
+        body = {**_body("several choices"), "n": 2, "stream": stream}
+        async with aiohttp.ClientSession() as s, s.post(url + CHAT, json=body) as r:
+            assert r.status == 400
+            error = (await r.json())["error"]
+        assert error["param"] == "n" and "bootstrap room" in error["message"]
+        gw = app[GATEWAY]
+        usage = await gw.store.decode_usage(["d0"])
+        assert usage["d0"].reserved_blocks == 0
+        assert gw.leases.live == {}
 
 
 def _body(text: str, n: int = 24) -> dict[str, Any]:

@@ -36,7 +36,7 @@ import orjson
 from router.adapters import ProtocolViolation, prefill_target
 from router.api import RESPONSES
 from router.config import Settings
-from router.errors import DeadlineExceeded, Unavailable, UpstreamError
+from router.errors import DeadlineExceeded, InvalidRequest, Unavailable, UpstreamError
 from router.metrics import RouterMetrics
 from router.relay.aiohttp_relay import relay_sse
 from router.relay.contract import Relay, RelayResult
@@ -110,6 +110,16 @@ class Legs:
     async def open(self, call: Call, attempt: Attempt, ask: Ask) -> DecodeAnswer:
         """Prefill (when the pair has a prefill worker) and open the decode stream."""
         prefill_id = attempt.candidate.prefill_id
+        if prefill_id is not None and call.parsed.n > 1 and self.pairing.sglang(prefill_id):
+            # SGLang 0.5.23 sends parallel samples and their prefix warm-up under one bootstrap
+            # room (tokenizer_manager.py, `parallel_sample_num`): on a PD pair the decode
+            # waits for KV that never comes, every time. A clear refusal, not a 3-minute hang.
+            raise InvalidRequest(
+                "'n' > 1 is not served by SGLang prefill/decode pairs (SGLang sends the "
+                "samples under one bootstrap room and the decode never gets their KV); send "
+                "n requests of one choice each",
+                param="n",
+            )
         if prefill_id is not None and self.pairing.decode_alone(call.parsed.n, prefill_id):
             prefill_id = None  # the decode worker prefills it itself
         if prefill_id is not None and self.pairing.concurrent(prefill_id):

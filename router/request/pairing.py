@@ -40,10 +40,14 @@ class Pairing:
         KV handoff) in front of vLLM: its NIXL producer frees a prefill's blocks at the first
         reader's notification, and the decode fans n > 1 out into n requests that each pull
         the same handle, so all but the first race that free (docs/real-workers.md, "`n` >
-        1"). SGLang's decode workers cannot prefill: there `n` goes to both legs unchanged."""
+        1"). SGLang's decode workers cannot prefill, and its PD pairs do not serve n > 1 at
+        all (`Legs.open` refuses it, docs/real-sglang.md)."""
         if n <= 1:
             return False
         return self.members.worker(prefill_id).spec.adapter != "sglang"
+
+    def sglang(self, prefill_id: str) -> bool:
+        return self.members.worker(prefill_id).spec.adapter == "sglang"
 
     def concurrent(self, prefill_id: str) -> bool:
         spec = self.members.worker(prefill_id).spec

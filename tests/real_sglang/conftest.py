@@ -279,15 +279,24 @@ class SglangRouter:
         )
 
 
-def router_settings(cluster: SglangCluster, key_prefix: str, **overrides: Any) -> dict[str, Any]:
-    """The router in front of p0, d0 and d1 as an operator writes it: URLs and roles; the
-    bootstrap port, KV capacity and layout are read from each engine's `/server_info`."""
+def router_settings(
+    cluster: SglangCluster,
+    key_prefix: str,
+    worker_extra: dict[str, Any] | None = None,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """The router in front of p0, d0 and d1 as an operator writes it: URLs, roles and the
+    decode engines' KV pool (`--max-total-tokens`, page size 1); the prefill's bootstrap port
+    is read from its `/server_info`."""
     workers: list[dict[str, Any]] = [
         {"id": cluster.prefill.name, "url": cluster.prefill.url, "role": "prefill"},
-        *({"id": d.name, "url": d.url, "role": "decode"} for d in cluster.decodes),
+        *(
+            {"id": d.name, "url": d.url, "role": "decode", "kv_blocks": MAX_TOTAL_TOKENS}
+            for d in cluster.decodes
+        ),
     ]
     for w in workers:
-        w["adapter"] = "sglang"
+        w.update(adapter="sglang", **(worker_extra or {}))
     raw: dict[str, Any] = {
         "model": SERVED,
         "perf": {"model": "tiny-llama", "gpu": "h100", "block_size": 1},
@@ -308,10 +317,14 @@ def router_settings(cluster: SglangCluster, key_prefix: str, **overrides: Any) -
 
 @contextlib.asynccontextmanager
 async def sglang_router(
-    cluster: SglangCluster, key_prefix: str, **overrides: Any
+    cluster: SglangCluster,
+    key_prefix: str,
+    worker_extra: dict[str, Any] | None = None,
+    **overrides: Any,
 ) -> AsyncIterator[SglangRouter]:
     cluster.ensure_running()
-    settings = settings_from_mapping(router_settings(cluster, key_prefix, **overrides))
+    raw = router_settings(cluster, key_prefix, worker_extra, **overrides)
+    settings = settings_from_mapping(raw)
     async with running_router(settings) as (url, app):
         yield SglangRouter(url=url, app=app, cluster=cluster)
 
