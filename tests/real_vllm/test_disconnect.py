@@ -28,8 +28,17 @@ def generated(router: RealRouter) -> float:
     return sum(d.metric("vllm:generation_tokens_total") for d in router.cluster.decodes)
 
 
-@pytest.mark.parametrize("kind", ["chat", "completions"])
-async def test_client_disconnect_aborts_decode(router: RealRouter, kind: str) -> None:
+# Tries of the scenario. vLLM's engine core goes on generating until its API server has processed
+# the disconnect, and how long that takes varies by seconds when three engines share 2 cores (most
+# likely its queued outputs first; not traced): one CI run saw all 8,000 generated 0.06 s "after"
+# the client left by the lagging gauge, local runs 34 to 4,091. A router that never closed its leg
+# would waste all 8,000 on every try.
+TRIES = 3
+
+
+async def _abandon(router: RealRouter, kind: str) -> tuple[float, float]:
+    """One stream abandoned after 5 chunks: (seconds until the decode engines hold nothing,
+    tokens they generated meanwhile)."""
     tokens_before = generated(router)
     prompt = unique_prompt(12, tag=f"disconnect {kind}")
     async with router.client() as client:
@@ -54,7 +63,6 @@ async def test_client_disconnect_aborts_decode(router: RealRouter, kind: str) ->
         assert running(router) >= 1
         await stream.close()
         gone_at = time.monotonic()
-
     await wait_for(
         lambda: running(router) == 0 or running(router),
         60,
@@ -67,9 +75,19 @@ async def test_client_disconnect_aborts_decode(router: RealRouter, kind: str) ->
         return not any(reserved.values()) or reserved
 
     await wait_for(released, 10, "the router still holds the reservation")
-    wasted = generated(router) - tokens_before
-    print(
-        f"\n{kind}: decode stopped {abort_s:.2f} s after the client left, "
-        f"{wasted:.0f} of {MAX_TOKENS} tokens generated"
-    )
-    assert wasted < MAX_TOKENS
+    return abort_s, generated(router) - tokens_before
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+async def test_client_disconnect_aborts_decode(router: RealRouter, kind: str) -> None:
+    wasted = []
+    for _ in range(TRIES):
+        abort_s, tokens = await _abandon(router, kind)
+        print(
+            f"\n{kind}: decode stopped {abort_s:.2f} s after the client left, "
+            f"{tokens:.0f} of {MAX_TOKENS} tokens generated"
+        )
+        wasted.append(tokens)
+        if tokens < MAX_TOKENS:
+            break
+    assert min(wasted) < MAX_TOKENS, wasted
