@@ -9,9 +9,7 @@ and Redis; no mocks.
 
 from __future__ import annotations
 
-import contextlib
 import zlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -22,16 +20,13 @@ from disagg_tools.launcher.demo_tokenizer import UNK, build_demo_tokenizer, demo
 from disagg_tools.sim import textgen
 from disagg_tools.sim.kv_events import load_tokenizer, prompt_token_ids
 from disagg_tools.sim.worker import (
-    WorkerConfig,
     add_worker_arguments,
     config_from_args,
 )
 from disagg_tools.traces import TraceRequest, prompt_text
-from router.config import settings_from_mapping
 from router.tokens.tokenizer import PromptTokenizer
-from tests.conftest import MODEL, REDIS_URL, running_router
-from tests.ports import free_port
-from tests.test_kv_events import KvCluster, until
+from tests.conftest import MODEL
+from tests.test_kv_events import kv_cluster, until
 
 BS = 16  # the sim's block size
 CHAT, COMPLETIONS = textgen.CHAT_PATH, textgen.COMPLETIONS_PATH
@@ -144,57 +139,9 @@ def test_the_worker_flag(demo_dir: Path) -> None:
 
 # --- through the router -------------------------------------------------------------------------
 
-
-@contextlib.asynccontextmanager
-async def _cluster(redis_prefix: str, tokenizer: Path) -> AsyncIterator[KvCluster]:
-    """Two prefill and one decode sim worker publishing KV events and naming text prompts with
-    `tokenizer`, and a router counting prompts with the same directory (the demo's setup)."""
-    roles = {"p0": "prefill", "p1": "prefill", "d0": "decode"}
-    configs = {
-        wid: WorkerConfig(
-            role=role,
-            worker_id=wid,
-            model=MODEL,
-            kv_blocks=4096,
-            time_scale=500.0,
-            kv_lease_s=30.0 * 500,
-            kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}",
-            kv_events_replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
-            tokenizer=str(tokenizer),
-        )
-        for wid, role in roles.items()
-    }
-    c = KvCluster({}, configs)
-    try:
-        entries = []
-        for wid, cfg in configs.items():
-            await c.start(wid)
-            entry: dict[str, Any] = {"id": wid, "url": c.urls[wid], "role": cfg.role}
-            entry["adapter"] = "sim"
-            if cfg.role == "decode":
-                entry["kv_blocks"] = 4096
-            entry["kv_events"] = {
-                "endpoint": cfg.kv_events_endpoint,
-                "replay_endpoint": cfg.kv_events_replay_endpoint,
-            }
-            entries.append(entry)
-        raw: dict[str, Any] = {
-            "model": MODEL,
-            "perf": {"model": MODEL, "gpu": "h100"},
-            "redis_url": REDIS_URL,
-            "key_prefix": redis_prefix,
-            "workers": entries,
-            "health_interval_s": 0.5,
-            "state_refresh_s": 0.05,
-            "policy": "two_sided",
-            "tokenizers": {MODEL: str(tokenizer)},
-        }
-        async with running_router(settings_from_mapping(raw)) as (url, app):
-            c.app, c.router_url = app, url
-            yield c
-    finally:
-        for stack in c.stacks.values():
-            await stack.aclose()
+# Two prefill and one decode sim worker naming text prompts with the demo tokenizer, and a router
+# counting prompts with the same directory (tests/test_kv_events.py kv_cluster).
+ROLES = {"p0": "prefill", "p1": "prefill", "d0": "decode"}
 
 
 async def _chat(s: aiohttp.ClientSession, url: str, messages: list[dict[str, Any]]) -> str:
@@ -212,7 +159,10 @@ async def test_a_chat_follow_up_is_placed_on_the_holder_of_its_first_turn(
     the first turn, and the second turn (the first, the sim's answer, a new question) is
     prefilled on the prefill worker that holds the first."""
     tok = PromptTokenizer.load(demo_dir)
-    async with _cluster(redis_prefix, demo_dir) as c, aiohttp.ClientSession() as s:
+    async with (
+        kv_cluster(redis_prefix, roles=ROLES, tokenizer=demo_dir) as c,
+        aiohttp.ClientSession() as s,
+    ):
         turn1 = [{"role": "user", "content": _trace_prompt(21, 960)}]
         answer = await _chat(s, c.router_url, turn1)
         ids1 = tok.chat_ids({"messages": turn1})

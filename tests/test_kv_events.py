@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -261,10 +262,12 @@ async def until(cond: Callable[[], Awaitable[bool]], what: str, deadline_s: floa
         await asyncio.sleep(0.02)
 
 
-def _worker_config(wid: str, kv_blocks: int, events: bool, role: str = "both") -> WorkerConfig:
-    extra: dict[str, Any] = {}
+def _worker_config(
+    wid: str, kv_blocks: int, events: bool, role: str = "both", tokenizer: Path | None = None
+) -> WorkerConfig:
+    extra: dict[str, Any] = {} if tokenizer is None else {"tokenizer": str(tokenizer)}
     if events:
-        extra = {
+        extra |= {
             "port": free_port(),  # fixed ports: a restarted worker comes back on them
             "kv_events_endpoint": f"tcp://127.0.0.1:{free_port()}",
             "kv_events_replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
@@ -288,11 +291,13 @@ async def kv_cluster(
     kv_blocks: int = 4096,
     plain: int = 0,
     roles: dict[str, str] | None = None,
+    tokenizer: Path | None = None,
 ) -> AsyncIterator[KvCluster]:
     """`workers` `both` sim workers publishing KV events (b0...), `plain` ones without, and a
-    router; or `roles` (id -> role), each publishing."""
+    router; or `roles` (id -> role), each publishing. With `tokenizer`, the workers name text
+    prompts' blocks by its ids and the router counts prompts with it (the demo's setup)."""
     configs = (
-        {wid: _worker_config(wid, kv_blocks, True, role) for wid, role in roles.items()}
+        {wid: _worker_config(wid, kv_blocks, True, role, tokenizer) for wid, role in roles.items()}
         if roles
         else {
             f"b{i}": _worker_config(f"b{i}", kv_blocks, events=i < workers)
@@ -328,6 +333,8 @@ async def kv_cluster(
             "state_refresh_s": 0.05,
             "policy": "two_sided",
         }
+        if tokenizer is not None:
+            raw["tokenizers"] = {MODEL: str(tokenizer)}
         async with running_router(settings_from_mapping(raw)) as (url, app):
             c.app = app
             c.router_url = url
