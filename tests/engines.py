@@ -15,12 +15,14 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["EngineProcess", "http_get", "http_post_json"]
+__all__ = ["EngineProcess", "EngineSuite", "http_get", "http_post_json"]
 
 
 def _die_with_parent() -> None:
@@ -51,6 +53,57 @@ def http_post_json(url: str, body: dict[str, Any], timeout: float) -> tuple[int,
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
+
+
+@dataclass(frozen=True)
+class EngineSuite:
+    """A package of tests against one real engine: where its prepared environment is, whether it
+    is there (else every test skips with one line saying how to prepare it), and the marker and
+    timeout each of its tests gets. `label` names it ("vLLM": the switch REAL_VLLM, the script
+    scripts/prepare_real_vllm.sh)."""
+
+    label: str
+    here: Path  # the package's directory
+    home: Path  # the prepared environment: venv/ and model/, each with a .ready stamp
+    timeout_s: int
+
+    @property
+    def switch(self) -> str:
+        return f"REAL_{self.label.upper()}"
+
+    @property
+    def python(self) -> Path:
+        return self.home / "venv" / "bin" / "python"
+
+    @property
+    def model_dir(self) -> Path:
+        return self.home / "model"
+
+    def missing_reason(self) -> str | None:
+        script = f"scripts/prepare_real_{self.label.lower()}.sh"
+        if os.environ.get(self.switch, "").strip() == "0":
+            return f"{self.switch}=0"
+        if not (self.python.exists() and (self.home / "venv" / ".ready").exists()):
+            return (
+                f"the real-{self.label} venv is not prepared at {self.home / 'venv'}: "
+                f"run {script} (or set {self.switch}_HOME)"
+            )
+        if not (self.model_dir / ".ready").exists():
+            return f"the tiny model is not built at {self.model_dir}: run {script}"
+        return None
+
+    def mark(self, items: list[pytest.Item]) -> None:
+        """Its tests get the suite's marker and timeout, and are skipped with the reason when
+        the environment is missing (the package's `pytest_collection_modifyitems`)."""
+        reason = self.missing_reason()
+        marker = getattr(pytest.mark, self.switch.lower())
+        for item in items:
+            if self.here not in Path(str(item.path)).parents:
+                continue
+            item.add_marker(marker)
+            item.add_marker(pytest.mark.timeout(self.timeout_s))
+            if reason is not None:
+                item.add_marker(pytest.mark.skip(reason=f"real {self.label}: {reason}"))
 
 
 class EngineProcess:

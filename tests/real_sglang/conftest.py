@@ -40,7 +40,7 @@ import tests.conftest as top_conftest
 from router.app import GATEWAY
 from router.config import settings_from_mapping
 from tests.conftest import free_port, running_router
-from tests.engines import EngineProcess, http_get
+from tests.engines import EngineProcess, EngineSuite, http_get
 
 HERE = Path(__file__).resolve().parent
 ENGINE_SITE = HERE / "engine_site"
@@ -55,28 +55,12 @@ START_TIMEOUT_S = float(os.environ.get("REAL_SGLANG_START_TIMEOUT", "600"))
 TEST_TIMEOUT_S = 900
 
 
-def missing_reason() -> str | None:
-    if os.environ.get("REAL_SGLANG", "").strip() == "0":
-        return "REAL_SGLANG=0"
-    if not (PYTHON.exists() and (HOME / "venv" / ".ready").exists()):
-        return (
-            f"the real-SGLang venv is not prepared at {HOME / 'venv'}: "
-            "run scripts/prepare_real_sglang.sh (or set REAL_SGLANG_HOME)"
-        )
-    if not (MODEL_DIR / ".ready").exists():
-        return f"the tiny model is not built at {MODEL_DIR}: run scripts/prepare_real_sglang.sh"
-    return None
+SUITE = EngineSuite("SGLang", HERE, HOME, TEST_TIMEOUT_S)
+missing_reason = SUITE.missing_reason
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    reason = missing_reason()
-    for item in items:
-        if HERE not in Path(str(item.path)).parents:
-            continue
-        item.add_marker(pytest.mark.real_sglang)
-        item.add_marker(pytest.mark.timeout(TEST_TIMEOUT_S))
-        if reason is not None:
-            item.add_marker(pytest.mark.skip(reason=f"real SGLang: {reason}"))
+    SUITE.mark(items)
 
 
 @dataclass

@@ -40,7 +40,7 @@ from router.adapters.vllm import VllmNixlAdapter
 from router.app import GATEWAY
 from router.config import settings_from_mapping
 from tests.conftest import free_port, running_router
-from tests.engines import EngineProcess, http_post_json
+from tests.engines import EngineProcess, EngineSuite, http_post_json
 
 HERE = Path(__file__).resolve().parent
 ENGINE_SITE = HERE / "engine_site"
@@ -63,28 +63,12 @@ START_TIMEOUT_S = float(os.environ.get("REAL_VLLM_START_TIMEOUT", "900"))
 TEST_TIMEOUT_S = int(os.environ.get("REAL_VLLM_TEST_TIMEOUT", "1800"))
 
 
-def missing_reason() -> str | None:
-    if os.environ.get("REAL_VLLM", "").strip() == "0":
-        return "REAL_VLLM=0"
-    if not (PYTHON.exists() and (HOME / "venv" / ".ready").exists()):
-        return (
-            f"the real-vLLM venv is not prepared at {HOME / 'venv'}: "
-            "run scripts/prepare_real_vllm.sh (or set REAL_VLLM_HOME)"
-        )
-    if not (MODEL_DIR / ".ready").exists():
-        return f"the tiny model is not built at {MODEL_DIR}: run scripts/prepare_real_vllm.sh"
-    return None
+SUITE = EngineSuite("vLLM", HERE, HOME, TEST_TIMEOUT_S)
+missing_reason = SUITE.missing_reason
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    reason = missing_reason()
-    for item in items:
-        if HERE not in Path(str(item.path)).parents:
-            continue
-        item.add_marker(pytest.mark.real_vllm)
-        item.add_marker(pytest.mark.timeout(TEST_TIMEOUT_S))
-        if reason is not None:
-            item.add_marker(pytest.mark.skip(reason=f"real vLLM: {reason}"))
+    SUITE.mark(items)
 
 
 # -- the vLLM servers --------------------------------------------------------------------------
