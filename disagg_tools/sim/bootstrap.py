@@ -37,6 +37,7 @@ __all__ = [
     "hold_room",
     "pull_room",
     "bootstrap_listener",
+    "wants_listener",
 ]
 
 ROOM_PATH = "/sim/kv/room"
@@ -191,11 +192,19 @@ def _refuse(status: int, message: str, reason: str) -> web.Response:
     )
 
 
+def wants_listener(worker: Worker) -> bool:
+    """Whether this worker serves a bootstrap port: a prefill that has one configured, or, with
+    role switch on, any PD worker that has one, as SGLang starts it on every PD instance then so
+    one flipped to prefill already has it (it is not rebuilt on a flip; sim.role_switch)."""
+    cfg = worker.config
+    return cfg.bootstrap_port is not None and (cfg.role_switch or worker.role != "decode")
+
+
 async def bootstrap_listener(app: web.Application) -> AsyncIterator[None]:
-    """cleanup_ctx: serve the bootstrap port of a prefill worker that has one configured."""
+    """cleanup_ctx: serve the bootstrap port of a worker that has one (see `wants_listener`)."""
     worker = app[WORKER]
     port = worker.config.bootstrap_port
-    if port is None or worker.config.role == "decode":
+    if port is None or not wants_listener(worker):
         yield
         return
     side = web.Application()

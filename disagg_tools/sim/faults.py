@@ -10,6 +10,8 @@ a 200 that does not parse, parses to the wrong shape, stops mid-body, or a prefi
 without its KV handle (rendered by disagg_tools/sim/garbage.py). `hang` accepts a request and never
 answers;
 `hang_after_tokens` streams that many tokens, then goes silent without closing.
+`role_switch_fail` is the probability that a `POST /pd_role_switch` fails after its teardown,
+leaving the instance unhealthy as SGLang does (sim.role_switch); seeded, limited by `count`.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ _EVENTS = (
     "hang_after_tokens",
     "garbage",
     "error",
+    "role_switch_fail",
 )
 
 
@@ -90,6 +93,7 @@ class FaultConfig:
     slow_factor: float = 1.0  # multiplies every simulated duration
     error_rate: float = 0.0  # fraction of generation requests answered with error_status
     error_status: int | str = 500  # 500, 503, 429 or "malformed" (200 with invalid JSON)
+    role_switch_fail: float = 0.0  # probability a role switch's rebuild fails (sim.role_switch)
     seed: int = 0
     count: int | None = None  # each fault fires at most this many times (None = always)
 
@@ -98,6 +102,8 @@ class FaultConfig:
             raise ValueError("slow_factor must be > 0")
         if not 0.0 <= self.error_rate <= 1.0:
             raise ValueError("error_rate must be within [0, 1]")
+        if not 0.0 <= self.role_switch_fail <= 1.0:
+            raise ValueError("role_switch_fail must be within [0, 1]")
         if self.error_status not in ERROR_STATUSES:
             raise ValueError(f"error_status must be one of {ERROR_STATUSES}")
         if self.garbage is not None and self.garbage not in GARBAGE_SHAPES:
@@ -161,7 +167,7 @@ def _check_type(name: str, value: object) -> None:
         ok = value is None or isinstance(value, str)
     elif name == "garbage_leg":
         ok = isinstance(value, str)
-    elif name in ("slow_factor", "error_rate"):
+    elif name in ("slow_factor", "error_rate", "role_switch_fail"):
         ok = isinstance(value, int | float) and not isinstance(value, bool)
     elif name == "seed":
         ok = isinstance(value, int) and not isinstance(value, bool)
@@ -180,6 +186,8 @@ class FaultState:
     def replace(self, config: FaultConfig) -> None:
         self.config = config
         self._rng = random.Random(config.seed)
+        # Its own stream, so switches do not shift which requests error_rate picks.
+        self._switch_rng = random.Random(config.seed)
         self._remaining: dict[str, int | None] = {name: config.count for name in _EVENTS}
 
     def _take(self, name: str) -> bool:
@@ -235,6 +243,15 @@ class FaultState:
             return None
         self._take("error")
         return self.config.error_status
+
+    def roll_role_switch_fail(self) -> bool:
+        """Whether this role switch's rebuild fails (seeded, so runs repeat)."""
+        rate = self.config.role_switch_fail
+        if rate <= 0.0 or self._remaining["role_switch_fail"] == 0:
+            return False
+        if rate < 1.0 and self._switch_rng.random() >= rate:
+            return False
+        return self._take("role_switch_fail")
 
     @property
     def slow_factor(self) -> float:

@@ -34,6 +34,7 @@ from .decode_engine import Sequence
 from .faults import error_body, error_response
 from .garbage import garbage_response, silent_after_tokens
 from .openai_format import AnswerFormat, malformed_response
+from .role_switch import serving_refusal
 from .sglang_protocol import SglangFormat
 from .worker_state import WORKER, Worker
 
@@ -109,6 +110,9 @@ async def _generation(
     if not isinstance(body, dict):
         raise _Refusal(400, "the request body must be a JSON object")
     stream = body.get("stream") is True
+    busy = serving_refusal(worker)
+    if busy is not None:  # a role switch running, or one that failed (sim.role_switch)
+        raise _Refusal(503, busy)
     if worker.faults.fire("hang"):
         worker.metrics.inc("faults", label="hang")
         await asyncio.Event().wait()  # until the client goes away and we are cancelled
@@ -183,7 +187,7 @@ async def _broken_answer(
 
 
 def _mode(worker: Worker, body: Mapping[str, Any]) -> tuple[str, dict[str, Any] | None]:
-    role = worker.config.role
+    role = worker.role  # the role served now, which a role switch may have flipped
     try:
         bootstrap = bootstrap_params(body)
     except ValueError as exc:

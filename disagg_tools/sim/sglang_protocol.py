@@ -29,7 +29,7 @@ from aiohttp import web
 from .openai_format import DONE, sse
 from .worker_state import WORKER, Worker
 
-__all__ = ["SglangFormat", "add_sglang_routes", "server_info"]
+__all__ = ["SglangFormat", "add_sglang_routes", "disaggregation_mode", "server_info"]
 
 SGLANG_VERSION = "0.0.0-sim"
 _VOCAB_IDS = 32_000
@@ -98,10 +98,15 @@ class SglangFormat:
         return f"SglangFormat({self.id!r}, stream={self.stream})"
 
 
+def disaggregation_mode(worker: Worker) -> str:
+    """SGLang's name of the role served now (after any role switch): "null" outside PD."""
+    return {"prefill": "prefill", "decode": "decode"}.get(worker.role, "null")
+
+
 def server_info(worker: Worker) -> dict[str, Any]:
     """SGLang's `/server_info`: its server args, internal states and version."""
     cfg, perf = worker.config, worker.perf
-    mode = {"prefill": "prefill", "decode": "decode"}.get(cfg.role, "null")
+    mode = disaggregation_mode(worker)
     return {
         "model_path": cfg.model,
         "tokenizer_path": cfg.model,
@@ -119,6 +124,7 @@ def server_info(worker: Worker) -> dict[str, Any]:
         "disaggregation_mode": mode,
         "disaggregation_bootstrap_port": worker.bootstrap_port or cfg.bootstrap_port,
         "disaggregation_transfer_backend": "mooncake",
+        "enable_pd_role_switch": cfg.role_switch,
         "max_total_num_tokens": worker.pool.capacity * cfg.block_size,
         "internal_states": [
             {

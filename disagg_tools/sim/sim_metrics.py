@@ -38,6 +38,11 @@ _COUNTERS: dict[str, tuple[str, str, str | None]] = {
     "aborted": ("sim:aborted", "Requests aborted by a client disconnect.", None),
     "faults": ("sim:faults_injected", "Injected faults, by fault.", "fault"),
     "bad_requests": ("sim:bad_requests", "Requests answered 400.", None),
+    "role_switches": (
+        "sim:role_switches",
+        "POST /pd_role_switch answers, by outcome (sim.role_switch).",
+        "outcome",
+    ),
 }
 
 

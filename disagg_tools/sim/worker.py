@@ -8,6 +8,8 @@
     POST /sim/kv/pull                          the decode side's KV read (the NIXL stand-in)
     POST /generate, GET /server_info ...       SGLang's API and PD bootstrap rooms
                                                (sim.sglang_protocol, sim.bootstrap)
+    POST /pd_role_switch                       SGLang's runtime prefill <-> decode flip, with
+                                               --enable-pd-role-switch (sim.role_switch)
     POST /tokenize /detokenize /v1/embeddings  vLLM's tokenizer, embeddings and Responses endpoints
          /v1/responses                         (sim.extra_endpoints)
     GET|DELETE /sim/requests, GET /sim/state, GET|POST /sim/faults   test hooks
@@ -43,6 +45,7 @@ from .extra_endpoints import add_extra_routes
 from .faults import FaultConfig, error_response
 from .generation import handle_generation, handle_kv_pull, json_response
 from .kv_event_routes import add_kv_event_routes, kv_events_context
+from .role_switch import ROLE_SWITCH_PATH, handle_role_switch
 from .sglang_protocol import add_sglang_routes
 from .worker_config import WorkerConfig, add_worker_arguments, config_from_args
 from .worker_state import WORKER, Worker
@@ -73,6 +76,7 @@ def create_worker_app(config: WorkerConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", handle_generation)
     app.router.add_post("/generate", handle_generation)  # SGLang native
     add_sglang_routes(app)
+    app.router.add_post(ROLE_SWITCH_PATH, handle_role_switch)
     add_extra_routes(app)  # /v1/embeddings, /detokenize, /v1/responses (sim.extra_endpoints)
     app.router.add_get("/health", _handle_health)
     app.router.add_get("/v1/models", _handle_models)
@@ -138,6 +142,8 @@ async def _watch_disconnects(worker: Worker) -> None:
 
 
 async def _handle_health(request: web.Request) -> web.Response:
+    # 200 even after a failed role switch left the instance unhealthy (sim.role_switch): SGLang's
+    # /health does not look at that flag, so a router must remember the failed switch itself.
     return web.Response(status=200)
 
 

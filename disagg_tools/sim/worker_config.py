@@ -49,6 +49,10 @@ class WorkerConfig:
     # A model directory whose tokenizer.json names text prompts' KV blocks (sim.kv_events);
     # None = the sim's own ids (crc32 of 4-character pieces)
     tokenizer: str | None = None
+    # SGLang's --enable-pd-role-switch: POST /pd_role_switch flips prefill <-> decode at run time
+    # (sim.role_switch); the bootstrap listener then runs in decode mode too (sim.bootstrap).
+    role_switch: bool = False
+    role_switch_s: float = 1.0  # simulated seconds a flip's teardown and rebuild take
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -69,6 +73,8 @@ class WorkerConfig:
             raise ValueError("port must be within [0, 65535]")
         if self.bootstrap_port is not None and not 0 <= self.bootstrap_port < 65536:
             raise ValueError("bootstrap_port must be within [0, 65535]")
+        if self.role_switch_s < 0:
+            raise ValueError("role_switch_s must be >= 0")
 
     @property
     def model_name(self) -> str:
@@ -76,6 +82,7 @@ class WorkerConfig:
 
     @property
     def name(self) -> str:
+        # The role it started in: a role switch (sim.role_switch) keeps the worker's identity.
         return self.worker_id or f"{self.role}-{self.engine_id[:8]}"
 
 
@@ -112,6 +119,18 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="with --kv-events-endpoint: name text prompts' blocks by DIR/tokenizer.json's ids",
     )
+    parser.add_argument(
+        "--enable-pd-role-switch",
+        dest="role_switch",
+        action="store_true",
+        help="serve POST /pd_role_switch (SGLang 0.5.23); bootstrap listener on decode too",
+    )
+    parser.add_argument(
+        "--role-switch-s",
+        type=float,
+        default=d["role_switch_s"].default,
+        help="simulated seconds a role switch takes",
+    )
     faults = parser.add_argument_group("fault injection")
     faults.add_argument("--fault-prefill-fail", action="store_true")
     faults.add_argument("--fault-prefill-die-after-kv", action="store_true")
@@ -131,6 +150,13 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "--fault-error-status",
         default="500",
         choices=[str(s) for s in ERROR_STATUSES],
+    )
+    faults.add_argument(
+        "--fault-role-switch-fail",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="probability a role switch fails after the teardown (instance left unhealthy)",
     )
     faults.add_argument("--fault-seed", type=int, default=0)
     faults.add_argument("--fault-count", type=int, default=None, help="each fault fires N times")
@@ -152,6 +178,7 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
         slow_factor=ns.fault_slow_factor,
         error_rate=ns.fault_error_rate,
         error_status=status,
+        role_switch_fail=ns.fault_role_switch_fail,
         seed=ns.fault_seed,
         count=ns.fault_count,
     )
@@ -176,5 +203,7 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
         kv_events_endpoint=ns.kv_events_endpoint,
         kv_events_replay_endpoint=ns.kv_events_replay_endpoint,
         tokenizer=ns.tokenizer,
+        role_switch=ns.role_switch,
+        role_switch_s=ns.role_switch_s,
         **extra,
     )

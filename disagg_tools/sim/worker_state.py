@@ -29,6 +29,12 @@ class Worker:
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
+        # The role served now: config.role until POST /pd_role_switch flips it (sim.role_switch).
+        # Everything deciding how to serve reads this, never config.role.
+        self.role: str = config.role
+        # A flip's teardown/rebuild is running; a failed one left the instance unhealthy.
+        self.role_switching = False
+        self.role_switch_unhealthy = False
         self.perf = perf_model(
             config.model, config.gpu, config.tp_size, block_size=config.block_size
         )
@@ -77,7 +83,9 @@ class Worker:
         self.ledger.reap()
         return {
             "worker_id": self.config.name,
-            "role": self.config.role,
+            "role": self.role,
+            "role_switching": self.role_switching,
+            "role_switch_unhealthy": self.role_switch_unhealthy,
             "engine_id": self.config.engine_id,
             "model": self.config.model_name,
             "block_size": self.config.block_size,
