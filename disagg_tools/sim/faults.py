@@ -236,22 +236,22 @@ class FaultState:
 
     def roll_error(self) -> int | str | None:
         """The injected error status for this request, or None; seeded, so runs repeat."""
-        rate = self.config.error_rate
-        if rate <= 0.0 or self._remaining["error"] == 0:
+        if not self._roll("error", self.config.error_rate, self._rng):
             return None
-        if self._rng.random() >= rate:
-            return None
-        self._take("error")
         return self.config.error_status
 
     def roll_role_switch_fail(self) -> bool:
         """Whether this role switch's rebuild fails (seeded, so runs repeat)."""
-        rate = self.config.role_switch_fail
-        if rate <= 0.0 or self._remaining["role_switch_fail"] == 0:
+        return self._roll("role_switch_fail", self.config.role_switch_fail, self._switch_rng)
+
+    def _roll(self, name: str, rate: float, rng: random.Random) -> bool:
+        """Whether probabilistic fault `name` fires (consumes one of its `count`); no draw
+        while it is off or spent, so a spent fault leaves its stream where it was."""
+        if rate <= 0.0 or self._remaining[name] == 0:
             return False
-        if rate < 1.0 and self._switch_rng.random() >= rate:
+        if rng.random() >= rate:
             return False
-        return self._take("role_switch_fail")
+        return self._take(name)
 
     @property
     def slow_factor(self) -> float:
