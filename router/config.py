@@ -110,6 +110,9 @@ class RoleSettings:
     # The modelled pause between drained and serving the new role (0 for vLLM kv_both: a role
     # is a per-request choice there, nothing restarts), told to the policy.
     reconfig_pause_s: float = 0.0
+    # An SGLang engine's role switch (POST /pd_role_switch) answered within this long, else
+    # asked again later: the rebuild takes seconds on a GPU, longer on a CPU.
+    engine_switch_timeout_s: float = 300.0
     # The demand signals' smoothing window (prompt tokens/s, recent peak of the queue).
     window_s: float = 30.0
     # A `both` worker given the decode role may still prefill its own requests when placement
@@ -120,6 +123,8 @@ class RoleSettings:
     def __post_init__(self) -> None:
         if min(self.interval_s, self.window_s) <= 0:
             raise ValueError("roles: interval_s and window_s must be > 0")
+        if self.engine_switch_timeout_s <= 0:
+            raise ValueError("roles: engine_switch_timeout_s must be > 0")
         if min(self.settle_s, self.drain_deadline_s, self.reconfig_pause_s) < 0:
             raise ValueError("roles: settle_s, drain_deadline_s, reconfig_pause_s must be >= 0")
 

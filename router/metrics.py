@@ -224,6 +224,13 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
+        self.role_engine_switches = Counter(
+            p + "role_engine_switches",
+            "SGLang engines' runtime role switches (POST /pd_role_switch) asked by this replica, "
+            "by outcome (ok, busy, broken, refused, unreachable)",
+            ["worker", "to_role", "outcome"],
+            registry=r,
+        )
         # -- autoscaling signals (router/scaling.py), set at each scrape ---------------------
         self.prefill_arriving_tokens = Gauge(
             p + "scaling_prefill_arriving_tokens_per_second",

@@ -8,7 +8,12 @@ alike) and tries to hold the `roles` lease; the one holding it decides for all:
    when no replica holds a reservation on it (the store's count, exact across replicas);
    leaving prefill, when no stranded KV is left on it (pulled by its decode, or reaped). Either
    way not before `settle_s`, so every replica has seen the drain (a placement decided before
-   it did is then visible in the store). Done: it becomes `<role>` and enters that pool.
+   it did is then visible in the store). Done: it becomes `<role>` and enters that pool. An
+   SGLang engine is switched first (`POST /pd_role_switch`, router/workers/engine_role.py,
+   in the background: the rebuild takes seconds), out of both pools meanwhile — the live
+   reconfiguration pause; the other replicas read its new role from its /server_info before
+   they place on it. An engine that does not serve its recorded role (restarted in its
+   start-up role) is switched back the same way.
 2. **Decide.** The role policy (the object the simulator runs, policies/role_policies.py) gets a
    `RoleSnapshot` of the live signals (router/workers/role_signals.py) and names the switches to
    start; hysteresis, time in role and the switch cap are the policy's.
@@ -37,6 +42,7 @@ from policies.base import RolePlan, RolePolicy
 from policies.registry import load_role_policy
 from router.gateway import Gateway
 from router.workers.accounting import LocalAccounting
+from router.workers.engine_role import EngineRoles
 from router.workers.membership import Membership
 from router.workers.role_signals import QueuePeak, role_of, role_snapshot
 from router.workers.worker_state import WorkerState
@@ -94,6 +100,7 @@ class RoleManager:
         self.events: collections.deque[RoleEvent] = collections.deque(maxlen=100)
         self._switch_starts: collections.deque[float] = collections.deque(maxlen=64)
         self._peak = QueuePeak(s.window_s)
+        self.engines = EngineRoles(gw.session, gw.metrics, s)  # SGLang engines' switches
 
     def __repr__(self) -> str:
         return f"RoleManager(policy={self.policy.name}, leader={self.leader})"
@@ -113,6 +120,7 @@ class RoleManager:
                     log.warning("role manager tick failed: %r", exc)
                 await asyncio.sleep(self.settings.interval_s)
         finally:
+            self.engines.cancel()
             if self.leader:
                 await asyncio.shield(self._release_lease())
 
@@ -171,6 +179,18 @@ class RoleManager:
                 f"worker {worker_id} was registered as {w.spec.role}; only a `both` "
                 "(kv_both) worker can change roles"
             )
+        if w.spec.switches_engine_role and not (
+            w.engine_switchable and w.engine_role in ("prefill", "decode")
+        ):
+            raise RoleChangeRefused(
+                f"worker {worker_id}'s SGLang engine cannot switch roles: "
+                + (
+                    "it has not told its role yet (is it up?)"
+                    if w.engine_role is None
+                    else f"it serves {w.engine_role} and was started without "
+                    "--disaggregation-mode prefill|decode and --enable-pd-role-switch"
+                )
+            )
         store = self.gw.store
         known, roles = w.role_state, await store.worker_roles()
         self.members.apply_roles(roles)
@@ -221,7 +241,11 @@ class RoleManager:
         now = time.time()
         for w in list(self.members.both_workers):
             record = w.role_state
-            if record is None or not record.draining:
+            if record is None:
+                continue
+            if not record.draining:  # an engine back in its start-up role is switched again
+                if w.current_role != record.role and w.available:
+                    self.engines.serves(w, record.role)
                 continue
             age = now - record.since_s
             if age < self.settings.settle_s:
@@ -232,7 +256,7 @@ class RoleManager:
                 held = w.stranded_bytes > 0 or w.queued_prompt_tokens > 0
             else:  # leaving decode: every replica's reservations on it released
                 held = w.reservations > 0 or w.reserved_blocks > 0 or w.resident_seqs > 0
-            if held:
+            if held or not self.engines.serves(w, record.target):
                 continue
             before = record.role
             if await self._set(w, record.target) is not None:
@@ -283,6 +307,7 @@ class RoleManager:
                     "resident_seqs": w.resident_seqs,
                     "reservations": w.reservations,
                     "stranded_bytes": w.stranded_bytes,
+                    **self.engines.report(w),
                 }
             )
         return {

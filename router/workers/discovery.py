@@ -278,13 +278,13 @@ async def fetch_layout_facts(
 
 async def fetch_server_facts(
     session: aiohttp.ClientSession, url: str, engine: str
-) -> tuple[dict[str, Any], int | None]:
-    """(layout fields, SGLang bootstrap port or None) one worker reports about itself: for
-    SGLang one `/server_info` read gives both."""
+) -> tuple[dict[str, Any], WorkerFacts | None]:
+    """(layout fields, SGLang's `WorkerFacts` or None) one worker reports about itself: for
+    SGLang one `/server_info` read gives both (its bootstrap port, the role it serves)."""
     if engine != "sglang":
         return await fetch_layout_facts(session, url, engine), None
     info = await _get_json(session, url, "/server_info", "/get_server_info")
-    return layout_facts_sglang(info), worker_facts_sglang(info).bootstrap_port
+    return layout_facts_sglang(info), worker_facts_sglang(info)
 
 
 async def fetch_layout(
@@ -311,6 +311,10 @@ class WorkerFacts:
     block_size: int | None = None  # tokens per block (vLLM) / page (SGLang)
     max_model_len: int | None = None
     bootstrap_port: int | None = None  # SGLang prefill: its KV bootstrap server
+    # SGLang: the role it serves now, "prefill" | "decode" ("both": not in PD mode, it serves
+    # whole requests), and whether it can switch at run time (--enable-pd-role-switch).
+    pd_mode: str | None = None
+    pd_role_switch: bool = False
 
 
 def _positive(value: object) -> int | None:
@@ -358,7 +362,13 @@ def worker_facts_sglang(info: Any) -> WorkerFacts:
         block_size=page,
         max_model_len=_positive(info.get("context_length")),
         bootstrap_port=_positive(info.get("disaggregation_bootstrap_port")),
+        pd_mode=_PD_MODES.get(str(info.get("disaggregation_mode"))),
+        pd_role_switch=info.get("enable_pd_role_switch") is True,
     )
+
+
+# SGLang's `disaggregation_mode` (a role switch updates it: TokenizerManager.server_args).
+_PD_MODES = {"prefill": "prefill", "decode": "decode", "null": "both"}
 
 
 async def fetch_worker_facts(session: aiohttp.ClientSession, url: str, engine: str) -> WorkerFacts:

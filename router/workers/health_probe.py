@@ -19,7 +19,12 @@ from typing import Any
 import aiohttp
 
 from router.config import Settings
-from router.workers.discovery import fetch_layout_facts, fetch_server_facts, merge_layout
+from router.workers.discovery import (
+    WorkerFacts,
+    fetch_layout_facts,
+    fetch_server_facts,
+    merge_layout,
+)
 from router.workers.loop_timing import LoopTiming
 from router.workers.membership import Membership
 from router.workers.worker_state import WorkerState
@@ -38,22 +43,27 @@ class HealthProber:
     def __repr__(self) -> str:
         return f"HealthProber({len(self._members.workers)} workers)"
 
+    def _two_probes(self) -> asyncio.Timeout:
+        """The bound of one facts read: two health-probe timeouts (vLLM's takes two requests)."""
+        return asyncio.timeout(2 * self._settings.health_timeout_s)
+
     async def layout_facts(
         self, session: aiohttp.ClientSession, url: str, adapter: str
     ) -> dict[str, Any]:
-        """What the worker at `url` reports of its KV layout, within two health-probe timeouts
-        (it takes two requests for vLLM). Raises aiohttp.ClientError, TimeoutError, ValueError."""
-        async with asyncio.timeout(2 * self._settings.health_timeout_s):
+        """What the worker at `url` reports of its KV layout, within two health-probe timeouts.
+        Raises aiohttp.ClientError, TimeoutError, ValueError."""
+        async with self._two_probes():
             return await fetch_layout_facts(session, url, adapter)
 
     async def discover_layout(self, session: aiohttp.ClientSession, w: WorkerState) -> bool:
         """Read what a worker's entry leaves out from the worker itself: a `discover_layout`
         worker's layout (its own configured fields stay on top), an SGLang prefill's bootstrap
-        port. Until this succeeds the worker is out of rotation."""
+        port, the role an SGLang `both` engine serves. Until this succeeds the worker is out of
+        rotation."""
         spec = w.spec
         try:
-            async with asyncio.timeout(2 * self._settings.health_timeout_s):
-                facts, bootstrap_port = await fetch_server_facts(session, spec.url, spec.adapter)
+            async with self._two_probes():
+                facts, sglang = await fetch_server_facts(session, spec.url, spec.adapter)
             layout = (
                 merge_layout(spec.layout, facts, dict(spec.layout_configured))
                 if spec.discover_layout
@@ -62,7 +72,12 @@ class HealthProber:
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             log.warning("cannot read the facts of worker %s yet: %r", spec.id, exc)
             return False
-        if spec.reads_bootstrap_port:
+        bootstrap_port = sglang.bootstrap_port if sglang is not None else None
+        before = (w.engine_role, spec.bootstrap_port)
+        if spec.switches_engine_role and not self._note_engine_role(w, sglang):
+            return False
+        # A `both` engine outside PD mode serves whole requests: it needs no bootstrap server.
+        if spec.reads_bootstrap_port and w.engine_role != "both":
             if bootstrap_port is None:
                 log.warning(
                     "worker %s: its /server_info gives no disaggregation_bootstrap_port (is it "
@@ -71,14 +86,32 @@ class HealthProber:
                 )
                 return False
             spec = replace(spec, bootstrap_port=bootstrap_port)
+        news = (w.engine_role, bootstrap_port) != before or not w.layout_known
         w.spec = replace(spec, layout=layout)
         w.layout_known = True
-        log.info(
-            "worker %s reports its KV layout %s%s",
-            spec.id,
-            layout.key,
-            f", bootstrap port {bootstrap_port}" if spec.reads_bootstrap_port else "",
-        )
+        if news:  # (an SGLang `both` engine is read at every probe: say only what changed)
+            log.info(
+                "worker %s reports its KV layout %s%s%s",
+                spec.id,
+                layout.key,
+                f", bootstrap port {bootstrap_port}" if spec.reads_bootstrap_port else "",
+                f", serving {w.engine_role}" if spec.switches_engine_role else "",
+            )
+            if spec.switches_engine_role and not w.engine_switchable and w.engine_role != "both":
+                log.warning(
+                    "worker %s is registered as both but its SGLang engine runs as %s without "
+                    "--enable-pd-role-switch: it stays %s",
+                    spec.id, w.engine_role, w.engine_role,
+                )  # fmt: skip
+        return True
+
+    @staticmethod
+    def _note_engine_role(w: WorkerState, facts: WorkerFacts | None) -> bool:
+        """An SGLang `both` engine's role and switch flag from its /server_info."""
+        if facts is None or facts.pd_mode is None:
+            log.warning("worker %s: its /server_info gives no disaggregation_mode", w.spec.id)
+            return False
+        w.engine_role, w.engine_switchable = facts.pd_mode, facts.pd_role_switch
         return True
 
     async def probe(self, session: aiohttp.ClientSession, w: WorkerState) -> None:
@@ -88,7 +121,9 @@ class HealthProber:
                 ok = resp.status == 200
         except (TimeoutError, aiohttp.ClientError):
             ok = False
-        if ok and not w.layout_known:
+        if ok and (not w.layout_known or w.spec.switches_engine_role):
+            # An SGLang `both` engine's role is read at every probe: the replica that leads may
+            # have switched it, or it restarted in its start-up role between two probes.
             await self.discover_layout(session, w)
         if ok:
             if not w.healthy:
@@ -105,6 +140,7 @@ class HealthProber:
                     w.consecutive_failures,
                 )
                 w.healthy = False
+                w.engine_broken = None  # what comes back is a new process
                 if w.spec.reads_server_facts:
                     # It may come back upgraded (a rolling upgrade restarts workers in place):
                     # its layout (and bootstrap port) are read again before it is used again.
@@ -119,6 +155,7 @@ class HealthProber:
             w.healthy
             and w.consecutive_failures == 0
             and w.layout_known
+            and not w.engine_behind
             and w.breaker.opened_at is None
             for w in self._members.workers.values()
         )

@@ -120,8 +120,11 @@ class Membership:
 
     def can_prefill_locally(self, w: WorkerState) -> bool:
         """A decode-side `both` worker that may prefill its own requests (no role yet, or
-        `roles.local_prefill`)."""
+        `roles.local_prefill`). Not an SGLang engine in PD mode: its decode side takes no
+        request without a prefill partner."""
         if w.spec.role != "both":
+            return False
+        if w.spec.switches_engine_role and w.engine_role != "both":
             return False
         return w.role_state is None or self.settings.roles.local_prefill
 

@@ -46,9 +46,22 @@ class QueuePeak:
 
 def role_of(w: WorkerState) -> Role:
     """The role `w` serves or is heading to, as a policy names it (a `both` worker with no
-    role yet serves decode)."""
-    target = w.role_state.target if w.role_state is not None else w.spec.role
+    role yet serves decode; an SGLang one the role its engine was started in)."""
+    if w.role_state is not None:
+        target = w.role_state.target
+    else:
+        target = (w.engine_role if w.spec.switches_engine_role else None) or w.spec.role
     return "prefill" if target == "prefill" else "decode"
+
+
+def can_switch(w: WorkerState) -> bool:
+    """A `both` worker the role manager may move now: in rotation, and for an SGLang engine
+    one in PD mode started with --enable-pd-role-switch."""
+    if w.spec.role != "both" or not w.available:
+        return False
+    if w.spec.switches_engine_role:
+        return w.engine_switchable and w.engine_role in ("prefill", "decode")
+    return True
 
 
 def _view(w: WorkerState) -> RoleWorkerView:
@@ -59,7 +72,7 @@ def _view(w: WorkerState) -> RoleWorkerView:
         worker_id=spec.id,
         role=role_of(w),
         state="draining" if record is not None and record.draining else "active",
-        can_switch=spec.role == "both" and w.available,
+        can_switch=can_switch(w),
         since_s=record.since_s if record is not None else -math.inf,
         queued_prompt_tokens=w.queued_prompt_tokens,
         prefill_tokens_per_s=perf.prefill_tokens_per_s() if perf else 10_000.0,

@@ -119,9 +119,17 @@ class WorkerSpec:
         return self.adapter == "sglang" and self.is_prefill and not self.bootstrap_configured
 
     @property
+    def switches_engine_role(self) -> bool:
+        """An SGLang `both` worker: one engine serving one PD role at a time, which the role
+        manager flips through SGLang's runtime role switch (router/workers/engine_role.py);
+        the role it serves is read from its /server_info. (A vLLM kv_both engine serves both
+        sides at once: its role is the router's choice alone.)"""
+        return self.adapter == "sglang" and self.role == "both"
+
+    @property
     def reads_server_facts(self) -> bool:
         """Out of rotation until the worker itself has told what its entry leaves out."""
-        return self.discover_layout or self.reads_bootstrap_port
+        return self.discover_layout or self.reads_bootstrap_port or self.switches_engine_role
 
     @property
     def is_decode(self) -> bool:

@@ -50,6 +50,14 @@ class WorkerState:
     # A `both` worker's current role from the store (router/role_manager.py); None: never given one,
     # it serves as it always has (decode, prefilling its own requests when the policy says).
     role_state: WorkerRole | None = None
+    # An SGLang `both` worker (spec.switches_engine_role): the role its engine serves, as its
+    # /server_info last said or a role switch of this replica's made it (None: not read yet;
+    # "both": not in PD mode), whether it can switch (--enable-pd-role-switch), and the message
+    # of a switch that left it broken (cleared by a later switch that works, or when the
+    # worker fails its probes: what comes back is a restarted process).
+    engine_role: str | None = None
+    engine_switchable: bool = False
+    engine_broken: str | None = None
     # Its decode streams open on this replica, so that a drain past its deadline can cut them
     # (they resume elsewhere with the tokens sent so far).
     open_streams: set[Any] = field(default_factory=set)
@@ -60,10 +68,34 @@ class WorkerState:
 
     @property
     def current_role(self) -> str:
-        """prefill | decode | both (a `both` worker with no role yet) | draining-to-<role>."""
-        if self.spec.role != "both" or self.role_state is None:
+        """prefill | decode | both (a `both` worker with no role yet) | draining-to-<role>.
+
+        An SGLang engine with no role record serves the role it was started in; one whose
+        engine does not serve its recorded role yet (a switch another replica made, not yet
+        read here; an engine restarted in its start-up role) is on its way there: in neither
+        pool, for no request may reach an engine in the other role."""
+        record = self.role_state
+        if self.spec.role != "both":
             return self.spec.role
-        return self.role_state.role
+        if not self.spec.switches_engine_role:
+            return self.spec.role if record is None else record.role
+        if record is None:
+            return self.engine_role or "both"
+        if self.engine_behind:
+            return f"draining-to-{record.role}"
+        return record.role
+
+    @property
+    def engine_behind(self) -> bool:
+        """An SGLang engine that does not serve the role its record gives (yet): the prober
+        reads its /server_info at each probe until it does."""
+        record = self.role_state
+        return (
+            self.spec.switches_engine_role
+            and record is not None
+            and record.role in ("prefill", "decode")
+            and self.engine_role != record.role
+        )
 
     @property
     def in_prefill_pool(self) -> bool:

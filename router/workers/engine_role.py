@@ -1,0 +1,192 @@
+"""An SGLang engine's runtime role switch, as the role manager calls it (router/role_manager.py).
+
+SGLang 0.5.23 (sgl-project/sglang PR #28403) flips a PD instance between prefill and decode in
+place when it was started with `--enable-pd-role-switch`:
+
+    POST /pd_role_switch {"new_role": "prefill"|"decode"}
+      -> 200 {"success": true,  "message": "ok", "old_role", "new_role", "safe_to_restore"}
+      -> 400 {"success": false, "message": ..., "safe_to_restore": ...}
+
+What its code does (docs/real-workers.md, "SGLang's runtime role switch"): it drains nothing —
+a scheduler that holds any request, queued, running or waiting for KV, refuses with "not idle"
+(`safe_to_restore` true: nothing changed) — so the caller drains first, which the role manager
+does anyway. A switch to the role already served answers "ok" and changes nothing. While one
+switch runs, another is refused. A rebuild that fails half-way leaves the scheduler unhealthy
+(`safe_to_restore` false) with `/health` still answering 200: only a restart mends it, so the
+router remembers the failure rather than reading it from the health probe. With the flag, the
+engine runs its KV bootstrap server in both modes, so its bootstrap port is the same after a flip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+import orjson
+
+from router.config import RoleSettings
+from router.metrics import RouterMetrics
+from router.workers.worker_spec import WorkerSpec
+from router.workers.worker_state import WorkerState
+
+__all__ = ["ROLE_SWITCH_PATH", "EngineRoles", "EngineSwitch", "switch_engine_role"]
+
+log = logging.getLogger(__name__)
+
+ROLE_SWITCH_PATH = "/pd_role_switch"
+
+Outcome = Literal["ok", "busy", "broken", "refused", "unreachable"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSwitch:
+    """What one call came to.
+
+    ok           the engine serves `role` now
+    busy         not now, nothing changed (not idle; another switch running): try again later
+    broken       the engine says it is unhealthy after a failed rebuild: it needs a restart
+    refused      it never will as it runs (flag not set, not in PD mode, role unknown)
+    unreachable  no answer (connection, timeout, not SGLang's body): nothing is known
+    """
+
+    outcome: Outcome
+    message: str
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "ok"
+
+
+async def switch_engine_role(
+    session: aiohttp.ClientSession, spec: WorkerSpec, role: str, timeout_s: float
+) -> EngineSwitch:
+    """Ask `spec`'s engine to serve `role`; the answer within `timeout_s` (a rebuild takes
+    seconds on a GPU: the weights stay, the KV pools and CUDA graphs are made again)."""
+    headers = {"Content-Type": "application/json"}
+    if spec.api_key:  # SGLang checks its --api-key (or --admin-api-key) on this route too
+        headers["Authorization"] = "Bearer " + spec.api_key.reveal()
+    try:
+        async with session.post(
+            spec.url.rstrip("/") + ROLE_SWITCH_PATH,
+            data=orjson.dumps({"new_role": role}),
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as resp:
+            status, raw = resp.status, await resp.read()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return EngineSwitch("unreachable", f"no answer to {ROLE_SWITCH_PATH}: {exc!r}")
+    return read_answer(status, raw)
+
+
+def read_answer(status: int, raw: bytes) -> EngineSwitch:
+    """SGLang's answer as an outcome. Its refusals carry `safe_to_restore`: true means the
+    instance is as it was; false means it is broken (a failed rebuild) or another switch is
+    under way (both say so in the message)."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        body = None
+    if not isinstance(body, dict) or "success" not in body:
+        if status == 404:
+            return EngineSwitch("refused", f"{ROLE_SWITCH_PATH} not found: not SGLang >= 0.5.23")
+        return EngineSwitch("unreachable", f"HTTP {status}: {raw[:200]!r}")
+    message = str(body.get("message") or "")
+    if status == 200 and body.get("success") is True:
+        return EngineSwitch("ok", message or "ok")
+    lowered = message.lower()
+    if "in progress" in lowered or "not idle" in lowered:
+        return EngineSwitch("busy", message)
+    if body.get("safe_to_restore") is False or "unhealthy" in lowered:
+        return EngineSwitch("broken", message)
+    return EngineSwitch("refused", message)
+
+
+class EngineRoles:
+    """The SGLang engines' side of the role manager's switches: one call at a time per
+    engine, in the background (a rebuild takes seconds; the manager's tick goes on and reads
+    the answer at a later one), asked again after a refusal with a backoff."""
+
+    def __init__(
+        self, session: aiohttp.ClientSession, metrics: RouterMetrics, settings: RoleSettings
+    ) -> None:
+        self._session, self._metrics, self._settings = session, metrics, settings
+        # Switches under way (worker id -> the role asked, the call), and when a worker whose
+        # last one failed may be asked again (monotonic s, failures so far).
+        self._calls: dict[str, tuple[str, asyncio.Task[EngineSwitch]]] = {}
+        self._backoff: dict[str, tuple[float, int]] = {}
+
+    def __repr__(self) -> str:
+        return f"EngineRoles({len(self._calls)} under way)"
+
+    def serves(self, w: WorkerState, role: str) -> bool:
+        """Whether `w`'s engine serves `role` (always, but for an SGLang engine). Else a switch
+        is asked for in the background, unless one is under way or the last failed recently;
+        its answer is read at a later tick."""
+        if not w.spec.switches_engine_role or w.engine_role == role:
+            return True
+        wid = w.spec.id
+        asked = self._calls.get(wid)
+        if asked is None:
+            retry_at, _ = self._backoff.get(wid, (0.0, 0))
+            if time.monotonic() >= retry_at and w.healthy:
+                timeout_s = self._settings.engine_switch_timeout_s
+                asking = switch_engine_role(self._session, w.spec, role, timeout_s)
+                self._calls[wid] = (role, asyncio.create_task(asking))
+                log.info("worker %s: asking its SGLang engine to serve %s", wid, role)
+            return False
+        asked_role, call = asked
+        if not call.done():
+            return False
+        del self._calls[wid]
+        self._answered(w, asked_role, call.result())
+        return w.engine_role == role
+
+    def _answered(self, w: WorkerState, role: str, result: EngineSwitch) -> None:
+        wid = w.spec.id
+        self._metrics.role_engine_switches.labels(
+            worker=wid, to_role=role, outcome=result.outcome
+        ).inc()
+        if result.ok:
+            w.engine_role, w.engine_broken = role, None
+            # Its facts are read again before it serves (here as on the other replicas): the
+            # role it says it serves, and the bootstrap port of an engine restarted meanwhile.
+            w.layout_known = False
+            self._backoff.pop(wid, None)
+            log.info("worker %s: its SGLang engine serves %s", wid, role)
+            return
+        _, failures = self._backoff.get(wid, (0.0, 0))
+        if result.outcome == "busy":  # something left to finish on it: the next tick
+            delay = self._settings.interval_s
+        else:  # broken until restarted, or refusing as it runs: ask again, slowly
+            delay = min(60.0, self._settings.interval_s * 2 ** min(failures, 6))
+            failures += 1
+        if result.outcome == "broken":
+            w.engine_broken = result.message
+        self._backoff[wid] = (time.monotonic() + delay, failures)
+        level = logging.INFO if result.outcome == "busy" else logging.WARNING
+        log.log(level, "worker %s: its SGLang engine did not switch to %s (%s: %s); asking "
+                "again in %.1f s", wid, role, result.outcome, result.message, delay)  # fmt: skip
+
+    def report(self, w: WorkerState) -> dict[str, Any]:
+        if not w.spec.switches_engine_role:
+            return {}
+        asked = self._calls.get(w.spec.id)
+        return {
+            "engine": {
+                "serves": w.engine_role,
+                "can_switch": w.engine_switchable,
+                "switching_to": asked[0] if asked is not None and not asked[1].done() else None,
+                "broken": w.engine_broken,
+            }
+        }
+
+    def cancel(self) -> None:
+        """Stop waiting for the answers (the engines finish their switches anyway; whoever
+        leads next reads the roles they serve)."""
+        for _, call in self._calls.values():
+            call.cancel()
+        self._calls.clear()
