@@ -245,7 +245,7 @@ class RoleManager:
                 continue
             if not record.draining:  # an engine back in its start-up role is switched again
                 if w.current_role != record.role and w.available:
-                    self.engines.serves(w, record.role)
+                    self.engines.serves(w, record.role, self.members.workers.values())
                 continue
             age = now - record.since_s
             if age < self.settings.settle_s:
@@ -256,7 +256,8 @@ class RoleManager:
                 held = w.stranded_bytes > 0 or w.queued_prompt_tokens > 0
             else:  # leaving decode: every replica's reservations on it released
                 held = w.reservations > 0 or w.reserved_blocks > 0 or w.resident_seqs > 0
-            if held or not self.engines.serves(w, record.target):
+            peers = self.members.workers.values()
+            if held or not self.engines.serves(w, record.target, peers):
                 continue
             before = record.role
             if await self._set(w, record.target) is not None:

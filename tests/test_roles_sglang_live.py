@@ -102,7 +102,7 @@ async def _cluster(
 async def _serves(s: aiohttp.ClientSession, url: str) -> tuple[str, bool]:
     async with s.get(url + "/server_info") as r:
         info = await r.json()
-    return info["disaggregation_mode"], info["enable_pd_role_switch"]
+    return info["internal_states"][0]["disaggregation_mode"], info["enable_pd_role_switch"]
 
 
 async def _report(s: aiohttp.ClientSession, url: str, wid: str) -> dict[str, Any]:

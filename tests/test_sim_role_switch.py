@@ -57,6 +57,12 @@ async def get(s: aiohttp.ClientSession, url: str, path: str) -> Any:
         return await r.json()
 
 
+def serving(server_info: dict[str, Any]) -> str:
+    """The role the scheduler serves now (SGLang's `internal_states`)."""
+    mode: str = server_info["internal_states"][0]["disaggregation_mode"]
+    return mode
+
+
 def answer(success: bool, message: str, old: str, new: str, safe: bool) -> dict[str, str | bool]:
     return {
         "success": success,
@@ -198,12 +204,14 @@ async def test_requests_during_the_reconfiguration_are_refused_503() -> None:
             answer(False, "another role switch is already in progress", "prefill", "decode", False),
         )
         # The info endpoints keep answering, with the role still served until the flip is done.
-        assert (await get(s, p, "/server_info"))["disaggregation_mode"] == "prefill"
+        assert serving(await get(s, p, "/server_info")) == "prefill"
         assert (await get(s, p, "/get_load"))[0]["num_reqs"] == 0
         async with s.get(p + "/metrics") as r:
             assert r.status == 200
         assert await flip == (200, answer(True, "ok", "prefill", "decode", False))
-        assert (await get(s, p, "/server_info"))["disaggregation_mode"] == "decode"
+        info = await get(s, p, "/server_info")
+        # As SGLang's: the top-level server args keep the start-up role, the scheduler's is new.
+        assert (info["disaggregation_mode"], serving(info)) == ("prefill", "decode")
         state = await get(s, p, "/sim/state")
         assert (state["role"], state["role_switching"]) == ("decode", False)
         async with s.get(p + "/metrics") as r:
@@ -224,7 +232,7 @@ async def test_prefill_switched_to_decode_serves_a_decode_leg() -> None:
             answer(True, "ok", "prefill", "decode", False),
         )
         info = await get(s, w, "/server_info")
-        assert (info["disaggregation_mode"], info["enable_pd_role_switch"]) == ("decode", True)
+        assert (serving(info), info["enable_pd_role_switch"]) == ("decode", True)
         # A decode now: a plain OpenAI request is served locally, not refused as a prefill's.
         async with s.post(w + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}) as r:
             assert r.status == 200
@@ -247,7 +255,7 @@ async def test_decode_switched_to_prefill_serves_with_its_bootstrap_port() -> No
         await writer.wait_closed()
         assert (await switch(s, w, new_role="prefill"))[0] == 200
         info = await get(s, w, "/server_info")
-        assert info["disaggregation_mode"] == "prefill"
+        assert serving(info) == "prefill"
         assert info["disaggregation_bootstrap_port"] == before  # not rebuilt on the flip
         await pd_request(s, w, d, pd_bodies("a prefill leg", before, 777))
         assert (await get(s, d, "/sim/state"))["counters"]["kv_pulled"] == 1

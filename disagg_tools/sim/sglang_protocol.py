@@ -100,13 +100,20 @@ class SglangFormat:
 
 def disaggregation_mode(worker: Worker) -> str:
     """SGLang's name of the role served now (after any role switch): "null" outside PD."""
-    return {"prefill": "prefill", "decode": "decode"}.get(worker.role, "null")
+    return _MODES.get(worker.role, "null")
+
+
+_MODES = {"prefill": "prefill", "decode": "decode"}
 
 
 def server_info(worker: Worker) -> dict[str, Any]:
-    """SGLang's `/server_info`: its server args, internal states and version."""
+    """SGLang's `/server_info`: its server args, internal states and version. As SGLang's
+    (http_server.server_info: `server_args.resolved_dict()`), the top-level fields are the
+    start-up configuration: after a role switch `disaggregation_mode` there still names the
+    role it was started in; the role served now is each scheduler's, in `internal_states`
+    (SGLang's InternalState._add_disaggregation)."""
     cfg, perf = worker.config, worker.perf
-    mode = disaggregation_mode(worker)
+    mode = _MODES.get(cfg.role, "null")
     return {
         "model_path": cfg.model,
         "tokenizer_path": cfg.model,
@@ -130,6 +137,7 @@ def server_info(worker: Worker) -> dict[str, Any]:
             {
                 "last_gen_throughput": 0.0,
                 "memory_usage": {"kv_cache_usage": worker.pool.used / worker.pool.capacity},
+                "disaggregation_mode": disaggregation_mode(worker),
             }
         ],
         "version": SGLANG_VERSION,

@@ -23,7 +23,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -315,6 +315,9 @@ class WorkerFacts:
     # whole requests), and whether it can switch at run time (--enable-pd-role-switch).
     pd_mode: str | None = None
     pd_role_switch: bool = False
+    # SGLang decode: its CUDA graphs, as a role switch to decode takes them back
+    # (`decode_cuda_graph_bs`, `decode_cuda_graph_memory_gb`); empty when it reports none.
+    decode_graphs: Mapping[str, Any] = field(default_factory=dict)
 
 
 def _positive(value: object) -> int | None:
@@ -362,13 +365,49 @@ def worker_facts_sglang(info: Any) -> WorkerFacts:
         block_size=page,
         max_model_len=_positive(info.get("context_length")),
         bootstrap_port=_positive(info.get("disaggregation_bootstrap_port")),
-        pd_mode=_PD_MODES.get(str(info.get("disaggregation_mode"))),
+        pd_mode=_pd_mode(info),
         pd_role_switch=info.get("enable_pd_role_switch") is True,
+        decode_graphs=_decode_graphs(info),
     )
 
 
-# SGLang's `disaggregation_mode` (a role switch updates it: TokenizerManager.server_args).
 _PD_MODES = {"prefill": "prefill", "decode": "decode", "null": "both"}
+
+
+def _decode_graphs(info: Mapping[str, Any]) -> dict[str, Any]:
+    """What a decode scheduler reports of its CUDA graphs (InternalState._add_disaggregation),
+    for a role switch to decode to be given back: SGLang refuses to capture decode graphs
+    without `decode_cuda_graph_memory_gb` (role_switch.handle_pd_role_switch)."""
+    states = info.get("internal_states")
+    first = states[0] if isinstance(states, list) and states else None
+    if not isinstance(first, Mapping) or first.get("disaggregation_mode") != "decode":
+        return {}
+    out: dict[str, Any] = {}
+    sizes = first.get("decode_cuda_graph_bs")
+    if isinstance(sizes, list) and all(isinstance(b, int) for b in sizes):
+        out["decode_cuda_graph_bs"] = sizes
+    memory = first.get("decode_cuda_graph_memory_gb")
+    if isinstance(memory, (int, float)) and not isinstance(memory, bool) and memory >= 0:
+        out["decode_cuda_graph_memory_gb"] = float(memory)
+    return out
+
+
+def _pd_mode(info: Mapping[str, Any]) -> str | None:
+    """The role an SGLang instance serves now. Its top-level `disaggregation_mode` is the
+    start-up server args' (SGLang 0.5.23 http_server.server_info: a role switch leaves it as
+    it was); each scheduler reports its own in `internal_states` (InternalState.
+    _add_disaggregation, set again at every flip). Schedulers that disagree (a switch half
+    done across DP ranks): None, not known. An older SGLang without it: the top level."""
+    states = info.get("internal_states")
+    modes = {
+        s.get("disaggregation_mode")
+        for s in (states if isinstance(states, list) else [])
+        if isinstance(s, Mapping) and "disaggregation_mode" in s
+    }
+    if len(modes) > 1:
+        return None
+    live = modes.pop() if modes else info.get("disaggregation_mode")
+    return _PD_MODES.get(str(live))
 
 
 async def fetch_worker_facts(session: aiohttp.ClientSession, url: str, engine: str) -> WorkerFacts:

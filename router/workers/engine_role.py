@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -62,17 +63,26 @@ class EngineSwitch:
 
 
 async def switch_engine_role(
-    session: aiohttp.ClientSession, spec: WorkerSpec, role: str, timeout_s: float
+    session: aiohttp.ClientSession,
+    spec: WorkerSpec,
+    role: str,
+    timeout_s: float,
+    decode_graphs: Mapping[str, Any] | None = None,
 ) -> EngineSwitch:
     """Ask `spec`'s engine to serve `role`; the answer within `timeout_s` (a rebuild takes
-    seconds on a GPU: the weights stay, the KV pools and CUDA graphs are made again)."""
+    seconds on a GPU: the weights stay, the KV pools and CUDA graphs are made again). To
+    decode, `decode_graphs` are the CUDA-graph fields a decode engine reported (SGLang refuses
+    to capture graphs without a memory budget; it checks that budget against free memory)."""
+    body: dict[str, Any] = {"new_role": role}
+    if role == "decode" and decode_graphs:
+        body.update(decode_graphs)
     headers = {"Content-Type": "application/json"}
     if spec.api_key:  # SGLang checks its --api-key (or --admin-api-key) on this route too
         headers["Authorization"] = "Bearer " + spec.api_key.reveal()
     try:
         async with session.post(
             spec.url.rstrip("/") + ROLE_SWITCH_PATH,
-            data=orjson.dumps({"new_role": role}),
+            data=orjson.dumps(body),
             headers=headers,
             timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as resp:
@@ -122,28 +132,33 @@ class EngineRoles:
     def __repr__(self) -> str:
         return f"EngineRoles({len(self._calls)} under way)"
 
-    def serves(self, w: WorkerState, role: str) -> bool:
+    def serves(self, w: WorkerState, role: str, peers: Iterable[WorkerState] = ()) -> bool:
         """Whether `w`'s engine serves `role` (always, but for an SGLang engine). Else a switch
         is asked for in the background, unless one is under way or the last failed recently;
-        its answer is read at a later tick."""
-        if not w.spec.switches_engine_role or w.engine_role == role:
+        its answer is read at a later tick. `peers`: the other workers, whose decode CUDA graphs
+        an engine that never served decode is given (the same layout's)."""
+        if not w.spec.switches_engine_role:
             return True
         wid = w.spec.id
         asked = self._calls.get(wid)
-        if asked is None:
-            retry_at, _ = self._backoff.get(wid, (0.0, 0))
-            if time.monotonic() >= retry_at and w.healthy:
-                timeout_s = self._settings.engine_switch_timeout_s
-                asking = switch_engine_role(self._session, w.spec, role, timeout_s)
-                self._calls[wid] = (role, asyncio.create_task(asking))
-                log.info("worker %s: asking its SGLang engine to serve %s", wid, role)
-            return False
-        asked_role, call = asked
-        if not call.done():
-            return False
-        del self._calls[wid]
-        self._answered(w, asked_role, call.result())
-        return w.engine_role == role
+        if asked is not None:
+            # Its answer first, even when a probe already read the new role: the scheduler
+            # reports it before its event loop is re-dispatched for that role.
+            asked_role, call = asked
+            if not call.done():
+                return False
+            del self._calls[wid]
+            self._answered(w, asked_role, call.result())
+        if w.engine_role == role:
+            return True
+        retry_at, _ = self._backoff.get(wid, (0.0, 0))
+        if time.monotonic() >= retry_at and w.healthy:
+            timeout_s = self._settings.engine_switch_timeout_s
+            graphs = _decode_graphs(w, peers)
+            asking = switch_engine_role(self._session, w.spec, role, timeout_s, graphs)
+            self._calls[wid] = (role, asyncio.create_task(asking))
+            log.info("worker %s: asking its SGLang engine to serve %s", wid, role)
+        return False
 
     def _answered(self, w: WorkerState, role: str, result: EngineSwitch) -> None:
         wid = w.spec.id
@@ -190,3 +205,14 @@ class EngineRoles:
         for _, call in self._calls.values():
             call.cancel()
         self._calls.clear()
+
+
+def _decode_graphs(w: WorkerState, peers: Iterable[WorkerState]) -> Mapping[str, Any]:
+    """The decode CUDA graphs `w` reported when it served decode, else a decode peer's of the
+    same layout (the same model on the same hardware captures the same graphs), else none."""
+    if w.decode_graphs:
+        return w.decode_graphs
+    key = w.spec.layout.key
+    return next(
+        (p.decode_graphs for p in peers if p.decode_graphs and p.spec.layout.key == key), {}
+    )

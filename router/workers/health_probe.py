@@ -112,6 +112,8 @@ class HealthProber:
             log.warning("worker %s: its /server_info gives no disaggregation_mode", w.spec.id)
             return False
         w.engine_role, w.engine_switchable = facts.pd_mode, facts.pd_role_switch
+        if facts.decode_graphs:
+            w.decode_graphs = facts.decode_graphs
         return True
 
     async def probe(self, session: aiohttp.ClientSession, w: WorkerState) -> None:

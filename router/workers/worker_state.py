@@ -8,6 +8,7 @@ role, the request path what it has in flight.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,9 @@ class WorkerState:
     engine_role: str | None = None
     engine_switchable: bool = False
     engine_broken: str | None = None
+    # Its decode CUDA graphs as it last reported them serving decode (SGLang's internal
+    # states), handed back when it is switched to decode again (router/workers/engine_role.py).
+    decode_graphs: Mapping[str, Any] = field(default_factory=dict)
     # Its decode streams open on this replica, so that a drain past its deadline can cut them
     # (they resume elsewhere with the tokens sent so far).
     open_streams: set[Any] = field(default_factory=set)

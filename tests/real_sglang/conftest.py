@@ -74,6 +74,9 @@ class SglangServer(EngineProcess):
     name: str
     mode: str | None
     workdir: Path
+    # --enable-pd-role-switch: POST /pd_role_switch flips it at run time; it then runs its
+    # bootstrap server in decode mode too (so it needs a port of its own there as well).
+    role_switch: bool = False
     port: int = field(default_factory=free_port)
     bootstrap_port: int = field(default_factory=free_port)
     proc: Any = None
@@ -113,8 +116,10 @@ class SglangServer(EngineProcess):
                 "--disaggregation-transfer-backend",
                 "mooncake_tcp",
             ]
-        if self.mode == "prefill":
+        if self.mode == "prefill" or self.role_switch:
             cmd += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
+        if self.role_switch:
+            cmd += ["--enable-pd-role-switch"]
         if self.mode == "decode":
             # The default retraction backup registers CUDA host memory at start-up.
             cmd += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
@@ -217,7 +222,11 @@ def sglang_cluster() -> Iterator[SglangCluster]:
     cluster = SglangCluster(
         ref=SglangServer("ref", None, workdir),
         prefill=SglangServer("p0", "prefill", workdir),
-        decodes=[SglangServer("d0", "decode", workdir), SglangServer("d1", "decode", workdir)],
+        decodes=[
+            SglangServer("d0", "decode", workdir),
+            # d1 can switch roles (test_role_switch.py); the other tests use it as a decode.
+            SglangServer("d1", "decode", workdir, role_switch=True),
+        ],
         workdir=workdir,
     )
     t0 = time.monotonic()
