@@ -7,10 +7,10 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from policies.base import RolePlan, RolePolicy, RoleSnapshot, RoleSwitch, RoleWorkerView
+from policies.base import Role, RolePlan, RolePolicy, RoleSnapshot, RoleSwitch, RoleWorkerView
 from policies.registry import BUILTIN_ROLE_POLICIES, PolicyLoadError, load_role_policy
 from policies.role_policies import ElasticRoles, StaticRoles, role_pressures, split_of
 
@@ -222,10 +222,32 @@ def _snapshots() -> st.SearchStrategy[RoleSnapshot]:
     )
 
 
-# Derandomized: the same 200 snapshots every run, so CI does not draw a new edge each time. A
-# random draw found one (before 0.3, after 0.2609: 1.15 x after is 3e-6 over before; left in the
-# closing note of 2026-12-01 for the policy's owner).
-@settings(max_examples=200, deadline=None, derandomize=True)
+def _edge_snapshot() -> RoleSnapshot:
+    """The draw that looked like a broken promise (before 0.3, after 0.2609: 1.15 x after 3e-6
+    over before): the test measured with `role_pressures`' own KV target (0.9) where the policy
+    measures with its own (1.0), so decode pressures differed by 1/0.9 between the two. In the
+    policy's own pressures the move keeps the margin; the test now asks the policy for them."""
+
+    def view(i: int, role: Role, queued: int = 0, held: int = 0) -> RoleWorkerView:
+        return RoleWorkerView(
+            worker_id=f"w{i}", role=role, state="active", can_switch=True, since_s=0.0,
+            queued_prompt_tokens=queued, prefill_tokens_per_s=20000.0, capacity_blocks=10000,
+            held_blocks=held, pending_blocks=0, resident_seqs=0, step_base_s=0.008,
+            step_s_per_block=1e-06,
+        )  # fmt: skip
+
+    workers = [view(0, "prefill", queued=12000), *(view(i, "decode") for i in range(1, 8))]
+    workers += [view(8, "prefill"), view(9, "decode", held=16435)]
+    return RoleSnapshot(
+        now_s=1000.0, workers=tuple(workers), prefill_demand_tokens_per_s=0.0,
+        peak_queued_prompt_tokens=0.0, decode_waiting_blocks=0, decode_waiting_prompt_tokens=0,
+        decode_demand_blocks=0.0, decode_hold_s=0.0, slo_ttft_s=2.0, slo_itl_s=0.1,
+        reconfig_pause_s=0.0, recent_switches_s=(),
+    )  # fmt: skip
+
+
+@settings(max_examples=200, deadline=None)
+@example(_edge_snapshot())
 @given(_snapshots())
 def test_elastic_plans_are_well_formed_and_lower_the_worst_pressure(s: RoleSnapshot) -> None:
     policy = ElasticRoles()
@@ -246,8 +268,8 @@ def test_elastic_plans_are_well_formed_and_lower_the_worst_pressure(s: RoleSnaps
     if moved:
         n_p, n_d = split_of(roles)
         assert n_p >= policy.min_prefill and n_d >= policy.min_decode
-        before = max(role_pressures(s, rho_target=0.85, wait_fraction=0.5))
-        after = max(role_pressures(s, roles, rho_target=0.85, wait_fraction=0.5))
+        # The promise is in the policy's own pressures (its targets, not role_pressures' defaults).
+        before, after = max(policy.pressures(s)), max(policy.pressures(s, roles))
         assert after * (1 + policy.hysteresis) <= before * (1 + 1e-9)
 
 
