@@ -190,6 +190,23 @@ async def _clean(apps: list[web.Application]) -> None:
     raise AssertionError(f"Redis not clean: {usage} {stranded}")
 
 
+async def _long_stream_on_b1(
+    s: aiohttp.ClientSession, url: str, apps: list[web.Application], traffic: Traffic
+) -> asyncio.Task[None]:
+    """A long stream started on b1: the flow paused and b2 drained for a moment, so that the
+    choice is not the policy's."""
+    await traffic.pause()
+    await s.post(url + "/admin/workers/b2/drain", headers=AUTH)
+    await _until(lambda: _b2_drained(apps) == [True, True], "b2 drained")
+    on_b1 = _placements(apps, decode="b1")
+    long = asyncio.create_task(traffic.one(0, "long", LONG_TOKENS))
+    await _until(lambda: _placements(apps, decode="b1") > on_b1, "the long stream on b1")
+    await s.post(url + "/admin/workers/b2/undrain", headers=AUTH)
+    await _until(lambda: _b2_drained(apps) == [False, False], "b2 back")
+    traffic.resume()
+    return long
+
+
 async def test_a_worker_moves_decode_to_prefill_and_back_under_traffic(redis_prefix: str) -> None:
     async with _cluster(redis_prefix) as replicas, aiohttp.ClientSession() as s:
         urls = [u for u, _ in replicas]
@@ -219,17 +236,7 @@ async def test_a_worker_moves_decode_to_prefill_and_back_under_traffic(redis_pre
             await _until(lambda: traffic.done >= 8, "traffic flows")
             assert _placements(apps, prefill="b1") == 0
 
-            # A long stream lands on b1: the flow paused and b2 drained for a moment, so that the
-            # choice is not the policy's.
-            await traffic.pause()
-            await s.post(a + "/admin/workers/b2/drain", headers=AUTH)
-            await _until(lambda: _b2_drained(apps) == [True, True], "b2 drained")
-            on_b1 = _placements(apps, decode="b1")
-            long = asyncio.create_task(traffic.one(0, "long", LONG_TOKENS))
-            await _until(lambda: _placements(apps, decode="b1") > on_b1, "the long stream on b1")
-            await s.post(a + "/admin/workers/b2/undrain", headers=AUTH)
-            await _until(lambda: _b2_drained(apps) == [False, False], "b2 back")
-            traffic.resume()
+            long = await _long_stream_on_b1(s, a, apps, traffic)
 
             # b1: decode -> prefill while the long stream runs on it and traffic flows.
             forced = await _force(s, b, "b1", "prefill")

@@ -19,23 +19,22 @@ from aiohttp import web
 
 from disagg_tools.sim.faults import FaultConfig
 from disagg_tools.sim.worker import WorkerConfig, running_worker
-from router.app import GATEWAY
 from router.role_manager import ROLES
 from tests.conftest import MODEL, running_router
 from tests.test_admin import _settings
 from tests.test_roles_live import (
     AUTH,
-    LONG_TOKENS,
+    WORKERS,
     Traffic,
-    _b2_drained,
+    _clean,
     _force,
+    _long_stream_on_b1,
     _placements,
     _sample,
     _until,
     _until_role,
 )
 
-WORKERS = ("b0", "b1", "b2")
 START_ROLES = {"b0": "prefill", "b1": "decode", "b2": "decode"}
 DEADLINE_S = 2.0
 SWITCHES = "disagg_router_role_engine_switches_total"
@@ -110,19 +109,6 @@ async def _report(s: aiohttp.ClientSession, url: str, wid: str) -> dict[str, Any
         return next(w for w in (await r.json())["workers"] if w["id"] == wid)
 
 
-async def _clean(apps: list[web.Application]) -> None:
-    store = apps[0][GATEWAY].store
-    for _ in range(100):
-        usage = await store.decode_usage(WORKERS)
-        stranded = await store.stranded_bytes(WORKERS)
-        if all(u.reservations == 0 and u.reserved_blocks == 0 for u in usage.values()) and not any(
-            stranded.values()
-        ):
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"Redis not clean: {usage} {stranded}")
-
-
 async def _stop_traffic(traffic: Traffic, flow: asyncio.Task[None], *others: Any) -> None:
     traffic.stop()
     for t in others:
@@ -154,16 +140,7 @@ async def test_an_sglang_engine_is_switched_decode_to_prefill_and_back_under_tra
             assert _placements(apps, prefill="b1") == 0
             assert _placements(apps, prefill="b0") > 0
 
-            # A long stream on b1 (b2 drained for a moment so that it lands there).
-            await traffic.pause()
-            await s.post(a + "/admin/workers/b2/drain", headers=AUTH)
-            await _until(lambda: _b2_drained(apps) == [True, True], "b2 drained")
-            on_b1 = _placements(apps, decode="b1")
-            long = asyncio.create_task(traffic.one(0, "long", LONG_TOKENS))
-            await _until(lambda: _placements(apps, decode="b1") > on_b1, "the long stream on b1")
-            await s.post(a + "/admin/workers/b2/undrain", headers=AUTH)
-            await _until(lambda: _b2_drained(apps) == [False, False], "b2 back")
-            traffic.resume()
+            long = await _long_stream_on_b1(s, a, apps, traffic)
 
             # b1: decode -> prefill. The engine is asked only once it is idle: after the
             # deadline moved the long stream to b2.
