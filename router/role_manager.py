@@ -179,18 +179,14 @@ class RoleManager:
                 f"worker {worker_id} was registered as {w.spec.role}; only a `both` "
                 "(kv_both) worker can change roles"
             )
-        if w.spec.switches_engine_role and not (
-            w.engine_switchable and w.engine_role in ("prefill", "decode")
-        ):
-            raise RoleChangeRefused(
-                f"worker {worker_id}'s SGLang engine cannot switch roles: "
-                + (
-                    "it has not told its role yet (is it up?)"
-                    if w.engine_role is None
-                    else f"it serves {w.engine_role} and was started without "
-                    "--disaggregation-mode prefill|decode and --enable-pd-role-switch"
-                )
-            )
+        if w.spec.switches_engine_role and not w.engine_can_switch:
+            if w.engine_role is None:
+                why = "it has not told its role yet (is it up?)"
+            elif w.engine_role == "both":
+                why = "it is not in PD mode (started without --disaggregation-mode)"
+            else:
+                why = f"it serves {w.engine_role}, started without --enable-pd-role-switch"
+            raise RoleChangeRefused(f"worker {worker_id}'s SGLang engine cannot switch: {why}")
         store = self.gw.store
         known, roles = w.role_state, await store.worker_roles()
         self.members.apply_roles(roles)
@@ -244,7 +240,7 @@ class RoleManager:
             if record is None:
                 continue
             if not record.draining:  # an engine back in its start-up role is switched again
-                if w.current_role != record.role and w.available:
+                if w.engine_behind and w.available:
                     self.engines.serves(w, record.role, self.members.workers.values())
                 continue
             age = now - record.since_s

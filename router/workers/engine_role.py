@@ -154,7 +154,7 @@ class EngineRoles:
         retry_at, _ = self._backoff.get(wid, (0.0, 0))
         if time.monotonic() >= retry_at and w.healthy:
             timeout_s = self._settings.engine_switch_timeout_s
-            graphs = _decode_graphs(w, peers)
+            graphs = _graphs_for(w, peers)
             asking = switch_engine_role(self._session, w.spec, role, timeout_s, graphs)
             self._calls[wid] = (role, asyncio.create_task(asking))
             log.info("worker %s: asking its SGLang engine to serve %s", wid, role)
@@ -207,7 +207,7 @@ class EngineRoles:
         self._calls.clear()
 
 
-def _decode_graphs(w: WorkerState, peers: Iterable[WorkerState]) -> Mapping[str, Any]:
+def _graphs_for(w: WorkerState, peers: Iterable[WorkerState]) -> Mapping[str, Any]:
     """The decode CUDA graphs `w` reported when it served decode, else a decode peer's of the
     same layout (the same model on the same hardware captures the same graphs), else none."""
     if w.decode_graphs:

@@ -86,7 +86,7 @@ class HealthProber:
                 )
                 return False
             spec = replace(spec, bootstrap_port=bootstrap_port)
-        news = (w.engine_role, bootstrap_port) != before or not w.layout_known
+        news = (w.engine_role, spec.bootstrap_port) != before or not w.layout_known
         w.spec = replace(spec, layout=layout)
         w.layout_known = True
         if news:  # (an SGLang `both` engine is read at every probe: say only what changed)

@@ -60,7 +60,7 @@ def can_switch(w: WorkerState) -> bool:
     if w.spec.role != "both" or not w.available:
         return False
     if w.spec.switches_engine_role:
-        return w.engine_switchable and w.engine_role in ("prefill", "decode")
+        return w.engine_can_switch
     return True
 
 

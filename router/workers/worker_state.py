@@ -90,6 +90,12 @@ class WorkerState:
         return record.role
 
     @property
+    def engine_can_switch(self) -> bool:
+        """An SGLang `both` engine that can be switched: in PD mode, started with
+        --enable-pd-role-switch (as its /server_info last said)."""
+        return self.engine_switchable and self.engine_role in ("prefill", "decode")
+
+    @property
     def engine_behind(self) -> bool:
         """An SGLang engine that does not serve the role its record gives (yet): the prober
         reads its /server_info at each probe until it does."""
