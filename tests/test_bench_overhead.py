@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -114,6 +115,92 @@ def test_smoke_baseline_and_our_router(tmp_path: Path) -> None:
     assert "\r" not in result["_stderr"] and "rung/s" not in result["_stderr"]
 
 
+def _is_positive_finite(x: Any) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x) and x > 0
+
+
+def test_smoke_the_dropin_target_with_redis_over_two_answer_lengths(tmp_path: Path) -> None:
+    """`ours_dropin`: our router started as users deploy it (no file, the drop-in flags, Redis),
+    against the stand-in workers, over a ladder of two answer lengths; every row carries its
+    answer length, TTFT p99.9 and the router's CPU per request."""
+    import tests.conftest as conftest
+
+    result = _run_bench(
+        tmp_path, "baseline,ours_dropin", "--tokens", "4,8", "--redis-url", conftest.REDIS_URL
+    )
+    runs = result["runs"]
+    assert [(r["target"], r["max_tokens"], r["concurrency"]) for r in runs] == [
+        (target, tokens, c)
+        for target in ("baseline", "ours_dropin")
+        for tokens in (4, 8)
+        for c in (1, 4)
+    ]
+    for r in runs:
+        _check_run(r, r["max_tokens"])
+        ttft = r["ttft_ms"]
+        assert _is_positive_finite(ttft["p99.9"]) and ttft["p99"] <= ttft["p99.9"]
+    for r in (r for r in runs if r["target"] == "ours_dropin"):
+        assert _is_positive_finite(r["cpu_ms_per_request"]), r
+        assert _is_positive_finite(r["cpu_s_per_1k_tokens"]), r
+        assert math.isfinite(r["added_ttft_ms"]["p99.9"])
+    (sat_dropin,) = [r for r in result["saturation"] if r["target"] == "ours_dropin"]
+    assert _is_positive_finite(sat_dropin["cpu_ms_per_request"])
+
+    command = result["router_commands"]["ours_dropin@ladder"]
+    assert "--config" not in command and not list((tmp_path / "logs").glob("*.yaml"))
+    assert f"--redis-url {conftest.REDIS_URL}" in command
+    assert " serve " in command and "--prefill http://" in command and "--decode http://" in command
+    assert "DISAGG_ROUTER_KEY_PREFIX=" in command
+
+    md = result["_markdown"]
+    for column in ("answer tokens", "TTFT p99.9", "added TTFT p99.9", "router CPU-ms / request"):
+        assert column in md, column
+    assert "#### 1 concurrent stream, 4-token answers" in md
+    assert "#### 4 concurrent streams, 8-token answers" in md
+    assert "| ours_dropin | 8 | " in md
+    lines = result["_stderr"].splitlines()
+    assert sum(line.startswith("[ladder round 1]") for line in lines) == 8
+
+
+def test_the_dropin_command_line_is_the_deployed_one(tmp_path: Path) -> None:
+    """`ours_dropin` is `disagg-router serve --prefill URL --decode URL --redis-url URL`: the
+    real command line parses it, no file is written, and each start has a key prefix of its
+    own (in the environment: `serve` has no flag for it)."""
+    import argparse
+
+    from disagg_tools.launcher.main import build_parser
+    from disagg_tools.overhead.targets import router_command
+
+    ns = argparse.Namespace(adapter="vllm", redis_url="redis://127.0.0.1:6379/3")
+    prefill, decode = ["http://127.0.0.1:1", "http://127.0.0.1:2"], ["http://127.0.0.1:3"]
+    cmd, env = router_command("ours_dropin", ns, prefill, decode, port=4, log_dir=tmp_path)
+    _, env_again = router_command("ours_dropin", ns, prefill, decode, port=4, log_dir=tmp_path)
+    assert "--config" not in cmd and not list(tmp_path.iterdir())
+    assert Path(cmd[0]).name == "disagg-router" or cmd[1:3] == ["-m", "disagg_tools.launcher.main"]
+    first_flag = next(i for i, a in enumerate(cmd) if a.startswith("--"))
+    parsed = build_parser().parse_args(cmd[first_flag:])
+    assert parsed.command == "serve" and parsed.config is None
+    assert parsed.redis_url == "redis://127.0.0.1:6379/3" and parsed.port == 4
+    assert [p[0] for p in parsed.prefill] == prefill and parsed.decode == decode
+    assert parsed.adapter is None  # vllm: the drop-in's own default, not said
+    prefix = env["DISAGG_ROUTER_KEY_PREFIX"]
+    assert prefix.endswith(":") and prefix != env_again["DISAGG_ROUTER_KEY_PREFIX"]
+
+
+def test_the_stand_in_worker_tells_what_the_dropin_reads() -> None:
+    """The fixed worker's `/metrics` carries vLLM's `vllm:cache_config_info`: the router's own
+    parser reads the KV capacity a drop-in start needs from it."""
+    from disagg_tools.overhead.fixed_worker import DEFAULT_KV_BLOCKS, FixedWorker
+    from router.workers.discovery import worker_facts_vllm
+
+    worker = FixedWorker("decode", "m", 0.02, 0.01, None, "127.0.0.1", 1)
+    models = {"data": [{"id": "m", "max_model_len": 32768}]}
+    facts = worker_facts_vllm(models, worker.metrics_text())
+    assert (facts.models, facts.kv_blocks, facts.block_size) == (("m",), DEFAULT_KV_BLOCKS, 16)
+    small = FixedWorker("decode", "m", 0.02, 0.01, None, "127.0.0.1", 1, kv_blocks=7)
+    assert worker_facts_vllm(models, small.metrics_text()).kv_blocks == 7
+
+
 @pytest.mark.peers
 @pytest.mark.parametrize("peer,module", [("sglang", "sglang_router"), ("vllm", "vllm_router")])
 def test_smoke_peer_router(tmp_path: Path, peer: str, module: str) -> None:
@@ -141,6 +228,58 @@ def test_gaps_count_tokens_sharing_a_read_as_zero() -> None:
         rec.reads.append(t)
         rec.counts.append(n)
     assert rec.gaps() == pytest.approx([0.02, 0.0, 0.0, 0.03])
+
+
+def _fake_run(target: str, tokens: int, c: int, ttft_p50: float) -> dict[str, Any]:
+    ttft = {"p50": ttft_p50, "p90": ttft_p50, "p99": ttft_p50, "p99.9": ttft_p50 + 1.0}
+    router = target != "baseline"
+    return {
+        "target": target,
+        "max_tokens": tokens,
+        "concurrency": c,
+        "complete": 1,
+        "requests": 1,
+        "ttft_ms": ttft,
+        "itl_ms": {"p50": 20.0, "p90": 20.0, "p99": 21.0},
+        "tokens_per_s": 100.0,
+        "router_cpu_util": 0.1 if router else None,
+        "cpu_s_per_1k_tokens": 0.03 if router else None,
+        "cpu_ms_per_request": 2.5 if router else None,
+    }
+
+
+def test_deltas_and_tables_are_per_answer_length() -> None:
+    """Each router run is compared with the baseline of its own answer length and concurrency;
+    one table per (length, concurrency), each row labelled with its length; the targets are
+    judged at their own 128 tokens."""
+    from disagg_tools.overhead.overhead_report import add_deltas, markdown
+
+    runs = [
+        _fake_run("baseline", 16, 256, 10.0),
+        _fake_run("baseline", 128, 256, 30.0),
+        _fake_run("ours_dropin", 16, 256, 12.0),
+        _fake_run("ours_dropin", 128, 256, 31.0),
+    ]
+    add_deltas(runs)
+    assert runs[2]["added_ttft_ms"] == {"p50": 2.0, "p90": 2.0, "p99": 2.0, "p99.9": 2.0}
+    assert runs[3]["added_ttft_ms"]["p50"] == 1.0
+    md = markdown({"runs": runs, "params": {}})
+    short = md.index("#### 256 concurrent streams, 16-token answers")
+    assert short < md.index("#### 256 concurrent streams, 128-token answers")
+    assert "| ours_dropin | 16 | 1 / 1 | 12.00 | 12.00 | 13.00 | +2.00 | +2.00 | +2.00 |" in md
+    assert "| 0.0300 | 2.500 |" in md  # CPU per 1k tokens, then CPU per request
+    assert "#### Against the targets (256 streams, 128-token answers)" in md
+    verdict = md[md.index("#### Against the targets") :]
+    assert "+1.00 ms" in verdict and "+2.00 ms" not in verdict
+
+
+def test_tokens_takes_a_comma_list() -> None:
+    from disagg_tools.overhead.overhead_cli import _parse
+
+    assert _parse(["--tokens", "16,128", "--no-pin"]).tokens == [16, 128]
+    assert _parse(["--no-pin"]).tokens == [128]
+    with pytest.raises(SystemExit):
+        _parse(["--tokens", "16,0"])
 
 
 def test_markers_replace_only_the_generated_block() -> None:
@@ -213,6 +352,21 @@ def test_idle_phase_measures_our_router_against_four_workers(tmp_path: Path) -> 
     row = next(line for line in out.stdout.splitlines() if line.startswith("| ours |"))
     cpu_ms_per_s = float(row.split("|")[3].strip().strip("*"))
     assert cpu_ms_per_s >= 0.0
+
+
+def test_idle_phase_measures_the_dropin_target(tmp_path: Path) -> None:
+    """The idle phase starts `ours_dropin` against its four workers from the command line
+    alone (two --prefill, two --decode, --redis-url): no configuration file is written."""
+    import tests.conftest as conftest
+
+    cmd = [sys.executable, "-m", "disagg_tools.overhead.idle", "--targets", "ours_dropin"]
+    cmd += ["--no-pin", "--idle-s", "1", "--settle-s", "0.5", "--log-dir", str(tmp_path)]
+    cmd += ["--redis-url", conftest.REDIS_URL]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert not list(tmp_path.glob("*.yaml"))
+    row = next(line for line in out.stdout.splitlines() if line.startswith("| ours_dropin |"))
+    assert float(row.split("|")[3].strip().strip("*")) >= 0.0
 
 
 def test_the_ladder_draws_a_progress_bar_on_a_terminal(tmp_path: Path) -> None:

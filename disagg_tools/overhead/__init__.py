@@ -1,9 +1,10 @@
 """The overhead benchmark: what a router adds to TTFT, inter-token gaps and CPU, against a
 client that makes the two PD calls itself, and what it costs idle (docs/benchmarks-overhead.md).
 
-    python -m disagg_tools.overhead [--targets baseline,ours,sglang,vllm] ...   the ladder,
-                                      the saturation phase, `--idle-s N` the idle phase too
-    python -m disagg_tools.overhead.idle [--targets ours,ours_redis,vllm]       the idle phase
+    python -m disagg_tools.overhead [--targets baseline,ours,ours_dropin,sglang,vllm] ...
+                                      the ladder, the saturation phase, `--idle-s N` the idle
+                                      phase too
+    python -m disagg_tools.overhead.idle [--targets ours,ours_dropin,vllm]      the idle phase
     python -m disagg_tools.overhead.fixed_worker --role prefill|decode --port N the stand-in
                                       worker both start
 

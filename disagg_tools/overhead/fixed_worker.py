@@ -16,6 +16,9 @@ to share a core with the load generator, and speaking both PD protocols the peer
                        answer is dropped by the router), decode role streams
 
     GET /health /v1/models /version /metrics /server_info /get_server_info /model_info /get_load
+    (what a router started with no configuration file reads at start-up, as vLLM answers it:
+    the served model and max_model_len in /v1/models, the KV capacity in /metrics'
+    `vllm:cache_config_info`, `--kv-blocks`)
 
 A raw asyncio protocol (HTTP/1.1, keep-alive, chunked responses), one timer per stream: when the
 reader falls behind (transport paused) the tokens that came due are written together, as vLLM's
@@ -45,6 +48,11 @@ __all__ = ["FixedWorker", "serve", "main"]
 _CHAT = b"/v1/chat/completions"
 _TOKEN_TEXT = " tok"
 _MAX_BODY = 64 * 1024 * 1024
+# The KV capacity a decode stand-in reports (`vllm:cache_config_info`): far beyond any ladder
+# (1,024 streams of a few thousand tokens), so a router's admission never limits what is
+# measured, as the configuration file's `kv_blocks: 100000000` does for `ours`.
+DEFAULT_KV_BLOCKS = 100_000_000
+BLOCK_SIZE = 16  # tokens per KV block, vLLM's default
 
 
 class FixedWorker:
@@ -59,6 +67,7 @@ class FixedWorker:
         first_token_s: float | None,
         host: str,
         port: int,
+        kv_blocks: int = DEFAULT_KV_BLOCKS,
     ) -> None:
         self.role = role
         self.model = model
@@ -67,11 +76,30 @@ class FixedWorker:
         self.first_token_s = interval_s if first_token_s is None else first_token_s
         self.host = host
         self.port = port
+        self.kv_blocks = kv_blocks
         self.engine_id = uuid.uuid4().hex
         self.running = 0
         self.served = 0
         self.tokens = 0
         self.connections = 0  # accepted since start: shows whether clients keep connections
+
+    def metrics_text(self) -> str:
+        """vLLM's load gauges and `vllm:cache_config_info` (a router started with no
+        configuration file, router/dropin.py, reads the KV capacity from it), then this
+        worker's own counters (the benchmark's upstream accounting)."""
+        model = self.model
+        return (
+            f'vllm:num_requests_running{{model_name="{model}"}} {self.running}\n'
+            f'vllm:num_requests_waiting{{model_name="{model}"}} 0\n'
+            f'vllm:kv_cache_usage_perc{{model_name="{model}"}} 0.0\n'
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+            "# TYPE vllm:cache_config_info gauge\n"
+            f'vllm:cache_config_info{{block_size="{BLOCK_SIZE}",cache_dtype="auto",'
+            f'engine="0",num_gpu_blocks="{self.kv_blocks}"}} 1.0\n'
+            f"fixed_worker_connections_total {self.connections}\n"
+            f"fixed_worker_requests_total {self.served}\n"
+            f"fixed_worker_tokens_total {self.tokens}\n"
+        )
 
     def __repr__(self) -> str:
         return (
@@ -304,15 +332,7 @@ class _Conn(asyncio.Protocol):
             elif path == b"/version":
                 self._reply(200, b'{"version":"0.0.0-fixed"}')
             elif path == b"/metrics":
-                text = (
-                    f'vllm:num_requests_running{{model_name="{w.model}"}} {w.running}\n'
-                    f'vllm:num_requests_waiting{{model_name="{w.model}"}} 0\n'
-                    f'vllm:kv_cache_usage_perc{{model_name="{w.model}"}} 0.0\n'
-                    f"fixed_worker_connections_total {w.connections}\n"
-                    f"fixed_worker_requests_total {w.served}\n"
-                    f"fixed_worker_tokens_total {w.tokens}\n"
-                )
-                self._reply(200, text.encode(), b"text/plain; version=0.0.4")
+                self._reply(200, w.metrics_text().encode(), b"text/plain; version=0.0.4")
             elif path in (b"/server_info", b"/get_server_info"):
                 self._reply(
                     200,
@@ -620,6 +640,12 @@ def main(argv: list[str] | None = None) -> int:
         help="decode: request to first token (default: one interval)",
     )
     p.add_argument("--prefill-ms", type=float, default=10.0, help="prefill answer delay")
+    p.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=DEFAULT_KV_BLOCKS,
+        help="KV capacity reported in /metrics (vllm:cache_config_info num_gpu_blocks)",
+    )
     ns = p.parse_args(argv)
     worker = FixedWorker(
         ns.role,
@@ -629,6 +655,7 @@ def main(argv: list[str] | None = None) -> int:
         None if ns.first_token_ms is None else ns.first_token_ms / 1e3,
         ns.host,
         ns.port,
+        ns.kv_blocks,
     )
     uvrun.run(serve(worker))
     return 0

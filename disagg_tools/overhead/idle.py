@@ -1,6 +1,6 @@
 """What a router costs when nobody asks it anything: CPU ms per second with 4 workers, idle.
 
-    python -m disagg_tools.overhead.idle [--targets ours,ours_redis,vllm,sglang] [--idle-s 20]
+    python -m disagg_tools.overhead.idle [--targets ours,ours_dropin,vllm,sglang] [--idle-s 20]
 
 Four `disagg_tools.overhead.fixed_worker` processes (two prefill, two decode), then each
 router in turn: started against all four, one short stream through it (it is up and has
@@ -8,6 +8,8 @@ probed them), `--settle-s` of quiet (start-up work done), then `--idle-s` of no 
 all, over which the router process's CPU (the scheduler's run time of every thread and child,
 from /proc) is read. What is left is its background work: health probes, load polls, store
 refreshes, lease and budget ticks. Also run by `python -m disagg_tools.overhead --idle-s N`.
+`ours_dropin` (the deployed command line: no file, `--prefill`/`--decode` twice each,
+`--redis-url`) shows what the Redis store's background round trips cost on top.
 """
 
 from __future__ import annotations
@@ -131,10 +133,16 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--targets", default="ours,ours_redis,vllm")
+    p.add_argument(
+        "--targets",
+        default="ours,ours_dropin,vllm",
+        help="comma list of ours, ours_redis, ours_alt, ours_dropin, sglang, vllm",
+    )
     p.add_argument("--model", default="llama-3-8b")
     p.add_argument("--adapter", default="vllm", choices=("vllm", "sim"))
-    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument(
+        "--redis-url", default="redis://127.0.0.1:6379/0", help="ours_redis, ours_dropin"
+    )
     p.add_argument("--router-core", type=int, default=0)
     p.add_argument("--load-core", type=int, default=1)
     p.add_argument("--no-pin", dest="pin", action="store_false")

@@ -1,7 +1,7 @@
 """What a router adds: TTFT, ITL and CPU against a client that does the two PD calls itself.
 
-    python -m disagg_tools.overhead [--targets baseline,ours,sglang,vllm]
-                                    [--concurrency 1,32,256,1024]
+    python -m disagg_tools.overhead [--targets baseline,ours,ours_dropin,sglang,vllm]
+                                    [--concurrency 1,32,256,1024] [--tokens 16,128]
                                     [--json FILE] [--markdown docs/benchmarks-overhead.md]
 
 One run, the same two workers (`disagg_tools.overhead.fixed_worker`: one prefill, one decode,
@@ -9,15 +9,19 @@ One run, the same two workers (`disagg_tools.overhead.fixed_worker`: one prefill
 
     baseline  the client itself: prefill call (max_tokens 1 + kv_transfer_params), then decode
     ours      `python -m router.serve_cli serve --config …` (in-process store; `ours_redis`: Redis)
+    ours_dropin  `disagg-router serve --prefill URL --decode URL --redis-url URL`: the deployed
+              configuration (no file, Redis, what the workers report)
     sglang    `python -m sglang_router.launch_router --pd-disaggregation …`
     vllm      `vllm-router --vllm-pd-disaggregation …`
 
 Each target serves keep-alive client streams at every concurrency (closed loop, slots staggered
 over one stream's length, each slot's first answer is warm-up). Per run: TTFT and inter-token
-gap percentiles, their difference from the baseline at the same concurrency, tokens/s, and the
-router process's CPU-seconds (utime + stime of every thread and child, from /proc) per 1,000
-tokens. Then a saturation phase (faster workers, longer streams) gives tokens/s relayed and
-tokens per router CPU-second when the offered load is well beyond one core.
+gap percentiles, their difference from the baseline at the same concurrency and answer length,
+tokens/s, and the router process's CPU (utime + stime of every thread and child, from /proc):
+seconds per 1,000 tokens and milliseconds per request. `--tokens 16,128` runs the whole ladder
+for each answer length (short answers weigh a request's fixed cost more). Then a saturation
+phase (faster workers, longer streams) gives tokens/s relayed and tokens per router CPU-second
+when the offered load is well beyond one core.
 
 Pinning (when the OS allows two or more cores): the router on `--router-core`, the load
 generator (this process) and the workers on `--load-core`. Routers and workers are
@@ -50,6 +54,13 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def _positive_ints(text: str) -> list[int]:
+    values = _ints(text)
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma list of positive integers")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m disagg_tools.overhead",
@@ -58,11 +69,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--targets",
-        default="baseline,ours,sglang,vllm",
+        default="baseline,ours,ours_dropin,sglang,vllm",
         help=f"comma list of baseline, {', '.join(ROUTERS)}",
     )
     p.add_argument("--concurrency", type=_ints, default=[1, 32, 256, 1024])
-    p.add_argument("--tokens", type=int, default=128, help="tokens per stream (ignore_eos)")
+    p.add_argument(
+        "--tokens",
+        type=_positive_ints,
+        default=[128],
+        help="tokens per stream (ignore_eos); a comma list (16,128) runs the ladder for each",
+    )
     p.add_argument("--interval-ms", type=float, default=20.0, help="worker time per token")
     p.add_argument("--prefill-ms", type=float, default=10.0)
     p.add_argument(
@@ -94,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DIR",
         help="ours and ours_redis count prompts with this model directory's tokenizer (settings "
-        "`tokenizers`), as a deployment with exact counts does; default: the character estimate",
+        "`tokenizers`), as a deployment with exact counts does; default: the character estimate "
+        "(ours_dropin always: the drop-in command line has no tokenizer flag)",
     )
     p.add_argument(
         "--alt-tokenizer",
@@ -111,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--redis-url",
         default="redis://127.0.0.1:6379/0",
-        help="for the ours_redis target (a unique key_prefix is used)",
+        help="for the ours_redis and ours_dropin targets (a fresh key prefix per router start)",
     )
     p.add_argument("--no-saturation", dest="saturation", action="store_false")
     p.add_argument("--sat-concurrency", type=int, default=256)

@@ -3,6 +3,10 @@
     baseline  no router: the client makes the two PD calls itself (nothing started here)
     ours      `python -m router.serve_cli serve --config …` (in-process store; `ours_redis`:
               Redis; `ours_alt`: the same command from another source tree, `--ours-src`)
+    ours_dropin  `disagg-router serve --prefill URL --decode URL --redis-url URL`: the deployed
+              command line, no configuration file (the model and the KV capacity are read from
+              the workers, router/dropin.py), Redis in the path, a fresh key prefix per start
+              from `DISAGG_ROUTER_KEY_PREFIX`
     sglang    `python -m sglang_router.launch_router --pd-disaggregation …`
     vllm      `vllm-router --vllm-pd-disaggregation …`
 
@@ -16,8 +20,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,8 +32,10 @@ from disagg_tools.procs import HOST, Child, free_port, process_tree_cpu_s
 
 __all__ = [
     "ROUTERS",
+    "StartedRouter",
     "Workers",
     "fixed_worker_command",
+    "fresh_key_prefix",
     "router_command",
     "start_router",
     "start_workers",
@@ -35,7 +43,9 @@ __all__ = [
     "wait_ready",
 ]
 
-ROUTERS = ("ours", "ours_redis", "ours_alt", "sglang", "vllm")
+ROUTERS = ("ours", "ours_redis", "ours_alt", "ours_dropin", "sglang", "vllm")
+# Our router from a configuration file written here (`_our_config`).
+CONFIGURED = ("ours", "ours_redis", "ours_alt")
 
 
 async def wait_ready(addr: tuple[str, int], proc: Child, timeout_s: float = 60.0) -> None:
@@ -146,6 +156,12 @@ async def start_workers(
     return Workers(procs[0], procs[1], ports[0], ports[1])
 
 
+def fresh_key_prefix(label: str) -> str:
+    """A Redis key prefix no other router start has used: state left in Redis by an earlier
+    run (reservations, leases, counters) must not be read by the next one."""
+    return f"bench-overhead-{label}-{os.getpid()}-{uuid.uuid4().hex[:8]}:"
+
+
 def _our_config(
     ns: argparse.Namespace,
     prefill: list[str],
@@ -157,7 +173,7 @@ def _our_config(
     lines = [
         f"model: {ns.model}",
         "perf: {model: llama-3-8b, gpu: h100}",
-        f'key_prefix: "bench-overhead-{os.getpid()}-{int(time.time())}:"',
+        f'key_prefix: "{fresh_key_prefix(path.stem)}"',
     ]
     if redis:
         lines.append(f"redis_url: {ns.redis_url}")
@@ -186,7 +202,9 @@ def router_command(
 ) -> tuple[list[str], dict[str, str]]:
     """The command line (and environment) that starts router `name` in front of these workers
     (the ladder's one pair, the idle phase's four)."""
-    if name in ("ours", "ours_redis", "ours_alt"):
+    if name == "ours_dropin":
+        return _dropin_command(ns, prefill, decode, port, label=config_name or name)
+    if name in CONFIGURED:
         cfg = log_dir / f"{config_name or name}.yaml"
         alt = name == "ours_alt"
         redis = name == "ours_redis" or (alt and ns.alt_redis)
@@ -233,9 +251,47 @@ def router_command(
     return [*cmd, "--host", HOST, "--port", str(port), *metrics, "--log-level", log_level], env
 
 
+def _disagg_router_executable() -> list[str]:
+    """`disagg-router` as installed next to this interpreter (the console script users run),
+    else the module it runs."""
+    exe = Path(sys.executable).with_name("disagg-router")
+    if exe.exists():
+        return [str(exe)]
+    return [sys.executable, "-m", "disagg_tools.launcher.main"]
+
+
+def _dropin_command(
+    ns: argparse.Namespace, prefill: list[str], decode: list[str], port: int, label: str
+) -> tuple[list[str], dict[str, str]]:
+    """`disagg-router serve --prefill URL --decode URL --redis-url URL`, as a user coming from
+    vllm-router deploys it: no file, so no tokenizer (`--tokenizer` is the configured
+    targets') and no perf profile; the key prefix is the only setting not on the command line
+    (`serve` has no flag for it), given by the environment."""
+    cmd = [*_disagg_router_executable(), "--log-level", "WARNING", "serve"]
+    for url in prefill:
+        cmd += ["--prefill", url]
+    for url in decode:
+        cmd += ["--decode", url]
+    if ns.adapter != "vllm":  # the drop-in's default: said only when it is not
+        cmd += ["--adapter", ns.adapter]
+    cmd += ["--redis-url", ns.redis_url, "--host", HOST, "--port", str(port)]
+    return cmd, {"DISAGG_ROUTER_KEY_PREFIX": fresh_key_prefix(label)}
+
+
+@dataclass(frozen=True, slots=True)
+class StartedRouter:
+    proc: Child
+    addr: tuple[str, int]
+    command: str  # how it was started, as a shell line: its own environment, then the command
+
+
+def shell_line(cmd: list[str], env: dict[str, str]) -> str:
+    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd)])
+
+
 async def start_router(
     name: str, ns: argparse.Namespace, workers: Workers, log_dir: Path, tag: str
-) -> tuple[Child, tuple[str, int]]:
+) -> StartedRouter:
     port = free_port()
     cmd, env = router_command(name, ns, [workers.prefill_url], [workers.decode_url], port, log_dir)
     cwd = ns.ours_src if name == "ours_alt" else None
@@ -254,4 +310,4 @@ async def start_router(
     except BaseException:
         proc.stop()
         raise
-    return proc, (HOST, port)
+    return StartedRouter(proc, (HOST, port), shell_line(cmd, env))
