@@ -8,6 +8,15 @@ a cluster (a ``redis+cluster://`` URL, see `from_url`). Scripts inside a pipelin
 cannot load a missing script. Here a ``NOSCRIPT`` answer (a node restarted, or failed over to a
 replica that never saw the script) loads the scripts (on every primary of a cluster) and sends
 again just the commands that got it: a command that answered ``NOSCRIPT`` never ran.
+
+The hot path (the request's reservation, ledger and end-of-request calls, the renewals): on one
+server, a store built by `from_url` also holds a `LeanRedis` (state/lean_redis.py), one
+pipelining connection that costs a fraction of redis-py's CPU per call; `_hot_pipeline` and
+`_hot_script` use it, and fall back to redis-py where there is none (a cluster, TLS, a URL
+option it does not implement, an injected client). Everything else stays on redis-py: the
+lean connection hands back Redis's answers as they come, without redis-py's reply callbacks
+(HGETALL as a flat list, SMEMBERS as a list), so only commands whose raw answers the caller
+reads go through it.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -29,6 +38,7 @@ from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from state.base import StoreBusy, StoreError
 from state.keys import DEFAULT_PREFIX, Keys
+from state.lean_redis import LeanRedis
 from state.redact import mask_url, mask_urls
 
 __all__ = [
@@ -96,9 +106,10 @@ def store_call(
                 # The blocking pool's wait ran out ("No connection available."): nothing was
                 # sent, the store is not at fault.
                 raise StoreBusy(f"no Redis connection came free ({fn.__name__})") from exc
-            raise StoreError(
-                f"the state store failed ({fn.__name__}): {mask_urls(repr(exc))}"
-            ) from exc
+            # Type and text, not repr(): redis-py 8's repr is its category alone
+            # ("network:TimeoutError"), which hides what happened.
+            problem = mask_urls(f"{type(exc).__name__}: {exc}")
+            raise StoreError(f"the state store failed ({fn.__name__}): {problem}") from exc
 
     return call
 
@@ -194,8 +205,11 @@ class RedisConnection:
         _url: str | None = None,
         _max_calls: int | None = None,
         _pool_timeout_s: float = DEFAULT_POOL_TIMEOUT_S,
+        _lean: LeanRedis | None = None,
     ) -> None:
         self._client = client
+        # The hot path's connection (see the module docstring); None: redis-py for everything.
+        self._lean = _lean
         self._keys = keys
         # None: the server's clock, the only one every replica agrees on. Injected clocks are
         # for simulations and tests that want to step time.
@@ -219,18 +233,25 @@ class RedisConnection:
         *,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         pool_timeout_s: float = DEFAULT_POOL_TIMEOUT_S,
+        clock: Callable[[], float] | None = None,
+        lean: bool = True,
     ) -> Self:
         """A store on a client of its own (closed by `close`). Does no I/O: `ping` to check.
 
         At most `max_connections` connections (per node on a cluster); a call finding them all
         busy waits up to `pool_timeout_s` for one, then fails with StoreError.
         ``redis+cluster://`` and ``rediss+cluster://`` URLs name a Redis Cluster by one or more
-        comma-separated seed nodes."""
+        comma-separated seed nodes.
+
+        On one server the hot path runs on a `LeanRedis` of the same address, credentials,
+        database and timeouts, unless `lean` is False or the URL asks for what it does not
+        implement (``rediss://``, see `LeanRedis.for_pool`). `clock`: see `__init__`."""
         if is_cluster_url(url):
             cluster = _cluster_client(url, max_connections)
             return cls(
                 cluster,
                 Keys(prefix),
+                clock,
                 _owns_client=True,
                 _url=url,
                 _max_calls=max_connections,
@@ -253,7 +274,14 @@ class RedisConnection:
         except ValueError as exc:
             raise ValueError(f"bad Redis URL {mask_url(url)}: {_url_problem(url, exc)}") from None
         client = aioredis.Redis.from_pool(pool)  # owns the pool: aclose() disconnects it
-        return cls(client, Keys(prefix), _owns_client=True, _url=url)
+        return cls(
+            client,
+            Keys(prefix),
+            clock,
+            _owns_client=True,
+            _url=url,
+            _lean=LeanRedis.for_pool(pool) if lean else None,
+        )
 
     @property
     def is_cluster(self) -> bool:
@@ -283,16 +311,58 @@ class RedisConnection:
         `independent`: on a cluster, a node that cannot be reached fails its own commands only
         (the others' answers still count); raises only when no node answered."""
         results = await self._send(cmds, independent)
-        lost = [i for i, row in enumerate(results) if isinstance(row, NoScriptError)]
-        if lost:
-            scripts = {id(cmds[i].script): cmds[i].script for i in lost}
-            for script in scripts.values():
-                if script is not None:
-                    await self._client.script_load(script.script)
-            again = await self._send([cmds[i] for i in lost], independent)
-            for i, row in zip(lost, again, strict=True):
-                results[i] = row
+        if any(isinstance(row, NoScriptError) for row in results):
+            await self._send_again_with_scripts(
+                cmds,
+                results,
+                lambda again: self._send(again, independent),
+                self._client.script_load,
+            )
         return results
+
+    async def _hot_pipeline(self, cmds: Sequence[Cmd], *, independent: bool = False) -> list[Any]:
+        """`_pipelined` on the lean connection when the store has one. Only for commands whose
+        raw answer the caller reads (scripts, GET, HINCRBY): no redis-py reply callbacks."""
+        lean = self._lean
+        if lean is None:
+            return await self._pipelined(cmds, independent=independent)
+        results = await lean.execute([cmd.args for cmd in cmds])
+        if any(isinstance(row, NoScriptError) for row in results):
+            await self._send_again_with_scripts(
+                cmds,
+                results,
+                lambda again: lean.execute([cmd.args for cmd in again]),
+                lambda script: lean.execute([("SCRIPT", "LOAD", script)]),
+            )
+        return results
+
+    async def _hot_script(
+        self, script: AsyncScript, keys: Sequence[str], args: Sequence[Any]
+    ) -> Any:
+        """One script's answer (raised when it is an error), on the lean connection when the
+        store has one."""
+        if self._lean is None:
+            return await script(keys=keys, args=args)
+        return raise_first(await self._hot_pipeline([Cmd.run(script, keys, args)]))[0]
+
+    @staticmethod
+    async def _send_again_with_scripts(
+        cmds: Sequence[Cmd],
+        results: list[Any],
+        send: Callable[[list[Cmd]], Awaitable[list[Any]]],
+        load: Callable[[Any], Awaitable[Any]],
+    ) -> None:
+        """After ``NOSCRIPT`` answers (the server restarted, or failed over, without the
+        scripts): load each script missing, then send again just the commands that got it
+        (they never ran), their new answers put in their places in `results`."""
+        lost = [i for i, row in enumerate(results) if isinstance(row, NoScriptError)]
+        scripts = {id(cmds[i].script): cmds[i].script for i in lost}
+        for script in scripts.values():
+            if script is not None:
+                await load(script.script)
+        again = await send([cmds[i] for i in lost])
+        for i, row in zip(lost, again, strict=True):
+            results[i] = row
 
     async def _send(self, cmds: Sequence[Cmd], independent: bool) -> list[Any]:
         client = self._client
@@ -352,6 +422,8 @@ class RedisConnection:
             ) from exc
 
     async def close(self) -> None:
+        if self._lean is not None:
+            await self._lean.close()
         if self._owns_client:
             await self._client.aclose()
 
@@ -360,7 +432,7 @@ class RedisConnection:
         clock = "server" if self._clock is None else "injected"
         return (
             f"{type(self).__name__}({where}, prefix={self._keys.prefix!r}, clock={clock}, "
-            f"owns_client={self._owns_client})"
+            f"owns_client={self._owns_client}, lean={self._lean is not None})"
         )
 
 

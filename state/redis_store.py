@@ -117,7 +117,7 @@ class RedisStore(RedisRegistry):
             max(0, int(overbook_blocks)),
         ]
         if intent is None:
-            return Reserved(bool(await self._reserve(keys=keys, args=args)))
+            return Reserved(bool(await self._hot_script(self._reserve, keys, args)))
         check_count("nbytes", intent.nbytes)
         ledger = self._keys.stranded_worker(intent.prefill_id)
         pending: list[str | int] = [
@@ -127,7 +127,7 @@ class RedisStore(RedisRegistry):
         ]
         if not isinstance(self._client, RedisCluster):
             # One server: one script for both, the intent written only with the blocks held.
-            held = bool(await self._reserve(keys=keys + ledger, args=args + pending))
+            held = bool(await self._hot_script(self._reserve, keys + ledger, args + pending))
             return Reserved(held, stranded=held)
         return await self._reserve_beside_intent(self._client, keys, args, ledger, pending)
 
@@ -164,7 +164,7 @@ class RedisStore(RedisRegistry):
         check_lease(lease_s)
         keys = self._keys.decode_worker(worker_id)
         args = [self._now(), reservation_id, repr(float(lease_s))]
-        return bool(await self._renew(keys=keys, args=args))
+        return bool(await self._hot_script(self._renew, keys, args))
 
     @store_call
     async def resize(
@@ -173,7 +173,7 @@ class RedisStore(RedisRegistry):
         check_count("blocks", blocks)
         keys = self._keys.decode_worker(worker_id)
         args: list[str | int] = [self._now(), reservation_id, int(blocks), "1" if force else "0"]
-        return bool(await self._resize(keys=keys, args=args))
+        return bool(await self._hot_script(self._resize, keys, args))
 
     @store_call
     async def renew_many(
@@ -186,13 +186,13 @@ class RedisStore(RedisRegistry):
         for rid, blocks in reservations.items():
             check_count("blocks", blocks)
             args += [rid, int(blocks)]
-        back = await self._renew_many(keys=self._keys.decode_worker(worker_id), args=args)
+        back = await self._hot_script(self._renew_many, self._keys.decode_worker(worker_id), args)
         return [text(rid) for rid in back]
 
     @store_call
     async def release(self, worker_id: str, reservation_id: str) -> int:
         keys = self._keys.decode_worker(worker_id)
-        return int(await self._release(keys=keys, args=[self._now(), reservation_id]))
+        return int(await self._hot_script(self._release, keys, [self._now(), reservation_id]))
 
     @store_call
     async def decode_usage(self, worker_ids: Iterable[str]) -> dict[str, DecodeUsage]:
@@ -215,7 +215,7 @@ class RedisStore(RedisRegistry):
         sums = [self._keys.stranded_sum(p) for p in prefill]
         cmds = [Cmd.run(self._usage, self._keys.decode_worker(w), [now]) for w in decode]
         cmds += [Cmd(("GET", k), k) for k in sums]
-        rows = raise_first(await self._pipelined(cmds))
+        rows = raise_first(await self._hot_pipeline(cmds))
         usage = {
             worker_id: DecodeUsage(int(cap), int(reserved), int(count))
             for worker_id, (cap, reserved, count) in zip(decode, rows[: len(decode)], strict=True)
@@ -231,18 +231,18 @@ class RedisStore(RedisRegistry):
         check_count("nbytes", nbytes)
         keys = self._keys.stranded_worker(prefill_id)
         args: list[str | int] = [self._now(), request_id, int(nbytes), repr(float(ready_in_s))]
-        await self._strand(keys=keys, args=args)
+        await self._hot_script(self._strand, keys, args)
 
     @store_call
     async def mark_ready(self, prefill_id: str, request_id: str, age_s: float = 0.0) -> bool:
         keys = self._keys.stranded_worker(prefill_id)
         args = [self._now(), request_id, repr(float(age_s))]
-        return bool(await self._mark_ready(keys=keys, args=args))
+        return bool(await self._hot_script(self._mark_ready, keys, args))
 
     @store_call
     async def unstrand(self, prefill_id: str, request_id: str) -> int:
         keys = self._keys.stranded_worker(prefill_id)
-        return int(await self._unstrand(keys=keys, args=[request_id]))
+        return int(await self._hot_script(self._unstrand, keys, [request_id]))
 
     @store_call
     async def stranded_bytes(self, prefill_ids: Iterable[str]) -> dict[str, int]:
@@ -286,7 +286,7 @@ class RedisStore(RedisRegistry):
                 key = self._keys.output_stats(class_key)
                 cmds.append(Cmd(("HINCRBY", key, str(int(bucket)), 1), key))
                 steps.append("record")
-        rows = await self._pipelined(cmds, independent=True) if cmds else []
+        rows = await self._hot_pipeline(cmds, independent=True) if cmds else []
         outcome: dict[str, Any] = {"record": True}
         for step, row in zip(steps, rows, strict=True):
             if step == "record":
@@ -305,17 +305,19 @@ class RedisStore(RedisRegistry):
         check_count("count", count)
         if count == 0:
             return
-        await self._note_request(
-            keys=[self._keys.retry_requests],
-            args=[self._now(), RETRY_RETENTION_S, RETRY_TTL_S, int(count)],
+        await self._hot_script(
+            self._note_request,
+            [self._keys.retry_requests],
+            [self._now(), RETRY_RETENTION_S, RETRY_TTL_S, int(count)],
         )
 
     @store_call
     async def try_retry(self, policy: RetryBudgetPolicy) -> bool:
         check_policy(policy)
-        allowed = await self._try_retry(
-            keys=[self._keys.retry_requests, self._keys.retry_retries],
-            args=[
+        allowed = await self._hot_script(
+            self._try_retry,
+            [self._keys.retry_requests, self._keys.retry_retries],
+            [
                 self._now(),
                 RETRY_RETENTION_S,
                 RETRY_TTL_S,
@@ -335,7 +337,7 @@ class RedisStore(RedisRegistry):
         # slots, so a pipeline (not a transaction) is all that is needed.
         keys = [self._keys.output_stats(c) for c in class_keys]
         raise_first(
-            await self._pipelined([Cmd(("HINCRBY", k, str(int(bucket)), 1), k) for k in keys])
+            await self._hot_pipeline([Cmd(("HINCRBY", k, str(int(bucket)), 1), k) for k in keys])
         )
 
     @store_call
