@@ -1,8 +1,9 @@
 """The store round trips on a request's critical path (issue 12), counted on the wire.
 
 A real Redis (this test's own key prefix) and simulated workers, all in this process: every
-Redis round trip is one `send_packed_command` of redis-py (a pipeline is one), timestamped and
-tagged with the task that sent it; the simulated workers timestamp each generation request's
+Redis round trip is one `send_packed_command` of redis-py (a pipeline is one) or one
+`LeanRedis.execute` (the store's hot path, state/lean_redis.py), timestamped and tagged with
+the task that sent it; the simulated workers timestamp each generation request's
 arrival and answer. For one streaming request (vLLM NIXL pull: prefill, then decode):
 
 - before the prefill is sent: one round trip (the reservation, with the stranded-KV intent);
@@ -20,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ import disagg_tools.sim.worker
 from disagg_tools.sim.worker_state import WORKER
 from router.request.holdings import READY_MARK_AFTER_S
 from state.keys import Keys
+from state.lean_redis import Arg, LeanRedis, encode_commands
 from state.redis_scripts import RESERVE_SCRIPT
 from tests.conftest import MODEL, REDIS_URL, SimCluster, sim_cluster
 from tests.test_faults import assert_quiet, body_for, call, set_faults
@@ -81,7 +83,15 @@ class Wire:
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         real_send = AbstractConnection.send_packed_command
+        real_execute = LeanRedis.execute
         wire = self
+
+        def record(data: bytes) -> None:
+            if wire.prefix in data:
+                task = asyncio.current_task()
+                # Told when sent: a finished job leaves the router's set of tasks.
+                send = Send(time.monotonic(), data, task, wire.background(task))
+                wire.sends.append(send)
 
         async def send(
             conn: AbstractConnection, command: bytes | str | Iterable[bytes], *a: Any, **k: Any
@@ -90,13 +100,13 @@ class Wire:
                 command = command.encode()
             if not isinstance(command, bytes):
                 command = list(command)  # an iterable is read once: keep it for the real send
-            data = command if isinstance(command, bytes) else b"".join(command)
-            if wire.prefix in data:
-                task = asyncio.current_task()
-                # Told when sent: a finished job leaves the router's set of tasks.
-                send = Send(time.monotonic(), data, task, wire.background(task))
-                wire.sends.append(send)
+            record(command if isinstance(command, bytes) else b"".join(command))
             await real_send(conn, command, *a, **k)
+
+        async def execute(lean: LeanRedis, commands: Sequence[Sequence[Arg]]) -> list[Any]:
+            # Recorded in the calling task: the write itself happens later, in a loop callback.
+            record(encode_commands(commands))
+            return await real_execute(lean, commands)
 
         real_handler = disagg_tools.sim.worker.handle_generation
 
@@ -109,6 +119,7 @@ class Wire:
                 wire.upstream.append(Upstream(time.monotonic(), "answer", wid))
 
         monkeypatch.setattr(AbstractConnection, "send_packed_command", send)
+        monkeypatch.setattr(LeanRedis, "execute", execute)
         # create_worker_app looks the handler up when it builds each worker's app.
         monkeypatch.setattr(disagg_tools.sim.worker, "handle_generation", handler)
 
