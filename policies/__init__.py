@@ -1,10 +1,13 @@
 """disagg-router: placement policies and output-length estimators (pure; see policies.base)."""
 
 from policies.base import (
+    AdmissionCost,
     Candidate,
+    Charge,
     ClusterView,
     Decision,
     DecodeView,
+    FairnessPolicy,
     KVLayout,
     OutputEstimate,
     OutputHistograms,
@@ -21,6 +24,8 @@ from policies.base import (
     RoleState,
     RoleSwitch,
     RoleWorkerView,
+    Tenant,
+    WaitingRequest,
     blocks_for,
 )
 from policies.baselines import LeastLoadedPolicy, PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy
@@ -33,7 +38,14 @@ from policies.estimators import (
     bucket_of,
     score_estimate,
 )
-from policies.registry import PolicyLoadError, load_estimator, load_policy, load_role_policy
+from policies.fairness import FifoFairness, VTCFairness, estimate_cost
+from policies.registry import (
+    PolicyLoadError,
+    load_estimator,
+    load_fairness,
+    load_policy,
+    load_role_policy,
+)
 from policies.role_policies import ElasticRoles, StaticRoles, role_pressures
 from policies.two_sided import TwoSidedPolicy
 
@@ -59,6 +71,14 @@ __all__ = [
     "RoleState",
     "RoleSwitch",
     "RoleWorkerView",
+    "AdmissionCost",
+    "Charge",
+    "FairnessPolicy",
+    "Tenant",
+    "WaitingRequest",
+    "FifoFairness",
+    "VTCFairness",
+    "estimate_cost",
     "ElasticRoles",
     "StaticRoles",
     "role_pressures",
@@ -78,4 +98,5 @@ __all__ = [
     "load_estimator",
     "load_policy",
     "load_role_policy",
+    "load_fairness",
 ]

@@ -11,11 +11,13 @@ runs in the live router and in the discrete-event cluster simulator (docs/design
     RequestInfo + OutputHistograms ─> OutputLengthEstimator.estimate() ─> OutputEstimate
 
     RoleSnapshot ─> RolePolicy.decide() ─> RolePlan(switches: RoleSwitch(worker, to_role, reason))
+
+    WaitingRequest(tenant, class, ticket, cost) ─> FairnessPolicy: enqueue / pick / admit / settle
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -42,6 +44,11 @@ __all__ = [
     "RoleSwitch",
     "RolePlan",
     "RolePolicy",
+    "Tenant",
+    "AdmissionCost",
+    "WaitingRequest",
+    "Charge",
+    "FairnessPolicy",
 ]
 
 
@@ -397,3 +404,84 @@ class RolePolicy(Protocol):
     name: str
 
     def decide(self, snapshot: RoleSnapshot) -> RolePlan: ...
+
+
+# -- admission order among tenants: who gets the room that frees (docs/policies.md, fair share) --
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """Who a request is for. `weight` (> 0) is its share of what is scarce, relative to the other
+    tenants'; `priority` is its priority class (lower first, as vLLM's request priority)."""
+
+    name: str
+    weight: float = 1.0
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.weight > 0:  # also refuses NaN
+            raise ValueError(f"tenant {self.name!r}: weight must be > 0, got {self.weight}")
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionCost:
+    """What one request takes of what is scarce in a disaggregated cluster: the decode room it
+    holds (blocks reserved × seconds held, from the reservation before its prefill to the release
+    at its end) and the prefill time it needs (prompt tokens to compute). Estimated when it
+    waits; measured when it ends. A fairness policy weighs the two into one number."""
+
+    decode_block_s: float
+    prefill_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class WaitingRequest:
+    """One request asking for admission. `ticket` is its place in line (the router's
+    `Admission.ticket()`, kept across its re-waits: unique, increasing with arrival); `priority`
+    its class (lower first), which the caller derives from the request and its tenant;
+    `since_s` when it began to wait, on the caller's clock."""
+
+    ticket: int
+    tenant: Tenant
+    priority: int
+    cost: AdmissionCost
+    since_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """What a policy charged a tenant when it admitted a request, handed back with the actual
+    cost at the end (`FairnessPolicy.settle`), so the policy keeps no record per request."""
+
+    tenant: str
+    priority: int
+    units: float
+    weight: float
+
+
+@runtime_checkable
+class FairnessPolicy(Protocol):
+    """Orders the admission queue: which waiting request gets the room that frees next. Pure
+    and synchronous, deterministic (no clock but `now_s`, ties by ticket); it keeps the waiting
+    requests in its own queues. A tenant is idle while it has nothing waiting; its next
+    `enqueue` (or an `admit` that did not wait) is its return.
+
+    - `enqueue`: the request waits (again: a ticket already waiting is left as it is);
+    - `withdraw`: it stops waiting without being admitted (deadline, cancel); unknown: ignored;
+    - `pick`: the request that goes next, not removed; `skip` names tickets the caller already
+      tried this round (woken, no room), so it asks for the next in line; None: nobody (else);
+    - `admit`: the request got its room: removed if it waited, and charged at its estimate;
+    - `settle`: the request ended: charge the difference between `actual` and the estimate.
+    """
+
+    name: str
+
+    def enqueue(self, request: WaitingRequest) -> None: ...
+
+    def withdraw(self, ticket: int) -> None: ...
+
+    def pick(self, now_s: float, skip: Collection[int] = ()) -> WaitingRequest | None: ...
+
+    def admit(self, request: WaitingRequest) -> Charge: ...
+
+    def settle(self, charge: Charge, actual: AdmissionCost) -> None: ...

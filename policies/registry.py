@@ -1,10 +1,12 @@
-"""Name → placement policy, output-length estimator or role policy, validated when loaded.
+"""Name → placement policy, output-length estimator, role policy or admission-order (fairness)
+policy, validated when loaded.
 
 A spec is a built-in name or a dotted path `"pkg.mod:Name"` to a class or factory, called with
 the configured keyword arguments. Everything that can go wrong with a plugin is found here, at
 startup, and reported as one `PolicyLoadError` naming the spec and the cause: the module does not
 import, the attribute is missing, the arguments do not fit, the object is not a policy, or
-`place()` raises on a tiny synthetic cluster. A broken plugin fails the deploy, not the first
+`place()` raises on a tiny synthetic cluster (a fairness policy: misorders a smoke queue of two
+tenants). A broken plugin fails the deploy, not the first
 request.
 """
 
@@ -17,7 +19,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from policies.base import (
+    AdmissionCost,
     Candidate,
+    Charge,
     ClusterView,
     DecodeView,
     KVLayout,
@@ -31,6 +35,8 @@ from policies.base import (
     RolePlan,
     RoleSnapshot,
     RoleWorkerView,
+    Tenant,
+    WaitingRequest,
 )
 from policies.baselines import LeastLoadedPolicy, PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy
 from policies.estimators import (
@@ -39,6 +45,7 @@ from policies.estimators import (
     OnlineQuantileEstimator,
     OracleEstimator,
 )
+from policies.fairness import FifoFairness, VTCFairness
 from policies.role_policies import ElasticRoles, StaticRoles
 from policies.two_sided import TwoSidedPolicy
 
@@ -47,17 +54,21 @@ __all__ = [
     "BUILTIN_POLICIES",
     "BUILTIN_ESTIMATORS",
     "BUILTIN_ROLE_POLICIES",
+    "BUILTIN_FAIRNESS",
     "DEFAULT_POLICY",
     "DEFAULT_ESTIMATOR",
     "DEFAULT_ROLE_POLICY",
+    "DEFAULT_FAIRNESS",
     "load_policy",
     "load_estimator",
     "load_role_policy",
+    "load_fairness",
 ]
 
 DEFAULT_POLICY = "two_sided"
 DEFAULT_ESTIMATOR = "online_quantile"
 DEFAULT_ROLE_POLICY = "static"
+DEFAULT_FAIRNESS = "fifo"
 
 BUILTIN_POLICIES: Mapping[str, Callable[..., Any]] = {
     "two_sided": TwoSidedPolicy,
@@ -77,6 +88,11 @@ BUILTIN_ESTIMATORS: Mapping[str, Callable[..., Any]] = {
 BUILTIN_ROLE_POLICIES: Mapping[str, Callable[..., Any]] = {
     "static": StaticRoles,
     "elastic": ElasticRoles,
+}
+
+BUILTIN_FAIRNESS: Mapping[str, Callable[..., Any]] = {
+    "fifo": FifoFairness,
+    "vtc": VTCFairness,
 }
 
 
@@ -126,6 +142,22 @@ def load_role_policy(spec: str | None, kwargs: Mapping[str, Any] | None = None) 
     policy = _build(spec, kwargs, BUILTIN_ROLE_POLICIES, "role policy")
     _require(spec, policy, "role policy", "a role policy", ("decide",))
     _smoke_role_policy(spec, policy)
+    return policy
+
+
+def load_fairness(spec: str | None, kwargs: Mapping[str, Any] | None = None) -> Any:
+    """Build and validate the admission-order policy named by `spec` (default: fifo, today's
+    order). Returns a `policies.base.FairnessPolicy`; smoke-tested on two tenants' requests."""
+    spec = (spec or DEFAULT_FAIRNESS).strip()
+    policy = _build(spec, kwargs, BUILTIN_FAIRNESS, "fairness policy")
+    _require(
+        spec,
+        policy,
+        "fairness policy",
+        "an admission-order policy",
+        ("enqueue", "withdraw", "pick", "admit", "settle"),
+    )
+    _smoke_fairness(spec, policy)
     return policy
 
 
@@ -292,3 +324,54 @@ def _smoke_role_policy(spec: str, policy: Any) -> None:
             raise PolicyLoadError(
                 f"role policy {spec!r} returned {sw!r}, naming an unknown worker or role"
             )
+
+
+def _smoke_fairness(spec: str, policy: Any) -> None:
+    """Two tenants' requests through the whole cycle: each pick must name a waiting request
+    (and none once the rest are skipped or gone), each admission give a `Charge`."""
+    try:
+        probe = copy.deepcopy(policy)
+    except Exception:
+        probe = policy
+    cost = AdmissionCost(decode_block_s=100.0, prefill_tokens=32)
+    waiting = {
+        r.ticket: r
+        for r in (
+            WaitingRequest(1, Tenant("smoke-a"), 0, cost),
+            WaitingRequest(2, Tenant("smoke-b", weight=2.0), 0, cost),
+        )
+    }
+    what = "on a smoke queue (2 tenants, 1 request each)"
+    try:
+        for request in waiting.values():
+            probe.enqueue(request)
+        first = _check_pick(spec, probe.pick(0.0), waiting, what)
+        second = _check_pick(spec, probe.pick(0.0, skip={first.ticket}), waiting, what)
+        if second.ticket == first.ticket or probe.pick(0.0, skip=set(waiting)) is not None:
+            raise PolicyLoadError(f"fairness policy {spec!r} picked a skipped request {what}")
+        charge = probe.admit(first)
+        if not isinstance(charge, Charge):
+            raise PolicyLoadError(
+                f"fairness policy {spec!r}: admit() returned {charge!r}, not a Charge"
+            )
+        probe.settle(charge, cost)
+        probe.withdraw(second.ticket)
+        if (left := probe.pick(0.0)) is not None:
+            raise PolicyLoadError(
+                f"fairness policy {spec!r} picked {left!r} with nothing waiting {what}"
+            )
+    except PolicyLoadError:
+        raise
+    except Exception as exc:
+        raise PolicyLoadError(f"fairness policy {spec!r} raised {exc!r} {what}") from exc
+
+
+def _check_pick(
+    spec: str, picked: Any, waiting: Mapping[int, WaitingRequest], what: str
+) -> WaitingRequest:
+    if not isinstance(picked, WaitingRequest) or waiting.get(picked.ticket) != picked:
+        raise PolicyLoadError(
+            f"fairness policy {spec!r}: pick() returned {picked!r} {what}; "
+            "expected one of the waiting requests"
+        )
+    return picked

@@ -1,0 +1,427 @@
+"""Fair share among tenants: which waiting request gets the room that frees (issue 25).
+
+Behind `policies.base.FairnessPolicy`. The policy keeps the admission queue's waiting requests
+in its own queues and names the next one; the caller (router/admission.py, the simulator) wakes
+it, and tells the policy when it is admitted (its estimated cost is charged), when it ends (the
+difference to the actual cost is charged) or when it stops waiting.
+
+**Cost.** What is scarce in a disaggregated cluster is decode room, held from the reservation
+before the prefill to the release at the end, and prefill time. A request's cost is
+
+    units = block_s_weight × decode block-seconds + prefill_token_weight × prefill tokens
+
+(`AdmissionCost`; `estimate_cost` gives the estimate from a `RequestInfo`). To weigh both as
+fractions of their pool's second, set prefill_token_weight / block_s_weight to the decode
+pool's blocks over the prefill pool's tokens/s; the defaults (1, 1) suppose the two are equal.
+
+**fifo**: today's order: priority class, then ticket (router/admission.py's heap order). Tenants
+and costs are ignored.
+
+**vtc**: within a priority class, weighted fair queuing over the units above after VTC (Sheng et
+al., "Fairness in Serving Large Language Models", OSDI 2024). Each tenant has a virtual counter
+per class; admission charges it units / weight (the estimate; `settle` adds actual − estimate);
+the next request is the oldest ticket of the tenant with the least counter (ties: the older head
+ticket). A tenant that starts to wait in a class is lifted to the least counter of the tenants
+waiting there (none waiting: the counter of the last one to leave), so idle time is not banked:
+its share was lent to the busy tenants and is only taken back from now on. Nobody is held back
+while anything waits: work-conserving. Served shares of backlogged tenants converge to
+weight / Σ weights: two backlogged tenants' counters differ by at most about one request's
+units / weight.
+
+**Priority classes and the starvation bound.** A more urgent class (lower number) goes first,
+but every admission of a more urgent class while class c waits counts against c; after
+`max_bypass` of them c is *starving*: it joins a line of starving classes, and while that line
+is not empty only its first class's requests are offered (room is held for it: no backfill to
+other classes). So between two admissions of a waiting class at most `max_bypass` + m − 1
+admissions of more urgent classes happen, m the number of classes waiting; with two classes,
+the lower one gets at least 1 admission in `max_bypass` + 1 under a permanent flood of the
+higher. The bound counts admissions the policy ordered: the caller must pass every request
+through the queue while anything waits (a request admitted around it still counts, but can
+break the bound).
+
+**Cost per decision.** Enqueue, pick and admit are O(log n) heap operations (n waiting
+requests) plus O(m) over the classes waiting; stale heap entries are dropped lazily and the heaps
+rebuilt when they double. `pick` with `skip` (backfill) sets aside O(len(skip)) entries
+and puts them back. Measured: scripts/fairness_cost.py and docs/policies.md.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import insort
+from collections import deque
+from collections.abc import Callable, Collection
+from typing import TypeVar
+
+from policies.base import AdmissionCost, Charge, RequestInfo, WaitingRequest, blocks_for
+
+__all__ = ["FifoFairness", "VTCFairness", "estimate_cost", "MIN_UNITS"]
+
+_Entry = TypeVar("_Entry", int, tuple[int, int])  # a ticket, or (priority, ticket)
+
+# Every admission costs something, so a tenant of free requests still takes turns.
+MIN_UNITS = 1e-9
+# A lazily cleaned heap is rebuilt when it holds more than twice its live entries plus this.
+_HEAP_SLACK = 64
+# Idle tenants' counters are swept when a class remembers this many more than it has waiting.
+_COUNTER_SLACK = 1024
+
+
+def estimate_cost(request: RequestInfo, step_s: float, ttft_s: float = 0.0) -> AdmissionCost:
+    """The cost to charge at admission: the blocks the placement reserves for the request
+    (`blocks_for(prompt + reserve_output_tokens, block_size)`) for the time it is expected to
+    hold them (`ttft_s` + one choice's reserved output × `step_s`, the decode step time the
+    caller expects, e.g. its ITL SLO), and its prompt tokens to prefill."""
+    blocks = blocks_for(request.prompt_tokens + request.reserve_output_tokens, request.block_size)
+    held_s = ttft_s + request.reserve_choice_tokens * step_s
+    return AdmissionCost(decode_block_s=blocks * held_s, prefill_tokens=request.prompt_tokens)
+
+
+def _first_live(
+    heap: list[_Entry], live: Callable[[_Entry], bool], skip: Callable[[_Entry], bool]
+) -> _Entry | None:
+    """The least entry of `heap` that is live and not skipped. Dead entries are dropped on the
+    way; skipped ones are put back, so the heap is unchanged but for its dead entries."""
+    aside: list[_Entry] = []
+    found: _Entry | None = None
+    while heap:
+        entry = heap[0]
+        if not live(entry):
+            heapq.heappop(heap)
+        elif skip(entry):
+            aside.append(heapq.heappop(heap))
+        else:
+            found = entry
+            break
+    for entry in aside:
+        heapq.heappush(heap, entry)
+    return found
+
+
+# -- fifo: today's order ---------------------------------------------------------------------
+
+
+class FifoFairness:
+    """Priority class, then ticket: the order of router/admission.py. Tenants and costs are not
+    looked at; admissions charge nothing."""
+
+    name = "fifo"
+    __slots__ = ("_waiting", "_heap")
+
+    def __init__(self) -> None:
+        self._waiting: dict[int, WaitingRequest] = {}
+        self._heap: list[tuple[int, int]] = []  # (priority, ticket); dead ones dropped lazily
+
+    def __repr__(self) -> str:
+        return f"FifoFairness(waiting={len(self._waiting)})"
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def enqueue(self, request: WaitingRequest) -> None:
+        if request.ticket in self._waiting:
+            return
+        self._waiting[request.ticket] = request
+        heapq.heappush(self._heap, (request.priority, request.ticket))
+        if len(self._heap) > 2 * len(self._waiting) + _HEAP_SLACK:
+            self._heap = [(r.priority, r.ticket) for r in self._waiting.values()]
+            heapq.heapify(self._heap)
+
+    def withdraw(self, ticket: int) -> None:
+        self._waiting.pop(ticket, None)
+
+    def pick(self, now_s: float, skip: Collection[int] = ()) -> WaitingRequest | None:
+        entry = _first_live(self._heap, self._is_live, lambda e: e[1] in skip)
+        return None if entry is None else self._waiting[entry[1]]
+
+    def admit(self, request: WaitingRequest) -> Charge:
+        self._waiting.pop(request.ticket, None)
+        return Charge(request.tenant.name, request.priority, 0.0, request.tenant.weight)
+
+    def settle(self, charge: Charge, actual: AdmissionCost) -> None:
+        return None
+
+    def _is_live(self, entry: tuple[int, int]) -> bool:
+        request = self._waiting.get(entry[1])
+        return request is not None and request.priority == entry[0]
+
+
+# -- vtc: weighted fair queuing within a class, classes with a starvation bound ----------------
+
+
+class _TenantLine:
+    """One tenant's waiting tickets in one class, oldest first."""
+
+    __slots__ = ("live", "heap", "entry")
+
+    def __init__(self) -> None:
+        self.live: set[int] = set()
+        self.heap: list[int] = []  # tickets; ones no longer live are dropped lazily
+        # Its entry in the class's order heap; an entry that is not this one is stale.
+        self.entry: tuple[float, int, str] | None = None
+
+    def add(self, ticket: int) -> None:
+        self.live.add(ticket)
+        heapq.heappush(self.heap, ticket)
+        if len(self.heap) > 2 * len(self.live) + _HEAP_SLACK:
+            self.heap = sorted(self.live)  # a sorted list is a heap
+
+    def head(self, skip: Collection[int] = ()) -> int | None:
+        """Its oldest live ticket not in `skip`."""
+        return _first_live(self.heap, self.live.__contains__, skip.__contains__)
+
+
+class _ClassQueue:
+    """The waiting requests of one priority class and its tenants' virtual counters (VTC)."""
+
+    __slots__ = ("lines", "counters", "order", "floor", "sweep_above")
+
+    def __init__(self) -> None:
+        self.lines: dict[str, _TenantLine] = {}  # tenants with something waiting here
+        # Every tenant's counter here, in units / weight. Idle tenants at or below the floor are
+        # forgotten now and then: they would be lifted to it anyway.
+        self.counters: dict[str, float] = {}
+        self.order: list[tuple[float, int, str]] = []  # (counter, head ticket, tenant), lazy
+        # Least counter of the tenants waiting when last looked at; when none wait, that of
+        # the last one to leave (VTC): where a tenant that starts to wait is lifted to.
+        self.floor = 0.0
+        self.sweep_above = _COUNTER_SLACK  # counters remembered before idle ones are swept
+
+    def __bool__(self) -> bool:
+        return bool(self.lines)
+
+    def add(self, ticket: int, tenant: str) -> None:
+        line = self.lines.get(tenant)
+        if line is None:
+            self._lift(tenant)
+            line = self.lines[tenant] = _TenantLine()
+        old_head = line.entry[1] if line.entry is not None else None
+        line.add(ticket)
+        if old_head is None or ticket < old_head:
+            self._reorder(tenant, line)
+
+    def remove(self, ticket: int, tenant: str) -> None:
+        line = self.lines.get(tenant)
+        if line is None or ticket not in line.live:
+            return
+        line.live.discard(ticket)
+        if not line.live:
+            del self.lines[tenant]
+            if not self.lines:
+                self.floor = max(self.floor, self.counters[tenant])
+            if len(self.counters) > self.sweep_above:
+                self._forget_idle()
+        elif line.entry is not None and line.entry[1] == ticket:
+            self._reorder(tenant, line)
+
+    def charge(self, tenant: str, amount: float) -> None:
+        """Add `amount` (units / weight) to the tenant's counter; one not waiting here is lifted
+        first, as if it had started to wait (a request admitted without waiting)."""
+        if tenant not in self.lines:
+            self._lift(tenant)
+        self.correct(tenant, amount)
+
+    def correct(self, tenant: str, amount: float) -> None:
+        """Add `amount` (possibly < 0) to the counter as it is: a settlement, no lift."""
+        self.counters[tenant] = self.counters.get(tenant, self.floor) + amount
+        line = self.lines.get(tenant)
+        if line is not None:
+            self._reorder(tenant, line)
+
+    def best(self, skip: Collection[int]) -> int | None:
+        """The ticket that goes next: the least-served tenant's oldest, `skip` left out."""
+        order = self.order
+        while order and not self._current(order[0]):
+            heapq.heappop(order)
+        if not order:
+            return None
+        if not skip:
+            return order[0][1]
+        return self._best_skipping(skip)
+
+    def _best_skipping(self, skip: Collection[int]) -> int | None:
+        # Entries come out in (counter, head) order; a tenant whose head is skipped offers its
+        # next ticket, which sorts after its entry, so an entry is a lower bound and the search
+        # stops at the first entry above the best found.
+        order = self.order
+        taken: list[tuple[float, int, str]] = []
+        best: tuple[float, int] | None = None
+        while order:
+            entry = heapq.heappop(order)
+            if not self._current(entry):
+                continue
+            taken.append(entry)
+            if best is not None and entry[:2] > best:
+                break
+            ticket = self.lines[entry[2]].head(skip)
+            if ticket is not None and (best is None or (entry[0], ticket) < best):
+                best = (entry[0], ticket)
+        for entry in taken:
+            heapq.heappush(order, entry)
+        return None if best is None else best[1]
+
+    def _lift(self, tenant: str) -> None:
+        floor = self._current_floor()
+        self.counters[tenant] = max(self.counters.get(tenant, floor), floor)
+
+    def _current_floor(self) -> float:
+        order = self.order
+        while order and not self._current(order[0]):
+            heapq.heappop(order)
+        if order:
+            self.floor = order[0][0]
+        return self.floor
+
+    def _current(self, entry: tuple[float, int, str]) -> bool:
+        line = self.lines.get(entry[2])
+        return line is not None and line.entry is entry
+
+    def _reorder(self, tenant: str, line: _TenantLine) -> None:
+        """The tenant's counter or head changed: a new entry; the old one is now stale."""
+        head = line.head()
+        assert head is not None  # a line exists only while it has a live ticket
+        line.entry = (self.counters[tenant], head, tenant)
+        heapq.heappush(self.order, line.entry)
+        if len(self.order) > 2 * len(self.lines) + _HEAP_SLACK:
+            self.order = [ln.entry for ln in self.lines.values() if ln.entry is not None]
+            heapq.heapify(self.order)
+
+    def _forget_idle(self) -> None:
+        """Drop idle tenants at or below the floor (lossless: they would be lifted to it). The
+        next sweep waits until the table has doubled, so sweeps cost O(1) a request."""
+        floor = self._current_floor()
+        self.counters = {t: c for t, c in self.counters.items() if t in self.lines or c > floor}
+        self.sweep_above = 2 * len(self.counters) + _COUNTER_SLACK
+
+
+class VTCFairness:
+    """Weighted fair queuing over decode block-seconds and prefill tokens (VTC) within a
+    priority class; a more urgent class first, with the starvation bound of the module's
+    docstring (`max_bypass`)."""
+
+    name = "vtc"
+    __slots__ = (
+        "block_s_weight",
+        "prefill_token_weight",
+        "max_bypass",
+        "_waiting",
+        "_queues",
+        "_live_classes",
+        "_bypassed",
+        "_starving",
+    )
+
+    def __init__(
+        self,
+        block_s_weight: float = 1.0,
+        prefill_token_weight: float = 1.0,
+        max_bypass: int = 16,
+    ) -> None:
+        if not (block_s_weight >= 0 and prefill_token_weight >= 0):
+            raise ValueError(
+                "block_s_weight and prefill_token_weight must be >= 0, "
+                f"got {block_s_weight} and {prefill_token_weight}"
+            )
+        if block_s_weight + prefill_token_weight <= 0:
+            raise ValueError("block_s_weight and prefill_token_weight cannot both be 0")
+        if not isinstance(max_bypass, int) or max_bypass < 1:
+            raise ValueError(f"max_bypass must be an int >= 1, got {max_bypass!r}")
+        self.block_s_weight = float(block_s_weight)
+        self.prefill_token_weight = float(prefill_token_weight)
+        self.max_bypass = max_bypass
+        self._waiting: dict[int, WaitingRequest] = {}
+        self._queues: dict[int, _ClassQueue] = {}  # every class seen (counters outlive waits)
+        self._live_classes: list[int] = []  # classes with something waiting, most urgent first
+        self._bypassed: dict[int, int] = {}  # live class -> more urgent admissions since its last
+        self._starving: deque[int] = deque()  # classes bypassed max_bypass times, in that order
+
+    def __repr__(self) -> str:
+        return (
+            f"VTCFairness(waiting={len(self._waiting)}, classes={self._live_classes}, "
+            f"starving={list(self._starving)}, max_bypass={self.max_bypass})"
+        )
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def units(self, cost: AdmissionCost) -> float:
+        """The cost as one number (the module's docstring)."""
+        return (
+            self.block_s_weight * cost.decode_block_s
+            + self.prefill_token_weight * cost.prefill_tokens
+        )
+
+    def counter(self, tenant: str, priority: int = 0) -> float:
+        """The tenant's virtual counter in a class (for metrics, /admin and tests)."""
+        queue = self._queues.get(priority)
+        return 0.0 if queue is None else queue.counters.get(tenant, queue.floor)
+
+    def enqueue(self, request: WaitingRequest) -> None:
+        if request.ticket in self._waiting:
+            return
+        self._waiting[request.ticket] = request
+        queue = self._queue(request.priority)
+        if not queue:
+            insort(self._live_classes, request.priority)
+            self._bypassed[request.priority] = 0
+        queue.add(request.ticket, request.tenant.name)
+
+    def withdraw(self, ticket: int) -> None:
+        request = self._waiting.pop(ticket, None)
+        if request is not None:
+            self._leave(request)
+
+    def pick(self, now_s: float, skip: Collection[int] = ()) -> WaitingRequest | None:
+        # A starving class is offered alone: the room is held for it, not backfilled.
+        classes = (self._starving[0],) if self._starving else self._live_classes
+        for priority in classes:
+            ticket = self._queues[priority].best(skip)
+            if ticket is not None:
+                return self._waiting[ticket]
+        return None
+
+    def admit(self, request: WaitingRequest) -> Charge:
+        waited = self._waiting.pop(request.ticket, None)
+        request = waited or request  # as it was queued, so it leaves the queue it is in
+        units = max(MIN_UNITS, self.units(request.cost))
+        tenant = request.tenant
+        # Charged before it leaves: a tenant that stops waiting leaves its charged counter
+        # as the class's floor (VTC's "last to leave").
+        self._queue(request.priority).charge(tenant.name, units / tenant.weight)
+        if waited is not None:
+            self._leave(waited)
+        self._count_bypass(request.priority)
+        return Charge(tenant.name, request.priority, units, tenant.weight)
+
+    def settle(self, charge: Charge, actual: AdmissionCost) -> None:
+        delta = max(MIN_UNITS, self.units(actual)) - charge.units
+        self._queue(charge.priority).correct(charge.tenant, delta / charge.weight)
+
+    def _queue(self, priority: int) -> _ClassQueue:
+        queue = self._queues.get(priority)
+        if queue is None:
+            queue = self._queues[priority] = _ClassQueue()
+        return queue
+
+    def _leave(self, request: WaitingRequest) -> None:
+        queue = self._queues[request.priority]
+        queue.remove(request.ticket, request.tenant.name)
+        if not queue:
+            self._live_classes.remove(request.priority)
+            del self._bypassed[request.priority]
+            if request.priority in self._starving:
+                self._starving.remove(request.priority)
+
+    def _count_bypass(self, admitted: int) -> None:
+        """An admission of class `admitted`: it is served, every less urgent one passed by."""
+        for priority in self._live_classes:
+            if priority < admitted:
+                continue
+            if priority == admitted:
+                self._bypassed[priority] = 0
+                if priority in self._starving:
+                    self._starving.remove(priority)
+                continue
+            self._bypassed[priority] += 1
+            if self._bypassed[priority] == self.max_bypass:
+                self._starving.append(priority)
