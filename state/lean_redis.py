@@ -83,6 +83,40 @@ def _reply_error(message: str) -> ResponseError:
     return ResponseError(message)
 
 
+def encode_commands(commands: Sequence[Sequence[Arg]]) -> bytes:
+    """Commands as RESP arrays of bulk strings, one bytes object for one write."""
+    return _encode_as_text(commands) or _encode_as_bytes(commands)
+
+
+def _encode_as_text(commands: Sequence[Sequence[Arg]]) -> bytes | None:
+    """The common case, twice as fast as `_encode_as_bytes`: every argument a str or an int,
+    all of it ASCII (so a str's length is its length in bytes), encoded once at the end.
+    None for anything else."""
+    out = []
+    for command in commands:
+        out.append(f"*{len(command)}\r\n")
+        for arg in command:
+            if type(arg) is str:
+                out.append(f"${len(arg)}\r\n{arg}\r\n")
+            elif type(arg) is int:  # not a bool, which is not a Redis value
+                digits = str(arg)
+                out.append(f"${len(digits)}\r\n{digits}\r\n")
+            else:
+                return None
+    text = "".join(out)
+    return text.encode() if text.isascii() else None
+
+
+def _encode_as_bytes(commands: Sequence[Sequence[Arg]]) -> bytes:
+    out = []
+    for command in commands:
+        out.append(b"*%d\r\n" % len(command))
+        for arg in command:
+            data = _encode_arg(arg)
+            out.append(b"$%d\r\n%b\r\n" % (len(data), data))
+    return b"".join(out)
+
+
 def _encode_arg(arg: Arg) -> bytes:
     if isinstance(arg, bytes):
         return arg
@@ -92,17 +126,6 @@ def _encode_arg(arg: Arg) -> bytes:
         # As redis-py's encoder: a bool or None is a bug in the caller, not a value.
         raise TypeError(f"a Redis argument must be bytes, str, int or float, not {type(arg)}")
     return repr(arg).encode()
-
-
-def encode_commands(commands: Sequence[Sequence[Arg]]) -> bytes:
-    """Commands as RESP arrays of bulk strings, one bytes object for one write."""
-    out = []
-    for command in commands:
-        out.append(b"*%d\r\n" % len(command))
-        for arg in command:
-            data = _encode_arg(arg)
-            out.append(b"$%d\r\n%b\r\n" % (len(data), data))
-    return b"".join(out)
 
 
 class _Waiter:
@@ -156,7 +179,8 @@ class _RespProtocol(asyncio.Protocol):
                         waiter.future.set_result(waiter.rows)
         except (hiredis.ProtocolError, IndexError) as exc:
             # Garbage, or an answer nobody asked for: the order of answers means nothing now.
-            self._tear_down(f"unreadable answer from {self._where} ({type(exc).__name__})")
+            reason = f"unreadable answer from {self._where} ({type(exc).__name__})"
+            self._tear_down(reason, resend=False)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._tear_down(f"Redis at {self._where} closed the connection")
@@ -195,12 +219,13 @@ class _RespProtocol(asyncio.Protocol):
 
     # -- closing ----------------------------------------------------------------------------
     def close(self) -> None:
-        self._tear_down(f"the connection to {self._where} was closed by the store")
+        # Not to be resent: a resend would open a connection the closing store never closes.
+        self._tear_down(f"the connection to {self._where} was closed by the store", resend=False)
 
-    def _tear_down(self, reason: str, *, timed_out: bool = False) -> None:
+    def _tear_down(self, reason: str, *, timed_out: bool = False, resend: bool = True) -> None:
         """Fail every unanswered command and drop the connection. With `timed_out`, those whose
-        deadline has passed raise TimeoutError (never sent again); the others may be sent once
-        more."""
+        deadline has passed raise TimeoutError (never sent again); the others fail as
+        `ConnectionClosed` (sent once more) if `resend`, else as a plain ConnectionError."""
         if self.closed is not None:
             return
         self.closed = reason
@@ -217,8 +242,10 @@ class _RespProtocol(asyncio.Protocol):
                 error: Exception = RedisTimeoutError(
                     f"Redis at {self._where} did not answer within {self._timeout_s} s"
                 )
-            else:
+            elif resend:
                 error = ConnectionClosed(reason)
+            else:
+                error = RedisConnectionError(reason)
             waiter.future.set_exception(error)
         if self._transport is not None:
             # abort, not close: unsent bytes must not reach Redis after their callers failed.

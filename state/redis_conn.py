@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
-from typing import Any, Concatenate, ParamSpec, Self, TypeVar
+from typing import Any, Concatenate, ParamSpec, Self, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
@@ -341,9 +341,18 @@ class RedisConnection:
     ) -> Any:
         """One script's answer (raised when it is an error), on the lean connection when the
         store has one."""
-        if self._lean is None:
+        lean = self._lean
+        if lean is None:
             return await script(keys=keys, args=args)
-        return raise_first(await self._hot_pipeline([Cmd.run(script, keys, args)]))[0]
+        # `_hot_pipeline`'s steps written out for one command: this is most of the store's calls.
+        command = ("EVALSHA", script.sha, len(keys), *keys, *args)
+        (row,) = await lean.execute((command,))
+        if isinstance(row, NoScriptError):
+            await lean.execute((("SCRIPT", "LOAD", cast(str, script.script)),))  # a str constant
+            (row,) = await lean.execute((command,))
+        if isinstance(row, Exception):
+            raise row
+        return row
 
     @staticmethod
     async def _send_again_with_scripts(

@@ -74,6 +74,8 @@ def test_commands_are_encoded_as_resp_arrays() -> None:
         b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$3\r\nv\r\n\r\n*3\r\n$6\r\nINCRBY\r\n$1\r\nn\r\n$1\r\n7\r\n"
     )
     assert encode_commands([("ZADD", "z", 1.5, "m")]).count(b"$3\r\n1.5\r\n") == 1
+    # Lengths in bytes, not characters, for text that is not ASCII.
+    assert encode_commands([("SET", "é", 1)]) == b"*3\r\n$3\r\nSET\r\n$2\r\n\xc3\xa9\r\n$1\r\n1\r\n"
     with pytest.raises(TypeError):
         encode_commands([("SET", "k", None)])  # type: ignore[list-item]
     with pytest.raises(TypeError):
@@ -98,6 +100,37 @@ async def test_hundreds_of_concurrent_calls_share_one_connection_and_get_their_a
         async with _admin() as admin:
             mine = [c for c in await admin.client_list() if c["name"] == name]
         assert len(mine) == 1, mine  # one connection carried all 600 calls
+
+
+async def test_callers_cancelled_mid_flight_do_not_shift_the_others_answers(
+    redis_prefix: str,
+) -> None:
+    async with _closing(_lean()) as lean:
+        calls = [
+            asyncio.ensure_future(lean.execute([("INCRBY", f"{redis_prefix}c{i}", i)]))
+            for i in range(200)
+        ]
+        await asyncio.sleep(0)  # written, not answered yet
+        for call in calls[::2]:
+            call.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+        assert [await c for c in calls[1::2]] == [[i] for i in range(1, 200, 2)]
+        assert await lean.execute([("GET", f"{redis_prefix}c7")]) == [b"7"]
+
+
+async def test_calls_in_flight_when_the_store_closes_fail_and_open_nothing(
+    redis_prefix: str,
+) -> None:
+    name = f"lean-{uuid.uuid4().hex[:8]}"
+    lean = _lean(client_name=name)
+    stuck = asyncio.ensure_future(lean.execute([("BLPOP", f"{redis_prefix}never", 0)]))
+    await asyncio.sleep(0.1)
+    await lean.close()
+    with pytest.raises(RedisConnectionError):
+        await stuck
+    await asyncio.sleep(0.1)
+    async with _admin() as admin:
+        assert not [c for c in await admin.client_list() if c["name"] == name]
 
 
 async def test_the_store_reserves_exactly_its_capacity_under_a_burst(redis_prefix: str) -> None:
