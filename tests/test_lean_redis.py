@@ -8,7 +8,7 @@
 - a command that never answers (``BLPOP`` on this connection only: nothing server-wide): a
   timeout, the connection torn down, the commands behind it sent again, never the timed-out one;
 - a Redis that is not listening, and one that never answers the handshake: prompt StoreErrors
-  that do not show the password; AUTH and SELECT from the URL;
+  that do not show the password; AUTH and SELECT from the URL; a unix socket;
 - the conformance suite's store tests (tests/test_state_conformance.py) again on a store whose
   hot path is the lean connection.
 """
@@ -18,10 +18,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import os
+import shutil
 import socket
+import subprocess
+import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -34,6 +38,7 @@ from state.base import StateStore, StrandIntent
 from state.lean_redis import ConnectionClosed, LeanRedis, encode_commands
 from tests import test_state_conformance as conformance
 from tests.conftest import REDIS_URL
+from tests.redis_cluster import die_with_parent
 from tests.redis_server import PrivateRedis
 from tests.session_redis import port_of
 
@@ -318,6 +323,43 @@ async def test_auth_and_select_come_from_the_url() -> None:
             assert "wr0ng" not in str(info.value) and "WRONGPASS" in str(info.value)
         finally:
             await wrong.close()
+
+
+@contextlib.contextmanager
+def _redis_on_a_unix_socket() -> Iterator[str]:
+    """A private redis-server listening on a unix socket only; its path."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    with tempfile.TemporaryDirectory(prefix="dr-lean-") as tmp:
+        path = os.path.join(tmp, "redis.sock")
+        args = ["--port", "0", "--unixsocket", path, "--save", "", "--dir", tmp]
+        proc = subprocess.Popen(
+            ["redis-server", *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+        try:
+            deadline = time.monotonic() + 10.0
+            while not os.path.exists(path) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            yield path
+        finally:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+async def test_a_unix_socket_url_runs_on_the_lean_connection() -> None:
+    with _redis_on_a_unix_socket() as path:
+        store = RedisStore.from_url(f"unix://{path}?db=2", "t:")
+        try:
+            assert store._lean is not None
+            await store.set_capacity("d1", 10)
+            assert (await store.reserve("d1", "r1", 4, LONG)).held
+            assert (await store.finish(("d1", "r1"))).released_blocks == 4
+        finally:
+            await store.close()
 
 
 # -- which stores use it -----------------------------------------------------------------------
