@@ -9,7 +9,9 @@ are pipelines of single-slot commands, not transactions: on a cluster, one pipel
 sent at once (for `finish`, one node after the other: see `_send`; docs/scaling.md §4).
 
 The client (one server or a cluster), its bounded wait and the pipelines are
-`state.redis_conn.RedisConnection`; the registry (workers, drains, roles, the store-loss
+`state.redis_conn.RedisConnection`; the calls of a request and of the lease keeper go through
+its `_hot_script` / `_hot_pipeline`, which use the lean connection (state/lean_redis.py) on a
+single server the store connected to itself; the registry (workers, drains, roles, the store-loss
 marker) is `state.redis_registry.RedisRegistry`; the Lua is `state.redis_scripts`.
 
 Clocks: leases, ledger times and retry buckets use the Redis server's clock (`TIME`) inside the
