@@ -11,9 +11,17 @@
     GET    /admin/roles            `both` workers' roles, the last role decision and its reasons
     POST   /admin/workers/{id}/role     {"role": "prefill"|"decode"}: switch a `both` worker
                                    (it drains first; docs/elastic-roles.md)
+    GET    /admin/tenants          tenants (weight, class, limits) and their keys' ids and
+                                   fingerprints: never a key
+    POST   /admin/tenants/{name}/keys                 a new key: the answer shows it, once
+    POST   /admin/tenants/{name}/keys/{key_id}/rotate a new key under that id; the old one is
+                                                      refused from now on
+    DELETE /admin/tenants/{name}/keys/{key_id}        revoke: refused from now on
 
 Registrations live in the shared store, so every replica adopts them within
-`registry_refresh_s`; the replica that takes the call applies it at once.
+`registry_refresh_s`; the replica that takes the call applies it at once. Tenants' keys made,
+rotated or revoked here do not (yet): they live in the memory of the replica that took the call,
+until it restarts (router/tenants.py).
 
 Who may call what: router/auth.py (the GETs need a token once client keys are configured).
 
@@ -43,6 +51,7 @@ from router.gateway import Gateway
 from router.redact import mask_url
 from router.role_manager import ROLES, RoleChangeRefused
 from router.scaling import scaling_report
+from router.tenants import KEYRING, KeySpec, UnknownKey, UnknownTenant
 from router.tokens.counting import prompt_token_modes
 from router.workers.drain import set_drained
 from router.workers.rotation import emptied_without, why_empty
@@ -169,6 +178,7 @@ async def admin_state(request: web.Request) -> web.Response:
             "live_reservations": len(gw.leases.live),
             "inflight": gw.admission.inflight,
             "waiting": gw.admission.waiting,
+            "fairness": gw.admission.policy.name,
             "unpaired": gw.pools.members.unpaired(),
             "workers": [describe(gw, w) for w in gw.pools.workers.values()],
             # Per model: exact prompt counts (its tokenizer) or estimates (router/tokens/).
@@ -338,6 +348,67 @@ async def set_role(request: web.Request) -> web.Response:
     return _json({**describe(gw, state), "role_version": record.version})
 
 
+def _key_answer(tenant: str, key: KeySpec, plain: str, status: int) -> web.Response:
+    """A new key, shown this once; nothing on the way may keep a copy."""
+    body = {"tenant": tenant, **key.describe(), "key": plain}
+    resp = _json(body, status=status)
+    resp.headers["Cache-Control"] = "no-store"
+    return resp
+
+
+async def list_tenants(request: web.Request) -> web.Response:
+    gw = _readable(request)
+    keyring = request.app[KEYRING]
+    return _json(
+        {
+            "fairness": gw.admission.policy.name,
+            "mode": "keys" if keyring.closed else "open",
+            "tenants": keyring.describe(),
+        }
+    )
+
+
+def _tenant_call(request: web.Request) -> tuple[str, str]:
+    _require_token(_gateway(request), request)
+    return request.match_info["tenant"], request.match_info.get("key_id", "")
+
+
+def _lookup_error(exc: KeyError) -> NotFound:
+    if isinstance(exc, UnknownTenant):
+        return NotFound(f"no tenant {exc.args[0]}", param="tenant")
+    return NotFound("no key of that id in this tenant", param="key_id")
+
+
+async def create_key(request: web.Request) -> web.Response:
+    tenant, _ = _tenant_call(request)
+    try:
+        key, plain = request.app[KEYRING].create(tenant)
+    except UnknownTenant as exc:
+        raise _lookup_error(exc) from None
+    log.info("tenant %s: key %s created (%s)", tenant, key.key_id, key.fingerprint)
+    return _key_answer(tenant, key, plain, 201)
+
+
+async def rotate_key(request: web.Request) -> web.Response:
+    tenant, key_id = _tenant_call(request)
+    try:
+        key, plain = request.app[KEYRING].rotate(tenant, key_id)
+    except (UnknownTenant, UnknownKey) as exc:
+        raise _lookup_error(exc) from None
+    log.info("tenant %s: key %s rotated (now %s)", tenant, key.key_id, key.fingerprint)
+    return _key_answer(tenant, key, plain, 200)
+
+
+async def revoke_key(request: web.Request) -> web.Response:
+    tenant, key_id = _tenant_call(request)
+    try:
+        key = request.app[KEYRING].revoke(tenant, key_id)
+    except (UnknownTenant, UnknownKey) as exc:
+        raise _lookup_error(exc) from None
+    log.info("tenant %s: key %s revoked (%s)", tenant, key.key_id, key.fingerprint)
+    return _json({"tenant": tenant, "revoked": key.key_id, "fingerprint": key.fingerprint})
+
+
 def add_admin_routes(app: web.Application) -> None:
     app.router.add_get("/admin/state", admin_state)
     app.router.add_get("/admin/workers", list_workers)
@@ -348,3 +419,7 @@ def add_admin_routes(app: web.Application) -> None:
     app.router.add_post("/admin/workers/{worker_id}/undrain", undrain_worker)
     app.router.add_get("/admin/roles", roles)
     app.router.add_post("/admin/workers/{worker_id}/role", set_role)
+    app.router.add_get("/admin/tenants", list_tenants)
+    app.router.add_post("/admin/tenants/{tenant}/keys", create_key)
+    app.router.add_post("/admin/tenants/{tenant}/keys/{key_id}/rotate", rotate_key)
+    app.router.add_delete("/admin/tenants/{tenant}/keys/{key_id}", revoke_key)

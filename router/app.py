@@ -13,8 +13,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from policies.base import OutputLengthEstimator, PlacementPolicy, RolePolicy
-from policies.registry import load_estimator, load_policy, load_role_policy
+from policies.base import FairnessPolicy, OutputLengthEstimator, PlacementPolicy, RolePolicy
+from policies.registry import load_estimator, load_fairness, load_policy, load_role_policy
 from router.adapters import prefill_target, query_engine_ids
 from router.adapters.mooncake import DEFAULT_BOOTSTRAP_PORT
 from router.admin import add_admin_routes
@@ -40,6 +40,7 @@ from router.retry_budget import RetryBudget
 from router.role_manager import ROLES, RoleManager
 from router.scaling import export_scaling, scaling_report
 from router.shutdown import SHUTDOWN, Shutdown
+from router.tenants import KEYRING, Keyring
 from router.tokens.counting import parse_generation
 from router.tracing import Tracing
 from router.workers.accounting import LocalAccounting
@@ -121,6 +122,7 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
     s = gw.settings
     with RequestCount(gw.metrics, path) as count:
         entry = await enter(request, s)  # shutdown, API key, body, id (router/front_door.py)
+        count.tenant = entry.tenant.name
         raw = entry.raw
         # Exact prompt tokens where the model has a tokenizer (router/tokens/counting.py).
         parsed = await parse_generation(path, raw, s, served_models(gw), gw.metrics)
@@ -140,7 +142,7 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
             return resp
         client = _AiohttpClient(request)
         client_side = ClientSide(parsed, request.headers, client.start_stream)
-        flow = RequestFlow(gw.requests, client_side, entry.request_id)
+        flow = RequestFlow(gw.requests, client_side, entry.request_id, entry.tenant)
         bind_request_id(flow.request_id)  # on every log line of this request (router/logs.py)
         model = parsed.model or s.models[0]
         gw.demand.note_arrival(model, parsed.prompt_tokens)  # autoscaling (router/scaling.py)
@@ -318,7 +320,8 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
         session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None)
         )
-        admission = Admission(settings.admission)
+        # The queue's order among tenants (policies/fairness.py), loaded in create_app.
+        admission = Admission(settings.admission, app[_FAIRNESS])
         leases = LeaseKeeper(
             store, settings.reservation_lease_s, stranded_lease_s=settings.kv_lease_s
         )
@@ -429,6 +432,7 @@ _POLICY = web.AppKey("policy", PlacementPolicy)
 _TRACER_PROVIDER = web.AppKey("tracer_provider", object)
 _ESTIMATOR = web.AppKey("estimator", OutputLengthEstimator)
 _ROLE_POLICY = web.AppKey("role_policy", RolePolicy)
+_FAIRNESS = web.AppKey("fairness", FairnessPolicy)
 
 
 def create_app(settings: Settings, *, tracer_provider: object = None) -> web.Application:
@@ -442,6 +446,9 @@ def create_app(settings: Settings, *, tracer_provider: object = None) -> web.App
     app[_POLICY] = load_policy(settings.policy, settings.policy_args)
     app[_ESTIMATOR] = load_estimator(settings.estimator, settings.estimator_args)
     app[_ROLE_POLICY] = load_role_policy(settings.roles.policy, dict(settings.roles.policy_args))
+    app[_FAIRNESS] = load_fairness(settings.fairness, settings.fairness_args)
+    # Tenants and their hashed keys; the admin API changes them (router/tenants.py: per replica).
+    app[KEYRING] = Keyring(settings.tenants, settings.tenant_keys, settings.api_keys)
     app.cleanup_ctx.append(_gateway_context(settings))
     app.router.add_post(CHAT, chat_completions)
     app.router.add_post(COMPLETIONS, completions)

@@ -1,18 +1,25 @@
 """Bearer-token checks for the client API keys and the admin tokens: one parser, constant time,
 and who may see what.
 
-    generation routes, passthrough      a client key when `api_keys` is set (`check_client_key`,
-                                        at the front door: router/front_door.py)
+    generation routes, passthrough      a client key once any is configured (`api_keys`, a
+                                        tenant's keys: router/tenants.py), which names the
+                                        request's tenant (`client_tenant`, at the front door:
+                                        router/front_door.py); none configured: anyone, as the
+                                        `default` tenant
     admin GETs (state, workers,         the admin token or `admin_read_token`, once client keys
       scaling, roles)                   are configured or `admin_read_token` is set; else open
     admin writes (register, delete,     the admin token (`admin_token`); none configured: 403
-      drain, undrain, role)
+      drain, undrain, role, tenants'
+      keys)
     /metrics, /openapi.json             open while `public_metrics` / `public_openapi` (the
                                         default); else any of the above credentials
 
 401 when no credential or a wrong one comes (with `WWW-Authenticate`), 403 when a valid one
 comes that does not allow the call (a client key or the read-only token on the admin write
 side), or when no credential could (the feature's token is not configured).
+
+Client keys are looked up by their hash (router/tenants.py `Keyring`: why that leaks no timing);
+the admin tokens are compared in constant time, every candidate each time (`token_matches`).
 """
 
 from __future__ import annotations
@@ -24,11 +31,12 @@ from aiohttp import web
 
 from router.config import Settings
 from router.errors import Forbidden, Unauthorized
+from router.tenants import KEYRING, Keyring, TenantSpec
 
 __all__ = [
     "bearer_token",
     "token_matches",
-    "check_client_key",
+    "client_tenant",
     "check_admin_read",
     "check_admin_write",
     "check_scrape",
@@ -53,16 +61,24 @@ def token_matches(given: str, accepted: Iterable[str]) -> bool:
     return found
 
 
-def check_client_key(settings: Settings, request: web.Request) -> None:
-    """A client API key, when `api_keys` is set (else every client is served)."""
-    if settings.api_keys and not token_matches(bearer_token(request), settings.api_keys):
+def client_tenant(keyring: Keyring, request: web.Request) -> TenantSpec:
+    """The request's tenant, by its client API key once keys are configured (else anyone is
+    served, as the `default` tenant); 401 for a missing, unknown or revoked key."""
+    tenant = keyring.identify(bearer_token(request))
+    if tenant is None:
         raise Unauthorized("a valid API key is required (Authorization: Bearer ...)")
+    return tenant
+
+
+def _is_client_key(request: web.Request, given: str) -> bool:
+    keyring = request.app.get(KEYRING)
+    return keyring is not None and keyring.lookup(given) is not None
 
 
 def admin_reads_protected(settings: Settings) -> bool:
     """The admin GETs reveal worker URLs and topology: closed once clients need a key (or
     the operator set a read token); in open mode they answer anyone, as they always have."""
-    return bool(settings.api_keys or settings.admin_read_token)
+    return bool(settings.client_keys or settings.admin_read_token)
 
 
 def check_admin_read(settings: Settings, request: web.Request) -> None:
@@ -76,7 +92,7 @@ def check_admin_read(settings: Settings, request: web.Request) -> None:
             "the admin API's read side needs admin_token or admin_read_token set "
             "(client keys are configured, so it is not public)"
         )
-    if given and token_matches(given, settings.api_keys):
+    if given and _is_client_key(request, given):
         raise Forbidden(
             "a client API key cannot read the admin API: use the admin token or admin_read_token"
         )
@@ -92,7 +108,9 @@ def check_admin_write(settings: Settings, request: web.Request) -> None:
     given = bearer_token(request)
     if token_matches(given, (token,)):
         return
-    if given and token_matches(given, (settings.admin_read_token, *settings.api_keys)):
+    if given and (
+        token_matches(given, (settings.admin_read_token,)) or _is_client_key(request, given)
+    ):
         raise Forbidden("this token may not change the pools: the admin token is required")
     raise Unauthorized("a valid admin token is required (Authorization: Bearer ...)")
 
@@ -101,8 +119,9 @@ def check_scrape(settings: Settings, request: web.Request, public: bool) -> None
     """/metrics and /openapi.json: open when `public`, else any credential the router knows."""
     if public:
         return
-    accepted = (*settings.api_keys, settings.admin_token, settings.admin_read_token)
-    if not token_matches(bearer_token(request), accepted):
+    given = bearer_token(request)
+    accepted = (settings.admin_token, settings.admin_read_token)
+    if not (token_matches(given, accepted) or _is_client_key(request, given)):
         raise Unauthorized(
             "a client API key or an admin token is required (Authorization: Bearer ...)"
         )

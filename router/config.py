@@ -27,6 +27,7 @@ from policies.costmodel import PerfModel
 from policies.scaling import ScalingSLO
 from router.admission import AdmissionSettings
 from router.redact import masked_repr
+from router.tenants import Keyring, KeySpec, TenantSpec, parse_tenants
 from router.workers.breaker import BreakerSettings
 from router.workers.worker_spec import (
     ConfigError,
@@ -193,6 +194,16 @@ class Settings:
     forward_headers: tuple[str, ...] = ("x-sim-output-tokens", "traceparent", "tracestate")
     # Client API keys accepted by the router; empty = no client authentication.
     api_keys: tuple[Secret, ...] = ()
+    # Tenants (router/tenants.py): `tenants:` in the file, a list of {name, weight, priority,
+    # requests_per_minute, tokens_per_minute, max_reserved_blocks, keys: [...]}; the keys are
+    # kept here hashed only (`tenant_keys`, built from that section, not set directly).
+    tenants: tuple[TenantSpec, ...] = ()
+    tenant_keys: tuple[KeySpec, ...] = field(default=(), repr=False)
+    # The admission queue's order among tenants (policies/fairness.py): fifo (today's order,
+    # tenants ignored), vtc (weighted fair share of decode block-seconds and prefill tokens),
+    # or a dotted path; loaded with its args when the app is built (policies/registry.py).
+    fairness: str = "fifo"
+    fairness_args: Mapping[str, Any] = field(default_factory=dict)
     forward_client_auth: bool = False
     upstream_connections: int = 4096
     # How decode streams reach the client: "splice" (router/relay/splice.py: a raw keep-alive client
@@ -232,6 +243,11 @@ class Settings:
 
     __repr__ = masked_repr  # the Redis and worker URLs' passwords are not shown
 
+    @property
+    def client_keys(self) -> bool:
+        """Whether clients need a key (any configured: `api_keys` or a tenant's)."""
+        return bool(self.api_keys or self.tenant_keys)
+
     def __post_init__(self) -> None:
         if not self.models:
             raise ConfigError("models: at least one served model name is needed")
@@ -266,8 +282,12 @@ class Settings:
                 raise ConfigError(f"tokenizers.{model}: no tokenizer.json in {directory!r}")
         if self.relay not in ("aiohttp", "splice"):
             raise ConfigError(f"relay: must be aiohttp or splice, not {self.relay!r}")
+        try:
+            Keyring(self.tenants, self.tenant_keys, self.api_keys)  # keys vs tenants, no twice
+        except ValueError as exc:
+            raise ConfigError(f"tenants: {exc}") from exc
         if not (self.public_metrics and self.public_openapi) and not (
-            self.api_keys or self.admin_token or self.admin_read_token
+            self.client_keys or self.admin_token or self.admin_read_token
         ):
             raise ConfigError(
                 "public_metrics / public_openapi: false needs a credential to accept: set "
@@ -326,6 +346,7 @@ def settings_from_mapping(raw: Mapping[str, Any]) -> Settings:
     known = ({f.name for f in fields(Settings)} | {"model", "perf", "layout"}) - {
         "default_perf",
         "default_layout",
+        "tenant_keys",
     }
     unknown = set(raw) - known
     if unknown:
@@ -376,6 +397,12 @@ def settings_from_mapping(raw: Mapping[str, Any]) -> Settings:
             raw[key] = Secret(raw[key] or "")
     if "api_keys" in raw:
         raw["api_keys"] = tuple(Secret(k) for k in raw["api_keys"] or ())
+    if "tenants" in raw:
+        try:
+            # A plain key is hashed here: from now on only its hash exists.
+            raw["tenants"], raw["tenant_keys"] = parse_tenants(raw["tenants"])
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"tenants: {exc}") from exc
     try:
         return Settings(
             models=tuple(models),

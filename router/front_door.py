@@ -5,8 +5,9 @@ prefill/decode path: router/app.py) and the routes served whole by one worker
 (router/passthrough.py). In order, `enter` checks
 
     the replica           503 + Retry-After once it is shutting down (router/shutdown.py)
-    the client            401 without one of the client API keys, when `api_keys` is set
-                          (router/auth.py `check_client_key`)
+    the client            401 without a client API key once any is configured; the key names
+                          the request's tenant (router/auth.py `client_tenant`,
+                          router/tenants.py); none configured: the `default` tenant
     the body's size       413 by its Content-Length before a byte is read, and by aiohttp's
                           `client_max_size` past it (a gzip bomb: the middleware's 413)
     the body's arrival    408 when it is not whole within `timeouts.body_s`, 400 when it cannot
@@ -17,7 +18,8 @@ What the body must say is each route's own (router/api.py, router/responses_pd.p
 passthrough route's model check).
 
 `RequestCount` counts the request once in `requests_total` by route and the status it ended
-with, whatever ended it (499 when the client went away).
+with, whatever ended it (499 when the client went away), and in `tenant_requests_total` by its
+tenant once the handler names it (`count.tenant`).
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ from types import TracebackType
 
 from aiohttp import web
 
-from router.auth import check_client_key
+from router.auth import client_tenant
 from router.config import Settings
 from router.errors import BodyTooLarge, as_router_error
 from router.metrics import RouterMetrics
 from router.server import read_body
 from router.shutdown import SHUTDOWN
+from router.tenants import KEYRING, TenantSpec
 
 __all__ = ["Entry", "RequestCount", "client_request_id", "enter"]
 
@@ -62,24 +65,25 @@ def client_request_id(value: str | None) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Entry:
-    """A request let in: its body as the client sent it, and its id."""
+    """A request let in: its body as the client sent it, its id and its tenant."""
 
     raw: bytes
     request_id: str
+    tenant: TenantSpec
 
     def __repr__(self) -> str:
-        return f"Entry({self.request_id}, {len(self.raw)} bytes)"
+        return f"Entry({self.request_id}, {len(self.raw)} bytes, tenant={self.tenant.name})"
 
 
 async def enter(request: web.Request, settings: Settings) -> Entry:
     """Let `request` in, or raise the error that says why not (the module docstring)."""
     request.app[SHUTDOWN].check()
-    check_client_key(settings, request)
+    tenant = client_tenant(request.app[KEYRING], request)
     limit = settings.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(f"the request body is larger than {limit} bytes")
     raw = await read_body(request, settings.timeouts.body_s)
-    return Entry(raw, client_request_id(request.headers.get("X-Request-Id")))
+    return Entry(raw, client_request_id(request.headers.get("X-Request-Id")), tenant)
 
 
 class RequestCount:
@@ -88,11 +92,12 @@ class RequestCount:
     error's status when one ended it, 499 when the client went away (a disconnect cancels
     the handler: router/server.py `handler_cancellation`)."""
 
-    __slots__ = ("_metrics", "_route", "status")
+    __slots__ = ("_metrics", "_route", "status", "tenant")
 
     def __init__(self, metrics: RouterMetrics, route: str) -> None:
         self._metrics, self._route = metrics, route
         self.status = 500  # until the handler says otherwise: what a bug answers
+        self.tenant: str | None = None  # the request's tenant, once the front door knows it
 
     def __repr__(self) -> str:
         return f"RequestCount({self._route}, {self.status})"
@@ -112,4 +117,6 @@ class RequestCount:
         elif isinstance(exc, Exception):
             self.status = as_router_error(exc).status  # what the middleware answers
         self._metrics.requests.labels(route=self._route, status=str(self.status)).inc()
+        if self.tenant is not None:
+            self._metrics.tenant_requests.labels(tenant=self.tenant, status=str(self.status)).inc()
         log.debug("%s answered %d", self._route, self.status)

@@ -319,5 +319,45 @@ class RouterMetrics:
             registry=r,
         )
 
+        # -- per tenant (router/tenants.py): the label set is bounded, tenants are configured;
+        # the open mode's anonymous tenant is `default` ------------------------------------
+        self.tenant_requests = Counter(
+            p + "tenant_requests",
+            "Generation requests by tenant and final HTTP status",
+            ["tenant", "status"],
+            registry=r,
+        )
+        self.tenant_prompt_tokens = Counter(
+            p + "tenant_prompt_tokens",
+            "Prompt tokens of answered requests, by tenant",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_output_tokens = Counter(
+            p + "tenant_output_tokens",
+            "Output tokens of answered requests, by tenant",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_block_seconds = Counter(
+            p + "tenant_reserved_block_seconds",
+            "Decode KV blocks reserved x seconds held, by tenant (at each release)",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_rejections = Counter(
+            p + "tenant_rejections",
+            "429s for lack of decode room, by tenant and reason (as rejections_total)",
+            ["tenant", "reason"],
+            registry=r,
+        )
+        self.tenant_ttft = Histogram(
+            p + "tenant_ttft_seconds",
+            "Time to first token, by tenant",
+            ["tenant"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -10,8 +10,10 @@
 
 The retry/resume loop is `_serve`, written once. Invariants kept here: each attempt's
 reservation and stranded-KV entry are released exactly once, in `finally` under
-`asyncio.shield`, whatever happens; when the client goes away both upstream connections are
-closed (closing is vLLM's abort signal); a client never gets a token twice nor misses one.
+`asyncio.shield`, whatever happens, and what the fairness policy charged for it is settled
+there with its actual cost (router/admission.py); when the client goes away both upstream
+connections are closed (closing is vLLM's abort signal); a client never gets a token twice nor
+misses one.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from router.request.responses_api import upstream_body
 from router.request.resume import Resumer
 from router.retry_budget import RetryBudget
 from router.retry_policy import RetryPolicy
+from router.tenants import ANONYMOUS, TenantSpec
 from router.tracing import Tracing
 from router.workers.prefixes import prefix_hashes
 from state.base import StoreError
@@ -93,8 +96,14 @@ class RequestFlow:
     """Serves one validated request. `run()` returns the whole answer's body (None when it was
     streamed to the client); `cleanup()` runs after, whatever happened."""
 
-    def __init__(self, stages: RequestStages, client: ClientSide, request_id: str) -> None:
-        """`request_id`: the front door's (router/front_door.py `client_request_id`)."""
+    def __init__(
+        self,
+        stages: RequestStages,
+        client: ClientSide,
+        request_id: str,
+        tenant: TenantSpec = ANONYMOUS,
+    ) -> None:
+        """`request_id`, `tenant`: the front door's (router/front_door.py)."""
         parsed = client.parsed
         self.stages = stages
         self.request_id = request_id
@@ -110,7 +119,7 @@ class RequestFlow:
         )
         self.progress = Progress(self.call, stages.answering)
         self.responder = Responder(self.call, client, self.progress)
-        self.seat = Seat(stages.admission.ticket())
+        self.seat = Seat(stages.admission.ticket(), tenant)
         self.info: RequestInfo | None = None  # of the first try: its estimate gets the feedback
         self.attempt: Attempt | None = None  # the one being tried, until released
         # The tries: their cap, the cluster-wide budget, the backoff (router/retry_policy.py);
@@ -175,7 +184,7 @@ class RequestFlow:
         while True:
             try:
                 if info is None:
-                    info = await self.stages.reserve.estimate(call, ask)
+                    info = await self.stages.reserve.estimate(call, ask, self.seat)
                     if self.info is None:
                         self.info = info
                         predicted = self.stages.metrics.predicted_output_tokens
@@ -237,9 +246,21 @@ class RequestFlow:
                 self.progress.deadline.reschedule(asyncio.get_running_loop().time())
 
     async def release_attempt(self, record: Record | None = None) -> None:
-        """Give back what the current attempt holds; safe to call twice."""
+        """Give back what the current attempt holds, and settle what the fairness policy
+        charged for it with its actual cost; safe to call twice."""
         attempt, self.attempt = self.attempt, None
-        await self.stages.release.release(attempt, record)
+        seat, charge = self.seat, self.seat.charge
+        seat.charge = None
+        try:
+            await self.stages.release.release(attempt, record)
+        finally:
+            if charge is not None:
+                stages = self.stages
+                prompt = self.call.parsed.prompt_tokens
+                actual = stages.reserve.actual_cost(seat, attempt, prompt)
+                stages.admission.settle(charge, actual)
+                metrics = stages.metrics
+                metrics.tenant_block_seconds.labels(tenant=charge.tenant).inc(actual.decode_block_s)
 
     async def settle(self) -> None:
         """Release what the request holds and record its output length: once (a stream does
@@ -254,6 +275,17 @@ class RequestFlow:
         except Exception:  # a bug: the reservation's lease still frees it, but say so loudly
             log.exception("cleanup of %s failed (its lease will expire)", self.request_id)
 
+    def _count_for_tenant(self) -> None:
+        """The request in its tenant's metrics: its tokens when it was answered, its time to
+        first token (its count by status: router/front_door.py `RequestCount`)."""
+        metrics, tenant = self.stages.metrics, self.seat.tenant.name
+        if self.output_tokens is not None:
+            metrics.tenant_prompt_tokens.labels(tenant=tenant).inc(self.call.parsed.prompt_tokens)
+            metrics.tenant_output_tokens.labels(tenant=tenant).inc(self.output_tokens)
+        first = self.progress.first_token_at
+        if first is not None:
+            metrics.tenant_ttft.labels(tenant=tenant).observe(first - self.call.started)
+
     async def cleanup(self) -> None:
         stages = self.stages
         try:
@@ -263,4 +295,5 @@ class RequestFlow:
                 self.seat.admitted = False
                 stages.admission.leave()
             stages.metrics.duration.observe(stages.clock() - self.call.started)
+            self._count_for_tenant()
             self.call.trace.close(self.status)

@@ -3,8 +3,11 @@
 Entry point: `Reserver.admit_and_reserve(call, info, seat, avoid)` returns an `Attempt` holding
 a decode reservation, waiting in the admission queue while there is no room, or raises
 `NoCapacity` / `Unavailable` (or a `StoreError`: no prefill is sent without a reservation in
-hand). `estimate` builds the `RequestInfo` it places. What is reserved is owned from then on by
-its holdings (router/request/holdings.py): its growth and its release are theirs.
+hand). Every reservation is admitted by the fairness policy (router/admission.py `admitted`:
+the seat's tenant is charged the estimate, `Seat.charge`, settled at its release by
+router/request/lifecycle.py); a request that gives up leaves the queue (`withdraw`).
+`estimate` builds the `RequestInfo` it places. What is reserved is owned from then on by its
+holdings (router/request/holdings.py): its growth and its release are theirs.
 """
 
 from __future__ import annotations
@@ -16,14 +19,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from policies.base import (
+    AdmissionCost,
     Candidate,
+    Charge,
     ClusterView,
     OutputLengthEstimator,
     PlacementPolicy,
     Rejection,
     RequestInfo,
+    WaitingRequest,
     blocks_for,
 )
+from policies.fairness import estimate_cost
 from policies.overruns import LiveOverruns, OverrunMargin
 from router.admission import Admission, QueueFull
 from router.config import Settings
@@ -34,6 +41,7 @@ from router.metrics import RouterMetrics
 from router.request.attempt import Ask, Attempt, Call, loop_time
 from router.request.holdings import Book, Reservation, StrandedEntry
 from router.request.pairing import Pairing
+from router.tenants import TenantSpec
 from router.workers.membership import Membership
 from router.workers.placement_view import PlacementView
 from router.workers.rotation import models_of, pool_alive, retry_after_s, why_empty
@@ -45,17 +53,30 @@ log = logging.getLogger(__name__)
 
 
 class Seat:
-    """The request's place under the router's concurrency cap: its queue ticket, and whether it
-    has entered (it leaves once, at the end: router/request/lifecycle.py `cleanup`)."""
+    """The request's place under the router's concurrency cap: its queue ticket, its tenant,
+    whether it has entered (it leaves once, at the end: router/request/lifecycle.py `cleanup`),
+    and what the fairness policy charged for the reservation it holds (`charge`, from when it
+    was made, `reserved_at`: settled at its release)."""
 
-    __slots__ = ("ticket", "admitted")
+    __slots__ = ("ticket", "tenant", "admitted", "charge", "reserved_at")
 
-    def __init__(self, ticket: int) -> None:
+    def __init__(self, ticket: int, tenant: TenantSpec) -> None:
         self.ticket = ticket
+        self.tenant = tenant
         self.admitted = False
+        self.charge: Charge | None = None
+        self.reserved_at = 0.0
 
     def __repr__(self) -> str:
-        return f"Seat(ticket={self.ticket}, admitted={self.admitted})"
+        return f"Seat(ticket={self.ticket}, tenant={self.tenant.name}, admitted={self.admitted})"
+
+    def priority(self, asked: object) -> int:
+        """The request's class: its tenant's, or a less urgent one the body asks for (a larger
+        `priority`); a request may not make itself more urgent than its tenant. The anonymous
+        `default` tenant of open mode bounds nothing: the body's priority as it is (else 0)."""
+        if not isinstance(asked, int):
+            return self.tenant.priority
+        return asked if self.tenant.implicit else max(self.tenant.priority, asked)
 
 
 @dataclass(slots=True)
@@ -81,10 +102,9 @@ class Reserver:
     def __repr__(self) -> str:
         return f"Reserver(policy={self.policy.name}, estimator={self.estimator.name})"
 
-    async def estimate(self, call: Call, ask: Ask) -> RequestInfo:
+    async def estimate(self, call: Call, ask: Ask, seat: Seat) -> RequestInfo:
         """What placement needs to know of the request, the output-length estimate included."""
         hint = call.headers.get("X-Expected-Output-Tokens")
-        priority = call.parsed.body.get("priority")
         # The choices' partial blocks are counted in the largest block size of the
         # decode workers, so the reservation is an upper bound wherever placement puts it.
         block_size = max(
@@ -97,7 +117,7 @@ class Reserver:
             prompt_tokens=ask.prompt_tokens,
             max_tokens=ask.max_tokens,
             arrival_s=call.started,
-            priority=priority if isinstance(priority, int) else 0,
+            priority=seat.priority(call.parsed.body.get("priority")),
             prefix_hashes=call.prefixes,
             # A hint is advisory: one that is not a plain ASCII number (`²`, `①` pass isdigit()
             # but not int(); 5,000 digits pass neither) is ignored like a missing one, as
@@ -122,7 +142,29 @@ class Reserver:
     async def admit_and_reserve(
         self, call: Call, info: RequestInfo, seat: Seat, avoid: set[str]
     ) -> Attempt:
-        """Reserve decode room, waiting in the admission queue while there is none."""
+        """Reserve decode room, waiting in the admission queue while there is none; the
+        reservation is admitted by the fairness policy (charged to the seat's tenant)."""
+        slo = self.settings.scaling
+        # The order among tenants weighs what the request is expected to hold: its blocks for
+        # its time to first token and its answer at one decode step each, the pools' SLOs.
+        waiting = WaitingRequest(
+            seat.ticket,
+            seat.tenant.tenant,
+            info.priority,
+            estimate_cost(info, slo.itl_slo_s, slo.ttft_slo_s),
+        )
+        try:
+            attempt = await self._admit_and_reserve(call, info, seat, avoid, waiting)
+        except BaseException:
+            self.admission.withdraw(seat.ticket)  # out of the queue, whatever ended it
+            raise
+        seat.charge = self.admission.admitted(waiting)
+        seat.reserved_at = self.clock()
+        return attempt
+
+    async def _admit_and_reserve(
+        self, call: Call, info: RequestInfo, seat: Seat, avoid: set[str], waiting: WaitingRequest
+    ) -> Attempt:
         adm = self.admission
         wait_until = loop_time(
             self.clock,
@@ -140,13 +182,18 @@ class Reserver:
             if not seat.admitted and adm.has_slot():
                 adm.enter()
                 seat.admitted = True
-            outcome: Attempt | Rejection = (
+            # While others wait, a fair order sees this one in line first (router/admission.py
+            # `queue_first`): it tries when the queue wakes it.
+            in_line = adm.queue_first and not baton and adm.queued > 0
+            outcome: Attempt | Rejection
+            if not seat.admitted:
+                outcome = Rejection("the router is at its concurrency cap", 1.0)
+            elif in_line:
+                outcome = Rejection(f"{adm.queued} requests wait for decode room before it", 1.0)
+            else:
                 # The prompt's token ids (None where not tokenized): each worker's exact
                 # cached prefix from its KV events (router/workers/placement_view.py).
-                await self._try_reserve(info, avoid, call.parsed.prompt_token_ids)
-                if seat.admitted
-                else Rejection("the router is at its concurrency cap", 1.0)
-            )
+                outcome = await self._try_reserve(info, avoid, call.parsed.prompt_token_ids)
             if isinstance(outcome, Attempt):
                 if adm.waiting:
                     adm.notify()  # there may be room for the next in line too
@@ -156,36 +203,49 @@ class Reserver:
             baton = 0
             self._check_pools_alive(info.model)
             if adm.settings.mode == "instant" or self._never_fits(info):
-                self.metrics.rejections.labels(reason="no_room").inc()
-                raise NoCapacity(outcome.reason, retry_after_s=outcome.retry_after_s)
-            if seat.admitted:
+                raise self._refuse(seat, "no_room", outcome.reason, outcome.retry_after_s)
+            if seat.admitted and not in_line:
                 # Honest early refusal: waiting is pointless when the room is not expected to
                 # free before the deadline; say when it is expected instead of waiting it out.
                 room_in = self._predicted_wait(info)
                 if room_in is not None and room_in > wait_until - asyncio.get_running_loop().time():
-                    self.metrics.rejections.labels(reason="predicted_wait").inc()
-                    raise NoCapacity(
-                        f"no decode room is expected before the request's deadline (room expected "
-                        f"in about {room_in:.0f} s): {outcome.reason}",
-                        retry_after_s=max(1.0, room_in),
+                    raise self._refuse(
+                        seat,
+                        "predicted_wait",
+                        f"no decode room is expected before the request's deadline (room "
+                        f"expected in about {room_in:.0f} s): {outcome.reason}",
+                        max(1.0, room_in),
                     )
             try:
                 self.metrics.admission_waiting.inc()
                 try:
-                    baton = await adm.wait(info.priority, seat.ticket, wait_until)
+                    baton = await adm.wait(info.priority, seat.ticket, wait_until, waiting)
                 finally:
                     self.metrics.admission_waiting.dec()
             except QueueFull as exc:
-                self.metrics.rejections.labels(reason="queue_full").inc()
-                raise NoCapacity(
-                    f"{exc}; {outcome.reason}", retry_after_s=outcome.retry_after_s
+                raise self._refuse(
+                    seat, "queue_full", f"{exc}; {outcome.reason}", outcome.retry_after_s
                 ) from exc
             if not baton:
-                self.metrics.rejections.labels(reason="deadline").inc()
-                raise NoCapacity(
+                raise self._refuse(
+                    seat,
+                    "deadline",
                     f"no decode room before the request's deadline: {outcome.reason}",
-                    retry_after_s=outcome.retry_after_s,
+                    outcome.retry_after_s,
                 )
+
+    def _refuse(self, seat: Seat, reason: str, message: str, retry_after_s: float) -> NoCapacity:
+        """The 429 to raise, counted by reason (and by the request's tenant)."""
+        self.metrics.rejections.labels(reason=reason).inc()
+        self.metrics.tenant_rejections.labels(tenant=seat.tenant.name, reason=reason).inc()
+        return NoCapacity(message, retry_after_s=retry_after_s)
+
+    def actual_cost(self, seat: Seat, attempt: Attempt | None, prompt_tokens: int) -> AdmissionCost:
+        """What a reservation took, at its release: its blocks (as grown) for the time it was
+        held, and its prompt's tokens to prefill."""
+        held_s = max(0.0, self.clock() - seat.reserved_at)
+        blocks = attempt.reservation.blocks if attempt is not None else 0
+        return AdmissionCost(decode_block_s=blocks * held_s, prefill_tokens=prompt_tokens)
 
     def _forecast(self, info: RequestInfo) -> dict[str, int]:
         """Prediction-based admission (Mooncake): blocks forecast to free on each decode worker
