@@ -194,8 +194,15 @@ class Admission:
     def _wake(self, budget: int, tried: tuple[int, ...]) -> None:
         if not self._parked:
             return
-        skip = self._awake.union(tried)
         now = self._clock()
+        if not tried and self.queue_first and self._awake:
+            # A fresh wake-up while the head is already awake (trying, or about to): it will
+            # see this room too, or pass it on. Waking the next as well would set the two
+            # racing for one room, and the order's shares would blur into who asked first.
+            head = self.policy.pick(now)
+            if head is not None and head.ticket in self._awake:
+                return
+        skip = self._awake.union(tried)
         while (chosen := self.policy.pick(now, skip)) is not None:
             future = self._parked.pop(chosen.ticket, None)
             if future is None or future.done():

@@ -252,15 +252,18 @@ class RequestFlow:
         seat, charge = self.seat, self.seat.charge
         seat.charge = None
         try:
-            await self.stages.release.release(attempt, record)
-        finally:
             if charge is not None:
+                # Settled before the release, whose wake-up lets the queue pick the next one:
+                # that pick then sees what this reservation actually cost, not its estimate.
                 stages = self.stages
                 prompt = self.call.parsed.prompt_tokens
                 actual = stages.reserve.actual_cost(seat, attempt, prompt)
                 stages.admission.settle(charge, actual)
-                metrics = stages.metrics
-                metrics.tenant_block_seconds.labels(tenant=charge.tenant).inc(actual.decode_block_s)
+                stages.metrics.tenant_block_seconds.labels(tenant=charge.tenant).inc(
+                    actual.decode_block_s
+                )
+        finally:
+            await self.stages.release.release(attempt, record)
 
     async def settle(self) -> None:
         """Release what the request holds and record its output length: once (a stream does
