@@ -242,7 +242,11 @@ async def test_keys_name_tenants_rotate_revoke_and_never_show(
 # -- live: the order among tenants on a saturated cluster ----------------------------------------
 
 # One request holds the decode worker whole: (8 prompt + 192 output tokens) / 16 = 13 blocks of 20.
-_FLOOD = {"kv_blocks": 20, "estimator": "max_tokens", "admission": {"max_wait_s": 30}}
+_FLOOD: dict[str, Any] = {
+    "kv_blocks": 20,
+    "estimator": "max_tokens",
+    "admission": {"max_wait_s": 30},
+}
 
 
 async def _flood(url: str, key: str, until: float, done: list[float]) -> None:
