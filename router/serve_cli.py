@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import signal
 import sys
@@ -94,6 +95,7 @@ def serve(ns: argparse.Namespace) -> int:
             f"policy={settings.policy} estimator={settings.estimator} state={mask_url(store)}"
         )
         print(redact(line), flush=True)
+        _freeze_startup_heap()
 
     _raise_open_files_limit()
     try:
@@ -128,6 +130,29 @@ def _uvloop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     except ImportError:
         return None
     return uvloop.new_event_loop
+
+
+# Full (generation-2) collections every this many generation-1 ones (CPython's default: 10).
+GC_GEN2_EVERY = 100
+
+
+def _freeze_startup_heap() -> None:
+    """Once serving: what start-up built (modules, the app, settings: ~72k objects) moves to
+    the permanent generation, and full collections become ten times rarer.
+
+    Why (issue 24, "The tail"): a full collection walks every tracked object with the event
+    loop held, and every stream's next token waits. Measured in the router at 256 streams
+    with Redis (gc.callbacks; SCHED_RR, so wall = CPU): one full collection every ~26 s, each
+    65-91 ms over ~104k objects; a measured round with one had added TTFT p99.9 +70 to
+    +89 ms, one without +37 ms or less. Frozen, a full collection walks only what start-up
+    did not build (33-46 ms); with both, none came in 8 measured rounds. The cost: cyclic
+    garbage that reaches generation 2 (0-235 objects per full collection there) waits ten
+    times longer; request garbage is still found by generations 0 and 1, whose thresholds are
+    unchanged, and start-up objects live as long as the process anyway."""
+    gc.collect()
+    gc.freeze()
+    gen0, gen1, _ = gc.get_threshold()
+    gc.set_threshold(gen0, gen1, GC_GEN2_EVERY)
 
 
 def _raise_open_files_limit() -> None:
