@@ -26,6 +26,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from router.workers.loop_timing import beat
 from state.base import Finished, StateStore, StoreError, StrandIntent
 
 __all__ = ["LeaseKeeper"]
@@ -325,7 +326,13 @@ class LeaseKeeper:
         renew_every = max(_OWED_RETRY_S, self.lease_s / 3)
         next_renewal = self.clock() + renew_every
         while True:
-            await asyncio.sleep(min(_OWED_RETRY_S, renew_every))
+            tick_s = min(_OWED_RETRY_S, renew_every)
+            if self.live or self.owed:
+                await asyncio.sleep(tick_s)
+            else:
+                # Nothing held or owed: this wake-up is all the tick does, so it falls on the
+                # pools' beat (router/workers/loop_timing.py), with an idle replica's other loops.
+                await beat(tick_s)
             try:
                 await self.settle_owed()
                 if self.clock() >= next_renewal:

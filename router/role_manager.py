@@ -43,6 +43,7 @@ from policies.registry import load_role_policy
 from router.gateway import Gateway
 from router.workers.accounting import LocalAccounting
 from router.workers.engine_role import EngineRoles
+from router.workers.loop_timing import beat
 from router.workers.membership import Membership
 from router.workers.role_signals import QueuePeak, role_of, role_snapshot
 from router.workers.worker_state import WorkerState
@@ -109,15 +110,22 @@ class RoleManager:
     async def run(self) -> None:
         try:
             while True:
+                if not any(True for _ in self.members.both_workers):
+                    # Nothing to re-role: this wake-up is all the loop does, so it falls on
+                    # the pools' beat (router/workers/loop_timing.py), with the other loops'.
+                    await beat(self.settings.interval_s)
+                    continue
                 try:
-                    if any(True for _ in self.members.both_workers):  # else nothing to re-role
-                        await self.tick()
+                    await self.tick()
                 except asyncio.CancelledError:
                     raise
                 except StoreError as exc:  # the refresher reports the outage
                     log.debug("role manager: store call failed: %s", exc)
                 except Exception as exc:  # a bug must not end the loop
                     log.warning("role manager tick failed: %r", exc)
+                # With work, its own cadence: `interval_s` after each tick, well within the
+                # lease's 3 x `interval_s`, and not in step with the prober's beat (a tick reads
+                # an engine switch's answer before a probe reads the role it switched to).
                 await asyncio.sleep(self.settings.interval_s)
         finally:
             self.engines.cancel()

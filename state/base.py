@@ -28,6 +28,8 @@ __all__ = [
     "StrandIntent",
     "StrandedEntry",
     "RetryBudgetPolicy",
+    "RegistryView",
+    "UsageView",
     "WorkerRole",
     "ROLE_STATES",
     "StateStore",
@@ -132,6 +134,12 @@ class DrainMark:
 
     drained: bool
     since_s: float  # store clock (unix seconds) of that change; 0: unknown (an older writer)
+
+
+# `StateStore.registry_view`: (data lost, registrations, drain marks, roles).
+RegistryView = tuple[bool, dict[str, str], dict[str, DrainMark], dict[str, WorkerRole]]
+# `StateStore.usage_view`: (usage per decode worker, stranded bytes per prefill worker).
+UsageView = tuple[dict[str, DecodeUsage], dict[str, int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,4 +342,16 @@ class StateStore(Protocol):
         """`decode_usage(decode_ids)` and `stranded_bytes(prefill_ids)` in one store call (one
         pipeline on Redis: one round trip on one server, one per node on a cluster). A replica
         reads this every `state_refresh_s` while busy, about once a second while quiet."""
+        ...
+
+    # -- one read for a quiet beat (router/workers/registry.py carries the refresher's read)
+    # ----------------------------------
+    async def registry_and_usage_view(
+        self, marker_ttl_s: float, decode_ids: Iterable[str], prefill_ids: Iterable[str]
+    ) -> tuple[RegistryView, UsageView]:
+        """`registry_view(marker_ttl_s)` and `usage_view(decode_ids, prefill_ids)` in one store
+        call: what a quiet replica reads once a beat (its registry sync and its state refresher
+        together). On one Redis server one script, so one round trip; on a cluster one pipeline,
+        a round trip per node that holds the keys (the registry's ``{reg}`` tag and each
+        worker's own tag are different slots, so no one script can read them all)."""
         ...

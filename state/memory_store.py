@@ -23,10 +23,12 @@ from dataclasses import dataclass, field
 from state.base import (
     DecodeUsage,
     Finished,
+    RegistryView,
     Reserved,
     RetryBudgetPolicy,
     StrandedEntry,
     StrandIntent,
+    UsageView,
 )
 from state.keys import (
     RETRY_RETENTION_S,
@@ -340,3 +342,11 @@ class MemoryStore(MemoryRegistry):
         self, decode_ids: Iterable[str], prefill_ids: Iterable[str]
     ) -> tuple[dict[str, DecodeUsage], dict[str, int]]:
         return self._usage(decode_ids), self._stranded_sums(prefill_ids)
+
+    # -- one read for a quiet beat -------------------------------------------------------------
+    async def registry_and_usage_view(
+        self, marker_ttl_s: float, decode_ids: Iterable[str], prefill_ids: Iterable[str]
+    ) -> tuple[RegistryView, UsageView]:
+        return await self.registry_view(marker_ttl_s), await self.usage_view(
+            decode_ids, prefill_ids
+        )

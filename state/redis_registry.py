@@ -13,18 +13,24 @@ check, not only the first to look (which alone saw it missing).
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from redis.commands.core import AsyncScript
 
-from state.base import DrainMark, WorkerRole
+from state.base import DecodeUsage, DrainMark, RegistryView, UsageView, WorkerRole
 from state.keys import check_id, check_lease, check_role
 from state.redis_conn import Cmd, RedisConnection, raise_first, store_call, text
-from state.redis_scripts import HOLD_LEASE_SCRIPT, RELEASE_LEASE_SCRIPT, SET_ROLE_SCRIPT
+from state.redis_scripts import (
+    HOLD_LEASE_SCRIPT,
+    RELEASE_LEASE_SCRIPT,
+    SET_ROLE_SCRIPT,
+    USAGE_SCRIPT,
+)
 from state.registry_scripts import (
     FORGET_WORKER_SCRIPT,
     MARKER_SCRIPT,
+    REGISTRY_AND_USAGE_SCRIPT,
     RESTORE_REGISTRY_SCRIPT,
     SET_DRAINED_SCRIPT,
 )
@@ -46,6 +52,10 @@ class RedisRegistry(RedisConnection):
         self._set_drained = register(SET_DRAINED_SCRIPT)
         self._restore = register(RESTORE_REGISTRY_SCRIPT)
         self._forget = register(FORGET_WORKER_SCRIPT)
+        self._registry_and_usage = register(REGISTRY_AND_USAGE_SCRIPT)
+        # The decode usage script once more, under the registry's own name: a cluster's quiet
+        # read pipelines it beside the registry's commands (`_registry_and_usage_pipelined`).
+        self._usage_of = register(USAGE_SCRIPT)
 
     # -- worker registry ---------------------------------------------------------------------
     @store_call
@@ -150,29 +160,85 @@ class RedisRegistry(RedisConnection):
 
     # -- one read for the registry sync ---------------------------------------------------------
     @store_call
-    async def registry_view(
-        self, marker_ttl_s: float
-    ) -> tuple[bool, dict[str, str], dict[str, DrainMark], dict[str, WorkerRole]]:
+    async def registry_view(self, marker_ttl_s: float) -> RegistryView:
+        cmds, token = self._registry_cmds(marker_ttl_s)
+        return self._registry_rows(raise_first(await self._pipelined(cmds)), token)
+
+    def _registry_cmds(self, marker_ttl_s: float) -> tuple[list[Cmd], str]:
         k = self._keys
         marker_cmd, token = self._marker_cmd(marker_ttl_s)
-        rows = raise_first(
-            await self._pipelined(
-                [
-                    marker_cmd,
-                    Cmd(("HGETALL", k.workers), k.workers),
-                    Cmd(("SMEMBERS", k.drained), k.drained),
-                    Cmd(("HGETALL", k.drained_at), k.drained_at),
-                    Cmd(("HGETALL", k.roles), k.roles),
-                ]
-            )
-        )
+        cmds = [
+            marker_cmd,
+            Cmd(("HGETALL", k.workers), k.workers),
+            Cmd(("SMEMBERS", k.drained), k.drained),
+            Cmd(("HGETALL", k.drained_at), k.drained_at),
+            Cmd(("HGETALL", k.roles), k.roles),
+        ]
+        return cmds, token
+
+    def _registry_rows(self, rows: Sequence[Any], token: str) -> RegistryView:
+        """The registry view from the answers to `_registry_cmds` (hashes as dicts or, from a
+        script, as flat lists)."""
         marker, workers, drained, times, roles = rows
         return (
             self._lost(marker, token),
-            {text(wid): text(blob) for wid, blob in workers.items()},
-            _marks(drained, times),
-            {text(wid): _role(text(rec)) for wid, rec in roles.items()},
+            {text(wid): text(blob) for wid, blob in _pairs(workers)},
+            _marks(drained, dict(_pairs(times))),
+            {text(wid): _role(text(rec)) for wid, rec in _pairs(roles)},
         )
+
+    # -- one read for a quiet beat --------------------------------------------------------------
+    @store_call
+    async def registry_and_usage_view(
+        self, marker_ttl_s: float, decode_ids: Iterable[str], prefill_ids: Iterable[str]
+    ) -> tuple[RegistryView, UsageView]:
+        decode, prefill = list(dict.fromkeys(decode_ids)), list(dict.fromkeys(prefill_ids))
+        if self.is_cluster:
+            return await self._registry_and_usage_pipelined(marker_ttl_s, decode, prefill)
+        # One server: one script, on the lean connection where the store has one (its answer
+        # is read raw: hashes as flat lists). An idle replica makes this call once a second
+        # (docs/benchmarks-overhead.md, "Idle with Redis").
+        k = self._keys
+        keys = [k.marker, *k.registry_fields()]
+        for wid in decode:
+            keys += k.decode_worker(wid)
+        keys += [k.stranded_sum(pid) for pid in prefill]
+        token = secrets.token_hex(8)
+        args: list[str | int] = [self._now(), token, max(1, int(marker_ttl_s)), len(decode)]
+        rows = await self._hot_script(self._registry_and_usage, keys, args)
+        usage = _usage(decode, rows[5], prefill, rows[6])
+        return self._registry_rows(rows[:5], token), usage
+
+    async def _registry_and_usage_pipelined(
+        self, marker_ttl_s: float, decode: list[str], prefill: list[str]
+    ) -> tuple[RegistryView, UsageView]:
+        """On a cluster: one pipeline, a round trip per node holding the keys."""
+        k = self._keys
+        cmds, token = self._registry_cmds(marker_ttl_s)
+        now = self._now()
+        cmds += [Cmd.run(self._usage_of, k.decode_worker(wid), [now]) for wid in decode]
+        cmds += [Cmd(("GET", key), key) for key in map(k.stranded_sum, prefill)]
+        rows = raise_first(await self._pipelined(cmds))
+        usage_rows, sums = rows[5 : 5 + len(decode)], rows[5 + len(decode) :]
+        return self._registry_rows(rows[:5], token), _usage(decode, usage_rows, prefill, sums)
+
+
+def _pairs(answer: Any) -> Iterable[tuple[Any, Any]]:
+    """A hash's fields and values: redis-py's HGETALL answers a dict, a script a flat list."""
+    if isinstance(answer, dict):
+        return answer.items()
+    return zip(answer[::2], answer[1::2], strict=True)
+
+
+def _usage(
+    decode: list[str], usage_rows: Sequence[Any], prefill: list[str], sums: Sequence[Any]
+) -> UsageView:
+    """`usage_view`'s answer from the usage script's rows and the ledger sums."""
+    usage = {
+        wid: DecodeUsage(int(cap), int(reserved), int(count))
+        for wid, (cap, reserved, count) in zip(decode, usage_rows, strict=True)
+    }
+    return usage, {pid: int(s or 0) for pid, s in zip(prefill, sums, strict=True)}
 
 
 def _marks(drained: Any, times: Any) -> dict[str, DrainMark]:

@@ -2,34 +2,41 @@
 marks, a replica's put-back after a loss, and forgetting a worker.
 
 Every script here touches the registry's keys only (hash tag ``{reg}``), so each runs on one
-Redis Cluster slot. The role and lease scripts, older, stay in state/redis_scripts.py.
+Redis Cluster slot — but for `REGISTRY_AND_USAGE_SCRIPT`, a quiet replica's one read a beat,
+which reads the decode and prefill workers' keys too and so is for one server only. The role
+and lease scripts, older, stay in state/redis_scripts.py.
 """
 
 from __future__ import annotations
 
-from state.redis_scripts import _LUA_CLOCK
+from state.redis_scripts import _LUA_CLOCK, USAGE_SCRIPT
 
 __all__ = [
     "MARKER_SCRIPT",
     "SET_DRAINED_SCRIPT",
     "RESTORE_REGISTRY_SCRIPT",
     "FORGET_WORKER_SCRIPT",
+    "REGISTRY_AND_USAGE_SCRIPT",
 ]
 
-# Keep the marker alive; create it with this caller's fresh token when missing.
-# KEYS[1] {reg}:marker  ARGV[1] token  ARGV[2] TTL (s)
-# Returns the value found (another caller's token, or ours from before), false when missing.
-# The caller compares it with the value it saw last: a different one means another replica
-# found the marker missing since, i.e. the store lost its data.
-MARKER_SCRIPT = """
-local v = redis.call('GET', KEYS[1])
-if v then
-  redis.call('EXPIRE', KEYS[1], ARGV[2])
-  return v
+# Keep the marker alive; create it with this caller's fresh token when missing. Returns the
+# value found (another caller's token, or ours from before), false when missing. The caller
+# compares it with the value it saw last: a different one means another replica found the
+# marker missing since, i.e. the store lost its data.
+_LUA_MARKER = """
+local function marker(key, token, ttl)
+  local v = redis.call('GET', key)
+  if v then
+    redis.call('EXPIRE', key, ttl)
+    return v
+  end
+  redis.call('SET', key, token, 'EX', ttl)
+  return false
 end
-redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
-return false
 """
+
+# KEYS[1] {reg}:marker  ARGV[1] token  ARGV[2] TTL (s)
+MARKER_SCRIPT = _LUA_MARKER + "return marker(KEYS[1], ARGV[1], ARGV[2])\n"
 
 # Drain or undrain a worker, recording when (only on a change).
 # KEYS[1] {reg}:drained  KEYS[2] {reg}:drained_at
@@ -91,3 +98,36 @@ redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[4], ARGV[1])
 return was
 """
+
+# What `registry_view` and `usage_view` read, in one script: a quiet replica's one round trip a
+# beat (router/workers/registry.py takes the state refresher's read along). One server only: the
+# keys are of several hash tags. The usage of each decode worker is `USAGE_SCRIPT` itself, run as
+# a function whose parameters shadow KEYS and ARGV, so its rule (drop expired leases, then read)
+# lives in one place.
+# KEYS[1..5] {reg}: marker, workers, drained, drained_at, roles; then 4 keys per decode worker
+# (in `Keys.decode_worker` order), then one ledger sum per prefill worker.
+# ARGV[1] now ('' = the server's clock)  ARGV[2] marker token  ARGV[3] marker TTL (s)
+# ARGV[4] n decode workers
+# Returns {marker as MARKER_SCRIPT returns it, workers (flat HGETALL), drained members, drained_at
+# (flat), roles (flat), {{capacity, reserved, live reservations} per decode worker}, {sum or
+# false per prefill worker}}.
+REGISTRY_AND_USAGE_SCRIPT = (
+    _LUA_MARKER
+    + "local function usage_of(KEYS, ARGV)\n"
+    + USAGE_SCRIPT
+    + """end
+local found = marker(KEYS[1], ARGV[2], ARGV[3])
+local n = tonumber(ARGV[4])
+local usage = {}
+for i = 0, n - 1 do
+  local k = 6 + 4 * i
+  usage[i + 1] = usage_of({KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]}, {ARGV[1]})
+end
+local sums = {}
+for k = 6 + 4 * n, #KEYS do
+  sums[#sums + 1] = redis.call('GET', KEYS[k])
+end
+return {found, redis.call('HGETALL', KEYS[2]), redis.call('SMEMBERS', KEYS[3]),
+        redis.call('HGETALL', KEYS[4]), redis.call('HGETALL', KEYS[5]), usage, sums}
+"""
+)

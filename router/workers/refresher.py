@@ -6,6 +6,12 @@ it replaces this replica's adjusted figures with the store's (router/workers/acc
 puts back a capacity key the store lost, and tells the admission queue (`on_refresh`) that
 room freed by other replicas may show. It also keeps the store's health as it last saw it,
 for /ready and the metrics.
+
+While quiet it does not read at all once its interval has backed off to the registry sync's
+beat: it rides on that beat (router/workers/loop_timing.py), the registry sync taking its read
+along in its own store call (`registry_and_usage_view`), so an idle replica makes one store call
+a second. A carried read that shows a change, a placement, a failed store or a stopped registry
+sync ends the ride.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from router.workers.loop_timing import LoopTiming
 from router.workers.membership import Membership
 from router.workers.store_loss import StoreLoss
 from router.workers.worker_state import WorkerState
-from state.base import StateStore, StoreError
+from state.base import StateStore, StoreError, UsageView
 
 __all__ = ["StateRefresher"]
 
@@ -49,6 +55,8 @@ class StateRefresher:
         self.store_ok = False  # the store answered the last refresh
         self.stranded_byte_seconds = 0.0  # stranded KV held over time, as the refreshes saw it
         self._last_refresh: float | None = None
+        self._ride_over = asyncio.Event()  # ends a ride on the registry sync's beat
+        self._ride_saw_change = False
 
     def __repr__(self) -> str:
         return f"StateRefresher(store_ok={self.store_ok})"
@@ -57,10 +65,16 @@ class StateRefresher:
         try:
             await self._refresh(check_marker)
         except StoreError as exc:
-            if self.store_ok:
-                log.warning("the state store stopped answering: %s", exc)
-            self.store_ok = False
+            self._store_failed(exc)
             raise
+        self._store_answered()
+
+    def _store_failed(self, exc: StoreError) -> None:
+        if self.store_ok:
+            log.warning("the state store stopped answering: %s", exc)
+        self.store_ok = False
+
+    def _store_answered(self) -> None:
         if not self.store_ok:
             log.info("the state store answers")
         self.store_ok = True
@@ -68,11 +82,16 @@ class StateRefresher:
     async def _refresh(self, check_marker: bool) -> None:
         if check_marker:
             await self._loss.check()
-        members = self._members
-        decode_ids = [w.spec.id for w in members.reservable]
-        prefill_ids = [w.spec.id for w in members.strandable]
         # One store call (one round trip on one Redis): this runs 10 times a second while busy.
-        usage, stranded = await self._store.usage_view(decode_ids, prefill_ids)
+        await self._apply(await self._store.usage_view(*self.usage_ids()))
+
+    def usage_ids(self) -> tuple[list[str], list[str]]:
+        members = self._members
+        return [w.spec.id for w in members.reservable], [w.spec.id for w in members.strandable]
+
+    async def _apply(self, view: UsageView) -> None:
+        members = self._members
+        usage, stranded = view
         lost_capacity: list[WorkerState] = []
         for wid, u in usage.items():
             if (w := members.workers.get(wid)) is not None:
@@ -116,27 +135,82 @@ class StateRefresher:
         reservation, a reset store) or the first placement here brings it back to
         `state_refresh_s`. While quiet it leaves the marker check to the registry sync (same
         cadence, same check): this replica holds nothing in the store then that a reset would
-        make it put back in a hurry."""
+        make it put back in a hurry. Backed off as far as the registry sync's beat, it rides
+        on it (`_ride`) instead of reading on its own."""
         base = self._settings.state_refresh_s
         idle_cap = max(base, min(1.0, 10 * base))
         interval = base
         while True:
-            before = self._store_view()
-            changed = True
-            try:
-                await self.refresh(check_marker=interval == base)
-                changed = self._store_view() != before
-                if self._on_refresh is not None:
-                    self._on_refresh()
-            except asyncio.CancelledError:
-                raise
-            except StoreError:
-                pass  # logged once when it starts failing (refresh)
-            except Exception as exc:  # a bug must not kill the loop
-                log.warning("state refresh failed: %r", exc)
+            changed = await self._refresh_in_loop(check_marker=interval == base)
             if changed or self._timing.busy():
                 interval = base
                 await self._timing.beat(interval)
-            else:
-                interval = min(2 * interval, idle_cap)
+                continue
+            interval = min(2 * interval, idle_cap)
+            if interval < idle_cap or not self._can_ride(idle_cap):
                 await self._timing.quiet_sleep(interval)
+            elif await self._ride():  # a carried read saw a change: the busy cadence again
+                interval = base
+                await self._timing.beat(interval)
+            # else a placement, a failed store or a stopped registry sync: read now
+
+    async def _refresh_in_loop(self, check_marker: bool) -> bool:
+        """One refresh of the loop; True unless it read the store and saw no change."""
+        before = self._store_view()
+        try:
+            await self.refresh(check_marker)
+        except asyncio.CancelledError:
+            raise
+        except StoreError:
+            return True  # logged once when it starts failing (refresh)
+        except Exception as exc:  # a bug must not kill the loop
+            log.warning("state refresh failed: %r", exc)
+            return True
+        if self._on_refresh is not None:
+            self._on_refresh()
+        return self._store_view() != before
+
+    # -- riding on the registry sync's beat (loop_timing.UsageRider) --------------------------
+    @property
+    def riding(self) -> bool:
+        """Quiet, its reads carried by the registry sync's."""
+        return self._timing.rider is self
+
+    def _can_ride(self, idle_cap: float) -> bool:
+        """A registry sync runs, at a beat no slower than this refresher's quiet cadence."""
+        period = self._timing.carrier_period
+        return period is not None and period <= idle_cap
+
+    async def _ride(self) -> bool:
+        """Hand this refresher's reads to the registry sync's beat until one shows a change or
+        finds this replica busy (True), or a placement, a failed store or a stopped registry
+        sync ends the ride (False: read now). No timer of its own meanwhile."""
+        timing = self._timing
+        self._ride_over.clear()
+        self._ride_saw_change = False
+        timing.rider = self
+        try:
+            await timing.quiet_wait(self._ride_over)
+        finally:
+            if timing.rider is self:
+                timing.rider = None
+        return self._ride_saw_change
+
+    async def take_usage(self, view: UsageView) -> None:
+        """The read the registry sync took along: applied as a refresh of this loop's own."""
+        before = self._store_view()
+        try:
+            await self._apply(view)
+        except StoreError as exc:  # putting a lost capacity back failed
+            self._store_failed(exc)
+            self.drop_ride()
+            raise
+        self._store_answered()
+        if self._on_refresh is not None:
+            self._on_refresh()
+        if self._store_view() != before or self._timing.busy():
+            self._ride_saw_change = True
+            self._ride_over.set()
+
+    def drop_ride(self) -> None:
+        self._ride_over.set()

@@ -6,6 +6,10 @@ marks and the `both` workers' roles) and makes its membership match: a new regis
 (probed at once when a session is given: it enters rotation when it answers), a changed one
 replaces the old, a missing one leaves; drains and roles are applied. A store that lost its
 data is put back first (router/workers/store_loss.py), and read again.
+
+While the state refresher is quiet it rides on this loop's beat (router/workers/loop_timing.py):
+the beat's one store call is then `registry_and_usage_view`, the refresher's read taken along,
+so an idle replica makes one store call a second, not two.
 """
 
 from __future__ import annotations
@@ -19,11 +23,11 @@ import orjson
 from router.config import ConfigError, Settings
 from router.workers.drain import apply_drained
 from router.workers.health_probe import HealthProber
-from router.workers.loop_timing import LoopTiming
+from router.workers.loop_timing import LoopTiming, UsageRider
 from router.workers.membership import Membership
 from router.workers.store_loss import StoreLoss
 from router.workers.worker_state import WorkerState
-from state.base import StateStore, StoreError
+from state.base import RegistryView, StateStore, StoreError, UsageView
 
 __all__ = ["RegistrySync"]
 
@@ -53,13 +57,49 @@ class RegistrySync:
     async def sync(self, session: aiohttp.ClientSession | None = None) -> None:
         """Adopt the registry as the store has it now; with a `session`, a newly adopted
         worker is probed at once. One store call, two after a loss."""
-        store, loss, members = self._store, self._loss, self._members
+        view, _ = await self._read(None)
+        await self._probe(await self._adopt(view), session)
+
+    async def _carry(self, rider: UsageRider, session: aiohttp.ClientSession | None) -> None:
+        """`sync`, the quiet refresher's read taken along in the same store call. The rider
+        hears of this beat whatever happens: its read, or that there is none (it then reads
+        for itself), so it never waits for a read that is not coming."""
+        try:
+            view, usage = await self._read(rider.usage_ids())
+        except BaseException:
+            rider.drop_ride()
+            raise
+        assert usage is not None  # asked for
+        try:
+            joined = await self._adopt(view)
+        finally:
+            await rider.take_usage(usage)
+        await self._probe(joined, session)
+
+    async def _read(
+        self, usage_ids: tuple[list[str], list[str]] | None
+    ) -> tuple[RegistryView, UsageView | None]:
+        loss = self._loss
         async with loss.lock:
-            lost, registered, drained, roles = await store.registry_view(loss.marker_ttl_s)
+            view, usage = await self._read_once(usage_ids)
             # A store that lost its data has lost the registry too: put ours back first, and
             # read again, or every dynamic worker would look removed.
-            if await loss.put_back_if_lost(lost):
-                _, registered, drained, roles = await store.registry_view(loss.marker_ttl_s)
+            if await loss.put_back_if_lost(view[0]):
+                view, usage = await self._read_once(usage_ids)
+        return view, usage
+
+    async def _read_once(
+        self, usage_ids: tuple[list[str], list[str]] | None
+    ) -> tuple[RegistryView, UsageView | None]:
+        ttl = self._loss.marker_ttl_s
+        if usage_ids is None:
+            return await self._store.registry_view(ttl), None
+        return await self._store.registry_and_usage_view(ttl, *usage_ids)
+
+    async def _adopt(self, view: RegistryView) -> list[WorkerState]:
+        """Make the membership match `view`; returns the workers that joined."""
+        store, members = self._store, self._members
+        _, registered, drained, roles = view
         joined: list[WorkerState] = []
         for wid, blob in registered.items():
             try:
@@ -83,17 +123,37 @@ class RegistrySync:
         if any(True for _ in members.both_workers) and (kept := members.apply_roles(roles)):
             log.warning("the store lost the roles of %s: putting them back", ", ".join(kept))
             await store.restore_registry({}, kept)
+        return joined
+
+    async def _probe(
+        self, joined: list[WorkerState], session: aiohttp.ClientSession | None
+    ) -> None:
         if session is not None and joined:
             await asyncio.gather(*(self._prober.probe(session, w) for w in joined))
 
     async def run(self, session: aiohttp.ClientSession | None = None) -> None:
-        while True:
-            await self._timing.beat(self._settings.registry_refresh_s)
-            try:
+        """Every `registry_refresh_s`, on the beat; a quiet refresher's read rides along."""
+        timing, period = self._timing, self._settings.registry_refresh_s
+        timing.carrier_period = period
+        try:
+            while True:
+                await timing.beat(period)
+                await self._beat_sync(session)
+        finally:
+            timing.carrier_period = None
+            if timing.rider is not None:  # it waits for this loop: let it read for itself
+                timing.rider.drop_ride()
+
+    async def _beat_sync(self, session: aiohttp.ClientSession | None) -> None:
+        rider = self._timing.rider
+        try:
+            if rider is None:
                 await self.sync(session)
-            except asyncio.CancelledError:
-                raise
-            except StoreError as exc:  # the refresher reports the outage once
-                log.debug("registry sync failed: %s", exc)
-            except Exception as exc:
-                log.warning("registry sync failed: %r", exc)
+            else:
+                await self._carry(rider, session)
+        except asyncio.CancelledError:
+            raise
+        except StoreError as exc:  # the refresher reports the outage once
+            log.debug("registry sync failed: %s", exc)
+        except Exception as exc:
+            log.warning("registry sync failed: %r", exc)

@@ -5,8 +5,9 @@ capacities, the registry of dynamic workers, the drains and roles, the reservati
 stranded entries. The store keeps a marker key; a check that finds it gone (after this
 replica's first use, which sets it) means the loss, and every replica then puts back its own
 view within one refresh. The registry sync (router/workers/registry.py) reads the marker with
-the registry, the state refresher (router/workers/refresher.py) checks it on its own; both
-hold `lock`, so one put-back runs at a time.
+the registry (and, while this replica is quiet, with the state refresher's usage: one store
+call a beat), the state refresher (router/workers/refresher.py) checks it on its own while
+busy; both hold `lock`, so one put-back runs at a time.
 """
 
 from __future__ import annotations
