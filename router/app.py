@@ -346,7 +346,14 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
         registry = RegistrySync(settings, store, members, loss, prober, timing)
         # Each refresh may show room freed by other replicas: wake the admission queue.
         refresher = StateRefresher(
-            settings, store, members, accounting, loss, timing, on_refresh=admission.notify
+            settings,
+            store,
+            members,
+            accounting,
+            loss,
+            timing,
+            on_refresh=admission.notify,
+            own_reservations=leases.reservations_by_worker,
         )
         reaper = StrandedReaper(
             settings,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -108,6 +109,11 @@ class LeaseKeeper:
         """A release that did not land (or a reserve whose answer was lost): retried."""
         self.drop(reservation_id)
         self._owe((worker_id, reservation_id), None)
+
+    def reservations_by_worker(self) -> Counter[str]:
+        """How many live reservations this replica holds on each decode worker: what the
+        refresher compares with the store's count to tell whether another replica holds any."""
+        return Counter(self.live.values())
 
     def freeing_by(self, when: float, now: float) -> dict[str, int]:
         """Blocks per decode worker whose reservations are expected to end after `now` and by
