@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
+import os
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -60,7 +60,8 @@ def client_request_id(value: str | None) -> str:
         and " " not in value
     ):
         return value
-    return f"dr-{uuid.uuid4().hex}"
+    # 128 random bits, as uuid4's 122, at a quarter of its cost (no UUID object).
+    return f"dr-{os.urandom(16).hex()}"
 
 
 @dataclass(frozen=True, slots=True)
