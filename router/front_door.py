@@ -117,7 +117,8 @@ class RequestCount:
             self._metrics.client_disconnects.inc()
         elif isinstance(exc, Exception):
             self.status = as_router_error(exc).status  # what the middleware answers
-        self._metrics.requests.labels(route=self._route, status=str(self.status)).inc()
+        status = str(self.status)
+        self._metrics.requests_by(self._route, status).inc()
         if self.tenant is not None:
-            self._metrics.tenant_requests.labels(tenant=self.tenant, status=str(self.status)).inc()
+            self._metrics.tenant_requests_by(self.tenant, status).inc()
         log.debug("%s answered %d", self._route, self.status)

@@ -1,14 +1,43 @@
 """The router's Prometheus metrics, on a registry of its own (one per app, no globals).
 
 Hot-path rule: nothing here is touched per relayed chunk; a stream's token count is added once,
-when it ends.
+when it ends. The labelled metrics a request touches are reached through a `Labelled` (`*_by`):
+its children looked up once per label set, not through prometheus_client's `labels()` each time.
 """
 
 from __future__ import annotations
 
+from typing import Generic, TypeVar
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-__all__ = ["RouterMetrics"]
+__all__ = ["Labelled", "RouterMetrics"]
+
+M = TypeVar("M", Counter, Gauge, Histogram)
+
+
+class Labelled(Generic[M]):
+    """A labelled metric's children, each looked up once: `by(*values)` is `metric.labels(*values)`
+    (the values in the order of the metric's label names) at a dict lookup's cost, 0.1 us
+    instead of 1.4 (prometheus_client validates the names and takes a lock each time). The
+    metric keeps every child it ever made too, and the router removes none, so this holds
+    nothing it would not."""
+
+    __slots__ = ("metric", "_children")
+
+    def __init__(self, metric: M) -> None:
+        self.metric: M = metric
+        self._children: dict[tuple[str, ...], M] = {}
+
+    def __call__(self, *values: str) -> M:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
+
+    def __repr__(self) -> str:
+        return f"Labelled({self.metric._name}, {len(self._children)} children)"
+
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
 _TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -358,6 +387,16 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+
+        # The children a request touches (router/front_door.py, router/request/).
+        self.requests_by = Labelled(self.requests)  # route, status
+        self.tenant_requests_by = Labelled(self.tenant_requests)  # tenant, status
+        self.placements_by = Labelled(self.placements)  # prefill, decode
+        self.prefill_seconds_by = Labelled(self.prefill_seconds)  # worker
+        self.tenant_prompt_tokens_by = Labelled(self.tenant_prompt_tokens)
+        self.tenant_output_tokens_by = Labelled(self.tenant_output_tokens)
+        self.tenant_block_seconds_by = Labelled(self.tenant_block_seconds)
+        self.tenant_ttft_by = Labelled(self.tenant_ttft)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

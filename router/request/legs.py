@@ -235,7 +235,7 @@ class Legs:
             call.trace.finish("prefill")
             worker.queued_prompt_tokens -= ask.prompt_tokens
             worker.inflight -= 1
-            self.metrics.prefill_seconds.labels(worker=spec.id).observe(self.clock() - t0)
+            self.metrics.prefill_seconds_by(spec.id).observe(self.clock() - t0)
         return data
 
     async def _prefill(self, call: Call, attempt: Attempt, ask: Ask) -> dict[str, Any]:

@@ -259,9 +259,7 @@ class RequestFlow:
                 prompt = self.call.parsed.prompt_tokens
                 actual = stages.reserve.actual_cost(seat, attempt, prompt)
                 stages.admission.settle(charge, actual)
-                stages.metrics.tenant_block_seconds.labels(tenant=charge.tenant).inc(
-                    actual.decode_block_s
-                )
+                stages.metrics.tenant_block_seconds_by(charge.tenant).inc(actual.decode_block_s)
         finally:
             await self.stages.release.release(attempt, record)
 
@@ -283,11 +281,11 @@ class RequestFlow:
         first token (its count by status: router/front_door.py `RequestCount`)."""
         metrics, tenant = self.stages.metrics, self.seat.tenant.name
         if self.output_tokens is not None:
-            metrics.tenant_prompt_tokens.labels(tenant=tenant).inc(self.call.parsed.prompt_tokens)
-            metrics.tenant_output_tokens.labels(tenant=tenant).inc(self.output_tokens)
+            metrics.tenant_prompt_tokens_by(tenant).inc(self.call.parsed.prompt_tokens)
+            metrics.tenant_output_tokens_by(tenant).inc(self.output_tokens)
         first = self.progress.first_token_at
         if first is not None:
-            metrics.tenant_ttft.labels(tenant=tenant).observe(first - self.call.started)
+            metrics.tenant_ttft_by(tenant).observe(first - self.call.started)
 
     async def cleanup(self) -> None:
         stages = self.stages

@@ -387,9 +387,7 @@ class Reserver:
             classes=tuple(self.estimator.class_keys(info)),
             itl_s=cand.predicted_itl_s,
         )
-        self.metrics.placements.labels(
-            prefill=cand.prefill_id or "local", decode=cand.decode_id
-        ).inc()
+        self.metrics.placements_by(cand.prefill_id or "local", cand.decode_id).inc()
         log.debug("placed on %s -> %s", cand.prefill_id or "local", cand.decode_id)
         attempt = Attempt(cand, reservation)
         if intent is not None:
