@@ -19,9 +19,10 @@
     DELETE /admin/tenants/{name}/keys/{key_id}        revoke: refused from now on
 
 Registrations live in the shared store, so every replica adopts them within
-`registry_refresh_s`; the replica that takes the call applies it at once. Tenants' keys made,
-rotated or revoked here do not (yet): they live in the memory of the replica that took the call,
-until it restarts (router/tenants.py).
+`registry_refresh_s`; the replica that takes the call applies it at once. So do tenants' keys
+made, rotated or revoked here: written to the store first (its digest only; a store that is
+down: 503, nothing changed), then applied here; the other replicas refuse a revoked key within
+one `registry_refresh_s` (router/tenants.py).
 
 Who may call what: router/auth.py (the GETs need a token once client keys are configured).
 
@@ -51,7 +52,7 @@ from router.gateway import Gateway
 from router.redact import mask_url
 from router.role_manager import ROLES, RoleChangeRefused
 from router.scaling import scaling_report
-from router.tenants import KEYRING, KeySpec, UnknownKey, UnknownTenant
+from router.tenants import KEYRING, Keyring, KeySpec, UnknownKey, UnknownTenant
 from router.tokens.counting import prompt_token_modes
 from router.workers.drain import set_drained
 from router.workers.rotation import emptied_without, why_empty
@@ -379,32 +380,54 @@ def _lookup_error(exc: KeyError) -> NotFound:
     return NotFound("no key of that id in this tenant", param="key_id")
 
 
+async def _fresh_keys(gw: Gateway, keyring: Keyring) -> None:
+    """The shared key table as the store has it now, so a key made on another replica a moment
+    ago can be rotated or revoked here before this replica's next refresh."""
+    keyring.adopt(await gw.store.tenant_keys())
+
+
 async def create_key(request: web.Request) -> web.Response:
     tenant, _ = _tenant_call(request)
+    gw, keyring = _gateway(request), request.app[KEYRING]
     try:
-        key, plain = request.app[KEYRING].create(tenant)
+        key, plain = keyring.mint(tenant)
     except UnknownTenant as exc:
         raise _lookup_error(exc) from None
+    # The store first: a store that is down answers 503 (router/errors.py), nothing changed.
+    if not await gw.store.put_tenant_key(key.key_id, tenant, key.digest.hex(), key.source):
+        raise Conflict("that key was revoked; try again")  # a fresh random key: never
+    keyring.put(key)
     log.info("tenant %s: key %s created (%s)", tenant, key.key_id, key.fingerprint)
     return _key_answer(tenant, key, plain, 201)
 
 
 async def rotate_key(request: web.Request) -> web.Response:
     tenant, key_id = _tenant_call(request)
+    gw, keyring = _gateway(request), request.app[KEYRING]
+    await _fresh_keys(gw, keyring)
     try:
-        key, plain = request.app[KEYRING].rotate(tenant, key_id)
+        old = keyring.key(tenant, key_id)
+        key, plain = keyring.mint(tenant, key_id)
     except (UnknownTenant, UnknownKey) as exc:
         raise _lookup_error(exc) from None
+    digest = key.digest.hex()
+    if not await gw.store.put_tenant_key(key_id, tenant, digest, key.source, old.digest.hex()):
+        raise Conflict("that key was revoked; try again")
+    keyring.put(key, replaces=old)
     log.info("tenant %s: key %s rotated (now %s)", tenant, key.key_id, key.fingerprint)
     return _key_answer(tenant, key, plain, 200)
 
 
 async def revoke_key(request: web.Request) -> web.Response:
     tenant, key_id = _tenant_call(request)
+    gw, keyring = _gateway(request), request.app[KEYRING]
+    await _fresh_keys(gw, keyring)
     try:
-        key = request.app[KEYRING].revoke(tenant, key_id)
+        key = keyring.key(tenant, key_id)
     except (UnknownTenant, UnknownKey) as exc:
         raise _lookup_error(exc) from None
+    await gw.store.revoke_tenant_key(key_id, key.digest.hex())
+    keyring.drop(key)
     log.info("tenant %s: key %s revoked (%s)", tenant, key.key_id, key.fingerprint)
     return _json({"tenant": tenant, "revoked": key.key_id, "fingerprint": key.fingerprint})
 

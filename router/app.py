@@ -341,9 +341,10 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
             metrics.store_resets.inc()
             await leases.reassert()
 
-        loss = StoreLoss(settings, store, members, on_store_reset)
+        keyring = app[KEYRING]  # its shared keys follow the store (router/tenants.py)
+        loss = StoreLoss(settings, store, members, on_store_reset, keyring)
         prober = HealthProber(members, timing, settings)
-        registry = RegistrySync(settings, store, members, loss, prober, timing)
+        registry = RegistrySync(settings, store, members, loss, prober, timing, keyring)
         # Each refresh may show room freed by other replicas: wake the admission queue.
         refresher = StateRefresher(
             settings,
@@ -454,7 +455,8 @@ def create_app(settings: Settings, *, tracer_provider: object = None) -> web.App
     app[_ESTIMATOR] = load_estimator(settings.estimator, settings.estimator_args)
     app[_ROLE_POLICY] = load_role_policy(settings.roles.policy, dict(settings.roles.policy_args))
     app[_FAIRNESS] = load_fairness(settings.fairness, settings.fairness_args)
-    # Tenants and their hashed keys; the admin API changes them (router/tenants.py: per replica).
+    # Tenants and their hashed keys; the admin API changes them, shared by every replica through
+    # the store (router/tenants.py).
     app[KEYRING] = Keyring(settings.tenants, settings.tenant_keys, settings.api_keys)
     app.cleanup_ctx.append(_gateway_context(settings))
     app.router.add_post(CHAT, chat_completions)

@@ -11,11 +11,18 @@ Keys are kept hashed, never as they were written (the config may give a key or i
 Settings, repr, log line or `/admin` answer can show one. A key is known by its id (given in the
 config, or made here) and its fingerprint (the first 12 hex digits of its hash).
 
-`Keyring` is the replica's key table, built from the settings at start-up and changed by the
-admin API (create, rotate, revoke). **Per replica for now**: a key made or revoked through the
-admin API lives in this replica's memory only and is gone at restart (a configured key revoked
-that way comes back then); cross-replica revocation needs a store method (the report of issue 25's
-first step says which).
+`Keyring` is the replica's key table: the configured keys (from the settings, at start-up) with
+the shared table laid over them. The shared table (`StateStore.tenant_keys`: key id -> tenant
+and digest, the revoked digests, a version) holds what the admin API made, rotated or revoked
+on any replica: the admin route writes it to the store first (a store that is down: 503, and
+nothing changes here), then applies it here at once. Every replica's registry sync reads the
+table's version with the registry (router/workers/registry.py: no store call more while it is
+unchanged) and, when it changed, the table (`adopt`): a key revoked or made on one replica is
+refused or accepted on every replica within one `registry_refresh_s`. A configured key stays
+valid unless its digest is revoked: revoked, it stays so across a replica's restart (the
+revoked digests are in the store); rotated, its id carries the new key from the table. After
+the store lost its data every replica puts its last-known table back
+(router/workers/store_loss.py); the store keeps their union, revocations winning.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from typing import Any
 from aiohttp import web
 
 from policies.base import Tenant
+from state.base import TenantKey, TenantKeys
 
 __all__ = [
     "ANONYMOUS",
@@ -211,8 +219,9 @@ class UnknownKey(KeyError):
 
 
 class Keyring:
-    """This replica's tenants and keys: which tenant a presented key is (`identify`), and the
-    admin API's changes (`create`, `rotate`, `revoke`). Per replica: the module docstring.
+    """This replica's tenants and keys: which tenant a presented key is (`identify`), the admin
+    API's changes (`mint` a key, `put` it, `drop` one; `create`, `rotate` and `revoke` do both
+    steps) and the shared table (`adopt`, `shared_table`): the module docstring.
 
     Looking a key up does not tell by its timing which key matched, nor how close a guess came:
     the presented key is hashed first and the digest looked up in a dict. The dict's comparison
@@ -222,7 +231,16 @@ class Keyring:
     The found entry is then compared with `hmac.compare_digest` all the same (the check stays
     constant-time, should the lookup ever change)."""
 
-    __slots__ = ("_tenants", "_by_digest", "_by_id", "closed")
+    __slots__ = (
+        "_tenants",
+        "_configured",
+        "_shared",
+        "_revoked",
+        "_by_digest",
+        "_by_id",
+        "closed",
+        "version",
+    )
 
     def __init__(
         self, tenants: Iterable[TenantSpec], keys: Iterable[KeySpec], api_keys: Iterable[str] = ()
@@ -243,13 +261,21 @@ class Keyring:
             if key.key_id in self._by_id:
                 raise ValueError(f"two keys have the id {key.key_id}")
             self._add(key)
+        self._configured = tuple(self._by_id.values())
+        # The shared table as this replica last knew it (`adopt`, or its own changes since).
+        self._shared: dict[str, TenantKey] = {}
+        self._revoked: set[str] = set()  # digests (hex)
+        self.version: int | None = None  # the shared table's, as last read; None: never read
         # Decided by the configuration, once: a key made through the admin API in open mode
         # names its tenant, but does not lock everyone else out.
         self.closed = bool(self._by_id)
 
     def __repr__(self) -> str:
         mode = "closed" if self.closed else "open"
-        return f"Keyring({mode}, tenants={len(self._tenants)}, keys={len(self._by_id)})"
+        return (
+            f"Keyring({mode}, tenants={len(self._tenants)}, keys={len(self._by_id)}, "
+            f"shared v{self.version})"
+        )
 
     @property
     def default(self) -> TenantSpec:
@@ -282,28 +308,95 @@ class Keyring:
         return [k for k in self._by_id.values() if k.tenant == tenant]
 
     def create(self, tenant: str) -> tuple[KeySpec, str]:
-        """A new key of `tenant`: its spec and the key itself, which is shown once and not kept."""
-        self._tenant(tenant)
-        while True:
-            key_id = "k-" + secrets.token_hex(6)
-            if key_id not in self._by_id:
-                break
-        plain, spec = self._new_key(key_id, tenant)
-        self._add(spec)
+        """A new key of `tenant`: its spec and the key itself, which is shown once and not kept.
+        Here only: the admin API writes `mint`'s key to the store first, then `put`s it."""
+        spec, plain = self.mint(tenant)
+        self.put(spec)
         return spec, plain
 
     def rotate(self, tenant: str, key_id: str) -> tuple[KeySpec, str]:
-        """A new key under the same id; the old one is refused from now on."""
-        old = self._key(tenant, key_id)
-        plain, spec = self._new_key(key_id, tenant)
-        self._remove(old)
-        self._add(spec)
+        """A new key under the same id; the old one is refused from now on (here only)."""
+        old = self.key(tenant, key_id)
+        spec, plain = self.mint(tenant, key_id)
+        self.put(spec, replaces=old)
         return spec, plain
 
     def revoke(self, tenant: str, key_id: str) -> KeySpec:
-        old = self._key(tenant, key_id)
-        self._remove(old)
+        old = self.key(tenant, key_id)
+        self.drop(old)
         return old
+
+    # -- the steps, for a caller that writes the store in between (router/admin.py) ---------
+    def mint(self, tenant: str, key_id: str | None = None) -> tuple[KeySpec, str]:
+        """A new key of `tenant` (under `key_id`, which must be one of its keys: a rotation; or
+        a fresh id), not yet in the keyring."""
+        if key_id is not None:
+            self.key(tenant, key_id)
+        else:
+            self._tenant(tenant)
+            while True:
+                key_id = "k-" + secrets.token_hex(6)
+                if key_id not in self._by_id and key_id not in self._shared:
+                    break
+        plain = "sk-dr-" + secrets.token_urlsafe(32)  # 256 random bits
+        return KeySpec(key_id, tenant, hash_key(plain), "admin"), plain
+
+    def key(self, tenant: str, key_id: str) -> KeySpec:
+        """`tenant`'s key `key_id`; raises UnknownTenant or UnknownKey."""
+        self._tenant(tenant)
+        key = self._by_id.get(key_id)
+        if key is None or key.tenant != tenant:
+            raise UnknownKey(key_id)
+        return key
+
+    def put(self, spec: KeySpec, replaces: KeySpec | None = None) -> None:
+        """`spec` in, under its id, as the store's `put_tenant_key` did: what the id held before
+        and `replaces` are revoked."""
+        before = self._by_id.get(spec.key_id)
+        for old in (before, replaces):
+            if old is not None and old.digest != spec.digest:
+                self._revoked.add(old.digest.hex())
+        self._shared[spec.key_id] = TenantKey(spec.tenant, spec.digest.hex(), spec.source)
+        self._rebuild()
+
+    def drop(self, key: KeySpec) -> None:
+        """`key` revoked, as the store's `revoke_tenant_key` did."""
+        self._revoked.add(key.digest.hex())
+        shared = self._shared.pop(key.key_id, None)
+        if shared is not None:
+            self._revoked.add(shared.digest_hex)
+        self._rebuild()
+
+    # -- the shared table ---------------------------------------------------------------------
+    def adopt(self, table: TenantKeys) -> None:
+        """Take the store's table as it is now (and its version)."""
+        self._shared = dict(table.keys)
+        self._revoked = set(table.revoked)
+        self.version = table.version
+        self._rebuild()
+
+    def shared_table(self) -> tuple[dict[str, TenantKey], set[str], int]:
+        """What this replica puts back after a store loss: the table and the revoked digests as
+        it last knew them, and that table's version (0: never read)."""
+        return dict(self._shared), set(self._revoked), self.version or 0
+
+    def _rebuild(self) -> None:
+        """The keys in force: the configured ones but those revoked or whose id the table took
+        over (a rotated configured key), then the table's. A table entry of a tenant this
+        replica does not know (configured on another replica only) is left out."""
+        revoked, shared = self._revoked, self._shared
+        by_digest: dict[bytes, KeySpec] = {}
+        by_id: dict[str, KeySpec] = {}
+        for key in self._configured:
+            if key.digest.hex() not in revoked and key.key_id not in shared:
+                by_digest[key.digest], by_id[key.key_id] = key, key
+        for key_id, entry in shared.items():
+            if entry.digest_hex in revoked or entry.tenant not in self._tenants:
+                continue
+            spec = KeySpec(key_id, entry.tenant, bytes.fromhex(entry.digest_hex), entry.source)
+            if spec.digest not in by_digest:
+                by_digest[spec.digest], by_id[key_id] = spec, spec
+        self._by_digest, self._by_id = by_digest, by_id
 
     def describe(self) -> list[dict[str, Any]]:
         """Every tenant with its settings and its keys' ids and fingerprints: no secret."""
@@ -318,31 +411,15 @@ class Keyring:
             for t in self._tenants.values()
         ]
 
-    @staticmethod
-    def _new_key(key_id: str, tenant: str) -> tuple[str, KeySpec]:
-        plain = "sk-dr-" + secrets.token_urlsafe(32)  # 256 random bits
-        return plain, KeySpec(key_id, tenant, hash_key(plain), "admin")
-
     def _tenant(self, name: str) -> TenantSpec:
         spec = self._tenants.get(name)
         if spec is None:
             raise UnknownTenant(name)
         return spec
 
-    def _key(self, tenant: str, key_id: str) -> KeySpec:
-        self._tenant(tenant)
-        key = self._by_id.get(key_id)
-        if key is None or key.tenant != tenant:
-            raise UnknownKey(key_id)
-        return key
-
     def _add(self, key: KeySpec) -> None:
         self._by_digest[key.digest] = key
         self._by_id[key.key_id] = key
-
-    def _remove(self, key: KeySpec) -> None:
-        self._by_digest.pop(key.digest, None)
-        self._by_id.pop(key.key_id, None)
 
 
 KEYRING = web.AppKey("keyring", Keyring)

@@ -9,7 +9,9 @@ What lives here:
 - the stranded-KV ledger: per prefill worker, KV built by prefill and not yet accepted by decode,
   written with the reservation (pending while its prefill runs);
 - the cluster-wide retry budget;
-- output-length histograms, so every replica's estimator learns from every completion.
+- output-length histograms, so every replica's estimator learns from every completion;
+- the tenants' API keys made, rotated or revoked through any replica's admin API (digests only,
+  never a key: `TenantKeys`).
 
 The store knows nothing of HTTP or of placement; times are seconds.
 """
@@ -28,6 +30,8 @@ __all__ = [
     "StrandIntent",
     "StrandedEntry",
     "RetryBudgetPolicy",
+    "TenantKey",
+    "TenantKeys",
     "RegistryView",
     "UsageView",
     "WorkerRole",
@@ -136,8 +140,55 @@ class DrainMark:
     since_s: float  # store clock (unix seconds) of that change; 0: unknown (an older writer)
 
 
-# `StateStore.registry_view`: (data lost, registrations, drain marks, roles).
-RegistryView = tuple[bool, dict[str, str], dict[str, DrainMark], dict[str, WorkerRole]]
+class RegistryView(tuple[bool, dict[str, str], dict[str, DrainMark], dict[str, WorkerRole]]):
+    """`StateStore.registry_view`: (data lost, registrations, drain marks, roles), and, read in
+    the same call, `keys_version`: the tenant-key table's version (`TenantKeys.version`), so a
+    replica learns that the table changed without a store call of its own. A tuple still (it
+    compares and unpacks as the 4-tuple it always was); the version rides as an attribute."""
+
+    keys_version: int
+
+    def __new__(
+        cls,
+        lost: bool,
+        workers: dict[str, str],
+        drains: dict[str, DrainMark],
+        roles: dict[str, WorkerRole],
+        keys_version: int = 0,
+    ) -> RegistryView:
+        view = super().__new__(cls, (lost, workers, drains, roles))
+        view.keys_version = keys_version
+        return view
+
+
+TENANT_KEY_SOURCES = ("admin", "config")
+
+
+@dataclass(frozen=True, slots=True)
+class TenantKey:
+    """One API key in the shared table, as its SHA-256 digest (64 lowercase hex digits): never
+    the key. `source`: "admin" (made or rotated through the admin API) or "config"."""
+
+    tenant: str
+    digest_hex: str
+    source: str = "admin"
+
+
+@dataclass(frozen=True, slots=True)
+class TenantKeys:
+    """`StateStore.tenant_keys`: the shared key table as one consistent snapshot. `version`
+    counts its changes (0: never changed, or the store lost it); `revoked` holds the digest of
+    every key revoked or rotated out (a configured key's too), so it stays refused wherever and
+    whenever a replica starts. A digest, once revoked, never comes back."""
+
+    version: int
+    keys: Mapping[str, TenantKey]  # key id -> its key
+    revoked: frozenset[str]
+
+    def __repr__(self) -> str:
+        return f"TenantKeys(v{self.version}, keys={len(self.keys)}, revoked={len(self.revoked)})"
+
+
 # `StateStore.usage_view`: (usage per decode worker, stranded bytes per prefill worker).
 UsageView = tuple[dict[str, DecodeUsage], dict[str, int]]
 
@@ -312,6 +363,32 @@ class StateStore(Protocol):
         where it has none or a lower version. A replica's stale "drained" thus never undoes
         another's later undrain, whichever puts back first."""
 
+    # -- tenants' API keys (shared by every replica; router/tenants.py) ------------------------
+    async def put_tenant_key(
+        self, key_id: str, tenant: str, digest_hex: str, source: str = "admin", replaces: str = ""
+    ) -> int:
+        """Set `key_id` to the key of digest `digest_hex`, of `tenant`, in one atomic change:
+        the digest the id held before (if another) and `replaces` (if given: a rotated
+        configured key's) are revoked with it. Returns the table's new version, or 0 when
+        `digest_hex` itself is revoked (nothing written: a revoked key never comes back)."""
+
+    async def revoke_tenant_key(self, key_id: str, digest_hex: str = "") -> int:
+        """Revoke the key `key_id` holds (and `digest_hex`, if given: a configured key's, which
+        the table does not hold) and drop the id. Returns the table's new version."""
+
+    async def tenant_keys(self) -> TenantKeys:
+        """The whole table in one consistent read (one script on Redis)."""
+
+    async def restore_tenant_keys(
+        self, keys: Mapping[str, TenantKey], revoked: Iterable[str], known_version: int
+    ) -> int:
+        """After a store loss, put back a replica's last-known table. Every replica calls this
+        with its own, so the store keeps their union, revocations first: every digest in
+        `revoked` is revoked (and an id holding one dropped), then a key is written where its id
+        is free and its digest not revoked. If that changed anything the version becomes
+        max(the store's, `known_version`) + 1, so every replica reads the table again. Returns
+        the version."""
+
     # -- lifecycle ------------------------------------------------------------------------
     async def check_marker(self, ttl_s: float) -> bool:
         """Keep a marker key alive for `ttl_s`; True when it was missing (first use, or the
@@ -326,13 +403,12 @@ class StateStore(Protocol):
 
     # -- one read for the registry sync (router/workers/registry.py)
     # -----------------------------------
-    async def registry_view(
-        self, marker_ttl_s: float
-    ) -> tuple[bool, dict[str, str], dict[str, DrainMark], dict[str, WorkerRole]]:
+    async def registry_view(self, marker_ttl_s: float) -> RegistryView:
         """`check_marker(marker_ttl_s)`, `registered_workers()`, `drain_marks()` and
         `worker_roles()` in one store call (one round trip on Redis: the keys share the
-        registry's hash tag): (data lost, registrations, drain marks, roles). A replica reads
-        this every `registry_refresh_s`, busy or idle."""
+        registry's hash tag): (data lost, registrations, drain marks, roles), with the tenant
+        keys' version as `keys_version`. A replica reads this every `registry_refresh_s`, busy
+        or idle, and the key table only when that version changed."""
 
     # -- one read for the state refresher (router/workers/refresher.py)
     # ----------------------------------

@@ -27,6 +27,9 @@ key                            type    meaning
 ``<p>{reg}:drained_at``        hash    worker id -> when it was last drained or undrained (unix s)
 ``<p>{reg}:roles``             hash    `both` worker id -> "role|version|since" (its current role)
 ``<p>{reg}:lease:<name>``      string  holder of a lease (one replica runs the role manager), TTL
+``<p>{reg}:tkeys``             hash    API key id -> "tenant|sha256 hex|source" (never a key)
+``<p>{reg}:tkeys:revoked``     set     sha256 hex of every key revoked or rotated out
+``<p>{reg}:tkeys:version``     string  the key table's version, +1 on every change
 =============================  ======  =============================================================
 
 Every key that names a worker (its ``{d:..}`` and ``{p:..}`` keys, its field in the ``{reg}``
@@ -37,6 +40,10 @@ The retry-budget hashes keep one field per second; the scripts drop fields older
 `RETRY_RETENTION_S` and give both hashes a TTL a bit over it, so a quiet cluster leaves nothing
 behind. A policy's window must therefore fit in the retention.
 
+The tenant-key table (router/tenants.py) is under the registry's tag too: each change is one
+script on one slot, and the registry sync reads its version in the registry's own round trip.
+It has no TTL: the revoked set grows by one digest per revocation or rotation (64 bytes each).
+
 Reservation and ledger hashes/zsets need no TTL: Redis deletes a hash or zset when its last field
 goes, and the scripts drop expired leases on every call.
 """
@@ -46,7 +53,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from state.base import ROLE_STATES, RetryBudgetPolicy
+from state.base import ROLE_STATES, TENANT_KEY_SOURCES, RetryBudgetPolicy
 
 __all__ = [
     "Keys",
@@ -54,6 +61,8 @@ __all__ = [
     "check_count",
     "check_lease",
     "check_policy",
+    "check_digest",
+    "check_tenant_key",
     "RETRY_RETENTION_S",
     "RETRY_TTL_S",
     "DEFAULT_PREFIX",
@@ -97,6 +106,27 @@ def check_role(role: str) -> None:
 def check_lease(lease_s: float) -> None:
     if not lease_s > 0 or math.isinf(lease_s):
         raise ValueError(f"lease_s must be a positive finite number, got {lease_s}")
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def check_tenant_key(key_id: str, tenant: str, digest_hex: str, source: str = "admin") -> None:
+    """A tenant-key record's fields: a digest is 64 lowercase hex digits (so no plain key can
+    be stored by mistake: a key of ours is longer, and not hex), no '|' (the record's separator)
+    in the tenant, a known source."""
+    check_digest(digest_hex)
+    check_id("key_id", key_id)
+    if not tenant or "|" in tenant:
+        raise ValueError(f"tenant must be a non-empty name without '|': {tenant!r}")
+    if source not in TENANT_KEY_SOURCES:
+        raise ValueError(f"source must be one of {', '.join(TENANT_KEY_SOURCES)}")
+
+
+def check_digest(digest_hex: str) -> str:
+    if len(digest_hex) != 64 or not _HEX.issuperset(digest_hex):
+        raise ValueError("a key digest must be 64 lowercase hex digits (sha256)")
+    return digest_hex
 
 
 def check_policy(policy: RetryBudgetPolicy) -> None:
@@ -207,6 +237,16 @@ class Keys:
 
     def lease(self, name: str) -> str:
         return f"{self.prefix}{{reg}}:lease:{check_id('lease', name)}"
+
+    # -- tenants' API keys (digests only) ----------------------------------------------------
+    @property
+    def tenant_keys(self) -> list[str]:
+        """The table, its revoked digests and its version, in the order the scripts take them."""
+        return [
+            f"{self.prefix}{{reg}}:tkeys",
+            f"{self.prefix}{{reg}}:tkeys:revoked",
+            f"{self.prefix}{{reg}}:tkeys:version",
+        ]
 
     # -- store-loss marker: under the registry's tag, so the shard that would lose the
     # registrations is the shard whose loss it reveals.

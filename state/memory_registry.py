@@ -1,6 +1,7 @@
 """`MemoryRegistry`: the worker registry half of `MemoryStore` — registrations, drains, the roles
-of `both` workers, the role manager's lease, the store-loss marker and the put-back after a
-loss, rule for rule as `RedisRegistry` (the conformance suite holds both to the same results).
+of `both` workers, the role manager's lease, the store-loss marker, the put-back after a loss
+and the tenants' key table, rule for rule as `RedisRegistry` (the conformance suite holds both
+to the same results).
 
 One process has one `MemoryStore`, so its marker is lost only by its TTL lapsing (nothing else
 empties it); the re-created-by-another-replica case of `RedisRegistry` cannot arise.
@@ -9,10 +10,10 @@ empties it); the re-created-by-another-replica case of `RedisRegistry` cannot ar
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
-from state.base import DrainMark, WorkerRole
-from state.keys import check_id, check_lease, check_role
+from state.base import DrainMark, RegistryView, TenantKey, TenantKeys, WorkerRole
+from state.keys import check_digest, check_id, check_lease, check_role, check_tenant_key
 
 __all__ = ["MemoryRegistry"]
 
@@ -26,6 +27,9 @@ class MemoryRegistry:
         self._roles: dict[str, WorkerRole] = {}
         self._leases: dict[str, tuple[str, float]] = {}  # name -> (holder, until)
         self._marker_until: float | None = None
+        self._tkeys: dict[str, TenantKey] = {}  # key id -> its key (digest)
+        self._trevoked: set[str] = set()
+        self._tversion = 0
 
     def _drop_worker(self, worker_id: str) -> None:
         """What the store keeps under `worker_id` outside the registry (`MemoryStore`'s)."""
@@ -119,6 +123,54 @@ class MemoryRegistry:
             if current is None or current.version < role.version:
                 self._roles[wid] = role
 
+    # -- tenants' API keys ------------------------------------------------------------------
+    async def put_tenant_key(
+        self, key_id: str, tenant: str, digest_hex: str, source: str = "admin", replaces: str = ""
+    ) -> int:
+        check_tenant_key(key_id, tenant, digest_hex, source)
+        if replaces:
+            check_digest(replaces)
+        if digest_hex in self._trevoked:
+            return 0
+        current = self._tkeys.get(key_id)
+        for old in (current.digest_hex if current else "", replaces):
+            if old and old != digest_hex:
+                self._trevoked.add(old)
+        self._tkeys[key_id] = TenantKey(tenant, digest_hex, source)
+        self._tversion += 1
+        return self._tversion
+
+    async def revoke_tenant_key(self, key_id: str, digest_hex: str = "") -> int:
+        check_id("key_id", key_id)
+        if digest_hex:
+            self._trevoked.add(check_digest(digest_hex))
+        current = self._tkeys.pop(key_id, None)
+        if current is not None:
+            self._trevoked.add(current.digest_hex)
+        self._tversion += 1
+        return self._tversion
+
+    async def tenant_keys(self) -> TenantKeys:
+        return TenantKeys(self._tversion, dict(self._tkeys), frozenset(self._trevoked))
+
+    async def restore_tenant_keys(
+        self, keys: Mapping[str, TenantKey], revoked: Iterable[str], known_version: int
+    ) -> int:
+        revoked = [check_digest(d) for d in revoked]
+        for key_id, key in keys.items():
+            check_tenant_key(key_id, key.tenant, key.digest_hex, key.source)
+        before = (dict(self._tkeys), set(self._trevoked))
+        self._trevoked.update(revoked)
+        for key_id, key in list(self._tkeys.items()):
+            if key.digest_hex in self._trevoked:
+                del self._tkeys[key_id]
+        for key_id, key in keys.items():
+            if key.digest_hex not in self._trevoked and key_id not in self._tkeys:
+                self._tkeys[key_id] = key
+        if (self._tkeys, self._trevoked) != before:
+            self._tversion = max(self._tversion, known_version) + 1
+        return self._tversion
+
     # -- lifecycle ------------------------------------------------------------------------
     async def check_marker(self, ttl_s: float) -> bool:
         now = self._clock()
@@ -127,8 +179,7 @@ class MemoryRegistry:
         return missing
 
     # -- one read for the registry sync ---------------------------------------------------------
-    async def registry_view(
-        self, marker_ttl_s: float
-    ) -> tuple[bool, dict[str, str], dict[str, DrainMark], dict[str, WorkerRole]]:
+    async def registry_view(self, marker_ttl_s: float) -> RegistryView:
         lost = await self.check_marker(marker_ttl_s)
-        return lost, dict(self._registry), await self.drain_marks(), dict(self._roles)
+        marks = await self.drain_marks()
+        return RegistryView(lost, dict(self._registry), marks, dict(self._roles), self._tversion)

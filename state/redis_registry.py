@@ -1,8 +1,9 @@
 """`RedisRegistry`: the worker registry half of `RedisStore` — registrations, drains, the roles of
-`both` workers, the role manager's lease, the store-loss marker and what a replica puts back
-after a loss. Every key here is under the registry's hash tag ``{reg}`` (state/keys.py), so a
-whole registry read is one round trip, on one cluster node; forgetting a worker also deletes
-its ``{d:..}`` and ``{p:..}`` keys (other slots: one pipeline).
+`both` workers, the role manager's lease, the store-loss marker, what a replica puts back
+after a loss, and the tenants' key table (digests only). Every key here is under the registry's
+hash tag ``{reg}`` (state/keys.py), so a whole registry read is one round trip, on one cluster
+node; forgetting a worker also deletes its ``{d:..}`` and ``{p:..}`` keys (other slots: one
+pipeline).
 
 The marker (``{reg}:marker``) holds a token written by whoever finds it missing. Each store
 object remembers the token it saw last: a different one means another replica has found the
@@ -18,8 +19,16 @@ from typing import Any
 
 from redis.commands.core import AsyncScript
 
-from state.base import DecodeUsage, DrainMark, RegistryView, UsageView, WorkerRole
-from state.keys import check_id, check_lease, check_role
+from state.base import (
+    DecodeUsage,
+    DrainMark,
+    RegistryView,
+    TenantKey,
+    TenantKeys,
+    UsageView,
+    WorkerRole,
+)
+from state.keys import check_digest, check_id, check_lease, check_role, check_tenant_key
 from state.redis_conn import Cmd, RedisConnection, raise_first, store_call, text
 from state.redis_scripts import (
     HOLD_LEASE_SCRIPT,
@@ -30,8 +39,12 @@ from state.redis_scripts import (
 from state.registry_scripts import (
     FORGET_WORKER_SCRIPT,
     MARKER_SCRIPT,
+    PUT_TENANT_KEY_SCRIPT,
+    READ_TENANT_KEYS_SCRIPT,
     REGISTRY_AND_USAGE_SCRIPT,
     RESTORE_REGISTRY_SCRIPT,
+    RESTORE_TENANT_KEYS_SCRIPT,
+    REVOKE_TENANT_KEY_SCRIPT,
     SET_DRAINED_SCRIPT,
 )
 
@@ -56,6 +69,10 @@ class RedisRegistry(RedisConnection):
         # The decode usage script once more, under the registry's own name: a cluster's quiet
         # read pipelines it beside the registry's commands (`_registry_and_usage_pipelined`).
         self._usage_of = register(USAGE_SCRIPT)
+        self._put_tkey = register(PUT_TENANT_KEY_SCRIPT)
+        self._revoke_tkey = register(REVOKE_TENANT_KEY_SCRIPT)
+        self._read_tkeys = register(READ_TENANT_KEYS_SCRIPT)
+        self._restore_tkeys = register(RESTORE_TENANT_KEYS_SCRIPT)
 
     # -- worker registry ---------------------------------------------------------------------
     @store_call
@@ -140,6 +157,44 @@ class RedisRegistry(RedisConnection):
         k = self._keys
         await self._restore(keys=[k.drained, k.drained_at, k.roles], args=args)
 
+    # -- tenants' API keys (digests only: `check_tenant_key` refuses anything else) ----------
+    @store_call
+    async def put_tenant_key(
+        self, key_id: str, tenant: str, digest_hex: str, source: str = "admin", replaces: str = ""
+    ) -> int:
+        check_tenant_key(key_id, tenant, digest_hex, source)
+        if replaces:
+            check_digest(replaces)
+        args = [key_id, f"{tenant}|{digest_hex}|{source}", digest_hex, replaces]
+        return int(await self._put_tkey(keys=self._keys.tenant_keys, args=args))
+
+    @store_call
+    async def revoke_tenant_key(self, key_id: str, digest_hex: str = "") -> int:
+        check_id("key_id", key_id)
+        if digest_hex:
+            check_digest(digest_hex)
+        return int(await self._revoke_tkey(keys=self._keys.tenant_keys, args=[key_id, digest_hex]))
+
+    @store_call
+    async def tenant_keys(self) -> TenantKeys:
+        version, table, revoked = await self._read_tkeys(keys=self._keys.tenant_keys, args=[])
+        keys = {}
+        for key_id, record in _pairs(table):
+            tenant, digest_hex, source = text(record).split("|")
+            keys[text(key_id)] = TenantKey(tenant, digest_hex, source)
+        return TenantKeys(int(version or 0), keys, frozenset(text(d) for d in revoked))
+
+    @store_call
+    async def restore_tenant_keys(
+        self, keys: Mapping[str, TenantKey], revoked: Iterable[str], known_version: int
+    ) -> int:
+        digests = [check_digest(d) for d in revoked]
+        args: list[str | int] = [int(known_version), len(digests), *digests]
+        for key_id, key in keys.items():
+            check_tenant_key(key_id, key.tenant, key.digest_hex, key.source)
+            args += [key_id, f"{key.tenant}|{key.digest_hex}|{key.source}", key.digest_hex]
+        return int(await self._restore_tkeys(keys=self._keys.tenant_keys, args=args))
+
     # -- lifecycle ------------------------------------------------------------------------
     def _marker_cmd(self, ttl_s: float) -> tuple[Cmd, str]:
         token = secrets.token_hex(8)  # fresh each time: a second loss must show as one too
@@ -173,18 +228,20 @@ class RedisRegistry(RedisConnection):
             Cmd(("SMEMBERS", k.drained), k.drained),
             Cmd(("HGETALL", k.drained_at), k.drained_at),
             Cmd(("HGETALL", k.roles), k.roles),
+            Cmd(("GET", k.tenant_keys[2]), k.tenant_keys[2]),
         ]
         return cmds, token
 
     def _registry_rows(self, rows: Sequence[Any], token: str) -> RegistryView:
         """The registry view from the answers to `_registry_cmds` (hashes as dicts or, from a
         script, as flat lists)."""
-        marker, workers, drained, times, roles = rows
-        return (
+        marker, workers, drained, times, roles, keys_version = rows
+        return RegistryView(
             self._lost(marker, token),
             {text(wid): text(blob) for wid, blob in _pairs(workers)},
             _marks(drained, dict(_pairs(times))),
             {text(wid): _role(text(rec)) for wid, rec in _pairs(roles)},
+            int(keys_version or 0),
         )
 
     # -- one read for a quiet beat --------------------------------------------------------------
@@ -199,7 +256,7 @@ class RedisRegistry(RedisConnection):
         # is read raw: hashes as flat lists). An idle replica makes this call once a second
         # (docs/benchmarks-overhead.md, "Idle with Redis").
         k = self._keys
-        keys = [k.marker, *k.registry_fields()]
+        keys = [k.marker, *k.registry_fields(), k.tenant_keys[2]]
         for wid in decode:
             keys += k.decode_worker(wid)
         keys += [k.stranded_sum(pid) for pid in prefill]
@@ -207,7 +264,7 @@ class RedisRegistry(RedisConnection):
         args: list[str | int] = [self._now(), token, max(1, int(marker_ttl_s)), len(decode)]
         rows = await self._hot_script(self._registry_and_usage, keys, args)
         usage = _usage(decode, rows[5], prefill, rows[6])
-        return self._registry_rows(rows[:5], token), usage
+        return self._registry_rows([*rows[:5], rows[7]], token), usage
 
     async def _registry_and_usage_pipelined(
         self, marker_ttl_s: float, decode: list[str], prefill: list[str]
@@ -219,8 +276,8 @@ class RedisRegistry(RedisConnection):
         cmds += [Cmd.run(self._usage_of, k.decode_worker(wid), [now]) for wid in decode]
         cmds += [Cmd(("GET", key), key) for key in map(k.stranded_sum, prefill)]
         rows = raise_first(await self._pipelined(cmds))
-        usage_rows, sums = rows[5 : 5 + len(decode)], rows[5 + len(decode) :]
-        return self._registry_rows(rows[:5], token), _usage(decode, usage_rows, prefill, sums)
+        usage_rows, sums = rows[6 : 6 + len(decode)], rows[6 + len(decode) :]
+        return self._registry_rows(rows[:6], token), _usage(decode, usage_rows, prefill, sums)
 
 
 def _pairs(answer: Any) -> Iterable[tuple[Any, Any]]:

@@ -1,5 +1,5 @@
 """The Lua scripts of the worker registry (state/redis_registry.py): the store-loss marker, drain
-marks, a replica's put-back after a loss, and forgetting a worker.
+marks, a replica's put-back after a loss, forgetting a worker, and the tenants' key table.
 
 Every script here touches the registry's keys only (hash tag ``{reg}``), so each runs on one
 Redis Cluster slot — but for `REGISTRY_AND_USAGE_SCRIPT`, a quiet replica's one read a beat,
@@ -17,6 +17,10 @@ __all__ = [
     "RESTORE_REGISTRY_SCRIPT",
     "FORGET_WORKER_SCRIPT",
     "REGISTRY_AND_USAGE_SCRIPT",
+    "PUT_TENANT_KEY_SCRIPT",
+    "REVOKE_TENANT_KEY_SCRIPT",
+    "READ_TENANT_KEYS_SCRIPT",
+    "RESTORE_TENANT_KEYS_SCRIPT",
 ]
 
 # Keep the marker alive; create it with this caller's fresh token when missing. Returns the
@@ -104,13 +108,13 @@ return was
 # keys are of several hash tags. The usage of each decode worker is `USAGE_SCRIPT` itself, run as
 # a function whose parameters shadow KEYS and ARGV, so its rule (drop expired leases, then read)
 # lives in one place.
-# KEYS[1..5] {reg}: marker, workers, drained, drained_at, roles; then 4 keys per decode worker
-# (in `Keys.decode_worker` order), then one ledger sum per prefill worker.
+# KEYS[1..5] {reg}: marker, workers, drained, drained_at, roles; KEYS[6] {reg}:tkeys:version; then
+# 4 keys per decode worker (in `Keys.decode_worker` order), then one ledger sum per prefill worker.
 # ARGV[1] now ('' = the server's clock)  ARGV[2] marker token  ARGV[3] marker TTL (s)
 # ARGV[4] n decode workers
 # Returns {marker as MARKER_SCRIPT returns it, workers (flat HGETALL), drained members, drained_at
 # (flat), roles (flat), {{capacity, reserved, live reservations} per decode worker}, {sum or
-# false per prefill worker}}.
+# false per prefill worker}, the tenant keys' version or false}.
 REGISTRY_AND_USAGE_SCRIPT = (
     _LUA_MARKER
     + "local function usage_of(KEYS, ARGV)\n"
@@ -120,14 +124,94 @@ local found = marker(KEYS[1], ARGV[2], ARGV[3])
 local n = tonumber(ARGV[4])
 local usage = {}
 for i = 0, n - 1 do
-  local k = 6 + 4 * i
+  local k = 7 + 4 * i
   usage[i + 1] = usage_of({KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]}, {ARGV[1]})
 end
 local sums = {}
-for k = 6 + 4 * n, #KEYS do
+for k = 7 + 4 * n, #KEYS do
   sums[#sums + 1] = redis.call('GET', KEYS[k])
 end
 return {found, redis.call('HGETALL', KEYS[2]), redis.call('SMEMBERS', KEYS[3]),
-        redis.call('HGETALL', KEYS[4]), redis.call('HGETALL', KEYS[5]), usage, sums}
+        redis.call('HGETALL', KEYS[4]), redis.call('HGETALL', KEYS[5]), usage, sums,
+        redis.call('GET', KEYS[6])}
+"""
+)
+
+# -- the tenants' API keys (router/tenants.py) ----------------------------------------------
+# Every script takes the same three keys, all under {reg}:
+# KEYS[1] {reg}:tkeys (id -> "tenant|digest|source")  KEYS[2] {reg}:tkeys:revoked (digests)
+# KEYS[3] {reg}:tkeys:version
+_LUA_DIGEST = """
+local function digest(rec) return string.match(rec, '^[^|]*|([^|]*)|') end
+"""
+
+# Set a key id to a new key, revoking what it held before (a rotation) and ARGV[4] (a rotated
+# configured key's digest, which the table does not hold).
+# ARGV[1] key id  ARGV[2] record "tenant|digest|source"  ARGV[3] its digest  ARGV[4] digest or ''
+# Returns the new version; 0 when ARGV[3] is revoked (nothing written).
+PUT_TENANT_KEY_SCRIPT = (
+    _LUA_DIGEST
+    + """
+if redis.call('SISMEMBER', KEYS[2], ARGV[3]) == 1 then return 0 end
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if cur and digest(cur) ~= ARGV[3] then redis.call('SADD', KEYS[2], digest(cur)) end
+if ARGV[4] ~= '' and ARGV[4] ~= ARGV[3] then redis.call('SADD', KEYS[2], ARGV[4]) end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return redis.call('INCR', KEYS[3])
+"""
+)
+
+# Revoke the key an id holds, and ARGV[2] (a configured key's digest), and drop the id.
+# ARGV[1] key id  ARGV[2] digest or ''. Returns the new version.
+REVOKE_TENANT_KEY_SCRIPT = (
+    _LUA_DIGEST
+    + """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if cur then
+  redis.call('SADD', KEYS[2], digest(cur))
+  redis.call('HDEL', KEYS[1], ARGV[1])
+end
+if ARGV[2] ~= '' then redis.call('SADD', KEYS[2], ARGV[2]) end
+return redis.call('INCR', KEYS[3])
+"""
+)
+
+# The table as one snapshot. No ARGV. Returns {version or false, table (flat), revoked digests}.
+READ_TENANT_KEYS_SCRIPT = """
+return {redis.call('GET', KEYS[3]), redis.call('HGETALL', KEYS[1]), redis.call('SMEMBERS', KEYS[2])}
+"""
+
+# A replica's last-known table, put back after a loss: the union of every replica's, revocations
+# first (a key revoked anywhere stays revoked, and an id holding a revoked digest is dropped), then
+# each key whose id is free and whose digest is not revoked. If that changed anything the version
+# becomes max(the store's, ARGV[1]) + 1 (so every replica reads the table again).
+# ARGV[1] the replica's known version  ARGV[2] n revoked digests, then the n digests, then
+# (key id, record, digest) triples to the end. Returns the version.
+RESTORE_TENANT_KEYS_SCRIPT = (
+    _LUA_DIGEST
+    + """
+local changed = 0
+local n = tonumber(ARGV[2])
+for i = 3, 2 + n do changed = changed + redis.call('SADD', KEYS[2], ARGV[i]) end
+local table_ = redis.call('HGETALL', KEYS[1])
+for j = 1, #table_, 2 do
+  if redis.call('SISMEMBER', KEYS[2], digest(table_[j + 1])) == 1 then
+    changed = changed + redis.call('HDEL', KEYS[1], table_[j])
+  end
+end
+local i = 3 + n
+while i + 2 <= #ARGV do
+  local id, rec, d = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  i = i + 3
+  if redis.call('SISMEMBER', KEYS[2], d) == 0 then
+    changed = changed + redis.call('HSETNX', KEYS[1], id, rec)
+  end
+end
+local version = tonumber(redis.call('GET', KEYS[3]) or '0')
+if changed > 0 then
+  version = math.max(version, tonumber(ARGV[1])) + 1
+  redis.call('SET', KEYS[3], version)
+end
+return version
 """
 )

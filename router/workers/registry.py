@@ -2,10 +2,13 @@
 
 Every `registry_refresh_s` (and before an admin guard decides) this replica reads the shared
 registry in one store call (`registry_view`: the loss marker, the registrations, the drain
-marks and the `both` workers' roles) and makes its membership match: a new registration joins
-(probed at once when a session is given: it enters rotation when it answers), a changed one
-replaces the old, a missing one leaves; drains and roles are applied. A store that lost its
-data is put back first (router/workers/store_loss.py), and read again.
+marks, the `both` workers' roles and the tenant keys' version) and makes its membership match:
+a new registration joins (probed at once when a session is given: it enters rotation when it
+answers), a changed one replaces the old, a missing one leaves; drains and roles are applied.
+When the tenant keys' version is not the one this replica holds, it reads the key table too (a
+second call, only then) and its keyring adopts it (router/tenants.py): a key revoked on any
+replica is refused here within one refresh. A store that lost its data is put back first
+(router/workers/store_loss.py), and read again.
 
 While the state refresher is quiet it rides on this loop's beat (router/workers/loop_timing.py):
 the beat's one store call is then `registry_and_usage_view`, the refresher's read taken along,
@@ -21,13 +24,14 @@ import aiohttp
 import orjson
 
 from router.config import ConfigError, Settings
+from router.tenants import Keyring
 from router.workers.drain import apply_drained
 from router.workers.health_probe import HealthProber
 from router.workers.loop_timing import LoopTiming, UsageRider
 from router.workers.membership import Membership
 from router.workers.store_loss import StoreLoss
 from router.workers.worker_state import WorkerState
-from state.base import RegistryView, StateStore, StoreError, UsageView
+from state.base import RegistryView, StateStore, StoreError, TenantKeys, UsageView
 
 __all__ = ["RegistrySync"]
 
@@ -43,13 +47,16 @@ class RegistrySync:
         loss: StoreLoss,
         prober: HealthProber,
         timing: LoopTiming,
+        keyring: Keyring | None = None,
     ) -> None:
+        """`keyring`: the tenants' keys, kept in step with the store's shared table."""
         self._settings = settings
         self._store = store
         self._members = members
         self._loss = loss
         self._prober = prober
         self._timing = timing
+        self._keyring = keyring
 
     def __repr__(self) -> str:
         return f"RegistrySync(every {self._settings.registry_refresh_s} s)"
@@ -58,7 +65,9 @@ class RegistrySync:
         """Adopt the registry as the store has it now; with a `session`, a newly adopted
         worker is probed at once. One store call, two after a loss."""
         view, _ = await self._read(None)
-        await self._probe(await self._adopt(view), session)
+        joined = await self._adopt(view)
+        await self._follow_keys(view)
+        await self._probe(joined, session)
 
     async def _carry(self, rider: UsageRider, session: aiohttp.ClientSession | None) -> None:
         """`sync`, the quiet refresher's read taken along in the same store call. The rider
@@ -74,6 +83,7 @@ class RegistrySync:
             joined = await self._adopt(view)
         finally:
             await rider.take_usage(usage)
+        await self._follow_keys(view)
         await self._probe(joined, session)
 
     async def _read(
@@ -124,6 +134,18 @@ class RegistrySync:
             log.warning("the store lost the roles of %s: putting them back", ", ".join(kept))
             await store.restore_registry({}, kept)
         return joined
+
+    async def _follow_keys(self, view: RegistryView) -> None:
+        """The shared key table, read only when its version (read with the registry) is not the
+        one this replica holds: an idle replica's beat stays one store call."""
+        keyring = self._keyring
+        if keyring is None or view.keys_version == keyring.version:
+            return
+        if view.keys_version == 0 and keyring.version is None:
+            keyring.adopt(TenantKeys(0, {}, frozenset()))  # never changed: nothing to read
+            return
+        keyring.adopt(await self._store.tenant_keys())
+        log.info("tenant keys: table v%s adopted (%r)", keyring.version, keyring)
 
     async def _probe(
         self, joined: list[WorkerState], session: aiohttp.ClientSession | None

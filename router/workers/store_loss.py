@@ -1,13 +1,14 @@
 """A shared store that lost its data, noticed and answered: what this replica puts back.
 
 Redis restarted empty, or a failover to an empty replica, loses every key at once: the decode
-capacities, the registry of dynamic workers, the drains and roles, the reservations and the
-stranded entries. The store keeps a marker key; a check that finds it gone (after this
-replica's first use, which sets it) means the loss, and every replica then puts back its own
-view within one refresh. The registry sync (router/workers/registry.py) reads the marker with
-the registry (and, while this replica is quiet, with the state refresher's usage: one store
-call a beat), the state refresher (router/workers/refresher.py) checks it on its own while
-busy; both hold `lock`, so one put-back runs at a time.
+capacities, the registry of dynamic workers, the drains and roles, the tenants' shared API keys
+(and revocations), the reservations and the stranded entries. The store keeps a marker key; a
+check that finds it gone (after this replica's first use, which sets it) means the loss, and
+every replica then puts back its own view within one refresh. The registry sync
+(router/workers/registry.py) reads the marker with the registry (and, while this replica is
+quiet, with the state refresher's usage: one store call a beat), the state refresher
+(router/workers/refresher.py) checks it on its own while busy; both hold `lock`, so one
+put-back runs at a time.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from router.config import Settings
+from router.tenants import Keyring
 from router.workers.drain import drain_view
 from router.workers.membership import Membership
 from state.base import StateStore
@@ -33,13 +35,15 @@ class StoreLoss:
         store: StateStore,
         members: Membership,
         on_reset: Callable[[], Awaitable[None]] | None = None,
+        keyring: Keyring | None = None,
     ) -> None:
         """`on_reset`: what else to put back after the workers' own keys (the lease keeper's
-        reservations and stranded entries)."""
+        reservations and stranded entries); `keyring`: whose shared key table to put back."""
         self._settings = settings
         self._store = store
         self._members = members
         self._on_reset = on_reset
+        self._keyring = keyring
         self.lock = asyncio.Lock()  # held by whoever reads the marker and may put back
         self._marker_seen = False
         self._put_back_owed = False
@@ -75,7 +79,8 @@ class StoreLoss:
             return False
         log.warning(
             "the state store has lost its data (restarted empty?): putting back "
-            "capacities, registrations, drains, roles, reservations and stranded entries"
+            "capacities, registrations, drains, roles, tenant keys, reservations and stranded "
+            "entries"
         )
         # Owed until done: the marker now reads as present, so a put-back cut short by a
         # store error would otherwise never be finished.
@@ -96,7 +101,20 @@ class StoreLoss:
         await self._store.restore_registry(
             drain_view(members.workers.values()), members.role_view()
         )
+        await self._put_back_keys()
         if self._on_reset is not None:
             await self._on_reset()
         self._put_back_owed = False
         return True
+
+    async def _put_back_keys(self) -> None:
+        """The tenant-key table as this replica last knew it. Every replica puts back its own
+        and the store keeps their union, revocations winning (`restore_tenant_keys`): a key
+        revoked on any replica stays revoked. Then this replica reads the table again."""
+        keyring = self._keyring
+        if keyring is None:
+            return
+        keys, revoked, version = keyring.shared_table()
+        if keys or revoked:
+            await self._store.restore_tenant_keys(keys, revoked, version)
+        keyring.version = None  # unknown: the registry sync reads it again
