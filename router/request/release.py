@@ -9,7 +9,7 @@ never renewed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from policies.base import OutputLengthEstimator, RequestInfo
@@ -49,9 +49,11 @@ class Releaser:
         info: RequestInfo | None,
         output_tokens: int | None,
         first_token_at: float | None,
+        classes: Sequence[str] | None = None,
     ) -> Record | None:
         """The answer's length, observed (metrics) and as the estimator's record; None when the
-        request produced no answer."""
+        request produced no answer. `classes`: the estimator's classes of `info` when the
+        caller has them (router/request/reserve.py `Seat.class_keys`)."""
         metrics = self.metrics
         if output_tokens is None or info is None:
             return None
@@ -66,4 +68,5 @@ class Releaser:
         # The estimator learns the length of one choice (what it estimates): an n-choice
         # answer's tokens are shared by its n choices.
         per_choice = -(-output_tokens // max(1, call.parsed.n))
-        return list(self.estimator.class_keys(info)), self.estimator.bucket_of(per_choice)
+        keys = list(self.estimator.class_keys(info) if classes is None else classes)
+        return keys, self.estimator.bucket_of(per_choice)
