@@ -355,6 +355,7 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
             timing,
             on_refresh=admission.notify,
             own_reservations=leases.reservations_by_worker,
+            queue_waits=lambda: admission.waiting > 0,
         )
         reaper = StrandedReaper(
             settings,

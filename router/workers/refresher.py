@@ -14,13 +14,13 @@ a second. A carried read that shows a change, a placement, a failed store or a s
 sync ends the ride.
 
 While busy but alone — the last read showed no reservation on these workers but this
-replica's own (`own_reservations`) — it backs off as while quiet (up to 1 s, on its beat, not
-woken by placements): its own reserves and releases already adjust its figures at once
-(router/workers/accounting.py), so a read would only tell it what it knows. This was the
-largest cost of one stream with Redis (issue 24: 10 usage reads and 11 marker checks a
-second, ~60 round trips per 2.6 s answer). The first read that shows another replica's
-reservation brings `state_refresh_s` back; the store-loss marker is checked with each of
-those reads.
+replica's own (`own_reservations`), and no request waits in the admission queue — it backs
+off as while quiet (up to 1 s, on its beat, not woken by placements): its own reserves and
+releases already adjust its figures at once (router/workers/accounting.py), so a read would
+only tell it what it knows. This was the largest cost of one stream with Redis (issue 24: 10
+usage reads and 11 marker checks a second, ~60 round trips per 2.6 s answer). The first read
+that shows another replica's reservation, or a request waiting for room, brings
+`state_refresh_s` back; the store-loss marker is checked with each of those reads.
 """
 
 from __future__ import annotations
@@ -54,9 +54,11 @@ class StateRefresher:
         timing: LoopTiming,
         on_refresh: Callable[[], None] | None = None,
         own_reservations: Callable[[], Mapping[str, int]] | None = None,
+        queue_waits: Callable[[], bool] = lambda: False,
     ) -> None:
         """`own_reservations`: this replica's live reservations per decode worker (the lease
-        keeper's); without it the refresher never counts itself alone."""
+        keeper's); without it the refresher never counts itself alone. `queue_waits`: requests
+        wait in the admission queue, whose re-checks (`on_refresh`) keep the busy cadence."""
         self._settings = settings
         self._store = store
         self._members = members
@@ -65,6 +67,7 @@ class StateRefresher:
         self._timing = timing
         self._on_refresh = on_refresh
         self._own_reservations = own_reservations
+        self._queue_waits = queue_waits
         # The last read showed no other replica's reservation on the decode workers.
         self.alone = False
         self.store_ok = False  # the store answered the last refresh
@@ -173,13 +176,17 @@ class StateRefresher:
             check_marker = interval == base or self._timing.busy()
             changed = await self._refresh_in_loop(check_marker=check_marker)
             busy = self._timing.busy()
-            if (changed or busy) and not self.alone:
+            # Waiters are re-checked at every refresh (`on_refresh`): room forecast to free
+            # (predictive admission) is seen only by a re-check inside its window, so they
+            # keep the busy cadence even when this replica is alone.
+            calm = self.alone and not self._queue_waits()
+            if (changed or busy) and not calm:
                 interval = base
                 await self._timing.beat(interval)
                 continue
             interval = min(2 * interval, idle_cap)
             if busy:  # alone: its own accounting keeps its figures true between reads
-                await self._timing.beat(interval)
+                await self._sit_out(interval, base)
                 continue
             if interval < idle_cap or not self._can_ride(idle_cap):
                 await self._timing.quiet_sleep(interval)
@@ -187,6 +194,17 @@ class StateRefresher:
                 interval = base
                 await self._timing.beat(interval)
             # else a placement, a failed store or a stopped registry sync: read now
+
+    async def _sit_out(self, interval: float, base: float) -> None:
+        """Up to `interval` without a read while busy and alone, looking on every `base` beat
+        (a wake-up, no round trip) whether that still holds: a request that starts waiting
+        for room, or the replica going quiet, ends it at the next beat."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + interval - base / 2
+        while loop.time() < end:
+            await self._timing.beat(base)
+            if self._queue_waits() or not self._timing.busy():
+                return
 
     async def _refresh_in_loop(self, check_marker: bool) -> bool:
         """One refresh of the loop; True unless it read the store and saw no change."""
