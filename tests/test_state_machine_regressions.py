@@ -86,8 +86,13 @@ async def _post(s: aiohttp.ClientSession, url: str, body: dict[str, object]) -> 
         return r.status, await r.read()
 
 
+# Not strict: whether a run shows the excess depends on which lands first after the reset, A's
+# put-back or B's new reservations, and that order follows the replicas' refresh and renewal
+# timings (a busy replica alone on its workers now reads the store at most once a second,
+# issue 24): the clean-clone CI saw both outcomes. The bug stands until the store holds new
+# reservations back after a reset (docs/reliability.md row 16).
 @pytest.mark.xfail(
-    strict=True,
+    strict=False,
     reason="after a store reset, a replica that restored the capacities admits new "
     "reservations into the room of another replica's live ones before that replica's renewal "
     "puts them back (router/leases.py renew_all, state renew_many: over capacity by design): "
