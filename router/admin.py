@@ -395,7 +395,9 @@ async def create_key(request: web.Request) -> web.Response:
         raise _lookup_error(exc) from None
     # The store first: a store that is down answers 503 (router/errors.py), nothing changed.
     if not await gw.store.put_tenant_key(key.key_id, tenant, key.digest.hex(), key.source):
-        raise Conflict("that key was revoked; try again")  # a fresh random key: never
+        # Only if the fresh random key's digest were already revoked: not expected, but the
+        # store's refusal is answered rather than assumed away.
+        raise Conflict("that key was revoked; try again")
     keyring.put(key)
     log.info("tenant %s: key %s created (%s)", tenant, key.key_id, key.fingerprint)
     return _key_answer(tenant, key, plain, 201)

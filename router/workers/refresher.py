@@ -101,7 +101,8 @@ class StateRefresher:
     async def _refresh(self, check_marker: bool) -> None:
         if check_marker:
             await self._loss.check()
-        # One store call (one round trip on one Redis): this runs 10 times a second while busy.
+        # One store call (one round trip on one Redis): every `state_refresh_s` while busy and
+        # not alone, at most once a second otherwise.
         await self._apply(await self._store.usage_view(*self.usage_ids()))
 
     def usage_ids(self) -> tuple[list[str], list[str]]:
