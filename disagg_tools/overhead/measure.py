@@ -1,6 +1,8 @@
 """One measured load run of one target, and the summary over its rounds: the client's records
 and the CPU the router, the workers and the client spent around them (sampled from /proc every
-250 ms, so the saturation phase can take the middle half of a run)."""
+250 ms, so the saturation phase can take the middle half of a run). The router's CPU is the
+scheduler's nanosecond run time (schedstat), not utime+stime: those count 10 ms ticks, and a short
+rung at one stream can spend less than one tick, which read as 0 ms per request."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Any
 from disagg_tools.overhead.overhead_client import LoadSpec, StreamRecord, run_load
 from disagg_tools.overhead.overhead_report import summarize
 from disagg_tools.overhead.targets import Workers
-from disagg_tools.procs import Child, own_cpu_s, process_tree_cpu_s
+from disagg_tools.procs import Child, own_cpu_s, process_tree_run_s
 
 __all__ = ["CpuSampler", "Segment", "combine", "measure", "steady_tokens"]
 
@@ -31,7 +33,7 @@ class CpuSampler:
     def sample(self) -> tuple[float, float, float, float]:
         s = (
             time.perf_counter(),
-            process_tree_cpu_s(self.router.pid) if self.router else 0.0,
+            process_tree_run_s(self.router.pid) if self.router else 0.0,
             self.workers.cpu_s(),
             own_cpu_s(),
         )
