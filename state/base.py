@@ -11,7 +11,9 @@ What lives here:
 - the cluster-wide retry budget;
 - output-length histograms, so every replica's estimator learns from every completion;
 - the tenants' API keys made, rotated or revoked through any replica's admin API (digests only,
-  never a key: `TenantKeys`).
+  never a key: `TenantKeys`);
+- the tenants' quotas: request and token buckets, and the decode blocks each tenant holds
+  (state/quotas.py).
 
 The store knows nothing of HTTP or of placement; times are seconds.
 """
@@ -21,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+
+from state.quotas import Quota, QuotaTaken
 
 __all__ = [
     "DecodeUsage",
@@ -388,6 +392,31 @@ class StateStore(Protocol):
         is free and its digest not revoked. If that changed anything the version becomes
         max(the store's, `known_version`) + 1, so every replica reads the table again. Returns
         the version."""
+
+    # -- tenants' quotas (state/quotas.py: the rules) -------------------------------------------
+    async def take_quota(
+        self,
+        tenant: str,
+        quota: Quota,
+        hold_id: str,
+        tokens: int,
+        blocks: int,
+        lease_s: float,
+        ends_in_s: float,
+    ) -> QuotaTaken:
+        """Atomically, for `tenant` under `quota`: one request, `tokens` tokens and (where
+        blocks are limited) a hold of `blocks` under `hold_id` for `lease_s`, expected to end in
+        `ends_in_s` — all of them, or nothing and the limit that refused with when to retry."""
+
+    async def settle_quota(self, tenant: str, quota: Quota, hold_id: str, correction: int) -> int:
+        """A request of `tenant` ended: drop its hold (`hold_id`; "" for none) and correct its
+        tokens by `correction` (actual − charged). Returns the blocks the hold had (0: gone)."""
+
+    async def renew_quota_holds(
+        self, tenant: str, holds: Mapping[str, int], lease_s: float
+    ) -> list[str]:
+        """Extend the leases of `tenant`'s holds `holds` ({id: blocks}) in one call; one the
+        store lost is put back. Returns the ids put back."""
 
     # -- lifecycle ------------------------------------------------------------------------
     async def check_marker(self, ttl_s: float) -> bool:

@@ -30,6 +30,10 @@ key                            type    meaning
 ``<p>{reg}:tkeys``             hash    API key id -> "tenant|sha256 hex|source" (never a key)
 ``<p>{reg}:tkeys:revoked``     set     sha256 hex of every key revoked or rotated out
 ``<p>{reg}:tkeys:version``     string  the key table's version, +1 on every change
+``<p>{t:<tenant>}:q``          hash    a tenant's quota buckets (levels, when) (state/quotas.py)
+``<p>{t:<tenant>}:holds``      hash    quota hold id -> "blocks|expected end" (blocks limited)
+``<p>{t:<tenant>}:hexp``       zset    quota hold id -> lease expiry (unix s)
+``<p>{t:<tenant>}:hsum``       string  sum of the ``:holds`` blocks
 =============================  ======  =============================================================
 
 Every key that names a worker (its ``{d:..}`` and ``{p:..}`` keys, its field in the ``{reg}``
@@ -247,6 +251,12 @@ class Keys:
             f"{self.prefix}{{reg}}:tkeys:revoked",
             f"{self.prefix}{{reg}}:tkeys:version",
         ]
+
+    # -- tenants' quotas ------------------------------------------------------------------
+    def tenant_quota(self, tenant: str) -> list[str]:
+        """A tenant's quota keys, in the order the quota scripts take them (one hash tag)."""
+        base = f"{self.prefix}{{t:{check_id('tenant', tenant)}}}"
+        return [f"{base}:q", f"{base}:holds", f"{base}:hexp", f"{base}:hsum"]
 
     # -- store-loss marker: under the registry's tag, so the shard that would lose the
     # registrations is the shard whose loss it reveals.

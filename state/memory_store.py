@@ -37,7 +37,9 @@ from state.keys import (
     check_lease,
     check_policy,
 )
+from state.memory_quotas import MemoryQuotas
 from state.memory_registry import MemoryRegistry
+from state.quotas import Buckets
 
 __all__ = ["MemoryStore"]
 
@@ -106,7 +108,7 @@ class _Buckets:
         return sum(n for s, n in self._counts.items() if s >= first)
 
 
-class MemoryStore(MemoryRegistry):
+class MemoryStore(MemoryRegistry, MemoryQuotas):
     """The `StateStore` in this process's memory (the registry, drains, roles and the marker
     are `MemoryRegistry`'s)."""
 
@@ -117,6 +119,7 @@ class MemoryStore(MemoryRegistry):
         self._requests = _Buckets()
         self._retries = _Buckets()
         self._outputs: dict[str, Counter[int]] = {}
+        self._quotas: dict[str, Buckets] = {}  # tenant -> its quota state (MemoryQuotas)
 
     def _drop_worker(self, worker_id: str) -> None:
         self._decode.pop(worker_id, None)

@@ -53,6 +53,7 @@ from state.redis_conn import (
     store_call,
     text,
 )
+from state.redis_quotas import RedisQuotas
 from state.redis_registry import RedisRegistry
 from state.redis_scripts import (
     MARK_READY_SCRIPT,
@@ -72,13 +73,15 @@ from state.redis_scripts import (
 __all__ = ["RedisStore"]
 
 
-class RedisStore(RedisRegistry):
+class RedisStore(RedisRegistry, RedisQuotas):
     """The `StateStore` on Redis or Redis Cluster (see `RedisConnection` for the client; the
-    registry, drains, roles and the store-loss marker are `RedisRegistry`'s)."""
+    registry, drains, roles and the store-loss marker are `RedisRegistry`'s, the tenants' quotas
+    `RedisQuotas`')."""
 
     def _register_scripts(self, register: Callable[[str], AsyncScript]) -> None:
         """Each script once per client (redis-py loads it on a node at its first NOSCRIPT)."""
         super()._register_scripts(register)
+        self._register_quota_scripts(register)
         self._reserve = register(RESERVE_SCRIPT)
         self._renew = register(RENEW_SCRIPT)
         self._renew_many = register(RENEW_MANY_SCRIPT)
