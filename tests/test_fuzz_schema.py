@@ -44,6 +44,7 @@ from schemathesis.core.result import Ok
 from tests.conftest import MODEL, sim_cluster
 
 ADMIN_TOKEN = "fuzz-admin-token"
+TENANT = "t1"
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES") or 0) or 40  # per operation and mode
 CALL_TIMEOUT_S = 20.0
 # Loopback and refused: a fuzzed registration may name any URL, and the router health-probes
@@ -98,13 +99,18 @@ CHECKS = [
 ]
 
 
-def specialised_document(served: set[tuple[str, str]]) -> dict[str, Any]:
+def specialised_document(served: set[tuple[str, str]], key_ids: list[str]) -> dict[str, Any]:
     """The shipped document, for this cluster: the model names are configuration (the document
     says "any of GET /v1/models"), so name the one model served, or nearly every generated
-    request would be a 404 that never reaches a worker. Operations the app does not register
-    (none, when the document and the app agree: test_openapi.py) are left out."""
+    request would be a 404 that never reaches a worker; so are the tenants, and the key ids
+    are made at run time (`key_ids`: made before the fuzzing starts), so the tenant routes
+    name those (their negative cases, any other name: a 404). Operations the app does not
+    register (none, when the document and the app agree: test_openapi.py) are left out."""
     doc = json.loads(json.dumps(_DOC))
     doc["components"]["schemas"]["ModelName"] = {"enum": [MODEL]}
+    params = doc["components"]["parameters"]
+    params["TenantName"]["schema"] = {"enum": [TENANT, "default"]}
+    params["KeyId"]["schema"] = {"enum": key_ids}
     for path in list(doc["paths"]):
         item = doc["paths"][path]
         for method in list(item):
@@ -178,12 +184,24 @@ def _fuzz_operation(
         tally.failures.append(f"{label}:\n{exc}")
 
 
+def made_keys(base_url: str, auth: dict[str, str]) -> list[str]:
+    """The ids of two keys of TENANT made through the admin API: one for the rotations, one
+    for the revocations (the first revocation takes its key; the rest are 404s)."""
+    ids = []
+    for _ in range(2):
+        r = requests.post(f"{base_url}/admin/tenants/{TENANT}/keys", headers=auth, timeout=5)
+        assert r.status_code == 201, r.text
+        ids.append(r.json()["id"])
+    return ids
+
+
 def fuzz(base_url: str, served: set[tuple[str, str]], bridge: LoopBridge, gw: Any) -> Tally:
     # Unmasked reports: "max_tokens" and "X-Expected-Output-Tokens" look like secrets to it.
     config = schemathesis.Config.from_dict({"output": {"sanitization": {"enabled": False}}})
-    schema = schemathesis.openapi.from_dict(specialised_document(served), config=config)
-    tally = Tally()
     auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    document = specialised_document(served, made_keys(base_url, auth))
+    schema = schemathesis.openapi.from_dict(document, config=config)
+    tally = Tally()
 
     def remove_registered(case: Any, response: Any) -> None:
         """A worker a case registered leaves at once: later cases see the configured pools."""
@@ -237,6 +255,9 @@ async def test_schemathesis_against_a_live_router(redis_prefix: str) -> None:
         time_scale=2000.0,
         max_model_len=2048,
         admin_token=ADMIN_TOKEN,
+        # A tenant without configured keys: the router stays open (the generation routes take
+        # no key), and the tenant routes have a tenant and keys to work on.
+        tenants=[{"name": TENANT, "weight": 2}],
     ) as cluster:
         served = {
             (r.method, r.resource.canonical)
