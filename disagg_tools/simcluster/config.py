@@ -78,6 +78,9 @@ class ClusterConfig:
     admission: Admission = "instant"
     # Requests the policy rejects wait here (FIFO) until room or their TTFT deadline.
     queue_limit: int = 1024
+    # Longest wait in the admission queue (the router's `admission.max_wait_s`); None: the TTFT
+    # SLO, as before. A fairness run waits longer so that backlogged tenants stay backlogged.
+    max_wait_s: float | None = None
     # Backpressure: a prefill worker does not start a prompt whose KV would push its stranded
     # bytes past this (0 = no cap). A single prompt larger than the cap still runs alone.
     stranded_cap_bytes: int = 0
@@ -258,6 +261,7 @@ class ClusterKnobs(TypedDict, total=False):
     on_full: OnFull
     admission: Admission
     queue_limit: int
+    max_wait_s: float | None
     stranded_cap_bytes: int
     prefix_cache_blocks: int
     prefix_block_tokens: int

@@ -9,6 +9,7 @@ One request's life in the simulator:
 
     ARRIVAL ─ estimate ─ place ─ reserve on D ─┬─ prefill FIFO on P ─ KV stranded on P ─ handoff
             └─ rejected: admission queue (FIFO, bounded) ─ room / TTFT deadline ─> 429
+    (with a `fairness` policy the queue is in its order, as the router's: fair_queue.py)
     handoff ─ D has room (or on_full="preempt") ─ transfer over the P→D link ─ join D's batch
             └─ on_full="refuse": KV waits stranded on P until D frees blocks
     decode: one event per step per worker advances its whole batch; a sequence that outgrows its
@@ -31,13 +32,14 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 from typing import Protocol
 
 from disagg_tools.simcluster.config import ClusterConfig, SimWorkerSpec
 from disagg_tools.simcluster.events import EventQueue
+from disagg_tools.simcluster.fair_queue import FairQueue, actual_cost
 from disagg_tools.simcluster.feedback import Feedback
 from disagg_tools.simcluster.metrics import GapHistogram, Outcome, RequestRecord, SimResult
 from disagg_tools.simcluster.prefix_facts import PrefixFacts
@@ -46,12 +48,14 @@ from disagg_tools.simcluster.workers import DecodeWorker, Job, PrefillWorker, qu
 from policies.base import (
     ClusterView,
     DecodeView,
+    FairnessPolicy,
     OutputEstimate,
     OutputLengthEstimator,
     Placement,
     PlacementPolicy,
     RequestInfo,
     RolePolicy,
+    Tenant,
     blocks_for,
 )
 
@@ -85,9 +89,19 @@ class _Engine:
         rate_scale: float,
         send_hints: bool | None,
         role_policy: RolePolicy | None = None,
+        fairness: FairnessPolicy | None = None,
+        tenants: Mapping[str, Tenant] | None = None,
+        charge_times: tuple[float, float] | None = None,
     ) -> None:
         if rate_scale <= 0:
             raise ValueError(f"rate_scale must be > 0, got {rate_scale}")
+        if fairness is not None and config.elastic:
+            raise ValueError("a fairness policy is not simulated on an elastic cluster (yet)")
+        self.fair = (
+            None
+            if fairness is None
+            else FairQueue(fairness, tenants or {}, *(charge_times or (slo_tpot_s, slo_ttft_s)))
+        )
         self.cfg = config
         self.policy = policy
         self.estimator = estimator if config.reserve else None
@@ -185,6 +199,7 @@ class _Engine:
             arrival = (r.arrival_s - t0) / rate_scale
             job = Job(i, arrival, max(1, int(r.prompt_tokens)), out, tuple(r.prefix_hash_ids))
             job.kv_bytes = job.prompt * self.kvbpt
+            job.tenant = getattr(r, "tenant", "")
             self.events.at(arrival, self._arrive, job)
         if self.roles is not None and requests:
             self.roles.start()
@@ -243,15 +258,25 @@ class _Engine:
         if self.roles is not None:
             self.roles.on_arrival(self.now, job)
         self._estimate(job)
-        job.deadline = job.arrival + self.slo_ttft_s
-        if self.q_live == 0 and self._admit(job):
+        job.deadline = job.arrival + (self.slo_ttft_s if cfg.max_wait_s is None else cfg.max_wait_s)
+        fair = self.fair
+        if fair is not None:
+            fair.arrived(job)
+            # Under a fair order an arrival queues while anything waits (fair_queue.py).
+            if not (fair.queue_first and self.q_live) and self._admit(job):
+                fair.admitted(job)
+                return
+        elif self.q_live == 0 and self._admit(job):
             return
         if self.q_live >= cfg.queue_limit:
             self._finish(job, "rejected", "admission queue full")
             return
         job.queued = True
         job.queued_at = self.now
-        self.queue.append(job)
+        if fair is not None:
+            fair.wait(job, self.now)
+        else:
+            self.queue.append(job)
         self.q_live += 1
         self.c_queued += 1
         self.events.at(job.deadline, self._deadline, job)
@@ -386,6 +411,9 @@ class _Engine:
         self._start_prefill(p)
 
     def _drain_queue(self) -> None:
+        if self.fair is not None:
+            self.q_live -= self.fair.drain(self.now, self._admit)
+            return
         q = self.queue
         while q:
             job = q[0]
@@ -402,6 +430,8 @@ class _Engine:
         if job.queued:
             job.queued = False
             self.q_live -= 1
+            if self.fair is not None:
+                self.fair.withdraw(job)
             self._finish(job, "rejected", "no room before the TTFT deadline")
 
     # -- prefill side ------------------------------------------------------------------------
@@ -531,6 +561,12 @@ class _Engine:
         self.t_last = self.now
         ok = outcome == "ok"
         n = job.out
+        block_s = 0.0
+        if job.charge is not None and self.fair is not None:
+            # Settled before the release's drain picks the next one (router/request/lifecycle.py).
+            cost = actual_cost(job, self.now, ok)
+            self.fair.settle(job, cost)
+            block_s = cost.decode_block_s
         self.records[job.idx] = RequestRecord(
             index=job.idx,
             arrival_s=job.arrival,
@@ -545,6 +581,8 @@ class _Engine:
             preemptions=job.preemptions,
             refusals=job.refusals,
             reason=reason,
+            tenant=job.tenant,
+            decode_block_s=block_s,
         )
         job.info = None  # keep memory per finished request small
 
@@ -611,14 +649,24 @@ def simulate(
     rate_scale: float = 1.0,
     send_hints: bool | None = None,
     role_policy: RolePolicy | None = None,
+    fairness: FairnessPolicy | None = None,
+    tenants: Mapping[str, Tenant] | None = None,
+    charge_times: tuple[float, float] | None = None,
 ) -> SimResult:
     """Replay `requests` (arrival times divided by `rate_scale`) through the cluster.
 
     `policy` and `estimator` are used as given (the caller builds fresh ones per run when they
-    keep state, e.g. round-robin's counter). The admission-queue deadline is the TTFT SLO.
+    keep state, e.g. round-robin's counter). The admission-queue deadline is the TTFT SLO
+    (or `ClusterConfig.max_wait_s`).
     `send_hints` puts each request's true output length in `RequestInfo.hint_output_tokens`
     (None = only for an estimator named "oracle"). `role_policy` moves workers between the
     pools of an elastic cluster (`ClusterConfig.elastic`; default there: static).
+    `fairness` (a `policies.base.FairnessPolicy`, e.g. `load_fairness("vtc")`) orders the
+    admission queue as the router does (disagg_tools.simcluster.fair_queue); each request's
+    `tenant` attribute (disagg_tools.simcluster.tenants) names its tenant in `tenants` (one not
+    there: weight 1, class 0). Without it the queue is FIFO with head-of-line blocking, as before.
+    `charge_times` = (step_s, ttft_s) the admission charge is estimated with (`estimate_cost`;
+    the router passes its `scaling.itl_slo_s` and `ttft_slo_s`); None: the TPOT and TTFT SLOs.
     """
     engine = _Engine(
         requests,
@@ -631,5 +679,8 @@ def simulate(
         rate_scale,
         send_hints,
         role_policy,
+        fairness,
+        tenants,
+        charge_times,
     )
     return engine.run()

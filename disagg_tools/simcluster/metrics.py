@@ -136,6 +136,9 @@ class RequestRecord:
     preemptions: int = 0
     refusals: int = 0  # handoffs D refused while the KV waited on P
     reason: str = ""
+    tenant: str = ""  # who it was for (a run with tenants: disagg_tools.simcluster.tenants)
+    # What its reservation took, as the fairness policy was settled with it (0 if never admitted).
+    decode_block_s: float = 0.0
 
     def meets(self, slo_ttft_s: float, slo_tpot_s: float) -> bool:
         return (

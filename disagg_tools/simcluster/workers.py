@@ -27,7 +27,15 @@ from collections.abc import Callable
 from itertools import count
 
 from disagg_tools.simcluster.config import SimWorkerSpec
-from policies.base import DecodeView, KVLayout, PrefillView, RequestInfo, blocks_for
+from policies.base import (
+    Charge,
+    DecodeView,
+    KVLayout,
+    PrefillView,
+    RequestInfo,
+    WaitingRequest,
+    blocks_for,
+)
 from policies.costmodel import PerfModel
 
 __all__ = ["Job", "PrefillWorker", "DecodeWorker", "quantize"]
@@ -43,7 +51,7 @@ class Job:
         "deadline", "queued", "queued_at", "admitted_at", "done",
         "p", "d", "res", "alloc", "ctx0", "gen", "s0", "phase", "over", "ver",
         "first_t", "last_t", "max_gap", "preemptions", "refusals", "kv_bytes", "exp_end",
-        "local",
+        "local", "tenant", "waiting", "charge",
     )  # fmt: skip
 
     def __init__(self, idx: int, arrival: float, prompt: int, out: int, hashes: tuple[int, ...]):
@@ -78,6 +86,11 @@ class Job:
         self.kv_bytes = 0
         self.exp_end = 0.0
         self.local = False  # needs a local prefill on d (recompute or conditional disagg.)
+        # Who it is for, and what the fairness policy knows of it (disagg_tools.simcluster.
+        # fair_queue): its place in line and estimated cost, then what it charged.
+        self.tenant = ""
+        self.waiting: WaitingRequest | None = None
+        self.charge: Charge | None = None
 
     def __repr__(self) -> str:
         return f"Job({self.idx}, prompt={self.prompt}, out={self.out}, gen={self.gen})"

@@ -1,0 +1,122 @@
+"""The simulator's admission queue in a fairness policy's order (issue 25), as the router runs it.
+
+The same `policies.base.FairnessPolicy` object the router loads (`policies.registry.
+load_fairness`), driven the way router/admission.py, router/request/reserve.py and
+router/request/lifecycle.py drive it:
+
+- a request is charged its estimate when it gets its room (`estimate_cost(info, step_s,
+  ttft_s)`: the router passes its ITL and TTFT SLOs, the simulator its TPOT and TTFT SLOs) and
+  settled with its actual cost when its reservation is released (`actual_cost`: the blocks it
+  held, as grown, for the time from its reservation to its release, and its prompt tokens);
+- under any order but `fifo` an arrival queues while anything waits (`queue_first`: the
+  policy must see every admission or its shares do not hold); under `fifo` an arrival that
+  finds room goes first, as today;
+- when room may have appeared (a release, a handoff, an eviction) the queue is offered to the
+  policy's `pick`: a waiter that does not fit is skipped and the next one tried, at most
+  `BACKFILL` failed tries a round (the router's wake-up budget); an admission starts a new
+  round, as the router's `notify` after a successful reservation does;
+- a request whose TTFT deadline passes while it waits is withdrawn (the router's 429).
+
+The engine (`disagg_tools.simcluster.engine`) keeps its own FIFO deque when no policy is given,
+so runs without tenants are unchanged.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+
+from disagg_tools.simcluster.workers import Job
+from policies.base import AdmissionCost, FairnessPolicy, Tenant, WaitingRequest, blocks_for
+from policies.fairness import estimate_cost
+
+__all__ = ["BACKFILL", "FairQueue", "actual_cost"]
+
+# router/admission.py's BACKFILL: waiters one wake-up may reach while each finds no room.
+BACKFILL = 8
+
+
+def actual_cost(job: Job, now: float, completed: bool) -> AdmissionCost:
+    """What the job's reservation took, at its release (router/request/reserve.py
+    `actual_cost`): its blocks as grown — the reservation, or what a completed answer came to
+    hold when it outgrew it — for the time since its reservation, and its prompt tokens."""
+    blocks = job.res
+    if completed and job.d is not None:
+        blocks = max(blocks, blocks_for(job.prompt + job.out, job.d.bs))
+    return AdmissionCost(blocks * max(0.0, now - job.admitted_at), job.prompt)
+
+
+class FairQueue:
+    """The waiting jobs, in `policy`'s order, and what it charged the admitted ones."""
+
+    __slots__ = ("policy", "queue_first", "_tenants", "_jobs", "_tickets", "_step_s", "_ttft_s")
+
+    def __init__(
+        self,
+        policy: FairnessPolicy,
+        tenants: Mapping[str, Tenant],
+        step_s: float,
+        ttft_s: float,
+    ) -> None:
+        self.policy = policy
+        self.queue_first = policy.name != "fifo"
+        self._tenants = dict(tenants)
+        self._jobs: dict[int, Job] = {}  # ticket -> job, while it is in the policy
+        self._tickets = itertools.count()
+        self._step_s = step_s
+        self._ttft_s = ttft_s
+
+    def __repr__(self) -> str:
+        return f"FairQueue(waiting={len(self._jobs)}, {self.policy!r})"
+
+    def tenant(self, name: str) -> Tenant:
+        """A tenant of the table; one it does not name has weight 1, class 0."""
+        tenant = self._tenants.get(name)
+        if tenant is None:
+            tenant = self._tenants[name] = Tenant(name)
+        return tenant
+
+    def arrived(self, job: Job) -> None:
+        """The job (estimated) asks for admission: its ticket and estimated cost."""
+        assert job.info is not None
+        tenant = self.tenant(job.tenant)
+        cost = estimate_cost(job.info, self._step_s, self._ttft_s)
+        job.waiting = WaitingRequest(next(self._tickets), tenant, tenant.priority, cost)
+
+    def wait(self, job: Job, now: float) -> None:
+        assert job.waiting is not None
+        job.waiting = replace(job.waiting, since_s=now)
+        self._jobs[job.waiting.ticket] = job
+        self.policy.enqueue(job.waiting)
+
+    def admitted(self, job: Job) -> None:
+        """It got its room (waited or not): its tenant is charged the estimate."""
+        assert job.waiting is not None
+        self._jobs.pop(job.waiting.ticket, None)
+        job.charge = self.policy.admit(job.waiting)
+
+    def withdraw(self, job: Job) -> None:
+        if job.waiting is not None and self._jobs.pop(job.waiting.ticket, None) is not None:
+            self.policy.withdraw(job.waiting.ticket)
+
+    def settle(self, job: Job, actual: AdmissionCost) -> None:
+        """Its reservation is released: the charge is corrected to `actual`."""
+        if job.charge is not None:
+            self.policy.settle(job.charge, actual)
+            job.charge = None
+
+    def drain(self, now: float, try_admit: Callable[[Job], bool]) -> int:
+        """Offer the room to the waiters in the policy's order; returns how many got in."""
+        admitted = 0
+        skip: set[int] = set()
+        while len(skip) < BACKFILL and (chosen := self.policy.pick(now, skip)) is not None:
+            job = self._jobs[chosen.ticket]
+            if not try_admit(job):
+                skip.add(chosen.ticket)
+                continue
+            job.queued = False
+            self.admitted(job)
+            admitted += 1
+            skip.clear()  # a new wake-up: from the head of the line again
+        return admitted
