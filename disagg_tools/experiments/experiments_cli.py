@@ -5,6 +5,8 @@ command here (the live validation is `python -m disagg_tools.launcher.validate`)
                                                  [--shapes 8b-2p6d,70b-4p4d]
     python -m disagg_tools.experiments admission
     python -m disagg_tools.experiments scaling   [--sizes 16,64,256,1000]
+    python -m disagg_tools.experiments flood     [--tenants 2,10,1000] [--duration 80]
+                                                 (tenants under a flood: experiments/flood.py)
     python -m disagg_tools.experiments all       (the three above, then the Markdown tables)
     python -m disagg_tools.experiments tables    (every table again from the JSON under --out)
     python -m disagg_tools.experiments plots     (the PNGs again from policies.json)
@@ -24,6 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from disagg_tools.experiments import flood
 from disagg_tools.experiments.simruns import admission_comparison, policy_comparison, scaling
 from disagg_tools.experiments.specs import CASES, SHAPES, TRACES, VARIANTS
 from disagg_tools.experiments.tables import (
@@ -56,7 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("what", choices=("policies", "admission", "scaling", "all", "tables", "plots"))
+    ap.add_argument(
+        "what", choices=("policies", "admission", "scaling", "flood", "all", "tables", "plots")
+    )
     ap.add_argument("--traces", default=",".join(TRACES))
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--cases", default=None, help="comma-separated case labels (default: all)")
@@ -76,6 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="admission: trace:shape:rate_scale,... (default: see the function)",
     )
+    ap.add_argument("--tenants", default="2,10,1000", help="flood: convergence tenant counts")
+    ap.add_argument("--duration", type=float, default=80.0, help="flood: arrivals stop (s)")
+    ap.add_argument("--seed", type=int, default=0, help="flood: the runs' seed")
     ap.add_argument("--out", default="bench-results")
     ap.add_argument("--tag", default="", help="suffix for the JSON file names")
     ap.add_argument("--img", default="docs/img")
@@ -116,6 +124,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         write_json(out, "scaling" + ("-per-worker" if ns.per_worker_load else ""), rows)
         print(scaling_table(rows), flush=True)
+    if ns.what == "flood":
+        setup = flood.FloodSetup(duration_s=ns.duration, seed=ns.seed)
+        fdata = flood.run(setup, [int(x) for x in ns.tenants.split(",") if x])
+        write_json(out, "flood" + ("-" + ns.tag if ns.tag else ""), fdata)
+        print(flood.report(fdata), flush=True)
     if ns.what == "plots":  # again from policies.json, without re-running anything
         data = json.loads((out / "policies.json").read_text())
         for t, s in sorted({(r["trace"], r["shape"]) for r in data["goodput"]}):

@@ -1,0 +1,307 @@
+"""Tenants under a flood (issue 25), in the cluster simulator: isolation and share convergence.
+
+    python -m disagg_tools.experiments flood [--duration 90] [--tenants 2,10,1000]
+
+**Isolation.** A victim at its share (weight 1 of 2: half the cluster's capacity) and an
+aggressor at ten times its own (five times the capacity) on a decode-bound cluster; the victim
+alone first, then both, under `fifo` and `vtc`. Per tenant: TTFT p99, goodput (requests/s
+meeting both SLOs) and its ratio to the victim's solo run, served requests/s, 429s.
+
+**Convergence.** N tenants (2, 10, 1,000), weights 1..4 (2: 1 and 3), every one offered more
+than its share, admission waits up to `max_wait_s` so all stay backlogged; over a minute of
+saturation after a warm-up, each tenant's served share against its weight share: the max
+relative deviation |served − w/Σw| / (w/Σw) over the policy's units (decode block-seconds +
+prefill tokens, the settled actual cost of the requests admitted in the window) and over
+requests.
+
+The capacity the shares are fractions of is measured, not assumed: one tenant flooding the
+cluster, its served requests/s over the window (`capacity`). Every run is deterministic under
+`--seed`; the runs are `disagg_tools.simcluster.engine.simulate` with the policies the router
+loads (`load_fairness`, `load_policy`, `load_estimator`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from disagg_tools.experiments.specs import TRACES
+from disagg_tools.simcluster.config import ClusterConfig
+from disagg_tools.simcluster.engine import simulate
+from disagg_tools.simcluster.metrics import RequestRecord, SimResult, percentile
+from disagg_tools.simcluster.tenants import (
+    TenantLoad,
+    TenantRequest,
+    tenant_streams,
+    tenant_table,
+)
+from disagg_tools.traces import TraceRequest
+from policies.registry import load_estimator, load_fairness, load_policy
+
+__all__ = [
+    "FloodSetup",
+    "capacity",
+    "convergence",
+    "isolation",
+    "run_mix",
+    "share_deviation",
+    "tenant_row",
+]
+
+# (label, fairness policy, charge times): the router's two orders as it runs them, and vtc
+# charged no block-seconds up front (prefill tokens at admission, the block-seconds at the
+# settle): the ablation that shows where the victim's share goes (docs/benchmarks.md).
+POLICIES: tuple[tuple[str, str, tuple[float, float]], ...] = (
+    ("fifo", "fifo", (0.05, 2.0)),
+    ("vtc", "vtc", (0.05, 2.0)),
+    ("vtc, no up-front block-s", "vtc", (0.0, 0.0)),
+)
+# What the router charges an admission with: estimate_cost(info, scaling.itl_slo_s,
+# scaling.ttft_slo_s), the defaults of policies/scaling.py (router/request/reserve.py).
+ROUTER_CHARGE = (0.05, 2.0)
+
+
+@dataclass(frozen=True, slots=True)
+class FloodSetup:
+    """The cluster, the workload's lengths and the windows every flood run shares."""
+
+    n_prefill: int = 2
+    n_decode: int = 2
+    capacity_blocks: int = 3000  # per decode worker: small, so decode room is what is scarce
+    trace: str = "conv"
+    pool: int = 2000  # requests of the trace the lengths are drawn from
+    warmup_s: float = 20.0  # arrivals before this are not measured
+    duration_s: float = 80.0  # arrivals stop here: a minute measured after the warm-up
+    max_wait_s: float = 2.0  # admission wait (the victim's runs: its TTFT SLO)
+    seed: int = 0
+
+    def config(self, scale: int = 1, **kw: Any) -> ClusterConfig:
+        kw.setdefault("max_wait_s", self.max_wait_s)
+        return ClusterConfig.homogeneous(
+            self.n_prefill * scale,
+            self.n_decode * scale,
+            capacity_blocks=self.capacity_blocks,
+            queue_limit=1_000_000,
+            **kw,
+        )
+
+    def lengths(self) -> list[TraceRequest]:
+        return TRACES[self.trace].load(self.pool)
+
+    @property
+    def slo_ttft_s(self) -> float:
+        return TRACES[self.trace].slo_ttft_s
+
+    @property
+    def slo_tpot_s(self) -> float:
+        return TRACES[self.trace].slo_tpot_s
+
+
+def run_mix(
+    setup: FloodSetup,
+    mix: Sequence[TenantLoad],
+    fairness: str,
+    pool: Sequence[TraceRequest],
+    charge_times: tuple[float, float] = ROUTER_CHARGE,
+    **config: Any,
+) -> tuple[list[TenantRequest], SimResult]:
+    """One run of the mix under `fairness`, every policy object fresh; admissions charged
+    with `estimate_cost` at `charge_times` = (step_s, ttft_s)."""
+    reqs = tenant_streams(pool, mix, setup.duration_s, setup.seed)
+    res = simulate(
+        reqs,
+        setup.config(**config),
+        load_policy("two_sided"),
+        load_estimator("online_quantile"),
+        seed=setup.seed,
+        slo_ttft_s=setup.slo_ttft_s,
+        slo_tpot_s=setup.slo_tpot_s,
+        fairness=load_fairness(fairness),
+        tenants=tenant_table(mix),
+        charge_times=charge_times,
+    )
+    return reqs, res
+
+
+def _window(setup: FloodSetup, r: RequestRecord) -> bool:
+    return setup.warmup_s <= r.arrival_s < setup.duration_s
+
+
+def capacity(setup: FloodSetup, pool: Sequence[TraceRequest], rate: float = 100.0) -> float:
+    """Requests/s the cluster serves to one tenant flooding it (arrivals in the window)."""
+    mix = (TenantLoad("flood", 1.0, rate),)
+    _, res = run_mix(setup, mix, "fifo", pool, max_wait_s=30.0)
+    served = sum(1 for r in res.records if r.outcome == "ok" and _window(setup, r))
+    return served / (setup.duration_s - setup.warmup_s)
+
+
+def tenant_row(setup: FloodSetup, res: SimResult, tenant: str) -> dict[str, Any]:
+    """One tenant's numbers over the window (arrivals in [warmup, duration))."""
+    recs = [r for r in res.records if r.tenant == tenant and _window(setup, r)]
+    ok = [r for r in recs if r.outcome == "ok"]
+    span = setup.duration_s - setup.warmup_s
+    good = sum(1 for r in recs if r.meets(res.slo_ttft_s, res.slo_tpot_s))
+    return {
+        "tenant": tenant,
+        "requests": len(recs),
+        "ok": len(ok),
+        "rejected": sum(1 for r in recs if r.outcome == "rejected"),
+        "failed": sum(1 for r in recs if r.outcome == "failed"),
+        "ttft_p50_s": percentile([r.ttft_s for r in ok], 50) or 0.0,
+        "ttft_p99_s": percentile([r.ttft_s for r in ok], 99) or 0.0,
+        "goodput_rps": good / span,
+        "served_rps": len(ok) / span,
+        "output_tok_s": sum(r.output_tokens for r in ok) / span,
+    }
+
+
+def isolation(
+    setup: FloodSetup, pool: Sequence[TraceRequest], cap_rps: float, *, factor: float = 10.0
+) -> list[dict[str, Any]]:
+    """Victim solo, then victim + aggressor at `factor` × its share, under each policy."""
+    share = 0.5 * cap_rps  # two tenants of weight 1
+    victim = TenantLoad("victim", 1.0, share)
+    aggressor = TenantLoad("aggressor", 1.0, factor * share)
+    rows: list[dict[str, Any]] = []
+    for label, policy, charge in POLICIES:
+        _, solo = run_mix(setup, (victim,), policy, pool, charge)
+        _, flood = run_mix(setup, (victim, aggressor), policy, pool, charge)
+        base = tenant_row(setup, solo, "victim")
+        v = tenant_row(setup, flood, "victim")
+        a = tenant_row(setup, flood, "aggressor")
+        rows.append(
+            {
+                "policy": label,
+                "victim_rate_rps": victim.rate,
+                "aggressor_rate_rps": aggressor.rate,
+                "solo": base,
+                "victim": v,
+                "aggressor": a,
+                "ttft_p99_ratio": _ratio(v["ttft_p99_s"], base["ttft_p99_s"]),
+                "goodput_ratio": _ratio(v["goodput_rps"], base["goodput_rps"]),
+                "cluster_served_rps": v["served_rps"] + a["served_rps"],
+            }
+        )
+    return rows
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else float("inf")
+
+
+def weights_for(n: int) -> list[float]:
+    """Unequal weights: 1 and 3 for two tenants, else 1, 2, 3, 4, 1, 2, ..."""
+    return [1.0, 3.0] if n == 2 else [float(1 + i % 4) for i in range(n)]
+
+
+def share_deviation(
+    setup: FloodSetup,
+    res: SimResult,
+    weights: dict[str, float],
+    t0: float,
+    t1: float,
+) -> dict[str, float]:
+    """Max relative deviation of served share from weight share over the requests admitted
+    in [t0, t1): in the policy's units (block-seconds + prefill tokens, vtc's default unit
+    weights) and in requests; also the tenants never served there."""
+    units = dict.fromkeys(weights, 0.0)
+    count = dict.fromkeys(weights, 0)
+    for r in res.records:
+        if r.outcome == "rejected" or not t0 <= r.arrival_s + r.queued_s < t1:
+            continue
+        units[r.tenant] += r.decode_block_s + r.prompt_tokens
+        count[r.tenant] += 1
+    total_w = sum(weights.values())
+    total_u, total_n = sum(units.values()), sum(count.values())
+    out = {"units_max_dev": 0.0, "requests_max_dev": 0.0, "admitted": float(total_n)}
+    for t, w in weights.items():
+        fair = w / total_w
+        if total_u > 0:
+            dev = abs(units[t] / total_u - fair) / fair
+            out["units_max_dev"] = max(out["units_max_dev"], dev)
+        if total_n > 0:
+            dev = abs(count[t] / total_n - fair) / fair
+            out["requests_max_dev"] = max(out["requests_max_dev"], dev)
+    out["unserved_tenants"] = float(sum(1 for n in count.values() if n == 0))
+    out["min_requests_per_tenant"] = float(min(count.values(), default=0))
+    return out
+
+
+def convergence(
+    setup: FloodSetup,
+    pool: Sequence[TraceRequest],
+    cap_rps: float,
+    sizes: Sequence[int],
+    *,
+    overload: float = 3.0,
+) -> list[dict[str, Any]]:
+    """N backlogged tenants of unequal weights: each offered `overload` × the largest share,
+    admission waits up to 30 s; shares over the minute after the warm-up."""
+    rows: list[dict[str, Any]] = []
+    for n in sizes:
+        ws = weights_for(n)
+        top = max(ws) / sum(ws)
+        mix = tuple(TenantLoad(f"t{i:04d}", w, overload * top * cap_rps) for i, w in enumerate(ws))
+        weights = {t.name: t.weight for t in mix}
+        for label, policy, charge in POLICIES:
+            _, res = run_mix(setup, mix, policy, pool, charge, max_wait_s=30.0)
+            dev = share_deviation(setup, res, weights, setup.warmup_s, setup.duration_s)
+            rows.append({"tenants": n, "policy": label, "offered_rps": len(mix) * mix[0].rate,
+                         **dev})  # fmt: skip
+    return rows
+
+
+# -- the report --------------------------------------------------------------------------------
+
+
+def isolation_table(rows: Sequence[dict[str, Any]]) -> str:
+    head = (
+        "| order | victim TTFT p99 solo → flood (s) | ratio | victim goodput solo → flood "
+        "(req/s) | ratio | victim 429s | aggressor served (req/s) | aggressor 429s |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    for r in rows:
+        s, v, a = r["solo"], r["victim"], r["aggressor"]
+        lines.append(
+            f"| {r['policy']} | {s['ttft_p99_s']:.3f} → {v['ttft_p99_s']:.3f} "
+            f"| {r['ttft_p99_ratio']:.2f} | {s['goodput_rps']:.2f} → {v['goodput_rps']:.2f} "
+            f"| {r['goodput_ratio']:.2f} | {v['rejected']} | {a['served_rps']:.2f} "
+            f"| {a['rejected']} |"
+        )
+    return "\n".join(lines)
+
+
+def convergence_table(rows: Sequence[dict[str, Any]]) -> str:
+    head = (
+        "| tenants | order | max rel. deviation, units | max rel. deviation, requests "
+        "| admitted | fewest admitted / tenant | tenants never admitted |\n"
+        "|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    for r in rows:
+        lines.append(
+            f"| {r['tenants']} | {r['policy']} | {r['units_max_dev']:.1%} "
+            f"| {r['requests_max_dev']:.1%} | {r['admitted']:.0f} "
+            f"| {r['min_requests_per_tenant']:.0f} | {r['unserved_tenants']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def run(setup: FloodSetup, sizes: Sequence[int]) -> dict[str, Any]:
+    """Everything the section of docs/benchmarks.md shows: capacity, isolation, convergence."""
+    pool = setup.lengths()
+    cap = capacity(setup, pool)
+    return {
+        "capacity_rps": cap,
+        "isolation": isolation(setup, pool, cap),
+        "convergence": convergence(setup, pool, cap, sizes),
+    }
+
+
+def report(data: dict[str, Any]) -> str:
+    return (
+        f"capacity (one tenant flooding, fifo, 30 s wait): {data['capacity_rps']:.1f} req/s\n\n"
+        f"{isolation_table(data['isolation'])}\n\n{convergence_table(data['convergence'])}"
+    )
