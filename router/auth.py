@@ -44,10 +44,20 @@ __all__ = [
 
 
 def bearer_token(request: web.Request) -> str:
-    """The token of `Authorization: Bearer <token>`, or "" when there is none."""
+    """The token of `Authorization: Bearer <token>`, or "" when there is none, or when it is
+    not text: bytes that are not UTF-8 arrive from aiohttp's parser as lone surrogates, which no
+    key is spelled with and which neither the hash nor the comparison could encode."""
     auth = request.headers.get("Authorization", "")
     scheme, _, token = auth.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else ""
+    if scheme.lower() != "bearer":
+        return ""
+    token = token.strip()
+    if not token.isascii():  # the common case costs one scan, in C
+        try:
+            token.encode()
+        except UnicodeEncodeError:
+            return ""
+    return token
 
 
 def token_matches(given: str, accepted: Iterable[str]) -> bool:
