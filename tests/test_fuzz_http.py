@@ -801,7 +801,17 @@ async def test_fuzzed_paths_and_methods(redis_prefix: str) -> None:
         @FUZZ_SETTINGS
         @given(
             method=st.sampled_from(["GET", "POST", "DELETE", "PUT", "PATCH", "OPTIONS", "HEAD"]),
-            prefix=st.sampled_from(["/v1/", "/admin/workers/", "/admin/", "/", "/v1/models/"]),
+            prefix=st.sampled_from(
+                [
+                    "/v1/",
+                    "/admin/workers/",
+                    "/admin/",
+                    "/",
+                    "/v1/models/",
+                    "/admin/tenants/",
+                    "/admin/tenants/default/keys/",
+                ]
+            ),
             rest=path_text,
             query=st.text(
                 st.characters(min_codepoint=0x21, max_codepoint=0x7E, blacklist_characters="#"),
@@ -827,3 +837,179 @@ async def test_fuzzed_paths_and_methods(redis_prefix: str) -> None:
         return sent
 
     print(f"\nfuzzed paths: {await against_live_router(redis_prefix, work)} requests")
+
+
+# -- credentials: hostile Authorization and API-key headers on every kind of route ------------
+# A closed router: client keys (`api_keys` and a tenant's), the admin token, the read-only token,
+# /metrics and /openapi.json not public. Whatever the headers, an answer below 500 with an
+# OpenAI body, and no route served (2xx) unless a credential that allows it was sent.
+
+TENANT_KEY = "fuzz-tenant-key"
+READ_TOKEN = "fuzz-read-token"
+CLOSED: dict[str, Any] = {
+    "api_keys": [API_KEY],
+    "tenants": [{"name": "t1", "keys": [{"id": "t1-key", "key": TENANT_KEY}]}],
+    "admin_read_token": READ_TOKEN,
+    "public_metrics": False,
+    "public_openapi": False,
+}
+# (method, path, body, who may call it: the credentials that serve it; None: anyone)
+CLIENT = (API_KEY, TENANT_KEY)
+ROUTES: list[tuple[str, str, bytes, tuple[str, ...] | None]] = [
+    ("POST", CHAT, OK, CLIENT),
+    ("POST", COMPLETIONS, body(COMPLETIONS), CLIENT),
+    ("POST", "/tokenize", body(COMPLETIONS), CLIENT),  # a passthrough route
+    ("GET", "/v1/models", b"", None),
+    ("GET", "/metrics", b"", (*CLIENT, READ_TOKEN, ADMIN_TOKEN)),
+    ("GET", "/openapi.json", b"", (*CLIENT, READ_TOKEN, ADMIN_TOKEN)),
+    ("GET", "/admin/tenants", b"", (READ_TOKEN, ADMIN_TOKEN)),
+    ("GET", "/admin/state", b"", (READ_TOKEN, ADMIN_TOKEN)),
+    ("POST", "/admin/tenants/t1/keys", b"", (ADMIN_TOKEN,)),
+    ("POST", "/admin/tenants/t1/keys/t1-key/rotate", b"", (ADMIN_TOKEN,)),
+    ("DELETE", "/admin/tenants/t1/keys/t1-key", b"", (ADMIN_TOKEN,)),
+    ("POST", "/admin/workers/p0/drain", b"", (ADMIN_TOKEN,)),
+]
+Header = tuple[str | bytes, str | bytes]
+
+
+def _as_bytes(v: str | bytes) -> bytes:
+    return v if isinstance(v, bytes) else v.encode("utf-8", "surrogatepass")
+
+
+def credentials_request(method: str, path: str, data: bytes, headers: list[Header]) -> bytes:
+    return build_request(method, path, [JSON_CT, *headers] if data else list(headers), data)
+
+
+def check_credentials(
+    resp: RawResponse, headers: list[Header], allowed: tuple[str, ...] | None
+) -> None:
+    """`check_answer`, and: served only if an Authorization header held a credential that
+    allows the route (held somewhere in it: a one-way check, no second parser to agree with)."""
+    check_answer(resp)
+    if allowed is None or resp.status >= 300:
+        return
+    sent = [_as_bytes(v) for n, v in headers if _as_bytes(n).lower() == b"authorization"]
+    assert any(c.encode() in v for c in allowed for v in sent), f"served without one: {resp!r}"
+
+
+# Headers a client may send: each answered below 500, served only with a credential it allows.
+HOSTILE_CREDENTIALS: list[Any] = [
+    pytest.param([("Authorization", b"Bearer \xff\xfe")], id="bearer-not-utf8"),
+    pytest.param([("Authorization", b"Bearer caf\xe9")], id="bearer-latin-1"),
+    pytest.param([("Authorization", b"Bearer \xed\xa0\x80")], id="bearer-utf8-surrogate"),
+    pytest.param([("Authorization", b"Bearer \xc0\xaf")], id="bearer-overlong-utf8"),
+    pytest.param([("Authorization", API_KEY.encode() + b"\xff")], id="no-scheme-not-utf8"),
+    pytest.param([("Authorization", b"\xff\xfe " + API_KEY.encode())], id="scheme-not-utf8"),
+    pytest.param([("Authorization", "Bearer " + API_KEY + "é")], id="key-and-non-ascii"),
+    pytest.param([("Authorization", "Bearer 😀\u202e")], id="bearer-emoji-rtl"),
+    pytest.param([("Authorization", "Bëarer " + API_KEY)], id="scheme-non-ascii"),
+    pytest.param([("Authorization", "Bearer ")], id="bearer-empty"),
+    pytest.param([("Authorization", "Bearer")], id="bearer-alone"),
+    pytest.param([("Authorization", "Bearer " + " " * 200)], id="bearer-spaces"),
+    pytest.param([("Authorization", "")], id="authorization-empty"),
+    pytest.param([("Authorization", "Bearer\t" + API_KEY)], id="bearer-tab"),
+    pytest.param([("Authorization", "Bearer a b c")], id="bearer-three-words"),
+    pytest.param([("Authorization", b"Bearer a\x00b")], id="bearer-nul"),
+    pytest.param([("Authorization", b"Bearer a\x01b")], id="bearer-control"),
+    pytest.param([("Authorization", b"Bearer a\x7fb")], id="bearer-del"),
+    pytest.param([("Authorization", "Bearer " + "a" * 8000)], id="bearer-8k"),
+    pytest.param([("Authorization", "Bearer " + "a" * 65536)], id="bearer-64k"),
+    pytest.param([("Authorization", "Bearer " + "é" * 4000)], id="bearer-8k-non-ascii"),
+    pytest.param([("Authorization", f"Basic {API_KEY}")], id="basic-with-the-key"),
+    pytest.param([("Authorization", f"Token {API_KEY}")], id="token-scheme"),
+    pytest.param([("Authorization", f"Bearer {i}") for i in range(100)], id="100-authorizations"),
+    pytest.param(
+        [
+            *[("Authorization", f"Bearer {i}") for i in range(50)],
+            ("Authorization", f"Bearer {API_KEY}"),
+        ],
+        id="the-key-after-50-wrong",
+    ),
+    pytest.param([("X-Api-Key", API_KEY)], id="x-api-key"),
+    pytest.param([("api-key", API_KEY)], id="azure-api-key"),
+    pytest.param([("Proxy-Authorization", f"Bearer {API_KEY}")], id="proxy-authorization"),
+    pytest.param([("X-Api-Key", b"\xff\xfe")], id="x-api-key-not-utf8"),
+    pytest.param([("X-Api-Key", "k" * 8000)], id="x-api-key-8k"),
+    pytest.param([("X-Api-Key", f"{i}") for i in range(100)], id="100-x-api-keys"),
+    pytest.param(
+        [("Authorization", b"Bearer \xff"), ("X-Api-Key", API_KEY), ("api-key", "é")],
+        id="everything-at-once",
+    ),
+]
+
+
+@pytest.mark.parametrize("headers", HOSTILE_CREDENTIALS)
+async def test_hostile_credentials(redis_prefix: str, headers: list[Header]) -> None:
+    """Each case on every kind of route (client, passthrough, open, scrape, admin read and
+    write, the tenant key routes). Found: a bearer token that is not UTF-8 was a 500 on every
+    one of them (router/auth.py `bearer_token`)."""
+    requests = [credentials_request(m, p, d, headers) for m, p, d, _ in ROUTES]
+    answers = await exchange(redis_prefix, requests, **CLOSED)
+    failures = []
+    for (method, path, _, allowed), resp in zip(ROUTES, answers, strict=True):
+        try:
+            check_credentials(resp, headers, allowed)
+        except AssertionError as exc:
+            failures.append(f"{method} {path}: {exc}")
+    assert not failures, "\n".join(failures)
+
+
+credential_names = st.sampled_from(
+    [
+        "Authorization",
+        "authorization",
+        "AUTHORIZATION",
+        "X-Api-Key",
+        "api-key",
+        "Proxy-Authorization",
+        "X-Auth-Token",
+    ]
+)
+# Never the admin token: the write routes (a rotation, a drain) would change what later
+# examples see. The credentials the router takes are mixed in as they are, with junk around
+# them, or not at all.
+credential_bodies = (
+    st.sampled_from([API_KEY, TENANT_KEY, READ_TOKEN]).map(str.encode)
+    | st.tuples(
+        st.sampled_from([API_KEY, TENANT_KEY, READ_TOKEN]).map(str.encode),
+        st.binary(max_size=4).filter(lambda b: b"\r" not in b and b"\n" not in b),
+    ).map(lambda t: t[0] + t[1])
+    | st.binary(max_size=64).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b""))
+    | st.tuples(st.sampled_from([b"a", b"\xff", "é".encode(), b" "]), st.integers(0, 10_000)).map(
+        lambda t: t[0] * t[1]
+    )
+)
+credential_values = st.tuples(
+    st.sampled_from([b"Bearer ", b"bearer ", b"BEARER ", b"Bearer", b"Bearer  ", b"Basic ", b""]),
+    credential_bodies,
+).map(lambda t: t[0] + t[1])
+
+
+@LONG_RUN_TIMEOUT
+async def test_fuzzed_credentials(redis_prefix: str) -> None:
+    def work(port: int) -> int:
+        sent = 0
+
+        @FUZZ_SETTINGS
+        @given(
+            headers=st.lists(st.tuples(credential_names, credential_values), max_size=6),
+            repeat=st.sampled_from([1, 1, 1, 2, 40]),
+            route=st.sampled_from(ROUTES),
+        )
+        def run(
+            headers: list[Header],
+            repeat: int,
+            route: tuple[str, str, bytes, tuple[str, ...] | None],
+        ) -> None:
+            nonlocal sent
+            sent += 1
+            method, path, data, allowed = route
+            headers = headers * repeat
+            request = credentials_request(method, path, data, headers)
+            check_credentials(send_raw(port, request, timeout=DEADLINE_S), headers, allowed)
+
+        run()
+        return sent
+
+    sent = await against_live_router(redis_prefix, work, **CLOSED)
+    print(f"\nfuzzed credentials: {sent} requests")
