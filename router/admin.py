@@ -349,14 +349,6 @@ async def set_role(request: web.Request) -> web.Response:
     return _json({**describe(gw, state), "role_version": record.version})
 
 
-def _key_answer(tenant: str, key: KeySpec, plain: str, status: int) -> web.Response:
-    """A new key, shown this once; nothing on the way may keep a copy."""
-    body = {"tenant": tenant, **key.describe(), "key": plain}
-    resp = _json(body, status=status)
-    resp.headers["Cache-Control"] = "no-store"
-    return resp
-
-
 async def list_tenants(request: web.Request) -> web.Response:
     gw = _readable(request)
     keyring = request.app[KEYRING]
@@ -386,6 +378,32 @@ async def _fresh_keys(gw: Gateway, keyring: Keyring) -> None:
     keyring.adopt(await gw.store.tenant_keys())
 
 
+async def _put_key(
+    gw: Gateway,
+    keyring: Keyring,
+    key: KeySpec,
+    plain: str,
+    *,
+    replaces: KeySpec | None = None,
+    status: int,
+) -> web.Response:
+    """A minted key in force: the store first (a store that is down answers 503,
+    router/errors.py, and nothing changed), then this replica; the answer shows it once."""
+    old = "" if replaces is None else replaces.digest.hex()
+    tenant, digest = key.tenant, key.digest.hex()
+    if not await gw.store.put_tenant_key(key.key_id, tenant, digest, key.source, old):
+        # Only if the fresh random key's digest were already revoked: not expected, but the
+        # store's refusal is answered rather than assumed away.
+        raise Conflict("that key was revoked; try again")
+    keyring.put(key, replaces=replaces)
+    done = "created" if replaces is None else "rotated"
+    log.info("tenant %s: key %s %s (%s)", tenant, key.key_id, done, key.fingerprint)
+    body = {"tenant": tenant, **key.describe(), "key": plain}
+    resp = _json(body, status=status)
+    resp.headers["Cache-Control"] = "no-store"  # nothing on the way may keep a copy
+    return resp
+
+
 async def create_key(request: web.Request) -> web.Response:
     tenant, _ = _tenant_call(request)
     gw, keyring = _gateway(request), request.app[KEYRING]
@@ -393,14 +411,7 @@ async def create_key(request: web.Request) -> web.Response:
         key, plain = keyring.mint(tenant)
     except UnknownTenant as exc:
         raise _lookup_error(exc) from None
-    # The store first: a store that is down answers 503 (router/errors.py), nothing changed.
-    if not await gw.store.put_tenant_key(key.key_id, tenant, key.digest.hex(), key.source):
-        # Only if the fresh random key's digest were already revoked: not expected, but the
-        # store's refusal is answered rather than assumed away.
-        raise Conflict("that key was revoked; try again")
-    keyring.put(key)
-    log.info("tenant %s: key %s created (%s)", tenant, key.key_id, key.fingerprint)
-    return _key_answer(tenant, key, plain, 201)
+    return await _put_key(gw, keyring, key, plain, status=201)
 
 
 async def rotate_key(request: web.Request) -> web.Response:
@@ -412,12 +423,7 @@ async def rotate_key(request: web.Request) -> web.Response:
         key, plain = keyring.mint(tenant, key_id)
     except (UnknownTenant, UnknownKey) as exc:
         raise _lookup_error(exc) from None
-    digest = key.digest.hex()
-    if not await gw.store.put_tenant_key(key_id, tenant, digest, key.source, old.digest.hex()):
-        raise Conflict("that key was revoked; try again")
-    keyring.put(key, replaces=old)
-    log.info("tenant %s: key %s rotated (now %s)", tenant, key.key_id, key.fingerprint)
-    return _key_answer(tenant, key, plain, 200)
+    return await _put_key(gw, keyring, key, plain, replaces=old, status=200)
 
 
 async def revoke_key(request: web.Request) -> web.Response:
