@@ -50,6 +50,7 @@ __all__ = [
     "Forbidden",
     "ModelNotFound",
     "NoCapacity",
+    "QuotaExceeded",
     "UpstreamError",
     "UpstreamRejected",
     "Unavailable",
@@ -147,6 +148,28 @@ class NoCapacity(_RetryAfter):
     status = 429
     type = "rate_limit_exceeded"
     code = "no_decode_capacity"
+
+
+class QuotaExceeded(_RetryAfter):
+    """A tenant over one of its limits (state/quotas.py): `code` names the limit, the message
+    says it and its value, Retry-After is when the same request would be let through."""
+
+    status = 429
+    type = "rate_limit_exceeded"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        limit: str,
+        retry_after_s: float,
+        rate_headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message, retry_after_s=retry_after_s, code=limit)
+        self.rate_headers = rate_headers or {}
+
+    def headers(self) -> dict[str, str]:
+        return {**super().headers(), **self.rate_headers}
 
 
 class UpstreamError(RouterError):

@@ -22,6 +22,7 @@ from router.request.holdings import Book
 from router.request.legs import Legs
 from router.request.lifecycle import RequestStages
 from router.request.pairing import Pairing
+from router.request.quota import QuotaGate
 from router.request.release import Releaser
 from router.request.reserve import Reserver
 from router.request.respond import Answering
@@ -117,6 +118,15 @@ class Gateway:
         legs = Legs(
             self.settings, self.session, self.splice, members, pairing, self.metrics, self.clock
         )
+        quota = QuotaGate(
+            self.store,
+            self.settings.reservation_lease_s,
+            self.settings.scaling,
+            self.metrics,
+            self.clock,
+        )
+        # Its holds live as long as the reservations they stand for: renewed on their tick.
+        self.leases.also_renew.append(quota.renew_all)
         return RequestStages(
             settings=self.settings,
             metrics=self.metrics,
@@ -129,6 +139,7 @@ class Gateway:
             answering=Answering(self.metrics, self.settings.timeouts, self.clock),
             resume=Resumer(self.settings, self.session, members),
             release=Releaser(book, self.estimator, self.metrics, self.clock),
+            quota=quota,
         )
 
     def __repr__(self) -> str:

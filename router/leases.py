@@ -77,6 +77,9 @@ class LeaseKeeper:
         self.owed_releases: dict[str, _Owed] = {}  # reservation id -> its decode worker
         self.owed_unstrands: dict[str, _Owed] = {}  # ledger entry id -> its prefill worker
         self.owed_strands: set[str] = set()  # ledger entry ids not written yet
+        # What else lives by this replica's renewals, renewed on the same tick and put back
+        # after a store loss the same way (router/request/quota.py: tenants' quota holds).
+        self.also_renew: list[Callable[[], Awaitable[None]]] = []
 
     def __repr__(self) -> str:
         return (
@@ -317,8 +320,11 @@ class LeaseKeeper:
         return entry.prefill_id, request_id, entry.nbytes, entry.ready_at - self.clock()
 
     async def reassert(self) -> None:
-        """The store lost its data: put back every live reservation and stranded entry."""
+        """The store lost its data: put back every live reservation and stranded entry (and
+        what else lives by the renewals)."""
         await self.renew_all()
+        for renew in self.also_renew:
+            await renew()
         if self.strands:
             results = await asyncio.gather(
                 *(self.store.strand(*self._strand_args(r)) for r in list(self.strands)),
@@ -344,6 +350,8 @@ class LeaseKeeper:
                 if self.clock() >= next_renewal:
                     next_renewal = self.clock() + renew_every
                     await self.renew_all()
+                    for renew in self.also_renew:
+                        await renew()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a bug here must not end renewals for the process

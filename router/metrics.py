@@ -376,7 +376,8 @@ class RouterMetrics:
         )
         self.tenant_rejections = Counter(
             p + "tenant_rejections",
-            "429s for lack of decode room, by tenant and reason (as rejections_total)",
+            "429s by tenant and reason: lack of decode room (the reasons of rejections_total) "
+            "or the tenant's limit (requests_per_minute, tokens_per_minute, max_reserved_blocks)",
             ["tenant", "reason"],
             registry=r,
         )

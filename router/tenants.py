@@ -1,7 +1,8 @@
 """Tenants and their API keys: who a request is for (issue 25).
 
 A tenant has a name, a weight (its share of what is scarce, relative to the others'), a priority
-class (lower first) and limits (parsed and checked here; enforced later: issue 25's quotas). An
+class (lower first) and limits (its quota, enforced by the store across replicas:
+state/quotas.py, router/request/quota.py). An
 API key belongs to one tenant. The configuration names them (`tenants:`, keys under each); the
 old `api_keys` list is kept: each of its keys belongs to the `default` tenant. With no key at all
 the router is open, as it always was: every request is the anonymous `default` tenant's.
@@ -39,6 +40,7 @@ from aiohttp import web
 
 from policies.base import Tenant
 from state.base import TenantKey, TenantKeys
+from state.quotas import LIMIT_NAMES, Quota
 
 __all__ = [
     "ANONYMOUS",
@@ -59,7 +61,7 @@ HASH_PREFIX = "sha256:"
 _HASH = re.compile(r"sha256:([0-9a-f]{64})")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # also a Prometheus label value and a path
 _FINGERPRINT_HEX = 12
-_LIMITS = ("requests_per_minute", "tokens_per_minute", "max_reserved_blocks")
+_LIMITS = LIMIT_NAMES
 
 
 def hash_key(key: str) -> bytes:
@@ -72,24 +74,9 @@ def hash_key(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-@dataclass(frozen=True, slots=True)
-class TenantLimits:
-    """Limits per tenant (issue 25's quotas: parsed and checked now, enforced later). None: none."""
-
-    requests_per_minute: int | None = None
-    tokens_per_minute: int | None = None
-    max_reserved_blocks: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in _LIMITS:
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-    def as_dict(self) -> dict[str, int | None]:
-        return {name: getattr(self, name) for name in _LIMITS}
+# A tenant's limits are the store's `Quota` (state/quotas.py: what each means, how the store
+# enforces it across replicas): requests_per_minute, tokens_per_minute, max_reserved_blocks.
+TenantLimits = Quota
 
 
 @dataclass(frozen=True, slots=True)
@@ -405,7 +392,7 @@ class Keyring:
                 "name": t.name,
                 "weight": t.weight,
                 "priority": t.priority,
-                "limits": t.limits.as_dict(),
+                "limits": {name: t.limits.limit(name) for name in _LIMITS},
                 "keys": [k.describe() for k in self._by_id.values() if k.tenant == t.name],
             }
             for t in self._tenants.values()

@@ -27,6 +27,7 @@ FLOW = (
     "pairing",  # how a placed pair serves: pulled KV, concurrent legs, decode alone
     "assemble",  # a whole answer from a stream's events (pure)
     "responses_api",  # the Responses API's shapes on this path (pure)
+    "quota",  # the request's share of its tenant's quota, taken before it may wait
     "reserve",  # estimate, place, queue, reserve
     "legs",  # prefill, KV handoff, decode: the answer bound to its relay
     "respond",  # the answer to the client

@@ -3,6 +3,7 @@ them (docs/design.md §2):
 
     lifecycle   RequestFlow: the deadline and the one retry/resume loop over the stages
     attempt     what the stages share: the request (`Call`), one try's ask and holdings
+    quota       the request's share of its tenant's quota: taken once, settled at its end
     reserve     estimate, place, queue, reserve decode room (and the stranded-KV entry)
     legs        the prefill leg, the KV handoff, the decode leg
     respond     the answer to the client: streamed, whole, or assembled (`assemble`)

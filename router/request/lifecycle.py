@@ -39,6 +39,7 @@ from router.request.assemble import stream_upstream, streamable
 from router.request.attempt import Ask, Attempt, Call, LegFailure, loop_time
 from router.request.holdings import Record
 from router.request.legs import Legs
+from router.request.quota import QuotaGate
 from router.request.release import Releaser
 from router.request.reserve import Reserver, Seat
 from router.request.respond import Answering, Broken, ClientSide, Progress, Responder, Served
@@ -87,6 +88,7 @@ class RequestStages:
     answering: Answering
     resume: Resumer
     release: Releaser
+    quota: QuotaGate
 
     def __repr__(self) -> str:
         return f"RequestStages({self.reserve!r}, {self.legs!r})"
@@ -189,6 +191,8 @@ class RequestFlow:
                         self.info = info
                         predicted = self.stages.metrics.predicted_output_tokens
                         predicted.observe(info.reserve_output_tokens)
+                        # The tenant's quota, once per request (router/request/quota.py).
+                        self.seat.quota = await self.stages.quota.take(self.seat.tenant, info)
                 ended = await self._try(ask, info)
                 if isinstance(ended, Served):
                     return await self._served(ended)
@@ -276,6 +280,16 @@ class RequestFlow:
             await self.release_attempt(record)
         except Exception:  # a bug: the reservation's lease still frees it, but say so loudly
             log.exception("cleanup of %s failed (its lease will expire)", self.request_id)
+        hold, self.seat.quota = self.seat.quota, None
+        if hold is not None:
+            await self.stages.quota.settle(hold, self._billed_tokens())
+
+    def _billed_tokens(self) -> int:
+        """What the request cost its tenant's tokens-per-minute: its prompt and its answer, or
+        nothing when it produced no token (refused, failed, or left before its first)."""
+        if self.output_tokens is None and self.progress.first_token_at is None:
+            return 0
+        return self.call.parsed.prompt_tokens + (self.output_tokens or 0)
 
     def _count_for_tenant(self) -> None:
         """The request in its tenant's metrics: its tokens when it was answered, its time to

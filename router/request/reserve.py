@@ -41,6 +41,7 @@ from router.metrics import RouterMetrics
 from router.request.attempt import Ask, Attempt, Call, loop_time
 from router.request.holdings import Book, Reservation, StrandedEntry
 from router.request.pairing import Pairing
+from router.request.quota import QuotaHold
 from router.tenants import TenantSpec
 from router.workers.membership import Membership
 from router.workers.placement_view import PlacementView
@@ -58,7 +59,16 @@ class Seat:
     and what the fairness policy charged for the reservation it holds (`charge`, from when it
     was made, `reserved_at`: settled at its release)."""
 
-    __slots__ = ("ticket", "tenant", "admitted", "charge", "reserved_at", "_keyed", "_keys")
+    __slots__ = (
+        "ticket",
+        "tenant",
+        "admitted",
+        "charge",
+        "reserved_at",
+        "quota",
+        "_keyed",
+        "_keys",
+    )
 
     def __init__(self, ticket: int, tenant: TenantSpec) -> None:
         self.ticket = ticket
@@ -66,6 +76,7 @@ class Seat:
         self.admitted = False
         self.charge: Charge | None = None
         self.reserved_at = 0.0
+        self.quota: QuotaHold | None = None  # its share of the tenant's quota, settled at the end
         # The estimator's classes of the request as last estimated (`class_keys`).
         self._keyed: RequestInfo | None = None
         self._keys: tuple[str, ...] = ()

@@ -1,0 +1,163 @@
+"""A request's share of its tenant's quota: taken before it may wait for decode room, settled
+at its end (issue 25; the limits and how the store enforces them across replicas:
+state/quotas.py).
+
+`QuotaGate.take` runs once per request, after its first estimate and before its first
+reservation (a retry or a resumed stream is the same request: not charged again). It charges
+one request, the tokens the request is expected to cost (its prompt and its expected answer:
+the estimate's median where there is one, else what is reserved, for each of its `n` choices)
+and, where the tenant's decode blocks are limited, a hold of the blocks its reservation is
+expected to take. A tenant over a limit gets a 429 naming the limit, with the store's Retry-After
+(when the same request would be let through) and OpenAI's `x-ratelimit-*` headers; other tenants
+never see it. A tenant without limits costs nothing here: no store call.
+
+`settle` (once, at the end) drops the hold and corrects the tokens to what the request really
+cost: its prompt and its answer's tokens, or nothing for a request that produced no token (a
+429 for lack of room, a 503, a client gone before the first token are not billed). A settle the
+store missed (it was down) is not retried: the hold expires with its lease, and only the token
+correction is lost.
+
+The holds of live requests are renewed with the reservations (`renew_all`, called from the
+lease keeper's renewal tick, router/leases.py), so a request longer than the lease keeps its
+blocks counted, and a replica that dies stops renewing: its holds expire.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from policies.base import RequestInfo, blocks_for
+from policies.scaling import ScalingSLO
+from router.errors import QuotaExceeded
+from router.metrics import RouterMetrics
+from router.tenants import TenantSpec
+from state.base import StateStore, StoreError
+from state.quotas import Quota, QuotaTaken
+
+__all__ = ["QuotaGate", "QuotaHold"]
+
+log = logging.getLogger(__name__)
+
+_WORDS = {
+    "requests_per_minute": "requests per minute",
+    "tokens_per_minute": "tokens per minute",
+    "max_reserved_blocks": "reserved decode blocks at once",
+}
+
+
+@dataclass(slots=True)
+class QuotaHold:
+    """What a request took of its tenant's quota: settled once, at its end."""
+
+    tenant: TenantSpec
+    hold_id: str
+    tokens: int
+    blocks: int  # 0: the tenant's blocks are not limited (no hold)
+
+
+def expected_tokens(info: RequestInfo) -> int:
+    """Prompt + expected answer: the estimate's median where known, else what is reserved."""
+    estimate = info.estimate
+    median = estimate.quantiles.get(0.5) if estimate is not None else None
+    per_choice = min(info.max_tokens, median) if median is not None else info.reserve_choice_tokens
+    return info.prompt_tokens + max(0, per_choice) * max(1, info.n)
+
+
+class QuotaGate:
+    def __init__(
+        self,
+        store: StateStore,
+        lease_s: float,
+        slo: ScalingSLO,
+        metrics: RouterMetrics,
+        clock: Callable[[], float],
+    ) -> None:
+        self.store = store
+        self.lease_s = lease_s
+        self.slo = slo
+        self.metrics = metrics
+        self.clock = clock
+        # tenant -> its live holds (hold id -> blocks): what `renew_all` renews.
+        self.holds: dict[str, dict[str, int]] = {}
+
+    def __repr__(self) -> str:
+        live = sum(len(h) for h in self.holds.values())
+        return f"QuotaGate({live} holds of {len(self.holds)} tenants)"
+
+    async def take(self, tenant: TenantSpec, info: RequestInfo) -> QuotaHold | None:
+        """The request's share of `tenant`'s quota, or QuotaExceeded (429); None: no limits.
+        A StoreError propagates (503: the store cannot tell whether the tenant is within its
+        limits, and no request goes on without that)."""
+        quota = tenant.limits
+        if not quota:
+            return None
+        tokens = expected_tokens(info)
+        limited = quota.max_reserved_blocks is not None
+        blocks = (
+            blocks_for(info.prompt_tokens + info.reserve_output_tokens, info.block_size)
+            if limited
+            else 0
+        )
+        # Expected to hold them until its answer's end at the decode SLO's pace.
+        ends_in = self.slo.ttft_slo_s + info.reserve_choice_tokens * self.slo.itl_slo_s
+        hold_id = os.urandom(12).hex()
+        taken = await self.store.take_quota(
+            tenant.name, quota, hold_id, tokens, blocks, self.lease_s, ends_in
+        )
+        if not taken:
+            self.metrics.tenant_rejections.labels(tenant=tenant.name, reason=taken.limit).inc()
+            raise _refusal(tenant, quota, taken)
+        if limited:
+            self.holds.setdefault(tenant.name, {})[hold_id] = blocks
+        return QuotaHold(tenant, hold_id, tokens, blocks)
+
+    async def settle(self, hold: QuotaHold, actual_tokens: int) -> None:
+        """`hold`'s request ended having cost `actual_tokens`. Never raises a StoreError."""
+        tenant = hold.tenant.name
+        if hold.blocks:
+            held = self.holds.get(tenant, {})
+            held.pop(hold.hold_id, None)
+            if not held:
+                self.holds.pop(tenant, None)
+        correction = actual_tokens - hold.tokens
+        if not hold.blocks and (hold.tenant.limits.tokens_per_minute is None or not correction):
+            return  # nothing the store would change
+        try:
+            await self.store.settle_quota(
+                tenant, hold.tenant.limits, hold.hold_id if hold.blocks else "", correction
+            )
+        except StoreError as exc:
+            log.debug("quota of %s not settled (its hold expires with its lease): %s", tenant, exc)
+
+    async def renew_all(self) -> None:
+        """Renew every live hold, one call per tenant; failures are logged, not raised."""
+        for name, held in list(self.holds.items()):
+            try:
+                back = await self.store.renew_quota_holds(name, dict(held), self.lease_s)
+            except StoreError as exc:
+                log.warning("quota holds of %s not renewed: %s", name, exc)
+                continue
+            if back:
+                log.warning("%d quota hold(s) of %s were lost: put back", len(back), name)
+
+
+def _refusal(tenant: TenantSpec, quota: Quota, taken: QuotaTaken) -> QuotaExceeded:
+    limit = taken.limit
+    value = quota.limit(limit)
+    headers: dict[str, str] = {}
+    if quota.requests_per_minute is not None:
+        headers["x-ratelimit-limit-requests"] = str(quota.requests_per_minute)
+        headers["x-ratelimit-remaining-requests"] = str(taken.remaining_requests or 0)
+    if quota.tokens_per_minute is not None:
+        headers["x-ratelimit-limit-tokens"] = str(quota.tokens_per_minute)
+        headers["x-ratelimit-remaining-tokens"] = str(taken.remaining_tokens or 0)
+    message = (
+        f"tenant {tenant.name} is over its limit of {value} {_WORDS.get(limit, limit)}; "
+        f"the same request would be let through in {taken.retry_after_s:.1f} s"
+    )
+    return QuotaExceeded(
+        message, limit=limit, retry_after_s=taken.retry_after_s, rate_headers=headers
+    )
