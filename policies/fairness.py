@@ -10,7 +10,11 @@ before the prefill to the release at the end, and prefill time. A request's cost
 
     units = block_s_weight × decode block-seconds + prefill_token_weight × prefill tokens
 
-(`AdmissionCost`; `estimate_cost` gives the estimate from a `RequestInfo`). To weigh both as
+(`AdmissionCost`). A request is charged at admission what it is expected to hold once placed
+(`admission_charge`: its reserved blocks for the placement's predicted time to first token and
+its expected answer at the predicted decode step — an unbiased guess, not an upper bound) and
+settled with what it held at its release. `estimate_cost` is the bound used to weigh a request
+before it is placed (the reserved quantile at the SLOs). To weigh both as
 fractions of their pool's second, set prefill_token_weight / block_s_weight to the decode
 pool's blocks over the prefill pool's tokens/s; the defaults (1, 1) suppose the two are equal.
 
@@ -23,8 +27,14 @@ per class; admission charges it units / weight (the estimate; `settle` adds actu
 the next request is the oldest ticket of the tenant with the least counter (ties: the older head
 ticket). A tenant that starts to wait in a class is lifted to the least counter of the tenants
 waiting there (none waiting: the counter of the last one to leave), so idle time is not banked:
-its share was lent to the busy tenants and is only taken back from now on. Nobody is held back
-while anything waits: work-conserving. Served shares of backlogged tenants converge to
+its share was lent to the busy tenants and is only taken back from now on. Room is never left
+unused while a request that fits waits, with one exception that fairness needs: room that the
+least-served tenant's request did not fit is held for it (its own smaller requests may take it)
+rather than lent to tenants more than `backfill_slack` units / weight ahead of it — as VTC
+stops at the least-served client's request that does not fit. Without it a tenant with large
+requests loses every freed slot to a flooding tenant's small ones (found in the simulator:
+docs/benchmarks.md, "Tenants under a flood"). `backfill_slack` = inf is unbounded backfill.
+Served shares of backlogged tenants converge to
 weight / Σ weights: two backlogged tenants' counters differ by at most about one request's
 units / weight.
 
@@ -48,6 +58,7 @@ and puts them back. Measured: scripts/fairness_cost.py and docs/policies.md.
 from __future__ import annotations
 
 import heapq
+import math
 from bisect import insort
 from collections import deque
 from collections.abc import Callable, Collection
@@ -55,7 +66,7 @@ from typing import TypeVar
 
 from policies.base import AdmissionCost, Charge, RequestInfo, WaitingRequest, blocks_for
 
-__all__ = ["FifoFairness", "VTCFairness", "estimate_cost", "MIN_UNITS"]
+__all__ = ["FifoFairness", "VTCFairness", "admission_charge", "estimate_cost", "MIN_UNITS"]
 
 _Entry = TypeVar("_Entry", int, tuple[int, int])  # a ticket, or (priority, ticket)
 
@@ -74,6 +85,29 @@ def estimate_cost(request: RequestInfo, step_s: float, ttft_s: float = 0.0) -> A
     caller expects, e.g. its ITL SLO), and its prompt tokens to prefill."""
     blocks = blocks_for(request.prompt_tokens + request.reserve_output_tokens, request.block_size)
     held_s = ttft_s + request.reserve_choice_tokens * step_s
+    return AdmissionCost(decode_block_s=blocks * held_s, prefill_tokens=request.prompt_tokens)
+
+
+def admission_charge(
+    request: RequestInfo, blocks: int, ttft_s: float, itl_s: float
+) -> AdmissionCost:
+    """What to charge a request that got its room, known once it is placed: the `blocks` its
+    reservation holds, for the time its answer is *expected* to hold them — the placement's
+    predicted time to first token, then one choice's expected answer (the estimate's median,
+    else what is reserved) at the predicted decode step — and its prompt's tokens to prefill.
+
+    An unbiased guess, not an upper bound: the settlement at release (`settle`) corrects it
+    both ways. An upper bound charged at admission (the reserved quantile at the ITL SLO: 10 x
+    and more what requests really hold) would sit on a busy tenant's counter until each of its
+    requests ends, and a tenant that comes back would pay that excess before its next turn
+    while the flooding one is refunded (found by the simulator: 76 % off the weight share
+    against 0.6 % when charged like this)."""
+    estimate = request.estimate
+    median = estimate.quantiles.get(0.5) if estimate is not None else None
+    expected = (
+        min(request.max_tokens, median) if median is not None else request.reserve_choice_tokens
+    )
+    held_s = max(0.0, ttft_s) + max(0, expected) * max(0.0, itl_s)
     return AdmissionCost(decode_block_s=blocks * held_s, prefill_tokens=request.prompt_tokens)
 
 
@@ -228,8 +262,9 @@ class _ClassQueue:
         if line is not None:
             self._reorder(tenant, line)
 
-    def best(self, skip: Collection[int]) -> int | None:
-        """The ticket that goes next: the least-served tenant's oldest, `skip` left out."""
+    def best(self, skip: Collection[int], slack: float = math.inf) -> int | None:
+        """The ticket that goes next: the least-served tenant's oldest, `skip` left out, from
+        tenants whose counter is within `slack` of the least one's (backfill bound)."""
         order = self.order
         while order and not self._current(order[0]):
             heapq.heappop(order)
@@ -237,12 +272,12 @@ class _ClassQueue:
             return None
         if not skip:
             return order[0][1]
-        return self._best_skipping(skip)
+        return self._best_skipping(skip, order[0][0] + slack)
 
-    def _best_skipping(self, skip: Collection[int]) -> int | None:
+    def _best_skipping(self, skip: Collection[int], ceiling: float) -> int | None:
         # Entries come out in (counter, head) order; a tenant whose head is skipped offers its
         # next ticket, which sorts after its entry, so an entry is a lower bound and the search
-        # stops at the first entry above the best found.
+        # stops at the first entry above the best found, or above `ceiling`.
         order = self.order
         taken: list[tuple[float, int, str]] = []
         best: tuple[float, int] | None = None
@@ -251,7 +286,7 @@ class _ClassQueue:
             if not self._current(entry):
                 continue
             taken.append(entry)
-            if best is not None and entry[:2] > best:
+            if entry[0] > ceiling or (best is not None and entry[:2] > best):
                 break
             ticket = self.lines[entry[2]].head(skip)
             if ticket is not None and (best is None or (entry[0], ticket) < best):
@@ -304,6 +339,7 @@ class VTCFairness:
         "block_s_weight",
         "prefill_token_weight",
         "max_bypass",
+        "backfill_slack",
         "_waiting",
         "_queues",
         "_live_classes",
@@ -316,6 +352,7 @@ class VTCFairness:
         block_s_weight: float = 1.0,
         prefill_token_weight: float = 1.0,
         max_bypass: int = 16,
+        backfill_slack: float = 0.0,
     ) -> None:
         if not (block_s_weight >= 0 and prefill_token_weight >= 0):
             raise ValueError(
@@ -328,7 +365,10 @@ class VTCFairness:
             raise ValueError(f"max_bypass must be an int >= 1, got {max_bypass!r}")
         self.block_s_weight = float(block_s_weight)
         self.prefill_token_weight = float(prefill_token_weight)
+        if not backfill_slack >= 0:
+            raise ValueError(f"backfill_slack must be >= 0 (units / weight), got {backfill_slack}")
         self.max_bypass = max_bypass
+        self.backfill_slack = float(backfill_slack)
         self._waiting: dict[int, WaitingRequest] = {}
         self._queues: dict[int, _ClassQueue] = {}  # every class seen (counters outlive waits)
         self._live_classes: list[int] = []  # classes with something waiting, most urgent first
@@ -338,7 +378,8 @@ class VTCFairness:
     def __repr__(self) -> str:
         return (
             f"VTCFairness(waiting={len(self._waiting)}, classes={self._live_classes}, "
-            f"starving={list(self._starving)}, max_bypass={self.max_bypass})"
+            f"starving={list(self._starving)}, max_bypass={self.max_bypass}, "
+            f"backfill_slack={self.backfill_slack})"
         )
 
     def __len__(self) -> int:
@@ -372,18 +413,27 @@ class VTCFairness:
             self._leave(request)
 
     def pick(self, now_s: float, skip: Collection[int] = ()) -> WaitingRequest | None:
-        # A starving class is offered alone: the room is held for it, not backfilled.
+        # A starving class is offered alone: the room is held for it, not backfilled. Within a
+        # class, room the least-served tenant's request did not fit goes only to tenants
+        # within `backfill_slack` of it: held for it otherwise (its share is not lent to the
+        # tenant it is behind; VTC stops at the least-served client's request that does not
+        # fit). Nor to a less urgent class (the more urgent one is admitted first), unless
+        # backfill is unbounded (`backfill_slack` = inf: every waiter may take what fits).
         classes = (self._starving[0],) if self._starving else self._live_classes
         for priority in classes:
-            ticket = self._queues[priority].best(skip)
+            ticket = self._queues[priority].best(skip, self.backfill_slack)
             if ticket is not None:
                 return self._waiting[ticket]
+            if skip and self._queues[priority] and self.backfill_slack != math.inf:
+                return None  # this class's least-served tenant waits for more room
         return None
 
     def admit(self, request: WaitingRequest) -> Charge:
         waited = self._waiting.pop(request.ticket, None)
-        request = waited or request  # as it was queued, so it leaves the queue it is in
+        # Charged the caller's cost (its latest estimate: `admission_charge` once placed), in
+        # the class and tenant it was queued under, so it leaves the queue it is in.
         units = max(MIN_UNITS, self.units(request.cost))
+        request = waited or request
         tenant = request.tenant
         # Charged before it leaves: a tenant that stops waiting leaves its charged counter
         # as the class's floor (VTC's "last to leave").

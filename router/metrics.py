@@ -40,6 +40,7 @@ class Labelled(Generic[M]):
 
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
 _TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
@@ -102,7 +103,7 @@ class RouterMetrics:
             p + "time_per_output_token_seconds",
             "Per request: (end - first token) / (output tokens - 1), the mean inter-token "
             "latency the client saw (observed once a request, not per token)",
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1),
+            buckets=_TPOT_BUCKETS,
             registry=r,
         )
         self.active_reservations = Gauge(
@@ -388,6 +389,14 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.tenant_tpot = Histogram(
+            p + "tenant_time_per_output_token_seconds",
+            "Per request: the mean inter-token latency the client saw, by tenant "
+            "(as time_per_output_token_seconds)",
+            ["tenant"],
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
 
         # The children a request touches (router/front_door.py, router/request/).
         self.requests_by = Labelled(self.requests)  # route, status
@@ -398,6 +407,7 @@ class RouterMetrics:
         self.tenant_output_tokens_by = Labelled(self.tenant_output_tokens)
         self.tenant_block_seconds_by = Labelled(self.tenant_block_seconds)
         self.tenant_ttft_by = Labelled(self.tenant_ttft)
+        self.tenant_tpot_by = Labelled(self.tenant_tpot)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import itertools
+import math
 import random
 from collections import Counter, defaultdict, deque
 from collections.abc import Collection, Iterable
@@ -289,11 +291,13 @@ def test_a_returning_tenant_gets_no_burst_for_its_idle_time() -> None:
 def test_pick_with_skip_is_pick_without_the_skipped(
     tickets: list[int], data: st.DataObject
 ) -> None:
-    """Backfill: the next in line after the skipped ones is the pick of the same queue with
-    them gone, for every built-in, through charges that made the counters differ."""
+    """Unbounded backfill: the next in line after the skipped ones is the pick of the same
+    queue with them gone, for fifo and for vtc without a backfill bound, through charges that
+    made the counters differ."""
     tenants = [Tenant("a"), Tenant("b", weight=2.0), Tenant("c", priority=1)]
-    for factory in (FifoFairness, VTCFairness):
-        policy = factory()
+    unbounded = functools.partial(VTCFairness, backfill_slack=math.inf)
+    for factory in (FifoFairness, unbounded):
+        policy: FifoFairness | VTCFairness = factory()
         for ticket in tickets:
             policy.enqueue(request(ticket, data.draw(st.sampled_from(tenants))))
         for _ in range(data.draw(st.integers(0, len(tickets) - 1))):
@@ -310,6 +314,41 @@ def test_pick_with_skip_is_pick_without_the_skipped(
 
 def _is_waiting(policy: FifoFairness | VTCFairness, ticket: int) -> bool:
     return ticket in policy._waiting
+
+
+def test_vtc_holds_the_room_a_less_served_tenants_request_did_not_fit() -> None:
+    """The least-served tenant's head did not fit the room that freed: by default the room is
+    held for it (its own next request may take it; a tenant ahead of it may not), as VTC stops
+    at the least-served client's request; `backfill_slack` lends it to tenants within that
+    many units / weight of it."""
+    victim, aggressor = Tenant("victim"), Tenant("aggressor")
+    for slack, lent in ((0.0, False), (50.0, False), (200.0, True)):
+        policy = VTCFairness(backfill_slack=slack)
+        policy.enqueue(request(1, aggressor, cost=_units(100)))
+        policy.enqueue(request(2, victim, cost=_units(100)))
+        policy.enqueue(request(3, aggressor, cost=_units(10)))
+        policy.admit(request(1, aggressor, cost=_units(100)))  # the aggressor is 100 ahead
+        head = policy.pick(0.0)
+        assert head is not None and head.ticket == 2
+        backfill = policy.pick(0.0, {2})
+        assert (backfill is not None and backfill.ticket == 3) is lent, (slack, backfill)
+        policy.enqueue(request(4, victim, cost=_units(10)))
+        own = policy.pick(0.0, {2})
+        assert own is not None and own.ticket == 4  # the victim's own smaller one: always
+    # A less urgent class is never backfilled into room held for a more urgent one's tenant.
+    policy = VTCFairness()
+    policy.enqueue(request(5, victim, cost=_units(100)))
+    policy.enqueue(request(6, Tenant("batch", priority=1), cost=_units(1)))
+    assert policy.pick(0.0, {5}) is None
+    unbounded = VTCFairness(backfill_slack=math.inf)
+    unbounded.enqueue(request(5, victim, cost=_units(100)))
+    unbounded.enqueue(request(6, Tenant("batch", priority=1), cost=_units(1)))
+    lent = unbounded.pick(0.0, {5})
+    assert lent is not None and lent.ticket == 6
+
+
+def _units(n: float) -> AdmissionCost:
+    return AdmissionCost(decode_block_s=0.0, prefill_tokens=n)
 
 
 # -- priority classes: the starvation bound ----------------------------------------------------

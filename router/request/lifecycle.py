@@ -276,7 +276,9 @@ class RequestFlow:
         try:
             first, info, release = self.progress.first_token_at, self.info, self.stages.release
             classes = None if info is None else self.seat.class_keys(release.estimator, info)
-            record = release.outcome(self.call, info, self.output_tokens, first, classes)
+            record = release.outcome(
+                self.call, info, self.output_tokens, first, classes, self.seat.tenant.name
+            )
             await self.release_attempt(record)
         except Exception:  # a bug: the reservation's lease still frees it, but say so loudly
             log.exception("cleanup of %s failed (its lease will expire)", self.request_id)

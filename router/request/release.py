@@ -50,18 +50,21 @@ class Releaser:
         output_tokens: int | None,
         first_token_at: float | None,
         classes: Sequence[str] | None = None,
+        tenant: str = "",
     ) -> Record | None:
-        """The answer's length, observed (metrics) and as the estimator's record; None when the
-        request produced no answer. `classes`: the estimator's classes of `info` when the
-        caller has them (router/request/reserve.py `Seat.class_keys`)."""
+        """The answer's length, observed (metrics, also by `tenant` where given) and as the
+        estimator's record; None when the request produced no answer. `classes`: the
+        estimator's classes of `info` when the caller has them (router/request/reserve.py
+        `Seat.class_keys`)."""
         metrics = self.metrics
         if output_tokens is None or info is None:
             return None
         metrics.output_tokens.observe(output_tokens)
         if first_token_at is not None and output_tokens > 1:
-            metrics.time_per_output_token.observe(
-                (self.clock() - first_token_at) / (output_tokens - 1)
-            )
+            per_token = (self.clock() - first_token_at) / (output_tokens - 1)
+            metrics.time_per_output_token.observe(per_token)
+            if tenant:
+                metrics.tenant_tpot_by(tenant).observe(per_token)
         if output_tokens > 0:
             reserved = info.reserve_output_tokens
             metrics.estimate_relative_error.observe((reserved - output_tokens) / output_tokens)

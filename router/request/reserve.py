@@ -30,7 +30,7 @@ from policies.base import (
     WaitingRequest,
     blocks_for,
 )
-from policies.fairness import estimate_cost
+from policies.fairness import admission_charge, estimate_cost
 from policies.overruns import LiveOverruns, OverrunMargin
 from router.admission import Admission, QueueFull
 from router.config import Settings
@@ -195,7 +195,16 @@ class Reserver:
         except BaseException:
             self.admission.withdraw(seat.ticket)  # out of the queue, whatever ended it
             raise
-        seat.charge = self.admission.admitted(waiting)
+        # Charged what it is expected to hold, now that placement predicted its pace
+        # (policies/fairness.py `admission_charge`); settled with the actual at its release.
+        cand = attempt.candidate
+        charged = admission_charge(
+            info,
+            cand.reserve_blocks,
+            cand.predicted_ttft_s,
+            cand.predicted_itl_s or slo.itl_slo_s,
+        )
+        seat.charge = self.admission.admitted(replace(waiting, cost=charged))
         seat.reserved_at = self.clock()
         return attempt
 
