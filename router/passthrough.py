@@ -313,6 +313,7 @@ def add_passthrough_routes(
             gw = gateway(request.app)
             with RequestCount(gw.metrics, route.path) as count:
                 entry = await enter(request, gw.settings)
+                count.tenant = entry.tenant.name  # in its tenant's requests too
                 raw, body = entry.raw, parse_json_object(entry.raw)
                 model = _served_model(body, models(gw))
                 stream = False

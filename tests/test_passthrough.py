@@ -58,6 +58,9 @@ async def test_embeddings_through_the_openai_client_are_the_workers(redis_prefix
         seen = [r for rs in (await _all_requests(c, "/v1/embeddings")).values() for r in rs]
         assert len(seen) == 2
         assert any(r["body"]["input"] == [[1, 2, 3]] and r["body"]["dimensions"] == 8 for r in seen)
+        # In its tenant's requests too (open mode: the `default` tenant's).
+        counted = c.gateway.metrics.tenant_requests.labels(tenant="default", status="200")
+        assert counted._value.get() == 2
 
 
 async def test_tokenize_and_detokenize_pass_through_unchanged(redis_prefix: str) -> None:
