@@ -127,6 +127,14 @@ def check_tenant_key(key_id: str, tenant: str, digest_hex: str, source: str = "a
         raise ValueError(f"source must be one of {', '.join(TENANT_KEY_SOURCES)}")
 
 
+def check_quota_take(hold_id: str, tokens: int, blocks: int, lease_s: float) -> None:
+    """`take_quota`'s arguments, checked alike by both stores."""
+    check_id("hold_id", hold_id)
+    check_count("tokens", tokens)
+    check_count("blocks", blocks)
+    check_lease(lease_s)
+
+
 def check_digest(digest_hex: str) -> str:
     if len(digest_hex) != 64 or not _HEX.issuperset(digest_hex):
         raise ValueError("a key digest must be 64 lowercase hex digits (sha256)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from state.keys import check_count, check_id, check_lease
+from state.keys import check_count, check_id, check_lease, check_quota_take
 from state.quotas import (
     Buckets,
     Quota,
@@ -40,10 +40,7 @@ class MemoryQuotas:
         lease_s: float,
         ends_in_s: float,
     ) -> QuotaTaken:
-        check_id("hold_id", hold_id)
-        check_count("tokens", tokens)
-        check_count("blocks", blocks)
-        check_lease(lease_s)
+        check_quota_take(hold_id, tokens, blocks, lease_s)
         state = self._buckets(tenant)
         return take_quota_now(
             state, quota, self._clock(), hold_id, tokens, blocks, lease_s, ends_in_s

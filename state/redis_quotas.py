@@ -9,7 +9,7 @@ from typing import Any
 
 from redis.commands.core import AsyncScript
 
-from state.keys import check_count, check_id, check_lease
+from state.keys import check_count, check_id, check_lease, check_quota_take
 from state.quota_scripts import RENEW_QUOTA_SCRIPT, SETTLE_QUOTA_SCRIPT, TAKE_QUOTA_SCRIPT
 from state.quotas import Quota, QuotaTaken
 from state.redis_conn import RedisConnection, store_call, text
@@ -45,10 +45,7 @@ class RedisQuotas(RedisConnection):
         lease_s: float,
         ends_in_s: float,
     ) -> QuotaTaken:
-        check_id("hold_id", hold_id)
-        check_count("tokens", tokens)
-        check_count("blocks", blocks)
-        check_lease(lease_s)
+        check_quota_take(hold_id, tokens, blocks, lease_s)
         args: list[str | int] = [
             self._now(),
             hold_id,
