@@ -22,7 +22,8 @@ loads (`load_fairness`, `load_policy`, `load_estimator`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,21 +46,19 @@ __all__ = [
     "convergence",
     "isolation",
     "run_mix",
+    "served",
     "share_deviation",
     "tenant_row",
 ]
 
-# (label, fairness policy, charge times): the router's two orders as it runs them, and vtc
-# charged no block-seconds up front (prefill tokens at admission, the block-seconds at the
-# settle): the ablation that shows where the victim's share goes (docs/benchmarks.md).
-POLICIES: tuple[tuple[str, str, tuple[float, float]], ...] = (
-    ("fifo", "fifo", (0.05, 2.0)),
-    ("vtc", "vtc", (0.05, 2.0)),
-    ("vtc, no up-front block-s", "vtc", (0.0, 0.0)),
+# (label, fairness policy, its arguments): the router's two orders as it loads them (vtc holds
+# the room its least-served tenant's request did not fit: backfill_slack 0), and vtc lending
+# that room to whoever fits (backfill_slack inf): what holding room buys (docs/benchmarks.md).
+POLICIES: tuple[tuple[str, str, dict[str, float] | None], ...] = (
+    ("fifo", "fifo", None),
+    ("vtc", "vtc", None),
+    ("vtc, backfill_slack=inf", "vtc", {"backfill_slack": math.inf}),
 )
-# What the router charges an admission with: estimate_cost(info, scaling.itl_slo_s,
-# scaling.ttft_slo_s), the defaults of policies/scaling.py (router/request/reserve.py).
-ROUTER_CHARGE = (0.05, 2.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,11 +102,11 @@ def run_mix(
     mix: Sequence[TenantLoad],
     fairness: str,
     pool: Sequence[TraceRequest],
-    charge_times: tuple[float, float] = ROUTER_CHARGE,
+    fairness_kwargs: Mapping[str, Any] | None = None,
     **config: Any,
 ) -> tuple[list[TenantRequest], SimResult]:
-    """One run of the mix under `fairness`, every policy object fresh; admissions charged
-    with `estimate_cost` at `charge_times` = (step_s, ttft_s)."""
+    """One run of the mix under `fairness` (built with `fairness_kwargs`), every policy object
+    fresh; admissions charged as the router charges them (fair_queue.py)."""
     reqs = tenant_streams(pool, mix, setup.duration_s, setup.seed)
     res = simulate(
         reqs,
@@ -117,9 +116,8 @@ def run_mix(
         seed=setup.seed,
         slo_ttft_s=setup.slo_ttft_s,
         slo_tpot_s=setup.slo_tpot_s,
-        fairness=load_fairness(fairness),
+        fairness=load_fairness(fairness, fairness_kwargs),
         tenants=tenant_table(mix),
-        charge_times=charge_times,
     )
     return reqs, res
 
@@ -164,9 +162,9 @@ def isolation(
     victim = TenantLoad("victim", 1.0, share)
     aggressor = TenantLoad("aggressor", 1.0, factor * share)
     rows: list[dict[str, Any]] = []
-    for label, policy, charge in POLICIES:
-        _, solo = run_mix(setup, (victim,), policy, pool, charge)
-        _, flood = run_mix(setup, (victim, aggressor), policy, pool, charge)
+    for label, policy, kwargs in POLICIES:
+        _, solo = run_mix(setup, (victim,), policy, pool, kwargs)
+        _, flood = run_mix(setup, (victim, aggressor), policy, pool, kwargs)
         base = tenant_row(setup, solo, "victim")
         v = tenant_row(setup, flood, "victim")
         a = tenant_row(setup, flood, "aggressor")
@@ -195,6 +193,21 @@ def weights_for(n: int) -> list[float]:
     return [1.0, 3.0] if n == 2 else [float(1 + i % 4) for i in range(n)]
 
 
+def served(
+    res: SimResult, tenants: Iterable[str], t0: float, t1: float
+) -> tuple[dict[str, float], dict[str, int]]:
+    """Per tenant, the units (settled decode block-seconds + prefill tokens) and the requests
+    admitted in [t0, t1)."""
+    units = dict.fromkeys(tenants, 0.0)
+    count = dict.fromkeys(units, 0)
+    for r in res.records:
+        if r.outcome == "rejected" or not t0 <= r.arrival_s + r.queued_s < t1:
+            continue
+        units[r.tenant] += r.decode_block_s + r.prompt_tokens
+        count[r.tenant] += 1
+    return units, count
+
+
 def share_deviation(
     setup: FloodSetup,
     res: SimResult,
@@ -205,13 +218,7 @@ def share_deviation(
     """Max relative deviation of served share from weight share over the requests admitted
     in [t0, t1): in the policy's units (block-seconds + prefill tokens, vtc's default unit
     weights) and in requests; also the tenants never served there."""
-    units = dict.fromkeys(weights, 0.0)
-    count = dict.fromkeys(weights, 0)
-    for r in res.records:
-        if r.outcome == "rejected" or not t0 <= r.arrival_s + r.queued_s < t1:
-            continue
-        units[r.tenant] += r.decode_block_s + r.prompt_tokens
-        count[r.tenant] += 1
+    units, count = served(res, weights, t0, t1)
     total_w = sum(weights.values())
     total_u, total_n = sum(units.values()), sum(count.values())
     out = {"units_max_dev": 0.0, "requests_max_dev": 0.0, "admitted": float(total_n)}
@@ -244,8 +251,8 @@ def convergence(
         top = max(ws) / sum(ws)
         mix = tuple(TenantLoad(f"t{i:04d}", w, overload * top * cap_rps) for i, w in enumerate(ws))
         weights = {t.name: t.weight for t in mix}
-        for label, policy, charge in POLICIES:
-            _, res = run_mix(setup, mix, policy, pool, charge, max_wait_s=30.0)
+        for label, policy, kwargs in POLICIES:
+            _, res = run_mix(setup, mix, policy, pool, kwargs, max_wait_s=30.0)
             dev = share_deviation(setup, res, weights, setup.warmup_s, setup.duration_s)
             rows.append({"tenants": n, "policy": label, "offered_rps": len(mix) * mix[0].rate,
                          **dev})  # fmt: skip

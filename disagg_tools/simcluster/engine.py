@@ -91,16 +91,13 @@ class _Engine:
         role_policy: RolePolicy | None = None,
         fairness: FairnessPolicy | None = None,
         tenants: Mapping[str, Tenant] | None = None,
-        charge_times: tuple[float, float] | None = None,
     ) -> None:
         if rate_scale <= 0:
             raise ValueError(f"rate_scale must be > 0, got {rate_scale}")
         if fairness is not None and config.elastic:
             raise ValueError("a fairness policy is not simulated on an elastic cluster (yet)")
         self.fair = (
-            None
-            if fairness is None
-            else FairQueue(fairness, tenants or {}, *(charge_times or (slo_tpot_s, slo_ttft_s)))
+            None if fairness is None else FairQueue(fairness, tenants or {}, slo_tpot_s, slo_ttft_s)
         )
         self.cfg = config
         self.policy = policy
@@ -375,6 +372,7 @@ class _Engine:
                 step = d.step_estimate()
                 ttft = cand.predicted_ttft_s or job.prompt / max(1.0, d.rate)
                 job.exp_end = self.now + ttft + job.est_tokens * step
+            job.placed = cand
             self._dispatch(job, p, d)
             return True
         return False
@@ -651,7 +649,6 @@ def simulate(
     role_policy: RolePolicy | None = None,
     fairness: FairnessPolicy | None = None,
     tenants: Mapping[str, Tenant] | None = None,
-    charge_times: tuple[float, float] | None = None,
 ) -> SimResult:
     """Replay `requests` (arrival times divided by `rate_scale`) through the cluster.
 
@@ -665,8 +662,7 @@ def simulate(
     admission queue as the router does (disagg_tools.simcluster.fair_queue); each request's
     `tenant` attribute (disagg_tools.simcluster.tenants) names its tenant in `tenants` (one not
     there: weight 1, class 0). Without it the queue is FIFO with head-of-line blocking, as before.
-    `charge_times` = (step_s, ttft_s) the admission charge is estimated with (`estimate_cost`;
-    the router passes its `scaling.itl_slo_s` and `ttft_slo_s`); None: the TPOT and TTFT SLOs.
+    The TPOT and TTFT SLOs stand for the router's `scaling.itl_slo_s` and `ttft_slo_s` there.
     """
     engine = _Engine(
         requests,
@@ -681,6 +677,5 @@ def simulate(
         role_policy,
         fairness,
         tenants,
-        charge_times,
     )
     return engine.run()

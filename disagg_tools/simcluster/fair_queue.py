@@ -4,10 +4,13 @@ The same `policies.base.FairnessPolicy` object the router loads (`policies.regis
 load_fairness`), driven the way router/admission.py, router/request/reserve.py and
 router/request/lifecycle.py drive it:
 
-- a request is charged its estimate when it gets its room (`estimate_cost(info, step_s,
-  ttft_s)`: the router passes its ITL and TTFT SLOs, the simulator its TPOT and TTFT SLOs) and
-  settled with its actual cost when its reservation is released (`actual_cost`: the blocks it
-  held, as grown, for the time from its reservation to its release, and its prompt tokens);
+- a request waits weighed by its bound (`estimate_cost(info, itl_s, ttft_s)`: the router
+  passes its ITL and TTFT SLOs, the simulator its TPOT and TTFT SLOs); when it gets its room it
+  is charged what it is expected to hold once placed (`admission_charge` with the placed
+  candidate's `reserve_blocks`, `predicted_ttft_s` and `predicted_itl_s`, else the ITL SLO:
+  reserve.py `admit_and_reserve`), and settled with its actual cost when its reservation is
+  released (`actual_cost`: the blocks it held, as grown, for the time from its reservation to
+  its release, and its prompt tokens);
 - under any order but `fifo` an arrival queues while anything waits (`queue_first`: the
   policy must see every admission or its shares do not hold); under `fifo` an arrival that
   finds room goes first, as today;
@@ -29,7 +32,7 @@ from dataclasses import replace
 
 from disagg_tools.simcluster.workers import Job
 from policies.base import AdmissionCost, FairnessPolicy, Tenant, WaitingRequest, blocks_for
-from policies.fairness import estimate_cost
+from policies.fairness import admission_charge, estimate_cost
 
 __all__ = ["BACKFILL", "FairQueue", "actual_cost"]
 
@@ -50,13 +53,13 @@ def actual_cost(job: Job, now: float, completed: bool) -> AdmissionCost:
 class FairQueue:
     """The waiting jobs, in `policy`'s order, and what it charged the admitted ones."""
 
-    __slots__ = ("policy", "queue_first", "_tenants", "_jobs", "_tickets", "_step_s", "_ttft_s")
+    __slots__ = ("policy", "queue_first", "_tenants", "_jobs", "_tickets", "_itl_s", "_ttft_s")
 
     def __init__(
         self,
         policy: FairnessPolicy,
         tenants: Mapping[str, Tenant],
-        step_s: float,
+        itl_s: float,
         ttft_s: float,
     ) -> None:
         self.policy = policy
@@ -64,7 +67,7 @@ class FairQueue:
         self._tenants = dict(tenants)
         self._jobs: dict[int, Job] = {}  # ticket -> job, while it is in the policy
         self._tickets = itertools.count()
-        self._step_s = step_s
+        self._itl_s = itl_s
         self._ttft_s = ttft_s
 
     def __repr__(self) -> str:
@@ -81,7 +84,7 @@ class FairQueue:
         """The job (estimated) asks for admission: its ticket and estimated cost."""
         assert job.info is not None
         tenant = self.tenant(job.tenant)
-        cost = estimate_cost(job.info, self._step_s, self._ttft_s)
+        cost = estimate_cost(job.info, self._itl_s, self._ttft_s)
         job.waiting = WaitingRequest(next(self._tickets), tenant, tenant.priority, cost)
 
     def wait(self, job: Job, now: float) -> None:
@@ -91,10 +94,18 @@ class FairQueue:
         self.policy.enqueue(job.waiting)
 
     def admitted(self, job: Job) -> None:
-        """It got its room (waited or not): its tenant is charged the estimate."""
-        assert job.waiting is not None
+        """It got its room (waited or not) on `job.placed`: its tenant is charged what it is
+        expected to hold there."""
+        assert job.waiting is not None and job.info is not None and job.placed is not None
         self._jobs.pop(job.waiting.ticket, None)
-        job.charge = self.policy.admit(job.waiting)
+        cand = job.placed
+        charged = admission_charge(
+            job.info,
+            cand.reserve_blocks,
+            cand.predicted_ttft_s,
+            cand.predicted_itl_s or self._itl_s,
+        )
+        job.charge = self.policy.admit(replace(job.waiting, cost=charged))
 
     def withdraw(self, job: Job) -> None:
         if job.waiting is not None and self._jobs.pop(job.waiting.ticket, None) is not None:

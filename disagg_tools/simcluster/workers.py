@@ -28,6 +28,7 @@ from itertools import count
 
 from disagg_tools.simcluster.config import SimWorkerSpec
 from policies.base import (
+    Candidate,
     Charge,
     DecodeView,
     KVLayout,
@@ -51,7 +52,7 @@ class Job:
         "deadline", "queued", "queued_at", "admitted_at", "done",
         "p", "d", "res", "alloc", "ctx0", "gen", "s0", "phase", "over", "ver",
         "first_t", "last_t", "max_gap", "preemptions", "refusals", "kv_bytes", "exp_end",
-        "local", "tenant", "waiting", "charge",
+        "local", "tenant", "waiting", "charge", "placed",
     )  # fmt: skip
 
     def __init__(self, idx: int, arrival: float, prompt: int, out: int, hashes: tuple[int, ...]):
@@ -91,6 +92,7 @@ class Job:
         self.tenant = ""
         self.waiting: WaitingRequest | None = None
         self.charge: Charge | None = None
+        self.placed: Candidate | None = None  # the candidate it was placed on, at admission
 
     def __repr__(self) -> str:
         return f"Job({self.idx}, prompt={self.prompt}, out={self.out}, gen={self.gen})"
