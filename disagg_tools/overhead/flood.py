@@ -153,6 +153,7 @@ async def run_flood(ns: argparse.Namespace) -> dict[str, Any]:
             runs["flood"]["aggressor"],
             ns.tolerance,
         ),
+        "key_prefix": cluster.key_prefix,
         "redis_keys_deleted": deleted,
         "elapsed_s": time.monotonic() - t_start,
     }
