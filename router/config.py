@@ -24,6 +24,7 @@ import yaml
 
 from policies.base import KVLayout
 from policies.costmodel import PerfModel
+from policies.role_pauses import reconfig_pauses
 from policies.scaling import ScalingSLO
 from router.admission import AdmissionSettings
 from router.redact import masked_repr
@@ -108,9 +109,12 @@ class RoleSettings:
     # A worker leaving decode whose streams still run after this long has them resumed
     # elsewhere (the exact tokens sent so far); one leaving prefill has its stranded KV reaped.
     drain_deadline_s: float = 30.0
-    # The modelled pause between drained and serving the new role (0 for vLLM kv_both: a role
-    # is a per-request choice there, nothing restarts), told to the policy.
-    reconfig_pause_s: float = 0.0
+    # The pause between a drained worker and its first work in the new role, by engine kind
+    # (the worker's adapter): a number for every kind, or {kind: seconds} over the defaults of
+    # policies/role_pauses.py (vLLM kv_both 0: a role is a per-request choice there; SGLang's
+    # PD role switch rebuilds its engine). Timed live by the role manager (out of both pools
+    # that long) and told to the policy; the simulator takes the same table.
+    reconfig_pause_s: float | Mapping[str, float] | None = None
     # An SGLang engine's role switch (POST /pd_role_switch) answered within this long, else
     # asked again later: the rebuild takes seconds on a GPU, longer on a CPU.
     engine_switch_timeout_s: float = 300.0
@@ -126,8 +130,16 @@ class RoleSettings:
             raise ValueError("roles: interval_s and window_s must be > 0")
         if self.engine_switch_timeout_s <= 0:
             raise ValueError("roles: engine_switch_timeout_s must be > 0")
-        if min(self.settle_s, self.drain_deadline_s, self.reconfig_pause_s) < 0:
-            raise ValueError("roles: settle_s, drain_deadline_s, reconfig_pause_s must be >= 0")
+        if min(self.settle_s, self.drain_deadline_s) < 0:
+            raise ValueError("roles: settle_s and drain_deadline_s must be >= 0")
+        pauses = reconfig_pauses(self.reconfig_pause_s)  # raises ValueError when malformed
+        object.__setattr__(self, "reconfig_pause_s", pauses)
+
+    def pause_for(self, adapter: str) -> float:
+        """The reconfiguration pause of a worker of engine kind `adapter`."""
+        pauses = self.reconfig_pause_s
+        assert isinstance(pauses, Mapping)  # normalized in __post_init__
+        return float(pauses.get(adapter, 0.0))
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,7 +45,13 @@ from router.workers.accounting import LocalAccounting
 from router.workers.engine_role import EngineRoles
 from router.workers.loop_timing import beat
 from router.workers.membership import Membership
-from router.workers.role_signals import QueuePeak, role_of, role_snapshot
+from router.workers.role_signals import (
+    QueuePeak,
+    ReplicaDemand,
+    role_of,
+    role_snapshot,
+    summed,
+)
 from router.workers.worker_state import WorkerState
 from state.base import ROLE_STATES, StoreError, WorkerRole
 
@@ -101,6 +107,10 @@ class RoleManager:
         self.events: collections.deque[RoleEvent] = collections.deque(maxlen=100)
         self._switch_starts: collections.deque[float] = collections.deque(maxlen=64)
         self._peak = QueuePeak(s.window_s)
+        self.replicas_seen = 1  # replicas whose demand the last decision summed
+        # Drained workers waiting out their engine kind's reconfiguration pause: id -> when
+        # their drain was found complete (this leader's clock; a new leader starts it again).
+        self._pausing: dict[str, float] = {}
         self.engines = EngineRoles(gw.session, gw.metrics, s)  # SGLang engines' switches
 
     def __repr__(self) -> str:
@@ -145,17 +155,19 @@ class RoleManager:
         self._export_roles()
         self._cut_overdue_streams()
         ttl = max(3 * self.settings.interval_s, 1.0)
+        own = await self._publish_demand(ttl)
         self.leader = await gw.store.hold_lease(LEASE, self.holder, ttl)
         gw.metrics.role_leader.set(1 if self.leader else 0)
         if not self.leader:
             return
         await self._finish_drains()
         now = time.time()
-        arriving = sum(gw.demand.arriving_tokens_per_s(m) for m in gw.demand.models())
+        demand = await self._cluster_demand(own, ttl)
         recent = tuple(t for t in self._switch_starts if now - t < 60.0)
         snapshot = role_snapshot(
-            self.members.workers.values(), gw.settings, arriving_tokens_per_s=arriving,
-            peak=self._peak, recent_switches_s=recent, now_s=now,
+            self.members.workers.values(), gw.settings,
+            arriving_tokens_per_s=demand.arriving_tokens_per_s, peak=self._peak,
+            recent_switches_s=recent, now_s=now, queued_prompt_tokens=demand.queued_prompt_tokens,
         )  # fmt: skip
         plan = self.policy.decide(snapshot)
         self.last_plan, self.last_decided_s = plan, now
@@ -167,6 +179,34 @@ class RoleManager:
             if w is None or w.spec.role != "both":
                 continue
             await self._start(w, switch.to_role, "policy", switch.reason)
+
+    async def _publish_demand(self, max_age_s: float) -> ReplicaDemand:
+        """This replica's own demand, written to the store for the leader (every replica, every
+        tick: one write). A failed write is not fatal: the leader sums what it has."""
+        gw = self.gw
+        arriving = sum(gw.demand.arriving_tokens_per_s(m) for m in gw.demand.models())
+        own = ReplicaDemand.of(self.members.workers.values(), arriving)
+        try:
+            await gw.store.publish_demand(self.holder, own.encode(), max_age_s)
+        except StoreError as exc:
+            log.debug("role manager: demand not published: %s", exc)
+        return own
+
+    async def _cluster_demand(self, own: ReplicaDemand, max_age_s: float) -> ReplicaDemand:
+        """Every replica's demand published within `max_age_s`, summed (this replica's as it is
+        now); this replica's own alone when the store cannot be read."""
+        try:
+            published = await self.gw.store.replica_demands(max_age_s)
+        except StoreError as exc:
+            log.debug("role manager: deciding on this replica's demand alone: %s", exc)
+            published = {}
+        others = [
+            d
+            for replica, payload in published.items()
+            if replica != self.holder and (d := ReplicaDemand.decode(payload)) is not None
+        ]
+        self.replicas_seen = 1 + len(others)
+        return summed([own, *others])
 
     def _export_roles(self) -> None:
         gauge = self.gw.metrics.worker_role
@@ -248,6 +288,7 @@ class RoleManager:
             if record is None:
                 continue
             if not record.draining:  # an engine back in its start-up role is switched again
+                self._pausing.pop(w.spec.id, None)
                 if w.engine_behind and w.available:
                     self.engines.serves(w, record.role, self.members.workers.values())
                 continue
@@ -260,12 +301,24 @@ class RoleManager:
                 held = w.stranded_bytes > 0 or w.queued_prompt_tokens > 0
             else:  # leaving decode: every replica's reservations on it released
                 held = w.reservations > 0 or w.reserved_blocks > 0 or w.resident_seqs > 0
-            peers = self.members.workers.values()
-            if held or not self.engines.serves(w, record.target, peers):
+            if held:
+                self._pausing.pop(w.spec.id, None)
                 continue
+            # Drained: out of both pools for its engine kind's reconfiguration pause (timed
+            # from here, the policy told the same number), and, for an SGLang engine, until it
+            # serves the new role (its switch runs meanwhile).
+            emptied = self._pausing.setdefault(w.spec.id, now)
+            pause = self.settings.pause_for(w.spec.adapter)
+            serves = self.engines.serves(w, record.target, self.members.workers.values())
+            if not serves or now - emptied < pause:
+                continue
+            self._pausing.pop(w.spec.id, None)
             before = record.role
             if await self._set(w, record.target) is not None:
-                self._note(w, before, record.target, "drained", f"drained after {age:.1f} s")
+                paused = f", then paused {now - emptied:.1f} s" if pause else ""
+                self._note(
+                    w, before, record.target, "drained", f"drained after {age:.1f} s{paused}"
+                )
 
     async def _reap(self, w: WorkerState) -> None:
         gw = self.gw
@@ -319,6 +372,7 @@ class RoleManager:
             "policy": self.policy.name,
             "leader": self.leader,
             "decided_at": self.last_decided_s,
+            "replicas_summed": self.replicas_seen,
             "prefill_pressure": None if plan is None else _finite(plan.prefill_pressure),
             "decode_pressure": None if plan is None else _finite(plan.decode_pressure),
             "note": None if plan is None else plan.note,

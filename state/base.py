@@ -357,6 +357,14 @@ class StateStore(Protocol):
     async def release_lease(self, name: str, holder: str) -> bool:
         """Give the lease back if `holder` has it (True), so another replica need not wait."""
 
+    # -- every replica's demand, for the role manager's leader (shared by every replica) -------
+    async def publish_demand(self, replica: str, payload: str, max_age_s: float) -> None:
+        """Set `replica`'s demand entry to `payload` (the caller's encoding), stamped with the
+        store's clock; entries older than `max_age_s` are dropped."""
+
+    async def replica_demands(self, max_age_s: float) -> dict[str, str]:
+        """Every replica's demand entry no older than `max_age_s` (older ones are dropped)."""
+
     # -- after a store loss ---------------------------------------------------------------
     async def restore_registry(
         self, drains: Mapping[str, DrainMark], roles: Mapping[str, WorkerRole]

@@ -30,6 +30,7 @@ key                            type    meaning
 ``<p>{reg}:tkeys``             hash    API key id -> "tenant|sha256 hex|source" (never a key)
 ``<p>{reg}:tkeys:revoked``     set     sha256 hex of every key revoked or rotated out
 ``<p>{reg}:tkeys:version``     string  the key table's version, +1 on every change
+``<p>{reg}:demand``            hash    replica -> "when|its demand" for the role manager (pruned)
 ``<p>{t:<tenant>}:q``          hash    a tenant's quota buckets (levels, when) (state/quotas.py)
 ``<p>{t:<tenant>}:holds``      hash    quota hold id -> "blocks|expected end" (blocks limited)
 ``<p>{t:<tenant>}:hexp``       zset    quota hold id -> lease expiry (unix s)
@@ -259,6 +260,11 @@ class Keys:
             f"{self.prefix}{{reg}}:tkeys:revoked",
             f"{self.prefix}{{reg}}:tkeys:version",
         ]
+
+    @property
+    def demand(self) -> str:
+        """Every replica's demand signals, one field each (router/workers/role_signals.py)."""
+        return f"{self.prefix}{{reg}}:demand"
 
     # -- tenants' quotas ------------------------------------------------------------------
     def tenant_quota(self, tenant: str) -> list[str]:

@@ -26,6 +26,7 @@ class MemoryRegistry:
         self._drained_at: dict[str, float] = {}  # worker id -> its last drain or undrain
         self._roles: dict[str, WorkerRole] = {}
         self._leases: dict[str, tuple[str, float]] = {}  # name -> (holder, until)
+        self._demands: dict[str, tuple[float, str]] = {}  # replica -> (when, its demand)
         self._marker_until: float | None = None
         self._tkeys: dict[str, TenantKey] = {}  # key id -> its key (digest)
         self._trevoked: set[str] = set()
@@ -84,6 +85,22 @@ class MemoryRegistry:
 
     async def forget_role(self, worker_id: str) -> bool:
         return self._roles.pop(worker_id, None) is not None
+
+    async def publish_demand(self, replica: str, payload: str, max_age_s: float) -> None:
+        check_id("replica", replica)
+        check_lease(max_age_s)
+        self._demands[replica] = (self._clock(), payload)
+        self._prune_demands(max_age_s)
+
+    async def replica_demands(self, max_age_s: float) -> dict[str, str]:
+        check_lease(max_age_s)
+        self._prune_demands(max_age_s)
+        return {replica: payload for replica, (_, payload) in self._demands.items()}
+
+    def _prune_demands(self, max_age_s: float) -> None:
+        now = self._clock()
+        for replica in [r for r, (at, _) in self._demands.items() if now - at > max_age_s]:
+            del self._demands[replica]
 
     async def hold_lease(self, name: str, holder: str, ttl_s: float) -> bool:
         check_id("lease", name)

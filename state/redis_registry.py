@@ -39,7 +39,9 @@ from state.redis_scripts import (
 from state.registry_scripts import (
     FORGET_WORKER_SCRIPT,
     MARKER_SCRIPT,
+    PUBLISH_DEMAND_SCRIPT,
     PUT_TENANT_KEY_SCRIPT,
+    READ_DEMANDS_SCRIPT,
     READ_TENANT_KEYS_SCRIPT,
     REGISTRY_AND_USAGE_SCRIPT,
     RESTORE_REGISTRY_SCRIPT,
@@ -59,6 +61,8 @@ class RedisRegistry(RedisConnection):
 
     def _register_scripts(self, register: Callable[[str], AsyncScript]) -> None:
         self._set_role = register(SET_ROLE_SCRIPT)
+        self._publish_demand = register(PUBLISH_DEMAND_SCRIPT)
+        self._read_demands = register(READ_DEMANDS_SCRIPT)
         self._hold_lease = register(HOLD_LEASE_SCRIPT)
         self._release_lease = register(RELEASE_LEASE_SCRIPT)
         self._marker = register(MARKER_SCRIPT)
@@ -140,6 +144,22 @@ class RedisRegistry(RedisConnection):
     @store_call
     async def release_lease(self, name: str, holder: str) -> bool:
         return bool(await self._release_lease(keys=[self._keys.lease(name)], args=[holder]))
+
+    # -- every replica's demand ------------------------------------------------------------
+    @store_call
+    async def publish_demand(self, replica: str, payload: str, max_age_s: float) -> None:
+        check_id("replica", replica)
+        check_lease(max_age_s)
+        args = [self._now(), replica, payload, repr(float(max_age_s))]
+        await self._publish_demand(keys=[self._keys.demand], args=args)
+
+    @store_call
+    async def replica_demands(self, max_age_s: float) -> dict[str, str]:
+        check_lease(max_age_s)
+        flat = await self._read_demands(
+            keys=[self._keys.demand], args=[self._now(), repr(float(max_age_s))]
+        )
+        return {text(flat[i]): text(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     # -- after a store loss ---------------------------------------------------------------
     @store_call

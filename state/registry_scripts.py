@@ -21,6 +21,8 @@ __all__ = [
     "REVOKE_TENANT_KEY_SCRIPT",
     "READ_TENANT_KEYS_SCRIPT",
     "RESTORE_TENANT_KEYS_SCRIPT",
+    "PUBLISH_DEMAND_SCRIPT",
+    "READ_DEMANDS_SCRIPT",
 ]
 
 # Keep the marker alive; create it with this caller's fresh token when missing. Returns the
@@ -213,5 +215,46 @@ if changed > 0 then
   redis.call('SET', KEYS[3], version)
 end
 return version
+"""
+)
+
+
+# Every replica's demand for the role manager (router/workers/role_signals.py): one field per
+# replica, "when|payload" (the payload is the router's, opaque here); entries older than
+# `max age` are dropped by both scripts, so a replica that stopped publishing goes away.
+_LUA_DEMAND_PRUNE = """
+local function prune(now, max_age)
+  local fresh = {}
+  local all = redis.call('HGETALL', KEYS[1])
+  for i = 1, #all, 2 do
+    local at, payload = string.match(all[i + 1], '^([^|]*)|(.*)$')
+    if at == nil or now - tonumber(at) > max_age then
+      redis.call('HDEL', KEYS[1], all[i])
+    else
+      table.insert(fresh, all[i]); table.insert(fresh, payload)
+    end
+  end
+  return fresh
+end
+"""
+
+# KEYS[1] {reg}:demand  ARGV[1] now  ARGV[2] replica  ARGV[3] payload  ARGV[4] max age (s)
+PUBLISH_DEMAND_SCRIPT = (
+    _LUA_CLOCK
+    + _LUA_DEMAND_PRUNE
+    + """
+local now = clock()
+redis.call('HSET', KEYS[1], ARGV[2], score(now) .. '|' .. ARGV[3])
+redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[4]) * 2000))
+return 1
+"""
+)
+
+# KEYS[1] {reg}:demand  ARGV[1] now  ARGV[2] max age (s) -> flat (replica, payload) pairs
+READ_DEMANDS_SCRIPT = (
+    _LUA_CLOCK
+    + _LUA_DEMAND_PRUNE
+    + """
+return prune(clock(), tonumber(ARGV[2]))
 """
 )

@@ -7,22 +7,69 @@ The same fields the simulator fills (disagg_tools/sim/cluster_roles.py), from th
 - decode demand: KV blocks held on each decode worker (every replica's reservations, from the
   store) against its capacity and its step-time model at the ITL SLO.
 
-Queued prompt tokens and the arrival rate are this replica's own (the one holding the role
-lease); reservations are every replica's. Behind a balancer that spreads requests evenly the
-leader's queue is a fair sample of each worker's; the reservations are exact.
+Queued prompt tokens and the arrival rate are each replica's own: every replica publishes its
+own (`ReplicaDemand`, one store write a role tick) and the replica holding the role lease decides
+on their sum (`summed`), so behind N replicas it sees the whole cluster's prefill demand, not
+its 1/N — whatever the balancer does. Reservations are every replica's already (the store).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import orjson
 
 from policies.base import Role, RoleSnapshot, RoleWorkerView
 from router.config import Settings
 from router.workers.worker_state import WorkerState
 
-__all__ = ["QueuePeak", "role_of", "role_snapshot"]
+__all__ = ["QueuePeak", "ReplicaDemand", "role_of", "role_snapshot", "summed"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaDemand:
+    """One replica's own prefill demand: the prompt tokens per second arriving through it, and
+    the prompt tokens it has queued on each worker (sent, not answered yet)."""
+
+    arriving_tokens_per_s: float = 0.0
+    queued_prompt_tokens: Mapping[str, int] = field(default_factory=dict)
+
+    def encode(self) -> str:
+        return orjson.dumps(
+            {"a": self.arriving_tokens_per_s, "q": dict(self.queued_prompt_tokens)}
+        ).decode()
+
+    @classmethod
+    def decode(cls, payload: str) -> ReplicaDemand | None:
+        """None for a payload this version cannot read (another version's replica): skipped."""
+        try:
+            raw = orjson.loads(payload)
+            arriving = float(raw["a"])
+            queued = {str(k): int(v) for k, v in raw["q"].items()}
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+            return None
+        if not math.isfinite(arriving) or arriving < 0:
+            return None
+        return cls(arriving, queued)
+
+    @classmethod
+    def of(cls, workers: Iterable[WorkerState], arriving_tokens_per_s: float) -> ReplicaDemand:
+        queued = {w.spec.id: w.queued_prompt_tokens for w in workers if w.queued_prompt_tokens}
+        return cls(arriving_tokens_per_s, queued)
+
+
+def summed(demands: Iterable[ReplicaDemand]) -> ReplicaDemand:
+    """The cluster's demand: every replica's arrivals and queues added up."""
+    arriving = 0.0
+    queued: dict[str, int] = {}
+    for d in demands:
+        arriving += d.arriving_tokens_per_s
+        for wid, tokens in d.queued_prompt_tokens.items():
+            queued[wid] = queued.get(wid, 0) + tokens
+    return ReplicaDemand(arriving, queued)
 
 
 class QueuePeak:
@@ -64,7 +111,7 @@ def can_switch(w: WorkerState) -> bool:
     return True
 
 
-def _view(w: WorkerState) -> RoleWorkerView:
+def _view(w: WorkerState, queued: Mapping[str, int] | None) -> RoleWorkerView:
     spec = w.spec
     perf = spec.perf
     record = w.role_state if spec.role == "both" else None
@@ -74,7 +121,7 @@ def _view(w: WorkerState) -> RoleWorkerView:
         state="draining" if record is not None and record.draining else "active",
         can_switch=can_switch(w),
         since_s=record.since_s if record is not None else -math.inf,
-        queued_prompt_tokens=w.queued_prompt_tokens,
+        queued_prompt_tokens=w.queued_prompt_tokens if queued is None else queued.get(spec.id, 0),
         prefill_tokens_per_s=perf.prefill_tokens_per_s() if perf else 10_000.0,
         capacity_blocks=w.capacity_blocks if spec.is_decode else 0,
         held_blocks=w.reserved_blocks,
@@ -92,10 +139,19 @@ def role_snapshot(
     peak: QueuePeak,
     recent_switches_s: tuple[float, ...],
     now_s: float | None = None,
+    queued_prompt_tokens: Mapping[str, int] | None = None,
 ) -> RoleSnapshot:
-    """The snapshot at `now_s` (unix seconds: the store's role times are on that clock)."""
+    """The snapshot at `now_s` (unix seconds: the store's role times are on that clock).
+    `queued_prompt_tokens`: every replica's queue on each worker (`summed`); None: this
+    replica's own. The pause told to the policy is the longest of the switchable workers'
+    engine kinds (policies/role_pauses.py)."""
     now = time.time() if now_s is None else now_s
-    workers = tuple(_view(w) for w in workers_in_pools if w.healthy)
+    healthy = [w for w in workers_in_pools if w.healthy]
+    workers = tuple(_view(w, queued_prompt_tokens) for w in healthy)
+    roles = settings.roles
+    pause = max(
+        (roles.pause_for(w.spec.adapter) for w in healthy if w.spec.role == "both"), default=0.0
+    )
     queued = sum(w.queued_prompt_tokens for w in workers)
     return RoleSnapshot(
         now_s=now,
@@ -104,6 +160,6 @@ def role_snapshot(
         peak_queued_prompt_tokens=peak.update(queued, now),
         slo_ttft_s=settings.scaling.ttft_slo_s,
         slo_itl_s=settings.scaling.itl_slo_s,
-        reconfig_pause_s=settings.roles.reconfig_pause_s,
+        reconfig_pause_s=pause,
         recent_switches_s=recent_switches_s,
     )
