@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Literal, TypedDict
 
 from policies.base import KVLayout
 from policies.costmodel import PerfModel, perf_model
+from policies.role_pauses import ENGINE_RECONFIG_PAUSE_S
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing's own from Python 3.12
@@ -124,9 +125,14 @@ class ClusterConfig:
     join_mid_step: bool = False
     # -- Elastic roles (docs/elastic-roles.md): every worker is `kv_both` and a `RolePolicy`
     # (passed to `simulate`) moves workers between the pools; `prefill` and `decode` give the
-    # initial split. A switch drains the worker, pauses it `reconfig_pause_s`, then serves.
+    # initial split. A switch drains the worker, pauses it, then serves. The pause is the live
+    # router's for the `engine` kind modelled (policies/role_pauses.py: vllm 0, sglang 2 s, sim
+    # 0), unless `reconfig_pause_s` gives one. The default engine is sglang, the 2 s pause the
+    # cells of docs/elastic-roles.md were measured with (vLLM's kv_both pauses 0: the drain is
+    # its whole cost).
     elastic: bool = False
-    reconfig_pause_s: float = 2.0
+    engine: str = "sglang"
+    reconfig_pause_s: float | None = None
     # Past this much draining, sequences still resident on a worker leaving decode are resumed
     # on another decode worker with their exact tokens (None = they always finish where they are).
     drain_deadline_s: float | None = 5.0
@@ -169,7 +175,9 @@ class ClusterConfig:
             raise ValueError("router_overhead_s, step_overhead_s, timer_quantum_s must be >= 0")
         if self.elastic and not self.prefill:
             raise ValueError("an elastic cluster starts with at least one prefill worker")
-        if self.reconfig_pause_s < 0 or (self.drain_deadline_s or 0.0) < 0:
+        if self.engine not in ENGINE_RECONFIG_PAUSE_S:
+            raise ValueError(f"engine must be one of {sorted(ENGINE_RECONFIG_PAUSE_S)}")
+        if self.pause_s < 0 or (self.drain_deadline_s or 0.0) < 0:
             raise ValueError("reconfig_pause_s and drain_deadline_s must be >= 0")
         if self.role_interval_s <= 0 or self.role_window_s <= 0:
             raise ValueError("role_interval_s and role_window_s must be > 0")
@@ -182,6 +190,13 @@ class ClusterConfig:
             raise ValueError("kv_event_lag_s and prefix_cache_blocks must be >= 0")
         # A frozen config should not share a dict the caller can still mutate.
         object.__setattr__(self, "links", MappingProxyType(dict(self.links)))
+
+    @property
+    def pause_s(self) -> float:
+        """The reconfiguration pause of a switch: `reconfig_pause_s`, or the engine's."""
+        if self.reconfig_pause_s is not None:
+            return self.reconfig_pause_s
+        return ENGINE_RECONFIG_PAUSE_S[self.engine]
 
     def layout_of(self, spec: SimWorkerSpec) -> KVLayout:
         return spec.layout or self.layout
@@ -244,7 +259,7 @@ class ClusterConfig:
         return (
             f"ClusterConfig({len(self.prefill)}P+{len(self.decode)}D {self.model}, "
             f"reserve={self.reserve}, on_full={self.on_full}, admission={self.admission}"
-            + (f", elastic, pause={self.reconfig_pause_s}s" if self.elastic else "")
+            + (f", elastic, {self.engine} pause={self.pause_s}s" if self.elastic else "")
             + ")"
         )
 
@@ -275,7 +290,8 @@ class ClusterKnobs(TypedDict, total=False):
     timer_quantum_s: float
     join_mid_step: bool
     elastic: bool
-    reconfig_pause_s: float
+    engine: str
+    reconfig_pause_s: float | None
     drain_deadline_s: float | None
     role_interval_s: float
     role_window_s: float

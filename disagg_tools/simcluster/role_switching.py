@@ -145,7 +145,7 @@ class RoleController:
         self.slots = slots
         self.by_p = {id(s.p): s for s in slots}
         self.by_d = {id(s.d): s for s in slots}
-        self.pause = cfg.reconfig_pause_s
+        self.pause = cfg.pause_s
         self.deadline = cfg.drain_deadline_s
         self.interval = cfg.role_interval_s
         tau = cfg.role_window_s
