@@ -47,11 +47,21 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from policies.base import Role, RolePlan, RoleSnapshot, RoleSwitch, RoleWorkerView
 
-__all__ = ["StaticRoles", "ElasticRoles", "role_pressures", "split_of"]
+__all__ = [
+    "StaticRoles",
+    "ElasticRoles",
+    "SwitchCost",
+    "phase_capacities",
+    "phase_loads",
+    "role_pressures",
+    "split_of",
+]
 
 _OTHER: dict[Role, Role] = {"prefill": "decode", "decode": "prefill"}
 
@@ -76,22 +86,23 @@ def role_pressures(
     Load is what the whole cluster holds (a draining worker's blocks and queue count: that work
     lands on the pool it leaves); capacity is that of the workers assigned to each role.
     """
-    rate = 0.0
-    queued = 0
-    held = 0
-    pending = 0
-    cap = 0.0
-    itl = itl_fraction * snapshot.slo_itl_s
+    p_load, d_load = phase_loads(snapshot, rho_target=rho_target, wait_fraction=wait_fraction)
+    rate, cap = phase_capacities(snapshot, roles, kv_target=kv_target, itl_fraction=itl_fraction)
+    return _ratio(p_load, rate), _ratio(d_load, cap)
+
+
+def phase_loads(
+    snapshot: RoleSnapshot, *, rho_target: float = 0.85, wait_fraction: float = 0.25
+) -> tuple[float, float]:
+    """The pressures' numerators, which do not depend on the split: (prefill tokens/s the pool
+    must sustain, decode blocks it must hold). A pressure is one of them over its pool's
+    capacity (`phase_capacities`), so a policy can smooth the loads across decisions and
+    still price any split."""
+    queued = held = pending = 0
     for w in snapshot.workers:
-        role = w.role if roles is None else roles.get(w.worker_id, w.role)
         queued += w.queued_prompt_tokens
         held += w.held_blocks
         pending += w.pending_blocks
-        if role == "prefill":
-            rate += w.prefill_tokens_per_s
-        else:
-            cap += _decode_capacity(w, kv_target, itl)
-    demand = snapshot.prefill_demand_tokens_per_s
     # Decode room held for requests prefill has not reached is the prefill pool's backlog, and
     # so is that share of the requests held back for room: blaming decode for it would move
     # workers the wrong way exactly when prefill is the bottleneck.
@@ -99,17 +110,34 @@ def role_pressures(
     queued = queued + int(share * snapshot.decode_waiting_prompt_tokens)
     held -= pending
     queued_peak = max(float(queued), snapshot.peak_queued_prompt_tokens)
-    p_load = max(
-        demand / rho_target, queued_peak / (wait_fraction * max(snapshot.slo_ttft_s, 1e-9))
-    )
+    wait_s = wait_fraction * max(snapshot.slo_ttft_s, 1e-9)
+    p_load = max(snapshot.prefill_demand_tokens_per_s / rho_target, queued_peak / wait_s)
     d_held = max(float(held), snapshot.decode_demand_blocks)
     waiting = (1.0 - share) * snapshot.decode_waiting_blocks
     if snapshot.decode_hold_s <= 0:
-        return _ratio(p_load, rate), _ratio(d_held + waiting, cap)
+        return p_load, d_held + waiting
     # Requests waiting for room wait until that many blocks are freed (capacity / hold time per
     # second): a wait like a prefill queue's, against the same fraction of the TTFT SLO.
-    d_wait = waiting * snapshot.decode_hold_s / (wait_fraction * max(snapshot.slo_ttft_s, 1e-9))
-    return _ratio(p_load, rate), max(_ratio(d_held, cap), _ratio(d_wait, cap))
+    return p_load, max(d_held, waiting * snapshot.decode_hold_s / wait_s)
+
+
+def phase_capacities(
+    snapshot: RoleSnapshot,
+    roles: Mapping[str, Role] | None = None,
+    *,
+    kv_target: float = 0.9,
+    itl_fraction: float = 0.8,
+) -> tuple[float, float]:
+    """(prefill tokens/s, SLO-bound decode blocks) of the workers `roles` puts in each pool."""
+    rate = cap = 0.0
+    itl = itl_fraction * snapshot.slo_itl_s
+    for w in snapshot.workers:
+        role = w.role if roles is None else roles.get(w.worker_id, w.role)
+        if role == "prefill":
+            rate += w.prefill_tokens_per_s
+        else:
+            cap += _decode_capacity(w, kv_target, itl)
+    return rate, cap
 
 
 def _decode_capacity(w: RoleWorkerView, kv_target: float, itl_s: float) -> float:
@@ -143,9 +171,55 @@ class StaticRoles:
         return RolePlan((), p, d, "static")
 
 
+@dataclass(frozen=True, slots=True)
+class SwitchCost:
+    """What one switch costs and what it is predicted to gain, in pressure-seconds (a phase's
+    pressure × seconds: the unit the gain is measured in, so the two compare directly).
+
+    - `drain_s`: until the worker holds nothing of its old role. Leaving decode, the last of
+      its resident streams ends (residual lives taken as exponential with the mean decode hold
+      time: the last of n ends after hold × H(n)), at most the drain deadline; leaving prefill,
+      its queued prompt tokens at its rate (an upper bound: queued prompts move at once).
+    - `migrated` streams and their `reprefill_tokens`: resident streams still running at the
+      deadline (a share exp(-deadline / hold)) are resumed on another decode worker, their
+      context prefilled again, which loads the prefill pool.
+    - `pause_s`: the engine's reconfiguration (the snapshot's).
+
+    step = max(worst, knee) - max(new, knee)   (knee: `activate_above`; pressure under it is
+                                               headroom, lowering it gains nothing)
+    cost = step × min(drain + pause, horizon)   the gain not had until the worker serves
+         + reprefill_tokens / (one prefill worker's rate)   the migrated streams' stalls,
+                                               a stalled stream-second as a pressure-second
+         + max(0, giving phase's pressure after - worst) × (drain + pause)
+    gain = step × horizon
+    """
+
+    drain_s: float
+    pause_s: float
+    migrated: float
+    reprefill_tokens: float
+    gain_ps: float
+    cost_ps: float
+
+    @property
+    def pays(self) -> bool:
+        return self.gain_ps > 0 and self.gain_ps >= self.cost_ps
+
+    def __str__(self) -> str:
+        return (
+            f"gain {self.gain_ps:.1f} vs cost {self.cost_ps:.1f} pressure-s (drain "
+            f"{self.drain_s:.1f} s, pause {self.pause_s:.1f} s, {self.migrated:.1f} streams "
+            f"re-prefilled)"
+        )
+
+
 class ElasticRoles:
-    """Moves workers toward the split that minimises the larger phase pressure; see the module
-    docstring for the rule and why it does not flap."""
+    """Moves workers toward the split that minimises the larger phase pressure, on pressures
+    smoothed across decisions, when a switch's predicted gain pays for its cost; see the module
+    docstring for the rule and why it does not flap.
+
+    Keeps state from snapshot to snapshot (the recent loads); deterministic given the same
+    sequence of snapshots. A snapshot older than the last one starts the history afresh."""
 
     name = "elastic"
 
@@ -157,13 +231,17 @@ class ElasticRoles:
         kv_target: float = 1.0,
         itl_fraction: float = 0.8,
         hysteresis: float = 0.15,
-        pause_horizon_s: float = 600.0,
+        give_limit: float = 0.9,
+        smooth_window_s: float = 30.0,
+        horizon_s: float = 60.0,
+        drain_deadline_s: float = 5.0,
+        block_tokens: int = 16,
         min_time_in_role_s: float = 20.0,
         reverse_after_s: float = 60.0,
         dwell_pauses: float = 3.0,
         max_switches_per_minute: int = 6,
         max_switches_per_decision: int = 2,
-        activate_above: float = 0.3,
+        activate_above: float = 0.5,
         min_prefill: int = 1,
         min_decode: int = 1,
         max_in_flight_per_role: int | None = None,
@@ -173,12 +251,11 @@ class ElasticRoles:
                             ("kv_target", kv_target), ("itl_fraction", itl_fraction)):  # fmt: skip
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{name} must be within (0, 1], got {value}")
-        if min(hysteresis, min_time_in_role_s, reverse_after_s, dwell_pauses) < 0 or (
-            pause_horizon_s <= 0
-        ):
+        if min(hysteresis, min_time_in_role_s, reverse_after_s, dwell_pauses) < 0:
+            raise ValueError("hysteresis, min_time_in_role_s, reverse_after_s, dwell_pauses >= 0")
+        if smooth_window_s < 0 or horizon_s <= 0 or drain_deadline_s < 0 or block_tokens < 1:
             raise ValueError(
-                "hysteresis, min_time_in_role_s, reverse_after_s, dwell_pauses >= 0; "
-                "pause_horizon_s > 0"
+                "smooth_window_s >= 0, horizon_s > 0, drain_deadline_s >= 0, block_tokens >= 1"
             )
         if max_switches_per_minute < 0 or min_prefill < 0 or min_decode < 1:
             raise ValueError("max_switches_per_minute >= 0, min_prefill >= 0, min_decode >= 1")
@@ -187,7 +264,19 @@ class ElasticRoles:
         self.kv_target = kv_target
         self.itl_fraction = itl_fraction
         self.hysteresis = hysteresis
-        self.pause_horizon_s = pause_horizon_s
+        # A move may not push the giving phase past this pressure unless the other phase is at
+        # twice it (both overloaded: the cluster needs GPUs, not a re-role). Below 1.0: the
+        # pressures are linear in pool size, a pool of one or two workers is not.
+        self.give_limit = give_limit
+        # The loads decided on are the medians of those seen over this window (0: the latest
+        # only): a giant prompt or one long-context stream lasts a few decisions, a shift in
+        # the mix lasts minutes.
+        self.smooth_window_s = smooth_window_s
+        # How long a switch's gain is counted for: the next window the demand is predicted over.
+        self.horizon_s = horizon_s
+        # The caller's drain deadline (simulator and router default: 5 s), for the cost model.
+        self.drain_deadline_s = drain_deadline_s
+        self.block_tokens = block_tokens
         self.min_time_in_role_s = min_time_in_role_s
         self.reverse_after_s = reverse_after_s
         self.dwell_pauses = dwell_pauses
@@ -200,25 +289,96 @@ class ElasticRoles:
         # next one is decided only once the pressure shows what the first one changed.
         self.max_in_flight_per_role = max_in_flight_per_role
         self.seed = seed
+        self._loads: deque[tuple[float, float, float]] = deque()  # (now, prefill, decode)
 
     def __repr__(self) -> str:
         return (
-            f"ElasticRoles(hysteresis={self.hysteresis}, min_time_in_role_s="
+            f"ElasticRoles(hysteresis={self.hysteresis}, smooth_window_s="
+            f"{self.smooth_window_s}, horizon_s={self.horizon_s}, min_time_in_role_s="
             f"{self.min_time_in_role_s}, max_switches_per_minute={self.max_switches_per_minute}, "
-            f"activate_above={self.activate_above}, seed={self.seed})"
+            f"activate_above={self.activate_above}, seed={self.seed}, "
+            f"{len(self._loads)} loads kept)"
         )
 
     def pressures(
         self, snapshot: RoleSnapshot, roles: Mapping[str, Role] | None = None
     ) -> tuple[float, float]:
+        """This snapshot's pressures, unsmoothed."""
         return role_pressures(
             snapshot, roles, rho_target=self.rho_target, wait_fraction=self.wait_fraction,
             kv_target=self.kv_target, itl_fraction=self.itl_fraction,
         )  # fmt: skip
 
+    def smoothed_loads(self, snapshot: RoleSnapshot) -> tuple[float, float]:
+        """Record this snapshot's loads and return the medians of the window (each phase on
+        its own). With less history than the window (a cold start, a new leader) the median is
+        of what there is: the first decision acts on the first snapshot."""
+        p, d = phase_loads(snapshot, rho_target=self.rho_target, wait_fraction=self.wait_fraction)
+        now = snapshot.now_s
+        hist = self._loads
+        if hist and now < hist[-1][0]:
+            hist.clear()
+        hist.append((now, p, d))
+        while len(hist) > 1 and hist[0][0] <= now - self.smooth_window_s:
+            hist.popleft()
+        return _median([x[1] for x in hist]), _median([x[2] for x in hist])
+
+    def switch_cost(
+        self,
+        snapshot: RoleSnapshot,
+        w: RoleWorkerView,
+        roles_after: Mapping[str, Role],
+        worst: float,
+        new: float,
+        giving_after: float,
+    ) -> SwitchCost:
+        """The cost model (`SwitchCost`) of moving `w` out of its role, `roles_after` being the
+        split it leads to."""
+        pause = snapshot.reconfig_pause_s
+        migrated = tokens = 0.0
+        if w.role == "decode":
+            n = w.resident_seqs
+            ctx_blocks = max(0, w.held_blocks - w.pending_blocks)
+            drain = 0.0
+            if n > 0 or ctx_blocks > 0:
+                # Hold time unknown (the live router): assume twice the deadline.
+                hold = snapshot.decode_hold_s or 2.0 * self.drain_deadline_s
+                n = max(1, n)
+                harmonic = sum(1.0 / k for k in range(1, n + 1))
+                drain = min(self.drain_deadline_s, hold * harmonic)
+                share = math.exp(-self.drain_deadline_s / hold) if hold > 0 else 0.0
+                migrated = n * share
+                tokens = ctx_blocks * self.block_tokens * share
+        else:
+            rate = w.prefill_tokens_per_s
+            drain = w.queued_prompt_tokens / rate if rate > 0 else 0.0
+        busy = drain + pause
+        # A migrated stream stalls for its re-prefill on one prefill worker; each second of a
+        # stalled stream counts as a pressure-second (a request at its SLO's limit).
+        prefill = [
+            x.prefill_tokens_per_s
+            for x in snapshot.workers
+            if roles_after.get(x.worker_id) == "prefill"
+        ]
+        per_worker = sum(prefill) / len(prefill) if prefill else 0.0
+        # Pressure below `activate_above` is headroom: lowering it gains nothing now, and a
+        # split tuned at a light load is the wrong one when the load comes back.
+        knee = self.activate_above
+        step = max(0.0, max(worst, knee) - max(new, knee))
+        reprefill = _ratio(tokens, per_worker)
+        cost = step * min(busy, self.horizon_s) + reprefill + max(0.0, giving_after - worst) * busy
+        return SwitchCost(drain, pause, migrated, tokens, step * self.horizon_s, cost)
+
     def decide(self, snapshot: RoleSnapshot) -> RolePlan:
         roles: dict[str, Role] = {w.worker_id: w.role for w in snapshot.workers}
-        p0, d0 = p, d = self.pressures(snapshot, roles)
+        p_load, d_load = self.smoothed_loads(snapshot)
+        kw = {"kv_target": self.kv_target, "itl_fraction": self.itl_fraction}
+
+        def pressures(split: Mapping[str, Role]) -> tuple[float, float]:
+            rate, cap = phase_capacities(snapshot, split, **kw)
+            return _ratio(p_load, rate), _ratio(d_load, cap)
+
+        p0, d0 = p, d = pressures(roles)
         now = snapshot.now_s
         budget = self.max_switches_per_minute - sum(
             1 for t in snapshot.recent_switches_s if now - 60.0 < t <= now
@@ -228,9 +388,8 @@ class ElasticRoles:
             return RolePlan((), p0, d0, "switch budget for this minute spent")
         if max(p, d) < self.activate_above:
             return RolePlan((), p0, d0, "both phases lightly loaded")
-        pause = snapshot.reconfig_pause_s
-        dwell = max(self.min_time_in_role_s, self.dwell_pauses * pause)
-        gain = 1.0 + self.hysteresis + pause / self.pause_horizon_s
+        dwell = max(self.min_time_in_role_s, self.dwell_pauses * snapshot.reconfig_pause_s)
+        gain = 1.0 + self.hysteresis
         # The last switch toward each role: a move the other way soon after is a swap that pays
         # two drains and two pauses for nothing (the demand signals are noisy; the split is not).
         last_to: dict[Role, float] = {"prefill": -math.inf, "decode": -math.inf}
@@ -254,7 +413,8 @@ class ElasticRoles:
             if n_give - 1 < (self.min_prefill if give == "prefill" else self.min_decode):
                 note = f"{give} pool at its minimum"
                 break
-            best: tuple[float, int, int, RoleWorkerView, float, float] | None = None
+            best: tuple[float, float, int, RoleWorkerView, float, float, SwitchCost] | None = None
+            unpaid: SwitchCost | None = None
             for w in snapshot.workers:
                 if (
                     not w.can_switch
@@ -265,22 +425,32 @@ class ElasticRoles:
                 ):
                     continue
                 roles[w.worker_id] = take
-                p2, d2 = self.pressures(snapshot, roles)
-                roles[w.worker_id] = give
+                p2, d2 = pressures(roles)
                 new = max(p2, d2)
-                if new * gain > worst:
-                    continue
                 after = p2 if give == "prefill" else d2
-                if after > 1.0 and worst < 2.0 * after:
-                    continue  # it would push the giving phase past its SLO to ease the other
-                drain = w.held_blocks if give == "decode" else w.queued_prompt_tokens
-                key = (new, drain, _tie(self.seed, w.worker_id), w, p2, d2)
+                # Hysteresis on the pressure above the knee: a move must lower it by the
+                # factor, so nothing moves while the worst phase is under knee × (1 + hysteresis).
+                knee = self.activate_above
+                ok = max(new, knee) * gain <= max(worst, knee)
+                ok = ok and not (after > self.give_limit and worst < 2.0 * after)
+                # (a move may not push the giving phase past its SLO to ease the other)
+                cost = self.switch_cost(snapshot, w, roles, worst, new, after) if ok else None
+                roles[w.worker_id] = give
+                if cost is None:
+                    continue
+                if not cost.pays:
+                    unpaid = cost if unpaid is None or cost.cost_ps < unpaid.cost_ps else unpaid
+                    continue
+                key = (new, cost.cost_ps, _tie(self.seed, w.worker_id), w, p2, d2, cost)
                 if best is None or key[:3] < best[:3]:
                     best = key
             if best is None:
-                note = "no move lowers the worst pressure enough" if note == "balanced" else note
+                if unpaid is not None:
+                    note = f"the gain does not pay for a switch: {unpaid}"
+                elif note == "balanced":
+                    note = "no move lowers the worst pressure enough"
                 break
-            new, _, _, w, p2, d2 = best
+            new, _, _, w, p2, d2, cost = best
             if now - last_to[give] < self.reverse_after_s and not (worst > 1.0 > new):
                 # Reversing a recent switch only to end an overload it caused, never to fine-tune.
                 note = f"a worker moved to {give} {now - last_to[give]:.0f} s ago: not reversing"
@@ -290,13 +460,19 @@ class ElasticRoles:
             n1 = split_of(roles)
             switches.append(RoleSwitch(w.worker_id, take, (
                 f"prefill pressure {p:.2f}, decode {d:.2f}: {n0[0]}P:{n0[1]}D -> "
-                f"{n1[0]}P:{n1[1]}D, worst {worst:.2f} -> {new:.2f}"
+                f"{n1[0]}P:{n1[1]}D, worst {worst:.2f} -> {new:.2f}; {cost}"
             )))  # fmt: skip
             moved.add(w.worker_id)
             p, d = p2, d2
             budget -= 1
             note = "moving"
         return RolePlan(tuple(switches), p0, d0, note)
+
+
+def _median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
 
 
 def _tie(seed: int, worker_id: str) -> int:
