@@ -187,7 +187,7 @@ class SwitchCost:
 
     step = max(worst, knee) - max(new, knee)   (knee: `activate_above`; pressure under it is
                                                headroom, lowering it gains nothing)
-    cost = step × min(drain + pause, horizon)   the gain not had until the worker serves
+    cost = step × (drain + pause)               the gain not had until the worker serves
          + reprefill_tokens / (one prefill worker's rate)   the migrated streams' stalls,
                                                a stalled stream-second as a pressure-second
          + max(0, giving phase's pressure after - worst) × (drain + pause)
@@ -203,7 +203,7 @@ class SwitchCost:
 
     @property
     def pays(self) -> bool:
-        return self.gain_ps > 0 and self.gain_ps >= self.cost_ps
+        return self.gain_ps > self.cost_ps
 
     def __str__(self) -> str:
         return (
@@ -366,7 +366,7 @@ class ElasticRoles:
         knee = self.activate_above
         step = max(0.0, max(worst, knee) - max(new, knee))
         reprefill = _ratio(tokens, per_worker)
-        cost = step * min(busy, self.horizon_s) + reprefill + max(0.0, giving_after - worst) * busy
+        cost = step * busy + reprefill + max(0.0, giving_after - worst) * busy
         return SwitchCost(drain, pause, migrated, tokens, step * self.horizon_s, cost)
 
     def decide(self, snapshot: RoleSnapshot) -> RolePlan:

@@ -56,6 +56,7 @@ from disagg_tools.experiments.elastic_roles_report import (
     splits_table,
     switch_table,
 )
+from disagg_tools.experiments.long_answers import LongAnswers, long_answer_phase
 from disagg_tools.experiments.specs import (
     CASES,
     SHAPES,
@@ -135,6 +136,11 @@ def _restretch(rows: Sequence[TraceRequest], stretch: Sequence[float]) -> list[T
     return out
 
 
+# The decode-heavy phase: conv rows, long answers (LONG_CONFIG: the phase's client max_tokens).
+LONG = "long"
+LONG_RATE = 0.05
+LONG_CONFIG: dict[str, Any] = {"max_tokens": LongAnswers().hi}
+
 # A mix: (trace, first row, rows, rate multiplier); the conv phases run at the trace's own rate.
 MIXES: dict[str, tuple[tuple[str, int, int, float], ...]] = {
     # Each phase alone saturates 8 H100 (8B) near the same rate scale at its own best split
@@ -144,6 +150,13 @@ MIXES: dict[str, tuple[tuple[str, int, int, float], ...]] = {
         ("conv", 8000, 6000, 1.0),
     ),
     "conv-code": (("conv", 2000, 6000, 1.0), ("code", 2000, 1500, 0.19), ("conv", 8000, 6000, 1.0)),
+    # The decode-heavy phase (issue 26): conv's arrivals and prompts with reasoning-model answers
+    # (disagg_tools/experiments/long_answers.py), on conv rows the other phases do not use.
+    "conv-long": (
+        ("conv", 2000, 6000, 1.0),
+        (LONG, 14000, 1200, LONG_RATE),
+        ("conv", 8000, 6000, 1.0),
+    ),
 }
 
 
@@ -160,8 +173,11 @@ def mix_workload(name: str) -> Workload:
     config: dict[str, Any] = {}
     first = [("conv", phases[0][1] - w, w, 1.0), *phases]
     for k, (tname, start, n, mult) in enumerate(first):
-        spec = TRACES[tname]
+        spec = TRACES["conv" if tname == LONG else tname]
         part = load_trace(TRACE_DIR / spec.file, start=start, limit=n)
+        if tname == LONG:
+            part = long_answer_phase(part)
+            config.update(LONG_CONFIG)
         if rows:  # continue the clock: one mean gap of the new phase between the phases
             gap = (part[-1].arrival_s - part[0].arrival_s) / max(1, len(part) - 1) / mult
             base = rows[-1].arrival_s + gap
@@ -234,12 +250,21 @@ def run(
         wn[0] += ok
         wn[1] += 1
     s = res.summary()
+    t_meas = wl.requests[wl.n_warm].arrival_s / scale if wl.n_warm < len(wl.requests) else 0.0
+    measured_s = wl.requests[-1].arrival_s / scale - t_meas
+    after = [x for x in (res.roles or {}).get("switches", []) if x["t"] >= t_meas]
     out: dict[str, Any] = {
         "scale": scale,
         "attainment": good / n if n else 0.0,
         "phase_attainment": {k: v[0] / v[1] for k, v in sorted(per_phase.items())},
         "switches": int(s.get("role_switches", 0)),
         "migrated": int(s.get("role_migrated", 0)),
+        # After the warm-up: the switches started and the streams they migrated, per hour of
+        # measured traffic (simulated time between the first and last measured arrival).
+        "measured_s": measured_s,
+        "switches_measured": len(after),
+        "migrated_measured": sum(x["migrated"] for x in after),
+        "n_measured": n,
         "rejected": s["rejected"],
         "ttft_p99_s": s["ttft_p99_s"],
         "itl_p99_s": s["itl_p99_s"],

@@ -91,7 +91,8 @@ def cell_table(results: Sequence[dict[str, Any]]) -> str:
     out = [
         "| trace × shape (shape's split) | best peer at the split | two_sided at the split "
         "| best fixed split (hindsight) | elastic | elastic / best peer | elastic / best fixed "
-        "| switches | migrated |",
+        "| switches (all; after warm-up; per h) | migrated (all; after warm-up; per h; "
+        "% of requests) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     results = [r for r in results if not r.get("arrangement")]
@@ -112,8 +113,8 @@ def cell_table(results: Sequence[dict[str, Any]]) -> str:
             return "-" if r is None else f"{r['goodput_rps']:.2f}"
 
         ev = el["goodput_rps"] if el else 0.0
-        sw = el["at_goodput"].get("switches", 0) if el and el["at_goodput"] else 0
-        mg = el["at_goodput"].get("migrated", 0) if el and el["at_goodput"] else 0
+        at = (el["at_goodput"] or {}) if el else {}
+        sw, mg = _per_hour(at)
         out.append(
             f"| {w} × {s} ({own}) | {g(bp)} ({bp['label'][5:] if bp else '-'}) | {g(ts)} "
             f"| {g(bf)} ({bf['split'] if bf else '-'}) | {g(el)} "
@@ -122,6 +123,21 @@ def cell_table(results: Sequence[dict[str, Any]]) -> str:
             f"| {sw} | {mg} |"
         )
     return "\n".join(out)
+
+
+def _per_hour(at: dict[str, Any]) -> tuple[str, str]:
+    """'all; after warm-up; per hour' for the switches and the migrated streams of a run."""
+    if not at:
+        return "-", "-"
+    hours = at.get("measured_s", 0.0) / 3600.0
+    sw, mg = at.get("switches_measured"), at.get("migrated_measured")
+    if sw is None or not hours:  # a run recorded before these were
+        return str(at.get("switches", 0)), str(at.get("migrated", 0))
+    share = mg / at["n_measured"] if at.get("n_measured") else 0.0
+    return (
+        f"{at.get('switches', 0)}; {sw}; {sw / hours:.0f}",
+        f"{at.get('migrated', 0)}; {mg}; {mg / hours:.0f}; {share:.2%}",
+    )
 
 
 def splits_table(results: Sequence[dict[str, Any]]) -> str:
