@@ -252,7 +252,8 @@ def run(
     s = res.summary()
     t_meas = wl.requests[wl.n_warm].arrival_s / scale if wl.n_warm < len(wl.requests) else 0.0
     measured_s = wl.requests[-1].arrival_s / scale - t_meas
-    after = [x for x in (res.roles or {}).get("switches", []) if x["t"] >= t_meas]
+    logged = res.roles["switches"] if res.roles is not None else []
+    after = [x for x in logged if x["t"] >= t_meas]
     out: dict[str, Any] = {
         "scale": scale,
         "attainment": good / n if n else 0.0,
