@@ -366,6 +366,10 @@ class ElasticRoles:
         knee = self.activate_above
         step = max(0.0, max(worst, knee) - max(new, knee))
         reprefill = _ratio(tokens, per_worker)
+        if math.isinf(step):
+            # The taking phase has no worker at all (its pressure is infinite) and the move gives
+            # it one: any cost is paid (inf x a zero drain would read as NaN and refuse it).
+            return SwitchCost(drain, pause, migrated, tokens, math.inf, reprefill)
         cost = step * busy + reprefill + max(0.0, giving_after - worst) * busy
         return SwitchCost(drain, pause, migrated, tokens, step * self.horizon_s, cost)
 

@@ -150,3 +150,26 @@ def test_the_long_answer_phase_is_deterministic_under_a_seed() -> None:
     assert 1800 <= outs[len(outs) // 2] <= 2300  # the median, 2,048
     # Seeded per row: a slice of the rows gets the same answers as in the whole.
     assert long_answer_phase(rows[100:200], seed=7) == a[100:200]
+
+
+def test_a_phase_with_no_worker_gets_one_whatever_the_move_costs() -> None:
+    """Every `both` worker decoding and prompts queued: the prefill pressure is infinite, and
+    a move that gives prefill a worker pays (found live: inf gain against a NaN cost refused
+    it, so a cluster that started all-decode never served a prefill)."""
+    import math as _math
+
+    from policies.base import RoleSnapshot, RoleWorkerView
+    from policies.role_policies import ElasticRoles
+
+    workers = tuple(
+        RoleWorkerView(
+            worker_id=f"b{i}", role="decode", state="active", can_switch=True,
+            since_s=-_math.inf, queued_prompt_tokens=2_000_000 if i == 0 else 0,
+            prefill_tokens_per_s=10_000.0, capacity_blocks=4096, held_blocks=0,
+            resident_seqs=0, step_base_s=0.005, step_s_per_block=0.0,
+        )
+        for i in range(3)
+    )  # fmt: skip
+    snapshot = RoleSnapshot(now_s=1000.0, workers=workers, peak_queued_prompt_tokens=2e6)
+    plan = ElasticRoles(min_time_in_role_s=0.0, reverse_after_s=0.0).decide(snapshot)
+    assert [s.to_role for s in plan.switches][:1] == ["prefill"], plan
