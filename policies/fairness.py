@@ -26,8 +26,13 @@ al., "Fairness in Serving Large Language Models", OSDI 2024). Each tenant has a 
 per class; admission charges it units / weight (the estimate; `settle` adds actual − estimate);
 the next request is the oldest ticket of the tenant with the least counter (ties: the older head
 ticket). A tenant that starts to wait in a class is lifted to the least counter of the tenants
-waiting there (none waiting: the counter of the last one to leave), so idle time is not banked:
-its share was lent to the busy tenants and is only taken back from now on. Room is never left
+waiting there (none waiting: the floor, the counter of the last one to leave), so idle time is not
+banked: its share was lent to the busy tenants and is only taken back from now on. A request
+admitted while nothing waits in its class (the router lets it take free room at once) leaves
+too: the floor follows its charged counter (never down). Otherwise the floor stays where the last
+*waiter* left it, and a tenant that starts to wait later is credited with all the service taken
+meanwhile from room no one else asked for: live, a tenant served alone for 40 s then lost every
+admission for ~13 s to a flooding newcomer (docs/benchmarks.md, "Live flood"). Room is never left
 unused while a request that fits waits, with one exception that fairness needs: room that the
 least-served tenant's request did not fit is held for it (its own smaller requests may take it)
 rather than lent to tenants more than `backfill_slack` units / weight ahead of it — as VTC
@@ -250,10 +255,16 @@ class _ClassQueue:
 
     def charge(self, tenant: str, amount: float) -> None:
         """Add `amount` (units / weight) to the tenant's counter; one not waiting here is lifted
-        first, as if it had started to wait (a request admitted without waiting)."""
+        first, as if it had started to wait (a request admitted without waiting). Admitted
+        while nothing waits here, it is also the last to leave: the floor follows it."""
         if tenant not in self.lines:
             self._lift(tenant)
         self.correct(tenant, amount)
+        if not self.lines:
+            # Else the floor stays where the last *waiter* left it, and a tenant that starts to
+            # wait later is lifted only that far: credited with all the service others took
+            # meanwhile from room no one else asked for, which it then takes back from them.
+            self.floor = max(self.floor, self.counters[tenant])
 
     def correct(self, tenant: str, amount: float) -> None:
         """Add `amount` (possibly < 0) to the counter as it is: a settlement, no lift."""
