@@ -137,8 +137,10 @@ def _restretch(rows: Sequence[TraceRequest], stretch: Sequence[float]) -> list[T
 
 
 # The decode-heavy phase: conv rows, long answers (LONG_CONFIG: the phase's client max_tokens).
+# LONG_RATE: the phase alone saturates its best split (1P:7D, 9.81 req/s) at conv's saturation
+# scale (x21.67 at 5P:3D); calibration in long_answers.py's docstring.
 LONG = "long"
-LONG_RATE = 0.05
+LONG_RATE = 0.085
 LONG_CONFIG: dict[str, Any] = {"max_tokens": LongAnswers().hi}
 
 # A mix: (trace, first row, rows, rate multiplier); the conv phases run at the trace's own rate.
@@ -151,10 +153,11 @@ MIXES: dict[str, tuple[tuple[str, int, int, float], ...]] = {
     ),
     "conv-code": (("conv", 2000, 6000, 1.0), ("code", 2000, 1500, 0.19), ("conv", 8000, 6000, 1.0)),
     # The decode-heavy phase (issue 26): conv's arrivals and prompts with reasoning-model answers
-    # (disagg_tools/experiments/long_answers.py), on conv rows the other phases do not use.
+    # (disagg_tools/experiments/long_answers.py), on conv rows the other phases do not use;
+    # 3,000 rows: five to ten answer lifetimes at the measured rates, decode at steady state.
     "conv-long": (
         ("conv", 2000, 6000, 1.0),
-        (LONG, 14000, 1200, LONG_RATE),
+        (LONG, 14000, 3000, LONG_RATE),
         ("conv", 8000, 6000, 1.0),
     ),
 }

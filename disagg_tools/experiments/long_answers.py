@@ -14,6 +14,20 @@ by a draw from a log-normal distribution (`LongAnswers`): median 2,048 tokens, s
 log-normal sigmas are 0.9-1.3), a median an order of magnitude above conv's, and a cap at the
 8 K answers reasoning models are commonly served with. The draws are seeded per row index, so
 the same rows give the same answers whatever slice is taken.
+
+**Calibration** (the `conv-long` mix, `elastic_roles.MIXES`: `LONG_RATE`, 3,000 rows). Alone, on
+8 H100 serving 8B (conv rows 14,000-16,999, 5.35 req/s at the trace's rate, the first 600 rows
+not counted), the phase's goodput per fixed split is 9.81 req/s at 1P:7D, 8.25 at 2P:6D, 6.64 at
+3P:5D, 5.35 at 4P:4D, 3.78 at 5P:3D, 2.56 at 6P:2D: ~1.4 req/s per decode worker, whatever the
+prefill count (decode KV binds: ~400 K tokens per GPU against answers of ~2,700 tokens living
+~50-100 s each), so its best split is the opposite end from conv's 5P:3D. The rate is set
+as the other mixes' are: the phase alone saturates its best split (1P:7D) at conv's own
+saturation scale (×21.67 at 5P:3D), 9.81 / (5.35 × 21.67) = 0.085 of the rows' own rate. At
+that rate no fixed split serves both: per split, the lower of the two phases' goodputs (in
+rate-scale units) peaks at 3P:5D, ×12.9, against ×21.7 for a split that followed the phases
+(an ideal of 1.68 × with no switch cost). 3,000 rows last ~450-650 s at the scales the mix is
+measured at (×10-14), five to ten answer lifetimes, so the decode load is at its steady state
+for most of the phase (1,200 rows ended within the first one or two lifetimes).
 """
 
 from __future__ import annotations
