@@ -154,7 +154,7 @@ MIXES: dict[str, tuple[tuple[str, int, int, float], ...]] = {
     "conv-code": (("conv", 2000, 6000, 1.0), ("code", 2000, 1500, 0.19), ("conv", 8000, 6000, 1.0)),
     # The decode-heavy phase (issue 26): conv's arrivals and prompts with reasoning-model answers
     # (disagg_tools/experiments/long_answers.py), on conv rows the other phases do not use;
-    # 3,000 rows: five to ten answer lifetimes at the measured rates, decode at steady state.
+    # 3,000 rows: five or more answer lifetimes at the measured rates, decode at steady state.
     "conv-long": (
         ("conv", 2000, 6000, 1.0),
         (LONG, 14000, 3000, LONG_RATE),

@@ -25,8 +25,8 @@ as the other mixes' are: the phase alone saturates its best split (1P:7D) at con
 saturation scale (×21.67 at 5P:3D), 9.81 / (5.35 × 21.67) = 0.085 of the rows' own rate. At
 that rate no fixed split serves both: per split, the lower of the two phases' goodputs (in
 rate-scale units) peaks at 3P:5D, ×12.9, against ×21.7 for a split that followed the phases
-(an ideal of 1.68 × with no switch cost). 3,000 rows last ~450-650 s at the scales the mix is
-measured at (×10-14), five to ten answer lifetimes, so the decode load is at its steady state
+(an ideal of 1.68 × with no switch cost). 3,000 rows last ~470-790 s at the scales the mix is
+measured at (×8-14), five or more answer lifetimes, so the decode load is at its steady state
 for most of the phase (1,200 rows ended within the first one or two lifetimes).
 """
 
