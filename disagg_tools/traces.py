@@ -84,6 +84,9 @@ class TraceRequest:
     output_tokens: int
     prefix_hash_ids: tuple[int, ...] = ()
     index: int = 0
+    # The client's max_tokens for this request; None: the run's (a simulator's config). A mix of
+    # phases whose clients ask differently keeps them apart (the estimator's classes name it).
+    max_tokens: int | None = None
 
 
 def detect_format(path: str | Path) -> str:

@@ -142,6 +142,9 @@ def _restretch(rows: Sequence[TraceRequest], stretch: Sequence[float]) -> list[T
 LONG = "long"
 LONG_RATE = 0.085
 LONG_CONFIG: dict[str, Any] = {"max_tokens": LongAnswers().hi}
+# What the other phases' clients ask in a mix with the long phase (the simulator's default cap):
+# each row carries its own, so the estimator keeps conv's answers and the long ones apart.
+SHORT_MAX_TOKENS = 4096
 
 # A mix: (trace, first row, rows, rate multiplier); the conv phases run at the trace's own rate.
 MIXES: dict[str, tuple[tuple[str, int, int, float], ...]] = {
@@ -175,12 +178,15 @@ def mix_workload(name: str) -> Workload:
     phase_of: list[int] = []
     config: dict[str, Any] = {}
     first = [("conv", phases[0][1] - w, w, 1.0), *phases]
+    has_long = any(p[0] == LONG for p in phases)
     for k, (tname, start, n, mult) in enumerate(first):
         spec = TRACES["conv" if tname == LONG else tname]
         part = load_trace(TRACE_DIR / spec.file, start=start, limit=n)
         if tname == LONG:
             part = long_answer_phase(part)
             config.update(LONG_CONFIG)
+        elif has_long:
+            part = [replace(r, max_tokens=SHORT_MAX_TOKENS) for r in part]
         if rows:  # continue the clock: one mean gap of the new phase between the phases
             gap = (part[-1].arrival_s - part[0].arrival_s) / max(1, len(part) - 1) / mult
             base = rows[-1].arrival_s + gap
@@ -194,6 +200,8 @@ def mix_workload(name: str) -> Workload:
         config.update(spec.config)
     reqs = _restretch(rows, stretch)
     stats = load_trace(TRACE_DIR / conv.file, limit=phases[0][1] - w)
+    if has_long:
+        stats = [replace(r, max_tokens=SHORT_MAX_TOKENS) for r in stats]
     return Workload(name, reqs, w, slos, phase_of, stats, config, tuple(p[0] for p in phases))
 
 

@@ -64,6 +64,11 @@ def long_answer_phase(
     rows: Sequence[TraceRequest], *, seed: int = 0, answers: LongAnswers | None = None
 ) -> list[TraceRequest]:
     """`rows` with their arrivals and prompts kept and their outputs drawn from `answers`
-    (default `LongAnswers()`), deterministically from `seed` and each row's index."""
+    (default `LongAnswers()`), deterministically from `seed` and each row's index; each asks
+    `max_tokens` = the distribution's cut (its clients' cap, which the estimator's classes name:
+    the phase's answers are not learnt as conv's)."""
     dist = answers or LongAnswers()
-    return [replace(r, output_tokens=dist.draw(random.Random(f"{seed}|{r.index}"))) for r in rows]
+    return [
+        replace(r, output_tokens=dist.draw(random.Random(f"{seed}|{r.index}")), max_tokens=dist.hi)
+        for r in rows
+    ]

@@ -188,8 +188,9 @@ class WarmEstimator:
                       max_tokens: int) -> WarmEstimator:  # fmt: skip
         warm: dict[str, dict[int, int]] = {}
         for r in warmup:
-            info = RequestInfo(str(r.index), model, max(1, r.prompt_tokens), max_tokens)
-            b = inner.bucket_of(max(1, min(r.output_tokens, max_tokens)))
+            cap = r.max_tokens or max_tokens
+            info = RequestInfo(str(r.index), model, max(1, r.prompt_tokens), cap)
+            b = inner.bucket_of(max(1, min(r.output_tokens, cap)))
             for key in inner.class_keys(info):
                 h = warm.setdefault(key, {})
                 h[b] = h.get(b, 0) + 1

@@ -192,9 +192,11 @@ class _Engine:
         self.jobs: list[Job] = []
         t0 = min((r.arrival_s for r in requests), default=0.0)
         for i, r in enumerate(requests):
-            out = max(1, min(int(r.output_tokens), config.max_tokens))
+            cap = getattr(r, "max_tokens", None) or config.max_tokens
+            out = max(1, min(int(r.output_tokens), cap))
             arrival = (r.arrival_s - t0) / rate_scale
             job = Job(i, arrival, max(1, int(r.prompt_tokens)), out, tuple(r.prefix_hash_ids))
+            job.cap = cap
             job.kv_bytes = job.prompt * self.kvbpt
             job.tenant = getattr(r, "tenant", "")
             self.events.at(arrival, self._arrive, job)
@@ -244,7 +246,7 @@ class _Engine:
             request_id=str(job.idx),
             model=cfg.model,
             prompt_tokens=job.prompt,
-            max_tokens=cfg.max_tokens,
+            max_tokens=job.cap,
             prefix_hashes=job.hashes,
             arrival_s=job.arrival,
             slo_ttft_s=self.slo_ttft_s,

@@ -52,7 +52,7 @@ class Job:
         "deadline", "queued", "queued_at", "admitted_at", "done",
         "p", "d", "res", "alloc", "ctx0", "gen", "s0", "phase", "over", "ver",
         "first_t", "last_t", "max_gap", "preemptions", "refusals", "kv_bytes", "exp_end",
-        "local", "tenant", "waiting", "charge", "placed",
+        "local", "tenant", "waiting", "charge", "placed", "cap",
     )  # fmt: skip
 
     def __init__(self, idx: int, arrival: float, prompt: int, out: int, hashes: tuple[int, ...]):
@@ -60,6 +60,7 @@ class Job:
         self.arrival = arrival
         self.prompt = prompt
         self.out = out
+        self.cap = out  # the client's max_tokens (set by the engine from the request or config)
         self.hashes = hashes
         self.info: RequestInfo | None = None
         self.est_tokens = out
