@@ -174,6 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="ours_alt with the Redis store, as ours_redis (A/B the deployed configuration)",
     )
+    p.add_argument(
+        "--alt-settings",
+        default=None,
+        metavar="JSON",
+        help='ours_alt: top-level settings added to its configuration, e.g. \'{"fairness": '
+        '"vtc"}\' (A/B a setting with --ours-src .)',
+    )
     p.add_argument("--log-dir", default=None, help="process logs and configs (default: a temp dir)")
     p.add_argument(
         "--idle-s",

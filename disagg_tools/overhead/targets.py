@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shlex
 import sys
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from disagg_tools.overhead.overhead_client import LoadSpec, run_load
 from disagg_tools.procs import HOST, Child, free_port, process_tree_cpu_s
@@ -169,6 +172,7 @@ def _our_config(
     path: Path,
     redis: bool,
     tokenizer: str | None,
+    extra: Mapping[str, Any] | None = None,
 ) -> None:
     lines = [
         f"model: {ns.model}",
@@ -180,6 +184,8 @@ def _our_config(
     if tokenizer:
         # Exact prompt counts: the tokenizer's work is in the request path being measured.
         lines.append(f"tokenizers: {{{ns.model}: {Path(tokenizer).resolve()}}}")
+    for key, value in (extra or {}).items():  # JSON is YAML's flow style
+        lines.append(f"{key}: {json.dumps(value)}")
     lines.append("workers:")
     for i, url in enumerate(prefill):
         lines.append(f"  - {{id: p{i}, url: {url}, role: prefill, adapter: {ns.adapter}}}")
@@ -209,7 +215,8 @@ def router_command(
         alt = name == "ours_alt"
         redis = name == "ours_redis" or (alt and ns.alt_redis)
         tokenizer = ns.alt_tokenizer if alt else ns.tokenizer
-        _our_config(ns, prefill, decode, cfg, redis=redis, tokenizer=tokenizer)
+        extra = json.loads(ns.alt_settings) if alt and getattr(ns, "alt_settings", None) else {}
+        _our_config(ns, prefill, decode, cfg, redis=redis, tokenizer=tokenizer, extra=extra)
         serve = ["--log-level", "WARNING", "serve", "--config", str(cfg)]
         return [
             sys.executable,
