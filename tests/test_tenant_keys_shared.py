@@ -32,6 +32,7 @@ from router.tenants import KEYRING
 from state import StateStore
 from state.base import StoreError, TenantKey, TenantKeys
 from tests.conftest import MODEL, REDIS_URL, SimCluster, running_router, sim_cluster
+from tests.redis_dump import redis_dump
 from tests.test_state_registry_read import redis_cluster, store
 from tests.test_store_faults import fail_calls
 
@@ -161,25 +162,7 @@ async def _admin(s: aiohttp.ClientSession, method: str, url: str) -> dict[str, A
 
 async def _redis_contents(prefix: str) -> list[bytes]:
     """Every key and value under `prefix`, as bytes."""
-    client = aioredis.from_url(REDIS_URL)
-    out: list[Any] = []
-    try:
-        async for key in client.scan_iter(match=prefix + "*", count=1000):
-            out.append(key)
-            raw_kind = await client.type(key)
-            kind = raw_kind.decode() if isinstance(raw_kind, bytes) else raw_kind
-            if kind == "string":
-                out.append(await client.get(key) or b"")
-            elif kind == "hash":
-                for f, v in (await client.hgetall(key)).items():
-                    out += [f, v]
-            elif kind == "set":
-                out += list(await client.smembers(key))
-            elif kind == "zset":
-                out += [m[0] for m in await client.zrange(key, 0, -1, withscores=True)]
-    finally:
-        await client.aclose()
-    return [x if isinstance(x, bytes) else str(x).encode() for x in out]
+    return await redis_dump(REDIS_URL, prefix)
 
 
 async def test_keys_made_rotated_revoked_on_one_replica_hold_on_every_replica(

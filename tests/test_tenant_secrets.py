@@ -53,6 +53,7 @@ from router.config import Settings, settings_from_mapping
 from router.logs import configure_logging, secrets_of
 from router.server import serving
 from tests.conftest import MODEL, REDIS_URL, running_router
+from tests.redis_dump import redis_dump
 
 try:
     from opentelemetry.sdk.trace import TracerProvider
@@ -169,36 +170,7 @@ def _logs_captured(settings: Settings) -> Iterator[tuple[_RawRecords, io.StringI
 
 
 async def _redis_dump(prefix: str, types: set[str]) -> list[bytes]:
-    """Every key under `prefix` and every value, read by its type (an unknown type fails: a
-    value that is not read cannot be searched)."""
-    client: Any = aioredis.from_url(REDIS_URL)  # redis-py's answers: bytes, typed loosely
-    out: list[Any] = []
-    try:
-        async for key in client.scan_iter(match=prefix + "*", count=1000):
-            out.append(key)
-            kind = (await client.type(key)).decode()
-            types.add(kind)
-            if kind == "string":
-                out.append(await client.get(key) or b"")
-            elif kind == "hash":
-                for f, v in (await client.hgetall(key)).items():
-                    out += [f, v]
-            elif kind == "set":
-                out += list(await client.smembers(key))
-            elif kind == "zset":
-                out += [m for m, _ in await client.zrange(key, 0, -1, withscores=True)]
-            elif kind == "list":
-                out += list(await client.lrange(key, 0, -1))
-            elif kind == "stream":
-                for entry_id, fields in await client.xrange(key):
-                    out.append(entry_id)
-                    for f, v in fields.items():
-                        out += [f, v]
-            elif kind != "none":  # "none": expired between SCAN and TYPE
-                raise AssertionError(f"a Redis value of type {kind} at {key!r}: not read")
-    finally:
-        await client.aclose()
-    return [x if isinstance(x, bytes) else str(x).encode() for x in out]
+    return await redis_dump(REDIS_URL, prefix, types)
 
 
 async def _redis_control(prefix: str, keys: dict[str, str], types: set[str]) -> list[bytes]:

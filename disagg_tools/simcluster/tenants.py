@@ -20,8 +20,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
+from disagg_tools.simcluster.engine import TraceLike
 from policies.base import Tenant
 
 __all__ = [
@@ -60,19 +60,6 @@ class TenantRequest:
     tenant: str = "default"
 
 
-class _Lengths(Protocol):
-    """A trace request (e.g. `disagg_tools.traces.TraceRequest`)."""
-
-    @property
-    def arrival_s(self) -> float: ...
-    @property
-    def prompt_tokens(self) -> int: ...
-    @property
-    def output_tokens(self) -> int: ...
-    @property
-    def prefix_hash_ids(self) -> Sequence[int]: ...
-
-
 def parse_mix(spec: str) -> tuple[TenantLoad, ...]:
     """`name:weight:rate[:priority],...` -> the mix."""
     out = []
@@ -95,7 +82,7 @@ def tenant_table(mix: Sequence[TenantLoad]) -> dict[str, Tenant]:
 
 
 def assign_tenants(
-    requests: Sequence[_Lengths], mix: Sequence[TenantLoad], seed: int = 0
+    requests: Sequence[TraceLike], mix: Sequence[TenantLoad], seed: int = 0
 ) -> list[TenantRequest]:
     """The trace as it is, each request drawn for a tenant in proportion to its `rate`."""
     rng = random.Random(seed)
@@ -114,7 +101,7 @@ def assign_tenants(
 
 
 def tenant_streams(
-    pool: Sequence[_Lengths],
+    pool: Sequence[TraceLike],
     mix: Sequence[TenantLoad],
     duration_s: float,
     seed: int = 0,
