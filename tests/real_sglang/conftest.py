@@ -192,6 +192,17 @@ class SglangCluster:
         for s in dead:
             s.wait_ready(deadline)
 
+    def flush_prefix_caches(self) -> None:
+        """Empty the radix cache of the engines that prefill (the reference and the PD prefill),
+        so a test's prompts are computed from scratch on both. A cached prefix takes another
+        compute path (its KV read back, the rest prefilled in a chunk), and on this tiny random
+        model's near-tied logits a different float order can turn a greedy answer: CI saw the
+        reference reuse 2 cached tokens of an earlier test's prompt while a restarted prefill
+        engine had none, and the two answers part after 68 characters."""
+        for s in (self.ref, self.prefill):
+            status, body = http_get(s.url + "/flush_cache?timeout=60", timeout=70.0)
+            assert status == 200, f"{s.name}: flush_cache answered {status}: {body[:200]!r}"
+
     def stop(self) -> None:
         for s in self.servers:
             s.stop()
@@ -316,6 +327,7 @@ async def sglang_router(
     **overrides: Any,
 ) -> AsyncIterator[SglangRouter]:
     cluster.ensure_running()
+    cluster.flush_prefix_caches()
     raw = router_settings(cluster, key_prefix, worker_extra, **overrides)
     settings = settings_from_mapping(raw)
     async with running_router(settings) as (url, app):
