@@ -124,13 +124,21 @@ async def test_a_registered_decode_worker_serves_on_every_replica(redis_prefix: 
         entry = {"id": "d-new", "url": d_url, "role": "decode", "adapter": "sim", "kv_blocks": 4096}
         async with s.post(a + "/admin/workers", json=entry, headers=auth) as r:
             assert r.status == 201, await r.text()
-        for _ in range(100):  # replica b adopts it from the shared registry
-            if "d-new" in await _workers(s, b):
+
+        # Replica b adopts it from the shared registry, and takes it into rotation on its
+        # first passing probe (its health and KV layout read there): under a loaded CI the
+        # probe can come a beat after the adoption, and a request before it is a clean 503.
+        def in_rotation(w: dict[str, Any] | None) -> bool:
+            return bool(w and w["healthy"] and w["layout"] and w["capacity_blocks"] > 0)
+
+        for _ in range(200):
+            if in_rotation((await _workers(s, b)).get("d-new")):
                 break
             await asyncio.sleep(0.05)
-        assert (await _workers(s, b))["d-new"]["paired"] is True
+        adopted = (await _workers(s, b))["d-new"]
+        assert in_rotation(adopted) and adopted["paired"] is True, adopted
         async with s.post(b + CHAT, json=body) as r:
-            assert r.status == 200
+            assert r.status == 200, (await r.text(), await _workers(s, b))
             answer = await r.json()
         assert answer["choices"][0]["message"]["content"] == expected_answer(CHAT, body)[0]
         async with s.delete(a + "/admin/workers/d-new", headers=auth) as r:
