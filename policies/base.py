@@ -150,6 +150,17 @@ class RequestInfo:
         return max(1, min(self.max_tokens, self.estimate.reserve_tokens))
 
     @property
+    def expected_choice_tokens(self) -> int:
+        """Output tokens one choice is expected to take: the estimate's median where it has one
+        (capped by max_tokens), else what is reserved. What a request is charged up front — its
+        fair share (policies/fairness.py `admission_charge`), its tenant's tokens per minute
+        (router/request/quota.py) — and corrected with the real count at its end."""
+        median = self.estimate.quantiles.get(0.5) if self.estimate is not None else None
+        if median is None:
+            return self.reserve_choice_tokens
+        return max(0, min(self.max_tokens, median))
+
+    @property
     def reserve_output_tokens(self) -> int:
         """Output tokens to reserve for, every choice counted: n choices decode side by side,
         each holding its own output (and its own partial prompt block, `extra_choice_tokens`),

@@ -112,12 +112,7 @@ def admission_charge(
     requests ends, and a tenant that comes back would pay that excess before its next turn
     while the flooding one is refunded (found by the simulator: 76 % off the weight share
     against 0.6 % when charged like this)."""
-    estimate = request.estimate
-    median = estimate.quantiles.get(0.5) if estimate is not None else None
-    expected = (
-        min(request.max_tokens, median) if median is not None else request.reserve_choice_tokens
-    )
-    held_s = max(0.0, ttft_s) + max(0, expected) * max(0.0, itl_s)
+    held_s = max(0.0, ttft_s) + request.expected_choice_tokens * max(0.0, itl_s)
     return AdmissionCost(decode_block_s=blocks * held_s, prefill_tokens=request.prompt_tokens)
 
 

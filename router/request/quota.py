@@ -59,11 +59,8 @@ class QuotaHold:
 
 
 def expected_tokens(info: RequestInfo) -> int:
-    """Prompt + expected answer: the estimate's median where known, else what is reserved."""
-    estimate = info.estimate
-    median = estimate.quantiles.get(0.5) if estimate is not None else None
-    per_choice = min(info.max_tokens, median) if median is not None else info.reserve_choice_tokens
-    return info.prompt_tokens + max(0, per_choice) * max(1, info.n)
+    """Prompt + expected answer, every choice counted (`RequestInfo.expected_choice_tokens`)."""
+    return info.prompt_tokens + info.expected_choice_tokens * max(1, info.n)
 
 
 class QuotaGate:
