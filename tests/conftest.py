@@ -16,14 +16,14 @@ from typing import Any
 
 import aiohttp
 import pytest
-import redis.asyncio as aioredis
 from aiohttp import web
 
 from disagg_tools.sim.worker import WorkerConfig, running_worker
 from router.app import GATEWAY, create_app
 from router.config import Settings, settings_from_mapping
 from router.server import serving
-from tests.ports import free_port as free_port  # re-exported: test modules import it from here
+from tests.ports import free_port as free_port
+from tests.redis_dump import delete_prefix  # re-exported: test modules import it from here
 from tests.session_redis import Plan, SessionRedis, configured
 
 # The session's Redis URL. Until pytest_configure has run it is the configured one; there it
@@ -71,13 +71,7 @@ async def redis_prefix() -> AsyncIterator[str]:
     """A key prefix of this test's own; every key under it is deleted afterwards."""
     prefix = f"test:{uuid.uuid4().hex[:12]}:"
     yield prefix
-    client = aioredis.from_url(REDIS_URL)
-    try:
-        keys = [k async for k in client.scan_iter(match=prefix + "*", count=1000)]
-        if keys:
-            await client.delete(*keys)
-    finally:
-        await client.aclose()
+    await delete_prefix(REDIS_URL, prefix)
 
 
 @contextlib.asynccontextmanager

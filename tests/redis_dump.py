@@ -1,5 +1,7 @@
-"""Every key under a prefix of a real Redis, and every value, read by its type: what a test
-searches for a secret (tests/test_tenant_secrets.py, tests/test_tenant_keys_shared.py)."""
+"""A key prefix of a real Redis as tests use it: every key under it and every value, read by its
+type (what a test searches for a secret: tests/test_tenant_secrets.py,
+tests/test_tenant_keys_shared.py), and every key under it deleted (a test's cleanup, or a store
+that lost its data)."""
 
 from __future__ import annotations
 
@@ -40,3 +42,14 @@ async def redis_dump(url: str, prefix: str, types: set[str] | None = None) -> li
     finally:
         await client.aclose()
     return [x if isinstance(x, bytes) else str(x).encode() for x in out]
+
+
+async def delete_prefix(url: str, prefix: str) -> None:
+    """Delete every key under `prefix`."""
+    client = aioredis.from_url(url)
+    try:
+        keys = [k async for k in client.scan_iter(match=prefix + "*", count=1000)]
+        if keys:
+            await client.delete(*keys)
+    finally:
+        await client.aclose()

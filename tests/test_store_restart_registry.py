@@ -30,6 +30,7 @@ from router.workers.drain import set_drained
 from state import RedisStore
 from state.base import StoreError
 from tests.conftest import MODEL, REDIS_URL, running_router
+from tests.redis_dump import delete_prefix
 from tests.redis_server import PrivateRedis
 from tests.test_admin import TOKEN
 from tests.test_pools_idle import Replica, replica
@@ -183,13 +184,7 @@ async def _two_pools(prefix: str) -> AsyncIterator[tuple[Replica, Replica]]:
 
 
 async def _lose_everything(prefix: str) -> None:
-    client = aioredis.from_url(REDIS_URL)
-    try:
-        keys = [k async for k in client.scan_iter(match=prefix + "*", count=1000)]
-        if keys:
-            await client.delete(*keys)
-    finally:
-        await client.aclose()
+    await delete_prefix(REDIS_URL, prefix)
 
 
 @pytest.mark.parametrize("first", ["stale", "fresh"])

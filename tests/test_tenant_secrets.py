@@ -53,7 +53,7 @@ from router.config import Settings, settings_from_mapping
 from router.logs import configure_logging, secrets_of
 from router.server import serving
 from tests.conftest import MODEL, REDIS_URL, running_router
-from tests.redis_dump import redis_dump
+from tests.redis_dump import delete_prefix, redis_dump
 
 try:
     from opentelemetry.sdk.trace import TracerProvider
@@ -187,10 +187,8 @@ async def _redis_control(prefix: str, keys: dict[str, str], types: set[str]) -> 
         await client.xadd(prefix + "x", {"f": f"x{joined}x"})
         return await _redis_dump(prefix, types)
     finally:
-        keys_there = [k async for k in client.scan_iter(match=prefix + "*")]
-        if keys_there:
-            await client.delete(*keys_there)
         await client.aclose()
+        await delete_prefix(REDIS_URL, prefix)
 
 
 # -- the scenario ------------------------------------------------------------------------------
@@ -439,13 +437,7 @@ async def material() -> AsyncIterator[Material]:
     try:
         yield await _scenario(prefix)
     finally:
-        client = aioredis.from_url(REDIS_URL)
-        try:
-            keys = [k async for k in client.scan_iter(match=prefix + "*", count=1000)]
-            if keys:
-                await client.delete(*keys)
-        finally:
-            await client.aclose()
+        await delete_prefix(REDIS_URL, prefix)
 
 
 # -- the tests ---------------------------------------------------------------------------------
