@@ -5,7 +5,8 @@ credentials.
 A `Redactor` replaces, in any text: the configured secret values it was given (client API keys,
 the admin token, workers' API keys, the passwords of the Redis and worker URLs), whatever
 follows `Bearer ` or `Basic ` (an aiohttp error's repr carries the request's headers, and a
-URL's credentials travel as `Basic base64(user:pw)`), and the credentials of every URL.
+URL's credentials travel as `Basic base64(user:pw)`), the value of an `Authorization`,
+`x-api-key` or `api-key` shown with its name under any scheme, and the credentials of every URL.
 The logs (router/logs.py) use one with the configured secrets; error bodies, traces and the
 start-up line one without (`scrub`), which still hides headers and URL credentials.
 """
@@ -34,6 +35,14 @@ __all__ = [
 # The credential after an Authorization scheme, wherever the header shows up (a repr of a
 # request's headers, a forwarded header echoed by a worker).
 _AUTH_SCHEME = re.compile(r"\b([Bb]earer|BEARER|Basic|BASIC|basic)(\s+)[A-Za-z0-9+/=._~\-]{4,}")
+# A credential header shown with its name, whatever its scheme (`Token`, `ApiKey`, none): in a
+# repr of headers ('Authorization': '...'), a header line (x-api-key: ...), a query (api-key=).
+_CREDENTIAL_HEADER = re.compile(
+    r"(?i)\b((?:proxy-)?authorization|x-api-key|api[-_]key)(['\"]?\s*[:=]\s*['\"]?)"
+    r"([^'\"\s,}>&)]+(?:[ \t]+[^'\"\s,}>&)]+)?)"
+)
+# A scheme is letters (Bearer, Token, ApiKey, Digest): shown, as the `Bearer ` rule shows it.
+_SCHEME_WORD = re.compile(r"[A-Za-z]{1,20}")
 # Shorter values are not searched for: masking every "ab" in a line helps nobody.
 _MIN_SECRET_LEN = 4
 
@@ -68,7 +77,22 @@ def scrub(text: str) -> str:
     secrets needed): for error bodies, traces, anything printed before settings exist."""
     if "earer" in text or "asic" in text or "EARER" in text or "ASIC" in text:  # cheap first
         text = _AUTH_SCHEME.sub(lambda m: m.group(1) + m.group(2) + MASK, text)
+    if "uthoriz" in text or "UTHORIZ" in text or "pi-" in text or "PI-" in text:
+        text = _CREDENTIAL_HEADER.sub(_mask_credential_header, text)
     return mask_urls(text)
+
+
+def _mask_credential_header(m: re.Match[str]) -> str:
+    value = m.group(3)
+    scheme, space, rest = value.partition(" ")
+    if not space:
+        scheme, space, rest = value.partition("\t")
+    if not (space and _SCHEME_WORD.fullmatch(scheme)):
+        scheme, space, rest = "", "", value  # no scheme: the whole value is the credential
+    # What is hidden must look like a value: our own messages say "(Authorization: Bearer ...)".
+    if sum(c.isalnum() for c in rest) < _MIN_SECRET_LEN:
+        return m.group(0)
+    return m.group(1) + m.group(2) + scheme + space + MASK
 
 
 def url_secrets(url: str | None) -> list[str]:

@@ -30,11 +30,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
-from aiohttp import web
-from aiohttp.http_exceptions import ContentEncodingError
+from aiohttp import hdrs, web
+from aiohttp.http_exceptions import (
+    ContentEncodingError,
+    HttpProcessingError,
+    InvalidHeader,
+    InvalidURLError,
+    LineTooLong,
+)
 
 from router.aiohttp_private import AiohttpChanged, aiohttp_private
 from router.config import Timeouts
@@ -46,13 +53,21 @@ from router.errors import (
     RouterError,
     error_response,
 )
+from router.redact import scrub
 
-__all__ = ["BadRequestBody", "RequestTimeout", "RouterRunner", "read_body", "serving"]
+__all__ = [
+    "BadRequestBody",
+    "RequestTimeout",
+    "RouterRunner",
+    "parser_error_text",
+    "read_body",
+    "serving",
+]
 
 log = logging.getLogger(__name__)
 
 _PARSER_ERROR_CODE = "bad_http_request"
-_MAX_MESSAGE = 200  # a parser's message may quote the client's bytes: keep the echo short
+_MAX_MESSAGE = 200  # what a parser error says, at most (it never quotes the client's bytes)
 
 
 class _ClosesConnection(InvalidRequest):
@@ -94,9 +109,39 @@ async def read_body(request: web.Request, body_s: float) -> bytes:
                 f"the request body is not valid {encoding[:40]} (Content-Encoding)",
                 code="bad_content_encoding",
             ) from exc
+        cause = exc.__cause__ if isinstance(exc.__cause__, HttpProcessingError) else None
         raise BadRequestBody(
-            f"the request body could not be read: {str(exc)[:_MAX_MESSAGE]}"
+            f"the request body could not be read: {parser_error_text(cause, str(exc))}"
         ) from exc
+
+
+# Text in quotes, as aiohttp's parser errors quote the client's bytes (repr of a header line).
+_QUOTED = re.compile(r"""b?'[^']*'?|b?"[^"]*"?""")
+# What may stay quoted: HTTP's own names (aiohttp's "Duplicate 'Content-Length' header").
+_HTTP_NAMES = frozenset(v.lower() for v in vars(hdrs).values() if isinstance(v, str))
+
+
+def _keep_http_name(m: re.Match[str]) -> str:
+    quoted = m.group(0).lstrip("b")[1:-1]
+    return m.group(0) if quoted.lower() in _HTTP_NAMES else "(...)"
+
+
+def parser_error_text(exc: BaseException | None, message: str | None = None) -> str:
+    """What an HTTP parser error may say, to the client and in the log: its kind, never the
+    client's bytes. aiohttp quotes the offending line (`LineTooLong`: a header value's first
+    100 bytes, `InvalidHeader`: the whole value, llhttp: the data around the error), and that
+    line may be an `Authorization` or `x-api-key` with a key in it, under any scheme, which no
+    pattern can recognise: so only the description is kept (issue 31)."""
+    if isinstance(exc, LineTooLong):
+        return f"a line of the request head is longer than {exc.args[1]} bytes"
+    if isinstance(exc, InvalidHeader):
+        return "a header's name or value is not valid"
+    if isinstance(exc, InvalidURLError):  # its message is the target itself
+        return "the request target is not a valid URL"
+    text = message or getattr(exc, "message", None) or "bad request"
+    # llhttp: "<what>:\n\n  b'<data>'\n  ^": the first line says what.
+    text = text.strip().split("\n", 1)[0].strip().rstrip(":")
+    return scrub(_QUOTED.sub(_keep_http_name, text))[:_MAX_MESSAGE] or "bad request"
 
 
 def _raw_response(status: int, reason: str, body: bytes) -> bytes:
@@ -236,15 +281,14 @@ class _Protocol(web.RequestHandler):
             self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
             err = HTTPRefusal(status, INTERNAL_ERROR_MESSAGE, type_="internal_error")
         else:
-            # Junk from the network is routine: no traceback in the log for each one.
-            log.debug("bad request from %s: %r", request.remote, exc)
+            text = parser_error_text(exc, message)
+            # Junk from the network is routine: no traceback in the log for each one; and
+            # neither the log nor the answer quotes the client's bytes (parser_error_text).
+            log.debug("bad request from %s: %s: %s", request.remote, type(exc).__name__, text)
             code = _PARSER_ERROR_CODE
             if isinstance(exc, ContentEncodingError):
                 code = "bad_content_encoding"
-            text = (message or getattr(exc, "message", None) or "bad request").strip()
-            err = HTTPRefusal(
-                status, f"the request is not valid HTTP: {text[:_MAX_MESSAGE]}", code=code
-            )
+            err = HTTPRefusal(status, f"the request is not valid HTTP: {text}", code=code)
         if request.writer.output_size > 0:  # as aiohttp: too late for another response
             raise ConnectionError("the response has started; cannot send an error")
         resp = error_response(err)
