@@ -11,6 +11,13 @@ to the next one in line (`pick` skipping those this wake-up tried), at most `BAC
 round. So a large request at the head (4,000 tokens asked on full workers)
 does not hold back the small ones behind it that fit, and a wake-up never sets off a thundering
 herd of placement attempts.
+
+The queue's places (`max_waiters`) are shared by the tenants' weights (policies/queue_shares.py,
+issue 31): in a full queue a request of a tenant below its share takes the place of the newest
+waiter of the tenant most over its share, which is refused (`QueueFull`, reason `queue_share`);
+a tenant at or over its share is the one refused. With one tenant a full queue refuses as it
+always did. The queue lives in this process: `max_waiters` and the shares are per router
+replica, with the in-memory store and with Redis alike (nothing of it is in the store).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from dataclasses import dataclass, replace
 
 from policies.base import AdmissionCost, Charge, FairnessPolicy, Tenant, WaitingRequest
 from policies.fairness import FifoFairness
+from policies.queue_shares import queue_share, queue_share_victim
 
 __all__ = ["AdmissionSettings", "Admission", "QueueFull", "BACKFILL"]
 
@@ -31,7 +39,23 @@ BACKFILL = 8
 
 
 class QueueFull(Exception):
-    """The admission queue holds its maximum number of waiters."""
+    """The admission queue holds its maximum number of waiters. `reason` is the refusal's
+    (router/request/reserve.py counts it by it): `queue_full` for a request refused at the
+    door, `queue_share` for a waiter whose place went to a tenant below its share."""
+
+    def __init__(self, message: str, reason: str = "queue_full") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class _Places:
+    """The places one tenant holds in the queue: its tickets counted against `max_waiters`."""
+
+    __slots__ = ("tickets", "weight")
+
+    def __init__(self, weight: float) -> None:
+        self.tickets: set[int] = set()
+        self.weight = weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +102,10 @@ class Admission:
         self.queue_first = self.policy.name != "fifo"
         self.inflight = 0
         self._clock = clock
-        self._waiting = 0
+        # The queue's places (`max_waiters`): the tickets parked (or woken, their task not yet
+        # run) and their tenants', shared by weight when the queue is full (`_make_room`).
+        self._placed: dict[int, str] = {}  # ticket -> its tenant
+        self._places: dict[str, _Places] = {}  # tenant -> the places it holds
         self._seq = itertools.count()
         self._queued: dict[int, WaitingRequest] = {}  # in the policy: parked or awake
         self._parked: dict[int, asyncio.Future[int]] = {}  # waiting for a wake-up
@@ -89,14 +116,14 @@ class Admission:
 
     def __repr__(self) -> str:
         return (
-            f"Admission(inflight={self.inflight}, waiting={self._waiting}, "
+            f"Admission(inflight={self.inflight}, waiting={self.waiting}, "
             f"queued={len(self._queued)}, {self.policy!r})"
         )
 
     @property
     def waiting(self) -> int:
         """Requests parked in the queue, waiting for a wake-up."""
-        return self._waiting
+        return len(self._placed)
 
     @property
     def queued(self) -> int:
@@ -127,10 +154,15 @@ class Admission:
         """Wait for a wake-up: its budget (>= 1: how many waiters, this one included, it may
         still reach, see `pass_on`); 0 when the loop-time `deadline` passes first (the request
         then leaves the queue, as when it is cancelled). `request`: what the fairness policy
-        orders by (its tenant and cost); None: the anonymous tenant's, at no cost."""
-        if self._waiting >= self.settings.max_waiters:
-            raise QueueFull(f"the admission queue is full ({self.settings.max_waiters} waiting)")
+        orders by (its tenant and cost); None: the anonymous tenant's, at no cost. A full queue
+        refuses it (`QueueFull`) unless its tenant is below its share of the queue: then the
+        newest waiter of the tenant most over its share is refused instead (`_make_room`)."""
         loop = asyncio.get_running_loop()
+        known = self._queued.get(ticket, request)  # a re-wait keeps the request it queued
+        tenant = known.tenant if known is not None else _ANONYMOUS
+        if len(self._placed) >= self.settings.max_waiters:
+            # Past its deadline it would take a place only to leave it: no one gives it up.
+            self._make_room(tenant, evict=deadline > loop.time())
         if deadline <= loop.time():
             self.withdraw(ticket)
             return 0
@@ -144,7 +176,7 @@ class Admission:
         self._awake.discard(ticket)
         self._tried.pop(ticket, None)
         self._parked[ticket] = future
-        self._waiting += 1
+        self._place(ticket, tenant)
         try:
             async with asyncio.timeout_at(deadline):
                 return await future
@@ -157,9 +189,79 @@ class Admission:
             self.withdraw(ticket)
             raise
         finally:
-            self._waiting -= 1
+            self._unplace(ticket)  # none left when its place was given away (`_evict`)
             if self._parked.get(ticket) is future:
                 del self._parked[ticket]
+
+    def _place(self, ticket: int, tenant: Tenant) -> None:
+        self._placed[ticket] = tenant.name
+        places = self._places.get(tenant.name)
+        if places is None:
+            places = self._places[tenant.name] = _Places(tenant.weight)
+        places.weight = tenant.weight
+        places.tickets.add(ticket)
+
+    def _unplace(self, ticket: int) -> None:
+        name = self._placed.pop(ticket, None)
+        if name is None:
+            return
+        places = self._places[name]
+        places.tickets.discard(ticket)
+        if not places.tickets:
+            del self._places[name]
+
+    def _make_room(self, tenant: Tenant, evict: bool) -> None:
+        """The queue is full: the newest waiter of the tenant most over its share gives its
+        place to this request of `tenant` (policies/queue_shares.py), or this one is refused."""
+        holders = [(name, len(p.tickets), p.weight) for name, p in self._places.items()]
+        victim = queue_share_victim(tenant.name, tenant.weight, holders) if evict else None
+        if victim is not None:
+            ticket = self._newest_parked(victim)
+            if ticket is not None:
+                self._evict(ticket, victim, tenant, holders)
+                return
+        message = f"the admission queue is full ({self.settings.max_waiters} waiting)"
+        if any(name != tenant.name for name, _, _ in holders):
+            # Several tenants wait: say which share it is over (no other tenant is named).
+            own = len(self._places[tenant.name].tickets) if tenant.name in self._places else 0
+            share = queue_share(tenant.name, tenant.weight, holders, self.settings.max_waiters)
+            message += (
+                f"; queue share: tenant {tenant.name} holds {own} of its places, its share "
+                f"by weight is {share:.1f}"
+            )
+        raise QueueFull(message)
+
+    def _newest_parked(self, tenant: str) -> int | None:
+        """The tenant's newest waiter still parked (one woken is trying for room: left be)."""
+        parked = self._parked
+        return max(
+            (t for t in self._places[tenant].tickets if t in parked and not parked[t].done()),
+            default=None,
+        )
+
+    def _evict(
+        self,
+        ticket: int,
+        victim: str,
+        arriving: Tenant,
+        holders: list[tuple[str, int, float]],
+    ) -> None:
+        """The waiter `ticket` of `victim` gives its place up, refused with the reason."""
+        held = len(self._places[victim].tickets)
+        if arriving.name not in self._places:
+            holders = [*holders, (arriving.name, 1, arriving.weight)]
+        share = queue_share(victim, self._places[victim].weight, holders, self.settings.max_waiters)
+        future = self._parked.pop(ticket)
+        self._unplace(ticket)  # now, so the arriving request has the place at once
+        self.withdraw(ticket)
+        future.set_exception(
+            QueueFull(
+                f"the admission queue is full ({self.settings.max_waiters} waiting) and tenant "
+                f"{victim} held more than its queue share ({held} places, its share by weight "
+                f"{share:.1f}): its newest request gave its place to a tenant below its share",
+                reason="queue_share",
+            )
+        )
 
     def withdraw(self, ticket: int) -> None:
         """The request stops waiting without being admitted (deadline, cancel, an error)."""

@@ -275,7 +275,7 @@ class Reserver:
                     self.metrics.admission_waiting.dec()
             except QueueFull as exc:
                 raise self._refuse(
-                    seat, "queue_full", f"{exc}; {outcome.reason}", outcome.retry_after_s
+                    seat, exc.reason, f"{exc}; {outcome.reason}", outcome.retry_after_s
                 ) from exc
             if not baton:
                 raise self._refuse(
