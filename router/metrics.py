@@ -323,6 +323,12 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
+        self.kv_events_refused = Counter(
+            p + "kv_events_refused",
+            "KV-event batches refused: batch_bytes, batch_blocks, capacity (index dropped)",
+            ["worker", "reason"],
+            registry=r,
+        )
         self.kv_events_index_blocks = Gauge(
             p + "kv_events_index_blocks",
             "Blocks in a worker's KV index (what its events say it holds)",

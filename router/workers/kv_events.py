@@ -24,6 +24,18 @@ back (compared by digest) is the same publisher, and what followed is applied; a
 new publisher process (restarted between two batches, its counter possibly already past ours),
 and its batches are taken from 0. The SUB's copies of replayed batches are skipped.
 
+A hostile or broken engine (kv-flood, issue 31): what a worker's socket says costs each replica
+memory and loop time, so both are bounded. A batch larger than any engine step (more than
+`max_batch_bytes` on the wire, or more than `max_batch_blocks` blocks: refused before the lists
+are built) is refused; an index that grows past what the worker can hold (its GPU blocks, as
+its /metrics reports or its entry configures, plus its entry's `offload_blocks`, times
+`index_slack`; router/workers/kv_limits.py) is dropped and the rest of its batch refused. Either way
+the index is dropped (what was refused is lost), `kv_events_refused_total{reason}` counts it, and
+a warning is logged at most once a `REFUSAL_LOG_S`. A batch is decoded and applied in steps:
+the loop gets a turn at least every `TURN_S` (decoding element by element, hashing 128 blocks
+at a time, freeing a dropped index's tables a slice at a time), so other streams do not wait
+on a large batch (docs/kv-events.md, disagg_tools/overhead/kv_flood.py).
+
 Replicas: every router replica subscribes on its own; the index is not shared through the store.
 An index per replica costs memory (docs/kv-events.md: bytes per block), not store round trips on
 the request path; the events are per worker, small and published to any number of subscribers
@@ -35,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any, Literal
 
 import zmq
@@ -43,13 +56,26 @@ from zmq.utils.monitor import parse_monitor_message
 
 from router.metrics import RouterMetrics
 from router.workers.kv_index import KvIndex
+from router.workers.kv_limits import (
+    BULK_DECODE_BYTES,
+    MAX_BATCH_BLOCKS,
+    MAX_BATCH_BYTES,
+    MAX_INDEX_BLOCKS,
+    REMOVE_SLICE,
+    LoopTurns,
+    Refusals,
+    capacity_bound,
+)
 from router.workers.kv_wire import (
     END_SEQ,
     AllBlocksCleared,
+    BatchRefused,
     BlockRemoved,
     BlockStored,
+    DecodedBatch,
     WireError,
     decode_batch,
+    decode_batch_steps,
     decode_seq,
     encode_seq,
 )
@@ -76,11 +102,21 @@ class KvEventSubscriber:
         metrics: RouterMetrics,
         *,
         replay_timeout_s: float = 2.0,
-        max_blocks: int = 4_000_000,
+        max_blocks: int = MAX_INDEX_BLOCKS,
+        bound: Callable[[int | None], int] | None = None,
+        max_batch_bytes: int = MAX_BATCH_BYTES,
+        max_batch_blocks: int = MAX_BATCH_BLOCKS,
     ) -> None:
         self.worker_id = worker_id
         self.spec = spec
         self.index = KvIndex(max_blocks)
+        # The index's bound for an engine block size (None: not known yet); read per event,
+        # since the worker's reported capacity and block size may come later.
+        self._bound = bound or (lambda _bs: max_blocks)
+        self._max_batch_bytes = max_batch_bytes
+        self._max_batch_blocks = max_batch_blocks
+        self._turns = LoopTurns()
+        self._refusals = Refusals(worker_id, metrics)
         self.state: State = "connecting"
         self._ctx = ctx
         self._metrics = metrics
@@ -100,6 +136,7 @@ class KvEventSubscriber:
             "next_seq": self._next,
             "unchained_blocks": self.index.unchained,
             "block_size": self.index.block_size,
+            "max_blocks": self._bound(self.index.block_size),
         }
 
     async def run(self) -> None:
@@ -137,7 +174,7 @@ class KvEventSubscriber:
             if got is None:
                 return  # no replay socket: a counter that goes back tells a restart
             if got and got[0][0] == self._next - 1 and hash(got[0][1]) == self._last_digest:
-                self._apply_run(got[1:], "reconnect")
+                await self._apply_run(got[1:], "reconnect")
                 return
             log.info(
                 "worker %s: a new KV-event publisher (its replay does not hold seq %d)",
@@ -151,20 +188,20 @@ class KvEventSubscriber:
         if got and got[0][0] != 0:
             self._drop("start")  # the buffer no longer reaches back to the first batch
             self._next = got[0][0]
-        self._apply_run(got, "start")
+        await self._apply_run(got, "start")
         if self.state == "connecting":
             self.state = "synced"
             if self._next is None:
                 self._next = 0
 
-    def _apply_run(self, got: list[tuple[int, bytes]], why: str) -> None:
+    async def _apply_run(self, got: list[tuple[int, bytes]], why: str) -> None:
         """Replayed batches from the next expected on; the SUB's copies of them are skipped."""
         for seq, payload in got:
             if self._next is not None and seq < self._next:
                 continue  # applied already (from the SUB, while the replay was on its way)
             if self._next is not None and seq > self._next:
                 self._drop(why)  # a hole in the replay itself
-            self._apply(seq, payload)
+            await self._apply(seq, payload)
         if got:
             self._dup_until = max(self._dup_until, got[-1][0])
 
@@ -205,7 +242,7 @@ class KvEventSubscriber:
             await self._recover(expected, seq)
         elif self.state == "connecting":
             self.state = "synced"
-        self._apply(seq, frames[2])
+        await self._apply(seq, frames[2])
 
     async def _recover(self, start: int, upto: int) -> None:
         """Batches start..upto-1 from the replay socket, or the index dropped."""
@@ -214,7 +251,7 @@ class KvEventSubscriber:
         if got is not None and [s for s, _ in wanted] == list(range(start, upto)):
             self._metrics.kv_events_replays.labels(worker=self.worker_id, outcome="ok").inc()
             for seq, payload in wanted:
-                self._apply(seq, payload)
+                await self._apply(seq, payload)
             if self.state == "connecting":
                 self.state = "synced"
             return
@@ -261,33 +298,57 @@ class KvEventSubscriber:
         finally:
             dealer.close(linger=0)
 
-    def _apply(self, seq: int, payload: bytes) -> None:
+    async def _decode(self, payload: bytes) -> DecodedBatch:
+        if len(payload) > self._max_batch_bytes:
+            raise BatchRefused(
+                "batch_bytes", f"{len(payload)} bytes, more than {self._max_batch_bytes}"
+            )
+        if len(payload) <= BULK_DECODE_BYTES:
+            return decode_batch(payload, self._max_batch_blocks)
+        return await self._turns.drive(decode_batch_steps(payload, self._max_batch_blocks))
+
+    async def _apply(self, seq: int, payload: bytes) -> None:
         self._next = seq + 1
         self._last_digest = hash(payload)  # to know this publisher again after a reconnection
+        self._turns.begin()
         m, wid = self._metrics, self.worker_id
         try:
-            batch = decode_batch(payload)
+            batch = await self._decode(payload)
         except WireError as exc:
             m.kv_events_malformed.labels(worker=wid).inc()
             log.warning("worker %s: a KV-event batch that does not decode: %s", wid, exc)
             self._drop("malformed")  # what it said is lost: the index may be wrong otherwise
-            return
+            return await self._release()
+        except BatchRefused as exc:
+            self._refusals.refuse(exc.reason, str(exc))
+            self._drop("refused")  # what it said is lost, as for a malformed batch
+            return await self._release()
         self.batches += 1
         m.kv_events_batches.labels(worker=wid).inc()
         index = self.index
         for event in batch.events:
             try:
                 if isinstance(event, BlockStored):
-                    index.store(
-                        event.block_hashes,
-                        event.parent_block_hash,
-                        event.token_ids,
-                        event.block_size,
+                    index.max_blocks = self._bound(index.block_size or event.block_size)
+                    await self._turns.drive(
+                        index.store_steps(
+                            event.block_hashes,
+                            event.parent_block_hash,
+                            event.token_ids,
+                            event.block_size,
+                        )
                     )
                     if index.overflowed:
+                        self._refusals.refuse(
+                            "capacity", f"more than {index.max_blocks} blocks held"
+                        )
                         self._drop("overflow")
+                        break  # the rest of a batch that claims more than the worker holds
                 elif isinstance(event, BlockRemoved):
-                    index.remove(event.block_hashes)
+                    hashes = event.block_hashes
+                    for lo in range(0, len(hashes), REMOVE_SLICE):
+                        index.remove(hashes[lo : lo + REMOVE_SLICE])
+                        await self._turns.turn()
                 elif isinstance(event, AllBlocksCleared):
                     index.clear()
                     m.kv_events_index_drops.labels(worker=wid, reason="cleared").inc()
@@ -295,6 +356,12 @@ class KvEventSubscriber:
                 m.kv_events_malformed.labels(worker=wid).inc()
                 log.warning("worker %s: a KV event the index refuses: %s", wid, exc)
         m.kv_events_index_blocks.labels(worker=wid).set(len(index))
+        await self._release()
+
+    async def _release(self) -> None:
+        """Free a dropped index's tables, a slice between two turns of the loop."""
+        if self.index.retired:
+            await self._turns.drive(self.index.release_steps())
 
 
 class KvEventHub:
@@ -302,17 +369,34 @@ class KvEventHub:
     (workers registered or removed at run time included); `index_of` is placement's lookup."""
 
     def __init__(
-        self, members: Membership, metrics: RouterMetrics, *, reconcile_s: float = 1.0
+        self,
+        members: Membership,
+        metrics: RouterMetrics,
+        *,
+        reconcile_s: float = 1.0,
+        max_blocks: int = MAX_INDEX_BLOCKS,
+        max_batch_bytes: int = MAX_BATCH_BYTES,
+        max_batch_blocks: int = MAX_BATCH_BLOCKS,
     ) -> None:
         self._members = members
         self._metrics = metrics
         self._reconcile_s = reconcile_s
+        self._max_blocks = max_blocks
+        self._max_batch_bytes = max_batch_bytes
+        self._max_batch_blocks = max_batch_blocks
         self._ctx = zmq.asyncio.Context()
         self.subscribers: dict[str, KvEventSubscriber] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     def __repr__(self) -> str:
         return f"KvEventHub({sorted(self.subscribers)})"
+
+    def _bound_of(self, wid: str) -> Callable[[int | None], int]:
+        def bound(engine_block_size: int | None) -> int:
+            worker = self._members.workers.get(wid)
+            return capacity_bound(worker, engine_block_size, self._max_blocks)
+
+        return bound
 
     def index_of(self, worker_id: str) -> KvIndex | None:
         """The worker's index when its events are being applied; None: no events (estimated)."""
@@ -342,7 +426,16 @@ class KvEventHub:
                 self._stop(wid)
         for wid, spec in wanted.items():
             if wid not in self.subscribers:
-                sub = KvEventSubscriber(wid, spec, self._ctx, self._metrics)
+                sub = KvEventSubscriber(
+                    wid,
+                    spec,
+                    self._ctx,
+                    self._metrics,
+                    max_blocks=self._max_blocks,
+                    bound=self._bound_of(wid),
+                    max_batch_bytes=self._max_batch_bytes,
+                    max_batch_blocks=self._max_batch_blocks,
+                )
                 self.subscribers[wid] = sub
                 self._tasks[wid] = asyncio.get_running_loop().create_task(
                     self._guarded(sub), name=f"kv-events-{wid}"

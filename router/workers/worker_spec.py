@@ -54,11 +54,15 @@ class Secret(str):
 class KvEventsSpec:
     """Where a worker publishes its KV-cache events (vLLM's `--kv-events-config`): the ZeroMQ
     PUB endpoint the router's subscriber connects to, the optional ROUTER replay endpoint that
-    serves missed batches, and the topic (empty: every topic). router/workers/kv_events.py."""
+    serves missed batches, and the topic (empty: every topic). router/workers/kv_events.py.
+    The worker's index is bounded by (its GPU blocks + `offload_blocks`, a CPU tier's, in the
+    engine's blocks) x `index_slack`: a stream that claims more is dropped."""
 
     endpoint: str
     replay_endpoint: str | None = None
     topic: str = ""
+    offload_blocks: int = 0
+    index_slack: float = 2.0
 
 
 def _parse_kv_events(raw: Any, where: str) -> KvEventsSpec | None:
@@ -68,7 +72,7 @@ def _parse_kv_events(raw: Any, where: str) -> KvEventsSpec | None:
         return raw
     if not isinstance(raw, Mapping) or not raw.get("endpoint"):
         raise ConfigError(f"{where}.kv_events: expected {{endpoint: tcp://HOST:PORT[, ...]}}")
-    unknown = set(raw) - {"endpoint", "replay_endpoint", "topic"}
+    unknown = set(raw) - {"endpoint", "replay_endpoint", "topic", "offload_blocks", "index_slack"}
     if unknown:
         raise ConfigError(f"{where}.kv_events: unknown keys {sorted(unknown)}")
     for key in ("endpoint", "replay_endpoint"):
@@ -80,7 +84,15 @@ def _parse_kv_events(raw: Any, where: str) -> KvEventsSpec | None:
     topic = raw.get("topic", "")
     if not isinstance(topic, str) or len(topic) > 256:
         raise ConfigError(f"{where}.kv_events.topic: expected a string")
-    return KvEventsSpec(raw["endpoint"], raw.get("replay_endpoint"), topic)
+    offload = _optional_int(
+        f"{where}.kv_events.offload_blocks", raw.get("offload_blocks"), 0, _MAX_COUNT
+    )
+    slack = raw.get("index_slack", 2.0)
+    if isinstance(slack, bool) or not isinstance(slack, int | float) or not 1 <= slack <= 100:
+        raise ConfigError(f"{where}.kv_events.index_slack: expected a number from 1 to 100")
+    return KvEventsSpec(
+        raw["endpoint"], raw.get("replay_endpoint"), topic, offload or 0, float(slack)
+    )
 
 
 @dataclass(frozen=True, slots=True)
