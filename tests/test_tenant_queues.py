@@ -182,9 +182,9 @@ MAX_WAITERS = 16
 A_CLIENTS = MAX_WAITERS + 8  # more open requests than the queue has places
 B_REQUESTS = 10
 
-# One request reserves (~8 prompt + 192 output tokens) / 16 = 13 blocks: 3 run at once on 40.
+# One request reserves (~8 prompt + 64 output tokens) / 16 = 5 blocks: 3 run at once on 15.
 _CLUSTER: dict[str, Any] = {
-    "kv_blocks": 40,
+    "kv_blocks": 15,
     "estimator": "max_tokens",
     "tenants": [{"name": "a", "keys": [KEY_A]}, {"name": "b", "keys": [KEY_B]}],
     "admission": {"max_waiters": MAX_WAITERS, "max_wait_s": 60},
@@ -198,12 +198,12 @@ def _client(url: str, key: str) -> AsyncOpenAI:
 
 async def _ask(client: AsyncOpenAI, text: str) -> str:
     resp = await client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=192
+        model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=64
     )
     return resp.choices[0].message.content or ""
 
 
-async def _flood(url: str, counts: dict[str, int]) -> None:
+async def _flood(url: str, counts: dict[str, int], evicted: list[openai.RateLimitError]) -> None:
     """One of tenant a's clients: its next request as soon as the last one ends, answered or
     refused (a short pause after a refusal, so the flood does not spin the shared CPU)."""
     async with _client(url, KEY_A) as client:
@@ -211,8 +211,10 @@ async def _flood(url: str, counts: dict[str, int]) -> None:
             try:
                 await _ask(client, f"flood {i}")
                 counts["served"] += 1
-            except openai.RateLimitError:
+            except openai.RateLimitError as exc:
                 counts["refused"] += 1
+                if "queue share" in exc.message and "held more than" in exc.message:
+                    evicted.append(exc)
                 await asyncio.sleep(0.05)
 
 
@@ -236,7 +238,10 @@ async def test_a_tenant_below_its_share_is_served_while_another_floods_the_queue
     ) as c:
         admission = c.gateway.admission
         counts = {"served": 0, "refused": 0}
-        flood = [asyncio.create_task(_flood(c.router_url, counts)) for _ in range(A_CLIENTS)]
+        evicted: list[openai.RateLimitError] = []
+        flood = [
+            asyncio.create_task(_flood(c.router_url, counts, evicted)) for _ in range(A_CLIENTS)
+        ]
         try:
             for _ in range(1500):  # up to 30 s on a loaded machine; usually a fraction of one
                 if admission.waiting == MAX_WAITERS and counts["refused"] >= 4:
@@ -245,15 +250,15 @@ async def test_a_tenant_below_its_share_is_served_while_another_floods_the_queue
             assert admission.waiting == MAX_WAITERS, (admission, counts)  # a holds every place
             assert _rejections(c.gateway, "a", "queue_full") >= 4
 
-            # b: two clients of five requests each, one after the other (2 places of its 8).
+            # b: five clients of two requests each, one after the other (5 places of its 8).
             answers: list[str] = []
 
             async def tenant_b(first: int) -> None:
                 async with _client(c.router_url, KEY_B) as client:
-                    for i in range(first, first + B_REQUESTS // 2):
+                    for i in range(first, first + 2):
                         answers.append(await _ask(client, f"b {i}"))
 
-            await asyncio.gather(tenant_b(0), tenant_b(B_REQUESTS // 2))
+            await asyncio.gather(*(tenant_b(i) for i in range(0, B_REQUESTS, 2)))
         finally:
             for task in flood:
                 task.cancel()
@@ -264,4 +269,7 @@ async def test_a_tenant_below_its_share_is_served_while_another_floods_the_queue
         # b's requests took places of a's newest waiters (counted for a, by reason), and a,
         # over its share, kept being refused while b waited.
         assert _rejections(c.gateway, "a", "queue_share") >= 1
+        assert evicted, counts  # the client whose waiter gave its place was told why, and when
+        assert float(evicted[0].response.headers["Retry-After"]) >= 1
+        assert evicted[0].status_code == 429 and evicted[0].code == "no_decode_capacity"
         assert counts["served"] > 0, counts
