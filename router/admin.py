@@ -28,8 +28,9 @@ Who may call what: router/auth.py (the GETs need a token once client keys are co
 
 Guard rails: a drain, a role switch or a removal that would leave a pool (one side of one
 model, router/workers/rotation.py) with no worker in rotation is refused with 409, naming the pool,
-the
-worker and what the pool's other workers are doing, unless the body says `{"force": true}`.
+the worker and what the pool's other workers are doing, unless the body says `{"force": true}`.
+Only workers in rotation count: not one on its way there (draining for a role switch), nor one
+whose engine's role switch failed (broken until it proves it serves its role again).
 The check reads the shared registry first (the other replicas' drains and roles as they are
 now), but it is not atomic across replicas: two operators taking out a pool's last two workers
 through two replicas in the same instant can both pass it.

@@ -13,7 +13,12 @@ alike) and tries to hold the `roles` lease; the one holding it decides for all:
    in the background: the rebuild takes seconds), out of both pools meanwhile — the live
    reconfiguration pause; the other replicas read its new role from its /server_info before
    they place on it. An engine that does not serve its recorded role (restarted in its
-   start-up role) is switched back the same way.
+   start-up role) is switched back the same way. An engine whose switch fails ("restart
+   required") gets a `broken` mark in its role record, left draining: out of both pools on every
+   replica, and no guard rail or waiting request counts on it (router/workers/rotation.py). An
+   operator may switch it back; it stays out until its engine answers a switch to the role
+   with SGLang's "ok" (router/workers/engine_role.py: a broken one refuses), which clears the
+   mark as it enters that pool.
 2. **Decide.** The role policy (the object the simulator runs, policies/role_policies.py) gets a
    `RoleSnapshot` of the live signals (router/workers/role_signals.py) and names the switches to
    start; hysteresis, time in role and the switch cap are the policy's.
@@ -72,7 +77,7 @@ class RoleEvent:
     worker_id: str
     from_role: str
     to_role: str
-    trigger: str  # policy | operator | drained | deadline
+    trigger: str  # policy | operator | drained | deadline | broken
     reason: str
 
     def as_json(self) -> dict[str, object]:
@@ -266,9 +271,15 @@ class RoleManager:
         switches.labels(worker=w.spec.id, to_role=to_role, trigger=trigger).inc()
         return record
 
-    async def _set(self, w: WorkerState, role: str) -> WorkerRole | None:
-        expect = w.role_state.version if w.role_state is not None else 0
-        record = await self.gw.store.set_role(w.spec.id, role, expect)
+    async def _set(self, w: WorkerState, role: str, broken: str | None = None) -> WorkerRole | None:
+        """Compare-and-set `w`'s role; `broken`: its new mark (None: the one it has, kept
+        across an operator's or the policy's switch: a broken engine stays out until it has
+        proved itself)."""
+        current = w.role_state
+        expect = current.version if current is not None else 0
+        if broken is None:
+            broken = current.broken if current is not None else ""
+        record = await self.gw.store.set_role(w.spec.id, role, expect, broken)
         if record is None:  # another replica (or the operator) came first: take theirs
             # (or the store lost its roles: ours is kept until the registry sync puts it back)
             self.members.apply_roles(await self.gw.store.worker_roles())
@@ -291,6 +302,7 @@ class RoleManager:
                 self._pausing.pop(w.spec.id, None)
                 if w.engine_behind and w.available:
                     self.engines.serves(w, record.role, self.members.workers.values())
+                    await self._note_broken(w)
                 continue
             age = now - record.since_s
             if age < self.settings.settle_s:
@@ -309,16 +321,34 @@ class RoleManager:
             # serves the new role (its switch runs meanwhile).
             emptied = self._pausing.setdefault(w.spec.id, now)
             pause = self.settings.pause_for(w.spec.adapter)
-            serves = self.engines.serves(w, record.target, self.members.workers.values())
+            peers = self.members.workers.values()
+            serves = self.engines.serves(w, record.target, peers, broken=bool(record.broken))
+            if not serves:
+                await self._note_broken(w)
             if not serves or now - emptied < pause:
                 continue
             self._pausing.pop(w.spec.id, None)
             before = record.role
-            if await self._set(w, record.target) is not None:
-                paused = f", then paused {now - emptied:.1f} s" if pause else ""
-                self._note(
-                    w, before, record.target, "drained", f"drained after {age:.1f} s{paused}"
-                )
+            # It serves its role: a broken mark is cleared with the change (it proved itself).
+            if await self._set(w, record.target, broken="") is not None:
+                self.engines.forget_proof(w)
+                why = f"drained after {age:.1f} s"
+                why += f", then paused {now - emptied:.1f} s" if pause else ""
+                why += f"; its engine proved it serves {record.target}" if record.broken else ""
+                self._note(w, before, record.target, "drained", why)
+
+    async def _note_broken(self, w: WorkerState) -> None:
+        """An engine switch of `w` came back broken: the mark goes into its role record, for
+        every replica, and the record is left draining to the role it was heading for (in
+        neither pool, also on a replica that does not read the mark). Written once: the first
+        failure's message is the cause; later refusals only repeat "restart required"."""
+        message = self.engines.take_broken(w)
+        record = w.role_state
+        if message is None or record is None or record.broken:
+            return
+        draining = f"draining-to-{record.target}"
+        if await self._set(w, draining, broken=message) is not None:
+            self._note(w, record.role, draining, "broken", message)
 
     async def _reap(self, w: WorkerState) -> None:
         gw = self.gw
@@ -360,6 +390,9 @@ class RoleManager:
                     "id": w.spec.id,
                     "role": w.current_role,
                     "serves": role_of(w),
+                    # Its engine's failed switch, as the store has it (every replica alike):
+                    # out of both pools until it proves it serves its role.
+                    "broken": record.broken or None if record else None,
                     "version": record.version if record else 0,
                     "since": record.since_s if record else None,
                     "resident_seqs": w.resident_seqs,

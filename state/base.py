@@ -123,6 +123,11 @@ class WorkerRole:
     role: str  # one of ROLE_STATES
     version: int
     since_s: float  # store clock (unix seconds) of the last change
+    # Why its engine's last role switch left it broken ("": it is not). Kept in the record, not
+    # on one replica, so every replica keeps the worker out of both pools (the role manager
+    # writes it with the role's compare-and-set, and clears it only once the engine has proved
+    # it serves its role again: router/workers/engine_role.py).
+    broken: str = ""
 
     @property
     def target(self) -> str:
@@ -342,10 +347,12 @@ class StateStore(Protocol):
     async def worker_roles(self) -> dict[str, WorkerRole]:
         """Every `both` worker's current role (workers never given one are absent)."""
 
-    async def set_role(self, worker_id: str, role: str, expect_version: int) -> WorkerRole | None:
-        """Set `worker_id`'s role to `role` (one of ROLE_STATES) if its version is still
-        `expect_version` (0: it has none yet); returns the new record, or None when another
-        change came first (nothing written)."""
+    async def set_role(
+        self, worker_id: str, role: str, expect_version: int, broken: str = ""
+    ) -> WorkerRole | None:
+        """Set `worker_id`'s role to `role` (one of ROLE_STATES), with its `broken` mark ("":
+        none), if its version is still `expect_version` (0: it has none yet); returns the new
+        record, or None when another change came first (nothing written)."""
 
     async def forget_role(self, worker_id: str) -> bool:
         """Drop `worker_id`'s role (it left the pools); True if it had one."""

@@ -25,7 +25,7 @@ key                            type    meaning
 ``<p>{reg}:marker``            string  present while the store keeps its data (TTL, refreshed)
 ``<p>{reg}:drained``           set     ids of drained workers: no new placements, shared by replicas
 ``<p>{reg}:drained_at``        hash    worker id -> when it was last drained or undrained (unix s)
-``<p>{reg}:roles``             hash    `both` worker id -> "role|version|since" (its current role)
+``<p>{reg}:roles``             hash    `both` worker id -> "role|version|since[|broken]" (its role)
 ``<p>{reg}:lease:<name>``      string  holder of a lease (one replica runs the role manager), TTL
 ``<p>{reg}:tkeys``             hash    API key id -> "tenant|sha256 hex|source" (never a key)
 ``<p>{reg}:tkeys:revoked``     set     sha256 hex of every key revoked or rotated out

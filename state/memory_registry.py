@@ -73,13 +73,15 @@ class MemoryRegistry:
     async def worker_roles(self) -> dict[str, WorkerRole]:
         return dict(self._roles)
 
-    async def set_role(self, worker_id: str, role: str, expect_version: int) -> WorkerRole | None:
+    async def set_role(
+        self, worker_id: str, role: str, expect_version: int, broken: str = ""
+    ) -> WorkerRole | None:
         wid = check_id("worker_id", worker_id)
         check_role(role)
         current = self._roles.get(wid)
         if (current.version if current else 0) != expect_version:
             return None
-        record = WorkerRole(role, expect_version + 1, self._clock())
+        record = WorkerRole(role, expect_version + 1, self._clock(), broken)
         self._roles[wid] = record
         return record
 

@@ -124,10 +124,12 @@ class RedisRegistry(RedisConnection):
         return {text(k): _role(text(v)) for k, v in raw.items()}
 
     @store_call
-    async def set_role(self, worker_id: str, role: str, expect_version: int) -> WorkerRole | None:
+    async def set_role(
+        self, worker_id: str, role: str, expect_version: int, broken: str = ""
+    ) -> WorkerRole | None:
         check_role(role)
         wid = check_id("worker_id", worker_id)
-        args: list[str | int] = [self._now(), wid, role, int(expect_version)]
+        args: list[str | int] = [self._now(), wid, role, int(expect_version), broken]
         rec = await self._set_role(keys=[self._keys.roles], args=args)
         return None if not rec else _role(text(rec))
 
@@ -327,9 +329,12 @@ def _marks(drained: Any, times: Any) -> dict[str, DrainMark]:
 
 
 def _role(record: str) -> WorkerRole:
-    role, version, since = record.split("|")
-    return WorkerRole(role, int(version), float(since))
+    """A record: role, version and since, then the broken mark when its last switch left it
+    broken (the mark last, split off once: it may hold '|' itself)."""
+    role, version, since, *broken = record.split("|", 3)
+    return WorkerRole(role, int(version), float(since), broken[0] if broken else "")
 
 
 def _record(role: WorkerRole) -> str:
-    return f"{role.role}|{role.version}|{role.since_s:.6f}"
+    mark = f"|{role.broken}" if role.broken else ""
+    return f"{role.role}|{role.version}|{role.since_s:.6f}{mark}"

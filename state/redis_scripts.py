@@ -250,8 +250,9 @@ return drop(KEYS[1], KEYS[2], KEYS[3], ARGV[1])
 )
 
 # A role change, compare-and-set on the version. KEYS[1] {reg}:roles  ARGV[1] now ('' = the
-# server's clock)  ARGV[2] worker id  ARGV[3] role  ARGV[4] expected version (0: none yet).
-# Returns the new "role|version|since", or false when the version moved on.
+# server's clock)  ARGV[2] worker id  ARGV[3] role  ARGV[4] expected version (0: none yet)
+# ARGV[5] broken mark ('' or absent: none). Returns the new "role|version|since[|broken]", or
+# false when the version moved on.
 SET_ROLE_SCRIPT = (
     _LUA_CLOCK
     + """
@@ -260,6 +261,7 @@ local version = 0
 if cur then version = tonumber(string.match(cur, '^[^|]*|(%d+)|')) end
 if version ~= tonumber(ARGV[4]) then return false end
 local rec = ARGV[3] .. '|' .. (version + 1) .. '|' .. score(clock())
+if ARGV[5] and ARGV[5] ~= '' then rec = rec .. '|' .. ARGV[5] end
 redis.call('HSET', KEYS[1], ARGV[2], rec)
 return rec
 """

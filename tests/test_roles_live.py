@@ -221,8 +221,10 @@ async def test_a_worker_moves_decode_to_prefill_and_back_under_traffic(redis_pre
             assert r.status == 400 and (await r.json())["error"]["param"] == "role"
         assert (await _roles(s, a)) == {w: "both" for w in WORKERS}
 
-        # The starting split, 1P:2D.
+        # The starting split, 1P:2D (b0 serving prefill first: a worker on its way there does
+        # not count for the guard rails, so b2 could not leave the prefill side before).
         assert (await _force(s, a, "b0", "prefill"))["current_role"] == "draining-to-prefill"
+        await _until_role(s, urls, "b0", "prefill")
         await _force(s, b, "b1", "decode")
         await _force(s, b, "b2", "decode")
         await _until_role(s, urls, "b0", "prefill")
@@ -303,6 +305,7 @@ async def test_the_elastic_policy_moves_a_worker_to_an_overloaded_prefill_pool(
         urls = [u for u, _ in replicas]
         apps = [app for _, app in replicas]
         await _force(s, urls[0], "b0", "prefill")
+        await _until_role(s, urls, "b0", "prefill")  # serving first: the guards count no other
         await _force(s, urls[0], "b1", "decode")
         await _force(s, urls[0], "b2", "decode")
         for wid, role in (("b0", "prefill"), ("b1", "decode"), ("b2", "decode")):

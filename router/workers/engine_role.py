@@ -15,6 +15,12 @@ switch runs, another is refused. A rebuild that fails half-way leaves the schedu
 (`safe_to_restore` false) with `/health` still answering 200: only a restart mends it, so the
 router remembers the failure rather than reading it from the health probe. With the flag, the
 engine runs its KV bootstrap server in both modes, so its bootstrap port is the same after a flip.
+
+So a broken engine (the role manager writes the mark in its role record, for every replica)
+is not believed when its `/server_info` names the role it should serve: it is asked to switch
+to that role, and only SGLang's "ok" proves it healthy (a broken scheduler refuses every switch
+with "unhealthy ... restart required" before it looks at the role; a healthy one answers a
+switch to the role it serves with "ok" and changes nothing).
 """
 
 from __future__ import annotations
@@ -128,15 +134,23 @@ class EngineRoles:
         # last one failed may be asked again (monotonic s, failures so far).
         self._calls: dict[str, tuple[str, asyncio.Task[EngineSwitch]]] = {}
         self._backoff: dict[str, tuple[float, int]] = {}
+        # What the engines answered since the manager last looked: a switch that left one
+        # broken (worker id -> SGLang's message), and the role a broken one proved it serves.
+        self._broken_news: dict[str, str] = {}
+        self._proven: dict[str, str] = {}
 
     def __repr__(self) -> str:
         return f"EngineRoles({len(self._calls)} under way)"
 
-    def serves(self, w: WorkerState, role: str, peers: Iterable[WorkerState] = ()) -> bool:
+    def serves(
+        self, w: WorkerState, role: str, peers: Iterable[WorkerState] = (), broken: bool = False
+    ) -> bool:
         """Whether `w`'s engine serves `role` (always, but for an SGLang engine). Else a switch
         is asked for in the background, unless one is under way or the last failed recently;
         its answer is read at a later tick. `peers`: the other workers, whose decode CUDA graphs
-        an engine that never served decode is given (the same layout's)."""
+        an engine that never served decode is given (the same layout's). `broken`: its record
+        carries a failed switch's mark: only an "ok" to a switch to `role` proves it serves
+        that role, whatever it reports."""
         if not w.spec.switches_engine_role:
             return True
         wid = w.spec.id
@@ -149,9 +163,14 @@ class EngineRoles:
                 return False
             del self._calls[wid]
             self._answered(w, asked_role, call.result())
-        if w.engine_role == role:
+        if w.engine_role == role and (not broken or self._proven.get(wid) == role):
             return True
         retry_at, _ = self._backoff.get(wid, (0.0, 0))
+        if broken and w.engine_broken is None:
+            # Not seen broken by this replica since it came back from failed probes (a new
+            # process: health_probe.py clears the local mark) or since this replica leads:
+            # the check need not wait out the backoff of the old process's failures.
+            retry_at = 0.0
         if time.monotonic() >= retry_at and w.healthy:
             timeout_s = self._settings.engine_switch_timeout_s
             graphs = _graphs_for(w, peers)
@@ -171,8 +190,11 @@ class EngineRoles:
             # role it says it serves, and the bootstrap port of an engine restarted meanwhile.
             w.layout_known = False
             self._backoff.pop(wid, None)
+            self._broken_news.pop(wid, None)
+            self._proven[wid] = role
             log.info("worker %s: its SGLang engine serves %s", wid, role)
             return
+        self._proven.pop(wid, None)
         _, failures = self._backoff.get(wid, (0.0, 0))
         if result.outcome == "busy":  # something left to finish on it: the next tick
             delay = self._settings.interval_s
@@ -181,21 +203,34 @@ class EngineRoles:
             failures += 1
         if result.outcome == "broken":
             w.engine_broken = result.message
+            self._broken_news[wid] = result.message
         self._backoff[wid] = (time.monotonic() + delay, failures)
         level = logging.INFO if result.outcome == "busy" else logging.WARNING
         log.log(level, "worker %s: its SGLang engine did not switch to %s (%s: %s); asking "
                 "again in %.1f s", wid, role, result.outcome, result.message, delay)  # fmt: skip
 
+    def take_broken(self, w: WorkerState) -> str | None:
+        """SGLang's message if a switch of `w` came back broken since the last call (the
+        manager writes it into the role record), else None."""
+        return self._broken_news.pop(w.spec.id, None)
+
+    def forget_proof(self, w: WorkerState) -> None:
+        """The proof that a broken `w` serves its role is spent (its mark is cleared): a later
+        mark needs a new one."""
+        self._proven.pop(w.spec.id, None)
+
     def report(self, w: WorkerState) -> dict[str, Any]:
         if not w.spec.switches_engine_role:
             return {}
         asked = self._calls.get(w.spec.id)
+        mark = w.role_state.broken if w.role_state is not None else ""
         return {
             "engine": {
                 "serves": w.engine_role,
                 "can_switch": w.engine_switchable,
                 "switching_to": asked[0] if asked is not None and not asked[1].done() else None,
-                "broken": w.engine_broken,
+                # The record's mark (every replica's), else this leader's news not written yet.
+                "broken": mark or w.engine_broken or None,
             }
         }
 

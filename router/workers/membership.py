@@ -4,7 +4,8 @@ The configured workers are in from the start; the registry sync (router/workers/
 and the admin API add and remove the dynamic ones. A removed worker is remembered for a while,
 for the requests still running their legs on it. A `both` worker is in one pool at a time, the
 one its current role names (the store's, applied here by `apply_roles`); draining between the
-two, in neither.
+two, in neither; broken by a failed engine switch (the record's mark), in neither until the
+role manager has seen it serve its role again.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from router.workers.worker_spec import WorkerSpec, parse_worker
 from router.workers.worker_state import WorkerState
 from state.base import WorkerRole
 
-__all__ = ["Membership", "PoolMembers"]
+__all__ = ["Membership", "PoolMembers", "broken"]
 
 # Removed workers kept for the requests still on them: a removal is an operator's act, so a
 # few dozen is plenty, and bounded whatever an API client does.
@@ -96,13 +97,15 @@ class Membership:
         return parse_worker(raw, s.default_perf, s.default_layout, "registration")
 
     # -- the pools ----------------------------------------------------------------------------
+    # A broken mark keeps a worker out whatever its record's role says (the role manager also
+    # leaves it draining, so replicas of an older version keep it out too).
     @property
     def prefill_workers(self) -> Iterable[WorkerState]:
-        return (w for w in self.workers.values() if w.in_prefill_pool)
+        return (w for w in self.workers.values() if w.in_prefill_pool and not broken(w))
 
     @property
     def decode_workers(self) -> Iterable[WorkerState]:
-        return (w for w in self.workers.values() if w.in_decode_pool)
+        return (w for w in self.workers.values() if w.in_decode_pool and not broken(w))
 
     @property
     def both_workers(self) -> Iterable[WorkerState]:
@@ -161,12 +164,25 @@ class Membership:
                 kept[w.spec.id] = w.role_state
                 continue
             if record != w.role_state:
-                old = w.role_state.role if w.role_state is not None else None
-                if record is not None and old != record.role:
+                old = w.role_state if w.role_state is not None else None
+                if record is not None and (old is None or old.role != record.role):
                     log.info("worker %s is now %s", w.spec.id, record.role)
+                if record is not None and (old.broken if old else "") != record.broken:
+                    if record.broken:
+                        log.warning("worker %s is broken (%s): out of both pools until it "
+                                    "serves its role again", w.spec.id, record.broken)  # fmt: skip
+                    else:
+                        log.info("worker %s serves its role again", w.spec.id)
                 w.role_state = record
         return kept
 
     def role_view(self) -> dict[str, WorkerRole]:
         """The roles this replica knows, as of its last read or change."""
         return {w.spec.id: w.role_state for w in self.both_workers if w.role_state is not None}
+
+
+def broken(w: WorkerState) -> str:
+    """Why `w`'s engine's last role switch left it broken ("": it is not), as every replica
+    reads it from the store's role record."""
+    record = w.role_state
+    return record.broken if record is not None else ""

@@ -24,6 +24,7 @@ import orjson
 
 from policies.base import Role, RoleSnapshot, RoleWorkerView
 from router.config import Settings
+from router.workers.membership import broken
 from router.workers.worker_state import WorkerState
 
 __all__ = ["QueuePeak", "ReplicaDemand", "role_of", "role_snapshot", "summed"]
@@ -104,7 +105,7 @@ def role_of(w: WorkerState) -> Role:
 def can_switch(w: WorkerState) -> bool:
     """A `both` worker the role manager may move now: in rotation, and for an SGLang engine
     one in PD mode started with --enable-pd-role-switch."""
-    if w.spec.role != "both" or not w.available:
+    if w.spec.role != "both" or not w.available or broken(w):
         return False
     if w.spec.switches_engine_role:
         return w.engine_can_switch
@@ -144,9 +145,11 @@ def role_snapshot(
     """The snapshot at `now_s` (unix seconds: the store's role times are on that clock).
     `queued_prompt_tokens`: every replica's queue on each worker (`summed`); None: this
     replica's own. The pause told to the policy is the longest of the switchable workers'
-    engine kinds (policies/role_pauses.py)."""
+    engine kinds (policies/role_pauses.py). A worker broken by a failed switch is left out,
+    as a failing one is: it serves neither phase, and counting it where it was heading would
+    hide that phase's want of a worker from the policy."""
     now = time.time() if now_s is None else now_s
-    healthy = [w for w in workers_in_pools if w.healthy]
+    healthy = [w for w in workers_in_pools if w.healthy and not broken(w)]
     workers = tuple(_view(w, queued_prompt_tokens) for w in healthy)
     roles = settings.roles
     pause = max(

@@ -7,6 +7,12 @@ model). A `both` worker is on the side its current role names, in neither while 
 a switch; with no role yet (or `roles.local_prefill`) a decode-side `both` worker prefills its
 own requests, so it counts on the prefill side too. A worker is in rotation on a side when it is
 there and `available`: healthy, layout known, breaker letting requests through, not drained.
+
+A worker whose engine's role switch failed (`broken`: the mark its role record carries on
+every replica) is in no pool and on its way to none: only a restart and a check that it serves
+its role bring it back (router/role_manager.py), so nothing waits for it. The admin guard rails
+count only the workers in rotation; a request waits for a pool only if a worker is in rotation
+there or, fit to serve, on its way there.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from router.workers.membership import PoolMembers
+from router.workers.membership import PoolMembers, broken
 from router.workers.worker_state import WorkerState
 
 __all__ = [
@@ -43,6 +49,8 @@ def _could_serve(w: WorkerState, side: str) -> bool:
 
 
 def _on_side(pools: PoolMembers, w: WorkerState, side: str) -> bool:
+    if broken(w):
+        return False
     if side == "decode":
         return w.in_decode_pool
     return w.in_prefill_pool or (w.in_decode_pool and pools.can_prefill_locally(w))
@@ -84,7 +92,10 @@ def _candidates(
 def _reasons(pools: PoolMembers, w: WorkerState, side: str) -> list[str]:
     """Why `w` takes no `side` work now (empty: it is in rotation there)."""
     out: list[str] = []
-    if not _on_side(pools, w, side):
+    if why := broken(w):
+        target = w.role_state.target if w.role_state is not None else "?"
+        out.append(f"broken by a failed role switch to {target} ({why})")
+    elif not _on_side(pools, w, side):
         role = w.current_role
         if role.startswith("draining-to-"):
             out.append(f"draining for a role switch to {role.removeprefix('draining-to-')}")
@@ -115,7 +126,7 @@ def why_empty(pools: PoolMembers, side: str, model: str = "", without: str | Non
 def _back_in_s(pools: PoolMembers, w: WorkerState, side: str) -> float:
     """When `w` may be back on `side` by itself (inf: only by an operator's hand)."""
     s = pools.settings
-    if w.drained:
+    if w.drained or broken(w):  # a broken engine needs a restart: not by itself
         return math.inf
     t = 0.0
     if not _on_side(pools, w, side):
@@ -144,8 +155,9 @@ def retry_after_s(pools: PoolMembers, side: str, model: str = "") -> float:
 
 def _coming(w: WorkerState, side: str) -> bool:
     """Draining for a switch to `side`, and fit to serve once there: the role manager puts it
-    in that pool by itself within a few seconds."""
-    return w.current_role == f"draining-to-{side}" and w.available
+    in that pool by itself within a few seconds. Not one whose switch failed: it comes nowhere
+    until restarted."""
+    return w.current_role == f"draining-to-{side}" and w.available and not broken(w)
 
 
 def pool_alive(pools: PoolMembers, side: str, model: str = "", without: str | None = None) -> bool:
@@ -160,10 +172,11 @@ def emptied_without(
     pools: PoolMembers, worker_id: str, arriving: str | None = None
 ) -> list[tuple[str, str]]:
     """The pools, as (side, model), that `worker_id` is in rotation in with no other worker in
-    rotation or on its way there (draining for a switch to that side): taking it out (drain,
-    role switch, removal) would leave them empty until an operator acts. `arriving`: the side
-    a role switch sends it to, where it is itself on its way. A pool that is empty already is
-    not listed: taking out a worker that is not serving changes nothing."""
+    rotation: taking it out (drain, role switch, removal) would leave them with none serving.
+    A worker on its way there does not count (issue 31: its switch may fail, and a broken one
+    never arrives): the operator says `force` to rely on it. `arriving`: the side a role switch
+    sends it to. A pool that is empty already is not listed: taking out a worker that is not
+    serving changes nothing."""
     w = pools.workers.get(worker_id)
     if w is None or not w.available:
         return []
@@ -174,5 +187,5 @@ def emptied_without(
         for side in SIDES
         if side != arriving
         and _on_side(pools, w, side)
-        and not pool_alive(pools, side, model, without=worker_id)
+        and not in_rotation(pools, side, model, without=worker_id)
     ]

@@ -153,11 +153,11 @@ async def test_the_router_moves_a_kv_both_engine_decode_to_prefill_and_back(
         assert _delta(before, after, "b0", "external_kv_transfer") == 0
         assert _delta(before, after, "b1", "local_compute") == 0
 
-        # The swap, requests flowing: b0 heads to decode, b1 to prefill. The first switch
-        # alone would empty the prefill pool (the admin API's guard: forced); with both on
-        # their way, every pool refills by itself and requests wait for room meanwhile.
+        # The swap, requests flowing: b0 heads to decode, b1 to prefill. Each switch empties
+        # a pool for a while (the admin API's guard counts no worker on its way: forced); with
+        # both on their way, every pool refills by itself and requests wait for room meanwhile.
         await _force(s, r, "b0", "decode", force=True)
-        await _force(s, r, "b1", "prefill")
+        await _force(s, r, "b1", "prefill", force=True)
         flow = asyncio.create_task(_batch(r, phases["flow1"], refs))
         await _until_role(r, "b0", "decode")
         await _until_role(r, "b1", "prefill")
@@ -173,7 +173,7 @@ async def test_the_router_moves_a_kv_both_engine_decode_to_prefill_and_back(
 
         # And back, requests flowing: b1 heads to decode again, b0 to prefill.
         await _force(s, r, "b1", "decode", force=True)
-        await _force(s, r, "b0", "prefill")
+        await _force(s, r, "b0", "prefill", force=True)
         flow = asyncio.create_task(_batch(r, phases["flow2"], refs))
         await _until_role(r, "b1", "decode")
         await _until_role(r, "b0", "prefill")
