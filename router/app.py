@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -24,7 +25,7 @@ from router.appkeys import GATEWAY
 from router.auth import check_scrape
 from router.background import BackgroundTasks
 from router.config import Settings
-from router.errors import RouterError, as_router_error, error_response
+from router.errors import STORE_RETRY_AFTER_S, RouterError, as_router_error, error_response
 from router.front_door import RequestCount, enter
 from router.gateway import Gateway
 from router.histograms import HistogramCache
@@ -32,6 +33,7 @@ from router.leases import LeaseKeeper
 from router.logs import bind_request_id
 from router.metrics import RouterMetrics
 from router.passthrough import PASSTHROUGH_ROUTES, add_passthrough_routes, forward
+from router.ready_probe import STORE_PROBE, StoreProbe
 from router.relay.upstream_pool import SplicePool
 from router.request.lifecycle import ClientSide, RequestFlow
 from router.responses import RESPONSES_ROUTE
@@ -218,12 +220,15 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """Ready to serve: a worker in rotation on each side and the shared store answering (as
-    the state refresher last saw it, a tenth of a second ago). A load balancer takes a replica
-    out while this says 503."""
+    """Ready to serve: a worker in rotation on each side and the shared store answering: a
+    refresh of the shared state (its loss marker checked: a store restarted empty is ready once
+    this replica has put back what it holds) ends within `READY_STORE_TIMEOUT_S`
+    (router/ready_probe.py: a frozen store hangs a read for its socket timeout, 10 s, without
+    failing it). A load balancer takes a replica out while this says 503, with a Retry-After."""
     gw = request.app[GATEWAY]
     pools_ok, prefill, decode = _pools_usable(gw)
-    store_ok = gw.refresher.store_ok
+    answered = await request.app[STORE_PROBE].answers(gw.refresher.refresh)
+    store_ok = answered and gw.refresher.store_ok
     stopping = request.app[SHUTDOWN].stopping
     ok = pools_ok and store_ok and not stopping
     body: dict[str, object] = {
@@ -235,7 +240,10 @@ async def ready(request: web.Request) -> web.Response:
     }
     if not store_ok:
         body["store_error"] = "the shared state store does not answer"
-    return _json(body, status=200 if ok else 503)
+    resp = _json(body, status=200 if ok else 503)
+    if not ok:  # a dependency down: when to look again
+        resp.headers["Retry-After"] = str(math.ceil(STORE_RETRY_AFTER_S))
+    return resp
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -468,6 +476,8 @@ def create_app(settings: Settings, *, tracer_provider: object = None) -> web.App
     add_passthrough_routes(app, lambda a: a[GATEWAY], served_models, PASSTHROUGH_ROUTES)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
+    app[STORE_PROBE] = StoreProbe()
+    app.on_cleanup.append(lambda a: a[STORE_PROBE].close())
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
     add_admin_routes(app)
