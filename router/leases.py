@@ -80,6 +80,18 @@ class LeaseKeeper:
         # What else lives by this replica's renewals, renewed on the same tick and put back
         # after a store loss the same way (router/request/quota.py: tenants' quota holds).
         self.also_renew: list[Callable[[], Awaitable[None]]] = []
+        # After a loss, the store holds new reservations back for the slowest replica's round
+        # (state/holdback.py): it learns this replica's from here.
+        store.advertise_renewal(self.renew_within_s)
+
+    @property
+    def renew_every_s(self) -> float:
+        return max(_OWED_RETRY_S, self.lease_s / 3)
+
+    @property
+    def renew_within_s(self) -> float:
+        """The longest between two renewal rounds: the period, checked on the tick (`run`)."""
+        return self.renew_every_s + min(_OWED_RETRY_S, self.renew_every_s)
 
     def __repr__(self) -> str:
         return (
@@ -335,7 +347,7 @@ class LeaseKeeper:
                 log.warning("%d stranded entries could not be put back: %s", len(failed), failed[0])
 
     async def run(self) -> None:
-        renew_every = max(_OWED_RETRY_S, self.lease_s / 3)
+        renew_every = self.renew_every_s
         next_renewal = self.clock() + renew_every
         while True:
             tick_s = min(_OWED_RETRY_S, renew_every)

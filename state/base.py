@@ -232,7 +232,11 @@ class Finished:
 class StateStore(Protocol):
     # -- decode reservations -------------------------------------------------------------
     async def set_capacity(self, worker_id: str, capacity_blocks: int) -> None:
-        """Declare (or change) a decode worker's KV capacity in blocks."""
+        """Declare (or change) a decode worker's KV capacity in blocks. Written where the store
+        has none (missing or 0) by a store object that wrote it before — the store lost it, or
+        the worker was deleted and registered again — it starts a hold-back: no new
+        reservation on the worker for the longest renewal round any replica published plus a
+        margin, so the live reservations' put-backs land first (state/holdback.py)."""
 
     async def reserve(
         self,
@@ -243,7 +247,8 @@ class StateStore(Protocol):
         overbook_blocks: int = 0,
         intent: StrandIntent | None = None,
     ) -> Reserved:
-        """Atomically: drop expired leases, then hold `blocks` if free + overbook >= blocks.
+        """Atomically: drop expired leases, then hold `blocks` if free + overbook >= blocks
+        and no hold-back runs on the worker (`set_capacity`; refused as no room now).
 
         Idempotent per id. `overbook_blocks` (prediction-based admission) lets a reservation
         count on blocks forecast to free before its prefill ends; 0 = only room free now.
@@ -256,8 +261,9 @@ class StateStore(Protocol):
     async def resize(
         self, worker_id: str, reservation_id: str, blocks: int, *, force: bool = False
     ) -> bool:
-        """Grow or shrink a live reservation to `blocks`. Growth needs free room (False if
-        not) unless `force`: the answer already occupies that room, so the count follows use."""
+        """Grow or shrink a live reservation to `blocks`. Growth needs free room and no
+        hold-back running (False if not) unless `force`: the answer already occupies that room,
+        so the count follows use."""
 
     async def renew_many(
         self, worker_id: str, reservations: Mapping[str, int], lease_s: float
@@ -434,6 +440,11 @@ class StateStore(Protocol):
         store lost is put back. Returns the ids put back."""
 
     # -- lifecycle ------------------------------------------------------------------------
+    def advertise_renewal(self, renew_within_s: float) -> None:
+        """This replica lets at most `renew_within_s` pass between two renewal rounds of its
+        live leases (router/leases.py). Published with every marker check; the store keeps the
+        longest any replica published and sizes its hold-backs on it (`set_capacity`). No I/O."""
+
     async def check_marker(self, ttl_s: float) -> bool:
         """Keep a marker key alive for `ttl_s`; True when it was missing (first use, or the
         store lost its data: a Redis restarted empty) or, on Redis, when another replica has

@@ -15,6 +15,7 @@ key                            type    meaning
 ``<p>{d:<worker>}:res``        hash    reservation id -> blocks held
 ``<p>{d:<worker>}:lease``      zset    reservation id -> lease expiry (unix s)
 ``<p>{d:<worker>}:sum``        string  sum of the ``:res`` values, kept exact by the scripts
+``<p>{d:<worker>}:hold``       string  no new reservation before this (unix s; state/holdback.py)
 ``<p>{p:<worker>}:bytes``      hash    request id -> stranded KV bytes on that prefill worker
 ``<p>{p:<worker>}:since``      zset    request id -> when its KV was (pending: will be) ready
 ``<p>{p:<worker>}:sum``        string  sum of the ``:bytes`` values
@@ -23,6 +24,7 @@ key                            type    meaning
 ``<p>{os:<class>}``            hash    output-length bucket -> completed requests of that class
 ``<p>{reg}:workers``           hash    worker id -> its registration (JSON), shared by replicas
 ``<p>{reg}:marker``            string  present while the store keeps its data (TTL, refreshed)
+``<p>{reg}:renewal``           string  longest gap between renewal rounds any replica published, TTL
 ``<p>{reg}:drained``           set     ids of drained workers: no new placements, shared by replicas
 ``<p>{reg}:drained_at``        hash    worker id -> when it was last drained or undrained (unix s)
 ``<p>{reg}:roles``             hash    `both` worker id -> "role|version|since[|broken]" (its role)
@@ -179,6 +181,10 @@ class Keys:
     def decode_sum(self, worker_id: str) -> str:
         return f"{self._decode(worker_id)}:sum"
 
+    def decode_hold(self, worker_id: str) -> str:
+        """Until when the worker takes no new reservation (state/holdback.py)."""
+        return f"{self._decode(worker_id)}:hold"
+
     def decode_worker(self, worker_id: str) -> list[str]:
         """The four keys of one decode worker, in the order the reservation scripts take them."""
         return [
@@ -245,8 +251,11 @@ class Keys:
 
     def worker_keys(self, worker_id: str) -> list[list[str]]:
         """The keys named after `worker_id`, one list per hash tag (slot): its decode keys and
-        its stranded ledger (a `both` worker has both)."""
-        return [self.decode_worker(worker_id), self.stranded_worker(worker_id)]
+        its stranded ledger (a `both` worker has both), its hold-back with its decode keys."""
+        return [
+            [*self.decode_worker(worker_id), self.decode_hold(worker_id)],
+            self.stranded_worker(worker_id),
+        ]
 
     def lease(self, name: str) -> str:
         return f"{self.prefix}{{reg}}:lease:{check_id('lease', name)}"
@@ -277,6 +286,11 @@ class Keys:
     @property
     def marker(self) -> str:
         return f"{self.prefix}{{reg}}:marker"
+
+    @property
+    def renewal(self) -> str:
+        """The longest renewal round any replica published, kept with the marker (its tag)."""
+        return f"{self.prefix}{{reg}}:renewal"
 
     def __repr__(self) -> str:
         return f"Keys(prefix={self.prefix!r})"

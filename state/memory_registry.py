@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 
 from state.base import DrainMark, RegistryView, TenantKey, TenantKeys, WorkerRole
+from state.holdback import RenewalHorizon
 from state.keys import check_digest, check_id, check_lease, check_role, check_tenant_key
 
 __all__ = ["MemoryRegistry"]
@@ -28,6 +29,10 @@ class MemoryRegistry:
         self._leases: dict[str, tuple[str, float]] = {}  # name -> (holder, until)
         self._demands: dict[str, tuple[float, str]] = {}  # replica -> (when, its demand)
         self._marker_until: float | None = None
+        # The hold-back agreement (state/holdback.py): this object's side, and the longest
+        # renewal round published with the marker, until when.
+        self._horizon = RenewalHorizon()
+        self._renewal: tuple[float, float] | None = None
         self._tkeys: dict[str, TenantKey] = {}  # key id -> its key (digest)
         self._trevoked: set[str] = set()
         self._tversion = 0
@@ -191,10 +196,21 @@ class MemoryRegistry:
         return self._tversion
 
     # -- lifecycle ------------------------------------------------------------------------
+    def advertise_renewal(self, renew_within_s: float) -> None:
+        self._horizon.advertise(renew_within_s)
+
     async def check_marker(self, ttl_s: float) -> bool:
         now = self._clock()
         missing = self._marker_until is None or self._marker_until <= now
         self._marker_until = now + max(1, int(ttl_s))
+        # Published as `RedisRegistry`'s marker script does (registry_scripts.py `marker`).
+        h = self._horizon
+        published = h.carried() if missing else h.own_s
+        current = self._renewal if self._renewal and self._renewal[1] > now else None
+        if published > 0 and (current is None or published >= current[0]):
+            current = (published, self._marker_until)
+        self._renewal = current
+        h.read(current[0] if current else 0.0, missing)
         return missing
 
     # -- one read for the registry sync ---------------------------------------------------------

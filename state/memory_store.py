@@ -55,6 +55,7 @@ class _DecodeWorker:
     capacity: int = 0
     reserved: int = 0  # sum of the live reservations' blocks, kept exact by every change
     reservations: dict[str, _Reservation] = field(default_factory=dict)
+    hold_until: float = 0.0  # no new reservation before this (state/holdback.py)
     # No lease ends before this: every store call purges, and scanning every reservation on
     # each one cost ~3 % of the router's CPU at 256 streams. A lower bound, not exact (a renewal
     # only moves an expiry later), so a purge past it scans and sets it again.
@@ -135,7 +136,11 @@ class MemoryStore(MemoryRegistry, MemoryQuotas):
     # -- decode reservations -------------------------------------------------------------
     async def set_capacity(self, worker_id: str, capacity_blocks: int) -> None:
         check_count("capacity_blocks", capacity_blocks)
-        self._worker(worker_id).capacity = int(capacity_blocks)
+        worker = self._worker(worker_id)
+        hold_s = self._horizon.hold_s(worker_id)
+        if hold_s > 0 and worker.capacity == 0:  # lost or deleted: put-backs first
+            worker.hold_until = max(worker.hold_until, self._clock() + hold_s)
+        worker.capacity = int(capacity_blocks)
 
     async def reserve(
         self,
@@ -152,11 +157,12 @@ class MemoryStore(MemoryRegistry, MemoryQuotas):
             check_count("nbytes", intent.nbytes)
             check_id("prefill_id", intent.prefill_id)
         worker = self._worker(worker_id)
-        expiry = self._clock() + lease_s
+        now = self._clock()
+        expiry = now + lease_s
         held = worker.reservations.get(reservation_id)
         if held is not None:
             worker.expires(held, expiry)
-        elif worker.free + max(0, int(overbook_blocks)) < blocks:
+        elif worker.hold_until > now or worker.free + max(0, int(overbook_blocks)) < blocks:
             return Reserved(False)
         else:
             worker.reservations[reservation_id] = held = _Reservation(int(blocks), expiry)
@@ -204,7 +210,8 @@ class MemoryStore(MemoryRegistry, MemoryQuotas):
         if held is None:
             return False
         delta = int(blocks) - held.blocks
-        if delta > 0 and not force and worker.free < delta:
+        held_back = worker.hold_until > self._clock()
+        if delta > 0 and not force and (held_back or worker.free < delta):
             return False
         held.blocks = int(blocks)
         worker.reserved += delta

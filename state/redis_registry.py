@@ -28,6 +28,7 @@ from state.base import (
     UsageView,
     WorkerRole,
 )
+from state.holdback import RenewalHorizon
 from state.keys import check_digest, check_id, check_lease, check_role, check_tenant_key
 from state.redis_conn import Cmd, RedisConnection, raise_first, store_call, text
 from state.redis_scripts import (
@@ -60,6 +61,9 @@ class RedisRegistry(RedisConnection):
     _epoch: str | None = None
 
     def _register_scripts(self, register: Callable[[str], AsyncScript]) -> None:
+        # Not a script: this store object's side of the hold-back agreement (state/holdback.py),
+        # made here because this is where a store object is set up.
+        self._horizon = RenewalHorizon()
         self._set_role = register(SET_ROLE_SCRIPT)
         self._publish_demand = register(PUBLISH_DEMAND_SCRIPT)
         self._read_demands = register(READ_DEMANDS_SCRIPT)
@@ -218,17 +222,32 @@ class RedisRegistry(RedisConnection):
         return int(await self._restore_tkeys(keys=self._keys.tenant_keys, args=args))
 
     # -- lifecycle ------------------------------------------------------------------------
+    def advertise_renewal(self, renew_within_s: float) -> None:
+        self._horizon.advertise(renew_within_s)
+
+    def _renewal_args(self) -> list[str | int]:
+        """What each marker check publishes: this replica's longest round, and the longest it
+        remembers (published where the marker was missing)."""
+        h = self._horizon
+        return [repr(h.own_s), repr(h.carried())]
+
     def _marker_cmd(self, ttl_s: float) -> tuple[Cmd, str]:
         token = secrets.token_hex(8)  # fresh each time: a second loss must show as one too
-        return Cmd.run(self._marker, [self._keys.marker], [token, max(1, int(ttl_s))]), token
+        keys = [self._keys.marker, self._keys.renewal]
+        args = [token, max(1, int(ttl_s)), *self._renewal_args()]
+        return Cmd.run(self._marker, keys, args), token
 
-    def _lost(self, found: Any, token: str) -> bool:
-        """The marker's answer: was it missing (then it holds `token` now), or re-created by
-        another replica since this store object last looked? A first look at a present marker
-        knows of no loss."""
+    def _lost(self, answer: Any, token: str) -> bool:
+        """The marker's answer ({marker found, longest round published}): was it missing (then
+        it holds `token` now), or re-created by another replica since this store object last
+        looked? A first look at a present marker knows of no loss. The longest round is
+        remembered either way (`RenewalHorizon.read`)."""
+        found, published = answer
         seen = self._epoch
         self._epoch = token if found is None else text(found)
-        return found is None or (seen is not None and seen != self._epoch)
+        lost = found is None or (seen is not None and seen != self._epoch)
+        self._horizon.read(float(published or 0), lost)
+        return lost
 
     @store_call
     async def check_marker(self, ttl_s: float) -> bool:
@@ -278,12 +297,13 @@ class RedisRegistry(RedisConnection):
         # is read raw: hashes as flat lists). An idle replica makes this call once a second
         # (docs/benchmarks-overhead.md, "Idle with Redis").
         k = self._keys
-        keys = [k.marker, *k.registry_fields(), k.tenant_keys[2]]
+        keys = [k.marker, *k.registry_fields(), k.tenant_keys[2], k.renewal]
         for wid in decode:
             keys += k.decode_worker(wid)
         keys += [k.stranded_sum(pid) for pid in prefill]
         token = secrets.token_hex(8)
         args: list[str | int] = [self._now(), token, max(1, int(marker_ttl_s)), len(decode)]
+        args += self._renewal_args()
         rows = await self._hot_script(self._registry_and_usage, keys, args)
         usage = _usage(decode, rows[5], prefill, rows[6])
         return self._registry_rows([*rows[:5], rows[7]], token), usage

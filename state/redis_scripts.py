@@ -9,6 +9,7 @@ store's Python so each reads on its own: the store only names them.
 from __future__ import annotations
 
 __all__ = [
+    "SET_CAPACITY_SCRIPT",
     "RESERVE_SCRIPT",
     "RENEW_SCRIPT",
     "RENEW_MANY_SCRIPT",
@@ -75,6 +76,39 @@ end
 # Every decode-reservation script takes the same KEYS (one worker, tag {d:<worker>}):
 #   KEYS[1] capacity (string)   KEYS[2] id -> blocks (hash)
 #   KEYS[3] id -> expiry (zset) KEYS[4] sum of blocks (string)
+# and those that admit new blocks (reserve, resize) KEYS[5] the hold-back (string: no new
+# reservation before this time; state/holdback.py).
+_LUA_HELD = """
+local function held_back(now)
+  local till = redis.call('GET', KEYS[5])
+  return till and tonumber(till) > now
+end
+"""
+
+# Write a worker's capacity. Where the store had none (missing or 0) and ARGV[3] > 0 (the caller
+# wrote it before: the store lost it, or the worker was deleted and registered again), hold new
+# reservations back until now + ARGV[3], so the live reservations' put-backs land first; a later
+# hold already there stays. KEYS[1] capacity  KEYS[2] hold-back (both tag {d:<worker>})
+# ARGV[1] now  ARGV[2] capacity blocks  ARGV[3] hold-back seconds (0: none)
+# Returns 1 if it started a hold-back, else 0.
+SET_CAPACITY_SCRIPT = (
+    _LUA_CLOCK
+    + """
+local now = clock()
+local hold = tonumber(ARGV[3])
+local started = 0
+if hold > 0 and tonumber(redis.call('GET', KEYS[1]) or 0) == 0 then
+  local till = now + hold
+  if till > tonumber(redis.call('GET', KEYS[2]) or 0) then
+    -- The TTL only tidies (an injected clock may not be the server's): the value decides.
+    redis.call('SET', KEYS[2], score(till), 'PX', math.ceil(hold * 1000) + 60000)
+    started = 1
+  end
+end
+redis.call('SET', KEYS[1], ARGV[2])
+return started
+"""
+)
 
 # Record (or update the size of) a stranded-KV entry on one prefill worker's ledger: bytes hash
 # `kb`, since zset `ks`, sum `ksum`. A repeated call keeps the first `since`: the prefill
@@ -92,7 +126,8 @@ end
 # and gets its lease renewed: a retried call must not leak or double-book capacity.
 # ARGV[1] now ('' = server TIME)  ARGV[2] reservation id  ARGV[3] blocks  ARGV[4] lease seconds
 # ARGV[5] overbook blocks (prediction-based admission: room forecast to free; 0 = none)
-# With KEYS[5..7] (a prefill worker's ledger keys, tag {p:<worker>}; one server only: a
+# KEYS[5] the hold-back: while it runs a new id is refused (a held one is renewed).
+# With KEYS[6..8] (a prefill worker's ledger keys, tag {p:<worker>}; one server only: a
 # cluster refuses keys of two slots in one script), the stranded-KV intent too, pending, only
 # when the blocks are held: ARGV[6] entry id  ARGV[7] bytes  ARGV[8] seconds until it is ready
 # at the latest. One round trip before the prefill, and a refused reservation leaves no entry.
@@ -101,19 +136,21 @@ RESERVE_SCRIPT = (
     _LUA_CLOCK
     + _LUA_PURGE
     + _LUA_STRAND
+    + _LUA_HELD
     + """
 local now = clock()
 purge(now)
 local expiry = score(now + tonumber(ARGV[4]))
 if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 0 then
   local blocks = tonumber(ARGV[3])
+  if held_back(now) then return 0 end
   if free_blocks() + tonumber(ARGV[5] or 0) < blocks then return 0 end
   redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
   redis.call('INCRBY', KEYS[4], ARGV[3])
 end
 redis.call('ZADD', KEYS[3], expiry, ARGV[2])
-if #KEYS == 7 then
-  strand(KEYS[5], KEYS[6], KEYS[7], ARGV[6], ARGV[7], now + tonumber(ARGV[8]))
+if #KEYS == 8 then
+  strand(KEYS[6], KEYS[7], KEYS[8], ARGV[6], ARGV[7], now + tonumber(ARGV[8]))
 end
 return 1
 """
@@ -166,17 +203,19 @@ return back
 # Change a live reservation's blocks; growth needs the extra blocks free, shrinking always works.
 # ARGV[1] now  ARGV[2] reservation id  ARGV[3] new blocks  ARGV[4] '1' = grow even past capacity
 # (the tokens already exist on the worker: the count must not stay below use)
+# KEYS[5] the hold-back: while it runs, growth is refused unless forced.
 # Returns 1 if resized, 0 if gone or if growth does not fit.
 RESIZE_SCRIPT = (
     _LUA_CLOCK
     + _LUA_PURGE
+    + _LUA_HELD
     + """
 local now = clock()
 purge(now)
 local old = redis.call('HGET', KEYS[2], ARGV[2])
 if not old then return 0 end
 local delta = tonumber(ARGV[3]) - tonumber(old)
-if delta > 0 and ARGV[4] ~= '1' and free_blocks() < delta then return 0 end
+if delta > 0 and ARGV[4] ~= '1' and (held_back(now) or free_blocks() < delta) then return 0 end
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
 redis.call('INCRBY', KEYS[4], delta)
 return 1

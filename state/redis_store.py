@@ -64,6 +64,7 @@ from state.redis_scripts import (
     RENEW_SCRIPT,
     RESERVE_SCRIPT,
     RESIZE_SCRIPT,
+    SET_CAPACITY_SCRIPT,
     STRAND_SCRIPT,
     TRY_RETRY_SCRIPT,
     UNSTRAND_SCRIPT,
@@ -82,6 +83,7 @@ class RedisStore(RedisRegistry, RedisQuotas):
         """Each script once per client (redis-py loads it on a node at its first NOSCRIPT)."""
         super()._register_scripts(register)
         self._register_quota_scripts(register)
+        self._set_capacity = register(SET_CAPACITY_SCRIPT)
         self._reserve = register(RESERVE_SCRIPT)
         self._renew = register(RENEW_SCRIPT)
         self._renew_many = register(RENEW_MANY_SCRIPT)
@@ -99,7 +101,10 @@ class RedisStore(RedisRegistry, RedisQuotas):
     @store_call
     async def set_capacity(self, worker_id: str, capacity_blocks: int) -> None:
         check_count("capacity_blocks", capacity_blocks)
-        await self._client.set(self._keys.decode_capacity(worker_id), int(capacity_blocks))
+        keys = [self._keys.decode_capacity(worker_id), self._keys.decode_hold(worker_id)]
+        hold_s = self._horizon.hold_s(worker_id)  # state/holdback.py
+        args: list[str | int] = [self._now(), int(capacity_blocks), repr(hold_s)]
+        await self._set_capacity(keys=keys, args=args)
 
     @store_call
     async def reserve(
@@ -113,7 +118,7 @@ class RedisStore(RedisRegistry, RedisQuotas):
     ) -> Reserved:
         check_count("blocks", blocks)
         check_lease(lease_s)
-        keys = self._keys.decode_worker(worker_id)
+        keys = [*self._keys.decode_worker(worker_id), self._keys.decode_hold(worker_id)]
         args: list[str | int] = [
             self._now(),
             reservation_id,
@@ -176,7 +181,7 @@ class RedisStore(RedisRegistry, RedisQuotas):
         self, worker_id: str, reservation_id: str, blocks: int, *, force: bool = False
     ) -> bool:
         check_count("blocks", blocks)
-        keys = self._keys.decode_worker(worker_id)
+        keys = [*self._keys.decode_worker(worker_id), self._keys.decode_hold(worker_id)]
         args: list[str | int] = [self._now(), reservation_id, int(blocks), "1" if force else "0"]
         return bool(await self._hot_script(self._resize, keys, args))
 

@@ -25,24 +25,38 @@ __all__ = [
     "READ_DEMANDS_SCRIPT",
 ]
 
-# Keep the marker alive; create it with this caller's fresh token when missing. Returns the
-# value found (another caller's token, or ours from before), false when missing. The caller
-# compares it with the value it saw last: a different one means another replica found the
-# marker missing since, i.e. the store lost its data.
+# Keep the marker alive; create it with this caller's fresh token when missing. With it, publish
+# the caller's longest gap between renewal rounds `own` (state/holdback.py): the store keeps the
+# longest any replica published, for the marker's TTL; where the marker was missing (the store
+# lost its data, or first use) the caller's remembered longest `carried` starts it again.
+# Returns {the marker found (another caller's token, or ours from before), false when missing;
+# the longest round published (a string: '0' for none)}. The caller compares the marker with the
+# value it saw last: a different one means another replica found it missing since, i.e. the
+# store lost its data.
 _LUA_MARKER = """
-local function marker(key, token, ttl)
+local function marker(key, token, ttl, rkey, own, carried)
   local v = redis.call('GET', key)
+  local pub, pubs = tonumber(own), own
   if v then
     redis.call('EXPIRE', key, ttl)
-    return v
+  else
+    redis.call('SET', key, token, 'EX', ttl)
+    if tonumber(carried) > pub then pub, pubs = tonumber(carried), carried end
   end
-  redis.call('SET', key, token, 'EX', ttl)
-  return false
+  local cur = redis.call('GET', rkey)
+  if pub > 0 and (not cur or pub >= tonumber(cur)) then
+    redis.call('SET', rkey, pubs, 'EX', ttl)
+    cur = pubs
+  end
+  return {v, cur or '0'}
 end
 """
 
-# KEYS[1] {reg}:marker  ARGV[1] token  ARGV[2] TTL (s)
-MARKER_SCRIPT = _LUA_MARKER + "return marker(KEYS[1], ARGV[1], ARGV[2])\n"
+# KEYS[1] {reg}:marker  KEYS[2] {reg}:renewal
+# ARGV[1] token  ARGV[2] TTL (s)  ARGV[3] own longest round (s)  ARGV[4] remembered longest (s)
+MARKER_SCRIPT = (
+    _LUA_MARKER + "return marker(KEYS[1], ARGV[1], ARGV[2], KEYS[2], ARGV[3], ARGV[4])\n"
+)
 
 # Drain or undrain a worker, recording when (only on a change).
 # KEYS[1] {reg}:drained  KEYS[2] {reg}:drained_at
@@ -110,10 +124,11 @@ return was
 # keys are of several hash tags. The usage of each decode worker is `USAGE_SCRIPT` itself, run as
 # a function whose parameters shadow KEYS and ARGV, so its rule (drop expired leases, then read)
 # lives in one place.
-# KEYS[1..5] {reg}: marker, workers, drained, drained_at, roles; KEYS[6] {reg}:tkeys:version; then
-# 4 keys per decode worker (in `Keys.decode_worker` order), then one ledger sum per prefill worker.
+# KEYS[1..5] {reg}: marker, workers, drained, drained_at, roles; KEYS[6] {reg}:tkeys:version;
+# KEYS[7] {reg}:renewal; then 4 keys per decode worker (in `Keys.decode_worker` order), then one
+# ledger sum per prefill worker.
 # ARGV[1] now ('' = the server's clock)  ARGV[2] marker token  ARGV[3] marker TTL (s)
-# ARGV[4] n decode workers
+# ARGV[4] n decode workers  ARGV[5] own longest renewal round (s)  ARGV[6] remembered longest (s)
 # Returns {marker as MARKER_SCRIPT returns it, workers (flat HGETALL), drained members, drained_at
 # (flat), roles (flat), {{capacity, reserved, live reservations} per decode worker}, {sum or
 # false per prefill worker}, the tenant keys' version or false}.
@@ -122,15 +137,15 @@ REGISTRY_AND_USAGE_SCRIPT = (
     + "local function usage_of(KEYS, ARGV)\n"
     + USAGE_SCRIPT
     + """end
-local found = marker(KEYS[1], ARGV[2], ARGV[3])
+local found = marker(KEYS[1], ARGV[2], ARGV[3], KEYS[7], ARGV[5], ARGV[6])
 local n = tonumber(ARGV[4])
 local usage = {}
 for i = 0, n - 1 do
-  local k = 7 + 4 * i
+  local k = 8 + 4 * i
   usage[i + 1] = usage_of({KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]}, {ARGV[1]})
 end
 local sums = {}
-for k = 7 + 4 * n, #KEYS do
+for k = 8 + 4 * n, #KEYS do
   sums[#sums + 1] = redis.call('GET', KEYS[k])
 end
 return {found, redis.call('HGETALL', KEYS[2]), redis.call('SMEMBERS', KEYS[3]),

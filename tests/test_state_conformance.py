@@ -935,3 +935,78 @@ async def test_a_lease_has_one_holder_until_it_expires_or_is_released(
     assert await store.release_lease("roles", "a") is True
     with pytest.raises(ValueError):
         await store.hold_lease("roles", "a", 0)
+
+
+# -- the hold-back after a capacity is written again (docs/reliability.md row 16) ----------------
+
+
+async def test_a_capacity_written_again_holds_new_reservations_back_but_not_put_backs(
+    clocked: tuple[StateStore, SteppedClock],
+) -> None:
+    """The worker's keys go (here: deleted; a Redis restarted empty alike) under a live
+    reservation; the capacity written again by a store object that wrote it before holds new
+    reservations back for the agreed round plus its margin (4 + 2 s), while the live one's
+    put-back lands. Refused as no room (`Reserved(False)`), so the request waits."""
+    store, clock = clocked
+    store.advertise_renewal(4.0)
+    await store.check_marker(60.0)
+    await store.set_capacity("d", 100)
+    assert await store.reserve("d", "live", 40, LONG)  # a first write holds nothing back
+    await store.unregister_worker("d")
+    await store.set_capacity("d", 100)
+    assert await store.reserve("d", "new", 10, LONG) == Reserved(False)
+    assert await store.renew_many("d", {"live": 40}, LONG) == ["live"]
+    assert await store.reserve("d", "live", 40, LONG)  # held already: a renewal, not new room
+    assert not await store.resize("d", "live", 50)  # growth is new room too
+    assert await store.resize("d", "live", 50, force=True)  # unless the tokens are there
+    clock.advance(5.9)
+    assert not await store.reserve("d", "new", 10, LONG)
+    clock.advance(0.2)
+    assert await store.reserve("d", "new", 10, LONG)
+    assert await _usage(store, "d") == DecodeUsage(100, 60, 2)
+
+
+async def test_a_capacity_the_store_still_has_holds_nothing_back(
+    clocked: tuple[StateStore, SteppedClock],
+) -> None:
+    """Another replica starting, or a capacity changed: no loss, no hold-back."""
+    store, _ = clocked
+    store.advertise_renewal(4.0)
+    await store.check_marker(60.0)
+    await store.set_capacity("d", 100)
+    await store.set_capacity("d", 120)
+    assert await store.reserve("d", "a", 120, LONG)
+
+
+async def test_after_a_loss_the_hold_back_is_the_slowest_replicas_round(
+    redis_client: aioredis.Redis | RedisCluster, prefix: str
+) -> None:
+    """Issue 31: two replicas on different lease settings, A renewing every 9 s at most, B
+    every 2 s. Redis restarts empty; B finds it first and writes the capacity back: it holds
+    new reservations back for A's round (9 + 4.5 s), which it read from the store before the
+    loss, not for its own (2 + 1 s). A second loss before A has published again holds as
+    long: B published what it remembered when it found the marker missing."""
+    clock = SteppedClock()
+    a = RedisStore(redis_client, Keys(prefix), clock=clock)
+    b = RedisStore(redis_client, Keys(prefix), clock=clock)
+    a.advertise_renewal(9.0)
+    b.advertise_renewal(2.0)
+    for replica in (a, b, b):
+        await replica.check_marker(60.0)
+    for replica in (a, b):
+        await replica.set_capacity("d", 100)
+    assert await a.reserve("d", "a-stream", 40, LONG)
+    for _ in range(2):
+        await _delete_prefix(redis_client, prefix)  # restarted empty
+        assert await b.check_marker(60.0)
+        await b.set_capacity("d", 100)
+        assert not await b.reserve("d", "b-new", 60, LONG)
+        clock.advance(13.4)
+        assert not await b.reserve("d", "b-new", 60, LONG)
+        assert await a.renew_many("d", {"a-stream": 40}, LONG) == ["a-stream"]
+        clock.advance(0.2)
+        assert not await b.reserve("d", "b-new", 61, LONG)  # A's 40 are back: 60 free
+        assert await b.reserve("d", "b-new", 60, LONG)
+        assert await _usage(b, "d") == DecodeUsage(100, 100, 2)
+        assert await b.release("d", "b-new") == 60
+        assert await b.check_marker(60.0) is False  # B's next check: A has not published again

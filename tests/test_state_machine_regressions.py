@@ -9,8 +9,8 @@ import contextlib
 from typing import Any
 
 import aiohttp
-import pytest
 import redis.asyncio as aioredis
+import redis.exceptions
 
 from disagg_tools.sim.textgen import expected_answer
 from disagg_tools.sim.worker import WorkerConfig, running_worker
@@ -86,53 +86,21 @@ async def _post(s: aiohttp.ClientSession, url: str, body: dict[str, object]) -> 
         return r.status, await r.read()
 
 
-# Not strict: whether a run shows the excess depends on which lands first after the reset, A's
-# put-back or B's new reservations, and that order follows the replicas' refresh and renewal
-# timings (a busy replica alone on its workers now reads the store at most once a second,
-# issue 24): the clean-clone CI saw both outcomes. The bug stands until the store holds new
-# reservations back after a reset (docs/reliability.md row 16).
-@pytest.mark.xfail(
-    strict=False,
-    reason="after a store reset, a replica that restored the capacities admits new "
-    "reservations into the room of another replica's live ones before that replica's renewal "
-    "puts them back (router/leases.py renew_all, state renew_many: over capacity by design): "
-    "reserved exceeds capacity until those streams end; a fix needs the store to hold new "
-    "reservations back for a renewal period after a reset "
-    "(state/ and router/workers/store_loss.py)",
-)
+# Row 16 (issue 31), fixed: after a store reset the capacity written back holds new reservations
+# back on the worker for the slowest replica's renewal round, agreed in the store
+# (state/holdback.py), so every live reservation's put-back lands before new room is given out.
 async def test_after_a_redis_restart_put_backs_and_new_reservations_stay_within_capacity() -> None:
     """Found by the state machine (`r0: 503 blocks reserved > capacity 400`): replica A holds a
     long stream when Redis restarts empty; replica B sees the reset first, restores the
-    capacities and fills the worker; A's renewal puts its stream's reservation back on top."""
+    capacities and would fill the worker; A's renewal puts its stream's reservation back on top.
+    The replicas run different lease settings (issue 31): A renews every 3 s (a round at most
+    4 s apart), B every second; B must hold back for A's round, which it only knows from the
+    store. B's requests wait out the hold-back in admission and are all answered."""
     with PrivateRedis() as server:
         async with contextlib.AsyncExitStack() as stack:
-            cfgs = [("prefill", "p0", 4096), ("decode", "d0", CAP)]
-            workers = []
-            for role, wid, blocks in cfgs:
-                cfg = WorkerConfig(
-                    role=role,
-                    worker_id=wid,
-                    model=MODEL,
-                    kv_blocks=blocks,
-                    time_scale=5.0,
-                    kv_lease_s=150.0,
-                )
-                url = await stack.enter_async_context(running_worker(cfg))
-                entry: dict[str, Any] = {"id": wid, "url": url, "role": role, "adapter": "sim"}
-                if role == "decode":
-                    entry["kv_blocks"] = blocks
-                workers.append(entry)
-            base = {
-                "model": MODEL,
-                "perf": {"model": MODEL, "gpu": "h100"},
-                "redis_url": server.url,
-                "workers": workers,
-                "estimator": "max_tokens",  # no growth: every excess is a put-back's
-                "state_refresh_s": 0.05,
-                "health_interval_s": 0.5,
-                "admission": {"max_wait_s": 5.0},
-            }
-            # A notices the reset only by its renewal tick (every 3 s), B within 0.1 s.
+            workers = await _workers(stack, [("prefill", "p0", 4096), ("decode", "d0", CAP)])
+            base = _settings(server.url, workers)
+            # A notices the reset only by its renewal tick or its busy refresher, B within 0.1 s.
             a_url, a_app = await stack.enter_async_context(
                 running_router(
                     settings_from_mapping(
@@ -149,32 +117,143 @@ async def test_after_a_redis_restart_put_backs_and_new_reservations_stay_within_
             )
             session = await stack.enter_async_context(aiohttp.ClientSession())
             held = asyncio.create_task(_post(session, a_url, _long(0, 600)))
-            for _ in range(300):
-                if a_app[GATEWAY].leases.live:
-                    break
-                await asyncio.sleep(0.01)
-            assert a_app[GATEWAY].leases.live  # A's stream holds ~40 of the 100 blocks
-            # A's renewals take a second from here (a busy replica, a slow link): its put-back
-            # lands after B's new reservations, as it did in the state machine's run.
-            store = a_app[GATEWAY].store
-            real_renew = store.renew_many
-
-            async def slow_renew(*args: Any, **kwargs: Any) -> list[str]:
-                await asyncio.sleep(1.0)
-                return list(await real_renew(*args, **kwargs))
-
-            store.renew_many = slow_renew
+            await _until(lambda: bool(a_app[GATEWAY].leases.live))  # ~40 of the 100 blocks
+            # A's renewals after the restart land 1.5 s after it at the earliest (a busy
+            # replica, a slow link): later than B's new reservations, as in the state machine's
+            # run, and within A's round, which the hold-back must cover.
+            restarted_at = _gate_renewals(a_app, delay_s=1.5)
             server.kill()
             server.start()  # empty
+            restarted_at.append(asyncio.get_running_loop().time())
             crowd = [asyncio.create_task(_post(session, b_url, _long(i, 450))) for i in (1, 2, 3)]
             client = aioredis.Redis.from_url(server.url)
             stack.push_async_callback(client.aclose)
-            worst = 0
-            for _ in range(200):  # 4 s: past A's renewal tick
-                worst = max(worst, int(await client.get(KEYS.decode_sum("d0")) or 0))
-                await asyncio.sleep(0.02)
-            await asyncio.gather(held, *crowd)
+            worst = await _worst_reserved(client, KEYS.decode_sum("d0"), [held, *crowd])
+            answers = await asyncio.gather(held, *crowd)
             assert worst <= CAP, f"{worst} blocks reserved on a worker of {CAP}"
+            assert [status for status, _ in answers] == [200] * 4, [r[:200] for _, r in answers]
+
+
+async def test_a_worker_deleted_and_registered_again_under_live_streams_stays_within_capacity() -> (
+    None
+):
+    """Row 16's other race, on the memory store (one router): a dynamic decode worker with a
+    live stream is deleted and registered again; the capacity written back holds new
+    reservations back until the stream's renewal has put its reservation back, so the requests
+    sent meanwhile wait instead of over-committing the worker."""
+    async with contextlib.AsyncExitStack() as stack:
+        workers = await _workers(stack, [("prefill", "p0", 4096), ("decode", "d0", 4096)])
+        r0 = (await _workers(stack, [("decode", "r0", CAP)]))[0]
+        settings = {**_settings("", workers), "admin_token": TOKEN}
+        settings.pop("redis_url")
+        url, app = await stack.enter_async_context(
+            running_router(
+                settings_from_mapping(
+                    {**settings, "registry_refresh_s": 0.1, "reservation_lease_s": 3.0}
+                )
+            )
+        )
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+        gw = app[GATEWAY]
+        async with session.post(url + "/admin/workers", json=r0, headers=AUTH) as r:
+            assert r.status == 201, await r.text()
+        async with session.post(url + "/admin/workers/d0/drain", headers=AUTH) as r:
+            assert r.status == 200, await r.text()  # placement has r0 alone
+        await _until(lambda: gw.pools.members.workers["r0"].available)
+        held = asyncio.create_task(_post(session, url, _long(0, 600)))
+        await _until(lambda: "r0" in gw.leases.live.values())
+        registered_at = _gate_renewals(app, delay_s=1.0)
+        force = {"force": True}  # the last decode worker in rotation: the guard rail asks
+        async with session.delete(url + "/admin/workers/r0", json=force, headers=AUTH) as r:
+            assert r.status == 200, await r.text()
+        async with session.post(url + "/admin/workers", json=r0, headers=AUTH) as r:
+            assert r.status == 201, await r.text()
+        registered_at.append(asyncio.get_running_loop().time())
+        await _until(
+            lambda: "r0" in gw.pools.members.workers and gw.pools.members.workers["r0"].available
+        )
+        crowd = [asyncio.create_task(_post(session, url, _long(i, 450))) for i in (1, 2, 3)]
+        worst = 0
+        while not all(t.done() for t in [held, *crowd]):
+            usage = (await gw.store.decode_usage(["r0"]))["r0"]
+            worst = max(worst, usage.reserved_blocks)
+            await asyncio.sleep(0.02)
+        answers = await asyncio.gather(held, *crowd)
+        assert worst <= CAP, f"{worst} blocks reserved on a worker of {CAP}"
+        assert [status for status, _ in answers] == [200] * 4, [r[:200] for _, r in answers]
+
+
+async def _workers(
+    stack: contextlib.AsyncExitStack, cfgs: list[tuple[str, str, int]]
+) -> list[dict[str, Any]]:
+    workers = []
+    for role, wid, blocks in cfgs:
+        cfg = WorkerConfig(
+            role=role,
+            worker_id=wid,
+            model=MODEL,
+            kv_blocks=blocks,
+            # Streams of a few seconds: each still runs when the put-back lands.
+            time_scale=2.0,
+            kv_lease_s=150.0,
+        )
+        url = await stack.enter_async_context(running_worker(cfg))
+        entry: dict[str, Any] = {"id": wid, "url": url, "role": role, "adapter": "sim"}
+        if role == "decode":
+            entry["kv_blocks"] = blocks
+        workers.append(entry)
+    return workers
+
+
+def _settings(redis_url: str, workers: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "perf": {"model": MODEL, "gpu": "h100"},
+        "redis_url": redis_url,
+        "workers": workers,
+        "estimator": "max_tokens",  # no growth: every excess is a put-back's
+        "state_refresh_s": 0.05,
+        "health_interval_s": 0.5,
+        # Long enough to wait out the hold-back and the streams before them: the hold-back
+        # is "no room now", never an error.
+        "admission": {"max_wait_s": 60.0},
+    }
+
+
+def _gate_renewals(app: Any, delay_s: float) -> list[float]:
+    """From when the returned list gets a loop time, the router's lease renewals reach the
+    store `delay_s` after it at the earliest: its put-backs come after the other requests."""
+    store = app[GATEWAY].store
+    real_renew = store.renew_many
+    since: list[float] = []
+
+    async def gated_renew(*args: Any, **kwargs: Any) -> list[str]:
+        if since:
+            await asyncio.sleep(max(0.0, since[0] + delay_s - asyncio.get_running_loop().time()))
+        return list(await real_renew(*args, **kwargs))
+
+    store.renew_many = gated_renew
+    return since
+
+
+async def _until(condition: Any, attempts: int = 1000) -> None:
+    for _ in range(attempts):  # up to ~10 s, generous under load
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    assert condition()
+
+
+async def _worst_reserved(
+    client: aioredis.Redis, sum_key: str, tasks: list[asyncio.Task[Any]]
+) -> int:
+    """The most blocks the store showed reserved while `tasks` ran (read every 20 ms)."""
+    worst = 0
+    while not all(t.done() for t in tasks):
+        with contextlib.suppress(redis.exceptions.ConnectionError):
+            worst = max(worst, int(await client.get(sum_key) or 0))
+        await asyncio.sleep(0.02)
+    return worst
 
 
 CAP = 100
