@@ -141,6 +141,10 @@ class RequestInfo:
     # blocks are counted in (the largest of the decode workers': an upper bound).
     n: int = 1
     block_size: int = 16
+    # Whose request it is: a named tenant's answers teach its own estimator classes first
+    # (policies/estimators.py `class_keys_for`). "" or `default` (no tenants configured): the
+    # shared classes, as before tenants existed.
+    tenant: str = ""
 
     @property
     def reserve_choice_tokens(self) -> int:

@@ -5,7 +5,12 @@ router reserves against an upper quantile and corrects online (docs/design.md §
 replica learns from every completion through histograms in the state store:
 
     class_keys(request) ──> store.output_histograms(keys) ──> estimate(request, histograms)
-    request done ──> store.record_output(class_keys(request), bucket_of(true length))
+    estimate time ──> record_keys_of(estimator, request, histograms)   (kept with the request)
+    request done  ──> store.record_output(record keys, bucket_of(true length))
+
+A named tenant is estimated on its own classes, the shared ones only a prior no single tenant
+can pull down (`OnlineQuantileEstimator`), and feeds the shared classes only up to its share of
+them (policies/tenant_classes.py, issue 31): one tenant's answers move only its own estimates.
 
 Histograms count completions per bucket; a bucket is named by its upper bound, so the store keeps
 ints and a quantile read from it never under-states the samples (a reservation errs on the safe
@@ -21,6 +26,19 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from policies.base import OutputEstimate, OutputHistograms, OutputLengthEstimator, RequestInfo
+from policies.tenant_classes import (
+    DEFAULT_MAX_PRIOR_SHARE,
+    DEFAULT_MIN_SAMPLES,
+    DEFAULT_PRIOR_TENANTS,
+    SHARED_TENANTS,
+    histogram_total,
+    is_own_class,
+    own_classes,
+    own_prefix,
+    record_keys_for,
+    record_keys_of,
+    record_rule,
+)
 
 __all__ = [
     "BUCKET_BOUNDS",
@@ -28,6 +46,8 @@ __all__ = [
     "histogram_quantiles",
     "asked_bucket",
     "class_keys_for",
+    "own_classes",
+    "record_keys_of",
     "MaxTokensEstimator",
     "HintEstimator",
     "OnlineQuantileEstimator",
@@ -109,6 +129,13 @@ def class_keys_for(
     answers shift). Within one asked bucket the model matters, and the prompt length does for
     most workloads (summaries are short, chat answers are not); a client's hint, bucketed,
     separates requests the client knows to be long from the rest.
+
+    A named tenant's request (`request.tenant` not in SHARED_TENANTS) has its own copy of each
+    class first (`t=<tenant>|<class>`, narrowest first), then the shared classes: its own
+    answers are what it is estimated on, the shared ones only a prior while its own are cold
+    (`OnlineQuantileEstimator`). One tenant's answers that stop early then lower no other
+    tenant's reservations (issue 31: 25 answers of 4 tokens under max_tokens 2,000 sized
+    another tenant's n = 16 x 2,000 on ~4 tokens a choice).
     """
     asked = f"a={asked_bucket(request.max_tokens)}"
     model = f"m={request.model}|{asked}"
@@ -117,8 +144,13 @@ def class_keys_for(
     widest = f"*|{asked}"
     if use_hint and request.hint_output_tokens is not None:
         hinted = f"{by_prompt}|h={bucket_of(request.hint_output_tokens)}"
-        return (hinted, by_prompt, model, widest)
-    return (by_prompt, model, widest)
+        shared: tuple[str, ...] = (hinted, by_prompt, model, widest)
+    else:
+        shared = (by_prompt, model, widest)
+    if request.tenant in SHARED_TENANTS:
+        return shared
+    prefix = own_prefix(request.tenant)
+    return tuple(prefix + k for k in shared) + shared
 
 
 def _cold(request: RequestInfo, source: str = "max_tokens") -> OutputEstimate:
@@ -177,6 +209,13 @@ class HintEstimator:
         plain = self.fallback.class_keys(replace(request, hint_output_tokens=None))
         return keys + tuple(k for k in plain if k not in keys)
 
+    def record_keys(self, request: RequestInfo, histograms: OutputHistograms) -> tuple[str, ...]:
+        # The fallback's bounds: the shared classes it reads as a prior are the ones bounded.
+        min_samples, share = record_rule(self.fallback)
+        return record_keys_for(
+            request.tenant, self.class_keys(request), histograms, min_samples, share
+        )
+
     def estimate(self, request: RequestInfo, histograms: OutputHistograms) -> OutputEstimate:
         hint = request.hint_output_tokens
         if hint is None or hint <= 0:
@@ -204,6 +243,17 @@ class OnlineQuantileEstimator:
     narrow class is more specific but slower to warm up; falling back to wider classes keeps the
     estimate learned rather than max_tokens as soon as the model has any history. Cold
     everywhere, it reserves max_tokens: a new deployment over-reserves rather than over-commits.
+
+    A named tenant is estimated on its own classes first. Cold in all of them, it may use a
+    shared class as a prior, once that holds `prior_tenants` x `min_samples` answers (more than
+    one tenant can have fed it: `record_keys_for`), and at a raised quantile that no single
+    tenant can pull down: with one tenant holding a share f <= s of the class (s = the bound
+    in force, `prior_quantile`), the class's (q + s(1 - q))-quantile is at least the
+    q-quantile of the other tenants' answers — every sample below that point is either the
+    tenant's (f) or one of the others' below their q-quantile (< q of 1 - f), and
+    f + (1 - f) q <= s + (1 - s) q. So the prior costs a cold tenant a little more room
+    (the 0.95 rather than the 0.9 quantile, by default) and no tenant's short answers size
+    another's reservation.
     """
 
     name = "online_quantile"
@@ -211,9 +261,11 @@ class OnlineQuantileEstimator:
     def __init__(
         self,
         quantile: float = 0.9,
-        min_samples: int = 20,
+        min_samples: int = DEFAULT_MIN_SAMPLES,
         prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
         use_hint: bool = True,
+        prior_tenants: float = DEFAULT_PRIOR_TENANTS,
+        max_prior_share: float = DEFAULT_MAX_PRIOR_SHARE,
     ) -> None:
         if not 0.0 < quantile < 1.0:
             raise ValueError(f"quantile must be within (0, 1), got {quantile}")
@@ -222,14 +274,38 @@ class OnlineQuantileEstimator:
         buckets = tuple(int(b) for b in prompt_buckets)
         if any(b <= 0 for b in buckets) or list(buckets) != sorted(set(buckets)):
             raise ValueError(f"prompt_buckets must be positive and increasing, got {buckets}")
+        if not prior_tenants >= 1:
+            raise ValueError(f"prior_tenants must be >= 1, got {prior_tenants}")
+        if not 0.0 < max_prior_share <= 1.0:
+            raise ValueError(f"max_prior_share must be within (0, 1], got {max_prior_share}")
         self.quantile = quantile
         self.min_samples = min_samples
         self.prompt_buckets = buckets
         self.use_hint = use_hint
+        self.prior_tenants = float(prior_tenants)
+        self.max_prior_share = float(max_prior_share)
         self._asked = tuple(sorted({*_REPORTED_QUANTILES, quantile}))
 
     def class_keys(self, request: RequestInfo) -> tuple[str, ...]:
         return class_keys_for(request, self.prompt_buckets, self.use_hint)
+
+    def record_keys(self, request: RequestInfo, histograms: OutputHistograms) -> tuple[str, ...]:
+        return record_keys_for(
+            request.tenant,
+            self.class_keys(request),
+            histograms,
+            self.min_samples,
+            self.max_prior_share,
+        )
+
+    def prior_quantile(self, prior_total: int) -> float:
+        """The quantile a cold tenant reserves of a shared class of `prior_total` answers.
+
+        One tenant holds at most s = max(max_prior_share, min_samples / total) of it
+        (`record_keys_for`); the (q + s(1 - q))-quantile is then at least the others'
+        q-quantile (class docstring)."""
+        share = min(1.0, max(self.max_prior_share, self.min_samples / max(1, prior_total)))
+        return self.quantile + share * (1.0 - self.quantile)
 
     def estimate(self, request: RequestInfo, histograms: OutputHistograms) -> OutputEstimate:
         keys = self.class_keys(request)
@@ -237,26 +313,44 @@ class OnlineQuantileEstimator:
         if not self.use_hint or request.hint_output_tokens is None or request.hint_trusted:
             return found
         # A hint is advisory: its class may hold more room than the plain classes, not less.
-        plain = self._from_classes(request, keys[1:], histograms)
+        plain_keys = self.class_keys(replace(request, hint_output_tokens=None))
+        plain = self._from_classes(request, plain_keys, histograms)
         return plain if plain.reserve_tokens > found.reserve_tokens else found
 
     def _from_classes(
         self, request: RequestInfo, keys: Sequence[str], histograms: OutputHistograms
     ) -> OutputEstimate:
-        cap = max(1, request.max_tokens)
+        named = request.tenant not in SHARED_TENANTS
+        # A named tenant's own classes first; the shared ones are its prior (below).
+        priors = [k for k in keys if not is_own_class(k)] if named else []
         for key in keys:
+            if named and not is_own_class(key):
+                continue
             histogram = histograms.get(key)
             if not histogram:
                 continue
             total, qs = histogram_quantiles(histogram, self._asked)
-            if total < self.min_samples:
+            if total >= self.min_samples:
+                return self._capped(request, self.quantile, qs, f"class {key}")
+        for key in priors:
+            histogram = histograms.get(key)
+            if not histogram or histogram_total(histogram) < self.prior_tenants * self.min_samples:
                 continue
-            # No answer is longer than max_tokens, whatever the class's history says.
-            capped = {q: max(1, min(cap, v)) for q, v in qs.items()}
-            return OutputEstimate(
-                reserve_tokens=capped[self.quantile], quantiles=capped, source=f"class {key}"
+            q = self.prior_quantile(histogram_total(histogram))
+            _, qs = histogram_quantiles(histogram, (*self._asked, q))
+            return self._capped(
+                request, q, qs, f"prior class {key} at q={q:.3f} (tenant {request.tenant} cold)"
             )
         return _cold(request, source="max_tokens (no class has enough samples)")
+
+    @staticmethod
+    def _capped(
+        request: RequestInfo, q: float, qs: Mapping[float, int], source: str
+    ) -> OutputEstimate:
+        # No answer is longer than max_tokens, whatever the class's history says.
+        cap = max(1, request.max_tokens)
+        capped = {p: max(1, min(cap, v)) for p, v in qs.items()}
+        return OutputEstimate(reserve_tokens=capped[q], quantiles=capped, source=source)
 
     def bucket_of(self, output_tokens: int) -> int:
         return bucket_of(output_tokens)
@@ -264,7 +358,8 @@ class OnlineQuantileEstimator:
     def __repr__(self) -> str:
         return (
             f"OnlineQuantileEstimator(quantile={self.quantile}, min_samples={self.min_samples}, "
-            f"prompt_buckets={self.prompt_buckets}, use_hint={self.use_hint})"
+            f"prompt_buckets={self.prompt_buckets}, use_hint={self.use_hint}, "
+            f"prior_tenants={self.prior_tenants}, max_prior_share={self.max_prior_share})"
         )
 
 

@@ -8,7 +8,9 @@ router and the cluster simulator run the same code:
 - `LiveOverruns`: a live request that has outgrown its reservation is a *censored* sample of its
   class — its answer is at least as long as what it has written. `with_live(histograms)` counts
   each such request at its length so far, so a class whose live requests overrun raises its
-  quantile at once (and again at each growth), before any of them completes.
+  quantile at once (and again at each growth), before any of them completes. A named tenant's
+  overruns count in its own classes only (policies/tenant_classes.py `own_classes`): the shared
+  classes are a prior every tenant reads, and one tenant's live requests must not move it.
 - `OverrunMargin`: room admission keeps back on a decode worker for the growth it has seen
   there. When a reservation had to be grown past capacity (forced growth), the excess over
   capacity is how much the live sequences outgrew what admission counted on; holding that much
@@ -27,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from policies.base import DecodeView
+from policies.tenant_classes import own_classes
 
 __all__ = ["LiveOverruns", "OverrunMargin"]
 
@@ -56,14 +59,15 @@ class LiveOverruns:
 
     def overran(self, key: str, classes: Sequence[str], tokens: int) -> None:
         """Request `key` (one attempt) of `classes` has written `tokens` (one choice's), past
-        its reservation. Called again as it grows; only a new bucket changes anything."""
+        its reservation. Called again as it grows; only a new bucket changes anything.
+        Of a named tenant's classes, only its own count it (`own_classes`)."""
         bucket = self._bucket_of(tokens)
         old = self._live.get(key)
         if old is not None:
             if old.bucket >= bucket:
                 return
             self._count(old, -1)
-        entry = _Live(tuple(classes), bucket)
+        entry = _Live(own_classes(classes), bucket)
         self._live[key] = entry
         self._count(entry, 1)
         self.version += 1

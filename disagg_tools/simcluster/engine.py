@@ -58,6 +58,7 @@ from policies.base import (
     Tenant,
     blocks_for,
 )
+from policies.tenant_classes import record_keys_of
 
 __all__ = ["TraceLike", "simulate"]
 
@@ -252,6 +253,8 @@ class _Engine:
             slo_ttft_s=self.slo_ttft_s,
             slo_itl_s=None,
             hint_output_tokens=job.out if self.send_hints else None,
+            # A named tenant's answers teach its own classes (issue 31), as in the router.
+            tenant=job.tenant,
         )
         job.info = info
         if self.roles is not None:
@@ -291,6 +294,9 @@ class _Engine:
             completed = {k: hist.get(k, {}) for k in keys}
             assert self.feedback is not None
             estimate = est.estimate(info, self.feedback.histograms(completed))
+            # Where its answer will count, decided on the counts it was estimated on, as the
+            # router does (router/request/reserve.py `estimated`).
+            job.record = record_keys_of(est, info, completed, keys)
         else:
             # No reservation, no output awareness: the policy's room check covers the prompt.
             estimate = OutputEstimate(reserve_tokens=1 if not self.cfg.reserve else info.max_tokens)
@@ -547,7 +553,7 @@ class _Engine:
         est = self.estimator
         if est is not None and job.info is not None:
             bucket = est.bucket_of(job.out)
-            for key in est.class_keys(job.info):
+            for key in job.record:
                 h = self.hist.setdefault(key, {})
                 h[bucket] = h.get(bucket, 0) + 1
             self.n_learned += 1

@@ -52,7 +52,7 @@ class Job:
         "deadline", "queued", "queued_at", "admitted_at", "done",
         "p", "d", "res", "alloc", "ctx0", "gen", "s0", "phase", "over", "ver",
         "first_t", "last_t", "max_gap", "preemptions", "refusals", "kv_bytes", "exp_end",
-        "local", "tenant", "waiting", "charge", "placed", "cap",
+        "local", "tenant", "waiting", "charge", "placed", "cap", "record",
     )  # fmt: skip
 
     def __init__(self, idx: int, arrival: float, prompt: int, out: int, hashes: tuple[int, ...]):
@@ -63,6 +63,9 @@ class Job:
         self.cap = out  # the client's max_tokens (set by the engine from the request or config)
         self.hashes = hashes
         self.info: RequestInfo | None = None
+        # The classes its answer is recorded in, decided at its estimate (policies/
+        # tenant_classes.py `record_keys_of`: a tenant feeds the shared ones up to its share).
+        self.record: tuple[str, ...] = ()
         self.est_tokens = out
         self.est_ver = -1
         self.deadline = 0.0

@@ -32,6 +32,7 @@ from policies.base import (
 )
 from policies.fairness import admission_charge, estimate_cost
 from policies.overruns import LiveOverruns, OverrunMargin
+from policies.tenant_classes import own_classes, record_keys_of
 from router.admission import Admission, QueueFull
 from router.config import Settings
 from router.errors import NoCapacity, NotInRotation
@@ -68,6 +69,7 @@ class Seat:
         "quota",
         "_keyed",
         "_keys",
+        "_record",
     )
 
     def __init__(self, ticket: int, tenant: TenantSpec) -> None:
@@ -77,9 +79,11 @@ class Seat:
         self.charge: Charge | None = None
         self.reserved_at = 0.0
         self.quota: QuotaHold | None = None  # its share of the tenant's quota, settled at the end
-        # The estimator's classes of the request as last estimated (`class_keys`).
+        # The estimator's classes of the request as estimated (`keyed`), and those of them its
+        # answer counts in (`class_keys`), decided from the statistics read for the estimate.
         self._keyed: RequestInfo | None = None
         self._keys: tuple[str, ...] = ()
+        self._record: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         return f"Seat(ticket={self.ticket}, tenant={self.tenant.name}, admitted={self.admitted})"
@@ -93,17 +97,26 @@ class Seat:
         return asked if self.tenant.implicit else max(self.tenant.priority, asked)
 
     def class_keys(self, estimator: OutputLengthEstimator, info: RequestInfo) -> tuple[str, ...]:
-        """The estimator's classes of `info`, computed once per estimate (`keyed`): the
-        estimate, the reservation's overrun classes and the release's record use the same
-        keys, not three computations of them (~1.7 us each)."""
-        if info is not self._keyed:
-            self._keyed, self._keys = info, tuple(estimator.class_keys(info))
-        return self._keys
+        """The classes `info`'s answer counts in: its reservation's live overruns and the
+        release's record (router/request/lifecycle.py `settle`). Kept from its estimate
+        (`keyed`), not computed again (~1.7 us each). Without a named tenant, every class of
+        the request; a named tenant's own classes, and the shared ones it may still feed
+        (policies/tenant_classes.py `record_keys_for`). For a request not estimated here (or a
+        resumed try's other classes): the tenant's own classes only — never feed the shared
+        classes without the counts that bound it."""
+        if info is self._keyed:
+            return self._record
+        keys = tuple(estimator.class_keys(info))
+        return self._record if keys == self._keys else own_classes(keys)
 
-    def keyed(self, info: RequestInfo, keys: tuple[str, ...]) -> None:
-        """`info`'s classes are `keys`: those of the request it is the estimate of (a class
-        names the request — model, prompt, cap, hint — never the estimate made for it)."""
-        self._keyed, self._keys = info, keys
+    def keyed(self, info: RequestInfo, keys: tuple[str, ...], record: tuple[str, ...]) -> None:
+        """`info`'s classes are `keys` and its answer counts in `record`: those of the request
+        it is the estimate of (a class names the request — model, prompt, cap, hint, tenant —
+        never the estimate made for it). A resumed try asks for the rest of the answer under
+        other classes: the first estimate's stand, the whole answer is recorded there."""
+        if self._keys and keys != self._keys:
+            return
+        self._keyed, self._keys, self._record = info, keys, record
 
 
 @dataclass(slots=True)
@@ -155,6 +168,9 @@ class Reserver:
             hint_trusted=self.settings.trust_hints,
             n=call.parsed.n,
             block_size=block_size,
+            # A named tenant is estimated on its own answers first (issue 31); `default` (no
+            # tenants configured) on the shared classes, as before.
+            tenant=seat.tenant.name,
         )
         return await self.estimated(info, seat)
 
@@ -162,18 +178,17 @@ class Reserver:
         """`info` with the estimator's estimate from the statistics as they are now: the completed
         answers (shared by every replica) and this replica's live requests that outgrew their
         reservations (policies/overruns.py), so a class that overruns reserves more at once.
-        With the request's `seat`, its classes are kept there for the reservation and the
-        release."""
+        A named tenant's own classes and the shared ones are read in the one call (a pipeline).
+        With the request's `seat`, the classes its answer counts in are kept there for the
+        reservation and the release, decided on the completed answers read here (a tenant
+        feeds a shared class only up to its share: policies/tenant_classes.py)."""
         estimator = self.estimator
-        keys = (
-            seat.class_keys(estimator, info)
-            if seat is not None
-            else tuple(estimator.class_keys(info))
-        )
-        histograms = self.overruns.with_live(await self.histograms.get(keys))
+        keys = tuple(estimator.class_keys(info))
+        completed = await self.histograms.get(keys)
+        histograms = self.overruns.with_live(completed)
         estimated = replace(info, estimate=estimator.estimate(info, histograms))
         if seat is not None:
-            seat.keyed(estimated, keys)
+            seat.keyed(estimated, keys, record_keys_of(estimator, info, completed, keys))
         return estimated
 
     async def admit_and_reserve(
