@@ -28,7 +28,12 @@ from router.metrics import RouterMetrics
 from router.workers.discovery import LoadSnapshot
 from router.workers.kv_events import KvEventSubscriber
 from router.workers.kv_index import STORE_SLICE, KvIndex
-from router.workers.kv_limits import MAX_BATCH_BLOCKS, MAX_BATCH_BYTES, capacity_bound
+from router.workers.kv_limits import (
+    MAX_BATCH_BLOCKS,
+    MAX_BATCH_BYTES,
+    WIRE_MAX_FACTOR,
+    capacity_bound,
+)
 from router.workers.kv_wire import BatchRefused, WireError, decode_batch, decode_batch_steps
 from router.workers.worker_spec import KvEventsSpec, parse_worker
 from router.workers.worker_state import WorkerState
@@ -290,10 +295,20 @@ async def test_a_flood_of_bogus_blocks_keeps_the_index_bounded(redis_prefix: str
             30.0,
         )
         assert counter("kv_events_refused", reason="batch_bytes") == 1
-        # The subscriber lives on: an honest batch after the flood is indexed exactly.
-        await publish(batch(stored(7, 5)))
-        await until(lambda: _true(len(sub.index) == 5), "the honest batch indexed")
+        # Larger than ZeroMQ is told to take: the connection dropped before it is buffered.
+        await publish(b"\x00" * (WIRE_MAX_FACTOR * MAX_BATCH_BYTES + 1))
+        # The subscriber lives on (reconnected): an honest batch after it is indexed exactly
+        # (published until one gets through: the PUB drops what it sends while disconnected).
+        honest = batch(stored(7, 5))
+
+        async def indexed() -> bool:
+            await publish(honest)
+            return len(sub.index) == 5
+
+        await until(indexed, "the honest batch indexed after the flood")
+        assert hub.subscribers["w0"] is sub
         assert sub.index.router_hashes == frozenset(block_hashes(stored(7, 5)["token_ids"], BS))
+        assert counter("kv_events_refused", reason="batch_bytes") == 1  # that one never arrived
         watcher.cancel()
         assert 0 < largest <= 2000
 

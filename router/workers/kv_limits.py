@@ -28,10 +28,14 @@ from router.workers.worker_state import WorkerState
 
 __all__ = [
     "BULK_DECODE_BYTES",
+    "FREE_SLICE",
     "MAX_BATCH_BLOCKS",
     "MAX_BATCH_BYTES",
     "MAX_INDEX_BLOCKS",
     "REMOVE_SLICE",
+    "REPLAY_MAX_BYTES",
+    "SUB_QUEUE",
+    "WIRE_MAX_FACTOR",
     "LoopTurns",
     "Refusals",
     "capacity_bound",
@@ -50,7 +54,15 @@ MAX_INDEX_BLOCKS = 4_000_000  # the ceiling when a worker's capacity is not know
 BULK_DECODE_BYTES = 64 * 2**10  # up to here msgpack's one call (<= ~1 ms); larger: in steps
 TURN_S = 0.002  # while a batch is applied, the loop gets a turn at least this often
 REMOVE_SLICE = 4096  # removals between two turns
+FREE_SLICE = 100_000  # list elements freed between two turns (~1 ms)
 REFUSAL_LOG_S = 60.0
+# What ZeroMQ may hold for a subscriber before a batch is read: SUB_QUEUE messages (an engine
+# publishes one a step: ~0.5 s of them; past it the PUB drops and a replay fills the gap), none
+# over WIRE_MAX_FACTOR x MAX_BATCH_BYTES (larger: the connection is dropped, by ZeroMQ, before
+# it is buffered). A replay brings at most REPLAY_MAX_BYTES (vLLM keeps 10,000 batches).
+SUB_QUEUE = 64
+WIRE_MAX_FACTOR = 2
+REPLAY_MAX_BYTES = 64 * 2**20
 
 
 def capacity_bound(
@@ -76,17 +88,16 @@ def capacity_bound(
 
 
 class LoopTurns:
-    """A batch's share of the loop: `turn` yields to the loop once the batch has held it for
-    `TURN_S` since its `begin` or its last turn (a `sleep(0)` lets every ready callback run:
-    the other streams' writes, the other workers' events)."""
+    """The events' share of the loop: `turn` yields to the loop once they have held it for
+    `TURN_S` since their last turn (a `sleep(0)` lets every ready callback run: the other
+    streams' writes, the other workers' events). One deadline across batches: batches that
+    are already queued come without a yield in between (an awaited ZeroMQ receive that is
+    ready returns at once), so many small ones count as one large one."""
 
     __slots__ = ("_until",)
 
     def __init__(self) -> None:
         self._until = 0.0
-
-    def begin(self) -> None:
-        self._until = time.perf_counter() + TURN_S
 
     async def turn(self) -> None:
         if time.perf_counter() >= self._until:
