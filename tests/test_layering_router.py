@@ -28,6 +28,7 @@ FLOW = (
     "assemble",  # a whole answer from a stream's events (pure)
     "responses_api",  # the Responses API's shapes on this path (pure)
     "quota",  # the request's share of its tenant's quota, taken before it may wait
+    "fit",  # whether any decode worker could ever hold the request (a 400 if none)
     "reserve",  # estimate, place, queue, reserve
     "legs",  # prefill, KV handoff, decode: the answer bound to its relay
     "respond",  # the answer to the client

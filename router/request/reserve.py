@@ -40,6 +40,7 @@ from router.histograms import HistogramCache
 from router.leases import LeaseKeeper
 from router.metrics import RouterMetrics
 from router.request.attempt import Ask, Attempt, Call, loop_time
+from router.request.fit import never_fits
 from router.request.holdings import Book, Reservation, StrandedEntry
 from router.request.pairing import Pairing
 from router.request.quota import QuotaHold
@@ -233,6 +234,10 @@ class Reserver:
                 call.started + adm.settings.max_wait_s, call.started + self.settings.timeouts.ttft_s
             ),
         )
+        # One no decode worker could hold even empty, however short its answers: the client's
+        # to change, at once (a 400, router/request/fit.py), not a 429 to retry in vain.
+        if (too_large := never_fits(call.parsed, info, self.members.decode_workers)) is not None:
+            raise too_large
         overruns_seen = self.overruns.version
         baton = 0  # what is left of the wake-up this request woke with (router/admission.py)
         while True:
