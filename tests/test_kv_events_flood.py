@@ -210,6 +210,31 @@ async def test_a_large_batch_lets_the_loop_run_while_it_is_applied() -> None:
     assert len(seen_mid - {0, n}) >= 1  # the index seen half-applied by another coroutine
 
 
+async def test_queued_small_batches_let_the_loop_run_too() -> None:
+    """Batches already queued on the socket come one after another without a yield: one
+    turn deadline across them, so many small batches count as one large one."""
+    ctx = zmq.asyncio.Context()
+    sub = KvEventSubscriber("w", KvEventsSpec("tcp://127.0.0.1:1"), ctx, RouterMetrics())
+    payloads = [batch(stored(2**50 + 100 * i, 20)) for i in range(400)]  # ~30 ms of work
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    before = ticks
+    for seq, payload in enumerate(payloads):
+        await sub.on_message([b"", seq.to_bytes(8, "big"), payload])
+    task.cancel()
+    ctx.term()
+    assert len(sub.index) == 400 * 20
+    assert ticks - before >= 2
+
+
 # --- live: a flood on a real socket, a real router ---------------------------------------------
 
 
