@@ -35,9 +35,7 @@ from policies.tenant_classes import (
     is_own_class,
     own_classes,
     own_prefix,
-    record_keys_for,
     record_keys_of,
-    record_rule,
 )
 
 __all__ = [
@@ -209,13 +207,6 @@ class HintEstimator:
         plain = self.fallback.class_keys(replace(request, hint_output_tokens=None))
         return keys + tuple(k for k in plain if k not in keys)
 
-    def record_keys(self, request: RequestInfo, histograms: OutputHistograms) -> tuple[str, ...]:
-        # The fallback's bounds: the shared classes it reads as a prior are the ones bounded.
-        min_samples, share = record_rule(self.fallback)
-        return record_keys_for(
-            request.tenant, self.class_keys(request), histograms, min_samples, share
-        )
-
     def estimate(self, request: RequestInfo, histograms: OutputHistograms) -> OutputEstimate:
         hint = request.hint_output_tokens
         if hint is None or hint <= 0:
@@ -288,15 +279,6 @@ class OnlineQuantileEstimator:
 
     def class_keys(self, request: RequestInfo) -> tuple[str, ...]:
         return class_keys_for(request, self.prompt_buckets, self.use_hint)
-
-    def record_keys(self, request: RequestInfo, histograms: OutputHistograms) -> tuple[str, ...]:
-        return record_keys_for(
-            request.tenant,
-            self.class_keys(request),
-            histograms,
-            self.min_samples,
-            self.max_prior_share,
-        )
 
     def prior_quantile(self, prior_total: int) -> float:
         """The quantile a cold tenant reserves of a shared class of `prior_total` answers.

@@ -79,7 +79,7 @@ def histogram_total(histogram: Mapping[int, int] | None) -> int:
     """Answers counted in a histogram (a store may hand counts back as strings)."""
     if not histogram:
         return 0
-    return sum(n for v in histogram.values() if (n := int(v)) > 0)
+    return sum(map(int, histogram.values()))
 
 
 def record_keys_for(
@@ -113,13 +113,13 @@ def record_keys_for(
         return tuple(keys)
     prefix = own_prefix(tenant)
     own = [k for k in keys if k.startswith(prefix)]
-    owned = set(own)
     out = list(own)
     for key in keys:
-        if is_own_class(key) or prefix + key not in owned:
+        if is_own_class(key) or prefix + key not in own:
             continue  # another tenant's class, or a shared class with no own match: never fed
-        bound = max(min_samples, max_prior_share * histogram_total(histograms.get(key)))
-        if histogram_total(histograms.get(prefix + key)) < bound:
+        have = histogram_total(histograms.get(prefix + key))
+        # below max(min_samples, share x the class), the shared class's count read only if needed
+        if have < min_samples or have < max_prior_share * histogram_total(histograms.get(key)):
             out.append(key)
     return tuple(out)
 
@@ -130,23 +130,27 @@ def record_keys_of(
     histograms: OutputHistograms,
     keys: Sequence[str] | None = None,
 ) -> tuple[str, ...]:
-    """The classes `request`'s answer is to be counted in, by `estimator`'s rule (its
-    `record_keys`) or, for an estimator without one, `record_keys_for` on its classes with the
-    default bounds. `histograms`: the completed answers of its classes, as read to estimate it;
-    `keys`: its classes where the caller has them (a request of no tenant records into all of
-    them, as before tenants, without computing them again). The router and the simulator both
-    call this at estimate time and record there at the end."""
-    if keys is not None and request.tenant in SHARED_TENANTS:
+    """The classes `request`'s answer is to be counted in: `record_keys_for` on its classes
+    (`keys` where the caller has them, else the estimator's), with the estimator's bounds
+    (`record_rule`). `histograms`: the completed answers of its classes, as read to estimate
+    it. The router and the simulator both call this at estimate time and record there at the
+    end of the request."""
+    if keys is None:
+        keys = tuple(estimator.class_keys(request))
+    if request.tenant in SHARED_TENANTS:
         return tuple(keys)
-    own_rule = getattr(estimator, "record_keys", None)
-    if callable(own_rule):
-        return tuple(own_rule(request, histograms))
-    return record_keys_for(request.tenant, tuple(estimator.class_keys(request)), histograms)
+    min_samples, share = record_rule(estimator)
+    return record_keys_for(request.tenant, keys, histograms, min_samples, share)
 
 
 def record_rule(estimator: object) -> tuple[int, float]:
-    """An estimator's (min_samples, max_prior_share), the defaults where it has none."""
+    """An estimator's (min_samples, max_prior_share): its own, else those of the estimator it
+    falls back on (`HintEstimator`: the one whose classes a tenant's estimate reads), else the
+    defaults."""
+    source = estimator
+    while not hasattr(source, "min_samples") and hasattr(source, "fallback"):
+        source = source.fallback
     return (
-        int(getattr(estimator, "min_samples", DEFAULT_MIN_SAMPLES)),
-        float(getattr(estimator, "max_prior_share", DEFAULT_MAX_PRIOR_SHARE)),
+        int(getattr(source, "min_samples", DEFAULT_MIN_SAMPLES)),
+        float(getattr(source, "max_prior_share", DEFAULT_MAX_PRIOR_SHARE)),
     )

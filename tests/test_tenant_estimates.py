@@ -33,10 +33,12 @@ from policies.estimators import (
     histogram_quantiles,
 )
 from policies.overruns import LiveOverruns
+from policies.registry import PolicyLoadError, load_estimator
 from policies.tenant_classes import (
     SHARED_TENANTS,
     record_keys_for,
     record_keys_of,
+    record_rule,
 )
 from policies.two_sided import TwoSidedPolicy
 from router.tenants import DEFAULT_TENANT
@@ -222,8 +224,22 @@ def test_a_hinted_request_of_a_tenant_keeps_the_advisory_rule() -> None:
     got = _estimate(est, store, hinted)
     assert got.reserve_tokens == bucket_of(900), got
     assert _estimate(est, store, replace(hinted, hint_trusted=True)).reserve_tokens == 10
-    wrapped = HintEstimator(fallback=est)
-    assert record_keys_of(wrapped, hinted, {}) == est.record_keys(hinted, {})
+    # The hint estimator feeds the shared classes by its fallback's bounds.
+    bounded = OnlineQuantileEstimator(min_samples=5, max_prior_share=0.5)
+    assert record_rule(HintEstimator(fallback=bounded)) == (5, 0.5)
+    assert record_rule(HintEstimator()) == (MIN, 0.25)  # max_tokens: the defaults
+
+
+def test_the_bounds_are_the_estimators_settings() -> None:
+    """`estimator_args` in the router's configuration (and the simulator's estimator) set them;
+    a bound that would not bound is refused at load."""
+    est = load_estimator("online_quantile", {"prior_tenants": 3, "max_prior_share": 0.5})
+    assert isinstance(est, OnlineQuantileEstimator)
+    assert (est.prior_tenants, est.max_prior_share) == (3.0, 0.5)
+    assert record_rule(est) == (MIN, 0.5)
+    for bad in ({"prior_tenants": 0.5}, {"max_prior_share": 0}, {"max_prior_share": 1.5}):
+        with pytest.raises(PolicyLoadError):
+            load_estimator("online_quantile", bad)
 
 
 # -- the simulator runs the same rule ------------------------------------------------------------
@@ -231,7 +247,7 @@ def test_a_hinted_request_of_a_tenant_keeps_the_advisory_rule() -> None:
 
 class _Recording:
     """The online estimator, noting each estimate by tenant (the simulator calls it as the
-    router does, and records where `record_keys_of` says)."""
+    router does, and records where `record_keys_of` says, with this one's defaults)."""
 
     def __init__(self) -> None:
         self.inner = OnlineQuantileEstimator(quantile=0.9, min_samples=MIN)
@@ -240,9 +256,6 @@ class _Recording:
 
     def class_keys(self, request: RequestInfo) -> tuple[str, ...]:
         return self.inner.class_keys(request)
-
-    def record_keys(self, request: RequestInfo, histograms: OutputHistograms) -> tuple[str, ...]:
-        return self.inner.record_keys(request, histograms)
 
     def estimate(self, request: RequestInfo, histograms: OutputHistograms) -> OutputEstimate:
         got = self.inner.estimate(request, histograms)

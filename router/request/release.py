@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from policies.base import OutputLengthEstimator, RequestInfo
+from policies.tenant_classes import own_classes
 from router.metrics import RouterMetrics
 from router.request.attempt import Attempt, Call
 from router.request.holdings import Book, Record
@@ -53,9 +54,11 @@ class Releaser:
         tenant: str = "",
     ) -> Record | None:
         """The answer's length, observed (metrics, also by `tenant` where given) and as the
-        estimator's record; None when the request produced no answer. `classes`: the
-        estimator's classes of `info` when the caller has them (router/request/reserve.py
-        `Seat.class_keys`)."""
+        estimator's record; None when the request produced no answer. `classes`: the classes
+        its answer counts in, decided at its estimate (router/request/reserve.py
+        `Seat.class_keys`: a named tenant feeds the shared classes only up to its share,
+        policies/tenant_classes.py). Without them, a named tenant's own classes only: the
+        shared ones are never fed without the counts that bound a tenant's share."""
         metrics = self.metrics
         if output_tokens is None or info is None:
             return None
@@ -71,5 +74,5 @@ class Releaser:
         # The estimator learns the length of one choice (what it estimates): an n-choice
         # answer's tokens are shared by its n choices.
         per_choice = -(-output_tokens // max(1, call.parsed.n))
-        keys = list(self.estimator.class_keys(info) if classes is None else classes)
+        keys = list(own_classes(self.estimator.class_keys(info)) if classes is None else classes)
         return keys, self.estimator.bucket_of(per_choice)
