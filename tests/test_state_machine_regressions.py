@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import redis.asyncio as aioredis
 import redis.exceptions
+from redis.asyncio.cluster import RedisCluster
 
 from disagg_tools.sim.textgen import expected_answer
 from disagg_tools.sim.worker import WorkerConfig, running_worker
@@ -18,8 +21,11 @@ from router.app import GATEWAY
 from router.config import settings_from_mapping
 from state import Keys
 from tests.conftest import MODEL, running_router, sim_cluster
+from tests.redis_cluster import PrivateRedisCluster, redis_cluster
 from tests.redis_server import PrivateRedis
 from tests.test_faults import set_faults, sse_text
+
+__all__ = ["redis_cluster"]  # the session fixture, imported so the cluster test finds it
 
 CHAT = "/v1/chat/completions"
 TOKEN = "sm-regression-token"
@@ -97,41 +103,78 @@ async def test_after_a_redis_restart_put_backs_and_new_reservations_stay_within_
     4 s apart), B every second; B must hold back for A's round, which it only knows from the
     store. B's requests wait out the hold-back in admission and are all answered."""
     with PrivateRedis() as server:
-        async with contextlib.AsyncExitStack() as stack:
-            workers = await _workers(stack, [("prefill", "p0", 4096), ("decode", "d0", CAP)])
-            base = _settings(server.url, workers)
-            # A notices the reset only by its renewal tick or its busy refresher, B within 0.1 s.
-            a_url, a_app = await stack.enter_async_context(
-                running_router(
-                    settings_from_mapping(
-                        {**base, "registry_refresh_s": 30.0, "reservation_lease_s": 9.0}
-                    )
-                )
-            )
-            b_url, _ = await stack.enter_async_context(
-                running_router(
-                    settings_from_mapping(
-                        {**base, "registry_refresh_s": 0.1, "reservation_lease_s": 3.0}
-                    )
-                )
-            )
-            session = await stack.enter_async_context(aiohttp.ClientSession())
-            held = asyncio.create_task(_post(session, a_url, _long(0, 600)))
-            await _until(lambda: bool(a_app[GATEWAY].leases.live))  # ~40 of the 100 blocks
-            # A's renewals after the restart land 1.5 s after it at the earliest (a busy
-            # replica, a slow link): later than B's new reservations, as in the state machine's
-            # run, and within A's round, which the hold-back must cover.
-            restarted_at = _gate_renewals(a_app, delay_s=1.5)
+        client = aioredis.Redis.from_url(server.url)
+
+        def restart() -> Awaitable[None]:
             server.kill()
             server.start()  # empty
-            restarted_at.append(asyncio.get_running_loop().time())
-            crowd = [asyncio.create_task(_post(session, b_url, _long(i, 450))) for i in (1, 2, 3)]
-            client = aioredis.Redis.from_url(server.url)
-            stack.push_async_callback(client.aclose)
-            worst = await _worst_reserved(client, KEYS.decode_sum("d0"), [held, *crowd])
-            answers = await asyncio.gather(held, *crowd)
-            assert worst <= CAP, f"{worst} blocks reserved on a worker of {CAP}"
-            assert [status for status, _ in answers] == [200] * 4, [r[:200] for _, r in answers]
+            return asyncio.sleep(0)
+
+        try:
+            await _two_replicas_through_a_reset({"redis_url": server.url}, restart, client, KEYS)
+        finally:
+            await client.aclose()
+
+
+async def test_after_a_redis_cluster_lost_its_data_put_backs_and_new_reservations_fit(
+    redis_cluster: PrivateRedisCluster,
+) -> None:
+    """Row 16 on Redis Cluster: the cluster loses every key of the deployment (each shard
+    restarted empty alike); the hold-back and what it is agreed on are keys of the workers' and
+    the registry's own hash tags, so they work there as on one server."""
+    prefix = f"test:{uuid.uuid4().hex[:12]}:"
+    host, port = redis_cluster.seed
+    client = RedisCluster(host=host, port=port)
+
+    async def lose_everything() -> None:
+        await _delete_prefix(client, prefix)
+
+    settings = {"redis_url": redis_cluster.url, "key_prefix": prefix}
+    try:
+        await _two_replicas_through_a_reset(settings, lose_everything, client, Keys(prefix))
+    finally:
+        await _delete_prefix(client, prefix)
+        await client.aclose()
+
+
+async def _two_replicas_through_a_reset(
+    store_settings: dict[str, Any],
+    reset: Callable[[], Awaitable[None]],
+    client: aioredis.Redis | RedisCluster,
+    keys: Keys,
+) -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        workers = await _workers(stack, [("prefill", "p0", 4096), ("decode", "d0", CAP)])
+        base = {**_settings("", workers), **store_settings}
+        # A notices the reset only by its renewal tick or its busy refresher, B within 0.1 s.
+        a_url, a_app = await stack.enter_async_context(
+            running_router(
+                settings_from_mapping(
+                    {**base, "registry_refresh_s": 30.0, "reservation_lease_s": 9.0}
+                )
+            )
+        )
+        b_url, _ = await stack.enter_async_context(
+            running_router(
+                settings_from_mapping(
+                    {**base, "registry_refresh_s": 0.1, "reservation_lease_s": 3.0}
+                )
+            )
+        )
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+        held = asyncio.create_task(_post(session, a_url, _long(0, 600)))
+        await _until(lambda: bool(a_app[GATEWAY].leases.live))  # ~40 of the 100 blocks
+        # A's renewals after the reset land 1.5 s after it at the earliest (a busy replica, a
+        # slow link): later than B's new reservations, as in the state machine's run, and
+        # within A's round, which the hold-back must cover.
+        reset_at = _gate_renewals(a_app, delay_s=1.5)
+        await reset()
+        reset_at.append(asyncio.get_running_loop().time())
+        crowd = [asyncio.create_task(_post(session, b_url, _long(i, 450))) for i in (1, 2, 3)]
+        worst = await _worst_reserved(client, keys.decode_sum("d0"), [held, *crowd])
+        answers = await asyncio.gather(held, *crowd)
+        assert worst <= CAP, f"{worst} blocks reserved on a worker of {CAP}"
+        assert [status for status, _ in answers] == [200] * 4, [r[:200] for _, r in answers]
 
 
 async def test_a_worker_deleted_and_registered_again_under_live_streams_stays_within_capacity() -> (
@@ -244,8 +287,15 @@ async def _until(condition: Any, attempts: int = 1000) -> None:
     assert condition()
 
 
+async def _delete_prefix(client: RedisCluster, prefix: str) -> None:
+    # SCAN visits every primary; DEL is split by slot.
+    keys = [key async for key in client.scan_iter(match=f"{prefix}*", count=1000)]
+    if keys:
+        await client.delete(*keys)
+
+
 async def _worst_reserved(
-    client: aioredis.Redis, sum_key: str, tasks: list[asyncio.Task[Any]]
+    client: aioredis.Redis | RedisCluster, sum_key: str, tasks: list[asyncio.Task[Any]]
 ) -> int:
     """The most blocks the store showed reserved while `tasks` ran (read every 20 ms)."""
     worst = 0
