@@ -19,6 +19,8 @@
     rotation         who is in rotation per pool, and why a worker is not
     prefixes         prompt prefix hashes for cache affinity
     kv_events        each worker's KV-event stream into its index (gaps, replays, restarts)
+    kv_batches       one batch into an index, within the limits, sharing the loop
+    kv_limits        what a worker's events may cost a replica (bounds, refusals, loop turns)
     kv_index         one worker's prefix cache by the router's block names, from its events
     kv_wire          vLLM's KV-event wire format, decoded
     role_signals     the live signals the role policy reads

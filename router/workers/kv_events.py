@@ -24,17 +24,10 @@ back (compared by digest) is the same publisher, and what followed is applied; a
 new publisher process (restarted between two batches, its counter possibly already past ours),
 and its batches are taken from 0. The SUB's copies of replayed batches are skipped.
 
-A hostile or broken engine (kv-flood, issue 31): what a worker's socket says costs each replica
-memory and loop time, so both are bounded. A batch larger than any engine step (more than
-`max_batch_bytes` on the wire, or more than `max_batch_blocks` blocks: refused before the lists
-are built) is refused; an index that grows past what the worker can hold (its GPU blocks, as
-its /metrics reports or its entry configures, plus its entry's `offload_blocks`, times
-`index_slack`; router/workers/kv_limits.py) is dropped and the rest of its batch refused. Either way
-the index is dropped (what was refused is lost), `kv_events_refused_total{reason}` counts it, and
-a warning is logged at most once a `REFUSAL_LOG_S`. A batch is decoded and applied in steps:
-the loop gets a turn at least every `TURN_S` (decoding element by element, hashing 128 blocks
-at a time, freeing a dropped index's tables a slice at a time), so other streams do not wait
-on a large batch (docs/kv-events.md, disagg_tools/overhead/kv_flood.py).
+A hostile or broken engine (issue 31): what its socket says is bounded in memory and in loop
+time (router/workers/kv_limits.py): the index by what the worker can hold, a batch by what an
+engine step can store, what ZeroMQ queues for us; a batch is applied in steps that give the
+loop a turn every 2 ms (router/workers/kv_batches.py). A refused batch drops the index.
 
 Replicas: every router replica subscribes on its own; the index is not shared through the store.
 An index per replica costs memory (docs/kv-events.md: bytes per block), not store round trips on
@@ -56,34 +49,19 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from router.metrics import RouterMetrics
+from router.workers.kv_batches import BatchApplier
 from router.workers.kv_index import KvIndex
 from router.workers.kv_limits import (
-    BULK_DECODE_BYTES,
-    FREE_SLICE,
     MAX_BATCH_BLOCKS,
     MAX_BATCH_BYTES,
     MAX_INDEX_BLOCKS,
-    REMOVE_SLICE,
     REPLAY_MAX_BYTES,
     SUB_QUEUE,
     WIRE_MAX_FACTOR,
-    LoopTurns,
     Refusals,
     capacity_bound,
 )
-from router.workers.kv_wire import (
-    END_SEQ,
-    AllBlocksCleared,
-    BatchRefused,
-    BlockRemoved,
-    BlockStored,
-    DecodedBatch,
-    WireError,
-    decode_batch,
-    decode_batch_steps,
-    decode_seq,
-    encode_seq,
-)
+from router.workers.kv_wire import END_SEQ, WireError, decode_seq, encode_seq
 from router.workers.membership import Membership
 from router.workers.worker_spec import KvEventsSpec
 
@@ -119,9 +97,16 @@ class KvEventSubscriber:
         # since the worker's reported capacity and block size may come later.
         self._bound = bound or (lambda _bs: max_blocks)
         self._max_batch_bytes = max_batch_bytes
-        self._max_batch_blocks = max_batch_blocks
-        self._turns = LoopTurns()
         self._refusals = Refusals(worker_id, metrics)
+        self._batches = BatchApplier(
+            worker_id,
+            self.index,
+            metrics,
+            self._refusals,
+            self._bound,
+            max_batch_bytes=max_batch_bytes,
+            max_batch_blocks=max_batch_blocks,
+        )
         self.state: State = "connecting"
         self._ctx = ctx
         self._metrics = metrics
@@ -129,7 +114,6 @@ class KvEventSubscriber:
         self._next: int | None = None  # the next sequence number to apply
         self._dup_until = -1  # SUB copies up to here were applied from a replay
         self._last_digest = 0
-        self.batches = 0
 
     def __repr__(self) -> str:
         return f"KvEventSubscriber({self.worker_id}, {self.state}, next={self._next}, {self.index})"
@@ -327,15 +311,6 @@ class KvEventSubscriber:
         socket.setsockopt(zmq.RCVHWM, SUB_QUEUE)
         socket.setsockopt(zmq.MAXMSGSIZE, WIRE_MAX_FACTOR * self._max_batch_bytes)
 
-    async def _decode(self, payload: bytes) -> DecodedBatch:
-        if len(payload) > self._max_batch_bytes:
-            raise BatchRefused(
-                "batch_bytes", f"{len(payload)} bytes, more than {self._max_batch_bytes}"
-            )
-        if len(payload) <= BULK_DECODE_BYTES:
-            return decode_batch(payload, self._max_batch_blocks)
-        return await self._turns.drive(decode_batch_steps(payload, self._max_batch_blocks))
-
     async def _apply(self, seq: int, payload: bytes) -> None:
         self._next = seq + 1
         # To know this publisher again after a reconnection (the replay sends the same bytes);
@@ -345,73 +320,15 @@ class KvEventSubscriber:
             if len(payload) <= self._max_batch_bytes
             else hash((len(payload), payload[:4096], payload[-4096:]))
         )
-        await self._turns.turn()  # at least one a batch: a store of a few blocks has none
-        m, wid = self._metrics, self.worker_id
-        try:
-            batch = await self._decode(payload)
-        except WireError as exc:
-            m.kv_events_malformed.labels(worker=wid).inc()
-            log.warning("worker %s: a KV-event batch that does not decode: %s", wid, exc)
-            self._drop("malformed")  # what it said is lost: the index may be wrong otherwise
-            return await self._release()
-        except BatchRefused as exc:
-            self._refusals.refuse(exc.reason, str(exc))
-            self._drop("refused")  # what it said is lost, as for a malformed batch
-            return await self._release()
-        self.batches += 1
-        m.kv_events_batches.labels(worker=wid).inc()
-        index = self.index
-        for event in batch.events:
-            try:
-                if isinstance(event, BlockStored):
-                    index.max_blocks = self._bound(index.block_size or event.block_size)
-                    await self._turns.drive(
-                        index.store_steps(
-                            event.block_hashes,
-                            event.parent_block_hash,
-                            event.token_ids,
-                            event.block_size,
-                        )
-                    )
-                    if index.overflowed:
-                        self._refusals.refuse(
-                            "capacity", f"more than {index.max_blocks} blocks held"
-                        )
-                        self._drop("overflow")
-                        break  # the rest of a batch that claims more than the worker holds
-                elif isinstance(event, BlockRemoved):
-                    hashes = event.block_hashes
-                    for lo in range(0, len(hashes), REMOVE_SLICE):
-                        index.remove(hashes[lo : lo + REMOVE_SLICE])
-                        await self._turns.turn()
-                elif isinstance(event, AllBlocksCleared):
-                    index.clear()
-                    m.kv_events_index_drops.labels(worker=wid, reason="cleared").inc()
-            except ValueError as exc:
-                m.kv_events_malformed.labels(worker=wid).inc()
-                log.warning("worker %s: a KV event the index refuses: %s", wid, exc)
-        m.kv_events_index_blocks.labels(worker=wid).set(len(index))
-        await self._free(batch)
-        await self._release()
+        dropped = await self._batches.apply(payload)
+        if dropped is not None:
+            self._drop(dropped)
+        await self._batches.release()
 
-    async def _free(self, batch: DecodedBatch) -> None:
-        """Empty a large batch's lists a slice at a time: freed at once when the batch goes,
-        a 300,000-block batch's 4.8 M token ids hold the loop ~60 ms."""
-        for event in batch.events:
-            if isinstance(event, AllBlocksCleared):
-                continue
-            lists = [event.block_hashes]
-            if isinstance(event, BlockStored):
-                lists.append(event.token_ids)
-            for values in lists:
-                while isinstance(values, list) and len(values) > FREE_SLICE:
-                    del values[-FREE_SLICE:]
-                    await self._turns.turn()
-
-    async def _release(self) -> None:
-        """Free a dropped index's tables, a slice between two turns of the loop."""
-        if self.index.retired:
-            await self._turns.drive(self.index.release_steps())
+    @property
+    def batches(self) -> int:
+        """Batches applied."""
+        return self._batches.applied
 
 
 class KvEventHub:
