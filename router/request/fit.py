@@ -1,20 +1,19 @@
 """A request that can never fit on any decode worker: a 400 at once, not a 429 to retry.
 
-The rule (issue 31, item 6b): a request never fits when even the least KV it could hold does
-not fit the largest decode worker serving its model, empty — its prompt, plus each of its `n`
-choices' own copy of the prompt's last partial block and the fewest output tokens that choice
-can produce: 1, or `min_tokens`, or `max_tokens` itself with `ignore_eos` (vLLM's and SGLang's
-extensions: the answer then has exactly that length). Counted per worker in that worker's block
-size, as `RequestInfo.reserve_output_tokens` counts a reservation (policies/base.py).
+The rule (issue 31, item 6b): a request never fits when even the smallest reservation the router
+could ever make for it does not fit the largest decode worker serving its model, empty: its
+prompt, plus each of its `n` choices' own copy of the prompt's last partial block and one output
+token (the estimate at its floor). Counted per worker in that worker's block size, as
+`RequestInfo.reserve_output_tokens` counts a reservation (policies/base.py).
 
-Not the reservation the router would make now (`RequestInfo.reserve_output_tokens`: the
-estimator's upper quantile per choice, or `max_tokens` while it has no history): that one may
-shrink as the estimator learns, and a request whose real answers are short would then fit. A
-request over capacity by its estimate alone is still refused at once, but with the 429 that
-says when to retry (router/request/reserve.py `_never_fits`).
+Not the reservation the router would make now (the estimator's upper quantile per choice, or
+`max_tokens` while it has no history): that one shrinks as the estimator learns (or with a
+trusted `X-Expected-Output-Tokens` hint), and an answer may then outgrow it, counted past
+capacity (docs/policies.md, overruns) — even one forced long by `ignore_eos`. A request over
+capacity by its estimate alone is still refused at once, with the 429 that says when to retry
+(router/request/reserve.py `_never_fits`).
 
-The 400 names what to change: the prompt when one token after it does not fit, `max_tokens`
-(or `min_tokens`) when one choice of that forced length does not, else `n`.
+The 400 names what to change: the prompt when one token after it does not fit, else `n`.
 """
 
 from __future__ import annotations
@@ -31,22 +30,9 @@ __all__ = ["never_fits"]
 _PROMPT_PARAMS = ("messages", "prompt", "input")
 
 
-def _least_output(parsed: ParsedRequest, max_tokens: int) -> tuple[int, str | None]:
-    """The fewest output tokens one choice can produce, and the parameter that forces them
-    (None: nothing does, one token)."""
-    body = parsed.body
-    cap_param = "max_output_tokens" if parsed.path == RESPONSES else "max_tokens"
-    if body.get("ignore_eos") is True:
-        return max(1, max_tokens), cap_param
-    least = body.get("min_tokens")
-    if isinstance(least, int) and not isinstance(least, bool) and least > 1:
-        return min(max_tokens, least), "min_tokens"
-    return 1, None
-
-
-def _blocks(prompt: int, n: int, output: int, block_size: int) -> int:
-    """KV blocks `n` choices of `output` tokens each hold after `prompt` (policies/base.py)."""
-    return blocks_for(prompt + n * output + extra_choice_tokens(prompt, n, block_size), block_size)
+def _blocks(prompt: int, n: int, block_size: int) -> int:
+    """KV blocks `prompt` and `n` choices of one token each hold (policies/base.py)."""
+    return blocks_for(prompt + n + extra_choice_tokens(prompt, n, block_size), block_size)
 
 
 def never_fits(
@@ -61,32 +47,27 @@ def never_fits(
     if not workers or not all(w.layout_known for w in workers):
         return None
     prompt, n = info.prompt_tokens, max(1, info.n)
-    output, forced_by = _least_output(parsed, info.max_tokens)
 
-    def fits(choices: int, each: int) -> bool:
+    def fits(choices: int) -> bool:
         return any(
-            _blocks(prompt, choices, each, w.spec.layout.block_size) <= w.capacity_blocks
-            for w in workers
+            _blocks(prompt, choices, w.spec.layout.block_size) <= w.capacity_blocks for w in workers
         )
 
-    if fits(n, output):
+    if fits(n):
         return None
     largest = max(workers, key=lambda w: w.capacity_blocks * w.spec.layout.block_size)
     size = largest.spec.layout.block_size
-    if not fits(1, 1):
+    if not fits(1):
         param = (
             "messages" if parsed.path == CHAT else "input" if parsed.path == RESPONSES else "prompt"
         )
-        why, need = f"its prompt (about {prompt} tokens) alone", _blocks(prompt, 1, 1, size)
-    elif forced_by is not None and not fits(1, output):
-        param, why = forced_by, f"one choice of {output} output tokens ('{forced_by}')"
-        need = _blocks(prompt, 1, output, size)
+        why, need = f"its prompt (about {prompt} tokens) and one token", _blocks(prompt, 1, size)
     else:
-        param, need = "n", _blocks(prompt, n, output, size)
-        why = f"its {n} choices of at least {output} output token{'s' if output > 1 else ''} each"
+        param, need = "n", _blocks(prompt, n, size)
+        why = f"its prompt and {n} choices, each with its own last prompt block and one token"
     return InvalidRequest(
-        f"This request can never fit on a decode worker: {why} needs at least {need} KV blocks "
-        f"of {size} tokens, and the largest decode worker holds {largest.capacity_blocks} "
+        f"This request can never fit on a decode worker: it needs at least {need} KV blocks of "
+        f"{size} tokens for {why}, and the largest decode worker holds {largest.capacity_blocks} "
         f"blocks even when empty. {'Shorten' if param in _PROMPT_PARAMS else 'Lower'} "
         f"'{param}'.",
         param=param,
