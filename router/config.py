@@ -42,6 +42,7 @@ from router.workers.worker_spec import (
 __all__ = [
     "ConfigError",
     "Timeouts",
+    "PreemptionSettings",
     "RetrySettings",
     "RoleSettings",
     "Settings",
@@ -93,6 +94,35 @@ class RetrySettings:
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ConfigError("retry.max_attempts must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptionSettings:
+    """Preemption with exact resume (router/request/preemption.py): a live stream that must
+    grow where there is no room (its decode worker full, or its tenant at its block limit) is
+    stopped and resumed from the text it has sent, instead of over-committing the worker.
+
+    `max_per_stream`: how many times one request may be preempted (then its growth is forced,
+    as without preemption: counted). `resume_wait_s`: how long a preempted stream's
+    continuation waits for room (the client sees a pause) before its stream ends with an error
+    frame. `release_wait_s`: how long a growth waits for the room of the streams preempted for
+    it to be given back before it is forced. `force_after_tokens`: TESTS ONLY — preempt every
+    stream once when it has relayed this many tokens (0: never), to prove the resume on real
+    engines."""
+
+    enabled: bool = True
+    max_per_stream: int = 2
+    resume_wait_s: float = 60.0
+    release_wait_s: float = 2.0
+    force_after_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_per_stream < 0:
+            raise ConfigError("preemption.max_per_stream must be >= 0")
+        if self.resume_wait_s <= 0 or self.release_wait_s < 0:
+            raise ConfigError("preemption.resume_wait_s must be > 0, release_wait_s >= 0")
+        if self.force_after_tokens < 0:
+            raise ConfigError("preemption.force_after_tokens must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +229,7 @@ class Settings:
     overrun_margin_max_share: float = 0.25
     timeouts: Timeouts = field(default_factory=Timeouts)
     retry: RetrySettings = field(default_factory=RetrySettings)
+    preemption: PreemptionSettings = field(default_factory=PreemptionSettings)
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
     stranded_reap_s: float = 1.0  # how often expired stranded-KV entries are reaped
@@ -387,6 +418,7 @@ def settings_from_mapping(raw: Mapping[str, Any]) -> Settings:
     for key, cls in (
         ("timeouts", Timeouts),
         ("retry", RetrySettings),
+        ("preemption", PreemptionSettings),
         ("admission", AdmissionSettings),
         ("breaker", BreakerSettings),
         ("scaling", ScalingSLO),

@@ -22,6 +22,7 @@ from router.request.holdings import Book
 from router.request.legs import Legs
 from router.request.lifecycle import RequestStages
 from router.request.pairing import Pairing
+from router.request.preemption import Preemptor
 from router.request.quota import QuotaGate
 from router.request.release import Releaser
 from router.request.reserve import Reserver
@@ -85,6 +86,7 @@ class Gateway:
     def _request_stages(self) -> RequestStages:
         """The request path's stages, each given the services it uses and nothing else."""
         members, placement = self.pools.members, self.pools.placement
+        preemptor = Preemptor(self.settings.preemption, self.metrics)
         book = Book(
             self.store,
             self.leases,
@@ -96,6 +98,7 @@ class Gateway:
             self.margin,
             self.admission,
             self.clock,
+            preemptor,
         )
         pairing = Pairing(members, self.adapters)
         reserver = Reserver(
@@ -136,7 +139,7 @@ class Gateway:
             clock=self.clock,
             reserve=reserver,
             legs=legs,
-            answering=Answering(self.metrics, self.settings.timeouts, self.clock),
+            answering=Answering(self.metrics, self.settings.timeouts, self.clock, preemptor),
             resume=Resumer(self.settings, self.session, members),
             release=Releaser(book, self.estimator, self.metrics, self.clock),
             quota=quota,

@@ -145,6 +145,20 @@ class RouterMetrics:
             "estimate and the worker had no free room: the count follows use)",
             registry=r,
         )
+        self.preemptions = Counter(
+            p + "preemptions",
+            "Live streams preempted (their decode stopped, their room given back, the stream "
+            "resumed from the text sent), by why: the decode worker had no room for a growth "
+            "(worker_full), the tenant was at its block limit (tenant_limit), or a test setting "
+            "(forced)",
+            ["reason"],
+            registry=r,
+        )
+        self.preempted_tokens = Counter(
+            p + "preempted_tokens",
+            "Tokens the preempted streams had produced, re-prefilled by their continuation",
+            registry=r,
+        )
         self.retries = Counter(
             p + "retries", "Attempts after the first, by the side that failed", ["side"], registry=r
         )

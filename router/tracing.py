@@ -59,6 +59,10 @@ class RequestTrace:
     def span(self, name: str, **attributes: Any) -> Iterator[None]:
         yield
 
+    def event(self, name: str, **attributes: Any) -> None:
+        """Something that happened to the request (a preemption), on its root span."""
+        return None
+
     def inject(self, headers: dict[str, str], leg: str) -> None:
         return None
 
@@ -112,6 +116,9 @@ class _OtelTrace(RequestTrace):
             raise
         finally:
             self.finish(name)
+
+    def event(self, name: str, **attributes: Any) -> None:
+        self._root.add_event(name, attributes=_scrubbed(attributes))
 
     def inject(self, headers: dict[str, str], leg: str) -> None:
         span = self._open.get(leg, self._root)

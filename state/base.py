@@ -429,9 +429,31 @@ class StateStore(Protocol):
         blocks are limited) a hold of `blocks` under `hold_id` for `lease_s`, expected to end in
         `ends_in_s` — all of them, or nothing and the limit that refused with when to retry."""
 
-    async def settle_quota(self, tenant: str, quota: Quota, hold_id: str, correction: int) -> int:
-        """A request of `tenant` ended: drop its hold (`hold_id`; "" for none) and correct its
-        tokens by `correction` (actual − charged). Returns the blocks the hold had (0: gone)."""
+    async def settle_quota(
+        self,
+        tenant: str,
+        quota: Quota,
+        hold_id: str,
+        correction: int,
+        refund_request: bool = False,
+    ) -> int:
+        """A request of `tenant` ended: drop its hold (`hold_id`; "" for none), correct its
+        tokens by `correction` (actual − charged) and, with `refund_request`, give back the
+        request it took (the cluster refused it). Returns the blocks the hold had (0: gone)."""
+
+    async def resize_quota_hold(
+        self,
+        tenant: str,
+        quota: Quota,
+        hold_id: str,
+        blocks: int,
+        lease_s: float,
+        force: bool = False,
+    ) -> QuotaTaken:
+        """Atomically: the hold `hold_id` of `tenant` becomes `blocks` (its request's
+        reservation grew, or a new try holds another), unless that takes the tenant past
+        `max_reserved_blocks` (not granted, nothing changed; `force` grants it anyway: the
+        blocks are held on the worker). A lost hold is put back. The rules: state/quotas.py."""
 
     async def renew_quota_holds(
         self, tenant: str, holds: Mapping[str, int], lease_s: float

@@ -11,6 +11,7 @@ from state.quotas import (
     Quota,
     QuotaTaken,
     renew_holds_now,
+    resize_hold_now,
     settle_quota_now,
     take_quota_now,
 )
@@ -46,11 +47,34 @@ class MemoryQuotas:
             state, quota, self._clock(), hold_id, tokens, blocks, lease_s, ends_in_s
         )
 
-    async def settle_quota(self, tenant: str, quota: Quota, hold_id: str, correction: int) -> int:
+    async def settle_quota(
+        self,
+        tenant: str,
+        quota: Quota,
+        hold_id: str,
+        correction: int,
+        refund_request: bool = False,
+    ) -> int:
         state = self._quotas.get(check_id("tenant", tenant))
         if state is None:
             return 0
-        return settle_quota_now(state, quota, self._clock(), hold_id, int(correction))
+        now = self._clock()
+        return settle_quota_now(state, quota, now, hold_id, int(correction), refund_request)
+
+    async def resize_quota_hold(
+        self,
+        tenant: str,
+        quota: Quota,
+        hold_id: str,
+        blocks: int,
+        lease_s: float,
+        force: bool = False,
+    ) -> QuotaTaken:
+        check_id("hold_id", hold_id)
+        check_count("blocks", blocks)
+        check_lease(lease_s)
+        state = self._buckets(tenant)
+        return resize_hold_now(state, quota, self._clock(), hold_id, blocks, lease_s, force)
 
     async def renew_quota_holds(
         self, tenant: str, holds: Mapping[str, int], lease_s: float

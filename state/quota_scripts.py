@@ -20,7 +20,12 @@ from __future__ import annotations
 
 from state.redis_scripts import _LUA_CLOCK
 
-__all__ = ["RENEW_QUOTA_SCRIPT", "SETTLE_QUOTA_SCRIPT", "TAKE_QUOTA_SCRIPT"]
+__all__ = [
+    "RENEW_QUOTA_SCRIPT",
+    "RESIZE_HOLD_SCRIPT",
+    "SETTLE_QUOTA_SCRIPT",
+    "TAKE_QUOTA_SCRIPT",
+]
 
 _LUA_QUOTA = (
     _LUA_CLOCK
@@ -137,7 +142,8 @@ return answer(1, '', 0)
 )
 
 # ARGV[1] now  ARGV[2] hold id ('' = none)  ARGV[3] token correction (actual - charged)
-# ARGV[4] requests/minute  ARGV[5] tokens/minute ('' = none) -> blocks the hold had (0: gone)
+# ARGV[4] requests/minute  ARGV[5] tokens/minute ('' = none)  ARGV[6] '1': give the request
+# back (the cluster refused it) -> blocks the hold had (0: gone)
 SETTLE_QUOTA_SCRIPT = (
     _LUA_QUOTA
     + """
@@ -154,16 +160,55 @@ if id ~= '' then
     redis.call('DECRBY', KEYS[4], freed)
   end
 end
-if tpm and correction ~= 0 then
-  -- Both buckets refilled to now (they share `at`), the tokens corrected.
+local refund = ARGV[6] == '1' and rpm ~= nil
+if (tpm and correction ~= 0) or refund then
+  -- Both buckets refilled to now (they share `at`), the tokens corrected, the request given
+  -- back.
   local q = redis.call('HMGET', KEYS[1], 'rq', 'tk', 'at')
   local at = num(q[3]) or now
-  local rq = nil
+  local rq, tk = nil, nil
   if rpm then rq = refill(num(q[1]), rpm, now - at) end
-  local tk = math.min(tpm, refill(num(q[2]), tpm, now - at) - correction)
+  if refund then rq = math.min(rpm, rq + 1) end
+  if tpm then tk = math.min(tpm, refill(num(q[2]), tpm, now - at) - correction) end
   write_buckets(now, rq, tk, rpm, tpm)
 end
 return freed
+"""
+)
+
+# ARGV[1] now  ARGV[2] hold id  ARGV[3] blocks  ARGV[4] lease seconds  ARGV[5] '1': force
+# ARGV[6] max reserved blocks -> {granted 0|1, retry after s, held blocks}
+RESIZE_HOLD_SCRIPT = (
+    _LUA_QUOTA
+    + """
+local now = clock()
+local id, blocks, lease = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local force, maxb = ARGV[5] == '1', tonumber(ARGV[6])
+purge_holds(now)
+local v = redis.call('HGET', KEYS[2], id)
+local old, ends = 0, now + lease
+if v then
+  old = tonumber(string.match(v, '^([^|]+)'))
+  ends = tonumber(string.match(v, '|(.+)$'))
+end
+local held = tonumber(redis.call('GET', KEYS[4]) or '0')
+local others = held - old
+if not force and blocks > old and others > 0 and others + blocks > maxb then
+  local soonest = math.huge
+  local all = redis.call('HGETALL', KEYS[2])
+  for i = 1, #all, 2 do
+    if all[i] ~= id then
+      local e = tonumber(string.match(all[i + 1], '|(.+)$'))
+      if e < soonest then soonest = e end
+    end
+  end
+  return {0, fmt(math.max(0.05, soonest - now, 1.0)), held}
+end
+redis.call('HSET', KEYS[2], id, blocks .. '|' .. score(ends))
+redis.call('ZADD', KEYS[3], score(now + lease), id)
+held = redis.call('INCRBY', KEYS[4], blocks - old)
+keep_holds(lease)
+return {1, fmt(0), held}
 """
 )
 

@@ -43,6 +43,7 @@ __all__ = [
     "QuotaTaken",
     "refill",
     "renew_holds_now",
+    "resize_hold_now",
     "settle_quota_now",
     "take_quota_now",
 ]
@@ -182,19 +183,65 @@ def take_quota_now(
     return _granted(state)
 
 
+def resize_hold_now(
+    state: Buckets,
+    quota: Quota,
+    now: float,
+    hold_id: str,
+    blocks: int,
+    lease_s: float,
+    force: bool = False,
+) -> QuotaTaken:
+    """`resize_quota_hold` on `state`: the hold `hold_id` becomes `blocks` (what its request
+    really holds now: a reservation grown, or a new try's), unless that takes the tenant past
+    `max_reserved_blocks` — then nothing changes and the verdict names the limit. Shrinking is
+    always granted; so is a request alone over the limit (the rule `take_quota` keeps), and
+    `force` (the blocks are held on the worker whatever the count says: an honest count beats a
+    refusal). A hold the store lost is put back at `blocks` under the same rule."""
+    state.purge(now)
+    max_blocks = quota.max_reserved_blocks
+    if max_blocks is None:
+        return _granted(state)
+    held = state.holds.get(hold_id)
+    old = held[0] if held is not None else 0
+    others = state.held_blocks - old
+    if not force and blocks > old and others > 0 and others + blocks > max_blocks:
+        soonest = min(end for hid, (_, _, end) in state.holds.items() if hid != hold_id)
+        return QuotaTaken(
+            False,
+            "max_reserved_blocks",
+            max(MIN_RETRY_AFTER_S, soonest - now, 1.0),
+            held_blocks=state.held_blocks,
+        )
+    end = held[2] if held is not None else now + lease_s
+    state.holds[hold_id] = (blocks, now + lease_s, end)
+    return _granted(state)
+
+
 def settle_quota_now(
-    state: Buckets, quota: Quota, now: float, hold_id: str, correction: int
+    state: Buckets,
+    quota: Quota,
+    now: float,
+    hold_id: str,
+    correction: int,
+    refund_request: bool = False,
 ) -> int:
-    """`settle_quota` on `state`: drop the hold `hold_id` (returns its blocks, 0 when gone) and
-    add `correction` (actual − charged tokens) to the token bucket, refilled to `now` first
-    (with the request bucket: they share `at_s`) and never above its limit."""
+    """`settle_quota` on `state`: drop the hold `hold_id` (returns its blocks, 0 when gone),
+    add `correction` (actual − charged tokens) to the token bucket and, with `refund_request`,
+    give the request back to the request bucket (the cluster refused it: not the tenant's
+    doing). Both buckets are refilled to `now` first (they share `at_s`) and never go above
+    their limits."""
     freed = state.holds.pop(hold_id, (0, 0.0, 0.0))[0] if hold_id else 0
-    tpm = quota.tokens_per_minute
-    if tpm is not None and correction:
-        rpm, elapsed = quota.requests_per_minute, now - state.at_s
+    rpm, tpm = quota.requests_per_minute, quota.tokens_per_minute
+    refund = refund_request and rpm is not None
+    if (tpm is not None and correction) or refund:
+        elapsed = now - state.at_s
         if rpm is not None:
             state.requests = refill(state.requests, rpm, elapsed)
-        state.tokens = min(float(tpm), refill(state.tokens, tpm, elapsed) - correction)
+            if refund:
+                state.requests = min(float(rpm), state.requests + 1.0)
+        if tpm is not None:
+            state.tokens = min(float(tpm), refill(state.tokens, tpm, elapsed) - correction)
         state.at_s = now
     return freed
 

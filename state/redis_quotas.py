@@ -10,7 +10,12 @@ from typing import Any
 from redis.commands.core import AsyncScript
 
 from state.keys import check_count, check_id, check_lease, check_quota_take
-from state.quota_scripts import RENEW_QUOTA_SCRIPT, SETTLE_QUOTA_SCRIPT, TAKE_QUOTA_SCRIPT
+from state.quota_scripts import (
+    RENEW_QUOTA_SCRIPT,
+    RESIZE_HOLD_SCRIPT,
+    SETTLE_QUOTA_SCRIPT,
+    TAKE_QUOTA_SCRIPT,
+)
 from state.quotas import Quota, QuotaTaken
 from state.redis_conn import RedisConnection, store_call, text
 
@@ -33,6 +38,7 @@ class RedisQuotas(RedisConnection):
         self._take_quota = register(TAKE_QUOTA_SCRIPT)
         self._settle_quota = register(SETTLE_QUOTA_SCRIPT)
         self._renew_quota = register(RENEW_QUOTA_SCRIPT)
+        self._resize_hold = register(RESIZE_HOLD_SCRIPT)
 
     @store_call
     async def take_quota(
@@ -69,13 +75,21 @@ class RedisQuotas(RedisConnection):
         )
 
     @store_call
-    async def settle_quota(self, tenant: str, quota: Quota, hold_id: str, correction: int) -> int:
+    async def settle_quota(
+        self,
+        tenant: str,
+        quota: Quota,
+        hold_id: str,
+        correction: int,
+        refund_request: bool = False,
+    ) -> int:
         args: list[str | int] = [
             self._now(),
             hold_id,
             int(correction),
             _limit(quota.requests_per_minute),
             _limit(quota.tokens_per_minute),
+            "1" if refund_request else "0",
         ]
         keys = self._keys.tenant_quota(tenant)
         return int(await self._hot_script(self._settle_quota, keys, args))
@@ -93,3 +107,36 @@ class RedisQuotas(RedisConnection):
             args += [check_id("hold_id", hold_id), int(blocks)]
         keys = self._keys.tenant_quota(tenant)
         return [text(h) for h in await self._hot_script(self._renew_quota, keys, args)]
+
+    @store_call
+    async def resize_quota_hold(
+        self,
+        tenant: str,
+        quota: Quota,
+        hold_id: str,
+        blocks: int,
+        lease_s: float,
+        force: bool = False,
+    ) -> QuotaTaken:
+        check_id("hold_id", hold_id)
+        check_count("blocks", blocks)
+        check_lease(lease_s)
+        if quota.max_reserved_blocks is None:
+            return QuotaTaken(True)
+        args: list[str | int] = [
+            self._now(),
+            hold_id,
+            int(blocks),
+            repr(float(lease_s)),
+            "1" if force else "0",
+            int(quota.max_reserved_blocks),
+        ]
+        keys = self._keys.tenant_quota(tenant)
+        granted, wait, held = await self._hot_script(self._resize_hold, keys, args)
+        ok = bool(int(granted))
+        return QuotaTaken(
+            ok,
+            "" if ok else "max_reserved_blocks",
+            float(text(wait) or 0.0),
+            held_blocks=int(held),
+        )

@@ -127,6 +127,8 @@ async def test_forced_growth_keeps_a_margin_back_on_its_worker(redis_prefix: str
         time_scale=5.0,
         estimator="hint",
         trust_hints=True,
+        # Growth is forced only where nothing may be preempted (issue 31): here, nothing may.
+        preemption={"enabled": False},
     ) as c:
         gw = c.gateway
         async with aiohttp.ClientSession() as s:

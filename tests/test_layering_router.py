@@ -22,11 +22,13 @@ REQUEST = "router.request"
 # The request package in the order its imports may run: what a try is made of, then each stage
 # as a request meets it (reserve → legs → respond → resume → release), then the loop over them.
 FLOW = (
+    "preemption",  # the live streams a growth with no room may stop (the rule: policies/)
     "holdings",  # the reservation's and the stranded KV's owners
     "attempt",  # the request (Call), one try's ask (Ask) and holdings (Attempt), a failed leg
     "pairing",  # how a placed pair serves: pulled KV, concurrent legs, decode alone
     "assemble",  # a whole answer from a stream's events (pure)
     "responses_api",  # the Responses API's shapes on this path (pure)
+    "resumed_usage",  # a resumed stream's usage, said as one answer's (pure)
     "quota",  # the request's share of its tenant's quota, taken before it may wait
     "fit",  # whether any decode worker could ever hold the request (a 400 if none)
     "reserve",  # estimate, place, queue, reserve

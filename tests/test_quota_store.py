@@ -179,3 +179,69 @@ def test_quota_checks_its_limits() -> None:
 
 def test_memory_store_is_the_default() -> None:
     assert isinstance(MemoryStore(), StateStore)
+
+
+async def test_a_hold_follows_its_reservation_within_the_limit(
+    clocked: tuple[StateStore, SteppedClock],
+) -> None:
+    """Issue 31: a hold sized on a poisoned estimate (1 block) followed its reservation's
+    growth nowhere, so 10 streams held 10 blocks of a 100-block limit while reserving 1,320.
+    `resize_quota_hold` makes it what the request really holds, within the limit."""
+    store, clock = clocked
+    quota = Quota(max_reserved_blocks=100)
+    for i in range(10):
+        assert await store.take_quota("qc", quota, f"h{i}", 10, 1, LEASE, 5)
+    grown = await store.resize_quota_hold("qc", quota, "h0", 60, LEASE)
+    assert grown and grown.held_blocks == 69
+    refused = await store.resize_quota_hold("qc", quota, "h1", 60, LEASE)
+    assert not refused and refused.limit == "max_reserved_blocks"
+    assert refused.held_blocks == 69 and refused.retry_after_s >= 1.0
+    # Nothing changed: h1 can still grow to what is left.
+    assert (await store.resize_quota_hold("qc", quota, "h1", 32, LEASE)).held_blocks == 100
+    # Shrinking is always granted; forcing records what the worker holds anyway.
+    assert (await store.resize_quota_hold("qc", quota, "h0", 10, LEASE)).held_blocks == 50
+    forced = await store.resize_quota_hold("qc", quota, "h2", 200, LEASE, force=True)
+    assert forced and forced.held_blocks == 249
+    # A hold's blocks are what settle gives back (the resized size, not the first).
+    assert await store.settle_quota("qc", quota, "h2", 0) == 200
+    assert await store.settle_quota("qc", quota, "h0", 0) == 10
+
+
+async def test_a_request_alone_may_hold_past_the_limit_and_a_lost_hold_is_put_back(
+    clocked: tuple[StateStore, SteppedClock],
+) -> None:
+    store, clock = clocked
+    quota = Quota(max_reserved_blocks=100)
+    assert await store.take_quota("qc", quota, "h0", 10, 1, LEASE, 5)
+    alone = await store.resize_quota_hold("qc", quota, "h0", 150, LEASE)
+    assert alone and alone.held_blocks == 150  # `take_quota`'s rule: nothing else is held
+    clock.advance(LEASE + 1)  # its lease ran out: the store dropped it
+    back = await store.resize_quota_hold("qc", quota, "h0", 40, LEASE)
+    assert back and back.held_blocks == 40
+    assert not await store.take_quota("qc", quota, "h1", 10, 61, LEASE, 5)
+    # Without a block limit there is nothing to hold.
+    assert await store.resize_quota_hold("qc", Quota(requests_per_minute=5), "h9", 10**6, LEASE)
+
+
+async def test_a_request_the_cluster_refused_gives_its_request_back(
+    clocked: tuple[StateStore, SteppedClock],
+) -> None:
+    """Issue 31: five requests refused with 503 (no worker in rotation) cost the tenant 10.5 s
+    of 429s. `refund_request` gives the request back to the bucket, never above its limit."""
+    store, clock = clocked
+    quota = Quota(requests_per_minute=5)
+    for i in range(5):
+        assert await store.take_quota("acme", quota, f"r{i}", 10, 1, LEASE, 5)
+    assert not await store.take_quota("acme", quota, "r5", 10, 1, LEASE, 5)
+    for _ in range(5):
+        await store.settle_quota("acme", quota, "", 0, refund_request=True)
+    for i in range(5, 10):
+        assert await store.take_quota("acme", quota, f"r{i}", 10, 1, LEASE, 5)
+    assert not await store.take_quota("acme", quota, "r10", 10, 1, LEASE, 5)
+    # Refunds never fill the bucket past its limit.
+    clock.advance(120)
+    for _ in range(3):
+        await store.settle_quota("acme", quota, "", 0, refund_request=True)
+    for i in range(11, 16):
+        assert await store.take_quota("acme", quota, f"r{i}", 10, 1, LEASE, 5)
+    assert not await store.take_quota("acme", quota, "r16", 10, 1, LEASE, 5)

@@ -326,6 +326,15 @@ def answer_spec(
     max_model_len = max_model_len or DEFAULT_MAX_MODEL_LEN
     context = prompt_context(path, body)
     prompt_tokens = count_prompt_tokens(path, body)
+    resumed = _int_header(headers, "X-Resumed-Output-Tokens") or 0
+    if path == CHAT_PATH and resumed and body.get("continue_final_message"):
+        # A real engine's tokenizer reads its own answer back as the tokens it wrote: the
+        # continued prompt is the original one plus `resumed` tokens. Counting the partial
+        # answer's characters instead would make a resumed stream's usage drift.
+        messages = body.get("messages")
+        if isinstance(messages, list) and len(messages) > 1:
+            original = _chat_context({"messages": messages[:-1]})
+            prompt_tokens = _text_tokens(original) + resumed
     max_tokens = _optional_positive_int(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _optional_positive_int(body, "max_tokens")

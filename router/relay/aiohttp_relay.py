@@ -18,7 +18,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router.relay.contract import NO_FIRST_EVENT, RelayObserver, RelayResult
+from router.relay.contract import NO_FIRST_EVENT, RelayObserver, RelayResult, Rewrite
 from router.relay.sse_cut import (
     ERROR_EVENT,
     MALFORMED_FIRST_EVENT,
@@ -53,6 +53,7 @@ async def relay_sse(
     clock: Callable[[], float],
     observer: RelayObserver | None = None,
     first_event_by: float | None = None,
+    rewrite: Rewrite | None = None,
 ) -> RelayResult:
     """Forward `upstream`'s SSE body to `client` until it ends, either side fails, or is cancelled.
 
@@ -84,6 +85,8 @@ async def relay_sse(
             if not data:
                 break
             out = cutter.feed(data)
+            if out and rewrite is not None:
+                out = rewrite(out)
             if out:
                 if result.first_token_at is None:
                     result.first_token_at = clock()

@@ -11,7 +11,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
-__all__ = ["NO_FIRST_EVENT", "Relay", "RelayObserver", "RelayResult", "UpstreamResponse"]
+__all__ = [
+    "NO_FIRST_EVENT",
+    "Relay",
+    "RelayObserver",
+    "RelayResult",
+    "Rewrite",
+    "UpstreamResponse",
+]
 
 
 @dataclass(slots=True)
@@ -59,8 +66,11 @@ class UpstreamResponse(Protocol):
 
 R = TypeVar("R", bound=UpstreamResponse)
 
-# relay(upstream, client, *, chat, responses, clock, observer, first_event_by) -> RelayResult
+# relay(upstream, client, *, chat, responses, clock, observer, first_event_by, rewrite)
+#   -> RelayResult
 RelayFunction = Callable[..., Awaitable[RelayResult]]
+# What a relay may do to the whole events it forwards (same bytes back: nothing to do).
+Rewrite = Callable[[bytes], bytes]
 
 
 class Relay(Generic[R]):
@@ -85,9 +95,12 @@ class Relay(Generic[R]):
         clock: Callable[[], float],
         observer: RelayObserver | None,
         first_event_by: float | None,
+        rewrite: Rewrite | None = None,
     ) -> RelayResult:
         """Forward its SSE body to `client` (the client's stream, or a sink that keeps
-        nothing) until it ends, either side fails, or it is cancelled."""
+        nothing) until it ends, either side fails, or it is cancelled. `rewrite`: applied to
+        each piece forwarded (whole events; a resumed stream's usage: router/request/
+        resumed_usage.py), None for none (the common case, which costs nothing)."""
         return await self._relay(
             self.response,
             client,
@@ -96,6 +109,7 @@ class Relay(Generic[R]):
             clock=clock,
             observer=observer,
             first_event_by=first_event_by,
+            rewrite=rewrite,
         )
 
     async def read(self) -> bytes:

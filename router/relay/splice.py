@@ -20,7 +20,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 
 from router.aiohttp_private import prepared_writer
-from router.relay.contract import NO_FIRST_EVENT, RelayObserver, RelayResult
+from router.relay.contract import NO_FIRST_EVENT, RelayObserver, RelayResult, Rewrite
 from router.relay.sse_cut import SseCutter
 from router.relay.upstream_pool import (
     HIGH_WATER,
@@ -46,6 +46,7 @@ class _Splice:
         "observer",
         "drainer",
         "tokens_due",
+        "rewrite",
     )
 
     def __init__(
@@ -56,8 +57,10 @@ class _Splice:
         cutter: SseCutter,
         clock: Callable[[], float],
         observer: RelayObserver | None,
+        rewrite: Rewrite | None = None,
     ) -> None:
         self.conn, self.writer, self.transport = conn, writer, transport
+        self.rewrite = rewrite
         self.result = RelayResult()
         self.cutter, self.clock, self.observer = cutter, clock, observer
         self.drainer: asyncio.Task[None] | None = None
@@ -73,6 +76,8 @@ class _Splice:
         here is paid ~10k times a second at 256 streams (docs/benchmarks-overhead.md)."""
         cutter = self.cutter
         out = cutter.feed(data)
+        if out and self.rewrite is not None:
+            out = self.rewrite(out)  # the same bytes back when it changed nothing
         if out:
             result = self.result
             if result.first_token_at is None:
@@ -138,6 +143,7 @@ async def relay_splice(
     clock: Callable[[], float],
     observer: RelayObserver | None = None,
     first_event_by: float | None = None,
+    rewrite: Rewrite | None = None,
 ) -> RelayResult:
     """`router.relay.aiohttp_relay.relay_sse`'s contract, done from the upstream protocol's
     callbacks.
@@ -153,7 +159,7 @@ async def relay_splice(
     except ConnectionResetError:
         return RelayResult(client_gone=True)
     transport.set_write_buffer_limits(high=HIGH_WATER)
-    splice = _Splice(conn, writer, transport, SseCutter(chat, responses), clock, observer)
+    splice = _Splice(conn, writer, transport, SseCutter(chat, responses), clock, observer, rewrite)
     result = splice.result
     loop = asyncio.get_running_loop()
     deadline = (

@@ -45,6 +45,7 @@ class Call:
     prefixes: tuple[int, ...]
     # Asked for whole, streamed from the decode worker and assembled (router/request/assemble.py).
     assembling: bool
+    tenant: str = ""  # whose request it is (preemption takes a tenant's own streams first)
 
     def __repr__(self) -> str:
         return f"Call({self.request_id}, {self.parsed!r})"

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 from policies.base import blocks_for, extra_choice_tokens
@@ -30,6 +30,7 @@ from router.admission import Admission
 from router.background import BackgroundTasks
 from router.leases import LeaseKeeper
 from router.metrics import RouterMetrics
+from router.request.preemption import Preemptor
 from router.workers.accounting import LocalAccounting
 from router.workers.membership import Membership
 from state.base import StateStore, StrandIntent
@@ -46,6 +47,11 @@ READY_MARK_AFTER_S = 1.0
 
 # The estimator's feedback: (class keys, output-length bucket), recorded with the last release.
 Record = tuple[list[str], int]
+# The tenant's concurrent-blocks hold of the request, made to follow its reservation: (blocks,
+# force) -> granted (router/request/quota.py `QuotaGate.follow`).
+FollowHold = Callable[[int, bool], Awaitable[bool]]
+# How often a growth that preempted other streams looks again for their room.
+_ROOM_POLL_S = 0.02
 
 
 @dataclass(slots=True)
@@ -62,6 +68,7 @@ class Book:
     margin: OverrunMargin
     admission: Admission
     clock: Callable[[], float]
+    preemptor: Preemptor
 
     @contextlib.contextmanager
     def pending(self, decode_id: str, blocks: int) -> Iterator[None]:
@@ -116,6 +123,8 @@ class Reservation:
         "growing",
         "classes",
         "itl_s",
+        "tenant",
+        "follow_hold",
     )
 
     def __init__(
@@ -138,6 +147,10 @@ class Reservation:
         # The estimator's classes of the request: an overrun raises their estimates in flight.
         self.classes = classes
         self.itl_s = itl_s  # the pace placement predicted, for the expected end after a growth
+        # Whose it is, and its tenant's hold to grow with it (set by router/request/lifecycle.py
+        # once the try holds it; None: the tenant's blocks are not limited).
+        self.tenant = ""
+        self.follow_hold: FollowHold | None = None
 
     @classmethod
     def hold(
@@ -170,6 +183,9 @@ class Reservation:
         worker = book.members.workers.get(decode_id)
         if worker is None:  # removed from the pools mid-stream: its release goes by id
             return
+        stream = book.preemptor.live.get(self.reservation_id)
+        if stream is not None and stream.reason is not None:
+            return  # preempted: its room goes back, it does not grow
         if not self.overran:
             self.overran = True
             book.metrics.reservation_overruns.inc()
@@ -190,21 +206,39 @@ class Reservation:
         book.tasks.job(self._grow(new_blocks, grow_at, end), "grow-reservation")
 
     async def _grow(self, blocks: int, grow_at: int, end: float) -> None:
-        """Grow into free room if there is some, else past capacity: the tokens exist on the
-        worker whatever the count says, and a count below use would let placement overfill
-        it. A store failure leaves `grow_at_tokens` where it was, so the next token tries
-        again."""
+        """Grow into free room: first the tenant's hold (its block limit), then the decode
+        worker's. Where either has no room, streams are preempted (router/request/
+        preemption.py) and the growth waits for their room; preempted itself, this one does not
+        grow (it gives its room back and resumes). With no stream to preempt it grows past the
+        limit as before preemption existed: the tokens exist on the worker whatever the count
+        says, and a count below use would let placement overfill it. A store failure leaves
+        `grow_at_tokens` where it was, so the next token tries again."""
         book = self.book
         try:
             decode_id = self.decode_id
             if decode_id is None or blocks <= self.blocks:
                 return
             rid = self.reservation_id
+            follow = self.follow_hold
+            if follow is not None and not await follow(blocks, False):
+                made = await self._make_room(blocks, None, lambda: follow(blocks, False))
+                if made is None:
+                    return  # preempted itself: no growth
+                if not made:
+                    await follow(blocks, True)
+                    book.metrics.reservation_forced_growth.inc()
             grown = await book.store.resize(decode_id, rid, blocks)
             if not grown:
-                grown = await book.store.resize(decode_id, rid, blocks, force=True)
-                if grown:
-                    self._forced(decode_id, blocks)
+                made = await self._make_room(
+                    blocks, decode_id, lambda: book.store.resize(decode_id, rid, blocks)
+                )
+                if made is None:
+                    return
+                grown = made
+                if not grown:
+                    grown = await book.store.resize(decode_id, rid, blocks, force=True)
+                    if grown:
+                        self._forced(decode_id, blocks)
             # The store answered: the next growth waits for the next threshold. Not grown even
             # when forced means the store lost the reservation; the lease keeper puts it back,
             # at this size.
@@ -216,6 +250,34 @@ class Reservation:
                 self.blocks = blocks
         finally:
             self.growing = False
+
+    async def _make_room(
+        self, blocks: int, decode_id: str | None, retry: Callable[[], Awaitable[bool]]
+    ) -> bool | None:
+        """Preempt for a growth to `blocks` that found no room (on `decode_id`, or under the
+        tenant's limit when None), then try again (`retry`) while the victims give their room
+        back. True: grown; False: no victim, or their room did not come back in time (the
+        caller forces); None: this stream itself was preempted."""
+        book = self.book
+        preemptor = book.preemptor
+        reason = "worker_full" if decode_id is not None else "tenant_limit"
+        victims = preemptor.choose(
+            self.reservation_id, self.tenant, blocks - self.blocks, decode_id
+        )
+        if not victims:
+            return False
+        preemptor.preempt(victims, reason)
+        if victims.includes_grower:
+            return None
+        deadline = book.clock() + preemptor.settings.release_wait_s
+        while True:
+            await asyncio.sleep(_ROOM_POLL_S)
+            if self.decode_id is None:
+                return None  # released meanwhile (ended, or preempted after all)
+            if await retry():
+                return True
+            if book.clock() >= deadline:
+                return False
 
     def _forced(self, decode_id: str, blocks: int) -> None:
         book = self.book

@@ -7,6 +7,9 @@
        └─ decode dies mid-stream: resume (router/request/resume.py) — the next try continues the
        stream
           (not a Responses stream: it ends with an error event, router/responses_pd.py)
+       └─ the router preempts the stream (its growth found no room: router/request/
+          preemption.py): release, then the same resume, reserving the whole remaining cap,
+          waiting for room — no retry spent, no worker blamed
 
 The retry/resume loop is `_serve`, written once. Invariants kept here: each attempt's
 reservation and stranded-KV entry are released exactly once, in `finally` under
@@ -24,7 +27,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from policies.base import RequestInfo
+from policies.base import RequestInfo, blocks_for
 from router.admission import Admission
 from router.api import RESPONSES, ParsedRequest
 from router.config import Settings
@@ -42,7 +45,15 @@ from router.request.legs import Legs
 from router.request.quota import QuotaGate
 from router.request.release import Releaser
 from router.request.reserve import Reserver, Seat
-from router.request.respond import Answering, Broken, ClientSide, Progress, Responder, Served
+from router.request.respond import (
+    Answering,
+    Broken,
+    ClientSide,
+    Preempted,
+    Progress,
+    Responder,
+    Served,
+)
 from router.request.responses_api import upstream_body
 from router.request.resume import Resumer
 from router.retry_budget import RetryBudget
@@ -118,6 +129,7 @@ class RequestFlow:
             trace=stages.tracing.request(parsed.path, client.headers, self.request_id),
             prefixes=prefix_hashes(parsed.path, parsed.body),
             assembling=not parsed.stream and assemble and streamable(parsed.body),
+            tenant=tenant.name,
         )
         self.progress = Progress(self.call, stages.answering)
         self.responder = Responder(self.call, client, self.progress)
@@ -183,6 +195,8 @@ class RequestFlow:
             body = upstream_body(body) if responses else stream_upstream(body)
         ask = Ask(body, parsed.prompt_tokens, parsed.max_tokens)
         info: RequestInfo | None = None
+        # Set after a preemption: when the continuation stops waiting for room (flow clock).
+        resume_by: float | None = None
         while True:
             try:
                 if info is None:
@@ -193,10 +207,14 @@ class RequestFlow:
                         predicted.observe(info.reserve_output_tokens)
                         # The tenant's quota, once per request (router/request/quota.py).
                         self.seat.quota = await self.stages.quota.take(self.seat.tenant, info)
-                ended = await self._try(ask, info)
+                ended = await self._try(ask, info, resume_by)
                 if isinstance(ended, Served):
                     return await self._served(ended)
                 await self.release_attempt()
+                if isinstance(ended, Preempted):
+                    ask, info, resume_by = await self._after_preemption(ended)
+                    continue
+                resume_by = None
                 failure = ended.failure if isinstance(ended, Broken) else ended
                 if isinstance(ended, LegFailure) and not failure.retryable:
                     raise failure.error from failure  # the worker's verdict on the request
@@ -215,20 +233,49 @@ class RequestFlow:
                 await responder.write_error(err)
                 return None
 
-    async def _try(self, ask: Ask, info: RequestInfo) -> Served | Broken | LegFailure:
+    async def _after_preemption(self, preempted: Preempted) -> tuple[Ask, RequestInfo, float]:
+        """The try that continues a preempted stream: the text the client has, re-prefilled;
+        its whole remaining cap reserved (its estimate proved short); its tenant's hold made
+        that size first, waiting for the tenant's room; and when it stops waiting for room."""
+        stages, call, progress = self.stages, self.call, self.progress
+        progress.preempted += 1
+        stages.metrics.preempted_tokens.inc(preempted.tokens)
+        call.trace.event("preempted", reason=preempted.reason, tokens=preempted.tokens)
+        settings = stages.settings.preemption
+        # Its room is back on the worker: its hold gives it back to its tenant too, now (the
+        # growth it was preempted for waits for exactly that).
+        await stages.quota.follow(self.seat.quota, 0, True)
+        ask = await stages.resume.ask(call, self.responder.sent)
+        info = await stages.reserve.estimate(call, ask, self.seat, whole_cap=True)
+        blocks = blocks_for(info.prompt_tokens + info.reserve_output_tokens, info.block_size)
+        await stages.quota.wait_to_follow(self.seat.quota, blocks, settings.resume_wait_s)
+        return ask, info, stages.clock() + settings.resume_wait_s
+
+    async def _try(
+        self, ask: Ask, info: RequestInfo, resume_by: float | None = None
+    ) -> Served | Broken | Preempted | LegFailure:
         """One try: a LegFailure when a leg failed before the answer began, Broken when the
-        answer did and broke."""
+        answer did and broke, Preempted when the router stopped it for room (`resume_by`: the
+        continuation of a preempted stream waits for room until then)."""
         stages = self.stages
         self.retries.attempt()
         with self.call.trace.span("admission"):
             avoid = self.retries.tried
-            attempt = await stages.reserve.admit_and_reserve(self.call, info, self.seat, avoid)
+            attempt = await stages.reserve.admit_and_reserve(
+                self.call, info, self.seat, avoid, resume_by
+            )
             self.attempt = attempt
+        # The tenant's hold is what this try really reserves (router/request/quota.py).
+        reservation, hold, quota = attempt.reservation, self.seat.quota, stages.quota
+        reservation.tenant = self.seat.tenant.name
+        if hold is not None and hold.limited:
+            await quota.follow(hold, reservation.blocks, True)
+            reservation.follow_hold = lambda blocks, force: quota.follow(hold, blocks, force)
         try:
             decode = await stages.legs.open(self.call, attempt, ask)
         except LegFailure as failure:
             return failure
-        if ask.resume:
+        if ask.resume and resume_by is None:  # a preemption's continuation is counted there
             stages.metrics.resumes.inc()
         return await self.responder.respond(attempt, decode, ask)
 
@@ -284,7 +331,7 @@ class RequestFlow:
             log.exception("cleanup of %s failed (its lease will expire)", self.request_id)
         hold, self.seat.quota = self.seat.quota, None
         if hold is not None:
-            await self.stages.quota.settle(hold, self._billed_tokens())
+            await self.stages.quota.settle(hold, self._billed_tokens(), self._refused_by_cluster())
 
     def _billed_tokens(self) -> int:
         """What the request cost its tenant's tokens-per-minute: its prompt and its answer, or
@@ -292,6 +339,13 @@ class RequestFlow:
         if self.output_tokens is None and self.progress.first_token_at is None:
             return 0
         return self.call.parsed.prompt_tokens + (self.output_tokens or 0)
+
+    def _refused_by_cluster(self) -> bool:
+        """No token, and the cluster's refusal (a 429 for lack of room, a 5xx: no worker in
+        rotation, workers failing): the tenant's request is given back."""
+        if self.output_tokens is not None or self.progress.first_token_at is not None:
+            return False
+        return self.status == 429 or self.status >= 500
 
     def _count_for_tenant(self) -> None:
         """The request in its tenant's metrics: its tokens when it was answered, its time to

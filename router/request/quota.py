@@ -11,9 +11,17 @@ expected to take. A tenant over a limit gets a 429 naming the limit, with the st
 (when the same request would be let through) and OpenAI's `x-ratelimit-*` headers; other tenants
 never see it. A tenant without limits costs nothing here: no store call.
 
+The hold is honest: it follows what the request really reserves (`follow`), not the estimate it
+was first sized on. Each try's reservation sets it (router/request/lifecycle.py), and a
+reservation that grows grows its hold first (router/request/holdings.py): a growth that would
+take the tenant past its limit is not granted silently — the tenant's own streams are preempted
+for it (router/request/preemption.py), and only when none can be is it forced (counted).
+
 `settle` (once, at the end) drops the hold and corrects the tokens to what the request really
 cost: its prompt and its answer's tokens, or nothing for a request that produced no token (a
-429 for lack of room, a 503, a client gone before the first token are not billed). A settle the
+429 for lack of room, a 503, a client gone before the first token are not billed). A request the
+cluster refused (no token, and a 429 for lack of room or a 5xx) also gets its request back: the
+tenant's requests per minute pay for what it asked, not for the cluster's trouble. A settle the
 store missed (it was down) is not retried: the hold expires with its lease, and only the token
 correction is lost.
 
@@ -24,6 +32,7 @@ blocks counted, and a replica that dies stops renewing: its holds expire.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Callable
@@ -55,7 +64,12 @@ class QuotaHold:
     tenant: TenantSpec
     hold_id: str
     tokens: int
-    blocks: int  # 0: the tenant's blocks are not limited (no hold)
+    blocks: int  # what the hold counts now (0 when not limited: no hold)
+
+    @property
+    def limited(self) -> bool:
+        """The tenant's blocks are limited: the request has a hold in the store."""
+        return self.tenant.limits.max_reserved_blocks is not None
 
 
 def expected_tokens(info: RequestInfo) -> int:
@@ -111,20 +125,62 @@ class QuotaGate:
             self.holds.setdefault(tenant.name, {})[hold_id] = blocks
         return QuotaHold(tenant, hold_id, tokens, blocks)
 
-    async def settle(self, hold: QuotaHold, actual_tokens: int) -> None:
-        """`hold`'s request ended having cost `actual_tokens`. Never raises a StoreError."""
+    async def follow(self, hold: QuotaHold | None, blocks: int, force: bool = False) -> bool:
+        """Make `hold` what its request reserves now (`blocks`); False when that would take the
+        tenant past its block limit (nothing changed), unless `force`. A store failure counts
+        as granted: the hold is then as stale as the reservation the same store could not grow,
+        and the renewal puts it back at its last size."""
+        if hold is None or not hold.limited or blocks == hold.blocks:
+            return True
         tenant = hold.tenant.name
-        if hold.blocks:
+        try:
+            taken = await self.store.resize_quota_hold(
+                tenant, hold.tenant.limits, hold.hold_id, blocks, self.lease_s, force
+            )
+        except StoreError as exc:
+            log.debug("quota hold of %s not resized: %s", tenant, exc)
+            return True
+        if not taken:
+            return False
+        hold.blocks = blocks
+        held = self.holds.get(tenant)
+        if held is not None and hold.hold_id in held:
+            held[hold.hold_id] = blocks
+        return True
+
+    async def wait_to_follow(self, hold: QuotaHold | None, blocks: int, within_s: float) -> None:
+        """`follow` without force, waiting up to `within_s` for the tenant's other holds to
+        make room (a preempted stream's continuation: it waits, its client sees a pause);
+        QuotaExceeded when they did not."""
+        if hold is None:
+            return
+        until = self.clock() + within_s
+        while not await self.follow(hold, blocks):
+            if self.clock() >= until:
+                quota = hold.tenant.limits
+                taken = QuotaTaken(False, "max_reserved_blocks", 1.0)
+                raise _refusal(hold.tenant, quota, taken)
+            await asyncio.sleep(0.05)
+
+    async def settle(
+        self, hold: QuotaHold, actual_tokens: int, refund_request: bool = False
+    ) -> None:
+        """`hold`'s request ended having cost `actual_tokens` (`refund_request`: the cluster
+        refused it, its request is given back). Never raises a StoreError."""
+        tenant = hold.tenant.name
+        if hold.limited:
             held = self.holds.get(tenant, {})
             held.pop(hold.hold_id, None)
             if not held:
                 self.holds.pop(tenant, None)
         correction = actual_tokens - hold.tokens
-        if not hold.blocks and (hold.tenant.limits.tokens_per_minute is None or not correction):
+        limits = hold.tenant.limits
+        refund = refund_request and limits.requests_per_minute is not None
+        if not hold.limited and not refund and (limits.tokens_per_minute is None or not correction):
             return  # nothing the store would change
         try:
             await self.store.settle_quota(
-                tenant, hold.tenant.limits, hold.hold_id if hold.blocks else "", correction
+                tenant, limits, hold.hold_id if hold.limited else "", correction, refund
             )
         except StoreError as exc:
             log.debug("quota of %s not settled (its hold expires with its lease): %s", tenant, exc)

@@ -23,6 +23,7 @@ from policies.base import (
     Candidate,
     Charge,
     ClusterView,
+    OutputEstimate,
     OutputLengthEstimator,
     PlacementPolicy,
     Rejection,
@@ -143,8 +144,12 @@ class Reserver:
     def __repr__(self) -> str:
         return f"Reserver(policy={self.policy.name}, estimator={self.estimator.name})"
 
-    async def estimate(self, call: Call, ask: Ask, seat: Seat) -> RequestInfo:
-        """What placement needs to know of the request, the output-length estimate included."""
+    async def estimate(
+        self, call: Call, ask: Ask, seat: Seat, *, whole_cap: bool = False
+    ) -> RequestInfo:
+        """What placement needs to know of the request, the output-length estimate included
+        (`whole_cap`: the continuation of a preempted stream, whose estimate proved short,
+        reserves its whole remaining cap instead: `whole_cap_estimate`)."""
         hint = call.headers.get("X-Expected-Output-Tokens")
         # The choices' partial blocks are counted in the largest block size of the
         # decode workers, so the reservation is an upper bound wherever placement puts it.
@@ -173,7 +178,22 @@ class Reserver:
             # tenants configured) on the shared classes, as before.
             tenant=seat.tenant.name,
         )
+        if whole_cap:
+            return self.whole_cap_estimate(info)
         return await self.estimated(info, seat)
+
+    def whole_cap_estimate(self, info: RequestInfo) -> RequestInfo:
+        """`info` reserving its whole remaining cap, but never more than the largest decode
+        worker can hold beside its prompt (it must fit somewhere; past that it grows again).
+        Its answer is recorded in the classes of the first estimate (`Seat.keyed`)."""
+        room = max(
+            (w.capacity_blocks * w.spec.layout.block_size for w in self.members.decode_workers),
+            default=0,
+        )
+        fits = room - info.prompt_tokens - info.block_size  # a block of slack for the last one
+        reserve = max(1, min(info.max_tokens, fits)) if room else info.max_tokens
+        estimate = OutputEstimate(reserve, source="preempted: its whole remaining cap")
+        return replace(info, estimate=estimate)
 
     async def estimated(self, info: RequestInfo, seat: Seat | None = None) -> RequestInfo:
         """`info` with the estimator's estimate from the statistics as they are now: the completed
@@ -193,10 +213,17 @@ class Reserver:
         return estimated
 
     async def admit_and_reserve(
-        self, call: Call, info: RequestInfo, seat: Seat, avoid: set[str]
+        self,
+        call: Call,
+        info: RequestInfo,
+        seat: Seat,
+        avoid: set[str],
+        resume_by: float | None = None,
     ) -> Attempt:
         """Reserve decode room, waiting in the admission queue while there is none; the
-        reservation is admitted by the fairness policy (charged to the seat's tenant)."""
+        reservation is admitted by the fairness policy (charged to the seat's tenant).
+        `resume_by` (the continuation of a preempted stream, whose client waits mid-stream):
+        it waits for room until then (router clock), never refused early."""
         slo = self.settings.scaling
         # The order among tenants weighs what the request is expected to hold: its blocks for
         # its time to first token and its answer at one decode step each, the pools' SLOs.
@@ -207,7 +234,7 @@ class Reserver:
             estimate_cost(info, slo.itl_slo_s, slo.ttft_slo_s),
         )
         try:
-            attempt = await self._admit_and_reserve(call, info, seat, avoid, waiting)
+            attempt = await self._admit_and_reserve(call, info, seat, avoid, waiting, resume_by)
         except BaseException:
             self.admission.withdraw(seat.ticket)  # out of the queue, whatever ended it
             raise
@@ -225,12 +252,21 @@ class Reserver:
         return attempt
 
     async def _admit_and_reserve(
-        self, call: Call, info: RequestInfo, seat: Seat, avoid: set[str], waiting: WaitingRequest
+        self,
+        call: Call,
+        info: RequestInfo,
+        seat: Seat,
+        avoid: set[str],
+        waiting: WaitingRequest,
+        resume_by: float | None = None,
     ) -> Attempt:
         adm = self.admission
+        patient = resume_by is not None
         wait_until = loop_time(
             self.clock,
-            min(
+            resume_by
+            if resume_by is not None
+            else min(
                 call.started + adm.settings.max_wait_s, call.started + self.settings.timeouts.ttft_s
             ),
         )
@@ -273,9 +309,9 @@ class Reserver:
                 adm.pass_on(info.priority, seat.ticket, baton - 1)
             baton = 0
             self._check_pools_alive(info.model)
-            if adm.settings.mode == "instant" or self._never_fits(info):
+            if not patient and (adm.settings.mode == "instant" or self._never_fits(info)):
                 raise self._refuse(seat, "no_room", outcome.reason, outcome.retry_after_s)
-            if seat.admitted and not in_line:
+            if seat.admitted and not in_line and not patient:
                 # Honest early refusal: waiting is pointless when the room is not expected to
                 # free before the deadline; say when it is expected instead of waiting it out.
                 room_in = self._predicted_wait(info)

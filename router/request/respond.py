@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import aiohttp
 import orjson
 
-from router.api import CHAT, RESPONSES, ParsedRequest
+from router.api import CHAT, COMPLETIONS, RESPONSES, ParsedRequest
 from router.config import Timeouts
 from router.errors import RouterError, UpstreamRejected, stream_error_frame
 from router.metrics import RouterMetrics
@@ -31,12 +31,15 @@ from router.relay.contract import RelayResult
 from router.request.assemble import DISCARD, assemble
 from router.request.attempt import Ask, Attempt, Call, LegFailure, loop_time
 from router.request.legs import DecodeAnswer
+from router.request.preemption import LiveStream, Preemptor, Victims
 from router.request.responses_api import assembled, output_tokens
+from router.request.resumed_usage import usage_rewrite
 
 __all__ = [
     "Answering",
     "Broken",
     "ClientSide",
+    "Preempted",
     "ClientStream",
     "Progress",
     "Responder",
@@ -51,6 +54,7 @@ class Answering:
     metrics: RouterMetrics
     timeouts: Timeouts
     clock: Callable[[], float]
+    preemptor: Preemptor
 
 
 class ClientStream(Protocol):
@@ -92,18 +96,54 @@ class Broken:
     failure: LegFailure
 
 
+@dataclass(frozen=True, slots=True)
+class Preempted:
+    """The router stopped this attempt's stream to give its room back (`reason`:
+    router/request/preemption.py); `tokens` it had relayed. The request resumes: not the
+    worker's failure, not a retry."""
+
+    reason: str
+    tokens: int
+
+
+def resumable(parsed: ParsedRequest) -> bool:
+    """A stream the router can stop and continue exactly (router/request/resume.py): streamed,
+    one choice, chat, or completions with a text prompt (token ids need a tokenizer)."""
+    if not parsed.stream or parsed.n != 1:
+        return False
+    if parsed.path == CHAT:
+        return True
+    if parsed.path != COMPLETIONS:
+        return False
+    prompt = parsed.body.get("prompt")
+    return isinstance(prompt, str) or (
+        isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str)
+    )
+
+
 class Progress:
     """What the relay reports as an answer streams, applied where it belongs: the first token
     tells the stranded KV's owner the decode took it, observes the TTFT and moves the request's
     deadline from TTFT to total; the token count grows the reservation (both owners:
     router/request/holdings.py)."""
 
-    __slots__ = ("call", "stage", "deadline", "first_token_at", "_attempt", "_ask")
+    __slots__ = (
+        "call",
+        "stage",
+        "deadline",
+        "first_token_at",
+        "preempted",
+        "live",
+        "_attempt",
+        "_ask",
+    )
 
     def __init__(self, call: Call, stage: Answering) -> None:
         self.call, self.stage = call, stage
         self.deadline: asyncio.Timeout | None = None  # the request's (router/request/lifecycle.py)
         self.first_token_at: float | None = None  # of the request: a resumed stream keeps it
+        self.preempted = 0  # times the request's stream was preempted (and resumed)
+        self.live: LiveStream | None = None  # the stream relayed now, if it may be preempted
         self._attempt: Attempt | None = None
         self._ask: Ask | None = None
 
@@ -135,6 +175,14 @@ class Progress:
         reservation = attempt.reservation
         n = self.call.parsed.n
         reservation.grow(total, prompt_tokens=ask.prompt_tokens, resumed=ask.resumed, n=n)
+        forced_at = self.stage.preemptor.settings.force_after_tokens
+        if forced_at and self.live is not None and not self.preempted:
+            # TESTS ONLY (preemption.force_after_tokens): stop the stream once, mid-way.
+            if total >= forced_at:
+                victim = Victims((self.live.reservation_id,), True)
+                self.stage.preemptor.preempt(victim, "forced")
+                return sys.maxsize
+            return min(reservation.grow_at_tokens, forced_at - 1)
         return reservation.grow_at_tokens
 
 
@@ -168,7 +216,9 @@ class Responder:
         self.stream: ClientStream | None = None  # once the client's stream has started
         self.sent: list[bytes] = []  # every event the client's stream has been written
 
-    async def respond(self, attempt: Attempt, decode: DecodeAnswer, ask: Ask) -> Served | Broken:
+    async def respond(
+        self, attempt: Attempt, decode: DecodeAnswer, ask: Ask
+    ) -> Served | Broken | Preempted:
         if self.call.assembling:
             return await self._assembled(attempt, decode, ask)
         if not self.call.parsed.stream:
@@ -205,6 +255,20 @@ class Responder:
         # A role drain past its deadline may cut it (router/role_manager.py).
         worker.open_streams.add(answer)
         self.progress.watch(attempt, ask)
+        # A growth with no room may preempt it (router/request/preemption.py).
+        preemptor, live = self.stage.preemptor, None
+        if preemptor.enabled and sink is not DISCARD and resumable(self.call.parsed):
+            reservation = attempt.reservation
+            live = LiveStream(
+                reservation.reservation_id,
+                worker.spec.id,
+                self.call.tenant,
+                self.stage.clock(),
+                lambda: reservation.blocks,
+                answer.close,
+            )
+            preemptor.register(live, self.progress.preempted)
+        self.progress.live = live
         try:
             return await answer.relay(
                 sink,
@@ -213,13 +277,19 @@ class Responder:
                 clock=self.stage.clock,
                 observer=self.progress,
                 first_event_by=attempt.handoff_by,
+                # A continuation's usage counts what the client has as prompt: one answer's.
+                rewrite=usage_rewrite(ask.resumed) if ask.resumed else None,
             )
         finally:
+            if live is not None:
+                preemptor.unregister(live)
             worker.resident_seqs -= 1
             worker.open_streams.discard(answer)
             answer.close()
 
-    async def _streamed(self, attempt: Attempt, decode: DecodeAnswer, ask: Ask) -> Served | Broken:
+    async def _streamed(
+        self, attempt: Attempt, decode: DecodeAnswer, ask: Ask
+    ) -> Served | Broken | Preempted:
         metrics = self.stage.metrics
         if self.stream is None:
             headers = {
@@ -246,6 +316,12 @@ class Responder:
         if result.completed:
             decode.answered()
             return Served(200, ask.resumed + result.tokens)
+        live = self.progress.live
+        if live is not None and live.reason is not None:
+            # The router stopped it, not the worker: no breaker pays.
+            if attempt.decode_verdict is not None:
+                attempt.decode_verdict.abandon()
+            return Preempted(live.reason, result.tokens)
         return Broken(decode.failure(result))
 
     async def _whole(self, attempt: Attempt, decode: DecodeAnswer) -> Served | Broken:
