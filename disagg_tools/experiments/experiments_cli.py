@@ -7,6 +7,10 @@ command here (the live validation is `python -m disagg_tools.launcher.validate`)
     python -m disagg_tools.experiments scaling   [--sizes 16,64,256,1000]
     python -m disagg_tools.experiments flood     [--tenants 2,10,1000] [--duration 80]
                                                  (tenants under a flood: experiments/flood.py)
+    python -m disagg_tools.experiments preemption [--seeds 6] [--burst 40]
+                                                 (a burst that overruns the estimates, the
+                                                 router's preemption on and off:
+                                                 experiments/preemption.py)
     python -m disagg_tools.experiments all       (the three above, then the Markdown tables)
     python -m disagg_tools.experiments tables    (every table again from the JSON under --out)
     python -m disagg_tools.experiments plots     (the PNGs again from policies.json)
@@ -21,12 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from disagg_tools.experiments import flood
+from disagg_tools.experiments import flood, preemption
 from disagg_tools.experiments.simruns import admission_comparison, policy_comparison, scaling
 from disagg_tools.experiments.specs import CASES, SHAPES, TRACES, VARIANTS
 from disagg_tools.experiments.tables import (
@@ -54,6 +59,9 @@ def _jsonable(o: Any) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["preemption"]:  # its own arguments (experiments/preemption.py)
+        return preemption.main(args[1:])
     ap = argparse.ArgumentParser(
         prog="python -m disagg_tools.experiments",
         description=__doc__,

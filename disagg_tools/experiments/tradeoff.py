@@ -63,7 +63,15 @@ class Cell:
         return CaseSpec(self.label, "two_sided", estimator_args={"quantile": self.quantile})
 
     def overrides(self) -> dict[str, Any]:
-        return {"inflight_feedback": self.inflight_feedback, "overrun_margin": self.overrun_margin}
+        # Preemption off: what the corrections cut is forced growth, which the router's
+        # preemption (issue 31, on by default) turns into preemptions; these cells measure
+        # the corrections alone, as docs/benchmarks.md's figures were (experiments/preemption.py
+        # measures preemption against forced growth).
+        return {
+            "inflight_feedback": self.inflight_feedback,
+            "overrun_margin": self.overrun_margin,
+            "preemption": False,
+        }
 
 
 CELLS: tuple[Cell, ...] = (

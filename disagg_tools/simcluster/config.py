@@ -154,6 +154,17 @@ class ClusterConfig:
     overrun_margin: bool = True
     margin_half_life_s: float = 60.0
     margin_max_share: float = 0.25
+    # Preemption with exact resume (issue 31; router/request/preemption.py, the router's
+    # `preemption` settings): a live answer that must grow its reservation on a full decode
+    # worker stops one of its own tenant's streams there (policies/preemption.py, newest
+    # dispatch first, itself included), which gives its room back and resumes as a new request
+    # (prompt + the tokens it produced, re-prefilled, its whole remaining max_tokens reserved,
+    # waiting in admission up to `preemption_resume_wait_s`). Off: the growth is forced past
+    # capacity as before (the engine then preempts and recomputes on its own). A stream is
+    # preempted at most `preemption_max_per_stream` times; then its growth is forced (counted).
+    preemption: bool = True
+    preemption_max_per_stream: int = 2
+    preemption_resume_wait_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.prefill and not self.decode:
@@ -186,6 +197,8 @@ class ClusterConfig:
                 raise ValueError(f"affinity must be one of {AFFINITIES} or None")
             if self.elastic:
                 raise ValueError("exact prefix caches are not modelled with elastic roles")
+        if self.preemption_max_per_stream < 0 or self.preemption_resume_wait_s <= 0:
+            raise ValueError("preemption_max_per_stream >= 0, preemption_resume_wait_s > 0")
         if self.kv_event_lag_s < 0 or self.prefix_cache_blocks < 0:
             raise ValueError("kv_event_lag_s and prefix_cache_blocks must be >= 0")
         # A frozen config should not share a dict the caller can still mutate.
@@ -301,6 +314,9 @@ class ClusterKnobs(TypedDict, total=False):
     overrun_margin: bool
     margin_half_life_s: float
     margin_max_share: float
+    preemption: bool
+    preemption_max_per_stream: int
+    preemption_resume_wait_s: float
 
 
 class ClusterFields(ClusterKnobs, total=False):

@@ -13,8 +13,11 @@ One request's life in the simulator:
     handoff ─ D has room (or on_full="preempt") ─ transfer over the P→D link ─ join D's batch
             └─ on_full="refuse": KV waits stranded on P until D frees blocks
     decode: one event per step per worker advances its whole batch; a sequence that outgrows its
-    reservation grows it (or runs on unreserved blocks); when blocks run out the newest sequence
-    is preempted and later recomputed locally on D, as vLLM does.
+    reservation grows it; where D has no room for the growth the router preempts one of the
+    tenant's streams there, which resumes through admission with its tokens re-prefilled
+    (`ClusterConfig.preemption`, disagg_tools.simcluster.preemption), or, preemption off, it
+    grows past capacity (runs on unreserved blocks); when blocks run out the newest sequence is
+    preempted by the engine and later recomputed locally on D, as vLLM does.
 
 Two router modes: `reserve=True` (ours) holds `Candidate.reserve_blocks` on D before prefill;
 `reserve=False` (the peers) reserves nothing and gives the policy no output-length estimate, so a
@@ -42,6 +45,7 @@ from disagg_tools.simcluster.events import EventQueue
 from disagg_tools.simcluster.fair_queue import FairQueue, actual_cost
 from disagg_tools.simcluster.feedback import Feedback
 from disagg_tools.simcluster.metrics import GapHistogram, Outcome, RequestRecord, SimResult
+from disagg_tools.simcluster.preemption import RouterPreemption
 from disagg_tools.simcluster.prefix_facts import PrefixFacts
 from disagg_tools.simcluster.role_switching import RoleController, Slot
 from disagg_tools.simcluster.workers import DecodeWorker, Job, PrefillWorker, quantize
@@ -58,6 +62,7 @@ from policies.base import (
     Tenant,
     blocks_for,
 )
+from policies.fairness import estimate_cost
 from policies.tenant_classes import record_keys_of
 
 __all__ = ["TraceLike", "simulate"]
@@ -186,6 +191,12 @@ class _Engine:
                 half_life_s=config.margin_half_life_s,
                 max_share=config.margin_max_share,
             )
+        # The router's preemption with exact resume (issue 31): only where room is reserved.
+        self.preemption: RouterPreemption | None = None
+        if config.preemption and config.reserve:
+            self.preemption = RouterPreemption(config.preemption_max_per_stream, self._resume)
+            for d in self.decodes:
+                d.make_room = self.preemption.make_room
         self.t_last = 0.0  # last request outcome (a stale deadline event may come later)
         self.c_queued = 0
         self.n_done = 0
@@ -288,7 +299,12 @@ class _Engine:
         info = job.info
         assert info is not None
         est = self.estimator
-        if est is not None:
+        if job.cuts:
+            # A preempted stream's continuation: its estimate proved short, so its whole
+            # remaining cap is reserved (router/request/lifecycle.py `_after_preemption`); its
+            # answer is recorded where its first estimate said.
+            estimate = OutputEstimate(reserve_tokens=info.max_tokens, source="preempted")
+        elif est is not None:
             keys = est.class_keys(info)
             hist = self.hist
             completed = {k: hist.get(k, {}) for k in keys}
@@ -387,6 +403,8 @@ class _Engine:
 
     def _dispatch(self, job: Job, p: PrefillWorker | None, d: DecodeWorker) -> None:
         job.admitted_at = self.now
+        if job.first_admitted < 0:
+            job.first_admitted = self.now
         job.d = d
         job.p = p
         if self.cfg.router_overhead_s > 0:
@@ -433,12 +451,39 @@ class _Engine:
             self.q_live -= 1
 
     def _deadline(self, job: Job) -> None:
-        if job.queued:
+        # `now` before its deadline: the event of an earlier wait (a preempted stream's
+        # continuation waits again, with a deadline of its own).
+        if job.queued and self.now >= job.deadline:
             job.queued = False
             self.q_live -= 1
             if self.fair is not None:
                 self.fair.withdraw(job)
+            if job.cuts:  # the client's stream ends with an error frame (the router's)
+                self._finish(job, "failed", "preempted, no room to resume in time")
+                return
             self._finish(job, "rejected", "no room before the TTFT deadline")
+
+    def _resume(self, job: Job) -> None:
+        """A preempted stream's continuation (`RouterPreemption.continuation` made it): its
+        fairness charge settled for the try that ended, re-estimated on its whole remaining
+        cap, waiting for room at the head of the admission queue (the router keeps its ticket,
+        the oldest) until `preemption_resume_wait_s` — never refused for a full queue."""
+        fair = self.fair
+        if fair is not None and job.charge is not None:
+            fair.settle(job, actual_cost(job, self.now, False))
+        job.kv_bytes = job.prompt * self.kvbpt
+        self._estimate(job)
+        job.deadline = self.now + self.cfg.preemption_resume_wait_s
+        job.queued = True
+        job.queued_at = self.now
+        if fair is not None and job.waiting is not None and job.info is not None:
+            cost = estimate_cost(job.info, self.slo_tpot_s, self.slo_ttft_s)
+            job.waiting = replace(job.waiting, cost=cost)
+            fair.wait(job, self.now)
+        else:
+            self.queue.appendleft(job)
+        self.q_live += 1
+        self.events.at(job.deadline, self._deadline, job)
 
     # -- prefill side ------------------------------------------------------------------------
     def _start_prefill(self, p: PrefillWorker) -> None:
@@ -538,7 +583,13 @@ class _Engine:
             self._finish(job, "failed", "sequence outgrew the decode worker's KV")
         for job in handoffs:
             self._start_transfer(job)
-        if (finished or evicted or failed) and self.q_live:
+        cut = d.cut_now
+        if cut:
+            d.cut_now = []
+            assert self.preemption is not None
+            for job in cut:
+                self.preemption.continuation(job)
+        if (finished or evicted or failed or cut) and self.q_live:
             self._drain_queue()
 
     def _check_p(self, p: PrefillWorker) -> None:
@@ -576,15 +627,18 @@ class _Engine:
         self.records[job.idx] = RequestRecord(
             index=job.idx,
             arrival_s=job.arrival,
-            prompt_tokens=job.prompt,
+            prompt_tokens=job.asked,
             output_tokens=n,
             outcome=outcome,
             ttft_s=job.first_t - job.arrival if ok else -1.0,
             e2e_s=job.last_t - job.arrival if ok else -1.0,
             mean_gap_s=(job.last_t - job.first_t) / (n - 1) if ok and n > 1 else 0.0,
             max_gap_s=job.max_gap,
-            queued_s=job.admitted_at - job.arrival,
+            queued_s=(job.first_admitted if job.first_admitted >= 0 else job.admitted_at)
+            - job.arrival,
             preemptions=job.preemptions,
+            router_preemptions=job.cuts,
+            redone_tokens=job.redone,
             refusals=job.refusals,
             reason=reason,
             tenant=job.tenant,
@@ -614,7 +668,15 @@ class _Engine:
             "end_used_blocks": sum(d.used for d in self.decodes),
             "end_stranded_bytes": sum(p.stranded for p in self.prefills),
             "prefill_busy_s": sum(p.busy_s for p in self.prefills),
+            # The most any decode worker was held past its capacity (0: never over-committed),
+            # and the step boundaries that ended so (the router's forced growth, in effect).
+            "steps_held_past_capacity": sum(d.c_past for d in self.decodes),
+            "peak_held_past_capacity": max(
+                (max(0, d.peak_held - d.capacity) for d in self.decodes), default=0
+            ),
         }
+        if self.preemption is not None:
+            counters["preemption_forced_growth"] = self.preemption.forced
         if self.facts is not None:
             counters.update(self.facts.counters())
         roles = None

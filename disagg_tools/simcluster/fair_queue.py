@@ -46,7 +46,8 @@ def actual_cost(job: Job, now: float, completed: bool) -> AdmissionCost:
     hold when it outgrew it — for the time since its reservation, and its prompt tokens."""
     blocks = job.res
     if completed and job.d is not None:
-        blocks = max(blocks, blocks_for(job.prompt + job.out, job.d.bs))
+        # (`asked`: a preempted stream's continuation has its answer so far in `prompt`)
+        blocks = max(blocks, blocks_for(job.asked + job.out, job.d.bs))
     return AdmissionCost(blocks * max(0.0, now - job.admitted_at), job.prompt)
 
 

@@ -139,6 +139,10 @@ class RequestRecord:
     tenant: str = ""  # who it was for (a run with tenants: disagg_tools.simcluster.tenants)
     # What its reservation took, as the fairness policy was settled with it (0 if never admitted).
     decode_block_s: float = 0.0
+    # Times the router preempted it (ClusterConfig.preemption), and the prefill tokens redone
+    # to resume it (its prompt + its answer so far, at each preemption).
+    router_preemptions: int = 0
+    redone_tokens: int = 0
 
     def meets(self, slo_ttft_s: float, slo_tpot_s: float) -> bool:
         return (
@@ -166,6 +170,22 @@ def percentile_sorted(data: Sequence[float], q: float) -> float | None:
     lo = math.floor(pos)
     hi = min(lo + 1, len(data) - 1)
     return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def _preemption_summary(recs: Sequence[RequestRecord]) -> dict[str, float | int]:
+    """The router's preemptions (issue 31): how many, per 1,000 requests, the prefill tokens
+    redone, and the TTFT of the requests preempted apart from the others' (a preempted
+    request's TTFT is its first token's, before it was preempted)."""
+    cut = sum(r.router_preemptions for r in recs)
+    ok = [r for r in recs if r.outcome == "ok"]
+    return {
+        "router_preemptions": cut,
+        "router_preemptions_per_1k": 1000.0 * cut / len(recs) if recs else 0.0,
+        "redone_prefill_tokens": sum(r.redone_tokens for r in recs),
+        "preempted_requests": sum(1 for r in recs if r.router_preemptions),
+        "ttft_p99_not_preempted_s": _pct([r.ttft_s for r in ok if not r.router_preemptions], 99),
+        "ttft_p99_preempted_s": _pct([r.ttft_s for r in ok if r.router_preemptions], 99),
+    }
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -240,6 +260,7 @@ class SimResult:
             "itl_max_s": max((r.max_gap_s for r in ok), default=0.0),
             "tbt_mooncake_s": self.gaps.worst_mean(0.1),
             "preemptions": sum(r.preemptions for r in recs),
+            **_preemption_summary(recs),
             "sim_end_s": self.sim_end_s,
             "events": self.events,
         }

@@ -53,6 +53,7 @@ class Job:
         "p", "d", "res", "alloc", "ctx0", "gen", "s0", "phase", "over", "ver",
         "first_t", "last_t", "max_gap", "preemptions", "refusals", "kv_bytes", "exp_end",
         "local", "tenant", "waiting", "charge", "placed", "cap", "record",
+        "asked", "cuts", "redone", "first_admitted",
     )  # fmt: skip
 
     def __init__(self, idx: int, arrival: float, prompt: int, out: int, hashes: tuple[int, ...]):
@@ -97,6 +98,13 @@ class Job:
         self.waiting: WaitingRequest | None = None
         self.charge: Charge | None = None
         self.placed: Candidate | None = None  # the candidate it was placed on, at admission
+        # Preemption by the router (disagg_tools/simcluster/preemption.py): its prompt as the
+        # client sent it (`prompt` becomes prompt + tokens produced for a continuation), how
+        # many times it was cut, the prefill tokens redone for it, its first admission.
+        self.asked = prompt
+        self.cuts = 0
+        self.redone = 0
+        self.first_admitted = -1.0
 
     def __repr__(self) -> str:
         return f"Job({self.idx}, prompt={self.prompt}, out={self.out}, gen={self.gen})"
@@ -264,6 +272,7 @@ class DecodeWorker:
         "stepping", "extra_s", "waiting", "handoff_wait", "reservations", "area", "last_t",
         "_view", "c_grown", "c_overran", "step_base", "step_per_block", "rate", "step_s",
         "join_mid_step", "can_prefill", "nic_free", "overran_now", "local_hit",
+        "make_room", "cut_now", "peak_held", "c_past",
     )  # fmt: skip
 
     def __init__(self, idx: int, spec: SimWorkerSpec, layout: KVLayout, *, quantum: float = 0.0,
@@ -310,6 +319,13 @@ class DecodeWorker:
         self.nic_free = 0.0
         # Exact prefix cache (simcluster/prefix_facts.py): tokens a local prefill is spared.
         self.local_hit: Callable[[Job], int] | None = None
+        # The router's preemption (disagg_tools/simcluster/preemption.py): called at a step
+        # boundary whose growth left more held than capacity; it cuts streams (`cut`), which
+        # land in `cut_now` for the engine to resume. None: the growth is forced, as before.
+        self.make_room: Callable[[DecodeWorker, float], None] | None = None
+        self.cut_now: list[Job] = []
+        self.peak_held = 0  # the most the router's accounting ever held here
+        self.c_past = 0  # step boundaries that ended with more held than capacity
 
     # -- accounting -------------------------------------------------------------------------
     def _tick(self, now: float) -> None:
@@ -324,6 +340,7 @@ class DecodeWorker:
         self._tick(now)
         job.res = blocks
         self.held += blocks
+        self.peak_held = max(self.peak_held, self.held)
         self.reservations[job.idx] = job
         self._view = None
 
@@ -336,6 +353,7 @@ class DecodeWorker:
         job.alloc = blocks
         self.used += blocks
         self.held += max(job.res, blocks) - job.res
+        self.peak_held = max(self.peak_held, self.held)
         self._view = None
 
     def cancel(self, now: float, job: Job) -> None:
@@ -404,6 +422,13 @@ class DecodeWorker:
         if job in self.fresh:
             self.fresh.remove(job)
         return ctx
+
+    def cut(self, job: Job, now: float) -> None:
+        """The router stops a running sequence at this step boundary (its growth found no room
+        for it or another stream of its tenant): out of the batch with its tokens kept, its
+        room given back, on its way to `cut_now`. Only inside `boundary` (it sets `stepping`)."""
+        self._evict(job, now)
+        self.cut_now.append(job)
 
     def take(self, job: Job, now: float) -> int:
         """Take a running sequence out at a step boundary to resume it elsewhere (a drain past
@@ -518,6 +543,11 @@ class DecodeWorker:
         for job in self.joining:
             self._merge(job)
         self.joining = []
+        if self.held > self.capacity and self.make_room is not None:
+            self.make_room(self, now)  # the router preempts instead of over-committing
+        if self.held > self.capacity:
+            self.c_past += 1
+            self.peak_held = max(self.peak_held, self.held)
         evicted: list[Job] = []
         failed: list[Job] = []
         while self.used > self.capacity and self.seqs:
