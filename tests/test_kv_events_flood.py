@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import time
 from collections.abc import AsyncIterator, Generator
 from typing import Any
 
@@ -233,6 +235,56 @@ async def test_queued_small_batches_let_the_loop_run_too() -> None:
     ctx.term()
     assert len(sub.index) == 400 * 20
     assert ticks - before >= 2
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+
+
+async def test_what_a_flood_costs_the_loop_and_the_memory() -> None:
+    """Prints what a flood of bogus blocks costs this process (docs/kv-events.md quotes it:
+    KV_FLOOD_BLOCKS=1500000 pytest tests/test_kv_events_flood.py -k costs -s; 60,000 by
+    default): RSS growth and the worst delay of a 1 ms sleeper, on the wall clock and in this
+    thread's CPU time (what the events held the loop, which the machine's other load does not
+    inflate). Asserts only the bound and the counts."""
+    n = int(os.environ.get("KV_FLOOD_BLOCKS", "60000"))
+    per_batch, bound = 1000, 50_000  # a worker of 25,000 blocks, slack 2
+    metrics = RouterMetrics()
+    ctx = zmq.asyncio.Context()
+    sub = KvEventSubscriber(
+        "w", KvEventsSpec("tcp://127.0.0.1:1"), ctx, metrics, bound=lambda _bs: bound
+    )
+    payloads = [batch(stored(2**40 + i * per_batch, per_batch)) for i in range(n // per_batch)]
+    worst_wall = worst_cpu = 0.0
+    largest = 0
+
+    async def sleeper() -> None:
+        nonlocal worst_wall, worst_cpu, largest
+        loop = asyncio.get_running_loop()
+        while True:
+            t, c = loop.time(), time.thread_time()
+            await asyncio.sleep(0.001)
+            worst_wall = max(worst_wall, loop.time() - t - 0.001)
+            worst_cpu = max(worst_cpu, time.thread_time() - c)
+            largest = max(largest, len(sub.index))
+
+    base = _rss_mb()  # the payloads built and kept: what grows is the subscriber's
+    task = asyncio.create_task(sleeper())
+    await asyncio.sleep(0.01)
+    for seq, payload in enumerate(payloads):
+        await sub.on_message([b"", seq.to_bytes(8, "big"), payload])
+    await asyncio.sleep(0.01)
+    task.cancel()
+    ctx.term()
+    refused = metrics.kv_events_refused.labels(worker="w", reason="capacity")._value.get()
+    print(
+        f"\nflood of {n} blocks, bound {bound}: RSS +{_rss_mb() - base:.1f} MB, the loop held "
+        f"at most {worst_wall * 1e3:.1f} ms ({worst_cpu * 1e3:.1f} ms of CPU), "
+        f"{refused:.0f} refused"
+    )
+    assert largest <= bound and sub.batches == len(payloads)
+    assert refused == n // (bound + 1)
 
 
 # --- live: a flood on a real socket, a real router ---------------------------------------------
