@@ -49,6 +49,10 @@ class ClusterSpec:
     victim_weight: float
     aggressor_weight: float
     aggressor_rpm: int  # 0: no limit
+    # The router's estimator, and more of its configuration (YAML lines: the preemption bench's
+    # `preemption: {enabled: false}`, disagg_tools/overhead/flood_preemption.py).
+    estimator: str = "max_tokens"
+    extra_config: str = ""
 
 
 def router_config(spec: ClusterSpec, prefill_url: str, decode_url: str, prefix: str) -> str:
@@ -61,7 +65,8 @@ def router_config(spec: ClusterSpec, prefill_url: str, decode_url: str, prefix: 
             f"redis_url: {spec.redis_url}",
             f'key_prefix: "{prefix}"',
             # The answer is exactly max_tokens (the stand-in ignores EOS): reserve just that.
-            "estimator: max_tokens",
+            f"estimator: {spec.estimator}",
+            *([spec.extra_config] if spec.extra_config else []),
             f"fairness: {spec.fairness}",
             f"admission: {{mode: queue, max_wait_s: {spec.max_wait_s}}}",
             "workers:",
