@@ -15,13 +15,13 @@ import pytest
 from disagg_tools.loadgen.hostile import (
     FloodSpec,
     ShiftSpec,
-    _peak_targets,
     format_report,
     run_flood,
     run_shift,
 )
 from disagg_tools.loadgen.hostile_cluster import StoreSample
 from disagg_tools.loadgen.hostile_report import reservations
+from disagg_tools.loadgen.hostile_run import peak_targets
 
 
 def _sample(t: float, cap: int, holds: dict[str, int]) -> StoreSample:
@@ -59,10 +59,10 @@ def test_no_growth_past_capacity_within_it() -> None:
 
 def test_the_peak_target_compares_with_capacity_and_never_passes_unread() -> None:
     over = reservations([_sample(0.0, 100, {"a": 111})])
-    assert _peak_targets(over, 1.1)[0] is False
-    assert _peak_targets(reservations([_sample(0.0, 100, {"a": 110})]), 1.1)[0] is True
+    assert peak_targets(over, 1.1)[0] is False
+    assert peak_targets(reservations([_sample(0.0, 100, {"a": 110})]), 1.1)[0] is True
     unread = reservations([_sample(0.0, 0, {"a": 5})])  # no capacity key: not a pass
-    assert _peak_targets(unread, 1.1)[0] is False
+    assert peak_targets(unread, 1.1)[0] is False
 
 
 @pytest.mark.slow

@@ -1,9 +1,15 @@
-"""Issue 20's reproduction as a bench scenario: wrong output-length estimates, on loopback.
+"""Issues 20 and 31 as bench scenarios: wrong output-length estimates and hostile tenants,
+on loopback.
 
     python -m disagg_tools.loadgen.hostile shift       # the over-commit under shifting
                                                        # answers (~2.5 min)
     python -m disagg_tools.loadgen.hostile hint-flood  # X-Expected-Output-Tokens: 1 on
                                                        # 3,000-token answers
+    python -m disagg_tools.loadgen.hostile poison      # issue 31: a poisoned estimate
+                                                       # (hostile_poison)
+    python -m disagg_tools.loadgen.hostile queue       # issue 31: queue lock-out
+    python -m disagg_tools.loadgen.hostile refused-rpm # issue 31: refused requests and the
+                                                       # tenant's rate (hostile_queue)
     [--time-scale 1] [--json FILE] [--keep-logs] (and each scenario's sizes: --help)
 
 **shift**: two router replicas (`disagg-router serve --config FILE`, one process each) on one
@@ -30,19 +36,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from disagg_tools.loadgen.entry import git_commit, raise_nofile, run_and_report
+from disagg_tools.loadgen.entry import run_and_report
 from disagg_tools.loadgen.hostile_clients import (
     HogResult,
     Looper,
@@ -52,19 +56,12 @@ from disagg_tools.loadgen.hostile_clients import (
     request_pool,
 )
 from disagg_tools.loadgen.hostile_cluster import ClusterShape, HostileCluster, StoreSampler
+from disagg_tools.loadgen.hostile_poison import PoisonSpec, run_poison
+from disagg_tools.loadgen.hostile_queue import QueueSpec, RefusedSpec, run_queue, run_refused
 from disagg_tools.loadgen.hostile_report import clients, format_report, hogs, reservations
-from disagg_tools.loadgen.loadclient import new_session
-from disagg_tools.loadgen.probes import metric_sums
+from disagg_tools.loadgen.hostile_run import bounded, peak_targets, target
 
 __all__ = ["FloodSpec", "ShiftSpec", "build_parser", "main", "run_flood", "run_shift"]
-
-_FORCED = "disagg_router_reservation_forced_growth_total"
-_ROUTER_METRICS = (
-    _FORCED,
-    "disagg_router_reservation_overruns_total",
-    "disagg_router_rejections_total",
-    "disagg_router_admitted_on_forecast_total",
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,93 +97,6 @@ class FloodSpec:
     decode_blocks: int = 3000
     time_scale: float = 1.0
     log_level: str = "WARNING"
-
-
-async def _router_metrics(session: aiohttp.ClientSession, urls: list[str]) -> dict[str, float]:
-    total: dict[str, float] = {}
-    for url in urls:
-        try:
-            sums = await metric_sums(session, url)
-        except (aiohttp.ClientError, TimeoutError):
-            continue
-        for k, v in sums.items():
-            if k.startswith(_ROUTER_METRICS) or (
-                k.startswith("disagg_router_requests_total{") and 'status="5' in k
-            ):
-                total[k] = total.get(k, 0.0) + v
-    return total
-
-
-async def _sim_states(session: aiohttp.ClientSession, cluster: HostileCluster) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for wid in cluster.shape.decode_ids:
-        try:
-            async with session.get(
-                cluster.worker_urls[wid] + "/sim/state", timeout=aiohttp.ClientTimeout(total=10)
-            ) as resp:
-                state = await resp.json()
-        except (aiohttp.ClientError, TimeoutError):
-            continue
-        out[wid] = {"preemptions": state["counters"].get("preemptions", 0)}
-    return out
-
-
-def _target(ok: bool, what: str) -> tuple[bool, str]:
-    return ok, what
-
-
-def _finish(rep: dict[str, Any], cluster: HostileCluster, t_start: float) -> dict[str, Any]:
-    rep["commit"] = git_commit()
-    rep["wall_s"] = round(time.perf_counter() - t_start, 1)
-    rep["loadavg_1m"] = round(os.getloadavg()[0], 2)
-    violations = [f"target {k}: {what}" for k, (ok, what) in rep["targets"].items() if not ok]
-    dead = cluster.dead()
-    if dead:
-        violations.append(f"exited during the run: {dead}")
-    fivexx = sum(v for k, v in rep["router"].items() if 'status="5' in k)
-    if fivexx:
-        violations.append(f"the routers answered {fivexx:.0f} requests with a 5xx")
-    rep["violations"] = violations
-    return rep
-
-
-def _peak_targets(res: dict[str, Any], bound: float) -> tuple[bool, str]:
-    unknown = [wid for wid, w in res["workers"].items() if w["peak_ratio"] is None]
-    if unknown or not res["workers"]:
-        return False, f"no capacity read for {unknown or 'any worker'}: nothing to compare"
-    worst = max(w["peak_ratio"] for w in res["workers"].values())
-    return worst <= bound, f"worst peak {worst:.0%} of capacity (bound {bound:.0%})"
-
-
-async def _bounded(
-    shape: ClusterShape,
-    traffic: Callable[[HostileCluster, aiohttp.ClientSession], Awaitable[dict[str, Any]]],
-    *,
-    budget_s: float,
-    sessions: int,
-    workdir: Path | None,
-) -> dict[str, Any]:
-    """Start the cluster, run `traffic` within `budget_s`, stop everything; the report."""
-    raise_nofile(8192)
-    own_dir = workdir is None
-    workdir = workdir or Path(tempfile.mkdtemp(prefix="bench-hostile-"))
-    cluster = HostileCluster(shape, workdir)
-    t_start = time.perf_counter()
-    try:
-        try:
-            async with asyncio.timeout(budget_s):
-                await cluster.start()
-                async with new_session(sessions) as session:
-                    rep = await traffic(cluster, session)
-                    rep["router"] = await _router_metrics(session, cluster.router_urls)
-                    rep["sim"] = await _sim_states(session, cluster)
-        except TimeoutError as exc:
-            raise RuntimeError(f"the run did not end within its {budget_s:.0f} s bound") from exc
-        return _finish(rep, cluster, t_start)
-    finally:
-        cluster.stop()
-        if own_dir:
-            shutil.rmtree(workdir, ignore_errors=True)
 
 
 async def _phase1(
@@ -268,12 +178,12 @@ async def _shift(
         "hogs": hogs(hogs_),
         "operator": moves,
         "targets": {
-            "reserved <= 1.1 x capacity": _peak_targets(phase2, 1.1),
-            "every normal request ok": _target(
+            "reserved <= 1.1 x capacity": peak_targets(phase2, 1.1),
+            "every normal request ok": target(
                 norm["requests"] > 0 and norm["ok"] == norm["requests"],
                 f"{norm['ok']} ok of {norm['requests']} ({norm['outcomes']})",
             ),
-            "normal TTFT p99 < 2 s": _target(p99 is not None and p99 < 2.0, f"p99 {p99} s"),
+            "normal TTFT p99 < 2 s": target(p99 is not None and p99 < 2.0, f"p99 {p99} s"),
         },
     }
 
@@ -288,7 +198,7 @@ async def run_shift(spec: ShiftSpec, *, workdir: Path | None = None) -> dict[str
             "roles": {"interval_s": 0.5, "settle_s": 1.0, "drain_deadline_s": spec.drain_deadline_s}
         },
     )
-    return await _bounded(
+    return await bounded(
         shape,
         lambda cluster, session: _shift(spec, cluster, session),
         budget_s=spec.phase1_s + spec.phase2_s + 3 * spec.drain_deadline_s + 180.0,
@@ -320,8 +230,8 @@ async def _flood(
         "reservations": {"run": res},
         "clients": {"flood": clients(flood.results, t0, flood.in_flight)},
         "targets": {
-            "reserved <= capacity": _peak_targets(res, 1.0),
-            "forced growth only on resident sequences": _target(
+            "reserved <= capacity": peak_targets(res, 1.0),
+            "forced growth only on resident sequences": target(
                 late == 0, f"{late} late reservations grown past capacity ({grown} in all)"
             ),
         },
@@ -337,13 +247,23 @@ async def run_flood(spec: FloodSpec, *, workdir: Path | None = None) -> dict[str
         log_level=spec.log_level,
         router={"estimator": spec.estimator, "estimator_args": estimator_args},
     )
-    return await _bounded(
+    return await bounded(
         shape,
         lambda cluster, session: _flood(spec, cluster, session),
         budget_s=spec.duration_s + 180.0,
         sessions=spec.clients + 64,
         workdir=workdir,
     )
+
+
+# name -> (its spec, its run): every field of the spec is a flag of the same name.
+SCENARIOS: dict[str, tuple[type[Any], Callable[..., Coroutine[Any, Any, dict[str, Any]]]]] = {
+    "shift": (ShiftSpec, run_shift),
+    "hint-flood": (FloodSpec, run_flood),
+    "poison": (PoisonSpec, run_poison),
+    "queue": (QueueSpec, run_queue),
+    "refused-rpm": (RefusedSpec, run_refused),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -353,9 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="scenario", required=True)
-    for name, spec in (("shift", ShiftSpec()), ("hint-flood", FloodSpec())):
+    for name, (spec_type, _) in SCENARIOS.items():
         sp = sub.add_parser(name, help=f"the {name} scenario")
-        for key, value in asdict(spec).items():
+        for key, value in asdict(spec_type()).items():
             flag = "--" + key.replace("_", "-")
             sp.add_argument(flag, type=type(value), default=value, help=f"default {value}")
         sp.add_argument("--json", type=Path)
@@ -367,10 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     args = {k: v for k, v in vars(ns).items() if k not in ("scenario", "json", "keep_logs")}
     workdir = Path(tempfile.mkdtemp(prefix="bench-hostile-")) if ns.keep_logs else None
-    if ns.scenario == "shift":
-        coro = run_shift(ShiftSpec(**args), workdir=workdir)
-    else:
-        coro = run_flood(FloodSpec(**args), workdir=workdir)
+    spec_type, run = SCENARIOS[ns.scenario]
+    coro = run(spec_type(**args), workdir=workdir)
     return run_and_report(coro, format_report, workdir=workdir, json_path=ns.json)
 
 

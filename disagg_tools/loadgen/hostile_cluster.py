@@ -2,8 +2,11 @@
 and a sampler that reads the decode reservations straight from Redis.
 
     HostileCluster  workers of any role (`both` included, which load_cluster.Cluster has not),
-                    one private redis-server, `routers` replicas of `disagg-router serve
-                    --config FILE` sharing it, the admin token set (the operator moves roles)
+                    one private redis-server (password-protected with `redis_password`: the
+                    issue-31 setting), `routers` replicas of `disagg-router serve --config
+                    FILE` sharing it, the admin token set (the operator moves roles)
+    PasswordRedis   a private redis-server with `requirepass` (in a config file of its own,
+                    so the password is on no command line)
     StoreSampler    every ~100 ms, one pipeline: each decode worker's capacity (`:cap`), kept
                     sum (`:sum`) and reservations (`:res`, id -> blocks) — the store's own
                     numbers (state/keys.py), not a router's view of them
@@ -16,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,7 +34,14 @@ import yaml
 from disagg_tools.loadgen.load_cluster import PrivateRedis, sim_worker_command, wait_http
 from disagg_tools.procs import HOST, Child, free_port
 
-__all__ = ["ADMIN_TOKEN", "ClusterShape", "HostileCluster", "StoreSample", "StoreSampler"]
+__all__ = [
+    "ADMIN_TOKEN",
+    "ClusterShape",
+    "HostileCluster",
+    "PasswordRedis",
+    "StoreSample",
+    "StoreSampler",
+]
 
 ADMIN_TOKEN = "hostile-bench-admin"
 MODEL = "llama-3-8b"
@@ -44,6 +56,7 @@ class ClusterShape:
     time_scale: float = 1.0
     router: dict[str, Any] = field(default_factory=dict)  # extra router settings
     log_level: str = "WARNING"
+    redis_password: bool = False  # requirepass on the private Redis (a random password)
 
     @property
     def decode_ids(self) -> list[str]:
@@ -54,12 +67,58 @@ class ClusterShape:
         return [wid for wid, role in self.workers if role == "both"]
 
 
+class PasswordRedis:
+    """A private redis-server that refuses every client without its (random) password; no
+    persistence. `url` carries the password, as a router's `redis_url` does."""
+
+    def __init__(self, log_dir: Path) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed: a private Redis is needed")
+        self.password = secrets.token_hex(16)
+        self.port = free_port()
+        self.url = f"redis://:{self.password}@{HOST}:{self.port}/0"
+        conf = log_dir / "redis.conf"
+        conf.write_text(f"requirepass {self.password}\n")
+        conf.chmod(0o600)
+        cmd = [binary, str(conf), "--port", str(self.port), "--bind", HOST, "--save", ""]
+        cmd += ["--appendonly", "no", "--dir", str(log_dir), "--maxclients", "20000"]
+        self.child = Child("redis", cmd, log_dir)
+
+    async def ready(self, timeout_s: float = 10.0) -> None:
+        """Wait for it to answer, and check that it refuses a client without the password."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self.child.alive():
+                raise RuntimeError(f"redis-server exited:\n{self.child.tail()}")
+            anonymous = aioredis.Redis(host=HOST, port=self.port)
+            try:
+                await anonymous.ping()
+                raise RuntimeError("the private redis-server answered without its password")
+            except aioredis.AuthenticationError:
+                break
+            except (OSError, aioredis.ConnectionError):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the private redis-server did not answer") from None
+                await asyncio.sleep(0.05)
+            finally:
+                await anonymous.aclose()
+        client = aioredis.from_url(self.url)
+        try:
+            await client.ping()
+        finally:
+            await client.aclose()
+
+    def stop(self) -> None:
+        self.child.stop(grace_s=5.0)
+
+
 class HostileCluster:
     def __init__(self, shape: ClusterShape, workdir: Path) -> None:
         self.shape = shape
         self.workdir = workdir
         self.key_prefix = "hostile:"  # the Redis is ours alone
-        self.redis: PrivateRedis | None = None
+        self.redis: PrivateRedis | PasswordRedis | None = None
         self.workers: dict[str, Child] = {}
         self.worker_urls: dict[str, str] = {}
         self.routers: list[Child] = []
@@ -116,7 +175,10 @@ class HostileCluster:
             self.workers[wid] = child
             self.worker_urls[wid] = f"http://{HOST}:{port}"
             waits.append(wait_http(self.worker_urls[wid] + "/health", child))
-        self.redis = PrivateRedis(self.workdir)
+        if self.shape.redis_password:
+            self.redis = PasswordRedis(self.workdir)
+        else:
+            self.redis = PrivateRedis(self.workdir)
         waits.append(self.redis.ready())
         await asyncio.gather(*waits)
         for i in range(self.shape.routers):

@@ -154,6 +154,8 @@ def format_report(rep: dict[str, Any]) -> str:
         lines.append(f"  non-readers     {rep['hogs']}")
     if "operator" in rep:
         lines.append(f"  operator        role moves by answer: {rep['operator']}")
+    for name, value in rep.get("extra", {}).items():
+        lines.append(f"  {name:<15} {value}")
     lines.append(f"  router metrics  {rep['router']}")
     lines.append(f"  sim workers     {rep['sim']}")
     lines.append("  targets")
