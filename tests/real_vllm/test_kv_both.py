@@ -140,10 +140,11 @@ async def test_the_router_moves_a_kv_both_engine_decode_to_prefill_and_back(
             refs[prompt] = await reference(b0, kind, prompt, 8)
 
     async with _router(both_pair, redis_prefix) as r, aiohttp.ClientSession() as s:
-        # Phase a: b0 prefill, b1 decode.
+        # Phase a: b0 prefill, b1 decode. The guard counts only workers in rotation (issue 31):
+        # b1 leaves the prefill pool once b0 serves there, not while b0 is on its way.
         await _force(s, r, "b0", "prefill")
-        await _force(s, r, "b1", "decode")
         await _until_role(r, "b0", "prefill")
+        await _force(s, r, "b1", "decode")
         await _until_role(r, "b1", "decode")
         before = _counters(both_pair)
         sent = await _batch(r, phases["a"], refs)
