@@ -8,7 +8,10 @@ cluster's loop that records what it saw, and what it saw wrong.
 
 What counts as wrong: a 5xx other than 503 (a dependency down) and 504 (the request's
 deadline), an error body that is not OpenAI's shape, a 200
-stream that does not end in `data: [DONE]`, a whole answer without its n choices.
+stream that does not end in `data: [DONE]`, a whole answer without its n choices, and any text
+that is not exactly the simulated worker's answer (`expected`, each choice's): through resumes
+and preemptions alike, a stream's text is the unbroken answer, or a prefix of it when the
+stream ends with an error frame (an answer of n > 1 choices cannot be resumed).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -34,6 +38,7 @@ CHAT = "/v1/chat/completions"
 class Outcomes:
     statuses: dict[str, int] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    reasons: Counter[str] = field(default_factory=Counter)
 
     def count(self, what: str) -> None:
         self.statuses[what] = self.statuses.get(what, 0) + 1
@@ -47,6 +52,8 @@ def _check_error(status: int, raw: bytes, out: Outcomes, rid: str) -> None:
     try:
         error = orjson.loads(raw)["error"]
         assert set(error) == {"message", "type", "param", "code"}, error
+        if status == 429:  # why, for the run's report
+            out.reasons[str(error["message"]).split(":")[0][:60]] += 1
     except Exception as exc:
         out.problems.append(f"{rid}: {status} with a body that is not an OpenAI error: {exc!r}")
 
@@ -57,6 +64,7 @@ async def whole_or_stream(
     body: dict[str, Any],
     headers: dict[str, str],
     out: Outcomes,
+    expected: list[str] | None = None,
 ) -> None:
     rid = headers["X-Request-Id"]
     try:
@@ -72,10 +80,40 @@ async def whole_or_stream(
     elif body.get("stream"):
         if not raw.endswith(b"data: [DONE]\n\n"):
             out.problems.append(f"{rid}: a 200 stream not ending in [DONE]: {raw[-200:]!r}")
+        elif expected is not None:
+            _check_stream_text(raw, expected, out, rid)
     else:
         choices = orjson.loads(raw).get("choices", [])
         if len(choices) != body.get("n", 1):
             out.problems.append(f"{rid}: {len(choices)} choices, asked {body.get('n', 1)}")
+        elif expected is not None:
+            texts = {ch["index"]: ch["message"]["content"] or "" for ch in choices}
+            for i, want in enumerate(expected):
+                if texts.get(i) != want:
+                    out.problems.append(f"{rid}: choice {i} is {texts.get(i)!r}, not {want!r}")
+
+
+def _check_stream_text(raw: bytes, expected: list[str], out: Outcomes, rid: str) -> None:
+    texts: dict[int, list[str]] = {}
+    errors = []
+    for event in raw.split(b"\n\n"):
+        if not event.startswith(b"data: ") or event == b"data: [DONE]":
+            continue
+        obj = orjson.loads(event[6:])
+        if "error" in obj:
+            errors.append(obj["error"])
+            continue
+        for choice in obj.get("choices", []):
+            content = (choice.get("delta") or {}).get("content")
+            if content:
+                texts.setdefault(choice["index"], []).append(content)
+    for i, want in enumerate(expected):
+        got = "".join(texts.get(i, []))
+        if got == want or (errors and want.startswith(got)):
+            continue
+        out.problems.append(
+            f"{rid}: choice {i} streamed {got!r} (errors {errors}), not the answer {want!r}"
+        )
 
 
 def _request_bytes(

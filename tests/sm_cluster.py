@@ -40,6 +40,7 @@ from router.server import RouterRunner, serving
 from state.base import StoreError
 from tests.conftest import MODEL
 from tests.redis_server import PrivateRedis
+from tests.sm_tenants import TENANTS, PreemptionWatch, QuotaWatch
 
 __all__ = ["Cluster", "LoopThread", "RidInfo", "Tracker", "TOKEN"]
 
@@ -76,6 +77,17 @@ STORE_CALLS = (
     "ping",
     "registry_view",
     "usage_view",
+    "take_quota",
+    "resize_quota_hold",
+    "settle_quota",
+    "renew_quota_holds",
+    "tenant_keys",
+    "restore_tenant_keys",
+    "restore_registry",
+    "registry_and_usage_view",
+    "publish_demand",
+    "replica_demands",
+    "drain_marks",
 )
 
 
@@ -133,6 +145,11 @@ class Tracker:
     # ids a renewal put back after the store lost them (a reset, a deleted worker's keys):
     # held again over capacity if need be, on top of whatever took their room meanwhile
     put_back: set[str] = field(default_factory=set)
+    # id -> its blocks as last known (reserved, resized); id -> the blocks forced resizes added
+    # past what the store could give (issue 31: growth with no room preempts first; what is
+    # still forced is the only room a worker may be reserved past its capacity by)
+    sizes: dict[str, int] = field(default_factory=dict)
+    forced: dict[str, int] = field(default_factory=dict)
     _seq: itertools.count[int] = field(default_factory=itertools.count)
 
     def wrap(self, store: Any, replica: int) -> None:
@@ -150,6 +167,11 @@ class Tracker:
             worker, rids = _touched(name, bound)
             key = next(self._seq)
             self.inflight[key] = (replica, worker, rids)
+            if name == "resize" and bound.get("force"):
+                rid = bound["reservation_id"]
+                delta = bound["blocks"] - self.sizes.get(rid, 0)
+                # Counted before the call: it may land whatever the router hears.
+                self.forced[rid] = self.forced.get(rid, 0) + max(0, delta)
             start, outcome = time.time(), "cancelled"
             try:
                 result = await real(*args, **kwargs)
@@ -170,6 +192,9 @@ class Tracker:
             if name == "reserve" and result:
                 rid = bound["reservation_id"]
                 self.rids[rid] = RidInfo(replica, worker, bound["blocks"], REQUEST_ID.get())
+                self.sizes[rid] = bound["blocks"]
+            if name == "resize" and result:
+                self.sizes[bound["reservation_id"]] = bound["blocks"]
             return result
 
         return call
@@ -264,6 +289,11 @@ class Cluster:
     deleted_until: dict[str, float] = field(default_factory=dict)
     redis_up: bool = True
     errors: ErrorLog = field(default_factory=ErrorLog)
+    preemptions: PreemptionWatch = field(default_factory=PreemptionWatch)
+    quotas: QuotaWatch = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.quotas = QuotaWatch(self.tracker, self.preemptions)
 
     CONFIGURED = (("prefill", "p0"), ("prefill", "p1"), ("decode", "d0"), ("decode", "d1"))
 
@@ -294,6 +324,10 @@ class Cluster:
                 "key_prefix": "dr:",
                 "workers": workers,
                 "admin_token": TOKEN,
+                # Requests come with a tenant's key (tests/sm_tenants.py); preemption is on
+                # (the default). Estimates learn from a few answers, so a burst poisons them.
+                "tenants": TENANTS,
+                "estimator_args": {"min_samples": 4},
                 "reservation_lease_s": LEASE_S,
                 "kv_lease_s": 2.0,
                 "stranded_reap_s": 0.25,
@@ -306,7 +340,8 @@ class Cluster:
                 "shutdown_grace_s": 0.5,
                 "load_poll_s": 0,
                 "redis_pool_timeout_s": 1.0,
-                "admission": {"max_wait_s": 1.0},
+                # A small queue, so the tenants' shares of it (router/admission.py) get a say.
+                "admission": {"max_wait_s": 1.0, "max_waiters": 12},
                 "timeouts": {
                     "prefill_s": 3.0,
                     "ttft_s": 4.0,
@@ -332,6 +367,8 @@ class Cluster:
             len(self.replicas), app, f"http://127.0.0.1:{runner.addresses[0][1]}", stack
         )
         self.tracker.wrap(replica.gw.store, replica.index)
+        self.quotas.wrap(replica.gw.store, replica.index)
+        self.preemptions.wrap(replica.gw, replica.index)
         self.replicas.append(replica)
         return replica
 

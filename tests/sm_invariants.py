@@ -9,8 +9,16 @@ store calls in flight (tests/sm_cluster.py `Tracker`).
   flight, or a killed replica's whose lease has not run out yet (and was not renewed since);
   every live reservation is in the store at the blocks the replica believes (unless the store
   was just reset, or a call on it is in flight); reserved <= capacity on each decode worker
-  but for forced growth, itself bounded by what the request can ever hold.
-- `quiet`: nothing reserved, nothing stranded, nothing live or owed anywhere.
+  but for the blocks forced growth added (a growth with no room preempts first, issue 31: what
+  is forced is classified by tests/sm_tenants.py `PreemptionWatch`) and the reservations a
+  renewal put back; each reservation bounded by what the request can ever hold.
+- tenants (issue 31): each limited tenant's holds in the store sum to its `hsum` key exactly,
+  each unexpired hold is a live replica's (or in flight, or of a killed replica, or its settle
+  failed: it expires by lease), and two or more holds never pass the tenant's
+  max_reserved_blocks but by the blocks forced resizes added (one hold alone may: the store
+  grants a tenant's only hold whatever its size, state/quotas.py).
+- `quiet`: nothing reserved, nothing stranded, nothing live or owed anywhere; no quota hold in
+  any router or the store, no live preemptible stream.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import redis
 from policies.base import blocks_for
 from state import Keys
 from tests.sm_cluster import BLOCK, Cluster
+from tests.sm_tenants import LIMITED
 
 __all__ = ["Snapshot", "snapshot", "exact", "quiet", "RequestBound"]
 
@@ -62,6 +71,11 @@ class Snapshot:
     owed_ledger: set[str] = field(default_factory=set)
     inflight: set[str] = field(default_factory=set)
     capacity: dict[str, int] = field(default_factory=dict)  # decode workers in some replica's pools
+    # limited tenant -> hold id -> (blocks, lease expiry); tenant -> its hsum key
+    holds: dict[str, dict[str, tuple[int, float]]] = field(default_factory=dict)
+    hsums: dict[str, int] = field(default_factory=dict)
+    router_holds: dict[str, tuple[int, str, int]] = field(default_factory=dict)  # id -> rep, t, b
+    preemptible: dict[int, list[str]] = field(default_factory=dict)  # replica -> live streams
 
 
 def _read_store(client: redis.Redis, workers: list[str]) -> Any:
@@ -73,6 +87,11 @@ def _read_store(client: redis.Redis, workers: list[str]) -> Any:
         pipe.get(KEYS.decode_sum(w))
         pipe.hgetall(KEYS.stranded_bytes(w))
         pipe.get(KEYS.stranded_sum(w))
+    for t in sorted(LIMITED):
+        _, holds, hexp, hsum = KEYS.tenant_quota(t)
+        pipe.hgetall(holds)
+        pipe.zrange(hexp, 0, -1, withscores=True)
+        pipe.get(hsum)
     return pipe.execute()
 
 
@@ -93,6 +112,12 @@ def snapshot(c: Cluster, client: redis.Redis) -> Snapshot:
         snap.owed_ledger |= set(leases.owed_unstrands) | set(leases.owed_strands)
         for w in r.gw.pools.decode_workers:
             snap.capacity[w.spec.id] = w.spec.capacity_blocks
+        for tenant, held in r.gw.requests.quota.holds.items():
+            for hid, b in held.items():
+                snap.router_holds[hid] = (r.index, tenant, b)
+        live = r.gw.requests.answering.preemptor.live
+        if live:
+            snap.preemptible[r.index] = [repr(s) for s in live.values()]
     snap.inflight = c.tracker.inflight_rids()
     if raw is None:
         return snap
@@ -107,6 +132,15 @@ def snapshot(c: Cluster, client: redis.Redis) -> Snapshot:
         snap.sums[w] = int(total or 0)
         snap.stranded[w] = {k.decode(): int(v) for k, v in strand.items()}
         snap.stranded_sums[w] = int(strand_sum or 0)
+    base = 1 + 5 * len(workers)
+    for j, t in enumerate(sorted(LIMITED)):
+        holds, hexp, hsum = raw[base + 3 * j : base + 3 * j + 3]
+        expiry = {k.decode(): score for k, score in hexp}
+        snap.holds[t] = {
+            k.decode(): (int(v.split(b"|")[0]), expiry.get(k.decode(), 0.0))
+            for k, v in holds.items()
+        }
+        snap.hsums[t] = int(hsum or 0)
     return snap
 
 
@@ -144,11 +178,9 @@ def exact(c: Cluster, s: Snapshot, bounds: Mapping[str, RequestBound]) -> list[s
             )
         cap = s.capacity.get(w)
         if cap is not None and not settling:
-            growth = sum(
-                max(0, b - c.tracker.rids[rid].initial)
-                for rid, b in unexpired.items()
-                if rid in c.tracker.rids
-            )
+            # Only what forced resizes added (a growth that found no room and could preempt
+            # nothing, or whose victims' room did not come back in time: sm_tenants.py).
+            growth = sum(c.tracker.forced.get(rid, 0) for rid in unexpired)
             # Known (bug table): new reservations take the room of reservations the store lost
             # before their renewal puts them back, over capacity.
             growth += sum(b for rid, b in unexpired.items() if rid in c.tracker.put_back)
@@ -170,11 +202,58 @@ def exact(c: Cluster, s: Snapshot, bounds: Mapping[str, RequestBound]) -> list[s
             if exp <= s.now and rid not in s.inflight:
                 state = "expired" if blocks else "missing"
                 bad.append(f"live reservation {rid} on {w} is {state} in the store")
+    bad += _tenant_holds(c, s, settling)
+    bad += c.preemptions.violations
     return bad
+
+
+def _tenant_holds(c: Cluster, s: Snapshot, settling: bool) -> list[str]:
+    bad: list[str] = []
+    watch = c.quotas
+    for t, held in s.holds.items():
+        if sum(b for b, _ in held.values()) != s.hsums[t]:
+            bad.append(f"tenant {t}: holds {held} do not sum to its hsum {s.hsums[t]}")
+        unexpired = {hid: b for hid, (b, exp) in held.items() if exp > s.now}
+        for hid in unexpired:
+            key = f"q:{hid}"
+            if hid in s.router_holds or key in s.inflight:
+                continue
+            if key in c.orphans:
+                continue
+            calls = c.tracker.history.get(key, [])
+            # A call that raised or was cancelled may have landed unseen: its lease ends it.
+            if any(_failed(out) for *_, out in calls):
+                continue
+            bad.append(f"tenant {t}: stranded quota hold {hid} ({unexpired[hid]} blocks): {calls}")
+        if settling or sum(1 for b in unexpired.values() if b > 0) < 2:
+            continue
+        total = sum(unexpired.values())
+        grown = sum(watch.allowance(hid)[0] for hid in unexpired)
+        by_try = sum(watch.allowance(hid)[1] for hid in unexpired)
+        put_back = sum(b for hid, b in unexpired.items() if hid in watch.put_back)
+        limit = LIMITED[t]
+        if total > limit + grown + by_try + put_back:
+            bad.append(
+                f"tenant {t}: holds {unexpired} = {total} blocks > its limit {limit} + forced "
+                f"growth {grown} + forced by tries {by_try} + put back {put_back}"
+            )
+        elif total > limit + grown + put_back:
+            watch.counts["hold past the limit by a try's forced hold"] += 1
+    return bad
+
+
+def _failed(outcome: str) -> bool:
+    return outcome == "cancelled" or "Error(" in outcome or "Exception(" in outcome
 
 
 def quiet(s: Snapshot) -> list[str]:
     bad: list[str] = []
+    if s.router_holds or s.preemptible:
+        bad.append(f"routers still hold quota holds {s.router_holds}, streams {s.preemptible}")
+    for t, held in s.holds.items():
+        live = {hid: b for hid, (b, exp) in held.items() if exp > s.now}
+        if live:
+            bad.append(f"tenant {t}: quota holds left {live}")
     if s.live or s.owed or s.strands or s.owed_ledger:
         bad.append(
             f"routers still hold: live={sorted(s.live)} owed={sorted(s.owed)} "

@@ -9,7 +9,13 @@ simulated worker, a decode worker to register and delete) with:
   that read the head and stop reading (closed by a later step);
 - admin actions: drain/undrain, the `both` worker's role, registering and deleting a worker;
 - faults: a worker stopped and brought back, Redis SIGKILLed and restarted empty, a replica
-  killed abruptly (its reservations expire by lease) and a new one started.
+  killed abruptly (its reservations expire by lease) and a new one started;
+- tenants (issue 31, tests/sm_tenants.py): every request under a random tenant's key (one
+  with a block limit, one with requests per minute, one unlimited; different weights), answers
+  of a natural length shorter than max_tokens (`X-Sim-Output-Tokens`); a tenant that poisons its
+  estimate with a burst of short answers, then sends long ones in the same max_tokens class;
+  preemption on (the default), so answers that outgrow their reservations preempt, and a rule
+  that makes a replica preempt every stream once mid-way (`preemption.force_after_tokens`).
 
 After every step, on one snapshot (tests/sm_invariants.py): the store's reservations are the
 routers' live view (but for owed releases, calls in flight, a killed replica's leases still
@@ -27,6 +33,7 @@ import asyncio
 import itertools
 import os
 import time
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -36,16 +43,22 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from disagg_tools.sim.textgen import expected_choice
 from tests.conftest import MODEL
 from tests.sm_clients import Held, Outcomes, hold, vanish, whole_or_stream
 from tests.sm_cluster import TOKEN, Cluster, LoopThread
 from tests.sm_invariants import RequestBound, exact, quiet, snapshot
+from tests.sm_tenants import TENANT_KEYS
 
 LONG_STEPS = int(os.environ.get("STATE_MACHINE_STEPS", "0"))
 STEPS_PER_RUN = 200 if LONG_STEPS else 20
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 HINTS = [None, None, "1", "4", "5000", "junk", "-3", "²", " 12"]
 WORKERS = ("p0", "p1", "d0", "d1", "b0")
+TENANT_NAMES = sorted(TENANT_KEYS)
+CHAT = "/v1/chat/completions"
+POISONED_MAX_TOKENS = 2000
+MEAN_TOKENS = 48  # the simulated workers' mean answer (tests/sm_cluster.py)
 QUIET_WITHIN_S = 20.0  # a killed replica's leases (3 s) and stranded entries (~5 s) run out
 
 _loop: LoopThread | None = None
@@ -67,7 +80,8 @@ def loop() -> LoopThread:
     return _loop
 
 
-# One client: (kind, stream, hint, n, max_tokens, long answer, replica, bytes read if vanishing)
+# One client: (kind, stream, hint, n, max_tokens, long answer, replica, bytes read if vanishing,
+# tenant, natural answer length)
 client = st.tuples(
     st.sampled_from(["read", "read", "read", "vanish", "hold"]),
     st.booleans(),
@@ -77,6 +91,8 @@ client = st.tuples(
     st.booleans(),  # ignore_eos: the answer runs to max_tokens
     st.integers(0, 1),
     st.sampled_from([0, 200, 2000]),
+    st.sampled_from(TENANT_NAMES),
+    st.sampled_from([None, None, 4, 200]),  # X-Sim-Output-Tokens
 )
 
 
@@ -103,10 +119,19 @@ class ReservationMachine(RuleBasedStateMachine):
 
     # -- requests --------------------------------------------------------------------------
     def _request(
-        self, stream: bool, hint: str | None, n: int, max_tokens: int, long: bool
-    ) -> tuple[dict[str, Any], dict[str, str]]:
+        self,
+        stream: bool,
+        hint: str | None,
+        n: int,
+        max_tokens: int,
+        long: bool,
+        tenant: str,
+        natural: int | None,
+        content: str = "",
+    ) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+        """The body, the headers and each choice's exact answer of one request."""
         rid = f"sm{next(self.ids)}"
-        content = f"{rid}: tell me about reservations " * (1 + int(rid[2:]) % 4)
+        content = content or f"{rid}: tell me about reservations " * (1 + int(rid[2:]) % 4)
         body: dict[str, Any] = {
             "model": MODEL,
             "messages": [{"role": "user", "content": content}],
@@ -117,11 +142,13 @@ class ReservationMachine(RuleBasedStateMachine):
             body["n"] = n
         if long:
             body["ignore_eos"] = True
-        headers = {"X-Request-Id": rid}
+        sim = {} if natural is None else {"X-Sim-Output-Tokens": str(natural)}
+        headers = {"X-Request-Id": rid, "Authorization": f"Bearer {TENANT_KEYS[tenant]}", **sim}
         if hint is not None:
             headers["X-Expected-Output-Tokens"] = hint
         self.bounds[rid] = RequestBound(len(content), max_tokens, n)
-        return body, headers
+        expected = [expected_choice(CHAT, body, i, sim, MEAN_TOKENS)[0] for i in range(n)]
+        return body, headers, expected
 
     def _url(self, replica: int) -> str:
         alive = self.c.alive
@@ -140,21 +167,77 @@ class ReservationMachine(RuleBasedStateMachine):
         self._start(clients)
 
     def _start(self, clients: list[tuple[Any, ...]]) -> None:
-        for kind, stream, hint, n, max_tokens, long, replica, after_bytes in clients:
+        for kind, stream, hint, n, max_tokens, long, replica, after_bytes, *who in clients:
+            tenant, natural = who
             url = self._url(replica)
             if kind == "hold":  # a long stream, so its writes outgrow the buffers
-                body, headers = self._request(True, hint, 1, 4000, True)
+                body, headers, _ = self._request(True, hint, 1, 4000, True, tenant, None)
                 held = Held()
                 self.held.append(held)
                 self._spawn(hold(url, body, headers, held, self.out), f"hold {headers}")
                 continue
-            body, headers = self._request(stream, hint, n, max_tokens, long)
+            body, headers, expected = self._request(
+                stream, hint, n, max_tokens, long, tenant, natural
+            )
             if kind == "vanish":
                 what = f"vanish after {after_bytes} B {headers} {body}"
                 self._spawn(vanish(url, body, headers, after_bytes, self.out), what)
             else:
-                what = f"read {headers} {body} on {url}"
-                self._spawn(whole_or_stream(self.session, url, body, headers, self.out), what)
+                self._read(url, body, headers, expected)
+
+    def _read(
+        self, url: str, body: dict[str, Any], headers: dict[str, str], expected: list[str]
+    ) -> None:
+        what = f"read {headers} {body} on {url}"
+        self._spawn(whole_or_stream(self.session, url, body, headers, self.out, expected), what)
+
+    @rule(
+        tenant=st.sampled_from(TENANT_NAMES),
+        burst=st.integers(2, 3),
+        long=st.lists(
+            st.tuples(st.booleans(), st.sampled_from([400, 1200, 1900]), st.integers(0, 1)),
+            min_size=2,
+            max_size=8,
+        ),
+    )
+    def poison(self, tenant: str, burst: int, long: list[tuple[bool, int, int]]) -> None:
+        """Issue 31's hostile tenant: answers that stop after 3 tokens under max_tokens 2,000
+        (`burst` pairs, one answer on each replica, a pair at a time: cold, each reserves its
+        whole cap, and a limited tenant's would be refused for its limit all at once) teach
+        the tenant's estimate for that class a few tokens; then long answers in the same class,
+        admitted on that estimate, outgrow their reservations: streams preempt (for the
+        tenant's limit or a full worker), whole answers grow by force where none can be."""
+        pad = "poison the estimate of this class "
+        for _ in range(burst):
+            self._shorts(tenant, pad)
+        # A replica's histogram cache answers from what it has and refreshes behind (every
+        # 0.2 s): one more short answer on each replica makes both read the burst's.
+        time.sleep(0.25)
+        self._shorts(tenant, pad)
+        time.sleep(0.25)
+        for stream, natural, replica in long:
+            body, headers, expected = self._request(
+                stream, None, 1, POISONED_MAX_TOKENS, False, tenant, natural, pad
+            )
+            self._read(self._url(replica), body, headers, expected)
+
+    def _shorts(self, tenant: str, content: str) -> None:
+        clients = []
+        for replica in (0, 1):
+            body, headers, expected = self._request(
+                True, None, 1, POISONED_MAX_TOKENS, False, tenant, 3, content
+            )
+            url = self._url(replica)
+            clients.append(whole_or_stream(self.session, url, body, headers, self.out, expected))
+        self.lt.run(_all(clients))
+
+    @rule(load=load, which=st.integers(0, 1), after=st.sampled_from([0, 5, 40]))
+    def forced_preemption(self, load: list[tuple[Any, ...]], which: int, after: int) -> None:
+        """A replica preempts every resumable stream once when it has relayed `after` tokens
+        (the test-only preemption.force_after_tokens; 0: off again): each resumes exactly."""
+        preemptor = self.c.alive[which % len(self.c.alive)].gw.requests.answering.preemptor
+        preemptor.settings = replace(preemptor.settings, force_after_tokens=after)
+        self._start(load)
 
     @precondition(lambda self: self.held)
     @rule(which=st.integers(0, 7))
@@ -282,9 +365,26 @@ class ReservationMachine(RuleBasedStateMachine):
             self._check_quiet()
         finally:
             print(f"state machine run: {self.steps} steps, outcomes {self.out.statuses}")
+            counts = self.c.preemptions.counts + self.c.quotas.counts
+            preempted = {
+                reason: sum(
+                    int(_counter(r.gw.metrics.preemptions, reason=reason)) for r in self.c.replicas
+                )
+                for reason in ("worker_full", "tenant_limit", "forced")
+            }
+            print(f"  preemptions {preempted}; {dict(counts)}; 429s {dict(self.out.reasons)}")
             self.lt.run(self.session.close())
             self.lt.run(self.c.close())
             self.sync.close()
+
+
+async def _all(clients: list[Any]) -> None:
+    await asyncio.gather(*clients)
+
+
+def _counter(metric: Any, **labels: str) -> float:
+    value: float = metric.labels(**labels)._value.get()
+    return value
 
 
 async def _session() -> aiohttp.ClientSession:
