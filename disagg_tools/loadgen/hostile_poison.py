@@ -5,9 +5,10 @@ estimate, then streams long answers beside another tenant's wide requests.
 
 Two router replicas on a private, password-protected redis-server; one prefill worker, one or
 two simulated decode workers of 3,000 blocks; tenants `qc` (max_reserved_blocks 100) and `v`,
-each with its key. `qc` sends 25 requests with max_tokens 2,000 whose answers stop after 4
-tokens (X-Sim-Output-Tokens: 4), one at a time, each until answered (the last one per
-replica after a pause, so that each replica's cached statistics hold them: `_poison`);
+each with its key. `qc` sends requests with max_tokens 2,000 whose answers stop after 4
+tokens (X-Sim-Output-Tokens: 4), one at a time, until its own estimator classes hold 25 of
+them, then one per replica after a pause (so that each replica's cached statistics hold
+them: `_poison`);
 then, all at once, `qc`'s 10 streams of 2,000-token answers (max_tokens 2,000) and `v`'s 4
 requests of n = 16 x 2,000 tokens (non-streaming), spread over both replicas.
 
@@ -29,13 +30,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import redis.asyncio as aioredis
 
 from disagg_tools.loadgen.hostile_cluster import MODEL, HostileCluster, StoreSampler
+from disagg_tools.loadgen.hostile_holds import AttackerPeak, AttackerSampler
 from disagg_tools.loadgen.hostile_report import clients, reservations
 from disagg_tools.loadgen.hostile_run import bounded, peak_targets, sim_states, target
 from disagg_tools.loadgen.hostile_tenants import (
-    HoldPeak,
-    HoldSampler,
     WideResult,
     keyed,
     send_wide,
@@ -58,7 +59,6 @@ class PoisonSpec:
     limit_blocks: int = 100  # qc's max_reserved_blocks
     poison_requests: int = 25
     poison_tokens: int = 4  # where qc's poisoning answers stop
-    poison_concurrency: int = 1  # one at a time (`_poison`: why)
     max_tokens: int = 2000  # of every request of both tenants
     streams: int = 10  # qc's concurrent long streams
     stream_tokens: int = 2000
@@ -91,36 +91,46 @@ async def _poison(
 ) -> tuple[list[Result], int]:
     """qc's short answers, and how many of its tries were refused (429) and tried again.
 
-    Every one of them is answered: while qc's estimate is cold a request reserves its whole
-    max_tokens (132 blocks, over the limit), which the store grants only to a tenant holding
-    nothing, and the hold of the one before is given back a moment after its client saw its
-    end; a refused try is sent again after a short pause, as an attacker would.
+    Sent one at a time over both replicas until the store holds `poison_requests` of them in
+    qc's own classes (a few more may be needed: an answer whose client closed at its last
+    event is not always recorded), each try refused for qc's limit sent again after a short
+    pause (while qc's estimate is cold a request reserves its whole max_tokens, over the
+    limit, which the store grants only to a tenant holding nothing, and the hold of the one
+    before is given back a moment after its client saw its end).
 
-    A replica's estimator statistics are a cache, refreshed in the background while the
-    stale copy answers (router/histograms.py): the first request after a pause is estimated
-    on what was there a moment before. So the last ones, one per replica, come after a pause
-    of a few refresh periods, as an attacker checking that the poison took would: each
-    replica's copy then holds every poisoned answer."""
+    A replica's estimator statistics are a cache refreshed in the background while the stale
+    copy answers (router/histograms.py): the first request after a pause is estimated on what
+    was there a moment before. So one more request per replica comes after a pause of a few
+    refresh periods, as an attacker checking that the poison took would."""
     urls = cluster.router_urls
-    gate = asyncio.Semaphore(spec.poison_concurrency)
     refused = 0
 
     async def one(i: int) -> Result:
         nonlocal refused
         req = _request(7_000_000 + i, spec.poison_tokens, spec.max_tokens)
-        async with gate:
-            for _ in range(_POISON_TRIES):
-                res = await send(session, urls[i % len(urls)], req, deadline_s=spec.wait_s)
-                if res.status != 429:
-                    break
-                refused += 1
-                await asyncio.sleep(0.2)
-            return res
+        for _ in range(_POISON_TRIES):
+            res = await send(session, urls[i % len(urls)], req, deadline_s=spec.wait_s)
+            if res.status != 429:
+                break
+            refused += 1
+            await asyncio.sleep(0.2)
+        return res
 
-    last = max(0, spec.poison_requests - len(urls))
-    results = list(await asyncio.gather(*(one(i) for i in range(last))))
+    results: list[Result] = []
+    while len(results) < 2 * spec.poison_requests:
+        results.append(await one(len(results)))
+        if (
+            len(results) >= spec.poison_requests
+            and min(
+                (c.get(spec.poison_tokens, 0) for c in (await _own_classes(cluster)).values()),
+                default=0,
+            )
+            >= spec.poison_requests
+        ):
+            break
     await asyncio.sleep(_REFRESH_PAUSE_S)
-    results += await asyncio.gather(*(one(i) for i in range(last, spec.poison_requests)))
+    for _ in urls:
+        results.append(await one(len(results)))
     await asyncio.sleep(_REFRESH_PAUSE_S)
     return results, refused
 
@@ -155,7 +165,23 @@ async def _attack(
     return list(got_streams), list(got_wide)
 
 
-def _plain(peaks: dict[str, dict[str, HoldPeak]]) -> dict[str, Any]:
+async def _own_classes(cluster: HostileCluster) -> dict[str, dict[int, int]]:
+    """qc's own estimator classes as the store holds them (state/keys.py `output_stats`:
+    `{os:t=qc|<class>}`, output-length bucket -> answers): what the poison taught."""
+    client = aioredis.from_url(cluster.redis_url)
+    try:
+        keys = [k async for k in client.scan_iter(f"{cluster.key_prefix}{{os:t={ATTACKER}|*")]
+        return {
+            k.decode().split("{os:", 1)[1].rstrip("}"): {
+                int(b): int(n) for b, n in (await client.hgetall(k)).items()
+            }
+            for k in keys
+        }
+    finally:
+        await client.aclose()
+
+
+def _plain(peaks: dict[str, dict[str, AttackerPeak]]) -> dict[str, Any]:
     return {phase: {t: asdict(p) for t, p in by.items()} for phase, by in peaks.items()}
 
 
@@ -176,13 +202,14 @@ async def _scenario(
 ) -> dict[str, Any]:
     decode = cluster.shape.decode_ids
     store = StoreSampler(cluster.redis_url, cluster.key_prefix, decode)
-    holds = HoldSampler(cluster.redis_url, cluster.key_prefix, [ATTACKER, VICTIM])
+    holds = AttackerSampler(cluster.redis_url, cluster.key_prefix, ATTACKER, [VICTIM], decode)
     store.start()
     holds.start()
     t0 = time.perf_counter()
     try:
         holds.phase = "poison"
         poison, poison_refused = await _poison(spec, cluster, session)
+        taught = await _own_classes(cluster)
         holds.phase = "attack"
         t1 = time.perf_counter()
         streams, wide = await _attack(spec, cluster, session)
@@ -192,8 +219,8 @@ async def _scenario(
     left = await settle(cluster, [ATTACKER, VICTIM])
     engine = {wid: s["preemptions"] for wid, s in (await sim_states(session, cluster)).items()}
     res = reservations(store.samples)
-    attacker_peak = holds.highest(ATTACKER)
-    attacker_shared = holds.highest(ATTACKER, shared=True)
+    hold, shared_hold = holds.highest("hold"), holds.highest("hold, shared")
+    real, shared_real = holds.highest("reserved"), holds.highest("reserved, shared")
     wide_rep = _wide_report(wide)
     poison_ok = sum(r.outcome == "ok" for r in poison)
     streams_ok = sum(r.outcome == "ok" for r in streams)
@@ -208,12 +235,14 @@ async def _scenario(
         },
         "extra": {
             "qc poison 429s": f"{poison_refused} tries refused and sent again",
+            "qc's classes": taught,  # before the attack
             "v wide": wide_rep,
-            "hold peaks": {
-                "by phase": _plain(holds.peak),
-                "with more than one request holding": _plain(holds.shared_peak),
+            "qc peaks": _plain(holds.peaks),
+            "qc samples": {
+                "samples": holds.samples,
+                "with no other tenant holding": holds.alone,
+                "errors": holds.errors,
             },
-            "hold samples": {"samples": holds.samples, "errors": holds.errors},
             "left in store": left,
         },
         "targets": {
@@ -223,10 +252,16 @@ async def _scenario(
                 f"per decode worker {engine}",
             ),
             "qc's hold never above its limit": target(
-                holds.samples > 0 and attacker_peak.total <= spec.limit_blocks,
-                f"peak hold {attacker_peak.total} of {spec.limit_blocks} blocks, its largest "
-                f"request {attacker_peak.largest}, {attacker_peak.holding} holding; with more "
-                f"than one holding: {attacker_shared.total} ({holds.samples} samples)",
+                holds.samples > 0 and hold.hold <= spec.limit_blocks,
+                f"peak hold {hold.hold} of {spec.limit_blocks} blocks (its largest request "
+                f"{hold.largest}, {hold.holding} holding); with more than one holding: "
+                f"{shared_hold.hold} ({holds.samples} samples)",
+            ),
+            "qc's real reservation never above its limit": target(
+                holds.alone > 0 and real.reserved <= spec.limit_blocks,
+                f"peak {real.reserved} blocks in {real.reservations} reservations (its hold "
+                f"then {real.hold}); with more than one: {shared_real.reserved} in "
+                f"{shared_real.reservations} ({holds.alone} samples with v holding nothing)",
             ),
             "every text exact": target(
                 poison_ok == len(poison)
@@ -247,7 +282,9 @@ async def run_poison(spec: PoisonSpec, *, workdir: Path | None = None) -> dict[s
         (("p0", "prefill"), *decode),
         [
             {"name": ATTACKER, "max_reserved_blocks": spec.limit_blocks},
-            {"name": VICTIM},
+            # A limit that never binds: v's holds are then in the store, and qc's real
+            # reservation is what is reserved minus them (hostile_holds).
+            {"name": VICTIM, "max_reserved_blocks": 100 * spec.decode_blocks},
         ],
         decode_blocks=spec.decode_blocks,
         time_scale=spec.time_scale,
@@ -262,6 +299,6 @@ async def run_poison(spec: PoisonSpec, *, workdir: Path | None = None) -> dict[s
         shape,
         lambda cluster, session: _scenario(spec, cluster, session),
         budget_s=2 * spec.wait_s + 120.0,
-        sessions=spec.streams + spec.wide_requests + spec.poison_concurrency + 16,
+        sessions=spec.streams + spec.wide_requests + 16,
         workdir=workdir,
     )

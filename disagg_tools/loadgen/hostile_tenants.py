@@ -4,9 +4,6 @@ store's view of a tenant's hold, the admin calls, and the end-of-run checks.
     tenant_cluster   the issue's setting: a HostileCluster with requirepass on its private
                      Redis and `tenants` (each with its key) in every replica's config
     keyed            a LoadRequest sent with a tenant's key (Authorization: Bearer)
-    HoldSampler      every ~50 ms, each tenant's concurrent-blocks hold as the store keeps it
-                     (state/keys.py `tenant_quota`: the `:hsum` key): what the router holds
-                     for the tenant across every replica, not one replica's view
     send_wide        one non-streaming request with `n` choices, every choice checked against
                      the simulated worker's deterministic answer (textgen.expected_choice)
     settle           after the traffic: wait (bounded) until the store holds no reservation
@@ -17,9 +14,8 @@ store's view of a tenant's hold, the admin calls, and the end-of-run checks.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -36,10 +32,9 @@ from disagg_tools.loadgen.loadclient import ORACLE_HEADER, LoadRequest
 from disagg_tools.sim.textgen import expected_choice
 
 __all__ = [
-    "HoldPeak",
-    "HoldSampler",
     "WideResult",
     "admin_post",
+    "hsum_key",
     "keyed",
     "send_wide",
     "settle",
@@ -79,87 +74,8 @@ def keyed(req: LoadRequest, tenant: str) -> LoadRequest:
     return replace(req, headers={**req.headers, "Authorization": f"Bearer {tenant_key(tenant)}"})
 
 
-def _hsum_key(prefix: str, tenant: str) -> str:
+def hsum_key(prefix: str, tenant: str) -> str:
     return f"{prefix}{{t:{tenant}}}:hsum"  # state/keys.py, Keys.tenant_quota(tenant)[3]
-
-
-@dataclass(frozen=True, order=True, slots=True)
-class HoldPeak:
-    """A tenant's hold in one sample: the sum the store keeps, what its largest request held,
-    and how many of its requests held blocks then (a preempted stream's hold is 0)."""
-
-    total: int = 0
-    largest: int = 0
-    holding: int = 0
-
-
-@dataclass
-class HoldSampler:
-    """Each tenant's hold (`:hsum`, and the per-request `:holds` it sums) read from the store
-    every `period_s` in one transaction. The peaks per phase (`phase`, set by the caller): the
-    highest sum (`peak`), and the highest sum while more than one request held blocks
-    (`shared_peak`) — the store lets a tenant holding nothing take or grow ONE request past
-    its limit (state/quota_scripts.py: else a request larger than the limit could never be
-    served), so only the latter says whether requests together passed it."""
-
-    redis_url: str
-    prefix: str
-    tenants: list[str]
-    period_s: float = 0.05
-    phase: str = "run"
-    peak: dict[str, dict[str, HoldPeak]] = field(default_factory=dict)  # phase -> tenant ->
-    shared_peak: dict[str, dict[str, HoldPeak]] = field(default_factory=dict)
-    samples: int = 0
-    errors: int = 0
-    _stop: asyncio.Event = field(default_factory=asyncio.Event)
-    _task: asyncio.Task[None] | None = None
-
-    def highest(self, tenant: str, shared: bool = False) -> HoldPeak:
-        peaks = (self.shared_peak if shared else self.peak).values()
-        return max((p.get(tenant, HoldPeak()) for p in peaks), default=HoldPeak())
-
-    async def _loop(self) -> None:
-        client = aioredis.from_url(self.redis_url)
-        try:
-            while not self._stop.is_set():
-                try:
-                    await self._sample(client)
-                except (OSError, aioredis.RedisError, ValueError):
-                    self.errors += 1
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), self.period_s)
-        finally:
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(2.0):
-                    await client.aclose()
-
-    async def _sample(self, client: aioredis.Redis) -> None:
-        pipe = client.pipeline(transaction=True)  # the sum and its holds at one instant
-        for t in self.tenants:
-            pipe.get(_hsum_key(self.prefix, t))
-            pipe.hvals(f"{self.prefix}{{t:{t}}}:holds")  # "blocks|expected end" each
-        values = await pipe.execute()
-        self.samples += 1
-        for i, tenant in enumerate(self.tenants):
-            blocks = [int(v.split(b"|", 1)[0]) for v in values[2 * i + 1]]
-            now = HoldPeak(
-                int(values[2 * i] or 0), max(blocks, default=0), sum(b > 0 for b in blocks)
-            )
-            peaks = self.peak.setdefault(self.phase, {})
-            peaks[tenant] = max(peaks.get(tenant, HoldPeak()), now)
-            if now.holding > 1:
-                shared = self.shared_peak.setdefault(self.phase, {})
-                shared[tenant] = max(shared.get(tenant, HoldPeak()), now)
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
-
-    async def stop(self) -> None:
-        self._stop.set()  # between two reads, not by cancelling one (StoreSampler.stop: why)
-        if self._task is not None:
-            done, _ = await asyncio.wait({self._task}, timeout=5.0)
-            if not done:
-                self._task.cancel()
 
 
 @dataclass(slots=True)
@@ -245,7 +161,7 @@ async def settle(
                 pipe.get(f"{prefix}{{d:{wid}}}:sum")
                 pipe.hlen(f"{prefix}{{d:{wid}}}:res")
             for t in tenants:
-                pipe.get(_hsum_key(prefix, t))
+                pipe.get(hsum_key(prefix, t))
             answers = await pipe.execute()
             left = {
                 "reserved": {w: int(answers[2 * i] or 0) for i, w in enumerate(workers)},
