@@ -149,6 +149,25 @@ class PreemptionWatch:
         def choose(grower_id: str, tenant: str, need: int, decode_id: str | None) -> Any:
             victims = real_choose(grower_id, tenant, need, decode_id)
             self.choices.setdefault(grower_id, []).append((time.time(), victims.stream_ids))
+            if not victims and preemptor.enabled:
+                # Nothing chosen: then the grower is no candidate and the tenant's others here
+                # (on the worker when it is full) hold less than the growth needs.
+                bound = preemptor.settings.max_per_stream
+                others = [
+                    s
+                    for s in preemptor.live.values()
+                    if s.reason is None
+                    and s.tenant == tenant
+                    and preemptor._count.get(s.reservation_id, 0) < bound
+                    and decode_id in (None, s.decode_id)
+                ]
+                if any(s.reservation_id == grower_id for s in others) or (
+                    sum(s.blocks() for s in others) >= need
+                ):
+                    self.violations.append(
+                        f"replica {replica}: the preemption rule chose nothing for {grower_id} "
+                        f"(tenant {tenant}, {need} blocks on {decode_id}) among {others}"
+                    )
             kind = "worker_full" if decode_id is not None else "tenant_limit"
             chosen = len(victims.stream_ids) if victims else "none"
             self.counts[f"preemption rule, {kind}: {chosen} chosen"] += 1

@@ -58,6 +58,8 @@ WORKERS = ("p0", "p1", "d0", "d1", "b0")
 TENANT_NAMES = sorted(TENANT_KEYS)
 CHAT = "/v1/chat/completions"
 POISONED_MAX_TOKENS = 2000
+# The long answers after the poison: shorter in CI's budget (each waiting step waits for them).
+POISON_NATURAL = [400, 1200, 1900] if LONG_STEPS else [300, 1000]
 MEAN_TOKENS = 48  # the simulated workers' mean answer (tests/sm_cluster.py)
 QUIET_WITHIN_S = 20.0  # a killed replica's leases (3 s) and stranded entries (~5 s) run out
 
@@ -195,9 +197,9 @@ class ReservationMachine(RuleBasedStateMachine):
         tenant=st.sampled_from(TENANT_NAMES),
         burst=st.integers(2, 3),
         long=st.lists(
-            st.tuples(st.booleans(), st.sampled_from([400, 1200, 1900]), st.integers(0, 1)),
+            st.tuples(st.booleans(), st.sampled_from(POISON_NATURAL), st.integers(0, 1)),
             min_size=2,
-            max_size=8,
+            max_size=8 if LONG_STEPS else 6,
         ),
     )
     def poison(self, tenant: str, burst: int, long: list[tuple[bool, int, int]]) -> None:
