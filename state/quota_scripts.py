@@ -193,13 +193,13 @@ if v then
 end
 local held = tonumber(redis.call('GET', KEYS[4]) or '0')
 local others = held - old
-if not force and blocks > old and others > 0 and others + blocks > maxb then
-  local soonest = math.huge
+if not force and blocks > old and others + blocks > maxb then
+  local soonest = now
   local all = redis.call('HGETALL', KEYS[2])
   for i = 1, #all, 2 do
     if all[i] ~= id then
       local e = tonumber(string.match(all[i + 1], '|(.+)$'))
-      if e < soonest then soonest = e end
+      if soonest == now or e < soonest then soonest = e end
     end
   end
   return {0, fmt(math.max(0.05, soonest - now, 1.0)), held}

@@ -195,9 +195,11 @@ def resize_hold_now(
     """`resize_quota_hold` on `state`: the hold `hold_id` becomes `blocks` (what its request
     really holds now: a reservation grown, or a new try's), unless that takes the tenant past
     `max_reserved_blocks` — then nothing changes and the verdict names the limit. Shrinking is
-    always granted; so is a request alone over the limit (the rule `take_quota` keeps), and
-    `force` (the blocks are held on the worker whatever the count says: an honest count beats a
-    refusal). A hold the store lost is put back at `blocks` under the same rule."""
+    always granted, and `force` (the blocks are held on the worker whatever the count says: an
+    honest count beats a refusal). Unlike `take_quota`, a request alone is not let past the
+    limit: the router sizes a request's reservation within its tenant's limit, and an answer
+    that outgrows the whole limit by itself is ended (router/request/holdings.py). A hold the
+    store lost is put back at `blocks` under the same rule."""
     state.purge(now)
     max_blocks = quota.max_reserved_blocks
     if max_blocks is None:
@@ -205,8 +207,9 @@ def resize_hold_now(
     held = state.holds.get(hold_id)
     old = held[0] if held is not None else 0
     others = state.held_blocks - old
-    if not force and blocks > old and others > 0 and others + blocks > max_blocks:
-        soonest = min(end for hid, (_, _, end) in state.holds.items() if hid != hold_id)
+    if not force and blocks > old and others + blocks > max_blocks:
+        ends = [end for hid, (_, _, end) in state.holds.items() if hid != hold_id]
+        soonest = min(ends, default=now)
         return QuotaTaken(
             False,
             "max_reserved_blocks",

@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import openai
 import orjson
+import pytest
 from openai import AsyncOpenAI
 
 from disagg_tools.sim.textgen import expected_answer
@@ -218,3 +220,50 @@ def test_the_rule_takes_the_growers_own_tenant_newest_first() -> None:
     assert not choose_victims(spent, "grower", "qc", 1, "d0", bound=2)
     # Another tenant's growth never takes qc's streams.
     assert not choose_victims(streams[:4], "x", "v", 1, "d0", bound=2)
+
+
+async def test_an_answer_that_outgrows_its_tenants_whole_limit_ends_with_the_limit(
+    redis_prefix: str,
+) -> None:
+    """Issue 31: the hold never above the limit. `qc` may hold 15 blocks (240 tokens); an
+    answer of 400 tokens alone cannot be held within it: its reservation starts within the
+    limit, grows up to it, and the stream then ends with the limit's error frame after the
+    exact text so far — never a hold past 15 (before: the store let a request alone grow past
+    its tenant's limit)."""
+    tenants = [{"name": "qc", "keys": [KEY_QC], "max_reserved_blocks": 15}]
+    async with sim_cluster(redis_prefix=redis_prefix, time_scale=50.0, tenants=tenants) as c:
+        gw = c.gateway
+        peak = 0
+        done = asyncio.Event()
+
+        async def sample() -> None:
+            nonlocal peak
+            while not done.is_set():
+                peak = max(peak, sum(gw.requests.quota.holds.get("qc", {}).values()))
+                await asyncio.sleep(0.002)
+
+        sampler = asyncio.create_task(sample())
+        text: list[str] = []
+        try:
+            async with _client(c.router_url, KEY_QC) as client:
+                stream = await client.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": "too long"}],
+                    max_tokens=400,
+                    stream=True,
+                    extra_headers={"X-Sim-Output-Tokens": "400"},
+                )
+                with pytest.raises(openai.APIError) as info:
+                    async for chunk in stream:
+                        if chunk.choices and chunk.choices[0].delta.content:
+                            text.append(chunk.choices[0].delta.content)
+        finally:
+            done.set()
+            await sampler
+        assert "limit of 15 reserved decode blocks" in info.value.message
+        assert info.value.body is not None and info.value.body["code"] == "max_reserved_blocks"
+        whole = _expected("too long", 400, 400)
+        assert text and whole.startswith("".join(text)) and "".join(text) != whole
+        assert 0 < peak <= 15, peak
+        assert _counter(gw.metrics.reservation_forced_growth) == 0
+        await _quiet(c)

@@ -207,14 +207,19 @@ async def test_a_hold_follows_its_reservation_within_the_limit(
     assert await store.settle_quota("qc", quota, "h0", 0) == 10
 
 
-async def test_a_request_alone_may_hold_past_the_limit_and_a_lost_hold_is_put_back(
+async def test_a_hold_never_grows_past_the_limit_alone_and_a_lost_hold_is_put_back(
     clocked: tuple[StateStore, SteppedClock],
 ) -> None:
+    """Unlike `take_quota`, a request alone may not grow past the limit (issue 31: the hold
+    never above it); only `force` records blocks the worker holds anyway."""
     store, clock = clocked
     quota = Quota(max_reserved_blocks=100)
     assert await store.take_quota("qc", quota, "h0", 10, 1, LEASE, 5)
     alone = await store.resize_quota_hold("qc", quota, "h0", 150, LEASE)
-    assert alone and alone.held_blocks == 150  # `take_quota`'s rule: nothing else is held
+    assert not alone and alone.limit == "max_reserved_blocks" and alone.held_blocks == 1
+    assert (await store.resize_quota_hold("qc", quota, "h0", 100, LEASE)).held_blocks == 100
+    forced = await store.resize_quota_hold("qc", quota, "h0", 150, LEASE, force=True)
+    assert forced and forced.held_blocks == 150
     clock.advance(LEASE + 1)  # its lease ran out: the store dropped it
     back = await store.resize_quota_hold("qc", quota, "h0", 40, LEASE)
     assert back and back.held_blocks == 40

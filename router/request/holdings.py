@@ -30,7 +30,7 @@ from router.admission import Admission
 from router.background import BackgroundTasks
 from router.leases import LeaseKeeper
 from router.metrics import RouterMetrics
-from router.request.preemption import Preemptor
+from router.request.preemption import OVER_LIMIT, Preemptor
 from router.workers.accounting import LocalAccounting
 from router.workers.membership import Membership
 from state.base import StateStore, StrandIntent
@@ -125,6 +125,7 @@ class Reservation:
         "itl_s",
         "tenant",
         "follow_hold",
+        "block_limit",
     )
 
     def __init__(
@@ -151,6 +152,7 @@ class Reservation:
         # once the try holds it; None: the tenant's blocks are not limited).
         self.tenant = ""
         self.follow_hold: FollowHold | None = None
+        self.block_limit: int | None = None  # the tenant's max_reserved_blocks
 
     @classmethod
     def hold(
@@ -221,6 +223,9 @@ class Reservation:
             rid = self.reservation_id
             follow = self.follow_hold
             if follow is not None and not await follow(blocks, False):
+                limit = self.block_limit
+                if limit is not None and blocks > limit and book.preemptor.stop(rid, OVER_LIMIT):
+                    return  # alone it outgrows its tenant's whole limit: it ends (lifecycle)
                 made = await self._make_room(blocks, None, lambda: follow(blocks, False))
                 if made is None:
                     return  # preempted itself: no growth
@@ -260,6 +265,10 @@ class Reservation:
         caller forces); None: this stream itself was preempted."""
         book = self.book
         preemptor = book.preemptor
+        if decode_id is not None and blocks > max(
+            (w.capacity_blocks for w in book.members.decode_workers), default=0
+        ):
+            return False  # more than any decode worker holds: its continuation fits nowhere
         reason = "worker_full" if decode_id is not None else "tenant_limit"
         victims = preemptor.choose(
             self.reservation_id, self.tenant, blocks - self.blocks, decode_id

@@ -33,6 +33,7 @@ from router.api import RESPONSES, ParsedRequest
 from router.config import Settings
 from router.errors import (
     DeadlineExceeded,
+    QuotaExceeded,
     RouterError,
     UpstreamError,
     as_router_error,
@@ -42,7 +43,8 @@ from router.request.assemble import stream_upstream, streamable
 from router.request.attempt import Ask, Attempt, Call, LegFailure, loop_time
 from router.request.holdings import Record
 from router.request.legs import Legs
-from router.request.quota import QuotaGate
+from router.request.preemption import OVER_LIMIT
+from router.request.quota import QuotaGate, over_limit_error
 from router.request.release import Releaser
 from router.request.reserve import Reserver, Seat
 from router.request.respond import (
@@ -212,6 +214,8 @@ class RequestFlow:
                     return await self._served(ended)
                 await self.release_attempt()
                 if isinstance(ended, Preempted):
+                    if ended.reason == OVER_LIMIT:
+                        raise self._over_limit(ended, ask)
                     ask, info, resume_by = await self._after_preemption(ended)
                     continue
                 resume_by = None
@@ -232,6 +236,17 @@ class RequestFlow:
                 self.status = err.status
                 await responder.write_error(err)
                 return None
+
+    def _over_limit(self, ended: Preempted, ask: Ask) -> QuotaExceeded:
+        """The answer alone outgrew its tenant's whole block limit: it ends with the limit's
+        error (mid-stream: an error frame after the tokens it had)."""
+        hold, tenant = self.seat.quota, self.seat.tenant
+        limit = tenant.limits.max_reserved_blocks or 0
+        sent = ask.resumed + ended.tokens
+        self.stages.metrics.tenant_rejections.labels(
+            tenant=tenant.name, reason="max_reserved_blocks"
+        ).inc()
+        return over_limit_error(tenant.name, limit, hold.blocks if hold else limit, sent)
 
     async def _after_preemption(self, preempted: Preempted) -> tuple[Ask, RequestInfo, float]:
         """The try that continues a preempted stream: the text the client has, re-prefilled;
@@ -271,6 +286,7 @@ class RequestFlow:
         if hold is not None and hold.limited:
             await quota.follow(hold, reservation.blocks, True)
             reservation.follow_hold = lambda blocks, force: quota.follow(hold, blocks, force)
+            reservation.block_limit = hold.tenant.limits.max_reserved_blocks
         try:
             decode = await stages.legs.open(self.call, attempt, ask)
         except LegFailure as failure:

@@ -32,7 +32,11 @@ from policies.preemption import StreamFacts, Victims, choose_victims
 from router.config import PreemptionSettings
 from router.metrics import RouterMetrics
 
-__all__ = ["LiveStream", "Preemptor", "Victims"]
+__all__ = ["OVER_LIMIT", "LiveStream", "Preemptor", "Victims"]
+
+# Why a stream is stopped without resuming: its answer alone outgrew its tenant's whole block
+# limit (router/request/lifecycle.py ends it with the limit's 429 frame).
+OVER_LIMIT = "over_tenant_limit"
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +135,22 @@ class Preemptor:
                 reason,
             )
             stream.cut()
+
+    def stop(self, reservation_id: str, reason: str) -> bool:
+        """Stop the stream of `reservation_id` for good (`reason`: not a preemption, it does
+        not resume); False when it is not a live stream here (not resumable, or ended)."""
+        stream = self.live.get(reservation_id)
+        if stream is None or stream.reason is not None:
+            return False
+        stream.reason = reason
+        log.info(
+            "ending the stream of reservation %s (tenant %s): %s",
+            reservation_id,
+            stream.tenant,
+            reason,
+        )
+        stream.cut()
+        return True
 
     def stream_of(self, reservation_id: str) -> LiveStream | None:
         return self.live.get(reservation_id)

@@ -36,17 +36,17 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from policies.base import RequestInfo, blocks_for
+from policies.base import OutputEstimate, RequestInfo, blocks_for, extra_choice_tokens
 from policies.scaling import ScalingSLO
-from router.errors import QuotaExceeded
+from router.errors import InvalidRequest, QuotaExceeded
 from router.metrics import RouterMetrics
 from router.tenants import TenantSpec
 from state.base import StateStore, StoreError
 from state.quotas import Quota, QuotaTaken
 
-__all__ = ["QuotaGate", "QuotaHold"]
+__all__ = ["QuotaGate", "QuotaHold", "over_limit_error", "within_block_limit"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,44 @@ class QuotaHold:
     def limited(self) -> bool:
         """The tenant's blocks are limited: the request has a hold in the store."""
         return self.tenant.limits.max_reserved_blocks is not None
+
+
+def within_block_limit(info: RequestInfo, tenant: TenantSpec) -> RequestInfo:
+    """`info` reserving no more than its tenant's `max_reserved_blocks` allow (its estimate
+    capped; the answer may still outgrow it, up to the limit: issue 31, "the hold never above
+    its limit"). InvalidRequest when its prompt and one token per choice alone pass the limit:
+    it could never be held within it."""
+    limit = tenant.limits.max_reserved_blocks
+    if limit is None:
+        return info
+    size, n = info.block_size, max(1, info.n)
+    extra = extra_choice_tokens(info.prompt_tokens, n, size) if n > 1 else 0
+    per_choice = (limit * size - info.prompt_tokens - extra) // n
+    if per_choice < 1:
+        raise InvalidRequest(
+            f"the request needs more decode KV than tenant {tenant.name} may hold at once "
+            f"({limit} blocks of {size} tokens): its prompt of {info.prompt_tokens} tokens and "
+            f"{n} choice(s) do not fit; shorten the prompt or lower n",
+            param="n" if n > 1 else None,
+            code="max_reserved_blocks",
+        )
+    if info.reserve_choice_tokens <= per_choice:
+        return info
+    estimate = info.estimate or OutputEstimate(info.max_tokens)
+    source = f"{estimate.source}; within tenant {tenant.name}'s {limit} blocks"
+    return replace(info, estimate=replace(estimate, reserve_tokens=per_choice, source=source))
+
+
+def over_limit_error(tenant: str, limit: int, blocks: int, sent: int) -> QuotaExceeded:
+    """The end of an answer that outgrew its tenant's whole block limit by itself: it could
+    never be held within it (no other stream of the tenant to give room back)."""
+    return QuotaExceeded(
+        f"the answer outgrew tenant {tenant}'s limit of {limit} reserved decode blocks at once "
+        f"(it needs {blocks}) after {sent} tokens; ask for fewer tokens (max_tokens) or have "
+        "the limit raised",
+        limit="max_reserved_blocks",
+        retry_after_s=1.0,
+    )
 
 
 def expected_tokens(info: RequestInfo) -> int:

@@ -44,7 +44,7 @@ from router.request.attempt import Ask, Attempt, Call, loop_time
 from router.request.fit import never_fits
 from router.request.holdings import Book, Reservation, StrandedEntry
 from router.request.pairing import Pairing
-from router.request.quota import QuotaHold
+from router.request.quota import QuotaHold, within_block_limit
 from router.tenants import TenantSpec
 from router.workers.membership import Membership
 from router.workers.placement_view import PlacementView
@@ -179,7 +179,7 @@ class Reserver:
             tenant=seat.tenant.name,
         )
         if whole_cap:
-            return self.whole_cap_estimate(info)
+            return within_block_limit(self.whole_cap_estimate(info), seat.tenant)
         return await self.estimated(info, seat)
 
     def whole_cap_estimate(self, info: RequestInfo) -> RequestInfo:
@@ -209,6 +209,8 @@ class Reserver:
         histograms = self.overruns.with_live(completed)
         estimated = replace(info, estimate=estimator.estimate(info, histograms))
         if seat is not None:
+            # Within what its tenant may hold at once (issue 31): the hold never above it.
+            estimated = within_block_limit(estimated, seat.tenant)
             seat.keyed(estimated, keys, record_keys_of(estimator, info, completed, keys))
         return estimated
 
