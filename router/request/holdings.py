@@ -261,8 +261,10 @@ class Reservation:
     ) -> bool | None:
         """Preempt for a growth to `blocks` that found no room (on `decode_id`, or under the
         tenant's limit when None), then try again (`retry`) while the victims give their room
-        back. True: grown; False: no victim, or their room did not come back in time (the
-        caller forces); None: this stream itself was preempted."""
+        back. True: grown; None: this stream itself was preempted — at once, or when the
+        victims' room did not come back within `release_wait_s` (a loaded replica: the
+        promise holds, the grower waits its turn); False: nothing may be preempted (the caller
+        forces, counted)."""
         book = self.book
         preemptor = book.preemptor
         if decode_id is not None and blocks > max(
@@ -286,7 +288,11 @@ class Reservation:
             if await retry():
                 return True
             if book.clock() >= deadline:
-                return False
+                itself = preemptor.itself(self.reservation_id)
+                if not itself:
+                    return False
+                preemptor.preempt(itself, reason)
+                return None
 
     def _forced(self, decode_id: str, blocks: int) -> None:
         book = self.book

@@ -136,6 +136,19 @@ class Preemptor:
             )
             stream.cut()
 
+    def itself(self, reservation_id: str) -> Victims:
+        """The stream of `reservation_id` alone, if it may still be preempted (live here, not
+        stopped, under its bound); empty otherwise."""
+        stream = self.live.get(reservation_id)
+        if (
+            not self.enabled
+            or stream is None
+            or stream.reason is not None
+            or self._count.get(reservation_id, 0) >= self.settings.max_per_stream
+        ):
+            return Victims((), False)
+        return Victims((reservation_id,), True)
+
     def stop(self, reservation_id: str, reason: str) -> bool:
         """Stop the stream of `reservation_id` for good (`reason`: not a preemption, it does
         not resume); False when it is not a live stream here (not resumable, or ended)."""
