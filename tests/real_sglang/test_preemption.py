@@ -16,7 +16,9 @@ MAX_TOKENS = 48
 FORCE_AT = 4  # relayed tokens (chunks) before the router stops the stream
 
 
-@pytest.mark.parametrize("kind", ["chat", "completions"])
+# Chat only in CI's budget: a completions stream resumes by the same path
+# (test_failures.py's killed decode engine; here both passed in 113 s).
+@pytest.mark.parametrize("kind", ["chat"])
 async def test_a_preempted_stream_resumes_with_the_reference_text_and_usage(
     sglang_cluster: SglangCluster, redis_prefix: str, kind: str
 ) -> None:
