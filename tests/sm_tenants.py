@@ -11,9 +11,10 @@ tests/test_state_machine.py, tests/sm_cluster.py).
 - `PreemptionWatch` wraps each replica's `Preemptor.choose` and the store's forced `resize`,
   and classifies every forced growth on a decode worker by what the preemption rule
   (policies/preemption.py) allows: the growing stream could not be preempted (not resumable,
-  preemption off, at its bound, preempted meanwhile) or streams were preempted for it and their
-  room did not come back within `release_wait_s`. A forced growth of a stream that could have
-  been preempted with no preemption tried for it is a violation.
+  preemption off, at its bound, preempted meanwhile) or it grows past every decode worker's
+  capacity (its continuation would fit nowhere). A forced growth of a stream that could have
+  been preempted is a violation (since 48efed6 a grower whose victims' room does not come back
+  within `release_wait_s` preempts itself).
 """
 
 from __future__ import annotations
@@ -181,7 +182,11 @@ class PreemptionWatch:
             worker_id: str, reservation_id: str, blocks: int, *, force: bool = False
         ) -> bool:
             if force:
-                self.classify(replica, worker_id, reservation_id, "worker full")
+                largest = max((w.capacity_blocks for w in gateway.pools.decode_workers), default=0)
+                if blocks > largest:  # its continuation would fit nowhere (48efed6~: forced)
+                    self.counts["forced growth (worker full): past every decode worker"] += 1
+                else:
+                    self.classify(replica, worker_id, reservation_id, "worker full")
             return bool(await real_resize(worker_id, reservation_id, blocks, force=force))
 
         store.resize = resize
@@ -192,9 +197,6 @@ class PreemptionWatch:
         preemptor = self.preemptors[replica]
         stream = preemptor.live.get(rid)
         bound = preemptor.settings.max_per_stream
-        # A choice made for this growth: within its wait for the victims' room.
-        recent = time.time() - preemptor.settings.release_wait_s - 2.0
-        chosen = [ids for at, ids in self.choices.get(rid, []) if at >= recent]
         if not preemptor.enabled:
             kind = "preemption off"
         elif stream is None:
@@ -203,9 +205,9 @@ class PreemptionWatch:
             kind = "itself preempted meanwhile"
         elif preemptor._count.get(rid, 0) >= bound:
             kind = "at its preemption bound"
-        elif any(chosen):
-            kind = "victims preempted, their room not back in time"
         else:
+            # Since 48efed6 a grower whose victims' room did not come back preempts itself:
+            # a candidate's growth is never forced, whatever was chosen for it.
             kind = "VIOLATION"
             self.violations.append(
                 f"replica {replica}: reservation {rid} grew past its {why} {worker} by force "
