@@ -131,6 +131,9 @@ class Result:
     itl_s: array[float] = field(default_factory=lambda: array("d"))
     tokens: int = 0
     retry_after: str | None = None
+    # A stream that ended with an error frame: whether what it sent before was an exact prefix
+    # of the expected answer (no wrong, repeated or missing token before the end); None else.
+    prefix_exact: bool | None = None
 
     @property
     def failed(self) -> bool:
@@ -274,6 +277,7 @@ async def _stream(
         if payload == b"[DONE]":
             if errored:
                 res.outcome = "stream_error"
+                res.prefix_exact = req.expected_text.startswith("".join(pieces))
             else:
                 _verdict(req, res, "".join(pieces), finish)
             return

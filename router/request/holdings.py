@@ -281,10 +281,17 @@ class Reservation:
         if victims.includes_grower:
             return None
         deadline = book.clock() + preemptor.settings.release_wait_s
+        rid = self.reservation_id
+        registered = rid in preemptor.live  # a stream that can be resumed (respond.py)
         while True:
             await asyncio.sleep(_ROOM_POLL_S)
-            if self.decode_id is None:
-                return None  # released meanwhile (ended, or preempted after all)
+            stream = preemptor.live.get(rid)
+            ended = registered and (stream is None or stream.reason is not None)
+            if self.decode_id is None or ended:
+                # Released, ended, or stopped meanwhile (preempted after all, for another
+                # growth): its room goes back, it needs no growth (the state machine saw one
+                # forced here).
+                return None
             if await retry():
                 return True
             if book.clock() >= deadline:
