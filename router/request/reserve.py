@@ -41,7 +41,7 @@ from router.histograms import HistogramCache
 from router.leases import LeaseKeeper
 from router.metrics import RouterMetrics
 from router.request.attempt import Ask, Attempt, Call, loop_time
-from router.request.fit import never_fits, never_fits_cold
+from router.request.fit import never_fits
 from router.request.holdings import Book, Reservation, StrandedEntry
 from router.request.pairing import Pairing
 from router.request.quota import QuotaHold, within_block_limit
@@ -274,13 +274,8 @@ class Reserver:
         )
         # One no decode worker could hold even empty, however short its answers: the client's
         # to change, at once (a 400, router/request/fit.py), not a 429 to retry in vain.
-        workers = list(self.members.decode_workers)
-        if (too_large := never_fits(call.parsed, info, workers)) is not None:
+        if (too_large := never_fits(call.parsed, info, self.members.decode_workers)) is not None:
             raise too_large
-        # Over capacity by a cold estimate (the whole cap): its class cannot learn, a 400 too.
-        cold = None if resume_by is not None else never_fits_cold(call.parsed, info, workers)
-        if cold is not None:
-            raise cold
         overruns_seen = self.overruns.version
         baton = 0  # what is left of the wake-up this request woke with (router/admission.py)
         while True:
