@@ -6,8 +6,9 @@ binary with the mounted deploy/prometheus.yml (its targets rewritten to the loop
 scraped every second instead of five). Two edits to the mounted files make the traffic show
 every panel's signal: the routers believe the decode workers hold 256 KV blocks (so a long
 prompt with a long cap is refused with 429 `no_room`), and a prefill worker fails its next
-request (so one is retried). After the traffic, every PromQL expression of every dashboard in deploy/grafana/ is
-evaluated through Prometheus's HTTP API (`/api/v1/query`) and must return data.
+request (so one is retried). After the traffic, every PromQL expression of every dashboard in
+deploy/grafana/ is evaluated through Prometheus's HTTP API (`/api/v1/query`) and must return
+data.
 
 Without the `prometheus` binary (Debian: `apt-get install prometheus`; .ci/run installs it) the
 live test skips; the static check that every query names an exported metric always runs.
