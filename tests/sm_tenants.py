@@ -159,7 +159,7 @@ class PreemptionWatch:
                     for s in preemptor.live.values()
                     if s.reason is None
                     and s.tenant == tenant
-                    and preemptor._count.get(s.reservation_id, 0) < bound
+                    and s.preempted < bound
                     and decode_id in (None, s.decode_id)
                 ]
                 if any(s.reservation_id == grower_id for s in others) or (

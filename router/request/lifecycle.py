@@ -27,7 +27,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from policies.base import RequestInfo, blocks_for
+from policies.base import RequestInfo
 from router.admission import Admission
 from router.api import RESPONSES, ParsedRequest
 from router.config import Settings
@@ -44,7 +44,7 @@ from router.request.attempt import Ask, Attempt, Call, LegFailure, loop_time
 from router.request.holdings import Record
 from router.request.legs import Legs
 from router.request.preemption import OVER_LIMIT
-from router.request.quota import QuotaGate, over_limit_error
+from router.request.quota import QuotaGate, over_limit_error, reserved_blocks
 from router.request.release import Releaser
 from router.request.reserve import Reserver, Seat
 from router.request.respond import (
@@ -262,7 +262,7 @@ class RequestFlow:
         await stages.quota.follow(self.seat.quota, 0, True)
         ask = await stages.resume.ask(call, self.responder.sent)
         info = await stages.reserve.estimate(call, ask, self.seat, whole_cap=True)
-        blocks = blocks_for(info.prompt_tokens + info.reserve_output_tokens, info.block_size)
+        blocks = reserved_blocks(info)
         await stages.quota.wait_to_follow(self.seat.quota, blocks, settings.resume_wait_s)
         return ask, info, stages.clock() + settings.resume_wait_s
 

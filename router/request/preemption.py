@@ -43,9 +43,19 @@ log = logging.getLogger(__name__)
 
 class LiveStream:
     """One relayed decode stream that may be preempted: its reservation (by id), its worker, its
-    tenant, when it was dispatched, how to stop it, and why it was stopped (None: it was not)."""
+    tenant, when it was dispatched, how many times its request was preempted before, how to stop
+    it, and why it was stopped (None: it was not)."""
 
-    __slots__ = ("reservation_id", "decode_id", "tenant", "dispatched", "blocks", "cut", "reason")
+    __slots__ = (
+        "reservation_id",
+        "decode_id",
+        "tenant",
+        "dispatched",
+        "preempted",
+        "blocks",
+        "cut",
+        "reason",
+    )
 
     def __init__(
         self,
@@ -53,6 +63,7 @@ class LiveStream:
         decode_id: str,
         tenant: str,
         dispatched: float,
+        preempted: int,
         blocks: Callable[[], int],
         cut: Callable[[], None],
     ) -> None:
@@ -60,6 +71,7 @@ class LiveStream:
         self.decode_id = decode_id
         self.tenant = tenant
         self.dispatched = dispatched
+        self.preempted = preempted
         self.blocks = blocks  # what its reservation holds now (it grows)
         self.cut = cut
         self.reason: str | None = None
@@ -75,8 +87,6 @@ class Preemptor:
         self.settings = settings
         self.metrics = metrics
         self.live: dict[str, LiveStream] = {}  # reservation id -> its stream
-        # reservation id -> how many times its request was preempted before this try
-        self._count: dict[str, int] = {}
 
     def __repr__(self) -> str:
         return f"Preemptor({len(self.live)} live)"
@@ -85,14 +95,12 @@ class Preemptor:
     def enabled(self) -> bool:
         return self.settings.enabled and self.settings.max_per_stream > 0
 
-    def register(self, stream: LiveStream, preempted_before: int) -> None:
-        """`stream` relays now; its request was preempted `preempted_before` times already."""
+    def register(self, stream: LiveStream) -> None:
+        """`stream` relays now."""
         self.live[stream.reservation_id] = stream
-        self._count[stream.reservation_id] = preempted_before
 
     def unregister(self, stream: LiveStream) -> None:
         self.live.pop(stream.reservation_id, None)
-        self._count.pop(stream.reservation_id, None)
 
     def choose(
         self, grower_id: str, tenant: str, need_blocks: int, decode_id: str | None
@@ -109,7 +117,7 @@ class Preemptor:
                 s.decode_id,
                 s.dispatched,
                 s.blocks(),
-                self._count.get(s.reservation_id, 0),
+                s.preempted,
             )
             for s in self.live.values()
             if s.reason is None
@@ -122,19 +130,8 @@ class Preemptor:
         """Stop each victim's decode (closing its connection: the engine aborts the sequence);
         its request's flow sees `reason` and resumes it once its room is given back."""
         for stream_id in victims.stream_ids:
-            stream = self.live.get(stream_id)
-            if stream is None or stream.reason is not None:
-                continue
-            stream.reason = reason
-            self.metrics.preemptions.labels(reason=reason).inc()
-            log.info(
-                "preempting the stream of reservation %s (tenant %s) on %s: %s",
-                stream.reservation_id,
-                stream.tenant,
-                stream.decode_id,
-                reason,
-            )
-            stream.cut()
+            if self._cut(stream_id, reason, "preempting"):
+                self.metrics.preemptions.labels(reason=reason).inc()
 
     def itself(self, reservation_id: str) -> Victims:
         """The stream of `reservation_id` alone, if it may still be preempted (live here, not
@@ -144,7 +141,7 @@ class Preemptor:
             not self.enabled
             or stream is None
             or stream.reason is not None
-            or self._count.get(reservation_id, 0) >= self.settings.max_per_stream
+            or stream.preempted >= self.settings.max_per_stream
         ):
             return Victims((), False)
         return Victims((reservation_id,), True)
@@ -152,18 +149,22 @@ class Preemptor:
     def stop(self, reservation_id: str, reason: str) -> bool:
         """Stop the stream of `reservation_id` for good (`reason`: not a preemption, it does
         not resume); False when it is not a live stream here (not resumable, or ended)."""
+        return self._cut(reservation_id, reason, "ending")
+
+    def _cut(self, reservation_id: str, reason: str, doing: str) -> bool:
+        """Mark the live stream of `reservation_id` stopped for `reason` and close its decode
+        connection; False when it is not live here or was stopped already."""
         stream = self.live.get(reservation_id)
         if stream is None or stream.reason is not None:
             return False
         stream.reason = reason
         log.info(
-            "ending the stream of reservation %s (tenant %s): %s",
+            "%s the stream of reservation %s (tenant %s) on %s: %s",
+            doing,
             reservation_id,
             stream.tenant,
+            stream.decode_id,
             reason,
         )
         stream.cut()
         return True
-
-    def stream_of(self, reservation_id: str) -> LiveStream | None:
-        return self.live.get(reservation_id)

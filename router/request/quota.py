@@ -46,7 +46,13 @@ from router.tenants import TenantSpec
 from state.base import StateStore, StoreError
 from state.quotas import Quota, QuotaTaken
 
-__all__ = ["QuotaGate", "QuotaHold", "over_limit_error", "within_block_limit"]
+__all__ = [
+    "QuotaGate",
+    "QuotaHold",
+    "over_limit_error",
+    "reserved_blocks",
+    "within_block_limit",
+]
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +116,12 @@ def over_limit_error(tenant: str, limit: int, blocks: int, sent: int) -> QuotaEx
     )
 
 
+def reserved_blocks(info: RequestInfo) -> int:
+    """The blocks `info`'s reservation is expected to take (its prompt and reserved answer, in
+    the largest decode block size): what its tenant's hold counts for it."""
+    return blocks_for(info.prompt_tokens + info.reserve_output_tokens, info.block_size)
+
+
 def expected_tokens(info: RequestInfo) -> int:
     """Prompt + expected answer, every choice counted (`RequestInfo.expected_choice_tokens`)."""
     return info.prompt_tokens + info.expected_choice_tokens * max(1, info.n)
@@ -145,11 +157,7 @@ class QuotaGate:
             return None
         tokens = expected_tokens(info)
         limited = quota.max_reserved_blocks is not None
-        blocks = (
-            blocks_for(info.prompt_tokens + info.reserve_output_tokens, info.block_size)
-            if limited
-            else 0
-        )
+        blocks = reserved_blocks(info) if limited else 0
         # Expected to hold them until its answer's end at the decode SLO's pace.
         ends_in = self.slo.ttft_slo_s + info.reserve_choice_tokens * self.slo.itl_slo_s
         hold_id = os.urandom(12).hex()

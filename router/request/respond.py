@@ -264,10 +264,11 @@ class Responder:
                 worker.spec.id,
                 self.call.tenant,
                 self.stage.clock(),
+                self.progress.preempted,
                 lambda: reservation.blocks,
                 answer.close,
             )
-            preemptor.register(live, self.progress.preempted)
+            preemptor.register(live)
         self.progress.live = live
         try:
             return await answer.relay(
