@@ -1,5 +1,6 @@
 """How long a `both` worker is out of both pools between its drain and its first work in the new
-role, by engine kind: one table for the live role manager (router/role_manager.py, which holds
+role, by engine kind: one table for the live role manager (router/control/role_manager.py, which
+holds
 the worker out that long) and the simulator (disagg_tools/simcluster), so the policy is tuned on
 the pause it will meet (issue 26).
 

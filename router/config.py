@@ -29,8 +29,7 @@ from policies.scaling import ScalingSLO
 from router.admission import AdmissionSettings
 from router.redact import masked_repr
 from router.tenants import Keyring, KeySpec, TenantSpec, parse_tenants
-from router.workers.breaker import BreakerSettings
-from router.workers.worker_spec import (
+from router.worker_spec import (
     ConfigError,
     Secret,
     WorkerSpec,
@@ -40,6 +39,7 @@ from router.workers.worker_spec import (
 )
 
 __all__ = [
+    "BreakerSettings",
     "ConfigError",
     "Timeouts",
     "PreemptionSettings",
@@ -61,7 +61,7 @@ class Timeouts:
     ttft_s: float = 120.0  # decode: from sending to the first byte of its answer
     idle_s: float = 60.0  # no byte from the decode stream for this long ends it
     total_s: float | None = None  # optional cap on a whole request
-    # The client side (router/server.py): a request head must be whole within header_s of the
+    # The client side (router/edge/server.py): a request head must be whole within header_s of the
     # connection opening or of its first byte; its body within body_s of the handler asking
     # for it (408); an idle keep-alive connection is closed after keepalive_s; a client that
     # takes no bytes for client_stall_s while the router has some queued for it is dropped
@@ -77,6 +77,16 @@ class Timeouts:
                 raise ConfigError(f"timeouts.{name} must be >= 0 (0 turns it off)")
         if self.keepalive_s <= 0:
             raise ConfigError("timeouts.keepalive_s must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerSettings:
+    """A worker's circuit breaker (router/workers/breaker.py)."""
+
+    failures_to_open: int = 3
+    cooldown_s: float = 2.0
+    max_cooldown_s: float = 60.0
+    half_open_probes: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +137,7 @@ class PreemptionSettings:
 
 @dataclass(frozen=True, slots=True)
 class RoleSettings:
-    """The role manager (router/role_manager.py): which `both` workers serve prefill, which
+    """The role manager (router/control/role_manager.py): which `both` workers serve prefill, which
     decode."""
 
     policy: str = "static"  # static | elastic | a dotted path (policies/registry.py)
@@ -199,10 +209,10 @@ class Settings:
     # tokenizer.json (with tokenizer_config.json / chat_template.jinja for chat), e.g. the
     # model's Hugging Face directory. A model without one is estimated by chars_per_token.
     tokenizers: Mapping[str, str] = field(default_factory=dict)
-    # The largest `n` (choices per request) accepted; larger is a 400 (router/api.py).
+    # The largest `n` (choices per request) accepted; larger is a 400 (router/openai/api.py).
     max_n: int = 128
     # Stateless /v1/responses through the prefill/decode path when a NIXL-pull prefill worker of
-    # the model is in rotation (router/responses_pd.py). False serves every Responses request
+    # the model is in rotation (router/openai/responses_pd.py). False serves every Responses request
     # whole on one worker, for a vLLM before 0.32 (it ignores kv_transfer_params there).
     responses_split: bool = True
     reservation_lease_s: float = 30.0
@@ -211,7 +221,7 @@ class Settings:
     health_interval_s: float = 2.0
     # While every worker is healthy and this replica is quiet (nothing in flight or waiting),
     # the probe interval doubles from health_interval_s up to this; the first request or
-    # failed probe brings it back (router/workers/loop_timing.py). An idle router's probes then
+    # failed probe brings it back (router/loop_timing.py). An idle router's probes then
     # cost ~4x less; a worker that dies while nobody asks is noticed this much later (a
     # request's own failure trips its breaker at once). <= health_interval_s: never back off.
     health_idle_interval_s: float = 8.0
@@ -271,9 +281,10 @@ class Settings:
     public_openapi: bool = True
     registry_refresh_s: float = 1.0  # how often replicas re-read the shared worker registry
     # On SIGTERM, running requests get this long to finish; the rest end with an SSE error
-    # frame (router/shutdown.py). Below Kubernetes' default 30 s termination grace period.
+    # frame (router/edge/shutdown.py). Below Kubernetes' default 30 s termination grace period.
     shutdown_grace_s: float = 20.0
-    # The SLOs and headroom the autoscaling recommendation sizes each pool for (router/scaling.py).
+    # The SLOs and headroom the autoscaling recommendation sizes each pool for
+    # (router/control/scaling.py).
     scaling: ScalingSLO = field(default_factory=ScalingSLO)
     roles: RoleSettings = field(default_factory=RoleSettings)  # `both` workers' roles
     # OpenTelemetry spans per request, traceparent to the workers (router/tracing.py; needs

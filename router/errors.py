@@ -18,8 +18,8 @@
 Every error answer is built here, from a `RouterError`, in one of two shapes:
 
     err.body(), error_response(err)   {"error": {"message", "type", "param", "code"}}: the
-                                      app's middleware (router/app.py) and the HTTP server's
-                                      own answers (router/server.py `handle_error`)
+                                      app's middleware (router/edge/app.py) and the HTTP server's
+                                      own answers (router/edge/server.py `handle_error`)
     stream_error_frame(err, ...)      the frame that ends a stream whose headers already went
                                       out: vLLM's `data: {"error": ...}` and `[DONE]`, or the
                                       Responses API's `event: error`

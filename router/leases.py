@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from router.workers.loop_timing import beat
+from router.loop_timing import beat
 from state.base import Finished, StateStore, StoreError, StrandIntent
 
 __all__ = ["LeaseKeeper"]
@@ -355,7 +355,7 @@ class LeaseKeeper:
                 await asyncio.sleep(tick_s)
             else:
                 # Nothing held or owed: this wake-up is all the tick does, so it falls on the
-                # pools' beat (router/workers/loop_timing.py), with an idle replica's other loops.
+                # pools' beat (router/loop_timing.py), with an idle replica's other loops.
                 await beat(tick_s)
             try:
                 await self.settle_owed()

@@ -1,8 +1,9 @@
 """Log records: the request id on every line of a request, secrets scrubbed, JSON or text.
 
-`configure_logging` is called by the process entry only (router/serve_cli.py); every other module
+`configure_logging` is called by the process entry only (router/edge/serve_cli.py); every other
+module
 just logs. The request id travels in a context variable, set once where a request's flow is
-made (router/app.py) and inherited by whatever that request's task logs or starts, so no
+made (router/edge/app.py) and inherited by whatever that request's task logs or starts, so no
 call site passes it along.
 
 Secrets never reach the output (router/redact.py): the configured ones (client API keys, the

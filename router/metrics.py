@@ -231,8 +231,7 @@ class RouterMetrics:
             ["task"],
             registry=r,
         )
-        # -- elastic roles (router/role_manager.py)
-        # ---------------------------------------------------
+        # -- elastic roles (router/control/role_manager.py) ----------------------------------------
         self.worker_role = Gauge(
             p + "worker_role",
             "1 for a `both` worker's current role (prefill, decode, draining-to-prefill, "
@@ -275,7 +274,7 @@ class RouterMetrics:
             ["worker", "to_role", "outcome"],
             registry=r,
         )
-        # -- autoscaling signals (router/scaling.py), set at each scrape ---------------------
+        # -- autoscaling signals (router/control/scaling.py), set at each scrape -------------------
         self.prefill_arriving_tokens = Gauge(
             p + "scaling_prefill_arriving_tokens_per_second",
             "Prompt tokens arriving for prefill per second (this replica, over scaling.window_s)",
@@ -418,7 +417,7 @@ class RouterMetrics:
             registry=r,
         )
 
-        # The children a request touches (router/front_door.py, router/request/).
+        # The children a request touches (router/edge/front_door.py, router/request/).
         self.requests_by = Labelled(self.requests)  # route, status
         self.tenant_requests_by = Labelled(self.tenant_requests)  # tenant, status
         self.placements_by = Labelled(self.placements)  # prefill, decode

@@ -313,7 +313,7 @@ class Keyring:
         self.drop(old)
         return old
 
-    # -- the steps, for a caller that writes the store in between (router/admin.py) ---------
+    # -- the steps, for a caller that writes the store in between (router/edge/admin.py) ---------
     def mint(self, tenant: str, key_id: str | None = None) -> tuple[KeySpec, str]:
         """A new key of `tenant` (under `key_id`, which must be one of its keys: a rotation; or
         a fresh id), not yet in the keyring."""

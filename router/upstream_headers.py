@@ -1,8 +1,8 @@
 """What a worker is sent besides the body, on every request path (the prefill and decode legs:
-router/request/legs.py; one worker's whole answer: router/passthrough.py).
+router/request/legs.py; one worker's whole answer: router/edge/passthrough.py).
 
     Content-Type        application/json
-    X-Request-Id        the request's id (router/front_door.py): the workers take it as
+    X-Request-Id        the request's id (router/edge/front_door.py): the workers take it as
                         their own, so one id follows the request through every log
     forward_headers     the client's headers of those names, as they came (tracing, the
                         simulated workers' replay header)
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from router.config import Settings
-from router.workers.worker_spec import WorkerSpec
+from router.worker_spec import WorkerSpec
 
 __all__ = ["upstream_headers"]
 

@@ -29,7 +29,7 @@ WORKER_READY = "listening on http://"
 def entry() -> list[str]:
     """The `disagg-router` command of the interpreter running this script."""
     script = Path(sys.executable).with_name("disagg-router")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "router.serve_cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "router.edge.serve_cli"]
 
 
 def offline_env() -> dict[str, str]:

@@ -7,7 +7,7 @@ front door should move off aiohttp's `RequestHandler`.
 Each server runs in its own process pinned to core 0 (uvloop), the load (an aiohttp client with
 keep-alive, one small POST and a ~90-byte JSON answer) on core 1; the figure is the server
 process's scheduler run time (/proc/PID/schedstat) over the measured requests. The aiohttp
-server has one middleware, as the router's app does (router/app.py `error_middleware`); the
+server has one middleware, as the router's app does (router/edge/app.py `error_middleware`); the
 httptools one parses the request line, headers and body and writes the answer: nothing else,
 so its figure is a floor that a real front door (routes, client bounds, error bodies) would add
 to. Loopback only; both servers are stopped at the end.

@@ -4,7 +4,7 @@
 # machine reuse it. Idempotent: pip skips what is already installed.
 #   usage: scripts/install_aiperf.sh [VENV_DIR]
 #   default VENV_DIR: $AIPERF_HOME or ~/.cache/disagg-router/aiperf
-# tests/test_aiperf.py finds it the same way (and skips, saying why, when it is absent).
+# tests/tools/test_aiperf.py finds it the same way (and skips, saying why, when it is absent).
 set -euo pipefail
 venv="${1:-${AIPERF_HOME:-${HOME:-/root}/.cache/disagg-router/aiperf}}"
 if [ ! -x "$venv/bin/python" ]; then

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the real peer routers (prebuilt Rust wheels from PyPI, pinned to the versions the
 # tests were written against) into a venv, for
-# tests/test_peer_routers.py. Idempotent: pip skips what is already installed.
+# tests/system/test_peer_routers.py. Idempotent: pip skips what is already installed.
 #   usage: scripts/install_peers.sh [VENV_DIR]   (default: .venv)
 set -euo pipefail
 venv="${1:-.venv}"

@@ -100,7 +100,7 @@ async def run(ns: argparse.Namespace) -> None:
             [
                 sys.executable,
                 "-m",
-                "router.serve_cli",
+                "router.edge.serve_cli",
                 "--log-level",
                 "WARNING",
                 "serve",

@@ -1,6 +1,6 @@
 """What an exact prompt count costs the router (router/tokens/): the request parse with the
 model's tokenizer against the character estimate, by prompt size, and the thread hop that takes
-a large prompt off the event loop (router/tokens/counting.py THREAD_ABOVE_BYTES).
+a large prompt off the event loop (router/openai/prompt_tokens.py THREAD_ABOVE_BYTES).
 
     python scripts/tokenize_cost.py [--tokenizer DIR ...] [--repeats 200]
 
@@ -13,7 +13,7 @@ thread's CPU time, time.thread_time_ns, so a busy machine's scheduling delays ar
 `--repeats` runs after a warm-up), reported as p50/p99 µs per request and µs per 1,000 prompt
 tokens; the round trip of `asyncio.to_thread` with nothing to do, which is what moving a parse
 to a thread adds to it; and the event loop's waits (wall time between its turns) while large
-chat bodies go through the router's own parse (router/tokens/counting.py) on the loop and in a
+chat bodies go through the router's own parse (router/openai/prompt_tokens.py) on the loop and in a
 thread. Prints markdown tables.
 """
 
@@ -31,11 +31,11 @@ from pathlib import Path
 import orjson
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from router.api import CHAT, COMPLETIONS, ParsedRequest, parse_request
 from router.config import settings_from_mapping
 from router.metrics import RouterMetrics
-from router.tokens import counting
-from router.tokens.counting import parse_generation
+from router.openai import prompt_tokens as counting
+from router.openai.api import CHAT, COMPLETIONS, ParsedRequest, parse_request
+from router.openai.prompt_tokens import parse_generation
 from router.tokens.tokenizer import PromptTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,7 +159,7 @@ def measure(name: str, tok: PromptTokenizer, repeats: int) -> list[str]:
 
 async def _loop_gaps(directory: Path, raw: bytes, threshold: int, repeats: int) -> list[float]:
     """The event loop's longest waits (ms) while `repeats` chat bodies are parsed through the
-    router's own path (router/tokens/counting.py parse_generation) at `threshold`."""
+    router's own path (router/openai/prompt_tokens.py parse_generation) at `threshold`."""
     settings = settings_from_mapping({"model": MODEL, "tokenizers": {MODEL: str(directory)}})
     metrics = RouterMetrics()
     await parse_generation(CHAT, raw, settings, (MODEL,), metrics)  # the tokenizer is loaded

@@ -1,6 +1,6 @@
 """The state store interface shared by every router replica (docs/design.md §5).
 
-Two implementations pass one conformance suite (tests/test_state_conformance.py):
+Two implementations pass one conformance suite (tests/state/test_state_conformance.py):
 `RedisStore` (the default: Lua scripts, one hash tag per worker so it runs on Redis Cluster)
 and `MemoryStore` (in-process, for a single router with no Redis).
 
@@ -478,8 +478,7 @@ class StateStore(Protocol):
 
     async def close(self) -> None: ...
 
-    # -- one read for the registry sync (router/workers/registry.py)
-    # -----------------------------------
+    # -- one read for the registry sync (router/workers/registry.py) -------------------------------
     async def registry_view(self, marker_ttl_s: float) -> RegistryView:
         """`check_marker(marker_ttl_s)`, `registered_workers()`, `drain_marks()` and
         `worker_roles()` in one store call (one round trip on Redis: the keys share the
@@ -487,8 +486,7 @@ class StateStore(Protocol):
         keys' version as `keys_version`. A replica reads this every `registry_refresh_s`, busy
         or idle, and the key table only when that version changed."""
 
-    # -- one read for the state refresher (router/workers/refresher.py)
-    # ----------------------------------
+    # -- one read for the state refresher (router/workers/refresher.py) ----------------------------
     async def usage_view(
         self, decode_ids: Iterable[str], prefill_ids: Iterable[str]
     ) -> tuple[dict[str, DecodeUsage], dict[str, int]]:
@@ -497,8 +495,7 @@ class StateStore(Protocol):
         reads this every `state_refresh_s` while busy, about once a second while quiet."""
         ...
 
-    # -- one read for a quiet beat (router/workers/registry.py carries the refresher's read)
-    # ----------------------------------
+    # -- one read for a quiet beat (router/workers/registry.py carries the refresher's read) -------
     async def registry_and_usage_view(
         self, marker_ttl_s: float, decode_ids: Iterable[str], prefill_ids: Iterable[str]
     ) -> tuple[RegistryView, UsageView]:

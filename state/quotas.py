@@ -26,7 +26,7 @@ the bucket below zero), and one whose blocks exceed `max_reserved_blocks` when t
 nothing else.
 
 The buckets' arithmetic is `take_quota_now` here; the Redis script (state/quota_scripts.py)
-does the same steps, and the conformance suite (tests/test_quota_store.py) holds both to the
+does the same steps, and the conformance suite (tests/state/test_quota_store.py) holds both to the
 same results.
 """
 

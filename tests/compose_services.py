@@ -1,5 +1,5 @@
 """The services of docker-compose.yml as local processes on loopback, for machines without a
-Docker engine (tests/test_compose.py, tests/test_prometheus.py).
+Docker engine (tests/system/test_compose.py, tests/system/test_prometheus.py).
 
 The file is read as Compose reads it (`yaml.safe_load` resolves the `<<: *anchor` merges) and
 each service is mapped, not re-described, so what runs is what the file says:

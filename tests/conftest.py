@@ -19,9 +19,9 @@ import pytest
 from aiohttp import web
 
 from disagg_tools.sim.worker import WorkerConfig, running_worker
-from router.app import GATEWAY, create_app
 from router.config import Settings, settings_from_mapping
-from router.server import serving
+from router.edge.app import GATEWAY, create_app
+from router.edge.server import serving
 from tests.ports import free_port as free_port
 from tests.redis_dump import delete_prefix  # re-exported: test modules import it from here
 from tests.session_redis import Plan, SessionRedis, configured
@@ -76,7 +76,7 @@ async def redis_prefix() -> AsyncIterator[str]:
 
 @contextlib.asynccontextmanager
 async def running_router(settings: Settings) -> AsyncIterator[tuple[str, web.Application]]:
-    """The router as the CLI serves it (router/server.py: client-side bounds included)."""
+    """The router as the CLI serves it (router/edge/server.py: client-side bounds included)."""
     app = create_app(settings)
     async with serving(
         app, "127.0.0.1", 0, settings.timeouts, backlog=settings.listen_backlog

@@ -1,6 +1,7 @@
 """A key prefix of a real Redis as tests use it: every key under it and every value, read by its
-type (what a test searches for a secret: tests/test_tenant_secrets.py,
-tests/test_tenant_keys_shared.py), and every key under it deleted (a test's cleanup, or a store
+type (what a test searches for a secret: tests/router/edge/test_tenant_secrets.py,
+tests/router/edge/test_tenant_keys_shared.py), and every key under it deleted (a test's cleanup, or
+a store
 that lost its data)."""
 
 from __future__ import annotations

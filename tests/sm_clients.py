@@ -1,4 +1,4 @@
-"""The state machine's clients (tests/test_state_machine.py): each an asyncio task on the
+"""The state machine's clients (tests/system/test_state_machine.py): each an asyncio task on the
 cluster's loop that records what it saw, and what it saw wrong.
 
 - `whole_or_stream`: reads the answer to its end (aiohttp);

@@ -1,4 +1,4 @@
-"""The small cluster the reservation state machine drives (tests/test_state_machine.py).
+"""The small cluster the reservation state machine drives (tests/system/test_state_machine.py).
 
 Everything runs on one asyncio loop in a thread of its own (`LoopThread`), so the machine's
 synchronous rules hand it coroutines and the cluster keeps streaming between steps:
@@ -33,10 +33,10 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from disagg_tools.sim.worker import WorkerConfig, running_worker
-from router.app import GATEWAY, create_app
 from router.config import settings_from_mapping
+from router.edge.app import GATEWAY, create_app
+from router.edge.server import RouterRunner, serving
 from router.logs import REQUEST_ID
-from router.server import RouterRunner, serving
 from state.base import StoreError
 from tests.conftest import MODEL
 from tests.redis_server import PrivateRedis

@@ -1,5 +1,5 @@
 """Tenants, their quota holds and preemption in the reservation state machine (issue 31;
-tests/test_state_machine.py, tests/sm_cluster.py).
+tests/system/test_state_machine.py, tests/sm_cluster.py).
 
 - `TENANTS`: three tenants configured with keys on every replica, of different weights: `lim`
   (max_reserved_blocks), `rpm` (requests_per_minute), `free` (no limit).

@@ -32,7 +32,7 @@ traffic; an elastic router had that time to find its split, a fixed one gains no
 Goodput is DistServe's (`disagg_tools.goodput`): the highest rate scale at which >= 90 %
 of the measured requests meet both their TTFT and TPOT SLO.
 
-The simulator (`simcluster`) is a layer below bench (tests/test_layering.py).
+The simulator (`simcluster`) is a layer below bench (tests/architecture/test_layering.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 over policies, admission modes at fixed overload, and the simulator's speed vs cluster size.
 
 Runs go through `disagg_tools.simcluster.engine.simulate` (the experiments sit above the
-simulator: see the layer table in tests/test_layering.py); searches use `disagg_tools.goodput`,
+simulator: see the layer table in tests/architecture/test_layering.py); searches use
+`disagg_tools.goodput`,
 the replay bench's search.
 """
 

@@ -6,5 +6,5 @@ cluster of child processes (`disagg_tools.launcher.localcluster`), the demo
 (`disagg_tools.launcher.demo`) and the live
 validation of the simulator (`disagg_tools.launcher.validate`). It may import every other package;
 nothing
-imports it (tests/test_layering.py).
+imports it (tests/architecture/test_layering.py).
 """

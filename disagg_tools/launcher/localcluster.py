@@ -239,7 +239,7 @@ async def local_cluster(
             [
                 sys.executable,
                 "-m",
-                "router.serve_cli",
+                "router.edge.serve_cli",
                 "--log-level",
                 "WARNING",
                 "serve",

@@ -1,7 +1,7 @@
 """The process entry: `disagg-router serve | worker | demo | bench | simulate`.
 
 Each subcommand belongs to its own package; this module only mounts their arguments and
-dispatches. `serve` is the router's own entry (`router.serve_cli`), `worker` the simulated GPU
+dispatches. `serve` is the router's own entry (`router.edge.serve_cli`), `worker` the simulated GPU
 worker
 (`disagg_tools.sim.worker`), `bench` the trace replay client (`disagg_tools.replay.replay_cli`),
 `simulate`
@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from disagg_tools import uvrun
-from router.serve_cli import add_log_level_argument, add_serve_arguments, serve
+from router.edge.serve_cli import add_log_level_argument, add_serve_arguments, serve
 
 __all__ = ["build_parser", "main"]
 

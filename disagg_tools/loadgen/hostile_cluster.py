@@ -185,7 +185,13 @@ class HostileCluster:
             port = free_port()
             cfg = self.workdir / f"router-{i}.yaml"
             cfg.write_text(yaml.safe_dump(self._router_config(port), sort_keys=False))
-            cmd = [sys.executable, "-m", "router.serve_cli", "--log-level", self.shape.log_level]
+            cmd = [
+                sys.executable,
+                "-m",
+                "router.edge.serve_cli",
+                "--log-level",
+                self.shape.log_level,
+            ]
             child = Child(f"router-{i}", [*cmd, "serve", "--config", str(cfg)], self.workdir)
             self.routers.append(child)
             self.router_urls.append(f"http://{HOST}:{port}")

@@ -2,7 +2,7 @@
 
     ClusterSpec  its shape: workers per role, model, time scale, which Redis, router settings
     Cluster      simulated workers (one process each, so one can be SIGKILLed), then Redis,
-                 then the router (`python -m router.serve_cli serve --config FILE`)
+                 then the router (`python -m router.edge.serve_cli serve --config FILE`)
     PrivateRedis a `redis-server --save '' --appendonly no` on a free loopback port: the only
                  Redis these tools ever kill (the shared one on 6379 is used with a unique key
                  prefix and never touched otherwise)
@@ -244,7 +244,7 @@ class Cluster:
         cmd = [
             sys.executable,
             "-m",
-            "router.serve_cli",
+            "router.edge.serve_cli",
             "--log-level",
             s.log_level,
             "serve",

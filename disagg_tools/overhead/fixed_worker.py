@@ -85,7 +85,7 @@ class FixedWorker:
 
     def metrics_text(self) -> str:
         """vLLM's load gauges and `vllm:cache_config_info` (a router started with no
-        configuration file, router/dropin.py, reads the KV capacity from it), then this
+        configuration file, router/edge/dropin.py, reads the KV capacity from it), then this
         worker's own counters (the benchmark's upstream accounting)."""
         model = self.model
         return (

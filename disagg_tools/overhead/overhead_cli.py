@@ -8,7 +8,8 @@ One run, the same two workers (`disagg_tools.overhead.fixed_worker`: one prefill
 128-token streams at one token per 20 ms whatever the load), and in turn:
 
     baseline  the client itself: prefill call (max_tokens 1 + kv_transfer_params), then decode
-    ours      `python -m router.serve_cli serve --config …` (in-process store; `ours_redis`: Redis)
+    ours      `python -m router.edge.serve_cli serve --config …` (in-process store; `ours_redis`:
+    Redis)
     ours_dropin  `disagg-router serve --prefill URL --decode URL --redis-url URL`: the deployed
               configuration (no file, Redis, what the workers report)
     sglang    `python -m sglang_router.launch_router --pd-disaggregation …`

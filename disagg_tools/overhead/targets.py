@@ -1,11 +1,11 @@
 """The processes the overhead benchmark measures: the stand-in workers and each router target.
 
     baseline  no router: the client makes the two PD calls itself (nothing started here)
-    ours      `python -m router.serve_cli serve --config …` (in-process store; `ours_redis`:
+    ours      `python -m router.edge.serve_cli serve --config …` (in-process store; `ours_redis`:
               Redis; `ours_alt`: the same command from another source tree, `--ours-src`)
     ours_dropin  `disagg-router serve --prefill URL --decode URL --redis-url URL`: the deployed
               command line, no configuration file (the model and the KV capacity are read from
-              the workers, router/dropin.py), Redis in the path, a fresh key prefix per start
+              the workers, router/edge/dropin.py), Redis in the path, a fresh key prefix per start
               from `DISAGG_ROUTER_KEY_PREFIX`
     sglang    `python -m sglang_router.launch_router --pd-disaggregation …`
     vllm      `vllm-router --vllm-pd-disaggregation …`
@@ -221,7 +221,7 @@ def router_command(
         return [
             sys.executable,
             "-m",
-            "router.serve_cli",
+            "router.edge.serve_cli",
             *serve,
             "--host",
             HOST,

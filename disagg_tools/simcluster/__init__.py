@@ -5,5 +5,5 @@ decode pools; the entry points are `disagg_tools.simcluster.engine.simulate` and
 simulate`
 (`disagg_tools.simcluster.simulate_cli`). Importing it loads neither aiohttp, redis nor
 prometheus_client
-(tests/test_layering.py).
+(tests/architecture/test_layering.py).
 """

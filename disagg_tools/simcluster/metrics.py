@@ -158,7 +158,8 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     The project's one definition, used by the simulator's summaries and every bench report:
     linear interpolation between the closest order statistics (numpy's default, "linear", as
     vLLM's and SGLang's benchmark scripts report). It lives here, in the lowest layer that
-    reports percentiles; the replay and overhead reports import it (tests/test_layering.py)."""
+    reports percentiles; the replay and overhead reports import it
+    (tests/architecture/test_layering.py)."""
     return percentile_sorted(sorted(values), q)
 
 

@@ -11,7 +11,8 @@ it completes, in order:
 Framing is chosen as RFC 9112 section 6.3 says for a response to a POST: `Transfer-Encoding:
 chunked`, else `Content-Length`, else 204/304 (no body), else read until the connection closes
 (`feed_eof()` ends it). Whatever the bytes are cut into, the events carry the same head, the
-same body bytes and the same end (tests/test_http_reader.py checks it for arbitrary cuts).
+same body bytes and the same end (tests/router/relay/test_http_reader.py checks it for arbitrary
+cuts).
 
 Errors are typed: `HttpReadError` for bytes that are not an HTTP/1.1 response as we read it,
 its subclass `IncompleteResponse` for a connection that closed before the answer was whole.

@@ -4,7 +4,7 @@
 router/relay/upstream_pool.py instead of aiohttp's. While a stream is relayed, each body piece the
 upstream connection reads goes, in its `data_received`, through the shared SSE cutter
 (router/relay/sse_cut.py) and, re-framed as one chunk, straight onto the client's transport that
-aiohttp prepared (router/aiohttp_private.py `prepared_writer`): no task wake-up per read.
+aiohttp prepared (router/relay/aiohttp_private.py `prepared_writer`): no task wake-up per read.
 
 Back-pressure: above HIGH_WATER queued towards the client, the worker's connection stops
 being read until the client has drained it (TCP holds the rest at the worker).
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 
-from router.aiohttp_private import prepared_writer
+from router.relay.aiohttp_private import prepared_writer
 from router.relay.contract import NO_FIRST_EVENT, RelayObserver, RelayResult, Rewrite
 from router.relay.sse_cut import SseCutter
 from router.relay.upstream_pool import (

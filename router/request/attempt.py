@@ -18,8 +18,8 @@ from typing import Any
 
 from policies.base import Candidate
 from router.adapters.errors import parse_error_body
-from router.api import ParsedRequest
 from router.errors import RouterError, Unavailable, UpstreamError, UpstreamRejected
+from router.openai.api import ParsedRequest
 from router.request.holdings import Reservation, StrandedEntry
 from router.tracing import RequestTrace
 from router.workers.breaker import Verdict

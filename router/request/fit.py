@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from policies.base import RequestInfo, blocks_for, extra_choice_tokens
-from router.api import CHAT, RESPONSES, ParsedRequest
 from router.errors import InvalidRequest
+from router.openai.api import CHAT, RESPONSES, ParsedRequest
 from router.workers.worker_state import WorkerState
 
 __all__ = ["never_fits"]

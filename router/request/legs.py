@@ -34,10 +34,10 @@ import aiohttp
 import orjson
 
 from router.adapters import ProtocolViolation, prefill_target
-from router.api import RESPONSES
 from router.config import Settings
 from router.errors import DeadlineExceeded, InvalidRequest, Unavailable, UpstreamError
 from router.metrics import RouterMetrics
+from router.openai.api import RESPONSES
 from router.relay.aiohttp_relay import relay_sse
 from router.relay.contract import Relay, RelayResult
 from router.relay.splice import relay_splice

@@ -6,7 +6,7 @@
        └─ a leg fails before the client got a byte: release, retry on another pair (budgeted)
        └─ decode dies mid-stream: resume (router/request/resume.py) — the next try continues the
        stream
-          (not a Responses stream: it ends with an error event, router/responses_pd.py)
+          (not a Responses stream: it ends with an error event, router/openai/responses_pd.py)
        └─ the router preempts the stream (its growth found no room: router/request/
           preemption.py): release, then the same resume, reserving the whole remaining cap,
           waiting for room — no retry spent, no worker blamed
@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 from policies.base import RequestInfo
 from router.admission import Admission
-from router.api import RESPONSES, ParsedRequest
 from router.config import Settings
 from router.errors import (
     DeadlineExceeded,
@@ -39,6 +38,8 @@ from router.errors import (
     as_router_error,
 )
 from router.metrics import RouterMetrics
+from router.openai.api import RESPONSES, ParsedRequest
+from router.openai.prompt_text import prefix_hashes
 from router.request.assemble import stream_upstream, streamable
 from router.request.attempt import Ask, Attempt, Call, LegFailure, loop_time
 from router.request.holdings import Record
@@ -58,11 +59,10 @@ from router.request.respond import (
 )
 from router.request.responses_api import upstream_body
 from router.request.resume import Resumer
+from router.request.retry_policy import RetryPolicy
 from router.retry_budget import RetryBudget
-from router.retry_policy import RetryPolicy
 from router.tenants import ANONYMOUS, TenantSpec
 from router.tracing import Tracing
-from router.workers.prefixes import prefix_hashes
 from state.base import StoreError
 
 __all__ = ["ClientSide", "RequestFlow", "RequestStages"]
@@ -87,7 +87,7 @@ def _no_resume(parsed: ParsedRequest, sent: list[bytes], failure: LegFailure) ->
 
 @dataclass(frozen=True, slots=True)
 class RequestStages:
-    """The request path's stages, each built once per app with what it uses (router/gateway.py
+    """The request path's stages, each built once per app with what it uses (router/edge/gateway.py
     assembles them), and what the orchestrator itself reads."""
 
     settings: Settings
@@ -118,7 +118,7 @@ class RequestFlow:
         request_id: str,
         tenant: TenantSpec = ANONYMOUS,
     ) -> None:
-        """`request_id`, `tenant`: the front door's (router/front_door.py)."""
+        """`request_id`, `tenant`: the front door's (router/edge/front_door.py)."""
         parsed = client.parsed
         self.stages = stages
         self.request_id = request_id
@@ -138,7 +138,8 @@ class RequestFlow:
         self.seat = Seat(stages.admission.ticket(), tenant)
         self.info: RequestInfo | None = None  # of the first try: its estimate gets the feedback
         self.attempt: Attempt | None = None  # the one being tried, until released
-        # The tries: their cap, the cluster-wide budget, the backoff (router/retry_policy.py);
+        # The tries: their cap, the cluster-wide budget, the backoff
+        # (router/request/retry_policy.py);
         # `retries.tried` are the workers that failed this request.
         self.retries = RetryPolicy(
             stages.settings.retry, stages.retry_budget, stages.metrics, request_id
@@ -305,7 +306,7 @@ class RequestFlow:
         return served.body
 
     def interrupt(self, err: RouterError) -> None:
-        """End the request now with `err` (router/shutdown.py), by the path of a missed
+        """End the request now with `err` (router/edge/shutdown.py), by the path of a missed
         deadline: a stream ends with an error frame and [DONE]; cleanup releases as always."""
         self._interrupted = err
         if self.progress.deadline is not None:
@@ -365,7 +366,7 @@ class RequestFlow:
 
     def _count_for_tenant(self) -> None:
         """The request in its tenant's metrics: its tokens when it was answered, its time to
-        first token (its count by status: router/front_door.py `RequestCount`)."""
+        first token (its count by status: router/edge/front_door.py `RequestCount`)."""
         metrics, tenant = self.stages.metrics, self.seat.tenant.name
         if self.output_tokens is not None:
             metrics.tenant_prompt_tokens_by(tenant).inc(self.call.parsed.prompt_tokens)

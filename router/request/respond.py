@@ -7,9 +7,10 @@ orchestrator retries, or resumes a stream that had started). The relay reports p
 `Progress` object (`first_token()`, `tokens(total)`), never into the orchestrator.
 
 The client side is a `ClientSide` value, not aiohttp's request, so the path runs without a
-server (tests/test_request_path.py). Its disconnect signal is the one the relays already read:
+server (tests/router/request/test_request_path.py). Its disconnect signal is the one the relays
+already read:
 `start_stream` and the stream's `write` raise `ConnectionError` once the client has gone (and
-the server cancels the request's task: router/server.py `handler_cancellation`).
+the server cancels the request's task: router/edge/server.py `handler_cancellation`).
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from typing import Any, Protocol
 import aiohttp
 import orjson
 
-from router.api import CHAT, COMPLETIONS, RESPONSES, ParsedRequest
 from router.config import Timeouts
 from router.errors import RouterError, UpstreamRejected, stream_error_frame
 from router.metrics import RouterMetrics
+from router.openai.api import CHAT, COMPLETIONS, RESPONSES, ParsedRequest
 from router.relay.contract import RelayResult
 from router.request.assemble import DISCARD, assemble
 from router.request.attempt import Ask, Attempt, Call, LegFailure, loop_time
@@ -252,7 +253,7 @@ class Responder:
         connection is closed afterwards (unfinished: dropping it is vLLM's abort signal)."""
         worker, answer = decode.worker, decode.answer
         worker.resident_seqs += 1
-        # A role drain past its deadline may cut it (router/role_manager.py).
+        # A role drain past its deadline may cut it (router/control/role_manager.py).
         worker.open_streams.add(answer)
         self.progress.watch(attempt, ask)
         # A growth with no room may preempt it (router/request/preemption.py).

@@ -1,5 +1,5 @@
 """The Responses API's shapes on the prefill/decode path, where the request path's stages
-differ from chat (router/responses_pd.py says what the path is and when it applies):
+differ from chat (router/openai/responses_pd.py says what the path is and when it applies):
 
     prefill leg    `prefill_body`: the cap is `max_output_tokens: 1`, not streamed, not stored
     whole answer   asked as a stream (`upstream_body`), answered with the `response` of its

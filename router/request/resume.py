@@ -18,9 +18,9 @@ from typing import Any
 import aiohttp
 import orjson
 
-from router.api import CHAT, ParsedRequest
 from router.config import Settings
 from router.errors import UpstreamError
+from router.openai.api import CHAT, ParsedRequest
 from router.relay.aiohttp_relay import parse_sent_text
 from router.request.attempt import Ask, Call
 from router.tokens.loaded import tokenizer_for

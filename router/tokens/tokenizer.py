@@ -4,7 +4,7 @@ endpoint, as vLLM builds them.
     completions  the text encoded with the tokenizer's special tokens (its post-processor adds
                  a BOS where the model wants one), unless the request says
                  `add_special_tokens: false`; token-id prompts are not tokenized at all
-                 (router/api.py takes them as they are)
+                 (router/openai/api.py takes them as they are)
     chat         the chat template rendered (router/tokens/template.py), then encoded without
                  special tokens (the template already wrote them), unless the request says
                  `add_special_tokens: true`

@@ -25,7 +25,7 @@
     kv_wire          vLLM's KV-event wire format, decoded
     role_signals     the live signals the role policy reads
 
-Each loop is built where the app is assembled (router/app.py) and given the pieces it uses;
+Each loop is built where the app is assembled (router/edge/app.py) and given the pieces it uses;
 none builds another.
 
 It knows nothing of one request's path: the request package asks it who serves.

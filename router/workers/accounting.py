@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 
-from router.workers.loop_timing import LoopTiming
+from router.loop_timing import LoopTiming
 from router.workers.membership import Membership
 
 __all__ = ["LocalAccounting"]

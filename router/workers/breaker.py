@@ -19,26 +19,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-__all__ = ["BreakerSettings", "CircuitBreaker", "Verdict"]
+from router.config import BreakerSettings
 
-
-@dataclass(frozen=True, slots=True)
-class BreakerSettings:
-    failures_to_open: int = 3
-    cooldown_s: float = 2.0
-    max_cooldown_s: float = 60.0
-    half_open_probes: int = 1
+__all__ = ["BreakerSettings", "CircuitBreaker", "Verdict"]  # the settings: router.config
 
 
 class CircuitBreaker:
     def __init__(
         self,
-        settings: BreakerSettings = BreakerSettings(),
+        settings: BreakerSettings | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.settings = settings
+        self.settings = settings = settings or BreakerSettings()
         self.clock = clock
         self.failures = 0
         self.opened_at: float | None = None

@@ -9,7 +9,7 @@
                                (older: {"load": n})
             GET /server_info   (falls back to /get_server_info)        -> capacity, layout facts
 
-`WorkerFacts` is what a drop-in start-up (no configuration file, router/dropin.py) reads: the
+`WorkerFacts` is what a drop-in start-up (no configuration file, router/edge/dropin.py) reads: the
 served model names and the decode capacity the engine reports.
 
 Parsers are pure; the fetchers are thin. A `LoadSnapshot` knows when it was taken: data older
@@ -299,7 +299,7 @@ async def fetch_layout(
     return merge_layout(defaults, facts, configured or {})
 
 
-# --- what a drop-in start-up reads (router/dropin.py) ------------------------------------------
+# --- what a drop-in start-up reads (router/edge/dropin.py) ----------------------------------------
 
 
 @dataclass(frozen=True, slots=True)

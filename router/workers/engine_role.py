@@ -1,4 +1,5 @@
-"""An SGLang engine's runtime role switch, as the role manager calls it (router/role_manager.py).
+"""An SGLang engine's runtime role switch, as the role manager calls it
+(router/control/role_manager.py).
 
 SGLang 0.5.23 (sgl-project/sglang PR #28403) flips a PD instance between prefill and decode in
 place when it was started with `--enable-pd-role-switch`:
@@ -37,7 +38,7 @@ import orjson
 
 from router.config import RoleSettings
 from router.metrics import RouterMetrics
-from router.workers.worker_spec import WorkerSpec
+from router.worker_spec import WorkerSpec
 from router.workers.worker_state import WorkerState
 
 __all__ = ["ROLE_SWITCH_PATH", "EngineRoles", "EngineSwitch", "switch_engine_role"]

@@ -19,13 +19,13 @@ from typing import Any
 import aiohttp
 
 from router.config import Settings
+from router.loop_timing import LoopTiming
 from router.workers.discovery import (
     WorkerFacts,
     fetch_layout_facts,
     fetch_server_facts,
     merge_layout,
 )
-from router.workers.loop_timing import LoopTiming
 from router.workers.membership import Membership
 from router.workers.worker_state import WorkerState
 

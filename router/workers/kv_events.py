@@ -49,6 +49,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from router.metrics import RouterMetrics
+from router.worker_spec import KvEventsSpec
 from router.workers.kv_batches import BatchApplier
 from router.workers.kv_index import KvIndex
 from router.workers.kv_limits import (
@@ -63,7 +64,6 @@ from router.workers.kv_limits import (
 )
 from router.workers.kv_wire import END_SEQ, WireError, decode_seq, encode_seq
 from router.workers.membership import Membership
-from router.workers.worker_spec import KvEventsSpec
 
 __all__ = ["KvEventHub", "KvEventSubscriber"]
 

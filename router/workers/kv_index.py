@@ -25,7 +25,8 @@ slack); 4 M is only the ceiling. `clear` puts new tables in place; a large index
 retired, and `release_steps` frees them a slice at a time (freeing 1.5 M blocks at once holds
 the loop ~40 ms) and then asks the C allocator to hand its free pages back (`malloc_trim`), so
 RSS returns when an index is dropped. Measured by
-tests/test_kv_events.py::test_index_memory_per_block (docs/kv-events.md): 155 bytes per block
+tests/router/workers/test_kv_events.py::test_index_memory_per_block (docs/kv-events.md): 155 bytes
+per block
 held at 1 M blocks (148 MiB: the two tables and the ints they hold), so the 4 M default cap is
 at most ~620 MB per worker, and a worker of 100 k blocks costs ~16 MB per router replica.
 """

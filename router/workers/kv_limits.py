@@ -23,7 +23,7 @@ from collections.abc import Generator
 from typing import TypeVar
 
 from router.metrics import RouterMetrics
-from router.workers.worker_spec import ConfigError
+from router.worker_spec import ConfigError
 from router.workers.worker_state import WorkerState
 
 __all__ = [

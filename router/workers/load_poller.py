@@ -14,8 +14,8 @@ import logging
 import aiohttp
 
 from router.config import Settings
+from router.loop_timing import LoopTiming
 from router.workers.discovery import fetch_sglang_load, fetch_vllm_load
-from router.workers.loop_timing import LoopTiming
 from router.workers.membership import Membership
 from router.workers.worker_state import WorkerState
 

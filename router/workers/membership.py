@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from router.config import Settings
+from router.worker_spec import WorkerSpec, parse_worker
 from router.workers.breaker import CircuitBreaker
-from router.workers.worker_spec import WorkerSpec, parse_worker
 from router.workers.worker_state import WorkerState
 from state.base import WorkerRole
 
@@ -146,7 +146,7 @@ class Membership:
 
     def carrying_work(self) -> bool:
         """Some worker has legs of this replica's requests on it, or a placement being written:
-        the replica is not quiet (router/workers/loop_timing.py)."""
+        the replica is not quiet (router/loop_timing.py)."""
         return any(w.inflight or w.pending_blocks for w in self.workers.values())
 
     # -- the `both` workers' roles ------------------------------------------------------------

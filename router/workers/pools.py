@@ -4,7 +4,7 @@
     accounting   what this replica has put on them since the last refresh (accounting.py)
     placement    the snapshot placement policies decide on (placement_view.py)
 
-Built from the three where the app is assembled (router/app.py), never building anything
+Built from the three where the app is assembled (router/edge/app.py), never building anything
 itself. A stage that needs only one piece may take that piece instead; the calls below pass
 straight through to it.
 """

@@ -1,4 +1,4 @@
-"""Prefix block hashes of a prompt, and the prefixes a prefill worker has recently seen.
+"""The prefixes a prefill worker has recently seen (their hashes: router/openai/prompt_text.py).
 
 No tokenizer is at hand, so blocks are cut on characters (4 characters a token, 512-token
 blocks, as Mooncake's traces count them). Each hash covers the whole prompt up to the end of its
@@ -9,24 +9,7 @@ recently prefilled the same prefix.
 
 from __future__ import annotations
 
-import zlib
-from typing import Any
-
-from router.prompt_text import prompt_text
-
-__all__ = ["BLOCK_CHARS", "prefix_hashes", "RecentPrefixes"]
-
-BLOCK_CHARS = 512 * 4
-_MAX_BLOCKS = 64  # enough to tell prompts apart; the rest would only cost time
-
-
-def prefix_hashes(path: str, body: dict[str, Any]) -> tuple[int, ...]:
-    data = prompt_text(path, body).encode()
-    out, state = [], 0
-    for i in range(min(len(data) // BLOCK_CHARS, _MAX_BLOCKS)):
-        state = zlib.crc32(data[i * BLOCK_CHARS : (i + 1) * BLOCK_CHARS], state)
-        out.append(state)
-    return tuple(out)
+__all__ = ["RecentPrefixes"]
 
 
 class RecentPrefixes:

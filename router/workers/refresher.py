@@ -8,7 +8,7 @@ admission queue (`on_refresh`) that room freed by other replicas may show. It al
 store's health as it last saw it, for /ready and the metrics.
 
 While quiet it does not read at all once its interval has backed off to the registry sync's
-beat: it rides on that beat (router/workers/loop_timing.py), the registry sync taking its read
+beat: it rides on that beat (router/loop_timing.py), the registry sync taking its read
 along in its own store call (`registry_and_usage_view`), so an idle replica makes one store call
 a second. A carried read that shows a change, a placement, a failed store or a stopped registry
 sync ends the ride.
@@ -31,8 +31,8 @@ import time
 from collections.abc import Callable, Mapping
 
 from router.config import Settings
+from router.loop_timing import LoopTiming
 from router.workers.accounting import LocalAccounting
-from router.workers.loop_timing import LoopTiming
 from router.workers.membership import Membership
 from router.workers.store_loss import StoreLoss
 from router.workers.worker_state import WorkerState

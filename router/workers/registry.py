@@ -10,7 +10,7 @@ second call, only then) and its keyring adopts it (router/tenants.py): a key rev
 replica is refused here within one refresh. A store that lost its data is put back first
 (router/workers/store_loss.py), and read again.
 
-While the state refresher is quiet it rides on this loop's beat (router/workers/loop_timing.py):
+While the state refresher is quiet it rides on this loop's beat (router/loop_timing.py):
 the beat's one store call is then `registry_and_usage_view`, the refresher's read taken along,
 so an idle replica makes one store call a second, not two.
 """
@@ -24,10 +24,10 @@ import aiohttp
 import orjson
 
 from router.config import ConfigError, Settings
+from router.loop_timing import LoopTiming, UsageRider
 from router.tenants import Keyring
 from router.workers.drain import apply_drained
 from router.workers.health_probe import HealthProber
-from router.workers.loop_timing import LoopTiming, UsageRider
 from router.workers.membership import Membership
 from router.workers.store_loss import StoreLoss
 from router.workers.worker_state import WorkerState

@@ -1,7 +1,8 @@
 """What the role policy sees of the live pools: a `RoleSnapshot` from the router's accounting.
 
 The same fields the simulator fills (disagg_tools/sim/cluster_roles.py), from the live signals:
-- prefill demand: prompt tokens arriving per second (the autoscaling meter, router/scaling.py)
+- prefill demand: prompt tokens arriving per second (the autoscaling meter,
+router/control/scaling.py)
   and the prompt tokens queued on prefill workers now, with a decayed recent peak (bursts break
   the TTFT SLO at a low mean load);
 - decode demand: KV blocks held on each decode worker (every replica's reservations, from the

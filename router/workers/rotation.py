@@ -1,5 +1,5 @@
 """Who is in rotation in each pool, and why a worker is not: the admin API's guard rails
-(router/admin.py) and the 503 a request gets when a pool is empty (router/request/reserve.py).
+(router/edge/admin.py) and the 503 a request gets when a pool is empty (router/request/reserve.py).
 
 A pool is one side (prefill or decode) of one model, as placement sees it (`PlacementView`):
 the workers of that side whose layout names the model, or names none (they serve every
@@ -10,7 +10,8 @@ there and `available`: healthy, layout known, breaker letting requests through, 
 
 A worker whose engine's role switch failed (`broken`: the mark its role record carries on
 every replica) is in no pool and on its way to none: only a restart and a check that it serves
-its role bring it back (router/role_manager.py), so nothing waits for it. The admin guard rails
+its role bring it back (router/control/role_manager.py), so nothing waits for it. The admin guard
+rails
 count only the workers in rotation; a request waits for a pool only if a worker is in rotation
 there or, fit to serve, on its way there.
 """

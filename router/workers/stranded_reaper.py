@@ -11,8 +11,8 @@ import logging
 from collections.abc import Callable
 
 from router.config import Settings
+from router.loop_timing import LoopTiming
 from router.workers.accounting import LocalAccounting
-from router.workers.loop_timing import LoopTiming
 from router.workers.membership import Membership
 from state.base import StateStore, StoreError
 

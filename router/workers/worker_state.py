@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.worker_spec import WorkerSpec
 from router.workers.breaker import CircuitBreaker
 from router.workers.discovery import LoadSnapshot
 from router.workers.prefixes import RecentPrefixes
-from router.workers.worker_spec import WorkerSpec
 from state.base import DrainMark, WorkerRole
 
 __all__ = ["WorkerState"]
@@ -48,7 +48,8 @@ class WorkerState:
     # The store's record of its last drain or undrain (None: none known): what this replica
     # puts back if the store loses it, compared by time with the other replicas' views.
     drain_mark: DrainMark | None = None
-    # A `both` worker's current role from the store (router/role_manager.py); None: never given one,
+    # A `both` worker's current role from the store (router/control/role_manager.py); None: never
+    # given one,
     # it serves as it always has (decode, prefilling its own requests when the policy says).
     role_state: WorkerRole | None = None
     # An SGLang `both` worker (spec.switches_engine_role): the role its engine serves, as its

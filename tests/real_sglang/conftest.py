@@ -37,8 +37,8 @@ from aiohttp import web
 from openai import AsyncOpenAI
 
 import tests.conftest as top_conftest
-from router.app import GATEWAY
 from router.config import settings_from_mapping
+from router.edge.app import GATEWAY
 from tests.conftest import free_port, running_router
 from tests.engines import EngineProcess, EngineSuite, http_get
 

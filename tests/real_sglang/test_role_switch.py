@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from router.app import GATEWAY
 from router.config import settings_from_mapping
-from router.role_manager import ROLES
+from router.control.role_manager import ROLES
+from router.edge.app import GATEWAY
 from tests.conftest import running_router
 from tests.real_sglang.conftest import (
     SglangCluster,
@@ -26,7 +26,7 @@ from tests.real_sglang.conftest import (
 )
 from tests.real_sglang.test_failures import nothing_reserved
 from tests.real_sglang.test_outputs import ask, reference_client
-from tests.test_roles_live import _placements
+from tests.router.control.test_roles_live import _placements
 
 pytestmark = pytest.mark.real_sglang
 

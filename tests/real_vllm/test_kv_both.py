@@ -24,7 +24,7 @@ import aiohttp
 import pytest
 
 from router.config import settings_from_mapping
-from router.role_manager import ROLES
+from router.control.role_manager import ROLES
 from tests.conftest import running_router
 from tests.real_vllm.conftest import (
     START_TIMEOUT_S,

@@ -39,9 +39,9 @@ import zmq.asyncio
 from policies.token_blocks import block_hashes
 from router.config import settings_from_mapping
 from router.metrics import RouterMetrics
+from router.worker_spec import KvEventsSpec
 from router.workers.kv_events import KvEventSubscriber
 from router.workers.kv_index import KvIndex
-from router.workers.worker_spec import KvEventsSpec
 from tests.conftest import free_port, running_router
 from tests.real_vllm.conftest import (
     BLOCK_SIZE,

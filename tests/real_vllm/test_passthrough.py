@@ -1,5 +1,6 @@
-"""Issue 14 against the real engine: the passthrough endpoints (router/passthrough.py), the
-Responses API (router/responses.py, router/responses_pd.py) and the chat fields the router
+"""Issue 14 against the real engine: the passthrough endpoints (router/edge/passthrough.py), the
+Responses API (router/openai/responses.py, router/openai/responses_pd.py) and the chat fields the
+router
 passes through unchanged (logprobs, top_logprobs, seed, stop), through real prefill → NIXL →
 real decode."""
 
@@ -122,7 +123,8 @@ def _output_text(response: dict[str, Any]) -> str:
 
 
 async def test_responses_through_the_router_equal_an_engines(router: RealRouter) -> None:
-    # With a prefill engine in the pools this is the prefill/decode path (router/responses_pd.py;
+    # With a prefill engine in the pools this is the prefill/decode path
+    # (router/openai/responses_pd.py;
     # tests/real_vllm/test_responses_pd.py checks the KV moved); the answer is one engine's.
     prompt = unique_prompt(12, tag="responses")
     body = {"model": SERVED, "input": prompt, "max_output_tokens": MAX_TOKENS, "temperature": 0}
@@ -140,7 +142,7 @@ async def test_responses_through_the_router_equal_an_engines(router: RealRouter)
 async def test_vllm_responses_endpoint_carries_kv_transfer_params(router: RealRouter) -> None:
     """The fact docs/real-workers.md rests on, checked on this engine version: its Responses
     endpoint takes `kv_transfer_params` and hands one back, so a prefill/decode split of a
-    Responses request is possible (the router does it: router/responses_pd.py)."""
+    Responses request is possible (the router does it: router/openai/responses_pd.py)."""
     p0, d0 = router.cluster.prefill.url, router.cluster.decodes[0].url
     prompt = unique_prompt(40, tag="responses pd")
     body = {"model": SERVED, "input": prompt, "temperature": 0, "store": False}

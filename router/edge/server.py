@@ -1,0 +1,415 @@
+"""The router's HTTP server: aiohttp's runner and site, with the client side bounded.
+
+aiohttp bounds how much a client may send (line, header and body sizes) but not how slowly,
+and answers its own parser errors in plain text. Every connection here is a `_Protocol`,
+aiohttp's `RequestHandler` with these additions (`Timeouts` fields, 0 turns one off):
+
+- `header_s`: a request head must be whole within this long of the connection opening, or
+  of its first byte on a kept-alive connection; else 408 (or a plain close if it sent
+  nothing). aiohttp's `keepalive_timeout` (`keepalive_s`) closes idle kept-alive ones.
+- `client_stall_s`: once the transport's write buffer is over its high-water mark, a client
+  that then takes no byte of it for this long has its connection aborted (one that takes
+  some, however slowly, gets another period). aiohttp then cancels the handler
+  (`handler_cancellation`), which closes the decode leg (vLLM's abort) and releases the
+  reservation through the usual `finally` — for both decode-leg relays and any other
+  response, since all of them write through this transport.
+- every error aiohttp answers itself (`handle_error`: the HTTP parser's 400s — control
+  characters, a bad Content-Length, a 9 KB URL, a bad method — and a 500 that escapes the
+  app) gets an OpenAI-style JSON body, built as the app's are (router/errors.py).
+
+`body_s` is the handler's (`read_body`), as is mapping a body aiohttp cannot decode to 400.
+
+aiohttp offers no hook for its protocol class, so `_adopt` rebuilds the `Server` that
+`AppRunner` made as a `_Server`, reading aiohttp's private state through the one function
+that does (router/relay/aiohttp_private.py), checked by tests/router/edge/test_client_bounds.py so
+that an
+aiohttp upgrade that moves it fails loudly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import hdrs, web
+from aiohttp.http_exceptions import (
+    ContentEncodingError,
+    HttpProcessingError,
+    InvalidHeader,
+    InvalidURLError,
+    LineTooLong,
+)
+
+from router.config import Timeouts
+from router.errors import (
+    INTERNAL_ERROR_MESSAGE,
+    DeadlineExceeded,
+    HTTPRefusal,
+    InvalidRequest,
+    RouterError,
+    error_response,
+)
+from router.redact import scrub
+from router.relay.aiohttp_private import AiohttpChanged, aiohttp_private
+
+__all__ = [
+    "BadRequestBody",
+    "RequestTimeout",
+    "RouterRunner",
+    "parser_error_text",
+    "read_body",
+    "serving",
+]
+
+log = logging.getLogger(__name__)
+
+_PARSER_ERROR_CODE = "bad_http_request"
+_MAX_MESSAGE = 200  # what a parser error says, at most (it never quotes the client's bytes)
+
+
+class _ClosesConnection(InvalidRequest):
+    """The rest of the request's body will not be read: the connection ends with the answer,
+    and says so, so that a keep-alive client does not send its next request on it."""
+
+    def headers(self) -> dict[str, str]:
+        return {"Connection": "close"}
+
+
+class RequestTimeout(_ClosesConnection):
+    """The request (head or body) did not arrive in time."""
+
+    status = 408
+    code = "request_timeout"
+
+
+class BadRequestBody(_ClosesConnection):
+    """aiohttp could not read the body: not valid per its Content-Encoding, or bad framing."""
+
+    code = "bad_request_body"
+
+
+async def read_body(request: web.Request, body_s: float) -> bytes:
+    """The request body within `body_s` (408), decoded per Content-Encoding (400 if it is not).
+
+    A body over `client_max_size` (a gzip bomb included) still raises aiohttp's
+    HTTPRequestEntityTooLarge, which the error middleware answers with 413.
+    """
+    try:
+        async with asyncio.timeout(body_s or None):
+            return await request.read()
+    except TimeoutError as exc:
+        raise RequestTimeout(f"the request body did not arrive within {body_s} s") from exc
+    except web.RequestPayloadError as exc:
+        if isinstance(exc.__cause__, ContentEncodingError):
+            encoding = request.headers.get("Content-Encoding", "")
+            raise BadRequestBody(
+                f"the request body is not valid {encoding[:40]} (Content-Encoding)",
+                code="bad_content_encoding",
+            ) from exc
+        cause = exc.__cause__ if isinstance(exc.__cause__, HttpProcessingError) else None
+        raise BadRequestBody(
+            f"the request body could not be read: {parser_error_text(cause, str(exc))}"
+        ) from exc
+
+
+# Text in quotes, as aiohttp's parser errors quote the client's bytes (repr of a header line).
+_QUOTED = re.compile(r"""b?'[^']*'?|b?"[^"]*"?""")
+# What may stay quoted: HTTP's own names (aiohttp's "Duplicate 'Content-Length' header").
+_HTTP_NAMES = frozenset(v.lower() for v in vars(hdrs).values() if isinstance(v, str))
+
+
+def _keep_http_name(m: re.Match[str]) -> str:
+    quoted = m.group(0).lstrip("b")[1:-1]
+    return m.group(0) if quoted.lower() in _HTTP_NAMES else "(...)"
+
+
+def parser_error_text(exc: BaseException | None, message: str | None = None) -> str:
+    """What an HTTP parser error may say, to the client and in the log: its kind, never the
+    client's bytes. aiohttp quotes the offending line (`LineTooLong`: a header value's first
+    100 bytes, `InvalidHeader`: the whole value, llhttp: the data around the error), and that
+    line may be an `Authorization` or `x-api-key` with a key in it, under any scheme, which no
+    pattern can recognise: so only the description is kept (issue 31)."""
+    if isinstance(exc, LineTooLong):
+        return f"a line of the request head is longer than {exc.args[1]} bytes"
+    if isinstance(exc, InvalidHeader):
+        return "a header's name or value is not valid"
+    if isinstance(exc, InvalidURLError):  # its message is the target itself
+        return "the request target is not a valid URL"
+    text = message or getattr(exc, "message", None) or "bad request"
+    # llhttp: "<what>:\n\n  b'<data>'\n  ^": the first line says what.
+    text = text.strip().split("\n", 1)[0].strip().rstrip(":")
+    return scrub(_QUOTED.sub(_keep_http_name, text))[:_MAX_MESSAGE] or "bad request"
+
+
+def _raw_response(status: int, reason: str, body: bytes) -> bytes:
+    head = f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    return head.encode() + body
+
+
+class _Protocol(web.RequestHandler):
+    """One client connection: aiohttp's handler plus the head deadline, the write-stall
+    deadline and OpenAI-style bodies for the errors aiohttp answers itself."""
+
+    __slots__ = (
+        "_limits",
+        "_between",
+        "_head_bytes",
+        "_head_timer",
+        "_stall_timer",
+        "_stall_queued",
+    )
+
+    def __init__(self, manager: web.Server, limits: Timeouts, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._limits = limits
+        self._between = True  # waiting for a request head
+        self._head_bytes = False  # some of it has come
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._stall_queued = 0  # bytes queued for the client when the stall timer was armed
+
+    def __repr__(self) -> str:
+        return (
+            f"_Protocol(open={self.transport is not None}, awaiting_head={self._between}, "
+            f"head_timer={self._head_timer is not None}, stalled={self._stall_timer is not None})"
+        )
+
+    # -- the request head ---------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._arm_head()
+
+    def data_received(self, data: bytes) -> None:
+        if self._between and data:
+            self._head_bytes = True
+            if self._head_timer is None:
+                self._arm_head()
+        super().data_received(data)
+
+    def _arm_head(self) -> None:
+        if self._limits.header_s > 0:
+            loop = asyncio.get_running_loop()
+            self._head_timer = loop.call_later(self._limits.header_s, self._head_overdue)
+
+    def head_arrived(self) -> None:
+        """aiohttp made a request from a whole head (or a parser error): the deadline is met."""
+        self._between = self._head_bytes = False
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    async def finish_response(
+        self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
+        try:
+            return await super().finish_response(request, resp, start_time)
+        finally:
+            # The next head's clock starts at its first byte; until then the connection is
+            # idle, which aiohttp's keepalive_timeout bounds. A body still coming (answered
+            # before it was read: 413, 408) is not a head: aiohttp reads it for at most
+            # lingering_time and then closes, or keepalive_timeout bounds what follows.
+            self._between = request.content.is_eof()
+
+    def _head_overdue(self) -> None:
+        self._head_timer = None
+        if not self._between or self.transport is None:
+            return
+        if self._head_bytes:
+            err = RequestTimeout(
+                f"the request head did not arrive within {self._limits.header_s} s"
+            )
+            self.transport.write(_raw_response(408, "Request Timeout", err.body()))
+        log.debug("closing a connection whose request head is overdue: %r", self)
+        self.force_close()
+
+    # -- a client that takes nothing ----------------------------------------------------------
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._limits.client_stall_s > 0 and self._stall_timer is None:
+            self._arm_stall()
+
+    def _arm_stall(self) -> None:
+        assert self.transport is not None
+        self._stall_queued = self.transport.get_write_buffer_size()
+        loop = asyncio.get_running_loop()
+        self._stall_timer = loop.call_later(self._limits.client_stall_s, self._stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+
+    def _stalled(self) -> None:
+        self._stall_timer = None
+        if self.transport is None:
+            return
+        if self.transport.get_write_buffer_size() < self._stall_queued:
+            self._arm_stall()  # slow, but it took some: a slow reader is not a stalled one
+            return
+        log.info(
+            "client %s took no bytes for %s s: connection aborted",
+            self.peername,
+            self._limits.client_stall_s,
+        )
+        # abort, not close: close would wait for the buffer to drain, i.e. forever.
+        self.transport.abort()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        for timer in (self._head_timer, self._stall_timer):
+            if timer is not None:
+                timer.cancel()
+        self._head_timer = self._stall_timer = None
+        super().connection_lost(exc)
+
+    # -- the errors aiohttp answers itself ----------------------------------------------------
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        err: RouterError
+        if status == 504:  # a handler's TimeoutError that nothing caught
+            err = DeadlineExceeded("the request timed out in the router")
+        elif status >= 500:
+            self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+            err = HTTPRefusal(status, INTERNAL_ERROR_MESSAGE, type_="internal_error")
+        else:
+            text = parser_error_text(exc, message)
+            # Junk from the network is routine: no traceback in the log for each one; and
+            # neither the log nor the answer quotes the client's bytes (parser_error_text).
+            log.debug("bad request from %s: %s: %s", request.remote, type(exc).__name__, text)
+            code = _PARSER_ERROR_CODE
+            if isinstance(exc, ContentEncodingError):
+                code = "bad_content_encoding"
+            err = HTTPRefusal(status, f"the request is not valid HTTP: {text}", code=code)
+        if request.writer.output_size > 0:  # as aiohttp: too late for another response
+            raise ConnectionError("the response has started; cannot send an error")
+        resp = error_response(err)
+        resp.force_close()
+        return resp
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        # aiohttp reads on after a response (lingering close); a body it could not decode
+        # raises again there. That is the client's fault and already answered: no traceback.
+        exc = kw.get("exc_info")
+        if isinstance(exc, web.RequestPayloadError):
+            log.debug("undecodable request body, connection closed: %r", exc)
+            return
+        super().log_exception(*args, **kw)
+
+
+class _Server(web.Server):
+    """aiohttp's low-level server, making `_Protocol`s."""
+
+    def __init__(
+        self,
+        handler: Any,
+        *,
+        limits: Timeouts,
+        loop: asyncio.AbstractEventLoop,
+        request_factory: Any,
+        handler_cancellation: bool,
+        **protocol_kwargs: Any,
+    ) -> None:
+        def made_request(message: Any, payload: Any, protocol: Any, writer: Any, task: Any) -> Any:
+            if isinstance(protocol, _Protocol):
+                protocol.head_arrived()
+            return request_factory(message, payload, protocol, writer, task)
+
+        super().__init__(
+            handler,
+            request_factory=made_request,
+            handler_cancellation=handler_cancellation,
+            loop=loop,
+            **protocol_kwargs,
+        )
+        self.limits = limits
+        self.protocol_loop = loop
+        self.protocol_kwargs = protocol_kwargs
+
+    def __call__(self) -> _Protocol:
+        return _Protocol(self, self.limits, loop=self.protocol_loop, **self.protocol_kwargs)
+
+
+def _adopt(server: web.Server, limits: Timeouts) -> _Server:
+    """`server` (made by `AppRunner`) rebuilt as a `_Server` with the same handler, factory
+    and protocol arguments."""
+    if type(server) is not web.Server:
+        raise AiohttpChanged(
+            f"AppRunner made a {type(server).__qualname__}, not a web.Server: "
+            "router/edge/server.py must be updated for this aiohttp version"
+        )
+    kwargs = aiohttp_private(server, "_kwargs", dict)
+    loop = aiohttp_private(server, "_loop", asyncio.AbstractEventLoop)
+    return _Server(
+        server.request_handler,
+        limits=limits,
+        loop=loop,
+        request_factory=server.request_factory,
+        handler_cancellation=server.handler_cancellation,
+        **kwargs,
+    )
+
+
+class RouterRunner(web.AppRunner):
+    """`AppRunner` whose connections are bounded by `timeouts` (see the module docstring).
+
+    `handler_cancellation`: a client that disconnects cancels its request at once, so both
+    upstream legs are closed and its reservation released without waiting for the workers.
+    """
+
+    __slots__ = ("timeouts",)
+
+    def __init__(
+        self, app: web.Application, timeouts: Timeouts, *, shutdown_timeout: float = 10.0
+    ) -> None:
+        super().__init__(
+            app,
+            handler_cancellation=True,
+            access_log=None,
+            keepalive_timeout=timeouts.keepalive_s,
+            shutdown_timeout=shutdown_timeout,
+        )
+        self.timeouts = timeouts
+
+    async def _make_server(self) -> web.Server:
+        return _adopt(await super()._make_server(), self.timeouts)
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    app: web.Application,
+    host: str,
+    port: int,
+    timeouts: Timeouts,
+    *,
+    shutdown_timeout: float = 10.0,
+    backlog: int = 4096,
+) -> AsyncIterator[RouterRunner]:
+    """Serve `app` on `host:port` (0: any free port, see `runner.addresses`) until exit; then
+    shut down gracefully: the router's own shutdown first when the app has one
+    (router/edge/shutdown.py: refuse new work, let streams finish up to the grace period, end the
+    rest with an error frame), then aiohttp's (whatever still runs after `shutdown_timeout`
+    is cancelled)."""
+    from router.edge.shutdown import SHUTDOWN
+
+    runner = RouterRunner(app, timeouts, shutdown_timeout=shutdown_timeout)
+    await runner.setup()
+    try:
+        # aiohttp's default accept queue is 128: a burst of clients beyond it is dropped by the
+        # kernel and each retries its handshake after 1, 2, 4, 8... s.
+        await web.TCPSite(runner, host, port, backlog=backlog).start()
+        yield runner
+    finally:
+        shutdown = app.get(SHUTDOWN)
+        if shutdown is not None:
+            await shutdown.stop(runner.sites)
+        await runner.cleanup()

@@ -1,0 +1,303 @@
+"""The pools' background loops while the replica is quiet (router/workers/: the prober, the load
+poller, the registry sync and the state refresher, on router/loop_timing.py's cadence):
+what an idle router does not do, and how the first placement brings the busy cadence back.
+
+A real aiohttp server stands in for the workers and counts what it is asked (`/health`,
+`/metrics`); the store is the in-process one (its call counts are the point, not its data).
+Cadences are short so that every test ends in about a second; the assertions compare counts
+with what the configured cadence would give, never wall-clock targets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from router.config import RetrySettings, Settings, settings_from_mapping
+from router.loop_timing import LoopTiming
+from router.retry_budget import RetryBudget
+from router.workers.accounting import LocalAccounting
+from router.workers.health_probe import HealthProber
+from router.workers.load_poller import LoadPoller
+from router.workers.membership import Membership
+from router.workers.refresher import StateRefresher
+from router.workers.registry import RegistrySync
+from router.workers.store_loss import StoreLoss
+from state import MemoryStore
+from state.base import StateStore
+
+MODEL = "llama-3-8b"
+METRICS = "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+
+
+@contextlib.asynccontextmanager
+async def counting_worker() -> AsyncIterator[tuple[str, Counter[str]]]:
+    hits: Counter[str] = Counter()
+
+    async def health(_: web.Request) -> web.Response:
+        hits["health"] += 1
+        return web.Response(text="ok")
+
+    async def metrics(_: web.Request) -> web.Response:
+        hits["metrics"] += 1
+        return web.Response(text=METRICS)
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}", hits
+    finally:
+        await runner.cleanup()
+
+
+def settings(url: str, **extra: Any) -> Settings:
+    return settings_from_mapping(
+        {
+            "model": MODEL,
+            "perf": {"model": MODEL, "gpu": "h100"},
+            "workers": [
+                {"id": "p0", "url": url, "role": "prefill", "adapter": "vllm"},
+                {"id": "d0", "url": url, "role": "decode", "adapter": "vllm", "kv_blocks": 1000},
+            ],
+            **extra,
+        }
+    )
+
+
+@dataclass
+class Replica:
+    """One replica's pool pieces, wired as router/edge/app.py wires them; `busy` stands in for its
+    admission queue (requests in flight or waiting)."""
+
+    store: StateStore
+    members: Membership
+    timing: LoopTiming
+    accounting: LocalAccounting
+    loss: StoreLoss
+    prober: HealthProber
+    registry: RegistrySync
+    refresher: StateRefresher
+    poller: LoadPoller
+
+
+def replica(s: Settings, store: StateStore, busy: Callable[[], bool] = lambda: False) -> Replica:
+    members = Membership(s)
+    timing = LoopTiming(members.carrying_work, busy)
+    accounting = LocalAccounting(members, timing)
+    loss = StoreLoss(s, store, members)
+    prober = HealthProber(members, timing, s)
+    return Replica(
+        store=store,
+        members=members,
+        timing=timing,
+        accounting=accounting,
+        loss=loss,
+        prober=prober,
+        registry=RegistrySync(s, store, members, loss, prober, timing),
+        refresher=StateRefresher(s, store, members, accounting, loss, timing),
+        poller=LoadPoller(s, members, timing),
+    )
+
+
+class CountingStore(MemoryStore):
+    """The in-process store, counting the calls the loops make."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+
+    async def registry_view(self, marker_ttl_s: float) -> Any:
+        self.calls["registry_view"] += 1
+        return await super().registry_view(marker_ttl_s)
+
+    async def usage_view(self, decode_ids: Any, prefill_ids: Any) -> Any:
+        self.calls["usage_view"] += 1
+        return await super().usage_view(decode_ids, prefill_ids)
+
+    async def decode_usage(self, worker_ids: Any) -> Any:
+        self.calls["decode_usage"] += 1
+        return await super().decode_usage(worker_ids)
+
+    async def stranded_bytes(self, prefill_ids: Any) -> Any:
+        self.calls["stranded_bytes"] += 1
+        return await super().stranded_bytes(prefill_ids)
+
+    async def registered_workers(self) -> dict[str, str]:
+        self.calls["registered_workers"] += 1
+        return await super().registered_workers()
+
+    async def drained_workers(self) -> set[str]:
+        self.calls["drained_workers"] += 1
+        return await super().drained_workers()
+
+    async def check_marker(self, ttl_s: float) -> bool:
+        self.calls["check_marker"] += 1  # also what MemoryStore.registry_view itself calls
+        return await super().check_marker(ttl_s)
+
+
+@contextlib.asynccontextmanager
+async def loop_running(coro: Any) -> AsyncIterator[None]:
+    task = asyncio.create_task(coro)
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_health_probes_back_off_while_quiet_and_come_back_at_the_first_placement() -> None:
+    async with counting_worker() as (url, hits), aiohttp.ClientSession() as session:
+        busy = [False]
+        s = settings(url, health_interval_s=0.05, health_idle_interval_s=0.4)
+        r = replica(s, MemoryStore(), lambda: busy[0])
+        async with loop_running(r.prober.run(session)):
+            await asyncio.sleep(1.0)
+            quiet = hits["health"]
+            # Two workers, one probe each per round: at the busy cadence 1 s is ~40 probes;
+            # doubling 0.1, 0.2, 0.4, 0.4 ... it is a handful of rounds.
+            assert 2 <= quiet <= 2 * 6, quiet
+            busy[0] = True
+            r.accounting.note_pending("d0", 4)  # a placement: the prober wakes now, not in 0.4 s
+            await asyncio.sleep(0.03)
+            assert hits["health"] >= quiet + 2
+            await asyncio.sleep(0.5)
+            assert hits["health"] >= quiet + 2 * 5  # busy: every 0.05 s again (~10 rounds)
+
+
+async def test_no_back_off_while_a_worker_fails_its_probes() -> None:
+    async with counting_worker() as (url, hits), aiohttp.ClientSession() as session:
+        s = settings(url, health_interval_s=0.05, health_idle_interval_s=0.4)
+        r = replica(s, MemoryStore())
+        # d0 at a port nothing listens on: its probes fail, so the cadence stays the busy one.
+        d0 = r.members.workers["d0"]
+        d0.spec = replace(d0.spec, url="http://127.0.0.1:9")
+        async with loop_running(r.prober.run(session)):
+            await asyncio.sleep(0.6)
+        assert hits["health"] >= 8  # p0's probes, every 0.05 s: ~12 in 0.6 s
+
+
+async def test_load_polls_only_while_busy() -> None:
+    async with counting_worker() as (url, hits), aiohttp.ClientSession() as session:
+        busy = [False]
+        r = replica(settings(url, load_poll_s=0.05), MemoryStore(), lambda: busy[0])
+        async with loop_running(r.poller.run(session)):
+            await asyncio.sleep(0.5)
+            assert hits["metrics"] == 2  # the start-up round only (two workers)
+            busy[0] = True
+            r.accounting.note_pending("d0", 4)
+            await asyncio.sleep(0.03)
+            assert hits["metrics"] >= 4  # the first placement polls at once (quiet: never)
+            await asyncio.sleep(0.3)
+            assert hits["metrics"] >= 4 + 2 * 4
+            busy[0] = False
+            r.accounting.note_pending("d0", -4)  # the placement's blocks are reserved or given back
+            await asyncio.sleep(0.1)
+            settled = hits["metrics"]
+            await asyncio.sleep(0.3)
+            assert hits["metrics"] == settled
+
+
+async def test_registry_sync_is_one_store_call() -> None:
+    store = CountingStore()
+    r = replica(settings("http://127.0.0.1:9"), store)
+    for _ in range(3):
+        await r.registry.sync()
+    assert store.calls["registry_view"] == 3
+    assert store.calls["registered_workers"] == store.calls["drained_workers"] == 0
+
+
+async def test_a_state_refresh_is_one_store_call() -> None:
+    """Reservations and stranded KV read together: the refresher runs 10 times a second while
+    busy, so each refresh is one round trip, not one per kind of state."""
+    store = CountingStore()
+    r = replica(settings("http://127.0.0.1:9"), store)
+    await store.set_capacity("d0", 1000)
+    assert (await store.reserve("d0", "r1", 10, 30.0)).held
+    await store.strand("p0", "q1", 2048)
+    for _ in range(3):
+        await r.refresher.refresh(check_marker=False)
+    assert store.calls["usage_view"] == 3
+    assert store.calls["decode_usage"] == store.calls["stranded_bytes"] == 0
+    assert r.members.workers["d0"].reserved_blocks == 10
+    assert r.members.workers["p0"].stranded_bytes == 2048
+
+
+async def test_a_store_that_lost_its_data_is_put_back_and_read_again() -> None:
+    """The registry view finds the marker gone (after the first use): the dynamic workers are
+    registered again, then the registry is read again, so none of them looks removed."""
+    store = CountingStore()
+    r = replica(settings("http://127.0.0.1:9"), store)
+    await r.registry.sync()  # first use: the marker is set
+    spec = '{"id": "d-new", "url": "http://127.0.0.1:9", "role": "decode", "kv_blocks": 10}'
+    await store.register_worker("d-new", spec)
+    await r.registry.sync()
+    assert "d-new" in r.members.workers
+    store._registry.clear()  # the store lost its data: registrations and marker
+    store._marker_until = None
+    await r.registry.sync()
+    assert "d-new" in r.members.workers  # put back, and still in the pools
+    assert "d-new" in await store.registered_workers()
+
+
+async def test_the_quiet_refresher_leaves_the_marker_to_the_registry_sync() -> None:
+    store = CountingStore()
+    r = replica(settings("http://127.0.0.1:9", state_refresh_s=0.02), store, busy=lambda: False)
+    async with loop_running(r.refresher.run()):
+        await asyncio.sleep(0.5)
+    # Quiet from the start: the first refresh checks the marker, the backed-off ones do not
+    # (at the busy cadence 0.5 s would be ~25 checks).
+    assert store.calls["check_marker"] == 1
+
+
+@pytest.mark.parametrize("period", [0.05, 0.2])
+async def test_beats_fall_on_multiples_of_the_period(period: float) -> None:
+    """Loops that sleep to the beat wake together: at the same phase of the period."""
+    timing = LoopTiming()
+    loop = asyncio.get_running_loop()
+    phases = []
+    for _ in range(3):
+        await timing.beat(period)
+        phases.append((loop.time() - timing.phase) % period)
+    # Each wake-up is just after a multiple of the period (timers fire late, never early).
+    assert all(p < 0.02 or p > period - 0.002 for p in phases), phases
+
+
+async def test_the_reaper_waits_while_nothing_is_stranded() -> None:
+    r = replica(settings("http://127.0.0.1:9"), MemoryStore())
+    waiter = asyncio.create_task(r.accounting.stranded_somewhere())
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    r.accounting.note_stranded("p0", 4096)
+    await asyncio.wait_for(waiter, 1.0)
+    await asyncio.wait_for(r.accounting.stranded_somewhere(), 0.1)  # at once while some is held
+
+
+async def test_the_retry_tally_waits_while_nothing_is_counted() -> None:
+    """router/retry_budget.py: the flushing loop sleeps in `counted()` until a request is
+    counted, returns at once while a tally is owed, and sleeps again once it is flushed."""
+    store = MemoryStore()
+    budget = RetryBudget(store, RetrySettings())
+    waiter = asyncio.create_task(budget.counted())
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    budget.note_request()
+    await asyncio.wait_for(waiter, 1.0)
+    await asyncio.wait_for(budget.counted(), 0.1)  # still untallied: at once
+    await budget.flush()
+    again = asyncio.create_task(budget.counted())
+    await asyncio.sleep(0.05)
+    assert not again.done()  # flushed: nothing owed, asleep again
+    again.cancel()
