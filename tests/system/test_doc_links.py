@@ -73,3 +73,10 @@ def test_every_relative_link_resolves() -> None:
                 broken.append(f"{where} (no heading with that anchor)")
     assert checked > 50, checked
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_the_readme_stays_a_front_page() -> None:
+    """What it is, the two commands, a minimal config, links (issue 32): the operator's manual
+    lives in docs/, so the README stays short."""
+    size = len((REPO / "README.md").read_bytes())
+    assert size < 15_000, f"README.md is {size} bytes: move the detail to docs/"
