@@ -5,63 +5,89 @@
     POST /v1/responses                            a worker that runs both phases
                                                   (router/openai/responses.py)
 
-Behind the same front door as chat (router/edge/front_door.py: the shutdown check, the API keys, the
-body limit and read timeout, the request id), with the same OpenAI error shapes; an unknown
+Behind the same front door as chat (router/edge/front_door.py: the shutdown check, the API keys,
+the body limit and read timeout, the request id), with the same OpenAI error shapes; an unknown
 model is a 404 `model_not_found`. The worker is the least busy one in rotation (healthy, breaker
 closed, not drained) that serves the model, the least recently picked among equals, and is sent
-the headers every leg is (router/upstream_headers.py). A failure before the client got a byte —
-connection error, timeout, 5xx, 429/503 — is charged to that worker's breaker and retried on
-another worker by the retry policy chat's legs have (router/request/retry_policy.py: the attempts
-cap,
-the cluster-wide budget, jittered backoff); a worker's own 4xx passes through unchanged. No
-worker in rotation: 503 `no_worker_in_rotation` with Retry-After.
+the headers every leg is (router/upstream_headers.py). No worker in rotation: 503
+`no_worker_in_rotation` with Retry-After.
 
-Streams (a Responses request with `stream: true`) are forwarded event by event; a stream the
-worker breaks after the first byte ends with the route's error frame (router/errors.py
-`stream_error_frame`; it cannot be resumed: these endpoints carry no KV handle to resume from).
+The leg to that worker is the main path's (router/request/one_worker.py on router/request/legs.py
+`leg_errors`): one error mapping and one breaker verdict, settled exactly once whichever way the
+request ends (a client that leaves mid-probe gives the probe's place back). A failure before the
+client got a byte (a connection error, a timeout, a 5xx, a 429/503, a 200 that is not an answer)
+is charged to the worker's breaker and retried on another worker by the retry policy chat's legs
+have (router/request/retry_policy.py: the attempts cap, the cluster-wide budget, jittered
+backoff); a worker's own 4xx passes through unchanged.
+
+Streams (a Responses request with `stream: true`) go through the main path's relay and SSE cutter
+(router/relay/sse_cut.py): whole events only; a stream the worker breaks before its first event
+reached the client is retried, one it breaks after ends with the route's error frame
+(router/errors.py `stream_error_frame`; it cannot be resumed: these endpoints carry no KV handle
+to resume from).
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import orjson
 from aiohttp import web
 
+from router.config import Settings
 from router.edge.front_door import RequestCount, enter
-from router.edge.gateway import Gateway
-from router.errors import (
-    DeadlineExceeded,
-    InvalidRequest,
-    ModelNotFound,
-    NotInRotation,
-    RouterError,
-    UpstreamError,
-    stream_error_frame,
-)
+from router.errors import InvalidRequest, ModelNotFound, NotInRotation
+from router.metrics import RouterMetrics
 from router.openai.api import RESPONSES, parse_json_object
-from router.request.attempt import LegFailure, upstream_failure
+from router.request.attempt import LegFailure
+from router.request.one_worker import OneWorker
 from router.request.retry_policy import RetryPolicy
+from router.retry_budget import RetryBudget
 from router.upstream_headers import upstream_headers
-from router.workers.pools import WorkerState
+from router.workers.pools import Pools, WorkerState
 
 __all__ = [
     "ANY_ROLE",
     "BOTH_PHASES",
     "PASSTHROUGH_ROUTES",
+    "Passthrough",
     "Route",
     "add_passthrough_routes",
     "forward",
 ]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Passthrough:
+    """What the passthrough routes use of the replica, handed to them by the app
+    (router/edge/app.py) once its services are up: the settings (retries, timeouts, forwarded
+    headers, the front door's), the upstream client, the pools to pick a worker from, the
+    metrics and the cluster-wide retry budget."""
+
+    settings: Settings
+    session: aiohttp.ClientSession
+    pools: Pools
+    metrics: RouterMetrics
+    retry_budget: RetryBudget
+    clock: Callable[[], float] = time.monotonic
+    leg: OneWorker = field(init=False)  # the one-worker leg on these (router/request/)
+
+    def __post_init__(self) -> None:
+        leg = OneWorker(self.session, self.metrics, self.settings.timeouts, self.clock)
+        object.__setattr__(self, "leg", leg)  # frozen: set once, here
+
+    def __repr__(self) -> str:
+        return f"Passthrough(workers={len(self.pools.workers)})"
+
 
 ANY_ROLE: tuple[frozenset[str], ...] = (frozenset({"prefill", "decode", "both"}),)
 # A whole generation on one worker: one registered as `both` first; else a decode worker, which
@@ -111,13 +137,15 @@ class Picks:
 _PICKS = web.AppKey("passthrough_picks", Picks)
 
 
-def _candidates(gw: Gateway, route: Route, model: str | None, tried: set[str]) -> list[WorkerState]:
+def _candidates(
+    deps: Passthrough, route: Route, model: str | None, tried: set[str]
+) -> list[WorkerState]:
     """The most preferred tier's workers in rotation for `model`, untried ones first."""
     for fresh_only in (True, False):
         for roles in route.tiers:
             found = [
                 w
-                for w in gw.pools.workers.values()
+                for w in deps.pools.workers.values()
                 if w.spec.role in roles
                 and w.available
                 and w.spec.serves(model)
@@ -126,13 +154,6 @@ def _candidates(gw: Gateway, route: Route, model: str | None, tried: set[str]) -
             if found:
                 return found
     return []
-
-
-def _json_object(data: bytes) -> bool:
-    try:
-        return isinstance(orjson.loads(data), dict)
-    except orjson.JSONDecodeError:
-        return False
 
 
 def _served_model(body: dict[str, Any], models: tuple[str, ...]) -> str | None:
@@ -148,8 +169,8 @@ def _served_model(body: dict[str, Any], models: tuple[str, ...]) -> str | None:
     return model
 
 
-def _none_in_rotation(gw: Gateway, route: Route, model: str | None) -> NotInRotation:
-    workers = gw.pools.workers.values()
+def _none_in_rotation(deps: Passthrough, route: Route, model: str | None) -> NotInRotation:
+    workers = deps.pools.workers.values()
     known = any(
         w.spec.serves(model) and any(w.spec.role in r for r in route.tiers) for w in workers
     )
@@ -161,27 +182,23 @@ def _none_in_rotation(gw: Gateway, route: Route, model: str | None) -> NotInRota
 
 
 class _Forward:
-    """One passthrough request: pick, send, retry before the first byte, relay."""
+    """One passthrough request: pick a worker, send it the one-worker leg
+    (router/request/one_worker.py), retry before the first byte."""
 
     def __init__(
-        self, gw: Gateway, request: web.Request, route: Route, picks: Picks, request_id: str
+        self, deps: Passthrough, request: web.Request, route: Route, picks: Picks, request_id: str
     ) -> None:
-        self.gw, self.http, self.route, self.picks = gw, request, route, picks
+        self.deps, self.http, self.route, self.picks = deps, request, route, picks
         self.request_id = request_id
-        self.retries = RetryPolicy(gw.settings.retry, gw.retry_budget, gw.metrics, request_id)
-
-    def _failed(self, w: WorkerState, probe: bool, kind: str, err: RouterError) -> LegFailure:
-        self.gw.metrics.upstream_errors.labels(side=w.spec.role, kind=kind).inc()
-        w.breaker.on_failure(probe)
-        return LegFailure(w.spec.role, w.spec.id, err, True)
+        self.retries = RetryPolicy(deps.settings.retry, deps.retry_budget, deps.metrics, request_id)
 
     async def run(self, raw: bytes, model: str | None, stream: bool) -> web.StreamResponse:
         retries = self.retries
         retries.begin()
         while True:
-            found = _candidates(self.gw, self.route, model, retries.tried)
+            found = _candidates(self.deps, self.route, model, retries.tried)
             if not found:
-                raise _none_in_rotation(self.gw, self.route, model)
+                raise _none_in_rotation(self.deps, self.route, model)
             worker = self.picks.choose(found)
             retries.attempt()
             try:
@@ -192,100 +209,42 @@ class _Forward:
                 await retries.before_retry(failure)
 
     async def _attempt(self, w: WorkerState, raw: bytes, stream: bool) -> web.StreamResponse:
-        gw, t = self.gw, self.gw.settings.timeouts
-        spec = w.spec
-        probe = w.breaker.on_dispatch()
+        spec, leg = w.spec, self.deps.leg
+        headers = upstream_headers(self.deps.settings, self.http.headers, self.request_id, spec)
         self.picks.inflight[spec.id] += 1
-        # A whole answer within the whole-leg deadline; a stream's first byte within the TTFT
-        # one, then no more than idle_s between bytes.
-        deadline = t.ttft_s if stream else (t.total_s or t.prefill_s)
-        timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=t.connect_s, sock_read=t.idle_s if stream else None
-        )
         try:
-            try:
-                async with asyncio.timeout(deadline):
-                    resp = await gw.session.post(
-                        spec.url + self.route.path,
-                        data=raw,
-                        headers=upstream_headers(
-                            gw.settings, self.http.headers, self.request_id, spec
-                        ),
-                        timeout=timeout,
-                    )
-                    if resp.status != 200 or not stream:
-                        try:
-                            data = await resp.read()
-                        finally:
-                            resp.release()
-            except aiohttp.ClientError as exc:  # before TimeoutError: some are both
-                err: RouterError = UpstreamError(f"{spec.role} worker {spec.id} failed: {exc!r}")
-                raise self._failed(w, probe, "connection", err) from exc
-            except TimeoutError as exc:
-                err = DeadlineExceeded(f"worker {spec.id} did not answer within {deadline} s")
-                raise self._failed(w, probe, "timeout", err) from exc
-            if resp.status != 200:
-                failure = upstream_failure(spec.role, spec.id, resp.status, data)
-                gw.metrics.upstream_errors.labels(side=spec.role, kind=str(resp.status)).inc()
-                if failure.retryable:
-                    w.breaker.on_failure(probe)
-                else:  # the worker is fine: the client's request was the problem
-                    w.breaker.on_success(probe)
-                raise failure
-            if not stream and not _json_object(data):
-                # A 200 that does not parse (a broken engine, a proxy's page): nothing reached
-                # the client yet, so it is retried like a failed worker.
-                err = UpstreamError(f"worker {spec.id} answered 200 with a body that is not JSON")
-                raise self._failed(w, probe, "malformed", err)
-            w.breaker.on_success(probe)
             if not stream:
+                whole = await leg.whole(w, self.route.path, raw, headers)
                 return web.Response(
-                    body=data,
-                    content_type=resp.content_type or "application/json",
+                    body=whole.body,
+                    content_type=whole.content_type,
                     headers={"X-Request-Id": self.request_id},
                 )
-            return await self._relay(w, resp)
+            started: list[web.StreamResponse] = []
+
+            async def start_stream(stream_headers: dict[str, str]) -> web.StreamResponse:
+                client = web.StreamResponse(
+                    headers={**stream_headers, "X-Request-Id": self.request_id}
+                )
+                started.append(client)
+                await client.prepare(self.http)
+                return client
+
+            await leg.stream(
+                w,
+                self.route.path,
+                raw,
+                headers,
+                start_stream,
+                responses=self.route.path == RESPONSES,
+            )
+            return started[0]  # the stream reached the client (else the leg raised)
         finally:
             self.picks.inflight[spec.id] -= 1
 
-    async def _relay(self, w: WorkerState, resp: aiohttp.ClientResponse) -> web.StreamResponse:
-        """Forward whole SSE events as they arrive; a break ends the stream with an error event."""
-        client = web.StreamResponse(
-            headers={
-                "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
-                "Cache-Control": "no-cache",
-                "X-Request-Id": self.request_id,
-            }
-        )
-        pending = b""
-        try:
-            await client.prepare(self.http)
-            try:
-                async for data in resp.content.iter_any():
-                    data, pending = pending + data, b""
-                    end = data.rfind(b"\n\n")
-                    if end < 0:
-                        pending = data
-                        continue
-                    data, pending = data[: end + 2], data[end + 2 :]
-                    await client.write(data)
-            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-                self.gw.metrics.upstream_errors.labels(side=w.spec.role, kind="stream_cut").inc()
-                w.breaker.on_failure()
-                err = UpstreamError(f"worker {w.spec.id} ended the stream early: {exc!r}")
-                await client.write(
-                    stream_error_frame(err, responses_api=self.route.path == RESPONSES)
-                )
-            await client.write_eof()
-        except (ConnectionError, RuntimeError):
-            self.gw.metrics.client_disconnects.inc()  # the client left: closing aborts upstream
-        finally:
-            resp.close()
-        return client
-
 
 async def forward(
-    gw: Gateway,
+    deps: Passthrough,
     request: web.Request,
     route: Route,
     raw: bytes,
@@ -297,33 +256,34 @@ async def forward(
     """Serve `raw` (the body to send) by one worker of `route`'s roles; `request_id` is the
     front door's (router/edge/front_door.py)."""
     picks = request.app[_PICKS]
-    return await _Forward(gw, request, route, picks, request_id).run(raw, model, stream)
+    return await _Forward(deps, request, route, picks, request_id).run(raw, model, stream)
 
 
 def add_passthrough_routes(
     app: web.Application,
-    gateway: Callable[[web.Application], Gateway],
-    models: Callable[[Gateway], tuple[str, ...]],
+    passthrough: Callable[[web.Application], Passthrough],
+    models: Callable[[Passthrough], tuple[str, ...]],
     routes: tuple[Route, ...] = PASSTHROUGH_ROUTES,
 ) -> None:
-    """Register `routes` on `app`; `gateway(app)` and `models(gw)` are the app's."""
+    """Register `routes` on `app`; `passthrough(app)` is what the app hands them (once its
+    services are up), `models(deps)` the model names it serves now."""
     app[_PICKS] = Picks()
 
     def handler(route: Route) -> Callable[[web.Request], Any]:
         async def handle(request: web.Request) -> web.StreamResponse:
-            gw = gateway(request.app)
-            with RequestCount(gw.metrics, route.path) as count:
-                entry = await enter(request, gw.settings)
+            deps = passthrough(request.app)
+            with RequestCount(deps.metrics, route.path) as count:
+                entry = await enter(request, deps.settings)
                 count.tenant = entry.tenant.name  # in its tenant's requests too
                 raw, body = entry.raw, parse_json_object(entry.raw)
-                model = _served_model(body, models(gw))
+                model = _served_model(body, models(deps))
                 stream = False
                 if route.shape is not None:
                     sent, stream = route.shape(body)
                     if sent is not body:
                         raw = orjson.dumps(sent)
                 resp = await forward(
-                    gw, request, route, raw, model, request_id=entry.request_id, stream=stream
+                    deps, request, route, raw, model, request_id=entry.request_id, stream=stream
                 )
                 count.status = resp.status
                 return resp

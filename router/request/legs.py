@@ -7,7 +7,8 @@ splice or the aiohttp relay, once), or raises a `LegFailure`. Two shapes, by the
 - vLLM NIXL pull mode: the prefill leg first; its `kv_transfer_params` go into the decode leg;
 - SGLang rooms / vLLM Mooncake (`concurrent_legs`): both legs at once, the decode answer
   returned as soon as it starts, a leg that fails cancels the other.
-Every leg's breaker and error accounting is one context, `leg_errors(side, worker)`. A leg is
+Every leg's breaker and error accounting is one context, `leg_errors(metrics, side, worker)`
+(the passthrough routes' one-worker leg uses it too: router/request/one_worker.py). A leg is
 judged by its answer, not by its status line: the prefill's is checked for its KV handle inside
 that context, and the decode's verdict waits for the end of its answer (`decode_answered`,
 `stream_failure`; `Attempt.decode_verdict`), so a worker that answers 200 and then garbage
@@ -50,9 +51,67 @@ from router.workers.breaker import Verdict
 from router.workers.membership import Membership
 from router.workers.worker_state import WorkerState
 
-__all__ = ["DecodeAnswer", "Legs", "RESUMED_HEADER"]
+__all__ = ["DecodeAnswer", "Legs", "RESUMED_HEADER", "leg_errors"]
 
 RESUMED_HEADER = "X-Resumed-Output-Tokens"
+
+
+@contextlib.asynccontextmanager
+async def leg_errors(
+    metrics: RouterMetrics,
+    side: str,
+    worker: WorkerState,
+    timeout_s: float | None = None,
+    deferred: bool = False,
+) -> AsyncIterator[Verdict]:
+    """One leg to `worker`: its breaker is charged by the outcome, its errors are counted, and a
+    transport failure (or, with `timeout_s`, no answer in time) becomes a retryable LegFailure.
+    Every leg's: the prefill's and decode's here, the one worker's of a passthrough route
+    (router/request/one_worker.py).
+
+    A worker's error answer (a LegFailure raised in the block) charges the breaker only when
+    retrying can help and the worker is to blame: not for the client's bad request, and on the
+    decode side not for a KV handle that expired (the worker is fine). A block that ends well
+    is a success, unless `deferred`: then the yielded verdict is the caller's to give once the
+    answer is read. The request's own deadline, or its cancellation, is no verdict on the
+    worker (a half-open probe's place is given back)."""
+    spec = worker.spec
+    verdict = worker.breaker.dispatch()
+    if verdict is None:  # its breaker opened, or took its probe, since this pair was placed
+        metrics.upstream_errors.labels(side=side, kind="breaker_open").inc()
+        refused = Unavailable(f"{side} worker {spec.id}'s circuit breaker is open", retry_after_s=1)
+        raise LegFailure(side, spec.id, refused, True)
+    try:
+        async with asyncio.timeout(timeout_s):
+            yield verdict
+    except LegFailure as f:
+        # The labels as they have always been: the decode's by HTTP status, the prefill's by
+        # the error's class; an answer that is not one, "protocol".
+        kind = f.kind or (str(f.status) if side == "decode" else type(f.error).__name__)
+        metrics.upstream_errors.labels(side=side, kind=kind).inc()
+        if f.retryable and not (side == "decode" and f.kv_handle):
+            verdict.failed()
+        else:
+            verdict.ok()
+        raise
+    except aiohttp.ClientError as exc:  # before TimeoutError: some are TimeoutErrors too
+        metrics.upstream_errors.labels(side=side, kind="connection").inc()
+        verdict.failed()
+        err = UpstreamError(f"{side} worker {spec.id} failed: {exc!r}")
+        raise LegFailure(side, spec.id, err, True) from exc
+    except TimeoutError as exc:
+        if timeout_s is None:
+            verdict.abandon()
+            raise  # the request's own deadline, not this leg's
+        metrics.upstream_errors.labels(side=side, kind="timeout").inc()
+        verdict.failed()
+        deadline = DeadlineExceeded(f"{side} worker {spec.id} did not answer within {timeout_s} s")
+        raise LegFailure(side, spec.id, deadline, True) from exc
+    except BaseException:
+        verdict.abandon()  # cancelled: the client left, or the other leg failed
+        raise
+    if not deferred:
+        verdict.ok()
 
 
 @dataclass(slots=True)
@@ -131,64 +190,15 @@ class Legs:
             body = self.pairing.pull_adapter(decode).decode_body(ask.body, kv)
         return await self._open_decode(call, attempt, body, ask.resumed)
 
-    @contextlib.asynccontextmanager
-    async def leg_errors(
+    def leg_errors(
         self,
         side: str,
         worker: WorkerState,
         timeout_s: float | None = None,
         deferred: bool = False,
-    ) -> AsyncIterator[Verdict]:
-        """One leg to `worker`: its breaker is charged by the outcome, its errors are counted, and a
-        transport failure (or, with `timeout_s`, no answer in time) becomes a retryable LegFailure.
-
-        A worker's error answer (a LegFailure raised in the block) charges the breaker only when
-        retrying can help and the worker is to blame: not for the client's bad request, and on the
-        decode side not for a KV handle that expired (the worker is fine). A block that ends well
-        is a success, unless `deferred`: then the yielded verdict is the caller's to give once the
-        answer is read. The request's own deadline, or its cancellation, is no verdict on the
-        worker (a half-open probe's place is given back)."""
-        spec = worker.spec
-        verdict = worker.breaker.dispatch()
-        if verdict is None:  # its breaker opened, or took its probe, since this pair was placed
-            self.metrics.upstream_errors.labels(side=side, kind="breaker_open").inc()
-            refused = Unavailable(
-                f"{side} worker {spec.id}'s circuit breaker is open", retry_after_s=1
-            )
-            raise LegFailure(side, spec.id, refused, True)
-        try:
-            async with asyncio.timeout(timeout_s):
-                yield verdict
-        except LegFailure as f:
-            # The labels as they have always been: the decode's by HTTP status, the prefill's by
-            # the error's class; an answer that is not one, "protocol".
-            kind = f.kind or (str(f.status) if side == "decode" else type(f.error).__name__)
-            self.metrics.upstream_errors.labels(side=side, kind=kind).inc()
-            if f.retryable and not (side == "decode" and f.kv_handle):
-                verdict.failed()
-            else:
-                verdict.ok()
-            raise
-        except aiohttp.ClientError as exc:  # before TimeoutError: some are TimeoutErrors too
-            self.metrics.upstream_errors.labels(side=side, kind="connection").inc()
-            verdict.failed()
-            err = UpstreamError(f"{side} worker {spec.id} failed: {exc!r}")
-            raise LegFailure(side, spec.id, err, True) from exc
-        except TimeoutError as exc:
-            if timeout_s is None:
-                verdict.abandon()
-                raise  # the request's own deadline, not this leg's
-            self.metrics.upstream_errors.labels(side=side, kind="timeout").inc()
-            verdict.failed()
-            deadline = DeadlineExceeded(
-                f"{side} worker {spec.id} did not answer within {timeout_s} s"
-            )
-            raise LegFailure(side, spec.id, deadline, True) from exc
-        except BaseException:
-            verdict.abandon()  # cancelled: the client left, or the other leg failed
-            raise
-        if not deferred:
-            verdict.ok()
+    ) -> contextlib.AbstractAsyncContextManager[Verdict]:
+        """The module's `leg_errors`, with this stage's metrics."""
+        return leg_errors(self.metrics, side, worker, timeout_s, deferred)
 
     def _headers(self, call: Call, worker: WorkerState, resumed_tokens: int = 0) -> dict[str, str]:
         """Every path's upstream headers (router/upstream_headers.py), and what only a leg

@@ -35,6 +35,7 @@ FLOW = (
     "reserve",  # estimate, place, queue, reserve
     "legs",  # prefill, KV handoff, decode: the answer bound to its relay
     "respond",  # the answer to the client
+    "one_worker",  # a passthrough route's leg: one worker's answer, whole or streamed
     "resume",  # the ask that continues a broken stream
     "release",  # give back, feed the estimator
     "lifecycle",  # RequestFlow: the deadline and the one retry/resume loop
@@ -111,7 +112,7 @@ def test_outside_the_package_only_its_entry_and_its_assembly_reach_in() -> None:
     allowed = {
         "router.edge.gateway": set(FLOW),
         "router.edge.app": {"lifecycle"},
-        "router.edge.passthrough": {"attempt", "retry_policy"},
+        "router.edge.passthrough": {"attempt", "retry_policy", "one_worker"},
     }
     bad = []
     for imp in _imports("router"):
