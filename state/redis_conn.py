@@ -69,7 +69,7 @@ class StoreUnavailableError(StoreError, ConnectionError):
 # router sheds it with 429: it is overloaded, the store is not down). Each call holds a
 # connection for one round trip (~0.1 ms on a LAN), so a few dozen connections carry thousands
 # of calls per second; the wait is long (10 s) because under a burst it is the event loop, not
-# Redis, that returns connections late (docs/reliability.md measures it).
+# Redis, that returns connections late (docs/history/reliability.md measures it).
 # redis-py's cluster client has no blocking pool: each node's pool raises past its cap. On a
 # cluster the store itself admits at most `max_connections` calls at once (a call uses at most
 # one connection per node), and a call waits up to `pool_timeout_s` for its turn: the same

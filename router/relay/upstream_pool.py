@@ -4,7 +4,7 @@ Per worker `(host, port)` a pool of `asyncio.Protocol` connections (`TCP_NODELAY
 one request in flight on each. `data_received` hands the bytes to a `ResponseReader`
 (router/relay/http_reader.py) and passes the body pieces it yields to the attached sink — the splice
 relay's (router/relay/splice.py) — from the protocol callback itself: no StreamReader, no future and
-no task wake-up per read (docs/benchmarks-overhead.md, proposals 1 and 2). The relaying
+no task wake-up per read (docs/history/benchmarks-overhead.md, proposals 1 and 2). The relaying
 coroutine only awaits "the answer is over". Until a sink attaches, body bytes are kept
 (`body`), at most ~HIGH_WATER of them before reading pauses, unless `read()` wants them whole.
 
