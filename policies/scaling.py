@@ -20,7 +20,7 @@ alone and the router, the simulator or a capacity-planning script call them alik
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from policies.costmodel import PerfModel
 
@@ -37,13 +37,27 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class ScalingSLO:
-    ttft_slo_s: float = 2.0  # time to first token the prefill pool is sized for
-    itl_slo_s: float = 0.05  # inter-token latency (one decode step) the decode pool is sized for
-    utilization: float = 0.8  # run each replica at most this fraction of its limit
-    typical_prompt_tokens: int = 1024  # the prompt size a prefill replica's rate is taken at
-    typical_seq_tokens: int = 1024  # KV tokens per sequence when no sequence is resident
-    window_s: float = 10.0  # rates (tokens/s) are averaged over this long
-    min_replicas: int = 1
+    # Each field's `doc` is its line in the settings reference (docs/configuration.md).
+    ttft_slo_s: float = field(
+        default=2.0, metadata={"doc": "time to first token the prefill pool is sized for"}
+    )
+    itl_slo_s: float = field(
+        default=0.05,
+        metadata={"doc": "inter-token latency (one decode step) the decode pool is sized for"},
+    )
+    utilization: float = field(
+        default=0.8, metadata={"doc": "run each replica at most this fraction of its limit"}
+    )
+    typical_prompt_tokens: int = field(
+        default=1024, metadata={"doc": "the prompt size a prefill replica's rate is taken at"}
+    )
+    typical_seq_tokens: int = field(
+        default=1024, metadata={"doc": "KV tokens per sequence when no sequence is resident"}
+    )
+    window_s: float = field(
+        default=10.0, metadata={"doc": "rates (tokens/s) are averaged over this long"}
+    )
+    min_replicas: int = field(default=1, metadata={"doc": "never recommend fewer replicas"})
 
     def __post_init__(self) -> None:
         for name in ("ttft_slo_s", "itl_slo_s", "window_s"):

@@ -1,6 +1,6 @@
 """Admission: a true concurrency cap and a bounded wait for decode room, in the order of the
-fairness policy (policies/fairness.py, settings `fairness`: `fifo`, the default, is priority then
-FIFO; `vtc` shares the room among tenants by weight).
+fairness policy (policies/fairness.py, setting `admission.fairness`: `fifo`, the default, is
+priority then FIFO; `vtc` shares the room among tenants by weight).
 
 A request that finds no room (or no free concurrency slot) waits here until room may have
 appeared — a local release, or a store refresh that shows other replicas' releases — or until
@@ -25,8 +25,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from policies.base import AdmissionCost, Charge, FairnessPolicy, Tenant, WaitingRequest
 from policies.fairness import FifoFairness
@@ -60,12 +61,38 @@ class _Places:
 
 @dataclass(frozen=True, slots=True)
 class AdmissionSettings:
-    # queue: wait for room until the deadline | instant: refuse at once | predictive: also admit
-    # on room forecast to free before the prefill ends (Mooncake), else wait like `queue`
-    mode: str = "queue"
-    max_inflight: int = 4096  # requests being served at once by this replica
-    max_waiters: int = 1024
-    max_wait_s: float = 30.0  # never wait longer than this (nor past the TTFT deadline)
+    """The admission queue of this replica (the `doc` of each field: docs/configuration.md)."""
+
+    mode: str = field(
+        default="queue",
+        metadata={
+            "doc": "queue: wait for room until the deadline | instant: refuse at once | "
+            "predictive: also admit on room forecast to free before the prefill ends "
+            "(Mooncake), else wait like queue"
+        },
+    )
+    max_inflight: int = field(
+        default=4096, metadata={"doc": "requests being served at once by this replica"}
+    )
+    max_waiters: int = field(
+        default=1024, metadata={"doc": "places in the queue, shared by the tenants' weights"}
+    )
+    max_wait_s: float = field(
+        default=30.0,
+        metadata={"doc": "never wait longer than this (nor past the TTFT deadline)"},
+    )
+    # The queue's order among tenants: loaded with its args when the app is built.
+    fairness: str = field(
+        default="fifo",
+        metadata={
+            "doc": "the queue's order among tenants (policies/fairness.py): fifo (priority, "
+            "then arrival), vtc (weighted fair share of decode block-seconds and prefill "
+            "tokens) or a dotted path"
+        },
+    )
+    fairness_args: Mapping[str, Any] = field(
+        default_factory=dict, metadata={"doc": "the fairness policy's arguments"}
+    )
 
     def __post_init__(self) -> None:
         if self.mode not in ("queue", "instant", "predictive"):

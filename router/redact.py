@@ -114,13 +114,14 @@ def url_secrets(url: str | None) -> list[str]:
 
 def secrets_of(settings: object) -> list[str]:
     """Every secret value a Settings object holds (duck-typed: no import of the config)."""
-    found: list[str] = list(getattr(settings, "api_keys", ()))
-    found.append(getattr(settings, "admin_token", ""))
-    found.append(getattr(settings, "admin_read_token", ""))
+    auth = getattr(settings, "auth", None)
+    found: list[str] = list(getattr(auth, "api_keys", ()))
+    found.append(getattr(auth, "admin_token", ""))
+    found.append(getattr(auth, "admin_read_token", ""))
     for w in getattr(settings, "workers", ()):
         found.append(getattr(w, "api_key", ""))
         found += url_secrets(getattr(w, "url", None))
-    found += url_secrets(getattr(settings, "redis_url", None))
+    found += url_secrets(getattr(getattr(settings, "store", None), "url", None))
     return [str.__str__(s) for s in found if s]
 
 

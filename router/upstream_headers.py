@@ -27,12 +27,12 @@ def upstream_headers(
 ) -> dict[str, str]:
     """The headers of a request to `worker` on behalf of the client whose headers are `client`."""
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
-    for name in settings.forward_headers:
+    for name in settings.upstream.forward_headers:
         value = client.get(name)
         if value is not None:
             headers[name] = value
     if worker.api_key:
         headers["Authorization"] = "Bearer " + worker.api_key.reveal()
-    elif settings.forward_client_auth and "Authorization" in client:
+    elif settings.auth.forward_client_auth and "Authorization" in client:
         headers["Authorization"] = client["Authorization"]
     return headers

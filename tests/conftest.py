@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 
 from disagg_tools.sim.worker import WorkerConfig, running_worker
-from router.config import Settings, settings_from_mapping
+from router.config import Settings, merged_settings, settings_from_mapping
 from router.edge.app import GATEWAY, create_app
 from router.edge.server import serving
 from tests.ports import free_port as free_port
@@ -79,7 +79,7 @@ async def running_router(settings: Settings) -> AsyncIterator[tuple[str, web.App
     """The router as the CLI serves it (router/edge/server.py: client-side bounds included)."""
     app = create_app(settings)
     async with serving(
-        app, "127.0.0.1", 0, settings.timeouts, backlog=settings.listen_backlog
+        app, "127.0.0.1", 0, settings.timeouts, backlog=settings.server.listen_backlog
     ) as runner:
         yield f"http://127.0.0.1:{runner.addresses[0][1]}", app
 
@@ -161,16 +161,18 @@ async def sim_cluster(
         raw: dict[str, Any] = {
             "model": MODEL,
             "perf": {"model": MODEL, "gpu": "h100"},
-            "redis_url": REDIS_URL if redis_prefix is not None else None,
-            "key_prefix": redis_prefix or "dr:",
+            "store": {
+                "url": REDIS_URL if redis_prefix is not None else None,
+                "key_prefix": redis_prefix or "dr:",
+            },
             "workers": entries,
-            "health_interval_s": 0.5,
-            "state_refresh_s": 0.05,
+            "loops": {"health_interval_s": 0.5, "state_refresh_s": 0.05},
         }
         # DR_TEST_RELAY=aiohttp|splice: the decode-leg transport of every cluster whose test
         # does not choose one itself.
         if os.environ.get("DR_TEST_RELAY"):
-            raw["relay"] = os.environ["DR_TEST_RELAY"]
-        raw.update(settings)
+            raw["upstream"] = {"relay": os.environ["DR_TEST_RELAY"]}
+        # A test's settings over these: a group's given settings replace only their own.
+        raw = merged_settings(raw, settings)
         url, app = await stack.enter_async_context(running_router(settings_from_mapping(raw)))
         yield SimCluster(router_url=url, app=app, workers=workers, configs=configs)

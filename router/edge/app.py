@@ -87,7 +87,7 @@ async def error_middleware(request: web.Request, handler):  # type: ignore[no-un
     except web.HTTPException as exc:
         if exc.status < 400:
             raise  # a redirect is an answer, not an error
-        err = as_router_error(exc, body_limit=request.app[SETTINGS].max_body_bytes)
+        err = as_router_error(exc, body_limit=request.app[SETTINGS].server.max_body_bytes)
     except (RouterError, StoreError) as exc:
         if isinstance(exc, StoreError):
             log.debug("%s %s: %s", request.method, request.path, exc)
@@ -256,13 +256,13 @@ async def openapi(request: web.Request) -> web.Response:
     """The hand-written API description shipped with the package (router/openapi.json);
     a credential needed when `public_openapi` is false (router/edge/auth.py)."""
     settings = request.app[SETTINGS]
-    check_scrape(settings, request, settings.public_openapi)
+    check_scrape(settings, request, settings.auth.public_openapi)
     return web.Response(body=_OPENAPI.read_bytes(), content_type="application/json")
 
 
 async def metrics(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    check_scrape(gw.settings, request, gw.settings.public_metrics)  # router/edge/auth.py
+    check_scrape(gw.settings, request, gw.settings.auth.public_metrics)  # router/edge/auth.py
     m = gw.metrics
     for w in gw.pools.workers.values():
         m.worker_healthy.labels(worker=w.spec.id, role=w.spec.role).set(1 if w.healthy else 0)
@@ -319,17 +319,17 @@ async def _tally_requests(gw: Gateway) -> None:
 def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         store = await open_store(
-            settings.redis_url,
-            settings.key_prefix,
-            max_connections=settings.redis_max_connections,
-            pool_timeout_s=settings.redis_pool_timeout_s,
+            settings.store.url,
+            settings.store.key_prefix,
+            max_connections=settings.store.max_connections,
+            pool_timeout_s=settings.store.pool_timeout_s,
         )
         metrics = app[METRICS]
         tasks = BackgroundTasks(
             on_failure=lambda name: metrics.background_task_failures.labels(task=name).inc()
         )
         connector = aiohttp.TCPConnector(
-            limit=settings.upstream_connections, limit_per_host=0, enable_cleanup_closed=True
+            limit=settings.upstream.connections, limit_per_host=0, enable_cleanup_closed=True
         )
         session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None)
@@ -337,7 +337,7 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
         # The queue's order among tenants (policies/fairness.py), loaded in create_app.
         admission = Admission(settings.admission, app[_FAIRNESS])
         leases = LeaseKeeper(
-            store, settings.reservation_lease_s, stranded_lease_s=settings.kv_lease_s
+            store, settings.leases.reservation_s, stranded_lease_s=settings.leases.kv_s
         )
 
         # The worker pools, each piece given what it uses (router/workers/).
@@ -392,12 +392,12 @@ def _gateway_context(settings: Settings):  # type: ignore[no-untyped-def]
             prober=prober,
             refresher=refresher,
             leases=leases,
-            histograms=HistogramCache(store, settings.histogram_refresh_s, tasks),
+            histograms=HistogramCache(store, settings.loops.histogram_refresh_s, tasks),
             admission=admission,
             tasks=tasks,
             retry_budget=RetryBudget(store, settings.retry),
-            splice=SplicePool(settings.upstream_connections)
-            if settings.relay == "splice"
+            splice=SplicePool(settings.upstream.connections)
+            if settings.upstream.relay == "splice"
             else None,
             tracing=Tracing(settings.tracing, app[_TRACER_PROVIDER]),
         )
@@ -461,18 +461,22 @@ _FAIRNESS = web.AppKey("fairness", FairnessPolicy)
 def create_app(settings: Settings, *, tracer_provider: object = None) -> web.Application:
     """Build the router. Policies load (and are smoke-tested) here, so a bad plugin fails now.
     `tracer_provider`: OpenTelemetry's, when `settings.tracing` (default: the global one)."""
-    app = web.Application(middlewares=[error_middleware], client_max_size=settings.max_body_bytes)
+    app = web.Application(
+        middlewares=[error_middleware], client_max_size=settings.server.max_body_bytes
+    )
     app[SETTINGS] = settings
     app[METRICS] = RouterMetrics()
-    app[SHUTDOWN] = Shutdown(settings.shutdown_grace_s)
+    app[SHUTDOWN] = Shutdown(settings.server.shutdown_grace_s)
     app[_TRACER_PROVIDER] = tracer_provider
     app[_POLICY] = load_policy(settings.policy, settings.policy_args)
-    app[_ESTIMATOR] = load_estimator(settings.estimator, settings.estimator_args)
+    app[_ESTIMATOR] = load_estimator(
+        settings.estimates.estimator, settings.estimates.estimator_args
+    )
     app[_ROLE_POLICY] = load_role_policy(settings.roles.policy, dict(settings.roles.policy_args))
-    app[_FAIRNESS] = load_fairness(settings.fairness, settings.fairness_args)
+    app[_FAIRNESS] = load_fairness(settings.admission.fairness, settings.admission.fairness_args)
     # Tenants and their hashed keys; the admin API changes them, shared by every replica through
     # the store (router/tenants.py).
-    app[KEYRING] = Keyring(settings.tenants, settings.tenant_keys, settings.api_keys)
+    app[KEYRING] = Keyring(settings.tenants, settings.tenant_keys, settings.auth.api_keys)
     app.cleanup_ctx.append(_gateway_context(settings))
     app.router.add_post(CHAT, chat_completions)
     app.router.add_post(COMPLETIONS, completions)

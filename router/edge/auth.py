@@ -1,14 +1,14 @@
 """Bearer-token checks for the client API keys and the admin tokens: one parser, constant time,
 and who may see what.
 
-    generation routes, passthrough      a client key once any is configured (`api_keys`, a
+    generation routes, passthrough      a client key once any is configured (`auth.api_keys`, a
                                         tenant's keys: router/tenants.py), which names the
                                         request's tenant (`client_tenant`, at the front door:
                                         router/edge/front_door.py); none configured: anyone, as the
                                         `default` tenant
     admin GETs (state, workers,         the admin token or `admin_read_token`, once client keys
       scaling, roles)                   are configured or `admin_read_token` is set; else open
-    admin writes (register, delete,     the admin token (`admin_token`); none configured: 403
+    admin writes (register, delete,     the admin token (`auth.admin_token`); none configured: 403
       drain, undrain, role, tenants'
       keys)
     /metrics, /openapi.json             open while `public_metrics` / `public_openapi` (the
@@ -88,18 +88,18 @@ def _is_client_key(request: web.Request, given: str) -> bool:
 def admin_reads_protected(settings: Settings) -> bool:
     """The admin GETs reveal worker URLs and topology: closed once clients need a key (or
     the operator set a read token); in open mode they answer anyone, as they always have."""
-    return bool(settings.client_keys or settings.admin_read_token)
+    return bool(settings.client_keys or settings.auth.admin_read_token)
 
 
 def check_admin_read(settings: Settings, request: web.Request) -> None:
     if not admin_reads_protected(settings):
         return
     given = bearer_token(request)
-    if token_matches(given, (settings.admin_token, settings.admin_read_token)):
+    if token_matches(given, (settings.auth.admin_token, settings.auth.admin_read_token)):
         return
-    if not (settings.admin_token or settings.admin_read_token):
+    if not (settings.auth.admin_token or settings.auth.admin_read_token):
         raise Forbidden(
-            "the admin API's read side needs admin_token or admin_read_token set "
+            "the admin API's read side needs auth.admin_token or auth.admin_read_token set "
             "(client keys are configured, so it is not public)"
         )
     if given and _is_client_key(request, given):
@@ -112,14 +112,14 @@ def check_admin_read(settings: Settings, request: web.Request) -> None:
 
 
 def check_admin_write(settings: Settings, request: web.Request) -> None:
-    token = settings.admin_token
+    token = settings.auth.admin_token
     if not token:
-        raise Forbidden("the admin API's write side is disabled: set admin_token to enable it")
+        raise Forbidden("the admin API's write side is disabled: set auth.admin_token to enable it")
     given = bearer_token(request)
     if token_matches(given, (token,)):
         return
     if given and (
-        token_matches(given, (settings.admin_read_token,)) or _is_client_key(request, given)
+        token_matches(given, (settings.auth.admin_read_token,)) or _is_client_key(request, given)
     ):
         raise Forbidden("this token may not change the pools: the admin token is required")
     raise Unauthorized("a valid admin token is required (Authorization: Bearer ...)")
@@ -130,7 +130,7 @@ def check_scrape(settings: Settings, request: web.Request, public: bool) -> None
     if public:
         return
     given = bearer_token(request)
-    accepted = (settings.admin_token, settings.admin_read_token)
+    accepted = (settings.auth.admin_token, settings.auth.admin_read_token)
     if not (token_matches(given, accepted) or _is_client_key(request, given)):
         raise Unauthorized(
             "a client API key or an admin token is required (Authorization: Bearer ...)"

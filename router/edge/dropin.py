@@ -9,7 +9,8 @@ serving (router/workers/discovery.py `WorkerFacts`): the served model names, the
 prefill's bootstrap port; the KV layout is read as for any `discover_layout` worker.
 
 Precedence, when `--config FILE` is given too (docs/real-workers.md):
-  * host, port, redis_url, policy, estimator: flag > `DISAGG_ROUTER_*` > file > default;
+  * server.host/port, store.url, policy, estimates.estimator: flag > `DISAGG_ROUTER_*` > file >
+    default;
   * workers: the file's, plus one per `--prefill`/`--decode` whose URL the file does not list
     (the file's entry for a URL wins: it may carry a layout, a capacity, a key);
   * served models and max_model_len: the file's when it sets them, else what workers report;
@@ -267,9 +268,9 @@ def load_serve_settings(
             log.info("worker %s (%s, %s) reports %s", w.url, w.role, adapter, fact)
     added = dropin_mapping(file_raw, workers, facts, adapter, ns.kv_blocks)
     settings = load_settings(ns.config, env=env, overrides={**overrides, **added})
-    if settings.redis_url is None:
+    if settings.store.url is None:
         log.warning(
-            "no --redis-url (nor redis_url in a file, nor DISAGG_ROUTER_REDIS_URL): state is "
+            "no --redis-url (nor store.url in a file, nor DISAGG_ROUTER_STORE_URL): state is "
             "kept in this process, so run one replica only"
         )
     return settings

@@ -80,7 +80,7 @@ async def enter(request: web.Request, settings: Settings) -> Entry:
     """Let `request` in, or raise the error that says why not (the module docstring)."""
     request.app[SHUTDOWN].check()
     tenant = client_tenant(request.app[KEYRING], request)
-    limit = settings.max_body_bytes
+    limit = settings.server.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(f"the request body is larger than {limit} bytes")
     raw = await read_body(request, settings.timeouts.body_s)

@@ -75,7 +75,7 @@ class Gateway:
         self.demand = DemandMeter(self.settings.scaling.window_s, self.clock)
         self.overruns = LiveOverruns(self.estimator.bucket_of)
         self.margin = OverrunMargin(
-            self.settings.overrun_margin_half_life_s, self.settings.overrun_margin_max_share
+            self.settings.overruns.margin_half_life_s, self.settings.overruns.margin_max_share
         )
         # Every adapter, not only those of configured workers: a worker registered at run time
         # may speak another protocol (stateless objects, so this costs nothing).
@@ -123,7 +123,7 @@ class Gateway:
         )
         quota = QuotaGate(
             self.store,
-            self.settings.reservation_lease_s,
+            self.settings.leases.reservation_s,
             self.settings.scaling,
             self.metrics,
             self.clock,

@@ -58,12 +58,12 @@ def serve(ns: argparse.Namespace) -> int:
     from router.edge.app import create_app
     from router.edge.dropin import load_serve_settings
 
+    # The flags keep the peers' names (vllm-router, sglang-router); they set the new fields.
     overrides = {
-        "host": ns.host,
-        "port": ns.port,
-        "redis_url": ns.redis_url,
+        "server": {"host": ns.host, "port": ns.port},
+        "store": {"url": ns.redis_url},
         "policy": ns.policy,
-        "estimator": ns.estimator,
+        "estimates": {"estimator": ns.estimator},
     }
     from router.logs import configure_logging
     from router.redact import Redactor, mask_url, scrub, secrets_of
@@ -89,10 +89,11 @@ def serve(ns: argparse.Namespace) -> int:
         return 2
 
     def ready(addresses: list) -> None:  # type: ignore[type-arg]
-        store = settings.redis_url or "in-process store (single replica)"
+        store = settings.store.url or "in-process store (single replica)"
         line = (
-            f"disagg-router serving on http://{settings.host}:{addresses[0][1]} "
-            f"policy={settings.policy} estimator={settings.estimator} state={mask_url(store)}"
+            f"disagg-router serving on http://{settings.server.host}:{addresses[0][1]} "
+            f"policy={settings.policy} estimator={settings.estimates.estimator} "
+            f"state={mask_url(store)}"
         )
         print(redact(line), flush=True)
         _freeze_startup_heap()
@@ -103,10 +104,10 @@ def serve(ns: argparse.Namespace) -> int:
             runner.run(
                 run_app_until_signal(
                     app,
-                    settings.host,
-                    settings.port,
+                    settings.server.host,
+                    settings.server.port,
                     timeouts=settings.timeouts,
-                    backlog=settings.listen_backlog,
+                    backlog=settings.server.listen_backlog,
                     on_ready=ready,
                 )
             )

@@ -32,16 +32,20 @@ THREAD_ABOVE_BYTES = 1024
 def _parse(
     path: str, raw: bytes, settings: Settings, models: tuple[str, ...]
 ) -> Callable[[], ParsedRequest]:
-    lookup = partial(tokenizer_for, settings.tokenizers) if settings.tokenizers else None
+    lookup = (
+        partial(tokenizer_for, settings.estimates.tokenizers)
+        if settings.estimates.tokenizers
+        else None
+    )
     common: dict[str, Any] = {
         "models": models,
         "max_model_len": settings.max_model_len,
-        "chars_per_token": settings.chars_per_token,
+        "chars_per_token": settings.estimates.chars_per_token,
         "tokenizer_for": lookup,
     }
     if path == RESPONSES:
         return partial(parse_responses, raw, **common)
-    return partial(parse_request, path, raw, max_n=settings.max_n, **common)
+    return partial(parse_request, path, raw, max_n=settings.api.max_n, **common)
 
 
 async def parse_generation(
@@ -54,9 +58,9 @@ async def parse_generation(
     """The generation request (chat, completions, Responses) parsed and validated, its prompt
     counted by the model's tokenizer when one is configured."""
     parse = _parse(path, raw, settings, models)
-    on_loop = not settings.tokenizers or (
+    on_loop = not settings.estimates.tokenizers or (
         len(raw) <= THREAD_ABOVE_BYTES
-        and all(LOADED.ready(d) for d in settings.tokenizers.values())
+        and all(LOADED.ready(d) for d in settings.estimates.tokenizers.values())
     )
     parsed = parse() if on_loop else await asyncio.to_thread(parse)
     metrics.prompt_tokens_source.labels(parsed.prompt_tokens_source).inc()
@@ -68,10 +72,13 @@ def prompt_token_modes(settings: Settings) -> dict[str, dict[str, object]]:
     from the directory; `loaded` once a request has read it, false if it failed) or `estimate`
     (characters / chars_per_token). Token-id prompts are exact in either mode."""
     out: dict[str, dict[str, object]] = {}
-    for model in dict.fromkeys((*settings.models, *settings.tokenizers)):
-        directory = settings.tokenizers.get(model)
+    for model in dict.fromkeys((*settings.models, *settings.estimates.tokenizers)):
+        directory = settings.estimates.tokenizers.get(model)
         if directory is None:
-            out[model] = {"source": "estimate", "chars_per_token": settings.chars_per_token}
+            out[model] = {
+                "source": "estimate",
+                "chars_per_token": settings.estimates.chars_per_token,
+            }
         else:
             loaded = LOADED.get(directory) is not None if LOADED.ready(directory) else None
             out[model] = {"source": "tokenizer", "tokenizer_dir": directory, "loaded": loaded}

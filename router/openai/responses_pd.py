@@ -64,7 +64,7 @@ _INT_MAX = 2**63 - 1
 
 def serves_split(settings: Settings, pools: Pools, body: dict[str, Any]) -> bool:
     """Whether this request goes through the prefill/decode path (else: whole on one worker)."""
-    if not settings.responses_split:
+    if not settings.api.responses_split:
         return False
     tools = body.get("tools")
     if isinstance(tools, list) and any(

@@ -164,7 +164,7 @@ class Legs:
     clock: Callable[[], float]
 
     def __repr__(self) -> str:
-        return f"Legs(relay={self.settings.relay})"
+        return f"Legs(relay={self.settings.upstream.relay})"
 
     async def open(self, call: Call, attempt: Attempt, ask: Ask) -> DecodeAnswer:
         """Prefill (when the pair has a prefill worker) and open the decode stream."""
@@ -272,7 +272,7 @@ class Legs:
         answered = loop.time()
         # The prefill worker holds this KV only for its lease: a decode that has not taken it by
         # then never will, so the attempt fails (and is retried) instead of waiting out the TTFT.
-        attempt.handoff_by = answered + self.settings.kv_lease_s
+        attempt.handoff_by = answered + self.settings.leases.kv_s
         stranded = attempt.stranded
         call.trace.begin(
             "kv_handoff", prefill=worker.spec.id, kv_bytes=stranded.nbytes if stranded else 0

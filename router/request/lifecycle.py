@@ -122,7 +122,7 @@ class RequestFlow:
         parsed = client.parsed
         self.stages = stages
         self.request_id = request_id
-        assemble = stages.settings.assemble_non_streaming
+        assemble = stages.settings.upstream.assemble_non_streaming
         self.call = Call(
             parsed=parsed,
             headers=client.headers,

@@ -171,7 +171,7 @@ class Reserver:
             hint_output_tokens=(
                 int(hint) if hint and len(hint) <= 9 and hint.isascii() and hint.isdigit() else None
             ),
-            hint_trusted=self.settings.trust_hints,
+            hint_trusted=self.settings.estimates.trust_hints,
             n=call.parsed.n,
             block_size=block_size,
             # A named tenant is estimated on its own answers first (issue 31); `default` (no
@@ -476,7 +476,7 @@ class Reserver:
                     cand.decode_id,
                     rid,
                     cand.reserve_blocks,
-                    self.settings.reservation_lease_s,
+                    self.settings.leases.reservation_s,
                     overbook_blocks=overbook,
                     intent=intent,
                 )

@@ -46,7 +46,7 @@ class Resumer:
         text, resumed = parse_sent_text(sent, parsed.path == CHAT)
         resumed = max(resumed, await self.tokens_in(call, text))
         body, prompt_tokens, max_tokens = resume_body(
-            parsed, text, resumed, self.settings.chars_per_token
+            parsed, text, resumed, self.settings.estimates.chars_per_token
         )
         return Ask(body, prompt_tokens, max_tokens, resumed, resume=True)
 
@@ -63,7 +63,9 @@ class Resumer:
             return 0
         model = call.parsed.body.get("model")
         tokenizer = (
-            tokenizer_for(self.settings.tokenizers, model) if isinstance(model, str) else None
+            tokenizer_for(self.settings.estimates.tokenizers, model)
+            if isinstance(model, str)
+            else None
         )
         if tokenizer is not None:
             return len(tokenizer.encode(text, add_special_tokens=False))

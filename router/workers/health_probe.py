@@ -45,7 +45,7 @@ class HealthProber:
 
     def _two_probes(self) -> asyncio.Timeout:
         """The bound of one facts read: two health-probe timeouts (vLLM's takes two requests)."""
-        return asyncio.timeout(2 * self._settings.health_timeout_s)
+        return asyncio.timeout(2 * self._settings.loops.health_timeout_s)
 
     async def layout_facts(
         self, session: aiohttp.ClientSession, url: str, adapter: str
@@ -118,7 +118,7 @@ class HealthProber:
 
     async def probe(self, session: aiohttp.ClientSession, w: WorkerState) -> None:
         try:
-            timeout = aiohttp.ClientTimeout(total=self._settings.health_timeout_s)
+            timeout = aiohttp.ClientTimeout(total=self._settings.loops.health_timeout_s)
             async with session.get(w.spec.url + "/health", timeout=timeout) as resp:
                 ok = resp.status == 200
         except (TimeoutError, aiohttp.ClientError):
@@ -167,14 +167,16 @@ class HealthProber:
         the interval doubles up to `health_idle_interval_s`. A failed probe, a worker out of
         rotation, or the first placement after the quiet spell brings it back at once."""
         s = self._settings
-        interval = s.health_interval_s
+        interval = s.loops.health_interval_s
         while True:
             await asyncio.gather(
                 *(self.probe(session, w) for w in list(self._members.workers.values()))
             )
             if self._may_slow():
-                interval = min(2 * interval, max(s.health_interval_s, s.health_idle_interval_s))
+                interval = min(
+                    2 * interval, max(s.loops.health_interval_s, s.loops.health_idle_interval_s)
+                )
                 await self._timing.quiet_sleep(interval)
             else:
-                interval = s.health_interval_s
+                interval = s.loops.health_interval_s
                 await self._timing.beat(interval)

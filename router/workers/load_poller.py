@@ -31,7 +31,7 @@ class LoadPoller:
         self._timing = timing
 
     def __repr__(self) -> str:
-        return f"LoadPoller(every {self._settings.load_poll_s} s while busy)"
+        return f"LoadPoller(every {self._settings.loops.load_poll_s} s while busy)"
 
     async def poll(self, session: aiohttp.ClientSession, w: WorkerState) -> None:
         fetch = fetch_sglang_load if w.spec.adapter == "sglang" else fetch_vllm_load
@@ -43,10 +43,10 @@ class LoadPoller:
     async def run(self, session: aiohttp.ClientSession) -> None:
         """Every `load_poll_s` while this replica serves. While it is quiet, not at all: a
         reading older than `load_max_age_s` is not trusted anyway, and a vLLM worker's
-        /metrics costs ~1 ms of router CPU a poll (docs/benchmarks-overhead.md). The first
+        /metrics costs ~1 ms of router CPU a poll (docs/history/benchmarks-overhead.md). The first
         placement after a quiet spell polls at once (placement meanwhile goes by the router's
         own accounting, as with any stale reading)."""
-        period = self._settings.load_poll_s
+        period = self._settings.loops.load_poll_s
         if period <= 0:
             return
         workers = self._members.workers

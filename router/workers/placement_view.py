@@ -89,7 +89,7 @@ class PlacementView:
         return f"PlacementView({len(self._members.workers)} workers)"
 
     def _fresh_load(self, w: WorkerState) -> LoadSnapshot | None:
-        if w.load is None or w.load.stale(time.monotonic(), self._settings.load_max_age_s):
+        if w.load is None or w.load.stale(time.monotonic(), self._settings.loops.load_max_age_s):
             return None  # stale data is not trusted, least of all as "idle"
         return w.load
 

@@ -167,7 +167,7 @@ class StateRefresher:
         cadence, same check): this replica holds nothing in the store then that a reset would
         make it put back in a hurry. Backed off as far as the registry sync's beat, it rides
         on it (`_ride`) instead of reading on its own."""
-        base = self._settings.state_refresh_s
+        base = self._settings.loops.state_refresh_s
         idle_cap = max(base, min(1.0, 10 * base))
         interval = base
         while True:

@@ -59,7 +59,7 @@ class RegistrySync:
         self._keyring = keyring
 
     def __repr__(self) -> str:
-        return f"RegistrySync(every {self._settings.registry_refresh_s} s)"
+        return f"RegistrySync(every {self._settings.loops.registry_refresh_s} s)"
 
     async def sync(self, session: aiohttp.ClientSession | None = None) -> None:
         """Adopt the registry as the store has it now; with a `session`, a newly adopted
@@ -155,7 +155,7 @@ class RegistrySync:
 
     async def run(self, session: aiohttp.ClientSession | None = None) -> None:
         """Every `registry_refresh_s`, on the beat; a quiet refresher's read rides along."""
-        timing, period = self._timing, self._settings.registry_refresh_s
+        timing, period = self._timing, self._settings.loops.registry_refresh_s
         timing.carrier_period = period
         try:
             while True:

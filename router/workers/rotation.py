@@ -138,7 +138,7 @@ def _back_in_s(pools: PoolMembers, w: WorkerState, side: str) -> float:
         # every replica has seen it.
         t = s.roles.settle_s + s.roles.interval_s
     if not w.healthy or not w.layout_known:
-        t = max(t, s.health_interval_s)  # back with the first probe that passes
+        t = max(t, s.loops.health_interval_s)  # back with the first probe that passes
     b = w.breaker
     if not b.allows() and b.opened_at is not None:
         t = max(t, b.opened_at + b.cooldown_s - b.clock())

@@ -53,7 +53,7 @@ class StoreLoss:
 
     @property
     def marker_ttl_s(self) -> float:
-        return max(60.0, 10 * self._settings.reservation_lease_s)
+        return max(60.0, 10 * self._settings.leases.reservation_s)
 
     async def register_capacities(self) -> None:
         await asyncio.gather(

@@ -40,7 +40,7 @@ class StrandedReaper:
         self._on_expired = on_expired
 
     def __repr__(self) -> str:
-        return f"StrandedReaper(every {self._settings.stranded_reap_s} s while any is held)"
+        return f"StrandedReaper(every {self._settings.loops.stranded_reap_s} s while any is held)"
 
     async def run(self) -> None:
         s = self._settings
@@ -48,12 +48,12 @@ class StrandedReaper:
             # While no prefill worker holds stranded KV (every replica's entries, as the last
             # refresh read them, and this replica's since), there is nothing to reap: no wake-ups.
             await self._accounting.stranded_somewhere()
-            await self._timing.beat(s.stranded_reap_s)
+            await self._timing.beat(s.loops.stranded_reap_s)
             for w in list(self._members.prefill_workers):
                 if w.stranded_bytes == 0:
                     continue  # nothing stranded there: no store call
                 try:
-                    expired = await self._store.reap_stranded(w.spec.id, s.kv_lease_s)
+                    expired = await self._store.reap_stranded(w.spec.id, s.leases.kv_s)
                 except asyncio.CancelledError:
                     raise
                 except StoreError:
@@ -66,7 +66,7 @@ class StrandedReaper:
                         "stranded KV of %s on %s expired after %.0f s (%d bytes)",
                         entry.request_id,
                         entry.prefill_id,
-                        s.kv_lease_s,
+                        s.leases.kv_s,
                         entry.nbytes,
                     )
                     if self._on_expired is not None:

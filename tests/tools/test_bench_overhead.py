@@ -434,4 +434,4 @@ def test_a_tokenizer_puts_exact_counts_into_the_measured_router(
         cmd, _ = router_command(name, ns, *workers, port=3, log_dir=tmp_path)
         settings = load_settings(cmd[cmd.index("--config") + 1])
         want = {"llama-3-8b": str(tok.resolve())} if name in exact else {}
-        assert dict(settings.tokenizers) == want, name
+        assert dict(settings.estimates.tokenizers) == want, name

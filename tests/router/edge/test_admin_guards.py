@@ -311,12 +311,13 @@ async def test_metrics_and_openapi_can_be_private(redis_prefix: str) -> None:
 
 
 def test_private_metrics_need_a_credential_to_accept() -> None:
-    base = {"model": MODEL, "redis_url": REDIS_URL}
+    base = {"model": MODEL, "store": {"url": REDIS_URL}}
     with pytest.raises(ConfigError, match="needs a credential"):
-        settings_from_mapping({**base, "public_metrics": False})
-    settings = settings_from_mapping({**base, "public_openapi": False, "admin_read_token": READ})
-    assert not settings.public_openapi
-    assert isinstance(settings.admin_read_token, Secret)  # hidden in reprs
+        settings_from_mapping({**base, "auth": {"public_metrics": False}})
+    auth = {"public_openapi": False, "admin_read_token": READ}
+    settings = settings_from_mapping({**base, "auth": auth})
+    assert not settings.auth.public_openapi
+    assert isinstance(settings.auth.admin_read_token, Secret)  # hidden in reprs
     assert READ in secrets_of(settings)  # and scrubbed from the logs
 
 

@@ -300,9 +300,9 @@ def test_the_file_and_flags_together_end_to_end(tmp_path: Path) -> None:
             "0",
         ]
     )
-    settings = load_serve_settings(ns, {}, {"port": 8123, "policy": None})
+    settings = load_serve_settings(ns, {}, {"server": {"port": 8123}, "policy": None})
     assert settings.models == ("m-file",) and settings.policy == "round_robin"
-    assert settings.port == 8123
+    assert settings.server.port == 8123
     assert [(w.id, w.role, w.kv_blocks) for w in settings.workers] == [
         ("d9", "decode", 11),
         ("p0", "prefill", None),

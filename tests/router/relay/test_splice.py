@@ -527,8 +527,9 @@ async def test_connect_errors_are_aiohttp_connection_errors() -> None:
 
 
 def test_relay_setting_is_validated() -> None:
-    assert settings_from_mapping({}).relay == "splice"  # the default
-    assert settings_from_mapping({"relay": "aiohttp"}).relay == "aiohttp"
+    assert settings_from_mapping({}).upstream.relay == "splice"  # the default
+    aiohttp = settings_from_mapping({"upstream": {"relay": "aiohttp"}})
+    assert aiohttp.upstream.relay == "aiohttp"
     with pytest.raises(ConfigError, match="relay"):
         settings_from_mapping({"relay": "sendfile"})
 

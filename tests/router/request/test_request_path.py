@@ -58,7 +58,7 @@ async def serve(
         orjson.dumps(body),
         models=served_models(gw),
         max_model_len=s.max_model_len,
-        chars_per_token=s.chars_per_token,
+        chars_per_token=s.estimates.chars_per_token,
     )
     client = ClientSide(parsed, {"X-Request-Id": request_id}, stream.start)
     flow = RequestFlow(gw.requests, client, request_id)

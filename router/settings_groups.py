@@ -1,0 +1,421 @@
+"""The settings' groups: each a frozen dataclass that checks itself (router/config.py composes
+them into `Settings`).
+
+Every field carries a one-line explanation in its metadata (`setting(..., doc=...)`): the
+reference page docs/configuration.md is generated from it
+(`python -m disagg_tools.launcher.config_doc`), and a test keeps the two equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from policies.role_pauses import reconfig_pauses
+from router.worker_spec import ConfigError, Secret
+
+__all__ = [
+    "ApiSettings",
+    "AuthSettings",
+    "BreakerSettings",
+    "EstimateSettings",
+    "LeaseSettings",
+    "LoopSettings",
+    "OverrunSettings",
+    "PreemptionSettings",
+    "RetrySettings",
+    "RoleSettings",
+    "ServerSettings",
+    "StoreSettings",
+    "Timeouts",
+    "UpstreamSettings",
+    "setting",
+]
+
+
+def setting(
+    default: Any = MISSING,
+    *,
+    doc: str,
+    factory: Callable[[], Any] | None = None,
+    show: bool = True,
+    key: str | None = None,
+) -> Any:
+    """A dataclass field with its explanation (`doc`) for the reference page; `show=False`
+    keeps it out of the repr; `key` is its name in the file when that is not the field's own
+    ("" for a field the file cannot set)."""
+    metadata: dict[str, str] = {"doc": doc} if key is None else {"doc": doc, "key": key}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata, repr=show)
+    return field(default=default, metadata=metadata, repr=show)
+
+
+def _positive(group: str, owner: object, *names: str) -> None:
+    for name in names:
+        if getattr(owner, name) <= 0:
+            raise ConfigError(f"{group}.{name} must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """The router's own HTTP server (router/edge/server.py)."""
+
+    host: str = setting("127.0.0.1", doc="address the router listens on")
+    port: int = setting(8000, doc="TCP port the router listens on (0: any free port)")
+    listen_backlog: int = setting(
+        4096,
+        doc="the listening socket's accept queue; a burst beyond it is dropped by the kernel "
+        "and retried by clients after 1, 2, 4... s (the kernel caps it at somaxconn)",
+    )
+    max_body_bytes: int = setting(8 * 1024 * 1024, doc="largest request body accepted (413)")
+    shutdown_grace_s: float = setting(
+        20.0,
+        doc="on SIGTERM, running requests get this long to finish; the rest end with an SSE "
+        "error frame (below Kubernetes' default 30 s termination grace period)",
+    )
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536 and self.port != 0:
+            raise ConfigError(f"server.port: {self.port} is not a TCP port")
+        if self.shutdown_grace_s < 0:
+            raise ConfigError("server.shutdown_grace_s must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSettings:
+    """The shared state store (Redis) the replicas coordinate through."""
+
+    url: str | None = setting(
+        None, doc="Redis URL (redis://, rediss://); unset: an in-process store, one replica only"
+    )
+    key_prefix: str = setting("dr:", doc="prefix of every key the router writes in Redis")
+    max_connections: int = setting(64, doc="connections to Redis at most")
+    pool_timeout_s: float = setting(
+        10.0,
+        doc="a call finding every connection busy waits this long, then its request is shed "
+        "with 429 (docs/reliability.md)",
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1:
+            raise ConfigError("store.max_connections must be >= 1")
+        _positive("store", self, "pool_timeout_s")
+
+
+@dataclass(frozen=True, slots=True)
+class AuthSettings:
+    """Who may call the router (router/edge/auth.py); tenants' keys are in `tenants`."""
+
+    api_keys: tuple[Secret, ...] = setting(
+        (), doc="client API keys accepted; none (and no tenant keys): no client authentication"
+    )
+    admin_token: Secret = setting(
+        Secret(""), doc="token of the admin API's write side (register, remove); empty: disabled"
+    )
+    admin_read_token: Secret = setting(
+        Secret(""),
+        doc="read-only token for the admin GETs (/admin/state, /admin/workers, /admin/scaling, "
+        "/admin/roles); they need it (or admin_token) once client keys or this are set",
+    )
+    forward_client_auth: bool = setting(
+        False, doc="pass the client's `authorization` header on to the workers"
+    )
+    public_metrics: bool = setting(
+        True,
+        doc="/metrics answers without a key; false: it needs a client key, the admin token or "
+        "the read-only token",
+    )
+    public_openapi: bool = setting(
+        True, doc="/openapi.json answers without a key; false: as public_metrics"
+    )
+
+    def __post_init__(self) -> None:
+        # A plain key becomes a Secret here: it never prints from then on.
+        object.__setattr__(self, "api_keys", tuple(Secret(k) for k in self.api_keys or ()))
+        object.__setattr__(self, "admin_token", Secret(self.admin_token or ""))
+        object.__setattr__(self, "admin_read_token", Secret(self.admin_read_token or ""))
+
+
+@dataclass(frozen=True, slots=True)
+class LoopSettings:
+    """The background loops' periods (router/loop_timing.py, router/workers/)."""
+
+    state_refresh_s: float = setting(
+        0.1, doc="how often the shared state (other replicas' reservations) is re-read"
+    )
+    health_interval_s: float = setting(2.0, doc="how often each worker's health is probed")
+    health_idle_interval_s: float = setting(
+        8.0,
+        doc="while every worker is healthy and this replica is quiet, the probe interval "
+        "doubles up to this; <= health_interval_s: never back off",
+    )
+    health_timeout_s: float = setting(
+        5.0,
+        doc="a probe slower than this counts as failed; two failures in a row take a worker "
+        "out of rotation",
+    )
+    histogram_refresh_s: float = setting(
+        1.0, doc="how often the shared output-length histograms are re-read"
+    )
+    stranded_reap_s: float = setting(1.0, doc="how often expired stranded-KV entries are reaped")
+    registry_refresh_s: float = setting(
+        1.0, doc="how often replicas re-read the shared worker registry"
+    )
+    load_poll_s: float = setting(
+        1.0, doc="how often workers' /metrics (vLLM) or /get_load (SGLang) are read; 0: off"
+    )
+    load_max_age_s: float = setting(
+        3.0, doc="older load readings are not trusted (never taken as idle)"
+    )
+
+    def __post_init__(self) -> None:
+        _positive("loops", self, "health_interval_s", "health_timeout_s")
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseSettings:
+    """How long a replica's holdings live in the store without being renewed."""
+
+    reservation_s: float = setting(
+        30.0, doc="a reservation's lease: a crashed replica's reservations free after this"
+    )
+    kv_s: float = setting(30.0, doc="a stranded KV entry's lease (prefilled, not yet pulled)")
+
+    def __post_init__(self) -> None:
+        _positive("leases", self, "reservation_s", "kv_s")
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamSettings:
+    """How the router talks to its workers."""
+
+    connections: int = setting(4096, doc="connections to the workers at most (all together)")
+    relay: str = setting(
+        "splice",
+        doc="how decode streams reach the client: splice (raw keep-alive client writing whole "
+        "SSE events to the client's transport; http:// workers) or aiohttp (also what "
+        "https:// workers always use)",
+    )
+    forward_headers: tuple[str, ...] = setting(
+        ("x-sim-output-tokens", "traceparent", "tracestate"),
+        doc="client headers passed through to the workers",
+    )
+    assemble_non_streaming: bool = setting(
+        True,
+        doc="non-streaming requests are streamed from decode and assembled into one answer "
+        "(the TTFT, idle and KV-handoff deadlines hold); false: the worker answers whole",
+    )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "forward_headers", tuple(str(h).lower() for h in self.forward_headers)
+        )
+        if self.relay not in ("aiohttp", "splice"):
+            raise ConfigError(f"upstream.relay: must be aiohttp or splice, not {self.relay!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class EstimateSettings:
+    """How a request's prompt and output lengths are estimated (policies/estimators.py,
+    router/tokens/)."""
+
+    estimator: str = setting(
+        "online_quantile", doc="output-length estimator: a name or a dotted path"
+    )
+    estimator_args: Mapping[str, Any] = setting(doc="the estimator's arguments", factory=dict)
+    trust_hints: bool = setting(
+        False,
+        doc="X-Expected-Output-Tokens may lower a reservation below the estimate (untrusted, "
+        "a hint can only raise it)",
+    )
+    chars_per_token: float = setting(
+        4.0, doc="prompt tokens estimated from characters when a model has no tokenizer"
+    )
+    tokenizers: Mapping[str, str] = setting(
+        doc="served model name -> a directory holding its tokenizer.json (chat: with "
+        "tokenizer_config.json / chat_template.jinja), for exact prompt token counts",
+        factory=dict,
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tokenizers, Mapping):
+            raise ConfigError("estimates.tokenizers: a mapping of model name to directory")
+        for model, directory in self.tokenizers.items():
+            if not (Path(str(directory)) / "tokenizer.json").is_file():
+                raise ConfigError(
+                    f"estimates.tokenizers.{model}: no tokenizer.json in {directory!r}"
+                )
+
+
+@dataclass(frozen=True, slots=True)
+class OverrunSettings:
+    """Decode room kept back per worker after forced growth there (policies/overruns.py)."""
+
+    margin_half_life_s: float = setting(60.0, doc="the excess over capacity halves every this long")
+    margin_max_share: float = setting(0.25, doc="at most this share of the capacity is kept back")
+
+    def __post_init__(self) -> None:
+        _positive("overruns", self, "margin_half_life_s")
+        if not 0 <= self.margin_max_share < 1:
+            raise ConfigError("overruns.margin_max_share must be within [0, 1)")
+
+
+@dataclass(frozen=True, slots=True)
+class ApiSettings:
+    """Limits and choices of the OpenAI-compatible API (router/openai/)."""
+
+    max_n: int = setting(128, doc="the largest `n` (choices per request); larger is a 400")
+    responses_split: bool = setting(
+        True,
+        doc="stateless /v1/responses through prefill/decode when a NIXL-pull prefill worker "
+        "serves the model; false: whole on one worker (vLLM before 0.32)",
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_n < 1:
+            raise ConfigError("api.max_n must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Deadlines of a request's legs and of the client side (0 turns a client one off)."""
+
+    connect_s: float = setting(5.0, doc="connecting to a worker")
+    prefill_s: float = setting(120.0, doc="the whole prefill leg, queueing included")
+    ttft_s: float = setting(120.0, doc="decode: from sending to the first byte of its answer")
+    idle_s: float = setting(60.0, doc="no byte from the decode stream for this long ends it")
+    total_s: float | None = setting(None, doc="optional cap on a whole request")
+    header_s: float = setting(
+        10.0, doc="a request head must be whole within this of the connection or its first byte"
+    )
+    body_s: float = setting(
+        30.0, doc="a request body must be whole within this of the handler asking (408)"
+    )
+    keepalive_s: float = setting(75.0, doc="an idle keep-alive client connection is closed")
+    client_stall_s: float = setting(
+        30.0,
+        doc="a client taking no bytes this long while some are queued for it is dropped (its "
+        "decode leg aborted, its reservation released)",
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("header_s", "body_s", "client_stall_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"timeouts.{name} must be >= 0 (0 turns it off)")
+        if self.keepalive_s <= 0:
+            raise ConfigError("timeouts.keepalive_s must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerSettings:
+    """A worker's circuit breaker (router/workers/breaker.py)."""
+
+    failures_to_open: int = setting(3, doc="failures in a row that open the breaker")
+    cooldown_s: float = setting(2.0, doc="first wait before a half-open probe")
+    max_cooldown_s: float = setting(60.0, doc="the wait doubles on each failed probe up to this")
+    half_open_probes: int = setting(1, doc="requests let through while half open")
+
+
+@dataclass(frozen=True, slots=True)
+class RetrySettings:
+    """Retries: at most `max_attempts` per request (SRE book: 3), within a cluster-wide budget
+    of `budget_ratio` x recent requests + `budget_min_per_s` over `budget_window_s` (Finagle)."""
+
+    max_attempts: int = setting(3, doc="tries of one request at most")
+    budget_ratio: float = setting(0.2, doc="retries allowed per recent request, cluster-wide")
+    budget_min_per_s: float = setting(10.0, doc="retries per second allowed whatever the ratio")
+    budget_window_s: float = setting(10.0, doc="the window the budget counts requests over")
+    backoff_base_s: float = setting(0.02, doc="first pause before a retry (doubles each time)")
+    backoff_max_s: float = setting(1.0, doc="the longest pause before a retry")
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ConfigError("retry.max_attempts must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptionSettings:
+    """Preemption with exact resume (router/request/preemption.py): a live stream that must
+    grow where there is no room (its decode worker full, or its tenant at its block limit) is
+    stopped and resumed from the text it has sent, instead of over-committing the worker."""
+
+    enabled: bool = setting(True, doc="preempt instead of over-committing a full worker")
+    max_per_stream: int = setting(
+        2, doc="times one request may be preempted; then its growth is forced (counted)"
+    )
+    resume_wait_s: float = setting(
+        60.0,
+        doc="a preempted stream's continuation waits this long for room (the client sees a "
+        "pause), then its stream ends with an error frame",
+    )
+    release_wait_s: float = setting(
+        2.0,
+        doc="a growth waits this long for the room of the streams preempted for it, then is forced",
+    )
+    force_after_tokens: int = setting(
+        0, doc="TESTS ONLY: preempt every stream once after this many tokens (0: never)"
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_per_stream < 0:
+            raise ConfigError("preemption.max_per_stream must be >= 0")
+        if self.resume_wait_s <= 0 or self.release_wait_s < 0:
+            raise ConfigError("preemption.resume_wait_s must be > 0, release_wait_s >= 0")
+        if self.force_after_tokens < 0:
+            raise ConfigError("preemption.force_after_tokens must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class RoleSettings:
+    """The role manager (router/control/role_manager.py): which `both` workers serve prefill,
+    which decode."""
+
+    policy: str = setting("static", doc="static | elastic | a dotted path (policies/registry.py)")
+    policy_args: Mapping[str, Any] = setting(doc="the role policy's arguments", factory=dict)
+    interval_s: float = setting(2.0, doc="how often the replica holding the lease decides")
+    settle_s: float = setting(
+        2.0,
+        doc="a drained worker waits at least this before its new role (every replica must have "
+        "seen the drain: a registry refresh)",
+    )
+    drain_deadline_s: float = setting(
+        30.0,
+        doc="a worker leaving decode whose streams still run after this has them resumed "
+        "elsewhere; one leaving prefill has its stranded KV reaped",
+    )
+    reconfig_pause_s: float | Mapping[str, float] | None = setting(
+        None,
+        doc="pause between a drained worker and its first work in the new role: seconds for "
+        "every engine kind, or {adapter: seconds} over policies/role_pauses.py's defaults",
+    )
+    engine_switch_timeout_s: float = setting(
+        300.0,
+        doc="an SGLang engine's role switch (POST /pd_role_switch) must answer within this, "
+        "else it is asked again later",
+    )
+    window_s: float = setting(
+        30.0, doc="the demand signals' smoothing window (prompt tokens/s, queue peak)"
+    )
+    local_prefill: bool = setting(
+        False,
+        doc="a `both` worker in the decode role may still prefill its own requests when "
+        "placement prefers it; false: every request's KV moves from prefill to decode",
+    )
+
+    def __post_init__(self) -> None:
+        if min(self.interval_s, self.window_s) <= 0:
+            raise ValueError("roles: interval_s and window_s must be > 0")
+        if self.engine_switch_timeout_s <= 0:
+            raise ValueError("roles: engine_switch_timeout_s must be > 0")
+        if min(self.settle_s, self.drain_deadline_s) < 0:
+            raise ValueError("roles: settle_s and drain_deadline_s must be >= 0")
+        pauses = reconfig_pauses(self.reconfig_pause_s)  # raises ValueError when malformed
+        object.__setattr__(self, "reconfig_pause_s", pauses)
+
+    def pause_for(self, adapter: str) -> float:
+        """The reconfiguration pause of a worker of engine kind `adapter`."""
+        pauses = self.reconfig_pause_s
+        assert isinstance(pauses, Mapping)  # normalized in __post_init__
+        return float(pauses.get(adapter, 0.0))
