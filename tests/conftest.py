@@ -20,8 +20,9 @@ from aiohttp import web
 
 from disagg_tools.sim.worker import WorkerConfig, running_worker
 from router.config import Settings, merged_settings, settings_from_mapping
-from router.edge.app import GATEWAY, create_app
+from router.edge.app import create_app
 from router.edge.server import serving
+from tests.app_parts import AppParts
 from tests.ports import free_port as free_port
 from tests.redis_dump import delete_prefix  # re-exported: test modules import it from here
 from tests.session_redis import Plan, SessionRedis, configured
@@ -92,17 +93,17 @@ class SimCluster:
     configs: dict[str, WorkerConfig] = field(default_factory=dict)
 
     @property
-    def gateway(self) -> Any:
-        return self.app[GATEWAY]
+    def parts(self) -> AppParts:
+        return AppParts(self.app)
 
     async def reserved_blocks(self) -> dict[str, int]:
-        gw = self.gateway
+        gw = self.parts
         ids = [w.spec.id for w in gw.pools.decode_workers]
         usage = await gw.store.decode_usage(ids)
         return {wid: u.reserved_blocks for wid, u in usage.items()}
 
     async def stranded(self) -> dict[str, int]:
-        gw = self.gateway
+        gw = self.parts
         ids = [w.spec.id for w in gw.pools.prefill_workers]
         return dict(await gw.store.stranded_bytes(ids))
 

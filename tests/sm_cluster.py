@@ -34,10 +34,11 @@ from aiohttp import web
 
 from disagg_tools.sim.worker import WorkerConfig, running_worker
 from router.config import settings_from_mapping
-from router.edge.app import GATEWAY, create_app
+from router.edge.app import create_app
 from router.edge.server import RouterRunner, serving
 from router.logs import REQUEST_ID
 from state.base import StoreError
+from tests.app_parts import AppParts
 from tests.conftest import MODEL
 from tests.redis_server import PrivateRedis
 from tests.sm_tenants import TENANTS, PreemptionWatch, QuotaWatch
@@ -255,8 +256,8 @@ class Replica:
     alive: bool = True
 
     @property
-    def gw(self) -> Any:
-        return self.app[GATEWAY]
+    def parts(self) -> AppParts:
+        return AppParts(self.app)
 
 
 def _worker_config(role: str, wid: str, kv_blocks: int) -> WorkerConfig:
@@ -365,9 +366,9 @@ class Cluster:
         replica = Replica(
             len(self.replicas), app, f"http://127.0.0.1:{runner.addresses[0][1]}", stack
         )
-        self.tracker.wrap(replica.gw.store, replica.index)
-        self.quotas.wrap(replica.gw.store, replica.index)
-        self.preemptions.wrap(replica.gw, replica.index)
+        self.tracker.wrap(replica.parts.store, replica.index)
+        self.quotas.wrap(replica.parts.store, replica.index)
+        self.preemptions.wrap(replica.parts, replica.index)
         self.replicas.append(replica)
         return replica
 
@@ -378,7 +379,7 @@ class Cluster:
     async def kill_replica(self, replica: Replica) -> None:
         """As a SIGKILL would: from now on nothing this replica does reaches the store."""
         replica.alive = False
-        store = replica.gw.store
+        store = replica.parts.store
 
         async def unreachable(*args: Any, **kwargs: Any) -> Any:
             raise StoreError("this replica was killed")

@@ -104,18 +104,18 @@ def snapshot(c: Cluster, client: redis.Redis) -> Snapshot:
         raw = None
     snap = Snapshot(now=time.time(), store_up=raw is not None)
     for r in c.alive:
-        leases = r.gw.leases
+        leases = r.parts.leases
         for rid, wid in leases.live.items():
             snap.live[rid] = (r.index, wid, leases.expected.get(rid, (0, 0.0))[0])
         snap.owed |= set(leases.owed_releases)
         snap.strands |= set(leases.strands)
         snap.owed_ledger |= set(leases.owed_unstrands) | set(leases.owed_strands)
-        for w in r.gw.pools.decode_workers:
+        for w in r.parts.pools.decode_workers:
             snap.capacity[w.spec.id] = w.spec.capacity_blocks
-        for tenant, held in r.gw.requests.quota.holds.items():
+        for tenant, held in r.parts.requests.quota.holds.items():
             for hid, b in held.items():
                 snap.router_holds[hid] = (r.index, tenant, b)
-        live = r.gw.requests.answering.preemptor.live
+        live = r.parts.requests.answering.preemptor.live
         if live:
             snap.preemptible[r.index] = [repr(s) for s in live.values()]
     snap.inflight = c.tracker.inflight_rids()

@@ -41,12 +41,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from policies.base import RolePlan, RolePolicy
 from policies.registry import load_role_policy
-from router.edge.gateway import Gateway
+from router.config import Settings
+from router.control.scaling import DemandMeter
 from router.loop_timing import beat
+from router.metrics import RouterMetrics
 from router.workers.accounting import LocalAccounting
 from router.workers.engine_role import EngineRoles
 from router.workers.membership import Membership
@@ -58,7 +61,7 @@ from router.workers.role_signals import (
     summed,
 )
 from router.workers.worker_state import WorkerState
-from state.base import ROLE_STATES, StoreError, WorkerRole
+from state.base import ROLE_STATES, StateStore, StoreError, WorkerRole
 
 __all__ = ["ROLES", "RoleChangeRefused", "RoleEvent", "RoleManager"]
 
@@ -94,15 +97,25 @@ class RoleEvent:
 class RoleManager:
     def __init__(
         self,
-        gw: Gateway,
+        settings: Settings,
+        store: StateStore,
+        session: aiohttp.ClientSession,
+        metrics: RouterMetrics,
+        demand: DemandMeter,
         members: Membership,
         accounting: LocalAccounting,
         policy: RolePolicy | None = None,
     ) -> None:
-        self.gw = gw
+        """`settings`: the role snapshot reads the scaling SLOs besides `settings.roles`;
+        `demand`: this replica's arrivals (router/control/scaling.py), published for the leader;
+        `session`: SGLang engines' role switches go through it."""
+        self._snapshot_settings = settings
+        self.store = store
+        self.metrics = metrics
+        self.demand = demand
         self.members = members
         self._accounting = accounting
-        s = gw.settings.roles
+        s = settings.roles
         self.settings = s
         self.policy: RolePolicy = policy or load_role_policy(s.policy, dict(s.policy_args))
         self.holder = uuid.uuid4().hex  # this replica, as the lease knows it
@@ -116,7 +129,7 @@ class RoleManager:
         # Drained workers waiting out their engine kind's reconfiguration pause: id -> when
         # their drain was found complete (this leader's clock; a new leader starts it again).
         self._pausing: dict[str, float] = {}
-        self.engines = EngineRoles(gw.session, gw.metrics, s)  # SGLang engines' switches
+        self.engines = EngineRoles(session, metrics, s)  # SGLang engines' switches
 
     def __repr__(self) -> str:
         return f"RoleManager(policy={self.policy.name}, leader={self.leader})"
@@ -149,20 +162,19 @@ class RoleManager:
 
     async def _release_lease(self) -> None:
         try:
-            await self.gw.store.release_lease(LEASE, self.holder)
+            await self.store.release_lease(LEASE, self.holder)
         except StoreError:
             pass  # it lapses by itself
 
     async def tick(self) -> None:
-        gw = self.gw
-        roles = await gw.store.worker_roles()
+        roles = await self.store.worker_roles()
         self.members.apply_roles(roles)
         self._export_roles()
         self._cut_overdue_streams()
         ttl = max(3 * self.settings.interval_s, 1.0)
         own = await self._publish_demand(ttl)
-        self.leader = await gw.store.hold_lease(LEASE, self.holder, ttl)
-        gw.metrics.role_leader.set(1 if self.leader else 0)
+        self.leader = await self.store.hold_lease(LEASE, self.holder, ttl)
+        self.metrics.role_leader.set(1 if self.leader else 0)
         if not self.leader:
             return
         await self._finish_drains()
@@ -170,15 +182,15 @@ class RoleManager:
         demand = await self._cluster_demand(own, ttl)
         recent = tuple(t for t in self._switch_starts if now - t < 60.0)
         snapshot = role_snapshot(
-            self.members.workers.values(), gw.settings,
+            self.members.workers.values(), self._snapshot_settings,
             arriving_tokens_per_s=demand.arriving_tokens_per_s, peak=self._peak,
             recent_switches_s=recent, now_s=now, queued_prompt_tokens=demand.queued_prompt_tokens,
         )  # fmt: skip
         plan = self.policy.decide(snapshot)
         self.last_plan, self.last_decided_s = plan, now
-        gw.metrics.role_pressure.labels(phase="prefill").set(_finite(plan.prefill_pressure))
-        gw.metrics.role_pressure.labels(phase="decode").set(_finite(plan.decode_pressure))
-        gw.metrics.role_decisions.labels(note=_note_kind(plan)).inc()
+        self.metrics.role_pressure.labels(phase="prefill").set(_finite(plan.prefill_pressure))
+        self.metrics.role_pressure.labels(phase="decode").set(_finite(plan.decode_pressure))
+        self.metrics.role_decisions.labels(note=_note_kind(plan)).inc()
         for switch in plan.switches:
             w = self.members.workers.get(switch.worker_id)
             if w is None or w.spec.role != "both":
@@ -188,11 +200,11 @@ class RoleManager:
     async def _publish_demand(self, max_age_s: float) -> ReplicaDemand:
         """This replica's own demand, written to the store for the leader (every replica, every
         tick: one write). A failed write is not fatal: the leader sums what it has."""
-        gw = self.gw
-        arriving = sum(gw.demand.arriving_tokens_per_s(m) for m in gw.demand.models())
+        demand = self.demand
+        arriving = sum(demand.arriving_tokens_per_s(m) for m in demand.models())
         own = ReplicaDemand.of(self.members.workers.values(), arriving)
         try:
-            await gw.store.publish_demand(self.holder, own.encode(), max_age_s)
+            await self.store.publish_demand(self.holder, own.encode(), max_age_s)
         except StoreError as exc:
             log.debug("role manager: demand not published: %s", exc)
         return own
@@ -201,7 +213,7 @@ class RoleManager:
         """Every replica's demand published within `max_age_s`, summed (this replica's as it is
         now); this replica's own alone when the store cannot be read."""
         try:
-            published = await self.gw.store.replica_demands(max_age_s)
+            published = await self.store.replica_demands(max_age_s)
         except StoreError as exc:
             log.debug("role manager: deciding on this replica's demand alone: %s", exc)
             published = {}
@@ -214,7 +226,7 @@ class RoleManager:
         return summed([own, *others])
 
     def _export_roles(self) -> None:
-        gauge = self.gw.metrics.worker_role
+        gauge = self.metrics.worker_role
         for w in self.members.both_workers:
             current = w.current_role
             for role in ("both", *ROLE_STATES):
@@ -240,7 +252,7 @@ class RoleManager:
             else:
                 why = f"it serves {w.engine_role}, started without --enable-pd-role-switch"
             raise RoleChangeRefused(f"worker {worker_id}'s SGLang engine cannot switch: {why}")
-        store = self.gw.store
+        store = self.store
         known, roles = w.role_state, await store.worker_roles()
         self.members.apply_roles(roles)
         if known is not None and worker_id not in roles:
@@ -267,7 +279,7 @@ class RoleManager:
             return None
         self._switch_starts.append(record.since_s)
         self._note(w, before, record.role, trigger, reason)
-        switches = self.gw.metrics.role_switches
+        switches = self.metrics.role_switches
         switches.labels(worker=w.spec.id, to_role=to_role, trigger=trigger).inc()
         return record
 
@@ -279,10 +291,10 @@ class RoleManager:
         expect = current.version if current is not None else 0
         if broken is None:
             broken = current.broken if current is not None else ""
-        record = await self.gw.store.set_role(w.spec.id, role, expect, broken)
+        record = await self.store.set_role(w.spec.id, role, expect, broken)
         if record is None:  # another replica (or the operator) came first: take theirs
             # (or the store lost its roles: ours is kept until the registry sync puts it back)
-            self.members.apply_roles(await self.gw.store.worker_roles())
+            self.members.apply_roles(await self.store.worker_roles())
             return None
         w.role_state = record
         return record
@@ -351,10 +363,9 @@ class RoleManager:
             self._note(w, record.role, draining, "broken", message)
 
     async def _reap(self, w: WorkerState) -> None:
-        gw = self.gw
-        for entry in await gw.store.reap_stranded(w.spec.id, 0.0):
+        for entry in await self.store.reap_stranded(w.spec.id, 0.0):
             self._accounting.note_stranded(w.spec.id, -entry.nbytes)
-            gw.metrics.stranded_expired.labels(worker=w.spec.id).inc()
+            self.metrics.stranded_expired.labels(worker=w.spec.id).inc()
             log.warning(
                 "worker %s leaves prefill: stranded KV of %s reaped past the drain deadline",
                 w.spec.id,
@@ -375,7 +386,7 @@ class RoleManager:
             log.info("worker %s: %d streams past the drain deadline, resuming them elsewhere",
                      w.spec.id, len(w.open_streams))  # fmt: skip
             for resp in list(w.open_streams):
-                self.gw.metrics.role_migrations.labels(worker=w.spec.id).inc()
+                self.metrics.role_migrations.labels(worker=w.spec.id).inc()
                 resp.close()
             w.open_streams.clear()
 

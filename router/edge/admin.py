@@ -39,27 +39,34 @@ through two replicas in the same instant can both pass it.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-from router.config import ConfigError
+from policies.base import OutputLengthEstimator, PlacementPolicy
+from router.admission import Admission
+from router.config import ConfigError, Settings
 from router.control.role_manager import ROLES, RoleChangeRefused
-from router.control.scaling import scaling_report
-from router.edge.appkeys import GATEWAY
+from router.control.scaling import DemandMeter, scaling_report
 from router.edge.auth import check_admin_read, check_admin_write
-from router.edge.gateway import Gateway
 from router.errors import InvalidRequest, RouterError, Unavailable
+from router.leases import LeaseKeeper
 from router.openai.prompt_tokens import prompt_token_modes
 from router.redact import mask_url
 from router.tenants import KEYRING, Keyring, KeySpec, UnknownKey, UnknownTenant
 from router.workers.drain import set_drained
+from router.workers.health_probe import HealthProber
+from router.workers.membership import Membership
+from router.workers.placement_view import PlacementView
+from router.workers.registry import RegistrySync
 from router.workers.rotation import emptied_without, why_empty
 from router.workers.worker_state import WorkerState
+from state.base import StateStore
 
-__all__ = ["add_admin_routes"]
+__all__ = ["ADMIN", "AdminView", "add_admin_routes"]
 
 log = logging.getLogger(__name__)
 
@@ -76,22 +83,46 @@ class NotFound(RouterError):
     type = "not_found_error"
 
 
-def _gateway(request: web.Request) -> Gateway:
-    return request.app[GATEWAY]
+@dataclass(frozen=True, slots=True)
+class AdminView:
+    """What the admin routes read and change of this replica, handed to them by the app."""
+
+    settings: Settings
+    store: StateStore  # registrations, drains and tenants' keys, shared by every replica
+    session: aiohttp.ClientSession  # a registered worker's probe and layout read
+    members: Membership
+    placement: PlacementView  # each worker's prefix cache, as placement sees it
+    registry: RegistrySync  # the other replicas' changes, read fresh before a guard decides
+    prober: HealthProber
+    policy: PlacementPolicy
+    estimator: OutputLengthEstimator
+    leases: LeaseKeeper  # this replica's live reservations
+    admission: Admission
+    demand: DemandMeter  # the autoscaling signals (router/control/scaling.py)
+
+    def __repr__(self) -> str:
+        return f"AdminView(workers={len(self.members.workers)})"
+
+
+ADMIN = web.AppKey("admin", AdminView)
+
+
+def _view(request: web.Request) -> AdminView:
+    return request.app[ADMIN]
 
 
 def _json(data: object, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
 
-def _require_token(gw: Gateway, request: web.Request) -> None:
-    check_admin_write(gw.settings, request)
+def _require_token(view: AdminView, request: web.Request) -> None:
+    check_admin_write(view.settings, request)
 
 
-def _readable(request: web.Request) -> Gateway:
-    gw = _gateway(request)
-    check_admin_read(gw.settings, request)
-    return gw
+def _readable(request: web.Request) -> AdminView:
+    view = _view(request)
+    check_admin_read(view.settings, request)
+    return view
 
 
 async def _options(request: web.Request) -> dict[str, Any]:
@@ -110,19 +141,19 @@ async def _options(request: web.Request) -> dict[str, Any]:
     return raw
 
 
-async def _fresh_view(gw: Gateway) -> None:
+async def _fresh_registry(view: AdminView) -> None:
     """The registry as the store has it now (the other replicas' drains, roles, removals), not
     as the last refresh saw it: a guard decided on a stale view would let two operators on two
     replicas empty a pool a refresh apart."""
-    await gw.registry.sync(gw.session)
+    await view.registry.sync(view.session)
 
 
 def _refuse_if_emptied(
-    gw: Gateway, wid: str, action: str, force: bool, arriving: str | None = None
+    view: AdminView, wid: str, action: str, force: bool, arriving: str | None = None
 ) -> None:
     """409 if taking `wid` out of rotation leaves a pool with none (unless forced); `action`
     names it ("draining d0"); `arriving`: the side a role switch sends it to."""
-    members = gw.pools.members
+    members = view.members
     emptied = emptied_without(members, wid, arriving)
     if not emptied:
         return
@@ -142,8 +173,8 @@ def _refuse_if_emptied(
     )
 
 
-def describe(gw: Gateway, w: WorkerState) -> dict[str, object]:
-    unpaired = set(gw.pools.members.unpaired())
+def describe(view: AdminView, w: WorkerState) -> dict[str, object]:
+    unpaired = set(view.members.unpaired())
     load = w.load
     return {
         "id": w.spec.id,
@@ -164,7 +195,7 @@ def describe(gw: Gateway, w: WorkerState) -> dict[str, object]:
         "reserved_blocks": w.reserved_blocks,
         "stranded_bytes": w.stranded_bytes,
         # "events": cached prefixes known from its KV events, else "estimated" (kv_events.py).
-        "prefix_cache": gw.pools.placement.prefix_cache(w.spec.id),
+        "prefix_cache": view.placement.prefix_cache(w.spec.id),
         "reported_load": None
         if load is None
         else {"running": load.running, "waiting": load.waiting, "kv_usage": load.kv_usage},
@@ -172,36 +203,36 @@ def describe(gw: Gateway, w: WorkerState) -> dict[str, object]:
 
 
 async def admin_state(request: web.Request) -> web.Response:
-    gw = _readable(request)
+    view = _readable(request)
     return _json(
         {
-            "policy": gw.policy.name,
-            "estimator": gw.estimator.name,
-            "live_reservations": len(gw.leases.live),
-            "inflight": gw.admission.inflight,
-            "waiting": gw.admission.waiting,
-            "fairness": gw.admission.policy.name,
-            "unpaired": gw.pools.members.unpaired(),
-            "workers": [describe(gw, w) for w in gw.pools.workers.values()],
+            "policy": view.policy.name,
+            "estimator": view.estimator.name,
+            "live_reservations": len(view.leases.live),
+            "inflight": view.admission.inflight,
+            "waiting": view.admission.waiting,
+            "fairness": view.admission.policy.name,
+            "unpaired": view.members.unpaired(),
+            "workers": [describe(view, w) for w in view.members.workers.values()],
             # Per model: exact prompt counts (its tokenizer) or estimates (router/tokens/).
-            "prompt_tokens": prompt_token_modes(gw.settings),
+            "prompt_tokens": prompt_token_modes(view.settings),
         }
     )
 
 
 async def list_workers(request: web.Request) -> web.Response:
-    gw = _readable(request)
-    return _json({"workers": [describe(gw, w) for w in gw.pools.workers.values()]})
+    view = _readable(request)
+    return _json({"workers": [describe(view, w) for w in view.members.workers.values()]})
 
 
 async def scaling(request: web.Request) -> web.Response:
-    gw = _readable(request)
-    report = scaling_report(gw.settings, gw.demand, gw.pools.workers.values())
-    return _json({"slo": _slo(gw), "models": report})
+    view = _readable(request)
+    report = scaling_report(view.settings, view.demand, view.members.workers.values())
+    return _json({"slo": _slo(view), "models": report})
 
 
-def _slo(gw: Gateway) -> dict[str, object]:
-    slo = gw.settings.scaling
+def _slo(view: AdminView) -> dict[str, object]:
+    slo = view.settings.scaling
     return {
         "ttft_slo_s": slo.ttft_slo_s,
         "itl_slo_s": slo.itl_slo_s,
@@ -210,11 +241,13 @@ def _slo(gw: Gateway) -> dict[str, object]:
     }
 
 
-async def _discovered(gw: Gateway, raw: dict[str, Any], url: str, adapter: str) -> dict[str, Any]:
+async def _discovered(
+    view: AdminView, raw: dict[str, Any], url: str, adapter: str
+) -> dict[str, Any]:
     """The registration with the layout the worker reports, under what the caller configured.
     Stored that way, so every replica pairs the worker alike without asking it again."""
     try:
-        facts = await gw.prober.layout_facts(gw.session, url, adapter)
+        facts = await view.prober.layout_facts(view.session, url, adapter)
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         raise InvalidRequest(
             f"could not read the KV layout of the worker at {url} ({exc!r}); register it "
@@ -225,8 +258,8 @@ async def _discovered(gw: Gateway, raw: dict[str, Any], url: str, adapter: str) 
 
 
 async def register_worker(request: web.Request) -> web.Response:
-    gw = _gateway(request)
-    _require_token(gw, request)
+    view = _view(request)
+    _require_token(view, request)
     try:
         raw = orjson.loads(await request.read())
         if not isinstance(raw, dict):
@@ -234,15 +267,15 @@ async def register_worker(request: web.Request) -> web.Response:
         discover = raw.pop("discover_layout", False)
         if not isinstance(discover, bool):
             raise InvalidRequest("discover_layout must be true or false", param="discover_layout")
-        spec = gw.pools.members.parse_registration(raw)  # checked before any call to the worker
+        spec = view.members.parse_registration(raw)  # checked before any call to the worker
         if discover:
-            raw = await _discovered(gw, raw, spec.url, spec.adapter)
-            spec = gw.pools.members.parse_registration(raw)
+            raw = await _discovered(view, raw, spec.url, spec.adapter)
+            spec = view.members.parse_registration(raw)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"the registration is not valid JSON: {exc}") from exc
     except (ConfigError, TypeError, ValueError) as exc:
         raise InvalidRequest(f"bad worker registration: {exc}") from exc
-    current = gw.pools.workers.get(spec.id)
+    current = view.members.workers.get(spec.id)
     if current is not None and not current.dynamic:
         raise InvalidRequest(
             f"worker {spec.id} comes from the configuration file; "
@@ -250,28 +283,28 @@ async def register_worker(request: web.Request) -> web.Response:
             param="id",
         )
     registration = orjson.dumps(raw).decode()
-    await gw.store.register_worker(spec.id, registration)
+    await view.store.register_worker(spec.id, registration)
     if spec.is_decode:
-        await gw.store.set_capacity(spec.id, spec.capacity_blocks)
-    state = gw.pools.members.add(spec, dynamic=True, registration=registration)
+        await view.store.set_capacity(spec.id, spec.capacity_blocks)
+    state = view.members.add(spec, dynamic=True, registration=registration)
     # In rotation now if it answers, else when it does.
-    await gw.prober.probe(gw.session, state)
-    return _json(describe(gw, state), status=201)
+    await view.prober.probe(view.session, state)
+    return _json(describe(view, state), status=201)
 
 
 async def remove_worker(request: web.Request) -> web.Response:
-    gw = _gateway(request)
-    _require_token(gw, request)
+    view = _view(request)
+    _require_token(view, request)
     wid = request.match_info["worker_id"]
     force = (await _options(request)).get("force", False)
-    current = gw.pools.workers.get(wid)
+    current = view.members.workers.get(wid)
     if current is not None and not current.dynamic:
         raise InvalidRequest(f"worker {wid} comes from the configuration file", param="id")
     if current is not None:
-        await _fresh_view(gw)
-        _refuse_if_emptied(gw, wid, f"removing {wid}", force)
-    removed = await gw.store.unregister_worker(wid)
-    gw.pools.members.remove(wid)
+        await _fresh_registry(view)
+        _refuse_if_emptied(view, wid, f"removing {wid}", force)
+    removed = await view.store.unregister_worker(wid)
+    view.members.remove(wid)
     if not removed and current is None:
         raise NotFound(f"no registered worker {wid}", param="id")
     return _json({"removed": wid})
@@ -282,20 +315,20 @@ def _not_found(wid: str) -> NotFound:
 
 
 async def _drain(request: web.Request, drained: bool) -> web.Response:
-    gw = _gateway(request)
-    _require_token(gw, request)
+    view = _view(request)
+    _require_token(view, request)
     wid = request.match_info["worker_id"]
     force = drained and (await _options(request)).get("force", False)  # undrain: no body
-    if wid not in gw.pools.workers:
+    if wid not in view.members.workers:
         raise _not_found(wid)
     if drained:
-        await _fresh_view(gw)
-        _refuse_if_emptied(gw, wid, f"draining {wid}", force)
-    state = gw.pools.workers.get(wid)
+        await _fresh_registry(view)
+        _refuse_if_emptied(view, wid, f"draining {wid}", force)
+    state = view.members.workers.get(wid)
     if state is None:  # removed through another replica meanwhile
         raise _not_found(wid)
-    changed = await set_drained(gw.store, gw.pools.workers.values(), wid, drained)
-    return _json({**describe(gw, state), "changed": changed})
+    changed = await set_drained(view.store, view.members.workers.values(), wid, drained)
+    return _json({**describe(view, state), "changed": changed})
 
 
 async def drain_worker(request: web.Request) -> web.Response:
@@ -315,8 +348,8 @@ async def roles(request: web.Request) -> web.Response:
 
 
 async def set_role(request: web.Request) -> web.Response:
-    gw = _gateway(request)
-    _require_token(gw, request)
+    view = _view(request)
+    _require_token(view, request)
     wid = request.match_info["worker_id"]
     try:
         raw = orjson.loads(await request.read())
@@ -333,29 +366,29 @@ async def set_role(request: web.Request) -> web.Response:
     manager = request.app.get(ROLES)
     if manager is None:
         raise Unavailable("the role manager is not running yet", retry_after_s=1.0)
-    w = gw.pools.workers.get(wid)
+    w = view.members.workers.get(wid)
     if w is not None and w.spec.role == "both":  # else the manager refuses it (409) itself
-        await _fresh_view(gw)
+        await _fresh_registry(view)
         # A switch drains it first: in neither pool until it is done. One already serving
         # (or heading to) that role changes nothing.
         if w.role_state is None or w.role_state.target != role:
-            _refuse_if_emptied(gw, wid, f"switching {wid} to {role}", force, arriving=role)
+            _refuse_if_emptied(view, wid, f"switching {wid} to {role}", force, arriving=role)
     try:
         record = await manager.force(wid, role)
     except KeyError:
         raise _not_found(wid) from None
     except RoleChangeRefused as exc:
         raise Conflict(str(exc), param="id") from exc
-    state = gw.pools.workers[wid]
-    return _json({**describe(gw, state), "role_version": record.version})
+    state = view.members.workers[wid]
+    return _json({**describe(view, state), "role_version": record.version})
 
 
 async def list_tenants(request: web.Request) -> web.Response:
-    gw = _readable(request)
+    view = _readable(request)
     keyring = request.app[KEYRING]
     return _json(
         {
-            "fairness": gw.admission.policy.name,
+            "fairness": view.admission.policy.name,
             "mode": "keys" if keyring.closed else "open",
             "tenants": keyring.describe(),
         }
@@ -363,7 +396,7 @@ async def list_tenants(request: web.Request) -> web.Response:
 
 
 def _tenant_call(request: web.Request) -> tuple[str, str]:
-    _require_token(_gateway(request), request)
+    _require_token(_view(request), request)
     return request.match_info["tenant"], request.match_info.get("key_id", "")
 
 
@@ -373,14 +406,14 @@ def _lookup_error(exc: KeyError) -> NotFound:
     return NotFound("no key of that id in this tenant", param="key_id")
 
 
-async def _fresh_keys(gw: Gateway, keyring: Keyring) -> None:
+async def _fresh_keys(view: AdminView, keyring: Keyring) -> None:
     """The shared key table as the store has it now, so a key made on another replica a moment
     ago can be rotated or revoked here before this replica's next refresh."""
-    keyring.adopt(await gw.store.tenant_keys())
+    keyring.adopt(await view.store.tenant_keys())
 
 
 async def _put_key(
-    gw: Gateway,
+    view: AdminView,
     keyring: Keyring,
     key: KeySpec,
     plain: str,
@@ -392,7 +425,7 @@ async def _put_key(
     router/errors.py, and nothing changed), then this replica; the answer shows it once."""
     old = "" if replaces is None else replaces.digest.hex()
     tenant, digest = key.tenant, key.digest.hex()
-    if not await gw.store.put_tenant_key(key.key_id, tenant, digest, key.source, old):
+    if not await view.store.put_tenant_key(key.key_id, tenant, digest, key.source, old):
         # Only if the fresh random key's digest were already revoked: not expected, but the
         # store's refusal is answered rather than assumed away.
         raise Conflict("that key was revoked; try again")
@@ -407,35 +440,35 @@ async def _put_key(
 
 async def create_key(request: web.Request) -> web.Response:
     tenant, _ = _tenant_call(request)
-    gw, keyring = _gateway(request), request.app[KEYRING]
+    view, keyring = _view(request), request.app[KEYRING]
     try:
         key, plain = keyring.mint(tenant)
     except UnknownTenant as exc:
         raise _lookup_error(exc) from None
-    return await _put_key(gw, keyring, key, plain, status=201)
+    return await _put_key(view, keyring, key, plain, status=201)
 
 
 async def rotate_key(request: web.Request) -> web.Response:
     tenant, key_id = _tenant_call(request)
-    gw, keyring = _gateway(request), request.app[KEYRING]
-    await _fresh_keys(gw, keyring)
+    view, keyring = _view(request), request.app[KEYRING]
+    await _fresh_keys(view, keyring)
     try:
         old = keyring.key(tenant, key_id)
         key, plain = keyring.mint(tenant, key_id)
     except (UnknownTenant, UnknownKey) as exc:
         raise _lookup_error(exc) from None
-    return await _put_key(gw, keyring, key, plain, replaces=old, status=200)
+    return await _put_key(view, keyring, key, plain, replaces=old, status=200)
 
 
 async def revoke_key(request: web.Request) -> web.Response:
     tenant, key_id = _tenant_call(request)
-    gw, keyring = _gateway(request), request.app[KEYRING]
-    await _fresh_keys(gw, keyring)
+    view, keyring = _view(request), request.app[KEYRING]
+    await _fresh_keys(view, keyring)
     try:
         key = keyring.key(tenant, key_id)
     except (UnknownTenant, UnknownKey) as exc:
         raise _lookup_error(exc) from None
-    await gw.store.revoke_tenant_key(key_id, key.digest.hex())
+    await view.store.revoke_tenant_key(key_id, key.digest.hex())
     keyring.drop(key)
     log.info("tenant %s: key %s revoked (%s)", tenant, key.key_id, key.fingerprint)
     return _json({"tenant": tenant, "revoked": key.key_id, "fingerprint": key.fingerprint})

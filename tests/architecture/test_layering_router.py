@@ -106,11 +106,11 @@ def test_the_checker_sees_an_import_against_the_flow() -> None:
 
 def test_outside_the_package_only_its_entry_and_its_assembly_reach_in() -> None:
     """The HTTP handler meets the request package through `lifecycle` (RequestFlow,
-    ClientSide); the gateway assembles the stages; the passthrough path and the retry policy
-    both paths use share a failed leg's description (`attempt`). Nothing else reaches into a
-    stage."""
+    ClientSide, RequestStages); `router.edge.request_stages` assembles the stages; the
+    passthrough path and the retry policy both paths use share a failed leg's description
+    (`attempt`). Nothing else reaches into a stage."""
     allowed = {
-        "router.edge.gateway": set(FLOW),
+        "router.edge.request_stages": set(FLOW),
         "router.edge.app": {"lifecycle"},
         "router.edge.passthrough": {"attempt", "retry_policy", "one_worker"},
     }
@@ -155,17 +155,11 @@ def test_every_router_folder_is_a_room() -> None:
     assert folders == set(ROOMS) - {""}
 
 
-# Being dissolved (issue 32): the role manager still takes the gateway whole.
-_DISSOLVING = {("router.control.role_manager", "router.edge.gateway.Gateway")}
-
-
 def test_the_rooms_import_only_downwards() -> None:
     bad = []
     for imp in _imports("router"):
         source, target = room_of(imp.module), room_of(imp.target)
         if source is None or target is None or imp.target == "router":
-            continue
-        if (imp.module, imp.target) in _DISSOLVING:
             continue
         if ROOMS.index(target) > ROOMS.index(source):
             name = target or "the floor"

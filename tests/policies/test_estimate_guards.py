@@ -56,7 +56,7 @@ async def test_a_hint_of_one_on_long_answers_no_longer_over_commits(
         estimator="hint",
         trust_hints=trusted,
     ) as c:
-        gw = c.gateway
+        gw = c.parts
         async with aiohttp.ClientSession() as s:
             counts = await asyncio.gather(
                 *(
@@ -85,7 +85,7 @@ async def test_live_overruns_raise_the_estimate_before_they_complete(redis_prefi
         estimator_args={"min_samples": 5},
         histogram_refresh_s=0.05,
     ) as c:
-        gw = c.gateway
+        gw = c.parts
         probe = RequestInfo("probe", MODEL, prompt_tokens=8, max_tokens=500)
         async with aiohttp.ClientSession() as s:
             short = {"X-Sim-Output-Tokens": "8"}  # the simulated answer's natural length
@@ -130,7 +130,7 @@ async def test_forced_growth_keeps_a_margin_back_on_its_worker(redis_prefix: str
         # Growth is forced only where nothing may be preempted (issue 31): here, nothing may.
         preemption={"enabled": False},
     ) as c:
-        gw = c.gateway
+        gw = c.parts
         async with aiohttp.ClientSession() as s:
             await _stream_all(s, c, _body(1, 400), headers={"X-Expected-Output-Tokens": "8"})
         assert _counter(gw.metrics.reservation_forced_growth) >= 1
@@ -151,7 +151,7 @@ async def test_no_room_expected_before_the_deadline_is_refused_at_once(redis_pre
         estimator="max_tokens",
         admission={"max_wait_s": 8.0},
     ) as c:
-        gw = c.gateway
+        gw = c.parts
         async with aiohttp.ClientSession() as s:
             long = await s.post(c.router_url + CHAT, json=_body(1, 6_000))
             try:
@@ -187,7 +187,7 @@ async def test_a_large_request_at_the_head_does_not_hold_back_a_small_one_that_f
         estimator="max_tokens",
         admission={"max_wait_s": 4.0},
     ) as c:
-        gw = c.gateway
+        gw = c.parts
         assert await gw.store.reserve("d0", "other", 98, 30.0)
         async with aiohttp.ClientSession() as s:
             large = asyncio.ensure_future(s.post(c.router_url + CHAT, json=_body(1, 780)))
@@ -223,7 +223,7 @@ async def test_a_burst_of_pending_reservations_is_not_taken_for_forced_growth(
     two replicas racing for the same room) are no growth, and a margin learned from them
     closed the workers to the normal clients of issue 20's reproduction."""
     async with sim_cluster(redis_prefix=redis_prefix, kv_blocks=100, estimator="max_tokens") as c:
-        gw = c.gateway
+        gw = c.parts
 
         gw.pools.note_pending("d0", 5_000)
         try:

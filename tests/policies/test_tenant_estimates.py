@@ -359,7 +359,7 @@ async def test_live_a_tenants_short_answers_do_not_size_another_tenants_reservat
         estimator_args={"quantile": 0.9, "min_samples": MIN},
         histogram_refresh_s=0.1,
     ) as c:
-        gw = c.gateway
+        gw = c.parts
         url = c.router_url
         gate = asyncio.Semaphore(4)
         async with aiohttp.ClientSession() as s:

@@ -236,7 +236,7 @@ async def test_a_tenant_below_its_share_is_served_while_another_floods_the_queue
         fairness=fairness,
         **_CLUSTER,
     ) as c:
-        admission = c.gateway.admission
+        admission = c.parts.admission
         counts = {"served": 0, "refused": 0}
         evicted: list[openai.RateLimitError] = []
         flood = [
@@ -248,7 +248,7 @@ async def test_a_tenant_below_its_share_is_served_while_another_floods_the_queue
                     break
                 await asyncio.sleep(0.02)
             assert admission.waiting == MAX_WAITERS, (admission, counts)  # a holds every place
-            assert _rejections(c.gateway, "a", "queue_full") >= 4
+            assert _rejections(c.parts, "a", "queue_full") >= 4
 
             # b: five clients of two requests each, one after the other (5 places of its 8).
             answers: list[str] = []
@@ -264,11 +264,11 @@ async def test_a_tenant_below_its_share_is_served_while_another_floods_the_queue
                 task.cancel()
             await asyncio.gather(*flood, return_exceptions=True)
         assert len(answers) == B_REQUESTS and all(answers), answers
-        assert _rejections(c.gateway, "b", "queue_full") == 0
-        assert _rejections(c.gateway, "b", "queue_share") == 0
+        assert _rejections(c.parts, "b", "queue_full") == 0
+        assert _rejections(c.parts, "b", "queue_share") == 0
         # b's requests took places of a's newest waiters (counted for a, by reason), and a,
         # over its share, kept being refused while b waited.
-        assert _rejections(c.gateway, "a", "queue_share") >= 1
+        assert _rejections(c.parts, "a", "queue_share") >= 1
         assert evicted, counts  # the client whose waiter gave its place was told why, and when
         assert float(evicted[0].response.headers["Retry-After"]) >= 1
         assert evicted[0].status_code == 429 and evicted[0].code == "no_decode_capacity"

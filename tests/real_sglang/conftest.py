@@ -38,7 +38,7 @@ from openai import AsyncOpenAI
 
 import tests.conftest as top_conftest
 from router.config import settings_from_mapping
-from router.edge.app import GATEWAY
+from tests.app_parts import AppParts
 from tests.conftest import free_port, running_router
 from tests.engines import EngineProcess, EngineSuite, http_get
 
@@ -270,11 +270,11 @@ class SglangRouter:
     cluster: SglangCluster
 
     @property
-    def gateway(self) -> Any:
-        return self.app[GATEWAY]
+    def parts(self) -> AppParts:
+        return AppParts(self.app)
 
     async def reserved_blocks(self) -> dict[str, int]:
-        usage = await self.gateway.store.decode_usage([s.name for s in self.cluster.decodes])
+        usage = await self.parts.store.decode_usage([s.name for s in self.cluster.decodes])
         return {wid: u.reserved_blocks for wid, u in usage.items()}
 
     def client(self, timeout: float = 300.0) -> AsyncOpenAI:

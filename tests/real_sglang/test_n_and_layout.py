@@ -58,7 +58,7 @@ async def test_the_layout_is_read_from_server_info_and_pairs_the_engines(
     # discover_layout: each engine's own report is its layout (nothing configured).
     discovering = {"discover_layout": True}
     async with sglang_router(sglang_cluster, redis_prefix, worker_extra=discovering) as r:
-        workers = r.gateway.pools.workers
+        workers = r.parts.pools.workers
         layouts = {wid: w.spec.layout for wid, w in workers.items()}
         for wid, layout in layouts.items():
             assert (layout.engine, layout.engine_version, layout.model) == (
@@ -70,7 +70,7 @@ async def test_the_layout_is_read_from_server_info_and_pairs_the_engines(
                 wid
             )  # SGLang reports mooncake_tcp as "mooncake"
         assert len({layout.key for layout in layouts.values()}) == 1
-        assert r.gateway.pools.members.unpaired() == []
+        assert r.parts.pools.members.unpaired() == []
         assert workers["p0"].spec.bootstrap_port == info["disaggregation_bootstrap_port"]
         async with r.client() as client:
             text, _ = await ask(client, "chat", unique_prompt(8), stream=True)

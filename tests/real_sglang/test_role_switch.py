@@ -15,7 +15,7 @@ import pytest
 
 from router.config import settings_from_mapping
 from router.control.role_manager import ROLES
-from router.edge.app import GATEWAY
+from tests.app_parts import parts
 from tests.conftest import running_router
 from tests.real_sglang.conftest import (
     SglangCluster,
@@ -105,7 +105,7 @@ async def test_a_decode_engine_switched_to_prefill_and_back_under_traffic(
 
     async with running_router(settings_from_mapping(raw)) as (url, app):
         router = SglangRouter(url=url, app=app, cluster=cluster)
-        worker = app[GATEWAY].pools.workers[d1.name]
+        worker = parts(app).pools.workers[d1.name]
         manager = app[ROLES]
         await until(lambda: worker.available and worker.current_role == "decode", "d1 decode")
         traffic = Traffic(router, want)
@@ -140,7 +140,7 @@ async def test_a_decode_engine_switched_to_prefill_and_back_under_traffic(
             await until(lambda: traffic.done >= done + 4, "traffic with d1 as a decode")
         finally:
             await traffic.stop(flow)
-        metrics = app[GATEWAY].metrics.registry
+        metrics = parts(app).metrics.registry
         for role in ("prefill", "decode"):
             labels = {"worker": d1.name, "to_role": role, "outcome": "ok"}
             assert (

@@ -38,7 +38,7 @@ import tests.conftest as top_conftest
 from router.adapters.base import ProtocolViolation
 from router.adapters.vllm import VllmNixlAdapter
 from router.config import settings_from_mapping
-from router.edge.app import GATEWAY
+from tests.app_parts import AppParts
 from tests.conftest import free_port, running_router
 from tests.engines import EngineProcess, EngineSuite, http_post_json
 
@@ -355,24 +355,24 @@ class RealRouter:
     cluster: VllmCluster
 
     @property
-    def gateway(self) -> Any:
-        return self.app[GATEWAY]
+    def parts(self) -> AppParts:
+        return AppParts(self.app)
 
     async def reserved_blocks(self) -> dict[str, int]:
         """The decode reservations the store holds, once the router owes it nothing: an
         end-of-request release the store did not take in time (three engines on two cores can
         slow Redis past its timeout) is owed and retried within a second (router/leases.py),
         and is not a leak. One that is still owed after 10 s is reported as held."""
-        leases = self.gateway.leases
+        leases = self.parts.leases
         for _ in range(100):
             if not leases.owed:
                 break
             await asyncio.sleep(0.1)
-        usage = await self.gateway.store.decode_usage([s.name for s in self.cluster.decodes])
+        usage = await self.parts.store.decode_usage([s.name for s in self.cluster.decodes])
         return {wid: u.reserved_blocks for wid, u in usage.items()}
 
     async def stranded(self) -> dict[str, int]:
-        return dict(await self.gateway.store.stranded_bytes([self.cluster.prefill.name]))
+        return dict(await self.parts.store.stranded_bytes([self.cluster.prefill.name]))
 
     def client(self, timeout: float = 300.0) -> AsyncOpenAI:
         return AsyncOpenAI(

@@ -96,7 +96,7 @@ async def _force(
 
 
 async def _until_role(r: RealRouter, wid: str, role: str) -> None:
-    pools = r.gateway.pools
+    pools = r.parts.pools
     await wait_for(lambda: pools.workers[wid].current_role == role, 120, f"{wid} {role}")
 
 
@@ -190,7 +190,7 @@ async def test_the_router_moves_a_kv_both_engine_decode_to_prefill_and_back(
         drained = [(e["worker"], e["to"]) for e in events if e["trigger"] == "drained"]
         # The last swap's two drains end in either order (both switches started together).
         assert ("b1", "prefill") in drained and ("b0", "prefill") in drained[-2:]
-        store = r.gateway.store
+        store = r.parts.store
 
         async def nothing_held() -> Any:
             # The last answers' releases and unstrands may still be on their way (background

@@ -159,7 +159,7 @@ async def _complete(session: aiohttp.ClientSession, url: str, prompt: list[int])
 def _indexed(r: RealRouter, worker_id: str) -> set[int]:
     """The router's hashes of the blocks the worker's events say it holds (looked up each
     time: a gap or a restart replaces the index)."""
-    index: KvIndex | None = r.gateway.pools.placement.kv_index(worker_id)
+    index: KvIndex | None = r.parts.pools.placement.kv_index(worker_id)
     return set() if index is None else set(index.router_hashes)
 
 
@@ -234,7 +234,7 @@ async def _router(cluster: EventsCluster, prefix: str) -> AsyncIterator[RealRout
         }
     async with running_router(settings_from_mapping(raw)) as (url, app):
         r = RealRouter(url=url, app=app, cluster=pair)
-        placement = r.gateway.pools.placement
+        placement = r.parts.pools.placement
         await wait_for(
             lambda: all(
                 placement.prefix_cache(s.name)["source"] == "events" for s in cluster.servers
@@ -387,7 +387,7 @@ async def test_a_router_started_after_the_engine_learns_what_it_holds_by_replay(
         await _complete(session, holder.url, early)
     async with _router(events_cluster, redis_prefix) as r:
         await _wait_indexed(r, holder.name, set(block_hashes(early, BLOCK_SIZE)))
-        assert r.gateway.metrics.kv_events_gaps.labels(worker=holder.name)._value.get() == 0
+        assert r.parts.metrics.kv_events_gaps.labels(worker=holder.name)._value.get() == 0
 
 
 async def test_the_index_follows_an_engine_restart(
@@ -412,6 +412,6 @@ async def test_the_index_follows_an_engine_restart(
             60,
             "pb's index holds exactly the new process's blocks",
         )
-        drops = r.gateway.metrics.kv_events_index_drops.labels(worker=engine.name, reason="restart")
+        drops = r.parts.metrics.kv_events_index_drops.labels(worker=engine.name, reason="restart")
         assert drops._value.get() >= 1
-        assert r.gateway.pools.placement.prefix_cache(engine.name)["source"] == "events"
+        assert r.parts.pools.placement.prefix_cache(engine.name)["source"] == "events"

@@ -96,7 +96,7 @@ async def quiet_router(redis_prefix: str) -> AsyncIterator[SimCluster]:
     async with sim_cluster(
         prefill=2, decode=2, redis_prefix=redis_prefix, state_refresh_s=0.1
     ) as cluster:
-        refresher = cluster.gateway.refresher
+        refresher = cluster.parts.refresher
         await _within(5.0, lambda: _true(refresher.riding), "the refresher never rode")
         yield cluster
 
@@ -166,7 +166,7 @@ async def test_a_store_that_lost_its_keys_is_put_back_within_a_quiet_refresh(
 
             took = await _within(3 * QUIET_REFRESH_S, put_back, "capacities not put back")
             assert took <= QUIET_REFRESH_S + 1.0, took  # within one quiet refresh (+ a loaded CI)
-            assert cluster.gateway.metrics.store_resets._value.get() == 1
+            assert cluster.parts.metrics.store_resets._value.get() == 1
     finally:
         await client.aclose()
 
@@ -178,7 +178,7 @@ async def test_another_replicas_drain_and_reservation_show_within_a_quiet_refres
     other = RedisStore(client, Keys(redis_prefix))  # another replica's store
     try:
         async with quiet_router(redis_prefix) as cluster:
-            pools = cluster.gateway.pools
+            pools = cluster.parts.pools
             assert await other.set_drained("d1", True)
             took = await _within(
                 3 * QUIET_REFRESH_S,
@@ -195,7 +195,7 @@ async def test_another_replicas_drain_and_reservation_show_within_a_quiet_refres
             )
             assert took <= QUIET_REFRESH_S + 1.0, took
             # The change ended the ride: the refresher reads at its busy cadence for a while.
-            assert not cluster.gateway.refresher.riding
+            assert not cluster.parts.refresher.riding
     finally:
         await client.aclose()
 
@@ -235,7 +235,7 @@ async def test_a_busy_replica_alone_reads_the_usage_at_the_quiet_cadence(
     async with sim_cluster(
         prefill=1, decode=1, redis_prefix=redis_prefix, state_refresh_s=0.1, time_scale=2.0
     ) as cluster:
-        refresher = cluster.gateway.refresher
+        refresher = cluster.parts.refresher
         stream = _streaming(cluster, 1500)
         try:
             await _within(5.0, lambda: _true(refresher.alone and not stream.done()), "alone")

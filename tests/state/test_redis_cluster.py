@@ -209,7 +209,7 @@ async def test_router_serves_requests_through_the_cluster(
         cluster as c,
         AsyncOpenAI(base_url=c.router_url + "/v1", api_key="k", max_retries=0, timeout=30) as ai,
     ):
-        assert c.gateway.store.is_cluster
+        assert c.parts.store.is_cluster
         question = "How does a Redis Cluster place keys?"
         messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": question}]
         body = {"model": MODEL, "messages": messages, "max_tokens": 40}

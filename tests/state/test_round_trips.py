@@ -124,7 +124,7 @@ class Wire:
         monkeypatch.setattr(disagg_tools.sim.worker, "handle_generation", handler)
 
     def watch_router(self, c: SimCluster) -> None:
-        tasks = c.gateway.tasks
+        tasks = c.parts.tasks
         self.background = lambda t: t in tasks._jobs or t in tasks._loops
 
     def when(self, event: str, worker: str, after: float) -> float:
@@ -219,13 +219,13 @@ async def test_the_intent_is_in_the_ledger_while_the_prefill_runs(redis_prefix: 
             return len(await c.worker_requests("p0")) == 1
 
         stranded = await _stranded_while(c, prefill_arrived)
-        (entry,) = c.gateway.leases.strands.values()  # the attempt's, with its reservation
+        (entry,) = c.parts.leases.strands.values()  # the attempt's, with its reservation
         assert stranded == entry.nbytes > 0
         task.cancel()  # the client goes away while the prefill hangs
         with pytest.raises(asyncio.CancelledError):
             await task
         await assert_quiet(c)
-        assert c.gateway.leases.strands == {}
+        assert c.parts.leases.strands == {}
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
@@ -254,8 +254,8 @@ async def test_nothing_is_left_whatever_ends_the_request(
         if status != 200:
             assert set(result["error"]) == {"message", "type", "param", "code"}
         await assert_quiet(c)
-        assert c.gateway.leases.strands == {}
-        assert c.gateway.leases.owed == 0
+        assert c.parts.leases.strands == {}
+        assert c.parts.leases.owed == 0
 
 
 async def test_client_gone_mid_stream_leaves_nothing(redis_prefix: str) -> None:
@@ -266,7 +266,7 @@ async def test_client_gone_mid_stream_leaves_nothing(redis_prefix: str) -> None:
                 assert r.status == 200
                 await r.content.readline()  # the first event: the decode took the KV
         await assert_quiet(c)
-        assert c.gateway.leases.strands == {}
+        assert c.parts.leases.strands == {}
 
 
 async def test_kv_that_sits_unaccepted_is_marked_ready_in_the_background(
@@ -287,7 +287,7 @@ async def test_kv_that_sits_unaccepted_is_marked_ready_in_the_background(
                 return len(await c.worker_requests("d0")) == 1
 
             assert await _stranded_while(c, decode_arrived) > 0
-            (entry_id,) = c.gateway.leases.strands
+            (entry_id,) = c.parts.leases.strands
             since_key = keys.stranded_since("p0")
             pending = await client.zscore(since_key, entry_id)
             (server_now, _) = await client.time()
@@ -334,7 +334,7 @@ async def test_a_client_gone_while_its_reservation_is_answered_leaves_nothing(
     have written is owed and cleared within a tick, not left to the lease (30 s) and the
     reaper (the prefill's timeout + the KV lease)."""
     async with sim_cluster(redis_prefix=redis_prefix, **QUIET) as c:
-        store = c.gateway.store
+        store = c.parts.store
         real = store.reserve
         ran = asyncio.Event()
 
@@ -353,7 +353,7 @@ async def test_a_client_gone_while_its_reservation_is_answered_leaves_nothing(
         with pytest.raises(asyncio.CancelledError):
             await task
         await assert_quiet(c)
-        assert c.gateway.leases.owed == 0
+        assert c.parts.leases.owed == 0
         assert await c.worker_requests("p0") == []  # no prefill without a reservation in hand
 
 
@@ -365,7 +365,7 @@ async def test_a_retry_on_another_prefill_worker_moves_the_entry_with_it(
     async with sim_cluster(redis_prefix=redis_prefix, prefill=2, retry=FAST_RETRY, **QUIET) as c:
         wire.watch_router(c)
         await set_faults(c, "p0", prefill_fail=True)  # every time
-        retries = c.gateway.metrics.retries.labels(side="prefill")
+        retries = c.parts.metrics.retries.labels(side="prefill")
         for i in range(8):  # until placement has tried p0 first once
             start = time.monotonic()
             got, result = await call(c, body_for(10 + i), True)
@@ -379,4 +379,4 @@ async def test_a_retry_on_another_prefill_worker_moves_the_entry_with_it(
         ledgers = [b"{p:p0}" in s.data for s in reserves]
         assert ledgers == [True, False], reserves  # its entry on p0, then the retry's on p1
         await assert_quiet(c)
-        assert c.gateway.leases.strands == {} and c.gateway.leases.owed == 0
+        assert c.parts.leases.strands == {} and c.parts.leases.owed == 0

@@ -50,7 +50,7 @@ def fail_calls(store: Any, method: str, times: int | None = 1) -> list[int]:
 
 async def settle(c: SimCluster) -> None:
     """Owed store steps are retried every second: wait (bounded) until none is left."""
-    leases = c.gateway.leases
+    leases = c.parts.leases
     for _ in range(100):
         if not (leases.owed_releases or leases.owed_unstrands or leases.owed_strands):
             return
@@ -70,7 +70,7 @@ async def test_a_store_failure_at_each_step_loses_nothing(
     redis_prefix: str, step: str, stream: bool
 ) -> None:
     async with sim_cluster(redis_prefix=redis_prefix, **FAST) as c:
-        injected = fail_calls(c.gateway.store, step)
+        injected = fail_calls(c.parts.store, step)
         body = body_for(1)
         status, result = await call(c, body, stream)
         if step == "reserve":
@@ -89,7 +89,7 @@ async def test_a_store_failure_at_each_step_loses_nothing(
 
 async def test_a_503_from_the_store_says_when_to_retry(redis_prefix: str) -> None:
     async with sim_cluster(redis_prefix=redis_prefix) as c:
-        fail_calls(c.gateway.store, "reserve")
+        fail_calls(c.parts.store, "reserve")
         async with aiohttp.ClientSession() as s:
             async with s.post(c.router_url + CHAT, json=body_for(2)) as r:
                 assert r.status == 503
@@ -109,7 +109,7 @@ async def test_an_unstrand_that_always_fails_does_not_keep_the_reservation(
         # Decode failures before the first token: those attempts are released while their KV
         # is still stranded, so the release path itself unstrands (the old bug's path).
         await set_faults(c, "d0", count=2, decode_fail_before_first=True)
-        store = c.gateway.store
+        store = c.parts.store
         fail_calls(store, "unstrand", times=None)  # the first-token path
         real_finish = store.finish
         failed_steps = [0]
@@ -127,9 +127,9 @@ async def test_an_unstrand_that_always_fails_does_not_keep_the_reservation(
         for i in range(5):
             body = body_for(i)
             check_exact(*await call(c, body, True), body, True)
-        assert c.gateway.metrics.retries.labels(side="decode")._value.get() == 2
+        assert c.parts.metrics.retries.labels(side="decode")._value.get() == 2
         assert failed_steps[0] >= 2  # the two attempts released before their first token
-        assert c.gateway.leases.live == {}
+        assert c.parts.leases.live == {}
         assert set((await c.reserved_blocks()).values()) == {0}
         assert sum((await c.stranded()).values()) > 0  # the failed unstrands, owed
         # Healed: the owed unstrands land and the ledger is clean.
@@ -142,18 +142,18 @@ async def test_renewal_is_one_call_per_worker_and_failures_are_retried(
     redis_prefix: str,
 ) -> None:
     async with sim_cluster(redis_prefix=redis_prefix, decode=2) as c:
-        leases = c.gateway.leases
+        leases = c.parts.leases
         for i in range(30):
             leases.hold(f"d{i % 2}", f"r{i}", 1)
-            await c.gateway.store.reserve(f"d{i % 2}", f"r{i}", 1, 30.0)
+            await c.parts.store.reserve(f"d{i % 2}", f"r{i}", 1, 30.0)
         calls: list[str] = []
-        real = c.gateway.store.renew_many
+        real = c.parts.store.renew_many
 
         async def counting(worker_id: str, *args: Any, **kwargs: Any) -> list[str]:
             calls.append(worker_id)
             return await real(worker_id, *args, **kwargs)
 
-        c.gateway.store.renew_many = counting
+        c.parts.store.renew_many = counting
         assert await leases.renew_all() == 0
         assert sorted(calls) == ["d0", "d1"]  # 30 reservations, 2 calls
         for i in range(30):
@@ -211,10 +211,10 @@ async def test_redis_killed_then_restarted_empty(redis_prefix: str) -> None:
             long_body = body_for(2, max_tokens=3000)
             in_flight = asyncio.create_task(stream_text(c, long_body))
             for _ in range(200):
-                if c.gateway.leases.live:
+                if c.parts.leases.live:
                     break
                 await asyncio.sleep(0.01)
-            assert c.gateway.leases.live
+            assert c.parts.leases.live
             redis.kill()
 
             status, result = await call(c, body_for(3), True)
@@ -224,10 +224,10 @@ async def test_redis_killed_then_restarted_empty(redis_prefix: str) -> None:
             redis.start()  # empty
             # Within one lease period the router puts back what it holds, by itself.
             await wait_ready(c, 200, 3.0 + 2.0)
-            assert not in_flight.done() and c.gateway.leases.live
+            assert not in_flight.done() and c.parts.leases.live
             # The live stream's room is counted again in the new, empty Redis.
             assert sum((await c.reserved_blocks()).values()) > 0
-            assert c.gateway.metrics.store_resets._value.get() == 1
+            assert c.parts.metrics.store_resets._value.get() == 1
             body4 = body_for(4)
             check_exact(*await call(c, body4, True), body4, True)
 
@@ -240,8 +240,8 @@ async def test_redis_killed_then_restarted_empty(redis_prefix: str) -> None:
 async def test_answers_outgrowing_a_full_worker_are_counted_past_capacity(
     redis_prefix: str,
 ) -> None:
-    """The README's promise: a reservation is never silently smaller than use. Before, growth
-    that found no free room was logged and dropped."""
+    """docs/operations.md's promise: a reservation is never silently smaller than use. Before,
+    growth that found no free room was logged and dropped."""
     async with sim_cluster(
         redis_prefix=redis_prefix,
         kv_blocks=12,
@@ -257,7 +257,7 @@ async def test_answers_outgrowing_a_full_worker_are_counted_past_capacity(
             "messages": [{"role": "user", "content": "hi"}],
         }
         seen_max = 0
-        store = c.gateway.store
+        store = c.parts.store
         real_resize = store.resize
 
         async def resize_and_look(*args: Any, **kwargs: Any) -> bool:
@@ -274,7 +274,7 @@ async def test_answers_outgrowing_a_full_worker_are_counted_past_capacity(
                 assert r.status == 200
                 await r.read()
         del store.resize
-        forced = c.gateway.metrics.reservation_forced_growth._value.get()
+        forced = c.parts.metrics.reservation_forced_growth._value.get()
         assert forced >= 1, forced
         assert seen_max > 12, (seen_max, forced)  # past capacity: the tokens were there
         await assert_quiet(c)

@@ -25,10 +25,10 @@ from aiohttp import web
 
 from disagg_tools.sim.worker import WorkerConfig, running_worker
 from router.config import Settings, settings_from_mapping
-from router.edge.app import GATEWAY
 from router.workers.drain import set_drained
 from state import RedisStore
 from state.base import StoreError
+from tests.app_parts import parts
 from tests.conftest import MODEL, REDIS_URL, running_router
 from tests.redis_dump import delete_prefix
 from tests.redis_server import PrivateRedis
@@ -80,7 +80,7 @@ async def _replicas(redis: PrivateRedis) -> AsyncIterator[list[tuple[str, web.Ap
 
 def _view(app: web.Application) -> tuple[bool, str]:
     """What this replica places by: is d0 drained, what role does b0 serve."""
-    workers = app[GATEWAY].pools.workers
+    workers = parts(app).pools.workers
     return workers["d0"].drained, workers["b0"].current_role
 
 
@@ -112,7 +112,7 @@ async def test_drains_and_forced_roles_survive_redis_restarting_empty() -> None:
                 lambda: all(_view(app) == (True, "prefill") for app in apps),
                 "d0 drained and b0 in prefill on both replicas",
             )
-            version = apps[0][GATEWAY].pools.workers["b0"].role_state.version
+            version = parts(apps[0]).pools.workers["b0"].role_state.version
 
             redis.kill()
             redis.start()  # empty

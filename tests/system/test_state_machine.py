@@ -237,7 +237,7 @@ class ReservationMachine(RuleBasedStateMachine):
     def forced_preemption(self, load: list[tuple[Any, ...]], which: int, after: int) -> None:
         """A replica preempts every resumable stream once when it has relayed `after` tokens
         (the test-only preemption.force_after_tokens; 0: off again): each resumes exactly."""
-        preemptor = self.c.alive[which % len(self.c.alive)].gw.requests.answering.preemptor
+        preemptor = self.c.alive[which % len(self.c.alive)].parts.requests.answering.preemptor
         preemptor.settings = replace(preemptor.settings, force_after_tokens=after)
         self._start(load)
 
@@ -370,7 +370,8 @@ class ReservationMachine(RuleBasedStateMachine):
             counts = self.c.preemptions.counts + self.c.quotas.counts
             preempted = {
                 reason: sum(
-                    int(_counter(r.gw.metrics.preemptions, reason=reason)) for r in self.c.replicas
+                    int(_counter(r.parts.metrics.preemptions, reason=reason))
+                    for r in self.c.replicas
                 )
                 for reason in ("worker_full", "tenant_limit", "forced")
             }

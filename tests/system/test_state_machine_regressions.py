@@ -18,8 +18,8 @@ from redis.asyncio.cluster import RedisCluster
 from disagg_tools.sim.textgen import expected_answer
 from disagg_tools.sim.worker import WorkerConfig, running_worker
 from router.config import settings_from_mapping
-from router.edge.app import GATEWAY
 from state import Keys
+from tests.app_parts import parts
 from tests.conftest import MODEL, running_router, sim_cluster
 from tests.redis_cluster import PrivateRedisCluster, redis_cluster
 from tests.redis_server import PrivateRedis
@@ -72,7 +72,7 @@ async def test_a_decode_worker_deleted_during_the_prefill_still_serves_its_reque
             "stream": True,
         }
         answer = asyncio.create_task(_post(s, c.router_url, body))
-        leases = c.gateway.leases
+        leases = c.parts.leases
         for _ in range(200):
             if "r0" in leases.live.values():
                 break
@@ -163,7 +163,7 @@ async def _two_replicas_through_a_reset(
         )
         session = await stack.enter_async_context(aiohttp.ClientSession())
         held = asyncio.create_task(_post(session, a_url, _long(0, 600)))
-        await _until(lambda: bool(a_app[GATEWAY].leases.live))  # ~40 of the 100 blocks
+        await _until(lambda: bool(parts(a_app).leases.live))  # ~40 of the 100 blocks
         # A's renewals after the reset land 1.5 s after it at the earliest (a busy replica, a
         # slow link): later than B's new reservations, as in the state machine's run, and
         # within A's round, which the hold-back must cover.
@@ -197,7 +197,7 @@ async def test_a_worker_deleted_and_registered_again_under_live_streams_stays_wi
             )
         )
         session = await stack.enter_async_context(aiohttp.ClientSession())
-        gw = app[GATEWAY]
+        gw = parts(app)
         async with session.post(url + "/admin/workers", json=r0, headers=AUTH) as r:
             assert r.status == 201, await r.text()
         async with session.post(url + "/admin/workers/d0/drain", headers=AUTH) as r:
@@ -266,7 +266,7 @@ def _settings(redis_url: str, workers: list[dict[str, Any]]) -> dict[str, Any]:
 def _gate_renewals(app: Any, delay_s: float) -> list[float]:
     """From when the returned list gets a loop time, the router's lease renewals reach the
     store `delay_s` after it at the earliest: its put-backs come after the other requests."""
-    store = app[GATEWAY].store
+    store = parts(app).store
     real_renew = store.renew_many
     since: list[float] = []
 

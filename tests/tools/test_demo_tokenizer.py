@@ -179,7 +179,7 @@ async def test_a_chat_follow_up_is_placed_on_the_holder_of_its_first_turn(
         ]
         ids2 = tok.chat_ids({"messages": turn2})
         assert ids2 is not None and ids2[: full * BS] == ids1[: full * BS]
-        view = c.gw.pools.placement.snapshot(prompt_token_ids=ids2)
+        view = c.parts.pools.placement.snapshot(prompt_token_ids=ids2)
         assert {p.worker_id: p.cached_prefix_tokens for p in view.prefill} == {
             w: (full * BS if w in holders else 0) for w in ("p0", "p1")
         }

@@ -33,6 +33,7 @@ from disagg_tools.sim.faults import FaultConfig
 from router.control.role_manager import ROLES
 from state import Keys, MemoryStore, RedisStore, StateStore
 from state.base import WorkerRole
+from tests.app_parts import parts
 from tests.conftest import MODEL, REDIS_URL, running_router
 from tests.router.control.test_roles_live import (
     AUTH,
@@ -173,7 +174,7 @@ async def test_the_only_serving_prefill_is_guarded_and_clients_get_a_503_naming_
         assert status == 200, body
         apps = [app for _, app in replicas]
         await _until(
-            lambda: all(app[ROLES].gw.pools.workers["b0"].drained for app in apps),
+            lambda: all(parts(app).pools.workers["b0"].drained for app in apps),
             "both replicas see b0 drained",
         )
         for url in (leader, other):

@@ -21,7 +21,7 @@ from disagg_tools.sim.textgen import expected_answer
 from disagg_tools.sim.worker import WorkerConfig, running_worker
 from policies.role_policies import ElasticRoles
 from router.control.role_manager import ROLES
-from router.edge.app import GATEWAY
+from tests.app_parts import parts
 from tests.conftest import MODEL, running_router
 from tests.router.edge.test_admin import TOKEN, _settings
 
@@ -83,7 +83,7 @@ async def _until(cond: Callable[[], bool], what: str, timeout_s: float = 60.0) -
 def _placements(apps: list[web.Application], *, prefill: str = "", decode: str = "") -> float:
     total = 0.0
     for app in apps:
-        for metric in app[GATEWAY].metrics.registry.collect():
+        for metric in parts(app).metrics.registry.collect():
             if metric.name != "disagg_router_placements":
                 continue
             for sample in metric.samples:
@@ -99,11 +99,11 @@ def _placements(apps: list[web.Application], *, prefill: str = "", decode: str =
 
 
 def _sample(apps: list[web.Application], name: str, **labels: str) -> float:
-    return sum(app[GATEWAY].metrics.registry.get_sample_value(name, labels) or 0.0 for app in apps)
+    return sum(parts(app).metrics.registry.get_sample_value(name, labels) or 0.0 for app in apps)
 
 
 def _b2_drained(apps: list[web.Application]) -> list[bool]:
-    return [app[GATEWAY].pools.workers["b2"].drained for app in apps]
+    return [parts(app).pools.workers["b2"].drained for app in apps]
 
 
 class Traffic:
@@ -178,7 +178,7 @@ class Traffic:
 
 async def _clean(apps: list[web.Application]) -> None:
     """No reservation and no stranded KV left in Redis (every worker, every ledger)."""
-    store = apps[0][GATEWAY].store
+    store = parts(apps[0]).store
     for _ in range(100):
         usage = await store.decode_usage(WORKERS)
         stranded = await store.stranded_bytes(WORKERS)
@@ -315,14 +315,14 @@ async def test_the_elastic_policy_moves_a_worker_to_an_overloaded_prefill_pool(
         manager.policy = ElasticRoles(min_time_in_role_s=0.0, reverse_after_s=0.0)
         # Prompt tokens queued on the one prefill worker (as by a burst of long prompts): the
         # prefill pressure is far above decode's.
-        leader[GATEWAY].pools.workers["b0"].queued_prompt_tokens = 2_000_000
+        parts(leader).pools.workers["b0"].queued_prompt_tokens = 2_000_000
         started = time.monotonic()
         while time.monotonic() - started < 10:
             roles = await _roles(s, urls[0])
             if sum(1 for r in roles.values() if r.endswith("prefill")) == 2:
                 break
             await asyncio.sleep(0.05)
-        leader[GATEWAY].pools.workers["b0"].queued_prompt_tokens = 0
+        parts(leader).pools.workers["b0"].queued_prompt_tokens = 0
         report = manager.report()
         moved = [e for e in report["events"] if e["trigger"] == "policy"]
         assert len(moved) == 1, report

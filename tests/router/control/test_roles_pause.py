@@ -13,8 +13,8 @@ from disagg_tools.sim.worker import WorkerConfig, running_worker
 from policies.role_pauses import ENGINE_RECONFIG_PAUSE_S, reconfig_pauses
 from router.config import RoleSettings
 from router.control.role_manager import ROLES
-from router.edge.app import GATEWAY
 from router.workers.role_signals import QueuePeak, role_snapshot
+from tests.app_parts import parts
 from tests.conftest import MODEL, running_router
 from tests.router.edge.test_admin import TOKEN, _settings
 
@@ -54,7 +54,7 @@ async def test_a_drained_worker_waits_out_its_engines_pause(redis_prefix: str) -
             manager = app[ROLES]
             # The policy is told the same pause.
             snapshot = role_snapshot(
-                app[GATEWAY].pools.workers.values(), app[GATEWAY].settings,
+                parts(app).pools.workers.values(), parts(app).settings,
                 arriving_tokens_per_s=0.0, peak=QueuePeak(1.0), recent_switches_s=(),
             )  # fmt: skip
             assert snapshot.reconfig_pause_s == PAUSE_S
@@ -64,18 +64,18 @@ async def test_a_drained_worker_waits_out_its_engines_pause(redis_prefix: str) -
                 assert r.status == 200, await r.text()
             draining_seen = 0.0
             while time.monotonic() - started < 15:
-                w = app[GATEWAY].pools.workers["b1"]
+                w = parts(app).pools.workers["b1"]
                 if w.current_role == "prefill":
                     break
                 if w.current_role == "draining-to-prefill":
                     draining_seen = time.monotonic() - started
                     # In neither pool meanwhile: no placement can land on it.
-                    pools = app[GATEWAY].pools
+                    pools = parts(app).pools
                     assert "b1" not in {x.spec.id for x in pools.members.prefill_workers}
                     assert "b1" not in {x.spec.id for x in pools.members.decode_workers}
                 await _sleep()
             elapsed = time.monotonic() - started
-            assert app[GATEWAY].pools.workers["b1"].current_role == "prefill"
+            assert parts(app).pools.workers["b1"].current_role == "prefill"
             # Settle, then the pause: never sooner (nothing was held, so the drain ended at
             # the settle).
             assert elapsed >= SETTLE_S + PAUSE_S, elapsed

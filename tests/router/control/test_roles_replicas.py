@@ -25,9 +25,9 @@ from disagg_tools.sim.worker import WorkerConfig, running_worker
 from policies.base import RolePlan, RoleSnapshot
 from policies.role_policies import ElasticRoles
 from router.control.role_manager import ROLES
-from router.edge.app import GATEWAY
 from router.workers.role_signals import ReplicaDemand, summed
 from state import StateStore
+from tests.app_parts import parts
 from tests.conftest import MODEL, running_router
 from tests.router.edge.test_admin import _settings
 from tests.state.test_state_conformance import SteppedClock, clocked, prefix, redis_cluster
@@ -110,7 +110,7 @@ async def _leader(apps: list[web.Application]) -> web.Application:
 
 
 def _queue(app: web.Application, tokens: int) -> None:
-    app[GATEWAY].pools.workers["b0"].queued_prompt_tokens = tokens
+    parts(app).pools.workers["b0"].queued_prompt_tokens = tokens
 
 
 async def _next_decision(recording: Recording) -> tuple[RoleSnapshot, RolePlan]:

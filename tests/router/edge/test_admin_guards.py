@@ -61,7 +61,7 @@ async def test_draining_the_last_decode_worker_is_refused_unless_forced(redis_pr
         message = err["message"]
         assert "draining d1" in message and f"the decode pool of {MODEL}" in message
         assert "d0 drained by the operator" in message and '"force": true' in message
-        assert not c.gateway.pools.workers["d1"].drained  # refused: nothing changed
+        assert not c.parts.pools.workers["d1"].drained  # refused: nothing changed
 
         status, body = await _post(s, f"{url}/d1/drain", {"force": "yes"})
         assert status == 400 and body["error"]["param"] == "force"
@@ -133,10 +133,10 @@ async def test_removing_the_last_registered_decode_worker_is_refused(redis_prefi
             message = (await r.json())["error"]["message"]
         assert message.startswith(f"removing dn would leave the decode pool of {MODEL}")
         assert "dn is its only worker" in message
-        assert "dn" in c.gateway.pools.workers
+        assert "dn" in c.parts.pools.workers
         async with s.delete(f"{url}/dn", headers=ADMIN, json=FORCE) as r:
             assert r.status == 200
-        assert "dn" not in c.gateway.pools.workers
+        assert "dn" not in c.parts.pools.workers
 
 
 async def test_role_switches_are_guarded_and_the_503_names_the_other_role(
@@ -218,7 +218,7 @@ async def test_switching_the_only_both_worker_is_refused(redis_prefix: str) -> N
         assert "decode pool" not in message
         status, body = await _post(s, f"{url}/b0/role", {"role": "prefill"})
         assert status == 409 and f"the decode pool of {MODEL}" in body["error"]["message"]
-        assert c.gateway.pools.workers["b0"].role_state is None
+        assert c.parts.pools.workers["b0"].role_state is None
         status, body, _ = await _chat(s, c.router_url)
         assert status == 200, body
 
@@ -374,7 +374,7 @@ async def test_a_request_waits_for_a_worker_on_its_way_to_an_empty_decode_pool(
         aiohttp.ClientSession() as s,
     ):
         url = c.router_url + "/admin/workers"
-        pools = c.gateway.pools
+        pools = c.parts.pools
         status, body = await _post(s, f"{url}/b0/role", {"role": "prefill", "force": True})
         assert status == 200, body
         for _ in range(200):

@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 
 from router.config import ConfigError, Timeouts, settings_from_mapping
-from router.edge.app import GATEWAY
+from router.edge.app import SERVING
 from router.edge.server import RouterRunner, _adopt, _Protocol, _Server, serving
 from router.relay.upstream_pool import HIGH_WATER, SplicePool
 from tests.conftest import MODEL, SimCluster, sim_cluster
@@ -107,12 +107,12 @@ async def _until(check: Any, what: str) -> None:
 
 async def _quiet(c: SimCluster) -> bool:
     """Nothing left anywhere: no reservation, no decode sequence, no busy splice connection."""
-    if any((await c.reserved_blocks()).values()) or c.gateway.leases.live:
+    if any((await c.reserved_blocks()).values()) or c.parts.leases.live:
         return False
     for wid, cfg in c.configs.items():
         if cfg.role != "prefill" and (await c.worker_state(wid))["resident_sequences"]:
             return False
-    pool = c.gateway.splice
+    pool = c.parts.splice
     return pool is None or not any(conn.busy for conn in pool._all)
 
 
@@ -295,7 +295,7 @@ async def test_the_reservation_is_given_back_when_the_decode_ends_not_when_the_c
     async def slow_eof(self: web.StreamResponse, data: bytes = b"") -> None:
         # The router's stream only: the simulated workers answer in this process too.
         request = self._req  # noqa: SLF001 - a test's probe
-        if request is not None and GATEWAY in request.app:
+        if request is not None and SERVING in request.app:
             await ending.wait()
         await write_eof(self, data)
 
@@ -315,7 +315,7 @@ async def test_the_reservation_is_given_back_when_the_decode_ends_not_when_the_c
 
 def _no_reservation(c: SimCluster) -> Any:
     async def check() -> bool:
-        return not c.gateway.leases.live and not any((await c.reserved_blocks()).values())
+        return not c.parts.leases.live and not any((await c.reserved_blocks()).values())
 
     return check
 
@@ -332,7 +332,7 @@ async def test_decode_leg_is_closed_when_the_client_stream_cannot_start(
     prepare = web.StreamResponse.prepare
 
     async def gone(self: web.StreamResponse, request: web.BaseRequest) -> Any:
-        if GATEWAY in request.app and self.content_type == "text/event-stream":
+        if SERVING in request.app and self.content_type == "text/event-stream":
             raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
         return await prepare(self, request)
 
@@ -352,8 +352,8 @@ async def test_decode_leg_is_closed_when_the_client_stream_cannot_start(
         for wid in ("d0", "d1"):
             aborted += (await c.worker_state(wid))["counters"].get("aborted", 0)
         assert aborted == n
-        if c.gateway.splice is not None:
-            held = sum(len(conn.body) for conn in c.gateway.splice._all)
+        if c.parts.splice is not None:
+            held = sum(len(conn.body) for conn in c.parts.splice._all)
             assert held <= n * (HIGH_WATER + 256 * 1024)
 
 

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from disagg_tools.sim.textgen import expected_answer
 from disagg_tools.sim.worker import WorkerConfig, running_worker
-from router.edge.app import GATEWAY
+from tests.app_parts import parts
 from tests.conftest import MODEL, running_router
 from tests.router.edge.test_admin import TOKEN, _settings
 
@@ -68,7 +68,7 @@ async def _until_drained(s: aiohttp.ClientSession, url: str, want: set[str]) -> 
 
 
 def _placed_on(app: web.Application, decode: str) -> float:
-    value = app[GATEWAY].metrics.registry.get_sample_value(
+    value = parts(app).metrics.registry.get_sample_value(
         "disagg_router_placements_total", {"prefill": "p0", "decode": decode}
     )
     return value or 0.0

@@ -541,7 +541,8 @@ def test_prompt_token_ids_beyond_int64_are_refused() -> None:
 
 
 # -- bugs found by fuzzing in worker registration (router/config.py parse_worker) and the
-#    adapters a registered worker may use (router/edge/gateway.py): fixed, kept as regressions --
+#    adapters a registered worker may use (router/edge/request_stages.py): fixed, kept as
+#    regressions --
 
 REGISTER = b'{"id": "%s", "url": "http://127.0.0.1:9", "role": "decode", %s}'
 

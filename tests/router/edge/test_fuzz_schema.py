@@ -265,7 +265,7 @@ async def test_schemathesis_against_a_live_router(redis_prefix: str) -> None:
             if r.resource is not None and r.method != "HEAD"
         }
         bridge = LoopBridge(asyncio.get_running_loop())
-        tally = await asyncio.to_thread(fuzz, cluster.router_url, served, bridge, cluster.gateway)
+        tally = await asyncio.to_thread(fuzz, cluster.router_url, served, bridge, cluster.parts)
     # As in test_fuzz_http.py: collected now, the router's garbage cannot break pytest's
     # report of a failure (CPython 3.11.7, "AST constructor recursion depth mismatch").
     gc.collect()

@@ -59,7 +59,7 @@ async def test_embeddings_through_the_openai_client_are_the_workers(redis_prefix
         assert len(seen) == 2
         assert any(r["body"]["input"] == [[1, 2, 3]] and r["body"]["dimensions"] == 8 for r in seen)
         # In its tenant's requests too (open mode: the `default` tenant's).
-        counted = c.gateway.metrics.tenant_requests.labels(tenant="default", status="200")
+        counted = c.parts.metrics.tenant_requests.labels(tenant="default", status="200")
         assert counted._value.get() == 2
 
 
@@ -124,7 +124,7 @@ async def test_a_failing_worker_is_retried_elsewhere_and_charged(redis_prefix: s
             fault = {"error_rate": 1.0, "error_status": 500}
             async with s.post(c.workers["p0"] + "/sim/faults", json=fault) as r:
                 assert r.status == 200
-        gw = c.gateway
+        gw = c.parts
         for i in range(4):
             status, r = await _post(c.router_url + "/tokenize", {"model": MODEL, "prompt": str(i)})
             assert status == 200, r
@@ -146,7 +146,7 @@ async def test_a_malformed_answer_is_retried_and_no_worker_gives_503(redis_prefi
                 assert r.status == 200
         status, r = await _post(c.router_url + "/v1/embeddings", {"model": MODEL, "input": "x"})
         assert status == 200 and r["data"][0]["embedding"] == pytest.approx(embedding_of("x"))
-        for w in c.gateway.pools.workers.values():
+        for w in c.parts.pools.workers.values():
             w.healthy = False  # as the health prober marks workers that stopped answering
         status, r = await _post(c.router_url + "/v1/embeddings", {"model": MODEL, "input": "x"})
         assert status == 503 and int(r.headers["Retry-After"]) >= 1
@@ -163,7 +163,7 @@ async def test_every_worker_failing_ends_in_503_within_the_attempts(redis_prefix
         status, r = await _post(c.router_url + "/tokenize", {"model": MODEL, "prompt": "x"})
         assert status == 503 and "Retry-After" in r.headers
         tries = sum(len(rs) for rs in (await _all_requests(c, "/tokenize")).values())
-        assert tries == c.gateway.settings.retry.max_attempts
+        assert tries == c.parts.settings.retry.max_attempts
 
 
 # --- chat fields pass through unchanged ----------------------------------------------------

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from disagg_tools.sim.worker import WorkerConfig, running_worker
 from router.config import settings_from_mapping
-from router.edge.app import GATEWAY
+from tests.app_parts import parts
 from tests.conftest import MODEL, REDIS_URL, running_router
 
 COOLDOWN_S = 0.3
@@ -107,7 +107,7 @@ async def gated_cluster(
         }
         try:
             async with running_router(settings_from_mapping(raw)) as (router_url, router_app):
-                yield router_url, worker_url, gate, router_app[GATEWAY]
+                yield router_url, worker_url, gate, parts(router_app)
         finally:
             gate.opened.set()
             await runner.cleanup()

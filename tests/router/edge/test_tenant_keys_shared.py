@@ -209,8 +209,8 @@ async def test_keys_made_rotated_revoked_on_one_replica_hold_on_every_replica(
 async def test_a_store_down_refuses_the_change_and_changes_nothing(redis_prefix: str) -> None:
     async with _two_replicas(redis_prefix) as (c, _, _), aiohttp.ClientSession() as s:
         a = c.router_url
-        fail_calls(c.gateway.store, "revoke_tenant_key")
-        fail_calls(c.gateway.store, "put_tenant_key")
+        fail_calls(c.parts.store, "revoke_tenant_key")
+        fail_calls(c.parts.store, "put_tenant_key")
         async with s.delete(f"{a}/admin/tenants/a/keys/a-cfg", headers=ADMIN_HEADERS) as r:
             assert r.status == 503 and "Retry-After" in r.headers
         async with s.post(f"{a}/admin/tenants/b/keys", headers=ADMIN_HEADERS) as r:

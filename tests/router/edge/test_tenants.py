@@ -72,7 +72,7 @@ def test_keys_are_hashed_at_load_and_never_shown() -> None:
     assert KEY_A not in shown and KEY_B not in shown
     assert all(isinstance(k.digest, bytes) for k in settings.tenant_keys)
     assert settings.tenants[0].limits.requests_per_minute == 600
-    keyring = Keyring(settings.tenants, settings.tenant_keys, settings.api_keys)
+    keyring = Keyring(settings.tenants, settings.tenant_keys, settings.auth.api_keys)
     assert keyring.closed
     assert keyring.identify(KEY_A).name == "a"  # type: ignore[union-attr]
     assert keyring.identify(KEY_B).name == "b"  # type: ignore[union-attr]
@@ -83,7 +83,7 @@ def test_keys_are_hashed_at_load_and_never_shown() -> None:
 
 def test_open_mode_without_keys() -> None:
     settings = settings_from_mapping({"model": MODEL, "tenants": [{"name": "a", "weight": 2}]})
-    keyring = Keyring(settings.tenants, settings.tenant_keys, settings.api_keys)
+    keyring = Keyring(settings.tenants, settings.tenant_keys, settings.auth.api_keys)
     assert not keyring.closed
     assert keyring.identify("").name == "default"  # type: ignore[union-attr]
     assert keyring.identify("anything").name == "default"  # type: ignore[union-attr]
@@ -230,7 +230,7 @@ async def test_keys_name_tenants_rotate_revoke_and_never_show(
             final = await r.text()
             seen.append(final)
         assert _metric(final, "disagg_router_tenant_requests_total", tenant="a", status="401") == 0
-        seen.append(repr(c.gateway.settings) + str(c.gateway.settings))
+        seen.append(repr(c.parts.settings) + str(c.parts.settings))
     secrets = {"KEY_A": KEY_A, "KEY_B": KEY_B, "OLD_KEY": OLD_KEY, "new": new_a}
     secrets["rotated"] = rotated["key"]
     seen.append(caplog.text)
@@ -273,7 +273,7 @@ async def test_vtc_admits_two_flooding_tenants_by_their_weights(redis_prefix: st
         # estimated charge set; the first one's refund then puts it below): shares, not start-up.
         await _chat(c.router_url, KEY_A, max_tokens=192)
         await _chat(c.router_url, KEY_B, max_tokens=192)
-        m = c.gateway.metrics.tenant_block_seconds
+        m = c.parts.metrics.tenant_block_seconds
         warm_a, warm_b = m.labels(tenant="a")._value.get(), m.labels(tenant="b")._value.get()
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -312,7 +312,7 @@ async def test_fifo_admits_in_arrival_order_whatever_the_weights(
         fairness=fairness,
         **_FLOOD,
     ) as c:
-        store = c.gateway.store
+        store = c.parts.store
         assert await store.reserve("d0", "other-replica", 20, 30.0)  # the cluster is full
         order: list[int] = []
 
@@ -325,10 +325,10 @@ async def test_fifo_admits_in_arrival_order_whatever_the_weights(
         for i in range(8):
             tasks.append(asyncio.create_task(one(i, KEY_A if i % 2 else KEY_B)))
             for _ in range(50):  # each in line before the next arrives
-                if c.gateway.admission.waiting == i + 1:
+                if c.parts.admission.waiting == i + 1:
                     break
                 await asyncio.sleep(0.01)
-            assert c.gateway.admission.waiting == i + 1
+            assert c.parts.admission.waiting == i + 1
         assert await store.release("d0", "other-replica") == 20
         await asyncio.gather(*tasks)
         assert order == list(range(8))

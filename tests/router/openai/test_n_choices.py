@@ -49,7 +49,7 @@ async def _quiet(c: SimCluster) -> None:
         await asyncio.sleep(0.05)
     assert set((await c.reserved_blocks()).values()) == {0}
     assert set((await c.stranded()).values()) == {0}
-    assert c.gateway.leases.live == {}
+    assert c.parts.leases.live == {}
 
 
 async def _served_whole_on_decode(c: SimCluster, path: str, n: int) -> None:
@@ -154,8 +154,8 @@ async def _expected_end_while_streaming(c: SimCluster, n: int) -> float:
     async with aiohttp.ClientSession() as s, s.post(c.router_url + CHAT, json=body) as r:
         assert r.status == 200
         await r.content.readline()
-        ((_, end),) = c.gateway.leases.expected.values()
-        left = end - c.gateway.clock()
+        ((_, end),) = c.parts.leases.expected.values()
+        left = end - c.parts.clock()
         await r.read()
     await _quiet(c)
     return left
@@ -205,7 +205,7 @@ async def test_broken_stream_of_several_choices_ends_with_an_error_not_a_resume(
         assert len(errors) == 1 and "n > 1" in errors[0]["message"]
         tokens = [ch for e in events for ch in e.get("choices", ()) if ch["delta"].get("content")]
         assert len(tokens) == 5  # what came before the cut, nothing after
-        assert c.gateway.metrics.resumes._value.get() == 0
+        assert c.parts.metrics.resumes._value.get() == 0
         await _quiet(c)
 
 
@@ -224,7 +224,7 @@ async def test_failure_before_the_first_token_is_retried(redis_prefix: str) -> N
                         ch["delta"].get("content") or ""
                     )
         assert [texts[0], texts[1]] == _expected(CHAT, body, 2)
-        assert c.gateway.metrics.retries.labels(side="decode")._value.get() == 1
+        assert c.parts.metrics.retries.labels(side="decode")._value.get() == 1
         await _quiet(c)
 
 

@@ -144,4 +144,4 @@ async def test_a_stream_the_worker_breaks_ends_with_an_error_event(redis_prefix:
         ]
         assert "ended the stream early" in events[-1]
         # Charged to the worker that broke it.
-        assert c.gateway.pools.workers["d0"].breaker.failures == 1
+        assert c.parts.pools.workers["d0"].breaker.failures == 1

@@ -60,7 +60,7 @@ async def _nothing_held(c: SimCluster) -> None:
         await asyncio.sleep(0.02)
     assert set((await c.reserved_blocks()).values()) == {0}
     assert set((await c.stranded()).values()) == {0}
-    assert not c.gateway.leases.live
+    assert not c.parts.leases.live
 
 
 async def _fault(c: SimCluster, wid: str, fault: dict[str, Any]) -> None:
@@ -115,7 +115,7 @@ async def test_a_stream_is_prefilled_on_p0_and_decoded_on_d0(redis_prefix: str) 
         assert d0.get("prompt_by_source:local_compute", 0) == 0
         assert d0["prompt_by_source:external_kv_transfer"] > 0
         # The router's: one placement p0 -> d0, reserved and released.
-        placed = c.gateway.metrics.placements.labels(prefill="p0", decode="d0")._value.get()
+        placed = c.parts.metrics.placements.labels(prefill="p0", decode="d0")._value.get()
         assert placed == 1
         await _nothing_held(c)
 
@@ -144,7 +144,7 @@ async def test_a_failed_prefill_is_retried(redis_prefix: str) -> None:
         legs = await _legs(c, "p0")
         assert len(legs) == 2 and all(leg["max_output_tokens"] == 1 for leg in legs)
         assert len(await _legs(c, "d0")) == 1  # the decode leg only after a prefill that worked
-        assert c.gateway.metrics.retries.labels(side="prefill")._value.get() == 1
+        assert c.parts.metrics.retries.labels(side="prefill")._value.get() == 1
         await _nothing_held(c)
 
 
@@ -191,8 +191,8 @@ async def test_a_decode_break_mid_stream_ends_with_an_error_event(redis_prefix: 
         assert "ended the stream early" in events[-1].message
         # No resume for Responses: the decode worker got one leg, and is charged for the break.
         assert len(await _legs(c, "d0")) == 1
-        assert c.gateway.pools.workers["d0"].breaker.failures == 1
-        assert c.gateway.metrics.resumes._value.get() == 0
+        assert c.parts.pools.workers["d0"].breaker.failures == 1
+        assert c.parts.metrics.resumes._value.get() == 0
         await _nothing_held(c)
 
 
@@ -216,7 +216,7 @@ async def test_an_answer_longer_than_reserved_grows_the_reservation(redis_prefix
             raw = await r.read()
         assert raw.count(b"event: response.output_text.delta\n") == 96
         assert raw.rstrip().split(b"\n\n")[-1].startswith(b"event: response.completed\n")
-        m = c.gateway.metrics
+        m = c.parts.metrics
         assert m.reservation_overruns._value.get() == 1  # the delta count outgrew 2 tokens
         assert m.output_tokens._sum.get() == 96  # the release recorded the whole answer
         await _nothing_held(c)
@@ -243,7 +243,7 @@ async def test_without_a_prefill_pool_a_decode_worker_serves_it_whole(redis_pref
         assert "kv_transfer_params" not in d_leg and d_leg["store"] is False
         assert (await _counters(c, "d0"))["requests:local"] == 1
         # The whole-on-one-worker path holds no reservation.
-        assert c.gateway.metrics.placements.labels(prefill="local", decode="d0")._value.get() == 0
+        assert c.parts.metrics.placements.labels(prefill="local", decode="d0")._value.get() == 0
 
 
 async def test_built_in_tools_are_served_whole(redis_prefix: str) -> None:

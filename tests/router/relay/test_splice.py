@@ -537,7 +537,7 @@ def test_relay_setting_is_validated() -> None:
 async def test_router_with_aiohttp_relay_streams_and_answers_whole(redis_prefix: str) -> None:
     """The other transport, still a supported setting (and the one https:// workers use)."""
     async with sim_cluster(redis_prefix=redis_prefix, relay="aiohttp") as c:
-        assert c.gateway.splice is None
+        assert c.parts.splice is None
         body = {
             "model": MODEL,
             "messages": [{"role": "user", "content": "hello"}],
@@ -558,7 +558,7 @@ async def test_router_with_aiohttp_relay_streams_and_answers_whole(redis_prefix:
 # -- the whole router on the splice relay ----------------------------------------------------
 async def test_router_with_splice_relay_streams_and_answers_whole(redis_prefix: str) -> None:
     async with sim_cluster(redis_prefix=redis_prefix, relay="splice") as c:
-        assert c.gateway.splice is not None
+        assert c.parts.splice is not None
         body = {
             "model": MODEL,
             "messages": [{"role": "user", "content": "hello"}],
@@ -577,7 +577,7 @@ async def test_router_with_splice_relay_streams_and_answers_whole(redis_prefix: 
                     answer = await r.json()
                 assert answer["usage"]["completion_tokens"] == 12
         # keep-alive: six decode legs, one after another, over very few connections
-        assert len(c.gateway.splice._all) <= 2
+        assert len(c.parts.splice._all) <= 2
         assert await c.reserved_blocks() == {"d0": 0}
 
 
@@ -606,7 +606,7 @@ async def test_router_with_splice_relay_aborts_the_decode_when_the_client_leaves
             await asyncio.sleep(0.05)
         assert (await c.worker_state("d0"))["resident_sequences"] == 0
         assert await c.reserved_blocks() == {"d0": 0}
-        assert c.gateway.leases.live == {}
+        assert c.parts.leases.live == {}
 
 
 async def test_aiohttp_relay_forwards_whole_events_whatever_the_reads() -> None:

@@ -116,7 +116,7 @@ async def assert_quiet(c: SimCluster) -> None:
         await asyncio.sleep(0.05)
     assert set((await c.reserved_blocks()).values()) == {0}
     assert set((await c.stranded()).values()) == {0}
-    assert c.gateway.leases.live == {}
+    assert c.parts.leases.live == {}
 
 
 async def _admin_breaker(c: SimCluster, wid: str) -> str:
@@ -164,7 +164,7 @@ async def test_bad_worker_is_taken_out_and_no_client_sees_it(
         breaker={"cooldown_s": 60.0},
     ) as c:
         await set_faults(c, bad, **faults)
-        breaker = c.gateway.pools.workers[bad].breaker
+        breaker = c.parts.pools.workers[bad].breaker
         assert breaker.settings.failures_to_open == FAILURES_TO_OPEN
         # Rounds until the breaker opens: a hung worker holds its first requests while the
         # rest of a round goes to the good pair, so one round may not reach it often enough.
@@ -188,7 +188,7 @@ async def test_garbage_only_on_one_endpoint(redis_prefix: str, path: str) -> Non
     ) as c:
         await set_faults(c, "d1", garbage="wrong_shape", garbage_path=CHAT)
         await _run(c, path, True)
-        breaker = c.gateway.pools.workers["d1"].breaker
+        breaker = c.parts.pools.workers["d1"].breaker
         assert breaker.state == ("open" if path == CHAT else "closed"), breaker
         await assert_quiet(c)
 
@@ -208,7 +208,7 @@ async def test_half_open_is_decided_by_a_real_request_not_by_health(redis_prefix
         health_interval_s=0.05,
     ) as c:
         await set_faults(c, "d1", garbage="not_json")
-        breaker = c.gateway.pools.workers["d1"].breaker
+        breaker = c.parts.pools.workers["d1"].breaker
         loop = asyncio.get_running_loop()
         until, rounds = loop.time() + 2.5, 0
         while loop.time() < until:
@@ -264,7 +264,7 @@ async def test_no_garbage_byte_reaches_the_client(redis_prefix: str, shape: str)
         breaker={"cooldown_s": 60.0},
     ) as c:
         await set_faults(c, "d1", garbage=shape)
-        breaker = c.gateway.pools.workers["d1"].breaker
+        breaker = c.parts.pools.workers["d1"].breaker
         for i in range(40):
             raw = await _raw_stream(c, i)
             _check_events(raw, expected_answer(CHAT, _body(CHAT, i))[0])
@@ -287,7 +287,7 @@ async def test_whole_answers_of_garbage_are_retried(redis_prefix: str, shape: st
         assemble_non_streaming=False,
     ) as c:
         await set_faults(c, "d1", garbage=shape)
-        breaker = c.gateway.pools.workers["d1"].breaker
+        breaker = c.parts.pools.workers["d1"].breaker
         for rounds in range(4):
             await _run(c, COMPLETIONS, False, start=rounds * REQUESTS)
             if breaker.state != "closed":
@@ -303,7 +303,7 @@ async def test_a_probe_whose_client_leaves_gives_its_place_back(redis_prefix: st
     async with sim_cluster(
         decode=1, redis_prefix=redis_prefix, retry=FAST_RETRY, breaker={"cooldown_s": 0.2}
     ) as c:
-        breaker = c.gateway.pools.workers["d0"].breaker
+        breaker = c.parts.pools.workers["d0"].breaker
         for _ in range(3):
             breaker.on_failure()
         await asyncio.sleep(0.25)

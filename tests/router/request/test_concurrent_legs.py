@@ -20,7 +20,7 @@ from aiohttp import web
 from disagg_tools.sim.textgen import expected_answer
 from disagg_tools.sim.worker import WorkerConfig, running_worker
 from router.config import settings_from_mapping
-from router.edge.app import GATEWAY
+from tests.app_parts import parts
 from tests.conftest import MODEL, REDIS_URL, running_router
 from tests.router.request.test_faults import sse_text
 
@@ -134,7 +134,7 @@ async def test_an_unconfigured_bootstrap_port_is_read_from_server_info(redis_pre
     from its `/server_info` before placing anything on it, and the pair works."""
     async with sglang_cluster(redis_prefix, configure_bootstrap=False) as (url, app, workers):
         info = await _json(workers["p0"] + "/server_info")
-        spec = app[GATEWAY].pools.workers["p0"].spec
+        spec = parts(app).pools.workers["p0"].spec
         assert spec.bootstrap_port == info["disaggregation_bootstrap_port"] > 0
         assert spec.reads_bootstrap_port
         body = _body("a port nobody wrote down")
@@ -154,7 +154,7 @@ async def test_n_above_one_is_refused_in_front_of_sglang(redis_prefix: str, stre
             assert r.status == 400
             error = (await r.json())["error"]
         assert error["param"] == "n" and "bootstrap room" in error["message"]
-        gw = app[GATEWAY]
+        gw = parts(app)
         usage = await gw.store.decode_usage(["d0"])
         assert usage["d0"].reserved_blocks == 0
         assert gw.leases.live == {}
@@ -238,7 +238,7 @@ async def test_a_failing_leg_cancels_its_partner_and_is_retried(redis_prefix: st
         # The cancelled prefill leg's connection closed: no room, no request, no blocks left.
         assert state["bootstrap_rooms"] == 0 and state["inflight_requests"] == 0, state
         assert state["blocks_in_use"] == 0, state
-        gw = app[GATEWAY]
+        gw = parts(app)
         assert (await gw.store.decode_usage(["d0"]))["d0"].reserved_blocks == 0
 
 
@@ -354,7 +354,7 @@ async def test_mooncake_prefill_engine_id_is_read_at_start_up(redis_prefix: str)
             }
         )
         async with running_router(settings) as (url, app), aiohttp.ClientSession() as s:
-            assert app[GATEWAY].pools.workers["p0"].spec.engine_id == "engine-7"
+            assert parts(app).pools.workers["p0"].spec.engine_id == "engine-7"
             async with s.post(url + CHAT, json={**_body("mooncake"), "stream": False}) as r:
                 assert r.status in (502, 503)  # the stub fails both legs; the point is the wire
         prefill = next(b for b in seen if b["kv_transfer_params"].get("do_remote_decode"))

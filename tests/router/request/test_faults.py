@@ -64,7 +64,7 @@ async def assert_quiet(c: SimCluster) -> None:
         await asyncio.sleep(0.05)
     assert set((await c.reserved_blocks()).values()) == {0}
     assert set((await c.stranded()).values()) == {0}
-    assert c.gateway.leases.live == {}
+    assert c.parts.leases.live == {}
 
 
 def body_for(i: int, max_tokens: int = 40) -> dict[str, Any]:
@@ -119,7 +119,7 @@ async def test_leg_failure_is_retried_to_an_exact_answer(
         body = body_for(1)
         status, result = await call(c, body, stream)
         check_exact(status, result, body, stream)
-        assert c.gateway.metrics.retries.labels(side=side)._value.get() == 1
+        assert c.parts.metrics.retries.labels(side=side)._value.get() == 1
         await assert_quiet(c)
 
 
@@ -134,7 +134,7 @@ async def test_decode_dies_mid_stream(redis_prefix: str, stream: bool) -> None:
         status, result = await call(c, body, stream)
         check_exact(status, result, body, stream)
         if stream:
-            assert c.gateway.metrics.resumes._value.get() >= 1
+            assert c.parts.metrics.resumes._value.get() >= 1
             # The resumed leg carried the answer so far and said how many tokens it holds.
             decode_bodies = [r for wid in ("d0", "d1") for r in await c.worker_requests(wid)]
             resumed = [r for r in decode_bodies if r["body"].get("continue_final_message")]
@@ -143,7 +143,7 @@ async def test_decode_dies_mid_stream(redis_prefix: str, stream: bool) -> None:
 
 
 def decode_errors(c: SimCluster, kind: str) -> float:
-    return c.gateway.metrics.upstream_errors.labels(side="decode", kind=kind)._value.get()
+    return c.parts.metrics.upstream_errors.labels(side="decode", kind=kind)._value.get()
 
 
 async def test_error_event_before_any_token_is_retried(redis_prefix: str) -> None:
@@ -154,7 +154,7 @@ async def test_error_event_before_any_token_is_retried(redis_prefix: str) -> Non
         body = body_for(7)
         status, result = await call(c, body, True)
         check_exact(status, result, body, True)
-        assert c.gateway.metrics.retries.labels(side="decode")._value.get() == 1
+        assert c.parts.metrics.retries.labels(side="decode")._value.get() == 1
         assert decode_errors(c, "error_event") == 1
         await assert_quiet(c)
 
@@ -166,7 +166,7 @@ async def test_error_event_mid_stream_is_resumed(redis_prefix: str) -> None:
         body = body_for(8, max_tokens=30)
         status, result = await call(c, body, True)
         check_exact(status, result, body, True)  # the 6 tokens before the error, once each
-        assert c.gateway.metrics.resumes._value.get() >= 1
+        assert c.parts.metrics.resumes._value.get() >= 1
         assert decode_errors(c, "error_event") >= 1
         await assert_quiet(c)
 
@@ -207,7 +207,7 @@ async def test_worker_4xx_passes_through_without_retry(redis_prefix: str) -> Non
         body = body_for(4, max_tokens=2000)
         status, result = await call(c, body, False)
         assert status == 400 and result["error"]["message"]
-        assert c.gateway.metrics.retries.labels(side="decode")._value.get() == 0
+        assert c.parts.metrics.retries.labels(side="decode")._value.get() == 0
         await assert_quiet(c)
 
 
@@ -224,7 +224,7 @@ async def test_retries_stay_within_the_budget_when_every_prefill_fails(redis_pre
         sent = len(await c.worker_requests("p0")) + len(await c.worker_requests("p1"))
         # First attempts plus at most ratio * requests + min_per_s * window retries.
         assert n <= sent <= n + int(0.2 * n + 0.5 * 10)
-        assert c.gateway.metrics.retry_budget_exhausted._value.get() > 0
+        assert c.parts.metrics.retry_budget_exhausted._value.get() > 0
         await assert_quiet(c)
 
 
@@ -253,7 +253,7 @@ async def test_client_gone_during_prefill_releases_everything(redis_prefix: str)
                 break
             await asyncio.sleep(0.05)
         assert state["inflight_requests"] == 0 and state["waiting_prefills"] == 0, state
-        assert c.gateway.admission.inflight == 0
+        assert c.parts.admission.inflight == 0
 
 
 async def test_expired_kv_handle_is_re_prefilled(redis_prefix: str) -> None:
@@ -266,7 +266,7 @@ async def test_expired_kv_handle_is_re_prefilled(redis_prefix: str) -> None:
         status, result = await call(c, body, True)
         # Every attempt's KV expires at once, so the request runs out of attempts cleanly.
         assert status == 503 and "KV handle" in result["error"]["message"], result
-        assert c.gateway.metrics.retries.labels(side="decode")._value.get() == 2
+        assert c.parts.metrics.retries.labels(side="decode")._value.get() == 2
         await assert_quiet(c)
 
 
@@ -293,9 +293,9 @@ async def test_long_non_streamed_answer(redis_prefix: str, assembled: bool) -> N
             check_exact(status, result, body, False)
             assert result["object"] == "chat.completion"
             assert result["usage"]["completion_tokens"] == 150
-            expired = c.gateway.metrics.stranded_expired.collect()[0].samples
+            expired = c.parts.metrics.stranded_expired.collect()[0].samples
             assert sum(x.value for x in expired if x.name.endswith("_total")) == 0
-            assert c.gateway.metrics.retries.labels(side="decode")._value.get() == 0
+            assert c.parts.metrics.retries.labels(side="decode")._value.get() == 0
         else:
             assert status in (502, 503), result
         await assert_quiet(c)

@@ -78,12 +78,12 @@ async def _quiet(c: Any) -> None:
     """Nothing reserved, no hold, no live preemptible stream, once the releases landed."""
     for _ in range(100):
         reserved = await c.reserved_blocks()
-        if not any(reserved.values()) and not c.gateway.requests.quota.holds:
+        if not any(reserved.values()) and not c.parts.requests.quota.holds:
             break
         await asyncio.sleep(0.05)
     assert not any(reserved.values()), reserved
-    assert not c.gateway.requests.quota.holds
-    assert not c.gateway.requests.answering.preemptor.live
+    assert not c.parts.requests.quota.holds
+    assert not c.parts.requests.answering.preemptor.live
 
 
 async def test_a_preempted_stream_resumes_with_the_exact_text_and_usage(
@@ -99,7 +99,7 @@ async def test_a_preempted_stream_resumes_with_the_exact_text_and_usage(
         time_scale=50.0,
         preemption={"force_after_tokens": 30},
     ) as c:
-        metrics = c.gateway.metrics
+        metrics = c.parts.metrics
         text, usage = await _stream(c.router_url, "unused", content, 120, 90)
         assert text == want_text
         assert usage is not None and want_usage is not None
@@ -112,7 +112,7 @@ async def test_a_preempted_stream_resumes_with_the_exact_text_and_usage(
         assert _counter(metrics.resumes) == 0  # a preemption is not a broken stream
         assert _counter(metrics.retries, side="decode") == 0
         # Not the worker's fault: every decode breaker stays closed.
-        assert all(w.breaker.state == "closed" for w in c.gateway.pools.decode_workers)
+        assert all(w.breaker.state == "closed" for w in c.parts.pools.decode_workers)
         await _quiet(c)
 
 
@@ -134,7 +134,7 @@ async def test_a_poisoned_tenant_is_held_to_its_limit_and_the_worker_to_its_capa
         estimator_args={"min_samples": 5},
         histogram_refresh_s=0.05,
     ) as c:
-        gw, metrics = c.gateway, c.gateway.metrics
+        gw, metrics = c.parts, c.parts.metrics
         for i in range(8):  # the poison: 4-token answers under max_tokens 1,000
             text, _ = await _stream(c.router_url, KEY_QC, f"short {i}", 1000, 4)
             assert text == _expected(f"short {i}", 1000, 4)
@@ -232,7 +232,7 @@ async def test_an_answer_that_outgrows_its_tenants_whole_limit_ends_with_the_lim
     its tenant's limit)."""
     tenants = [{"name": "qc", "keys": [KEY_QC], "max_reserved_blocks": 15}]
     async with sim_cluster(redis_prefix=redis_prefix, time_scale=50.0, tenants=tenants) as c:
-        gw = c.gateway
+        gw = c.parts
         peak = 0
         done = asyncio.Event()
 

@@ -51,12 +51,12 @@ class FakeStream:
 async def serve(
     c: SimCluster, body: dict[str, Any], stream: FakeStream, request_id: str
 ) -> tuple[RequestFlow, bytes | None]:
-    gw = c.gateway
+    gw = c.parts
     s = gw.settings
     parsed = parse_request(
         CHAT,
         orjson.dumps(body),
-        models=served_models(gw),
+        models=served_models(gw.settings, gw.pools),
         max_model_len=s.max_model_len,
         chars_per_token=s.estimates.chars_per_token,
     )
@@ -100,7 +100,7 @@ async def test_resumed_stream_runs_through_the_orchestrator(redis_prefix: str) -
         text, pieces, errors = sse_text(b"".join(stream.writes))
         want, n, _ = expected_answer(CHAT, body)
         assert errors == [] and text == want and len(pieces) == n  # each token once, in order
-        resumes = c.gateway.metrics.resumes._value.get()
+        resumes = c.parts.metrics.resumes._value.get()
         assert resumes >= 1 and flow.attempts == resumes + 1  # each break resumed once
         # Each resumed leg carried the answer so far (a prefix of the whole) to continue.
         decode_bodies = [r for wid in ("d0", "d1") for r in await c.worker_requests(wid)]
@@ -133,5 +133,5 @@ async def test_client_that_leaves_mid_stream_ends_the_request(redis_prefix: str)
         flow, answer = await serve(c, body, stream, "path-gone-1")
         assert answer is None and flow.status == 499 and not stream.ended
         assert len(stream.writes) == 3
-        assert c.gateway.metrics.client_disconnects._value.get() == 1
+        assert c.parts.metrics.client_disconnects._value.get() == 1
         await assert_quiet(c)

@@ -141,7 +141,7 @@ async def test_full_decode_pool_gives_429_and_sends_no_prefill(redis_prefix: str
         estimator="max_tokens",
         admission={"max_wait_s": 0.3},
     ) as c:
-        store = c.gateway.store
+        store = c.parts.store
         assert await store.reserve("d0", "other-replica", 400, 30.0)
         try:
             async with aiohttp.ClientSession() as s:
@@ -171,7 +171,7 @@ async def test_waiting_request_is_admitted_when_room_frees(redis_prefix: str) ->
         ) as c,
         _client(c.router_url) as client,
     ):
-        store = c.gateway.store
+        store = c.parts.store
         assert await store.reserve("d0", "other-replica", 400, 30.0)
 
         async def free_later() -> None:
@@ -244,7 +244,7 @@ async def test_many_concurrent_requests_with_disconnects_leave_nothing_reserved(
                     break
                 await asyncio.sleep(0.05)
             assert (await c.worker_state(wid))["resident_sequences"] == 0
-        assert c.gateway.leases.live == {}
+        assert c.parts.leases.live == {}
 
 
 async def test_predictive_admission_counts_on_room_forecast_to_free(redis_prefix: str) -> None:
@@ -261,7 +261,7 @@ async def test_predictive_admission_counts_on_room_forecast_to_free(redis_prefix
             estimator="max_tokens",
             admission={"mode": mode},
         ) as c:
-            gw = c.gateway
+            gw = c.parts
             assert await gw.store.reserve("d0", "ending-soon", 400, 30.0)
             gw.leases.hold("d0", "ending-soon", 400, gw.clock() + 1.0)
             try:
@@ -287,7 +287,7 @@ async def test_predictive_admission_does_not_count_on_a_reservation_past_its_exp
         estimator="max_tokens",
         admission={"mode": "predictive", "max_wait_s": 0.5},
     ) as c:
-        gw = c.gateway
+        gw = c.parts
         assert await gw.store.reserve("d0", "late", 400, 30.0)
         gw.leases.hold("d0", "late", 400, gw.clock() - 1.0)  # expected to have ended a second ago
         try:

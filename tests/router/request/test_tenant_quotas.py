@@ -21,7 +21,8 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from router.edge.app import GATEWAY, SETTINGS
+from router.edge.app import SETTINGS
+from tests.app_parts import parts
 from tests.conftest import MODEL, running_router, sim_cluster
 
 KEY_A = "sk-quota-a-0c9d8e7f6a5b4c3d2e1f"
@@ -71,7 +72,7 @@ async def test_requests_per_minute_refuses_the_next_with_the_limit_named(
         # The other tenant is not touched.
         for _ in range(5):
             await _chat(c.router_url, KEY_B)
-        metrics = c.gateway.metrics.tenant_rejections
+        metrics = c.parts.metrics.tenant_rejections
         assert metrics.labels(tenant="a", reason="requests_per_minute")._value.get() == 1
         assert metrics.labels(tenant="b", reason="requests_per_minute")._value.get() == 0
 
@@ -97,7 +98,7 @@ async def test_tokens_per_minute_is_corrected_to_what_answers_cost(redis_prefix:
         # Charged ~400 + the prompt each at admission: without the correction at most 4
         # would pass (2000 / ~410).
         assert passed > 5, passed
-        billed = c.gateway.metrics.tenant_output_tokens.labels(tenant="a")._value.get()
+        billed = c.parts.metrics.tenant_output_tokens.labels(tenant="a")._value.get()
         assert 0 < billed < 400 * passed
 
 
@@ -107,7 +108,7 @@ async def test_a_request_that_produced_nothing_is_not_billed(redis_prefix: str) 
     async with sim_cluster(
         redis_prefix=redis_prefix, kv_blocks=64, tenants=_tenants(tokens_per_minute=1000)
     ) as c:
-        quota, store = c.app[SETTINGS].tenants[0].limits, c.gateway.store
+        quota, store = c.app[SETTINGS].tenants[0].limits, c.parts.store
         err = await _refused(c.router_url, KEY_A, max_tokens=4000)
         assert isinstance(err.body, dict) and err.body["code"] == "no_decode_capacity"
         # Charged prompt + 4000 at admission (a full bucket lets a request larger than a
@@ -144,7 +145,7 @@ async def test_concurrent_reserved_blocks_wait_for_the_streams_holding_them(
             async for _ in stream:
                 pass
         await _chat(c.router_url, KEY_A, max_tokens=160)  # the first one's blocks are back
-        assert not c.gateway.requests.quota.holds  # settled: nothing left to renew
+        assert not c.parts.requests.quota.holds  # settled: nothing left to renew
 
 
 async def test_one_tenants_limit_holds_across_two_replicas(redis_prefix: str) -> None:
@@ -171,4 +172,4 @@ async def test_one_tenants_limit_holds_across_two_replicas(redis_prefix: str) ->
         ok = outcomes.count("ok")
         assert 10 <= ok <= 10 + math.ceil(elapsed * 10 / 60), (ok, elapsed)
         assert outcomes.count("requests_per_minute") == 30 - ok
-        assert c.app[GATEWAY].requests.quota.holds == {}
+        assert parts(c.app).requests.quota.holds == {}

@@ -32,7 +32,6 @@ from disagg_tools.sim.worker import (
 from policies.base import KVLayout
 from policies.token_blocks import block_hashes
 from router.config import settings_from_mapping
-from router.edge.appkeys import GATEWAY
 from router.worker_spec import ConfigError, KvEventsSpec, parse_worker
 from router.workers.kv_events import KvEventHub
 from router.workers.kv_index import KvIndex
@@ -44,6 +43,7 @@ from router.workers.kv_wire import (
     decode_batch,
     decode_seq,
 )
+from tests.app_parts import parts
 from tests.conftest import MODEL, REDIS_URL, running_router
 from tests.ports import free_port
 
@@ -201,16 +201,16 @@ class KvCluster:
 
     @property
     def gw(self) -> Any:
-        return self.app[GATEWAY]
+        return parts(self.app)
 
     @property
     def hub(self) -> KvEventHub:
-        hub = self.gw.pools.placement._kv  # the hub the app built
+        hub = self.parts.pools.placement._kv  # the hub the app built
         assert isinstance(hub, KvEventHub)
         return hub
 
     def counter(self, metric: str, **labels: str) -> float:
-        return float(getattr(self.gw.metrics, metric).labels(**labels)._value.get())
+        return float(getattr(self.parts.metrics, metric).labels(**labels)._value.get())
 
     async def start(self, wid: str) -> None:
         stack = self.stacks[wid] = contextlib.AsyncExitStack()
@@ -360,7 +360,7 @@ async def test_index_equals_each_workers_cache_after_a_run(redis_prefix: str) ->
             await c.wait_equal(wid)
             assert 30 <= len(c.index(wid)) <= 40  # it evicted: the cache holds 40 blocks
         assert c.counter("kv_events_batches", worker="b0") >= 8
-        view = c.gw.pools.placement.prefix_cache
+        view = c.parts.pools.placement.prefix_cache
         assert view("b0")["source"] == "events" and view("b0")["kv_events"]["state"] == "synced"
         assert view("b2") == {"source": "estimated", "kv_events": None}
         # /admin/state says the same, worker by worker.
@@ -402,7 +402,7 @@ async def test_without_replay_the_index_is_dropped_and_rebuilt(redis_prefix: str
         assert c.counter("kv_events_index_drops", worker="b0", reason="gap") == 1
         # Rebuilt from what came next: a subset of the cache, never a block it does not hold.
         assert c.index("b0") == frozenset(block_hashes(_prompt(4, 2), BS)) < await c.cache("b0")
-        assert c.gw.pools.placement.prefix_cache("b0")["kv_events"]["state"] == "rebuilding"
+        assert c.parts.pools.placement.prefix_cache("b0")["kv_events"]["state"] == "rebuilding"
 
 
 async def test_all_blocks_cleared_empties_the_index(redis_prefix: str) -> None:
@@ -467,7 +467,7 @@ async def test_a_router_started_after_its_workers_learns_what_they_hold(
             "workers": entries,
         }
         async with running_router(settings_from_mapping(raw)) as (_, late):
-            hub = late[GATEWAY].pools.placement._kv
+            hub = parts(late).pools.placement._kv
 
             async def learned() -> bool:
                 sub = hub.subscribers.get("b0")
@@ -484,11 +484,11 @@ async def test_placement_sees_the_exact_cached_prefix_of_each_worker(redis_prefi
         await c.wait_equal("b1")
         await c.wait_equal("b0")
         follow_up = conversation + _prompt(8, 2)  # the next turn extends the prompt
-        view = c.gw.pools.placement.snapshot(prompt_token_ids=follow_up)
+        view = c.parts.pools.placement.snapshot(prompt_token_ids=follow_up)
         cached = {d.worker_id: d.cached_prefix_tokens for d in view.decode}
         # b1 holds the 8 full blocks of the first turn (its partial block is not cached).
         assert cached == {"b0": 0, "b1": 8 * BS, "b2": None}
-        assert c.gw.pools.placement.snapshot().decode[0].cached_prefix_tokens is None
+        assert c.parts.pools.placement.snapshot().decode[0].cached_prefix_tokens is None
 
 
 async def test_a_shared_prefix_is_placed_on_its_holder(redis_prefix: str) -> None:
@@ -508,7 +508,7 @@ async def test_a_shared_prefix_is_placed_on_its_holder(redis_prefix: str) -> Non
             for w in roles:
                 await c.wait_equal(w)
             second = first + _prompt(10, 4)
-            view = c.gw.pools.placement.snapshot(prompt_token_ids=second)
+            view = c.parts.pools.placement.snapshot(prompt_token_ids=second)
             assert {p.worker_id: p.cached_prefix_tokens for p in view.prefill} == {
                 w: (60 * BS if w in holders else 0) for w in ("p0", "p1")
             }

@@ -25,7 +25,6 @@ from disagg_tools.sim.worker import WorkerConfig, running_worker
 from policies.base import KVLayout
 from policies.token_blocks import block_hashes
 from router.config import settings_from_mapping
-from router.edge.appkeys import GATEWAY
 from router.metrics import RouterMetrics
 from router.worker_spec import KvEventsSpec, parse_worker
 from router.workers.discovery import LoadSnapshot
@@ -39,6 +38,7 @@ from router.workers.kv_limits import (
 )
 from router.workers.kv_wire import BatchRefused, WireError, decode_batch, decode_batch_steps
 from router.workers.worker_state import WorkerState
+from tests.app_parts import parts
 from tests.conftest import MODEL, REDIS_URL, running_router
 from tests.ports import free_port
 from tests.router.workers.test_kv_events import until
@@ -328,7 +328,7 @@ async def flooded_router(redis_prefix: str) -> AsyncIterator[tuple[Any, zmq.asyn
 
 async def test_a_flood_of_bogus_blocks_keeps_the_index_bounded(redis_prefix: str) -> None:
     async with flooded_router(redis_prefix) as (app, pub):
-        gw = app[GATEWAY]
+        gw = parts(app)
         hub = gw.pools.placement._kv
         seq = 0
 

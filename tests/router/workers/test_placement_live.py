@@ -145,18 +145,18 @@ async def _drained(c: SimCluster) -> None:
         await _until(clean, "reservations and stranded KV to drain")
     assert all(v == 0 for v in (await c.reserved_blocks()).values()), await c.reserved_blocks()
     assert all(v == 0 for v in (await c.stranded()).values()), await c.stranded()
-    assert c.gateway.leases.live == {}
+    assert c.parts.leases.live == {}
 
 
 @contextlib.asynccontextmanager
 async def _held(c: SimCluster, worker: str, blocks: int) -> AsyncIterator[None]:
     """Another router replica holds `blocks` on `worker`; this router sees it after a refresh."""
-    store = c.gateway.store
+    store = c.parts.store
     assert await store.reserve(worker, "other-replica", blocks, 60.0)
     try:
 
         async def visible() -> bool:
-            return c.gateway.pools.workers[worker].reserved_blocks >= blocks
+            return c.parts.pools.workers[worker].reserved_blocks >= blocks
 
         await _until(visible, f"the router to see {blocks} blocks held on {worker}")
         yield
@@ -541,7 +541,7 @@ async def test_online_estimator_converges_on_a_trace_distribution(redis_prefix: 
         estimator_args={"quantile": 0.9, "min_samples": 20},
         histogram_refresh_s=0.1,
     ) as c:
-        gw = c.gateway
+        gw = c.parts
         gate = asyncio.Semaphore(concurrency)
 
         async def one(i: int, length: int, s: aiohttp.ClientSession) -> None:

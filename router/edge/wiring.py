@@ -1,0 +1,247 @@
+"""One replica's long-lived services, built, started and closed in order by the app's cleanup
+context (router/edge/app.py). The records here carry them from one step to the next; no route
+sees them: each surface is handed only what it uses."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, replace
+
+import aiohttp
+
+from policies.base import FairnessPolicy
+from router.adapters import prefill_target, query_engine_ids
+from router.adapters.mooncake import DEFAULT_BOOTSTRAP_PORT
+from router.admission import Admission
+from router.background import BackgroundTasks
+from router.config import Settings
+from router.leases import LeaseKeeper
+from router.loop_timing import LoopTiming
+from router.metrics import RouterMetrics
+from router.relay.upstream_pool import SplicePool
+from router.retry_budget import RetryBudget
+from router.tenants import Keyring
+from router.workers.accounting import LocalAccounting
+from router.workers.health_probe import HealthProber
+from router.workers.kv_events import KvEventHub
+from router.workers.load_poller import LoadPoller
+from router.workers.membership import Membership
+from router.workers.placement_view import PlacementView
+from router.workers.pools import Pools
+from router.workers.refresher import StateRefresher
+from router.workers.registry import RegistrySync
+from router.workers.store_loss import StoreLoss
+from router.workers.stranded_reaper import StrandedReaper
+from state import StoreError, open_store
+from state.base import StateStore
+
+__all__ = [
+    "Core",
+    "WorkerLoops",
+    "open_core",
+    "build_worker_loops",
+    "warm_up",
+    "start_loops",
+    "close",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Core:
+    """The services every other piece is built on: the shared store, the upstream clients, the
+    background tasks, the admission queue, the reservation leases and the retry budget."""
+
+    settings: Settings
+    metrics: RouterMetrics
+    store: StateStore
+    session: aiohttp.ClientSession
+    splice: SplicePool | None  # the decode legs' raw client when settings.relay == "splice"
+    tasks: BackgroundTasks
+    admission: Admission
+    leases: LeaseKeeper
+    retry_budget: RetryBudget
+
+
+async def open_core(settings: Settings, metrics: RouterMetrics, fairness: FairnessPolicy) -> Core:
+    """`fairness`: the queue's order among tenants (policies/fairness.py)."""
+    store = await open_store(
+        settings.store.url,
+        settings.store.key_prefix,
+        max_connections=settings.store.max_connections,
+        pool_timeout_s=settings.store.pool_timeout_s,
+    )
+    tasks = BackgroundTasks(
+        on_failure=lambda name: metrics.background_task_failures.labels(task=name).inc()
+    )
+    connector = aiohttp.TCPConnector(
+        limit=settings.upstream.connections, limit_per_host=0, enable_cleanup_closed=True
+    )
+    session = aiohttp.ClientSession(
+        connector=connector, auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None)
+    )
+    return Core(
+        settings=settings,
+        metrics=metrics,
+        store=store,
+        session=session,
+        splice=SplicePool(settings.upstream.connections)
+        if settings.upstream.relay == "splice"
+        else None,
+        tasks=tasks,
+        admission=Admission(settings.admission, fairness),
+        leases=LeaseKeeper(
+            store, settings.leases.reservation_s, stranded_lease_s=settings.leases.kv_s
+        ),
+        retry_budget=RetryBudget(store, settings.retry),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoops:
+    """The worker pools, each piece given what it uses (router/workers/), and the loops that
+    keep them current."""
+
+    members: Membership
+    timing: LoopTiming
+    accounting: LocalAccounting
+    kv_hub: KvEventHub  # each worker's KV events into its index, read by placement
+    pools: Pools
+    loss: StoreLoss
+    prober: HealthProber
+    registry: RegistrySync
+    refresher: StateRefresher
+    reaper: StrandedReaper
+
+
+def build_worker_loops(core: Core, keyring: Keyring) -> WorkerLoops:
+    """`keyring`: the tenants' keys, whose shared part follows the store (router/tenants.py)."""
+    settings, store, metrics, admission = core.settings, core.store, core.metrics, core.admission
+    members = Membership(settings)
+    # Quiet (nothing in flight or waiting here, no leg on a worker): the loops slow down.
+    timing = LoopTiming(
+        members.carrying_work, lambda: admission.inflight > 0 or admission.waiting > 0
+    )
+    accounting = LocalAccounting(members, timing)
+    kv_hub = KvEventHub(members, metrics)
+    pools = Pools(members, accounting, PlacementView(members, settings, kv_hub))
+
+    async def on_store_reset() -> None:
+        metrics.store_resets.inc()
+        await core.leases.reassert()
+
+    loss = StoreLoss(settings, store, members, on_store_reset, keyring)
+    prober = HealthProber(members, timing, settings)
+    registry = RegistrySync(settings, store, members, loss, prober, timing, keyring)
+    # Each refresh may show room freed by other replicas: wake the admission queue.
+    refresher = StateRefresher(
+        settings,
+        store,
+        members,
+        accounting,
+        loss,
+        timing,
+        on_refresh=admission.notify,
+        own_reservations=core.leases.reservations_by_worker,
+        queue_waits=lambda: admission.waiting > 0,
+    )
+    reaper = StrandedReaper(
+        settings,
+        store,
+        members,
+        accounting,
+        timing,
+        on_expired=lambda wid: metrics.stranded_expired.labels(worker=wid).inc(),
+    )
+    return WorkerLoops(
+        members, timing, accounting, kv_hub, pools, loss, prober, registry, refresher, reaper
+    )
+
+
+async def _learn_mooncake_engines(members: Membership, session: aiohttp.ClientSession) -> None:
+    """Mooncake prefill workers name their engine in `GET <bootstrap>/query`: read it once."""
+    for w in list(members.prefill_workers):
+        spec = w.spec
+        if spec.adapter != "mooncake" or spec.engine_id:
+            continue
+        target = prefill_target(spec.url, spec.bootstrap_port or DEFAULT_BOOTSTRAP_PORT)
+        try:
+            ids = await query_engine_ids(session, target)
+        except Exception as exc:
+            log.error(
+                "Mooncake prefill %s: no engine id from %s:%s/query (%s); its requests "
+                "will fail until it is configured",
+                spec.id,
+                target.host,
+                target.bootstrap_port,
+                exc,
+            )
+            continue
+        w.spec = replace(spec, engine_id=ids[min(ids)])
+
+
+async def warm_up(core: Core, loops: WorkerLoops) -> None:
+    """Before serving: capacities in the store, the workers registered through the API, their
+    KV layouts, one refresh of the shared state."""
+    session, members = core.session, loops.members
+    await loops.loss.register_capacities()
+    await _learn_mooncake_engines(members, session)
+    await loops.registry.sync(session)
+    # Whatever does not answer yet is retried by the health prober.
+    await asyncio.gather(
+        *(
+            loops.prober.discover_layout(session, w)
+            for w in members.workers.values()
+            if not w.layout_known
+        )
+    )
+    for wid in members.unpaired():
+        log.warning(
+            "worker %s has no partner with the same KV layout: it will not be "
+            "used for a prefill/decode handoff",
+            wid,
+        )
+    await loops.refresher.refresh()
+
+
+async def _tally_requests(retry_budget: RetryBudget) -> None:
+    """Add this replica's count of first attempts to the shared retry budget, a few times a
+    second (router/retry_budget.py)."""
+    while True:
+        await retry_budget.counted()  # idle: no wake-up until a request is counted
+        await asyncio.sleep(0.25)
+        try:
+            await retry_budget.flush()
+        except StoreError:
+            pass  # kept for the next flush; the refresher reports the outage
+
+
+def start_loops(core: Core, loops: WorkerLoops) -> None:
+    """The background loops of the pools, the leases and the retry budget, in this order."""
+    tasks, session = core.tasks, core.session
+    tasks.loop(loops.refresher.run(), "pools-refresh")
+    tasks.loop(loops.reaper.run(), "stranded-reaper")
+    tasks.loop(loops.prober.run(session), "health-probe")
+    tasks.loop(loops.registry.run(session), "registry-sync")
+    tasks.loop(LoadPoller(core.settings, loops.members, loops.timing).run(session), "load-poller")
+    tasks.loop(core.leases.run(), "lease-keeper")
+    tasks.loop(loops.kv_hub.run(), "kv-events")
+    tasks.loop(_tally_requests(core.retry_budget), "retry-tally")
+
+
+async def close(core: Core, loops: WorkerLoops) -> None:
+    """Everything stopped and closed, the store last."""
+    await core.tasks.close()
+    await loops.kv_hub.close()
+    # What the lease keeper still owes gets one last try before the store closes.
+    try:
+        await core.leases.settle_owed()
+        await core.retry_budget.flush()
+    except StoreError:
+        pass  # leases expire by themselves
+    await core.session.close()
+    if core.splice is not None:
+        await core.splice.close()
+    await core.store.close()
