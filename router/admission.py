@@ -247,6 +247,17 @@ class Admission:
             if ticket is not None:
                 self._evict(ticket, victim, tenant, holders)
                 return
+        raise self._full(tenant, holders)
+
+    def door(self, tenant: Tenant) -> QueueFull | None:
+        """The refusal a request of `tenant` meets at the queue's door when it may take no one's
+        place (past its deadline, `wait`): None while the queue has a place. A pure read, for
+        the admission decision (router/request/admit.py)."""
+        if len(self._placed) < self.settings.max_waiters:
+            return None
+        return self._full(tenant, [(n, len(p.tickets), p.weight) for n, p in self._places.items()])
+
+    def _full(self, tenant: Tenant, holders: list[tuple[str, int, float]]) -> QueueFull:
         message = f"the admission queue is full ({self.settings.max_waiters} waiting)"
         if any(name != tenant.name for name, _, _ in holders):
             # Several tenants wait: say which share it is over (no other tenant is named).
@@ -256,7 +267,7 @@ class Admission:
                 f"; queue share: tenant {tenant.name} holds {own} of its places, its share "
                 f"by weight is {share:.1f}"
             )
-        raise QueueFull(message)
+        return QueueFull(message)
 
     def _newest_parked(self, tenant: str) -> int | None:
         """The tenant's newest waiter still parked (one woken is trying for room: left be)."""

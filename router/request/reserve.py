@@ -29,7 +29,6 @@ from policies.base import (
     Rejection,
     RequestInfo,
     WaitingRequest,
-    blocks_for,
 )
 from policies.fairness import admission_charge, estimate_cost
 from policies.overruns import LiveOverruns, OverrunMargin
@@ -40,6 +39,18 @@ from router.errors import NoCapacity, NotInRotation
 from router.histograms import HistogramCache
 from router.leases import LeaseKeeper
 from router.metrics import RouterMetrics
+from router.request.admit import (
+    Forecast,
+    Line,
+    Miss,
+    Refuse,
+    Unavailable,
+    after_miss,
+    after_wait,
+    queue_refused,
+    room_expected_in,
+    turn,
+)
 from router.request.attempt import Ask, Attempt, Call, loop_time
 from router.request.fit import never_fits
 from router.request.holdings import Book, Reservation, StrandedEntry
@@ -262,8 +273,10 @@ class Reserver:
         waiting: WaitingRequest,
         resume_by: float | None = None,
     ) -> Attempt:
+        """The admission loop: read the queue, the workers and the clock, ask the decision
+        (router/request/admit.py, pure), do what it says (awaits, metrics), and again."""
         adm = self.admission
-        patient = resume_by is not None
+        loop = asyncio.get_running_loop()
         wait_until = loop_time(
             self.clock,
             resume_by
@@ -283,71 +296,60 @@ class Reserver:
                 # A class overran while this request waited: size it on what is known now.
                 overruns_seen = self.overruns.version
                 info = await self.estimated(info, seat)
-            if not seat.admitted and adm.has_slot():
+            step = turn(Line(seat.admitted, adm.has_slot(), adm.queue_first, adm.queued, baton))
+            if step.enter:
                 adm.enter()
                 seat.admitted = True
-            # While others wait, a fair order sees this one in line first (router/admission.py
-            # `queue_first`): it tries when the queue wakes it.
-            in_line = adm.queue_first and not baton and adm.queued > 0
-            outcome: Attempt | Rejection
-            if not seat.admitted:
-                outcome = Rejection("the router is at its concurrency cap", 1.0)
-            elif in_line:
-                outcome = Rejection(f"{adm.queued} requests wait for decode room before it", 1.0)
-            else:
-                # The prompt's token ids (None where not tokenized): each worker's exact
-                # cached prefix from its KV events (router/workers/placement_view.py).
-                outcome = await self._try_reserve(
-                    info,
-                    avoid,
-                    call.parsed.prompt_token_ids,
-                    seat.class_keys(self.estimator, info),
-                )
+            # The prompt's token ids (None where not tokenized): each worker's exact cached
+            # prefix from its KV events (router/workers/placement_view.py).
+            outcome = step.held or await self._try_reserve(
+                info, avoid, call.parsed.prompt_token_ids, seat.class_keys(self.estimator, info)
+            )
             if isinstance(outcome, Attempt):
                 if adm.waiting:
                     adm.notify()  # there may be room for the next in line too
                 return outcome
-            if baton > 1:  # no room for this one: the next in line may be smaller
-                adm.pass_on(info.priority, seat.ticket, baton - 1)
-            baton = 0
-            self._check_pools_alive(info.model)
-            if not patient and (adm.settings.mode == "instant" or self._never_fits(info)):
-                raise self._refuse(seat, "no_room", outcome.reason, outcome.retry_after_s)
-            if seat.admitted and not in_line and not patient:
-                # Honest early refusal: waiting is pointless when the room is not expected to
-                # free before the deadline; say when it is expected instead of waiting it out.
+            miss = Miss(
+                why=outcome,
+                admitted=seat.admitted,
+                in_line=step.in_line,
+                baton=baton,
+                patient=resume_by is not None,
+                instant=adm.settings.mode == "instant",
+                never_fits=self._never_fits(info),
+                unavailable=self._not_in_rotation(info.model),
+                deadline=wait_until,
+                now=loop.time(),
+                door=adm.door(waiting.tenant),
+            )
+            decision = after_miss(miss)
+            if isinstance(decision, Forecast):
                 room_in = self._predicted_wait(info)
-                if room_in is not None and room_in > wait_until - asyncio.get_running_loop().time():
-                    raise self._refuse(
-                        seat,
-                        "predicted_wait",
-                        f"no decode room is expected before the request's deadline (room "
-                        f"expected in about {room_in:.0f} s): {outcome.reason}",
-                        max(1.0, room_in),
-                    )
+                decision = after_miss(replace(miss, room_in=room_in, now=loop.time()))
+                assert not isinstance(decision, Forecast)  # asked once: it has the forecast
+            if decision.pass_on:
+                adm.pass_on(info.priority, seat.ticket, decision.pass_on)
+            if isinstance(decision, Unavailable):
+                raise decision.error
+            if isinstance(decision, Refuse):
+                raise self._refuse(seat, decision) from decision.cause
             try:
                 self.metrics.admission_waiting.inc()
                 try:
-                    baton = await adm.wait(info.priority, seat.ticket, wait_until, waiting)
+                    baton = await adm.wait(info.priority, seat.ticket, decision.until, waiting)
                 finally:
                     self.metrics.admission_waiting.dec()
             except QueueFull as exc:
-                raise self._refuse(
-                    seat, exc.reason, f"{exc}; {outcome.reason}", outcome.retry_after_s
-                ) from exc
-            if not baton:
-                raise self._refuse(
-                    seat,
-                    "deadline",
-                    f"no decode room before the request's deadline: {outcome.reason}",
-                    outcome.retry_after_s,
-                )
+                raise self._refuse(seat, queue_refused(exc, outcome)) from exc
+            if (refusal := after_wait(baton, outcome)) is not None:
+                raise self._refuse(seat, refusal)
 
-    def _refuse(self, seat: Seat, reason: str, message: str, retry_after_s: float) -> NoCapacity:
+    def _refuse(self, seat: Seat, refusal: Refuse) -> NoCapacity:
         """The 429 to raise, counted by reason (and by the request's tenant)."""
+        reason = refusal.reason
         self.metrics.rejections.labels(reason=reason).inc()
         self.metrics.tenant_rejections.labels(tenant=seat.tenant.name, reason=reason).inc()
-        return NoCapacity(message, retry_after_s=retry_after_s)
+        return NoCapacity(refusal.message, retry_after_s=refusal.retry_after_s)
 
     def actual_cost(self, seat: Seat, attempt: Attempt | None, prompt_tokens: int) -> AdmissionCost:
         """What a reservation took, at its release: its blocks (as grown) for the time it was
@@ -370,38 +372,15 @@ class Reserver:
         return self.leases.freeing_by(now + horizon, now)
 
     def _predicted_wait(self, info: RequestInfo) -> float | None:
-        """Seconds until a decode worker should have room for this request, read off the expected
-        ends of the reservations on it; None when that cannot be told: a worker has room now (the
-        refusal was for another reason), or a worker short of room holds none of this replica's
-        reservations with a known end (another replica's, or answers past their expected end).
-
-        This replica knows only its own reservations' ends; other replicas behind the same load
-        balancer serve the same mix, so each known end stands for its share of the worker's
-        reservations (the store's reserved count over this replica's)."""
+        """Seconds until a decode worker should have room for this request, read off the
+        expected ends of this replica's reservations (router/request/admit.py
+        `room_expected_in`), on the view placement sees; None when that cannot be told."""
         now = self.clock()
         view = self._with_margins(self.placement.snapshot(model=info.model))
         need_tokens = info.prompt_tokens + info.reserve_output_tokens
-        soonest: float | None = None
-        for d in view.decode:
-            if not d.healthy:
-                continue
-            short = blocks_for(need_tokens, d.layout.block_size) - d.free_blocks
-            if short <= 0:
-                return None
-            ends = self.leases.ends_on(d.worker_id, now)
-            local = sum(blocks for _, blocks in ends)
-            if local <= 0:
-                return None
-            share = max(1.0, d.reserved_blocks / local)
-            freed = 0.0
-            for end, blocks in ends:
-                freed += blocks * share
-                if freed >= short:
-                    soonest = end - now if soonest is None else min(soonest, end - now)
-                    break
-            else:
-                return None  # even every known end frees too little: the rest is unknown
-        return soonest
+        return room_expected_in(
+            need_tokens, view.decode, lambda worker: self.leases.ends_on(worker, now), now
+        )
 
     def _with_margins(self, view: ClusterView) -> ClusterView:
         """The view with each decode worker's overrun margin held (policies/overruns.py): room kept
@@ -525,7 +504,7 @@ class Reserver:
             min(t.prefill_s, t.ttft_s),
         )
 
-    def _check_pools_alive(self, model: str = "") -> None:
+    def _not_in_rotation(self, model: str = "") -> NotInRotation | None:
         """No worker in rotation on one side for the request's model, nor one on its way there
         (a role switch's drain): waiting for room is pointless, fail fast (503) saying what
         each worker of that side does instead (drained, serving the other role, probe failing:
@@ -535,17 +514,18 @@ class Reserver:
         for side in ("decode", "prefill"):
             if not pool_alive(pools, side, model):
                 of = f" for {model}" if model and len(models_of(pools)) > 1 else ""
-                raise NotInRotation(
+                return NotInRotation(
                     f"{side} worker{of}",
                     why_empty(pools, side, model),
                     retry_after_s=retry_after_s(pools, side, model),
                 )
+        return None
 
     def _never_fits(self, info: RequestInfo) -> bool:
         """Larger than any decode worker even when idle: waiting for room would be in vain."""
         need = info.prompt_tokens + info.reserve_output_tokens
         workers = list(self.members.decode_workers)
-        # None at all in the decode pool (a `both` worker on its way there: _check_pools_alive let
+        # None at all in the decode pool (a `both` worker on its way there: _not_in_rotation let
         # it through) is not "too large": room comes with the worker.
         return bool(workers) and all(
             need > w.capacity_blocks * w.spec.layout.block_size for w in workers

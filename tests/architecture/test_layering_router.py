@@ -32,6 +32,7 @@ FLOW = (
     "resumed_usage",  # a resumed stream's usage, said as one answer's (pure)
     "quota",  # the request's share of its tenant's quota, taken before it may wait
     "fit",  # whether any decode worker could ever hold the request (a 400 if none)
+    "admit",  # the admission decision: take a slot, place, wait or refuse (pure)
     "reserve",  # estimate, place, queue, reserve
     "legs",  # prefill, KV handoff, decode: the answer bound to its relay
     "respond",  # the answer to the client
