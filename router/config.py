@@ -185,17 +185,22 @@ GROUPS: dict[str, type] = {
 
 
 def _scalar(hint: Any) -> type | None:
-    """The one scalar type (str, int, float, bool) a setting holds, None for the others."""
+    """The one scalar type (str, int, float, bool) a setting holds, `tuple` for a tuple of
+    strings (comma-separated in a variable), None for the others."""
     if get_origin(hint) in (Union, UnionType):
         kinds = [a for a in get_args(hint) if a is not NoneType]
         hint = kinds[0] if len(kinds) == 1 else None
+    if get_origin(hint) is tuple:
+        item = get_args(hint)[0]
+        return tuple if isinstance(item, type) and issubclass(item, str) else None
     if isinstance(hint, type) and issubclass(hint, (str, int, float)):
         return hint
     return None
 
 
 def env_fields() -> list[tuple[str | None, str, type]]:
-    """(group or None, field, type) of every setting the environment may set: the scalars."""
+    """(group or None, field, type) of every setting the environment may set: the scalars
+    and the lists of strings."""
     out: list[tuple[str | None, str, type]] = []
     for f in fields(Settings):
         if f.name in GROUPS:
@@ -217,6 +222,8 @@ def _parse_env(var: str, value: str, typ: type) -> Any:
         if value.lower() not in _TRUE + _FALSE:
             raise ConfigError(f"{var}: {value!r} is not a boolean (true/false)")
         return value.lower() in _TRUE
+    if typ is tuple:
+        return tuple(item.strip() for item in value.split(",") if item.strip())
     try:
         return typ(value)
     except ValueError as exc:

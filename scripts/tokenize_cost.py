@@ -160,7 +160,9 @@ def measure(name: str, tok: PromptTokenizer, repeats: int) -> list[str]:
 async def _loop_gaps(directory: Path, raw: bytes, threshold: int, repeats: int) -> list[float]:
     """The event loop's longest waits (ms) while `repeats` chat bodies are parsed through the
     router's own path (router/openai/prompt_tokens.py parse_generation) at `threshold`."""
-    settings = settings_from_mapping({"model": MODEL, "tokenizers": {MODEL: str(directory)}})
+    settings = settings_from_mapping(
+        {"model": MODEL, "estimates": {"tokenizers": {MODEL: str(directory)}}}
+    )
     metrics = RouterMetrics()
     await parse_generation(CHAT, raw, settings, (MODEL,), metrics)  # the tokenizer is loaded
     counting.THREAD_ABOVE_BYTES = threshold

@@ -42,10 +42,11 @@ workers:
   - {{id: d0, url: "http://10.0.0.2:8000", role: decode, kv_blocks: 24000}}
 ```
 
-**Environment.** Every scalar setting (a string, number or boolean) is also read from
-`DISAGG_ROUTER_<GROUP>_<FIELD>`, upper case (`DISAGG_ROUTER_<FIELD>` at the top level):
-`store.url` is `DISAGG_ROUTER_STORE_URL`, `policy` is `DISAGG_ROUTER_POLICY`. A boolean is
-`true`/`false` (or `1`/`0`, `yes`/`no`, `on`/`off`); an empty variable sets nothing.
+**Environment.** Every scalar setting (a string, number or boolean) and every list of strings
+is also read from `DISAGG_ROUTER_<GROUP>_<FIELD>`, upper case (`DISAGG_ROUTER_<FIELD>` at the
+top level): `store.url` is `DISAGG_ROUTER_STORE_URL`, `policy` is `DISAGG_ROUTER_POLICY`. A
+boolean is `true`/`false` (or `1`/`0`, `yes`/`no`, `on`/`off`), a list is comma-separated
+(`DISAGG_ROUTER_AUTH_API_KEYS=k1,k2`); an empty variable sets nothing.
 
 **Flags.** `serve`'s flags keep the names of vllm-router and sglang-router:
 `--host` and `--port` set `server.host` and `server.port`, `--redis-url` sets `store.url`,

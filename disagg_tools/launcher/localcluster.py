@@ -22,6 +22,7 @@ import tempfile
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import yaml
@@ -218,21 +219,19 @@ async def local_cluster(
         kv_blocks = shape.kv_blocks or perf.kv_capacity_blocks
         workers = await _start_workers(cluster, kv_blocks)
         port = shape.router_port or free_port()
-        config = {
-            "host": "127.0.0.1",
-            "port": port,
+        config: dict[str, Any] = {
+            "server": {"host": "127.0.0.1", "port": port},
             "model": shape.model,
             "perf": {"model": shape.model, "gpu": shape.gpu},
-            "redis_url": cluster.redis_url,
-            "key_prefix": f"demo:{os.getpid()}:",
+            "store": {"url": cluster.redis_url, "key_prefix": f"demo:{os.getpid()}:"},
             "policy": shape.policy,
-            "estimator": shape.estimator,
+            "estimates": {"estimator": shape.estimator},
             "workers": workers,
             # The workers run time_scale x faster than real GPUs: scale the deadlines with them.
-            "health_interval_s": 1.0,
+            "loops": {"health_interval_s": 1.0},
         }
         if cluster.tokenizer_dir is not None:
-            config["tokenizers"] = {shape.model: str(cluster.tokenizer_dir)}
+            config["estimates"]["tokenizers"] = {shape.model: str(cluster.tokenizer_dir)}
         (workdir / "cluster.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         proc = await _spawn(
             cluster,

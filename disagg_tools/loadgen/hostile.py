@@ -245,7 +245,7 @@ async def run_flood(spec: FloodSpec, *, workdir: Path | None = None) -> dict[str
         decode_blocks=spec.decode_blocks,
         time_scale=spec.time_scale,
         log_level=spec.log_level,
-        router={"estimator": spec.estimator, "estimator_args": estimator_args},
+        router={"estimates": {"estimator": spec.estimator, "estimator_args": estimator_args}},
     )
     return await bounded(
         shape,

@@ -31,7 +31,12 @@ import aiohttp
 import redis.asyncio as aioredis
 import yaml
 
-from disagg_tools.loadgen.load_cluster import PrivateRedis, sim_worker_command, wait_http
+from disagg_tools.loadgen.load_cluster import (
+    PrivateRedis,
+    over_settings,
+    sim_worker_command,
+    wait_http,
+)
 from disagg_tools.procs import HOST, Child, free_port
 
 __all__ = [
@@ -145,15 +150,13 @@ class HostileCluster:
 
     def _router_config(self, port: int) -> dict[str, Any]:
         s = self.shape
-        return {
-            "host": HOST,
-            "port": port,
+        base = {
+            "server": {"host": HOST, "port": port},
             "model": MODEL,
             "perf": {"model": MODEL, "gpu": "h100"},
-            "redis_url": self.redis_url,
-            "key_prefix": self.key_prefix,
-            "admin_token": ADMIN_TOKEN,
-            "health_interval_s": 0.5,
+            "store": {"url": self.redis_url, "key_prefix": self.key_prefix},
+            "auth": {"admin_token": ADMIN_TOKEN},
+            "loops": {"health_interval_s": 0.5},
             "workers": [
                 {
                     "id": wid,
@@ -164,8 +167,8 @@ class HostileCluster:
                 }
                 for wid, role in s.workers
             ],
-            **s.router,
         }
+        return over_settings(base, s.router)  # the shape's settings, group by group
 
     async def start(self) -> None:
         waits = []

@@ -173,9 +173,9 @@ async def run_queue(spec: QueueSpec, *, workdir: Path | None = None) -> dict[str
         time_scale=spec.time_scale,
         log_level=spec.log_level,
         router={
-            "fairness": spec.fairness,
-            "admission": {"max_waiters": spec.max_waiters},
-            "estimator": "max_tokens",  # every request reserves its whole answer: no overrun
+            "admission": {"fairness": spec.fairness, "max_waiters": spec.max_waiters},
+            # every request reserves its whole answer: no overrun
+            "estimates": {"estimator": "max_tokens"},
         },
     )
     return await bounded(
@@ -273,7 +273,7 @@ async def run_refused(spec: RefusedSpec, *, workdir: Path | None = None) -> dict
         decode_blocks=3000,
         time_scale=spec.time_scale,
         log_level=spec.log_level,
-        router={"registry_refresh_s": 0.2},
+        router={"loops": {"registry_refresh_s": 0.2}},
     )
     return await bounded(
         shape,

@@ -18,7 +18,7 @@ import shutil
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -219,13 +219,11 @@ class Cluster:
             self.redis_url = s.shared_redis_url
         await asyncio.gather(*waits)
         port = free_port()
-        config: dict[str, Any] = {
-            "host": HOST,
-            "port": port,
+        base: dict[str, Any] = {
+            "server": {"host": HOST, "port": port},
             "model": s.model,
             "perf": {"model": s.model, "gpu": s.gpu},
-            "redis_url": self.redis_url,
-            "key_prefix": self.key_prefix,
+            "store": {"url": self.redis_url, "key_prefix": self.key_prefix},
             "workers": [
                 {
                     "id": wid,
@@ -236,9 +234,9 @@ class Cluster:
                 }
                 for wid, role in roles
             ],
-            "health_interval_s": 0.5,
-            **s.router,
+            "loops": {"health_interval_s": 0.5},
         }
+        config = over_settings(base, s.router)  # the spec's settings, group by group
         cfg = self.workdir / "router.yaml"
         cfg.write_text(yaml.safe_dump(config, sort_keys=False))
         cmd = [
@@ -282,3 +280,14 @@ class Cluster:
                 await client.delete(*keys)
         finally:
             await client.aclose()
+
+
+def over_settings(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """`extra`'s settings over `base`'s: a group's (a mapping's) given settings replace only
+    their own (router/config.py merged_settings; the tools do not import the router)."""
+    out = dict(base)
+    for key, value in extra.items():
+        below = out.get(key)
+        both = isinstance(below, Mapping) and isinstance(value, Mapping)
+        out[key] = {**below, **value} if both else value  # type: ignore[dict-item]
+    return out

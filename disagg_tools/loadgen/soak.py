@@ -137,11 +137,10 @@ class SoakSpec:
             for i, (wid, status) in enumerate(_ERROR_STATUS.items())
         }
         router = {
-            "reservation_lease_s": self.lease_s,
-            "kv_lease_s": self.lease_s,
+            "leases": {"reservation_s": self.lease_s, "kv_s": self.lease_s},
             "timeouts": {"ttft_s": 30.0, "idle_s": 10.0, "prefill_s": 30.0},
             "admission": {"max_wait_s": 10.0},
-            "health_interval_s": 0.5,
+            "loops": {"health_interval_s": 0.5},
         }
         return ClusterSpec(
             n_prefill=2,

@@ -179,8 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--alt-settings",
         default=None,
         metavar="JSON",
-        help='ours_alt: top-level settings added to its configuration, e.g. \'{"fairness": '
-        '"vtc"}\' (A/B a setting with --ours-src .)',
+        help='ours_alt: settings added to its configuration, e.g. \'{"admission": {"fairness": '
+        '"vtc"}}\' (A/B a setting with --ours-src .)',
     )
     p.add_argument("--log-dir", default=None, help="process logs and configs (default: a temp dir)")
     p.add_argument(

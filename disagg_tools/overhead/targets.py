@@ -6,7 +6,7 @@
     ours_dropin  `disagg-router serve --prefill URL --decode URL --redis-url URL`: the deployed
               command line, no configuration file (the model and the KV capacity are read from
               the workers, router/edge/dropin.py), Redis in the path, a fresh key prefix per start
-              from `DISAGG_ROUTER_KEY_PREFIX`
+              from `DISAGG_ROUTER_STORE_KEY_PREFIX`
     sglang    `python -m sglang_router.launch_router --pd-disaggregation …`
     vllm      `vllm-router --vllm-pd-disaggregation …`
 
@@ -174,18 +174,18 @@ def _our_config(
     tokenizer: str | None,
     extra: Mapping[str, Any] | None = None,
 ) -> None:
-    lines = [
-        f"model: {ns.model}",
-        "perf: {model: llama-3-8b, gpu: h100}",
-        f'key_prefix: "{fresh_key_prefix(path.stem)}"',
-    ]
-    if redis:
-        lines.append(f"redis_url: {ns.redis_url}")
+    store = {"key_prefix": fresh_key_prefix(path.stem), "url": ns.redis_url if redis else None}
+    base: dict[str, Any] = {
+        "model": ns.model,
+        "perf": {"model": "llama-3-8b", "gpu": "h100"},
+        "store": {k: v for k, v in store.items() if v is not None},
+    }
     if tokenizer:
         # Exact prompt counts: the tokenizer's work is in the request path being measured.
-        lines.append(f"tokenizers: {{{ns.model}: {Path(tokenizer).resolve()}}}")
-    for key, value in (extra or {}).items():  # JSON is YAML's flow style
-        lines.append(f"{key}: {json.dumps(value)}")
+        base["estimates"] = {"tokenizers": {ns.model: str(Path(tokenizer).resolve())}}
+    config = _over(base, extra or {})  # the A/B's settings, group by group
+    # JSON is YAML's flow style: one line a setting.
+    lines = [f"{key}: {json.dumps(value)}" for key, value in config.items()]
     lines.append("workers:")
     for i, url in enumerate(prefill):
         lines.append(f"  - {{id: p{i}, url: {url}, role: prefill, adapter: {ns.adapter}}}")
@@ -273,7 +273,7 @@ def _dropin_command(
     """`disagg-router serve --prefill URL --decode URL --redis-url URL`, as a user coming from
     vllm-router deploys it: no file, so no tokenizer (`--tokenizer` is the configured
     targets') and no perf profile; the key prefix is the only setting not on the command line
-    (`serve` has no flag for it), given by the environment."""
+    (`serve` has no flag for it), given by the environment (`store.key_prefix`)."""
     cmd = [*_disagg_router_executable(), "--log-level", "WARNING", "serve"]
     for url in prefill:
         cmd += ["--prefill", url]
@@ -282,7 +282,7 @@ def _dropin_command(
     if ns.adapter != "vllm":  # the drop-in's default: said only when it is not
         cmd += ["--adapter", ns.adapter]
     cmd += ["--redis-url", ns.redis_url, "--host", HOST, "--port", str(port)]
-    return cmd, {"DISAGG_ROUTER_KEY_PREFIX": fresh_key_prefix(label)}
+    return cmd, {"DISAGG_ROUTER_STORE_KEY_PREFIX": fresh_key_prefix(label)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,3 +318,14 @@ async def start_router(
         proc.stop()
         raise
     return StartedRouter(proc, (HOST, port), shell_line(cmd, env))
+
+
+def _over(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """`extra`'s settings over `base`'s: a group's (a mapping's) given settings replace only
+    their own (router/config.py merged_settings; the tools do not import the router)."""
+    out = dict(base)
+    for key, value in extra.items():
+        below = out.get(key)
+        both = isinstance(below, Mapping) and isinstance(value, Mapping)
+        out[key] = {**below, **value} if both else value  # type: ignore[dict-item]
+    return out

@@ -129,6 +129,8 @@ def test_new_names_load_without_a_warning(caplog: pytest.LogCaptureFixture) -> N
     assert not caplog.records
     assert settings.store.url == "redis://e" and settings.loops.load_poll_s == 0
     assert settings.server.port == 9 and settings.server.host == "127.0.0.1"
+    keys = load_settings(env={"DISAGG_ROUTER_AUTH_API_KEYS": "k1, k2,"}).auth.api_keys
+    assert [k.reveal() for k in keys] == ["k1", "k2"]  # a list: comma-separated
     with pytest.raises(ConfigError, match="DISAGG_ROUTER_AUTH_PUBLIC_METRICS"):
         load_settings(env={"DISAGG_ROUTER_AUTH_PUBLIC_METRICS": "maybe"})
 

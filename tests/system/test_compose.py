@@ -66,7 +66,7 @@ async def test_every_service_of_the_compose_file_serves(tmp_path: Path) -> None:
     services = [*OURS, "redis"]
     with ComposeCluster(tmp_path, services=services) as cluster:
         assert set(cluster.running) == set(services)
-        redis_url = cluster.env["router-a"]["DISAGG_ROUTER_REDIS_URL"]
+        redis_url = cluster.env["router-a"]["DISAGG_ROUTER_STORE_URL"]
         assert redis_url == f"redis://127.0.0.1:{cluster.ports['redis']}/0"
         config = yaml.safe_load(cluster.mounts["deploy/cluster.yaml"].read_text())
         for i, router in enumerate(ROUTERS):

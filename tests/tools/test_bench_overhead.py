@@ -151,7 +151,7 @@ def test_smoke_the_dropin_target_with_redis_over_two_answer_lengths(tmp_path: Pa
     assert "--config" not in command and not list((tmp_path / "logs").glob("*.yaml"))
     assert f"--redis-url {conftest.REDIS_URL}" in command
     assert " serve " in command and "--prefill http://" in command and "--decode http://" in command
-    assert "DISAGG_ROUTER_KEY_PREFIX=" in command
+    assert "DISAGG_ROUTER_STORE_KEY_PREFIX=" in command
 
     md = result["_markdown"]
     for column in ("answer tokens", "TTFT p99.9", "added TTFT p99.9", "router CPU-ms / request"):
@@ -184,8 +184,8 @@ def test_the_dropin_command_line_is_the_deployed_one(tmp_path: Path) -> None:
     assert parsed.redis_url == "redis://127.0.0.1:6379/3" and parsed.port == 4
     assert [p[0] for p in parsed.prefill] == prefill and parsed.decode == decode
     assert parsed.adapter is None  # vllm: the drop-in's own default, not said
-    prefix = env["DISAGG_ROUTER_KEY_PREFIX"]
-    assert prefix.endswith(":") and prefix != env_again["DISAGG_ROUTER_KEY_PREFIX"]
+    prefix = env["DISAGG_ROUTER_STORE_KEY_PREFIX"]
+    assert prefix.endswith(":") and prefix != env_again["DISAGG_ROUTER_STORE_KEY_PREFIX"]
 
 
 def test_the_stand_in_worker_tells_what_the_dropin_reads() -> None:

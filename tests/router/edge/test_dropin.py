@@ -165,7 +165,7 @@ async def test_vllm_form_with_only_flags(redis_prefix: str) -> None:
             "--redis-url",
             REDIS_URL,
         ]
-        async with _router(args, {"DISAGG_ROUTER_KEY_PREFIX": redis_prefix}) as (url, log):
+        async with _router(args, {"DISAGG_ROUTER_STORE_KEY_PREFIX": redis_prefix}) as (url, log):
             await _check_discovered(url)
             n = await _serve_all_four(url)
             assert "state is kept in this process" not in log.read_text()
