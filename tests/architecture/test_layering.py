@@ -23,6 +23,7 @@ only). The tools are one namespaced package, `disagg_tools`, each of its subpack
                                                  the worker's toy model)
     disagg_tools.experiments → policies, simcluster, traces, goodput
                                                  the simulator experiments
+    disagg_tools.kubeapi    → uvrun              the stand-in Kubernetes API server
     disagg_tools.uvrun      → (nothing)          the uvloop start-up of the tools (the router
                                                  picks its loop itself: it imports no uvrun)
     disagg_tools.launcher   → anything           the umbrella CLI, local cluster, validation
@@ -53,6 +54,7 @@ ROOT = REPO
 
 T = "disagg_tools"
 SIM, SIMCLUSTER, UVRUN, LAUNCHER = f"{T}.sim", f"{T}.simcluster", f"{T}.uvrun", f"{T}.launcher"
+KUBEAPI = f"{T}.kubeapi"
 # The client tools: four products over the modules they share.
 REPLAY, OVERHEAD, LOADGEN, EXPERIMENTS = (
     f"{T}.replay",
@@ -62,8 +64,10 @@ REPLAY, OVERHEAD, LOADGEN, EXPERIMENTS = (
 )
 PROCS, TRACES, PROGRESS, GOODPUT = f"{T}.procs", f"{T}.traces", f"{T}.progress", f"{T}.goodput"
 CLIENT_TOOLS = (REPLAY, OVERHEAD, LOADGEN, EXPERIMENTS, PROCS, TRACES, PROGRESS, GOODPUT)
-FIRST_PARTY = ("policies", "state", "router", T, SIM, SIMCLUSTER, *CLIENT_TOOLS, UVRUN, LAUNCHER)
-UPPER_TOOLS = frozenset({SIM, *CLIENT_TOOLS})  # what policies, state and simcluster never load
+TOOLS = (SIM, SIMCLUSTER, *CLIENT_TOOLS, KUBEAPI, UVRUN, LAUNCHER)
+FIRST_PARTY = ("policies", "state", "router", T, *TOOLS)
+# What policies, state and simcluster never load.
+UPPER_TOOLS = frozenset({SIM, *CLIENT_TOOLS, KUBEAPI})
 ANYTHING = frozenset(FIRST_PARTY)
 
 ALLOWED: dict[str, frozenset[str]] = {
@@ -81,6 +85,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     OVERHEAD: frozenset({PROCS, PROGRESS, UVRUN, f"{SIMCLUSTER}.metrics"}),
     LOADGEN: frozenset({PROCS, TRACES, UVRUN, f"{SIM}.textgen"}),
     EXPERIMENTS: frozenset({"policies", SIMCLUSTER, TRACES, GOODPUT}),
+    KUBEAPI: frozenset({UVRUN}),
     UVRUN: frozenset(),
     LAUNCHER: ANYTHING,
 }
