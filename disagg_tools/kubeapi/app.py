@@ -5,7 +5,8 @@
     GET    /api/v1/namespaces/{ns}/pods                   one namespace (list or ?watch=1)
     POST   /api/v1/namespaces/{ns}/pods                   create
     GET    /api/v1/namespaces/{ns}/pods/{name}            one pod
-    PUT    /api/v1/namespaces/{ns}/pods/{name}            replace
+    PUT    /api/v1/namespaces/{ns}/pods/{name}            replace (409 Conflict on a stale
+                                                          metadata.resourceVersion)
     DELETE /api/v1/namespaces/{ns}/pods/{name}            delete (at once: no grace period)
     ... and the same under /apis/discovery.k8s.io/v1 for endpointslices.
     POST   /standin/faults                                the fault knobs for another process
@@ -138,6 +139,17 @@ def _item(group_version: str) -> Callable[[web.Request], Any]:
                 return obj
             if obj["metadata"].get("name") != name:
                 return status_response(400, "metadata.name must match the URL")
+            sent = obj["metadata"].get("resourceVersion")
+            if sent and sent != store.get(r.name, ns, name)["metadata"]["resourceVersion"]:
+                # Optimistic concurrency: a replace of a version that is no longer current.
+                return status_response(
+                    409,
+                    f'Operation cannot be fulfilled on {r.name} "{name}": the object has been '
+                    "modified; please apply your changes to the latest version and try again",
+                    "Conflict",
+                    name=name,
+                    kind=r.name,
+                )
             return _json(store.replace(r.name, obj))
         except NotFound:
             return _not_found(r.name, name)

@@ -26,6 +26,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from disagg_tools.kubeapi.kubeconfig import write_kubeconfig
 from disagg_tools.kubeapi.selectors import SelectorError, parse_label_selector
 from disagg_tools.kubeapi.server import KubeApiServer, KubeApiSettings, running_kubeapi
+from disagg_tools.kubeapi.store import NotFound
 from disagg_tools.kubeapi.watch import WatchSettings
 from tests.paths import REPO
 
@@ -587,6 +588,46 @@ async def test_kubectl_watch_sees_an_added_and_a_deleted_pod(
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         await proc.wait()
+
+
+@needs_kubectl
+async def test_kubectl_deletes_a_pod(api: KubeApiServer, tmp_path: Path) -> None:
+    kc = write_kubeconfig(tmp_path / "kubeconfig", api.url)
+    proc = await kubectl(kc, "delete", "pod", "decode-1", "--wait=true")
+    out, err = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode == 0, err.decode()
+    assert b'"decode-1" deleted' in out
+    with pytest.raises(NotFound):
+        api.pod("decode-1")
+
+
+async def test_writes_over_http_and_the_fault_surface(api: KubeApiServer) -> None:
+    """What another process (the simulator) uses: the API's own write verbs with optimistic
+    concurrency, and POST /standin/faults."""
+    pods = f"{api.url}/api/v1/namespaces/default/pods"
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{pods}/decode-0") as r:
+            pod = await r.json()
+        stale = json.loads(json.dumps(pod))
+        pod["metadata"]["labels"]["role"] = "prefill"
+        async with s.put(f"{pods}/decode-0", json=pod) as r:
+            assert r.status == 200
+        async with s.put(f"{pods}/decode-0", json=stale) as r:  # an older resourceVersion
+            assert r.status == 409 and (await r.json())["reason"] == "Conflict"
+        assert api.pod("decode-0")["metadata"]["labels"]["role"] == "prefill"
+        async with s.post(pods, json={"metadata": {"name": "decode-0"}, "spec": {}}) as r:
+            assert r.status == 409 and (await r.json())["reason"] == "AlreadyExists"
+        old = api.store.rv
+        async with s.post(f"{api.url}/standin/faults", json={"compact": True}) as r:
+            assert r.status == 200
+        async with s.post(
+            f"{api.url}/standin/faults", json={"fail_next": 1, "fail_status": 429}
+        ) as r:
+            assert r.status == 200
+        async with s.get(pods) as r:
+            assert r.status == 429 and r.headers["Retry-After"] == "1"
+        _, events = await raw_events(f"{pods}?watch=1&resourceVersion={old - 1}", until=1)
+        assert events[0]["object"]["code"] == 410
 
 
 # ── the command line ──────────────────────────────────────────────────────────────────────────
