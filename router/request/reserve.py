@@ -7,7 +7,9 @@ hand). Every reservation is admitted by the fairness policy (router/admission.py
 the seat's tenant is charged the estimate, `Seat.charge`, settled at its release by
 router/request/lifecycle.py); a request that gives up leaves the queue (`withdraw`).
 `estimate` builds the `RequestInfo` it places. What is reserved is owned from then on by its
-holdings (router/request/holdings.py): its growth and its release are theirs.
+holdings (router/request/holdings.py): its growth and its release are theirs. Whether it takes a
+slot, places, waits or is refused is router/request/admit.py's decision (pure): the loop here
+reads the facts it decides on and does what it says.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from dataclasses import dataclass, replace
 from policies.base import (
     AdmissionCost,
     Candidate,
-    Charge,
     ClusterView,
     OutputEstimate,
     OutputLengthEstimator,
@@ -32,7 +33,7 @@ from policies.base import (
 )
 from policies.fairness import admission_charge, estimate_cost
 from policies.overruns import LiveOverruns, OverrunMargin
-from policies.tenant_classes import own_classes, record_keys_of
+from policies.tenant_classes import record_keys_of
 from router.admission import Admission, QueueFull
 from router.config import Settings
 from router.errors import NoCapacity, NotInRotation
@@ -55,8 +56,8 @@ from router.request.attempt import Ask, Attempt, Call, loop_time
 from router.request.fit import never_fits
 from router.request.holdings import Book, Reservation, StrandedEntry
 from router.request.pairing import Pairing
-from router.request.quota import QuotaHold, within_block_limit
-from router.tenants import TenantSpec
+from router.request.quota import within_block_limit
+from router.request.seat import Seat
 from router.workers.membership import Membership
 from router.workers.placement_view import PlacementView
 from router.workers.rotation import models_of, pool_alive, retry_after_s, why_empty
@@ -65,71 +66,6 @@ from state.base import StateStore, StoreError, StrandIntent
 __all__ = ["Reserver", "Seat"]
 
 log = logging.getLogger(__name__)
-
-
-class Seat:
-    """The request's place under the router's concurrency cap: its queue ticket, its tenant,
-    whether it has entered (it leaves once, at the end: router/request/lifecycle.py `cleanup`),
-    and what the fairness policy charged for the reservation it holds (`charge`, from when it
-    was made, `reserved_at`: settled at its release)."""
-
-    __slots__ = (
-        "ticket",
-        "tenant",
-        "admitted",
-        "charge",
-        "reserved_at",
-        "quota",
-        "_keyed",
-        "_keys",
-        "_record",
-    )
-
-    def __init__(self, ticket: int, tenant: TenantSpec) -> None:
-        self.ticket = ticket
-        self.tenant = tenant
-        self.admitted = False
-        self.charge: Charge | None = None
-        self.reserved_at = 0.0
-        self.quota: QuotaHold | None = None  # its share of the tenant's quota, settled at the end
-        # The estimator's classes of the request as estimated (`keyed`), and those of them its
-        # answer counts in (`class_keys`), decided from the statistics read for the estimate.
-        self._keyed: RequestInfo | None = None
-        self._keys: tuple[str, ...] = ()
-        self._record: tuple[str, ...] = ()
-
-    def __repr__(self) -> str:
-        return f"Seat(ticket={self.ticket}, tenant={self.tenant.name}, admitted={self.admitted})"
-
-    def priority(self, asked: object) -> int:
-        """The request's class: its tenant's, or a less urgent one the body asks for (a larger
-        `priority`); a request may not make itself more urgent than its tenant. The anonymous
-        `default` tenant of open mode bounds nothing: the body's priority as it is (else 0)."""
-        if not isinstance(asked, int):
-            return self.tenant.priority
-        return asked if self.tenant.implicit else max(self.tenant.priority, asked)
-
-    def class_keys(self, estimator: OutputLengthEstimator, info: RequestInfo) -> tuple[str, ...]:
-        """The classes `info`'s answer counts in: its reservation's live overruns and the
-        release's record (router/request/lifecycle.py `settle`). Kept from its estimate
-        (`keyed`), not computed again (~1.7 us each). Without a named tenant, every class of
-        the request; a named tenant's own classes, and the shared ones it may still feed
-        (policies/tenant_classes.py `record_keys_for`). For a request not estimated here (or a
-        resumed try's other classes): the tenant's own classes only — never feed the shared
-        classes without the counts that bound it."""
-        if info is self._keyed:
-            return self._record
-        keys = tuple(estimator.class_keys(info))
-        return self._record if keys == self._keys else own_classes(keys)
-
-    def keyed(self, info: RequestInfo, keys: tuple[str, ...], record: tuple[str, ...]) -> None:
-        """`info`'s classes are `keys` and its answer counts in `record`: those of the request
-        it is the estimate of (a class names the request — model, prompt, cap, hint, tenant —
-        never the estimate made for it). A resumed try asks for the rest of the answer under
-        other classes: the first estimate's stand, the whole answer is recorded there."""
-        if self._keys and keys != self._keys:
-            return
-        self._keyed, self._keys, self._record = info, keys, record
 
 
 @dataclass(slots=True)
