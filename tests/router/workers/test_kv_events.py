@@ -43,7 +43,7 @@ from router.workers.kv_wire import (
     decode_batch,
     decode_seq,
 )
-from tests.app_parts import parts
+from tests.app_parts import AppParts, parts
 from tests.conftest import MODEL, REDIS_URL, running_router
 from tests.ports import free_port
 
@@ -200,8 +200,8 @@ class KvCluster:
         self.stacks: dict[str, contextlib.AsyncExitStack] = {}
 
     @property
-    def gw(self) -> Any:
-        return parts(self.app)
+    def parts(self) -> AppParts:
+        return AppParts(self.app)
 
     @property
     def hub(self) -> KvEventHub:
