@@ -6,10 +6,11 @@ the store's (`Drop`, `Store.compact`)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from .status import status_response
 
@@ -39,10 +40,9 @@ class Faults:
         )
 
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+def faults_middleware(faults: Faults, log: Callable[[web.Request], None]) -> Middleware:
+    """Applies `faults` to every request but the control surface's, logging each with `log`."""
 
-
-def faults_middleware(faults: Faults, log: Callable[[web.Request], None]) -> web.middleware:  # type: ignore[valid-type]
     @web.middleware
     async def apply(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith("/standin/"):

@@ -343,7 +343,7 @@ async def test_a_watch_is_a_chunked_json_lines_stream_from_the_documented_versio
     _, events = await raw_events(
         f"{base}?watch=1&resourceVersion={api.store.rv}&timeoutSeconds=1", until=99
     )
-    assert events == [] and 0.9 <= loop.time() - began < 3
+    assert events == [] and 0.9 <= loop.time() - began < 5
 
 
 async def test_a_watch_from_a_version_not_reached_yet_waits_and_sends_each_change_once(
