@@ -20,7 +20,7 @@ from router.control.role_manager import ROLES, RoleManager
 from router.control.scaling import DemandMeter, export_scaling, scaling_report
 from router.edge.admin import ADMIN, AdminView, add_admin_routes
 from router.edge.auth import check_scrape
-from router.edge.front_door import RequestCount, enter
+from router.edge.front_door import Entry, RequestCount, enter
 from router.edge.passthrough import (
     PASSTHROUGH_ROUTES,
     RESPONSES_ROUTE,
@@ -45,7 +45,7 @@ from router.histograms import HistogramCache
 from router.leases import LeaseKeeper
 from router.logs import bind_request_id
 from router.metrics import RouterMetrics
-from router.openai.api import CHAT, COMPLETIONS
+from router.openai.api import CHAT, COMPLETIONS, ParsedRequest
 from router.openai.prompt_tokens import parse_generation
 from router.openai.responses_pd import RESPONSES, serves_split
 from router.request.lifecycle import ClientSide, RequestFlow, RequestStages
@@ -116,42 +116,14 @@ class _AiohttpClient:
 
 
 async def _generate(request: web.Request, path: str) -> web.StreamResponse:
-    s, metrics, serving = request.app[SETTINGS], request.app[METRICS], request.app[SERVING]
+    """Chat and completions: always the prefill/decode path."""
+    s, metrics, served = request.app[SETTINGS], request.app[METRICS], _served(request)
     with RequestCount(metrics, path) as count:
         entry = await enter(request, s)  # shutdown, API key, body, id (router/edge/front_door.py)
         count.tenant = entry.tenant.name
-        raw = entry.raw
         # Exact prompt tokens where the model has a tokenizer (router/openai/prompt_tokens.py).
-        served = served_models(s, serving.pools)
-        parsed = await parse_generation(path, raw, s, served, metrics)
-        if path == RESPONSES and not serves_split(s, serving.pools, parsed.body):
-            # No NIXL-pull prefill worker in rotation (or built-in tools): whole on one worker.
-            sent = orjson.dumps(parsed.body)
-            resp = await forward(
-                request.app[_PASSTHROUGH],
-                request,
-                RESPONSES_ROUTE,
-                sent,
-                parsed.model,
-                request_id=entry.request_id,
-                stream=parsed.stream,
-            )
-            count.status = resp.status
-            return resp
-        client = _AiohttpClient(request)
-        client_side = ClientSide(parsed, request.headers, client.start_stream)
-        flow = RequestFlow(serving.stages, client_side, entry.request_id, entry.tenant)
-        bind_request_id(flow.request_id)  # on every log line of this request (router/logs.py)
-        model = parsed.model or s.models[0]
-        serving.demand.note_arrival(model, parsed.prompt_tokens)  # router/control/scaling.py
-        with request.app[SHUTDOWN].track(flow):
-            try:
-                body = await flow.run()
-                count.status = flow.status
-                return client.answer(body, flow.request_id)
-            finally:
-                await asyncio.shield(flow.cleanup())
-                serving.demand.note_output(model, flow.output_tokens or 0)
+        parsed = await parse_generation(path, entry.raw, s, served, metrics)
+        return await _serve(request, entry, parsed, count)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -165,7 +137,50 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def responses(request: web.Request) -> web.StreamResponse:
     """Stateless Responses requests: the prefill/decode path (router/openai/responses_pd.py), else
     whole on one worker (router/openai/responses.py)."""
-    return await _generate(request, RESPONSES)
+    s, metrics, served = request.app[SETTINGS], request.app[METRICS], _served(request)
+    with RequestCount(metrics, RESPONSES) as count:
+        entry = await enter(request, s)
+        count.tenant = entry.tenant.name
+        parsed = await parse_generation(RESPONSES, entry.raw, s, served, metrics)
+        if serves_split(s, request.app[SERVING].pools, parsed.body):
+            return await _serve(request, entry, parsed, count)
+        # No NIXL-pull prefill worker in rotation (or built-in tools): whole on one worker.
+        resp = await forward(
+            request.app[_PASSTHROUGH],
+            request,
+            RESPONSES_ROUTE,
+            orjson.dumps(parsed.body),
+            parsed.model,
+            request_id=entry.request_id,
+            stream=parsed.stream,
+        )
+        count.status = resp.status
+        return resp
+
+
+def _served(request: web.Request) -> tuple[str, ...]:
+    return served_models(request.app[SETTINGS], request.app[SERVING].pools)
+
+
+async def _serve(
+    request: web.Request, entry: Entry, parsed: ParsedRequest, count: RequestCount
+) -> web.StreamResponse:
+    """One request's flow through the prefill/decode path (router/request/lifecycle.py)."""
+    serving = request.app[SERVING]
+    client = _AiohttpClient(request)
+    client_side = ClientSide(parsed, request.headers, client.start_stream)
+    flow = RequestFlow(serving.stages, client_side, entry.request_id, entry.tenant)
+    bind_request_id(flow.request_id)  # on every log line of this request (router/logs.py)
+    model = parsed.model or request.app[SETTINGS].models[0]
+    serving.demand.note_arrival(model, parsed.prompt_tokens)  # router/control/scaling.py
+    with request.app[SHUTDOWN].track(flow):
+        try:
+            body = await flow.run()
+            count.status = flow.status
+            return client.answer(body, flow.request_id)
+        finally:
+            await asyncio.shield(flow.cleanup())
+            serving.demand.note_output(model, flow.output_tokens or 0)
 
 
 def served_models(settings: Settings, pools: Pools) -> tuple[str, ...]:

@@ -2,10 +2,11 @@
 (the contract both relays keep: router/relay/contract.py).
 
 No per-chunk JSON parsing: each read of aiohttp's body stream goes through the shared SSE
-cutter (router/relay/sse_cut.py) and what it gives back is forwarded as read (so a burst the client
-is too slow for is coalesced by the socket, not by us); the forwarded pieces are kept so that a
-failure can later be told exactly what the client already has (`parse_sent_text`). The splice
-relay (router/relay/splice.py) keeps the same contract from the upstream protocol's callbacks.
+cutter (router/relay/sse_cut.py) and what it gives back is forwarded as read (so a burst the
+client is too slow for is coalesced by the socket, not by us); the forwarded pieces are kept so
+that a failure can later be told exactly what the client already has (router/request/resume.py
+`sent_text`). The splice relay (router/relay/splice.py) keeps the same contract from the upstream
+protocol's callbacks.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import sys
 from collections.abc import Callable
 
 import aiohttp
-import orjson
 from aiohttp import web
 
 from router.relay.contract import NO_FIRST_EVENT, RelayObserver, RelayResult, Rewrite
@@ -33,15 +33,12 @@ __all__ = [
     "RelayResult",
     "relay_sse",
     "count_tokens",
-    "parse_sent_text",
     "split_at_error",
     "NO_FIRST_EVENT",
     "ERROR_EVENT",
     "MALFORMED_FIRST_EVENT",
     "malformed",
 ]
-
-_DONE = b"data: [DONE]"
 
 
 async def relay_sse(
@@ -115,31 +112,3 @@ async def relay_sse(
     if not result.completed and result.upstream_error is None:
         result.upstream_error = f"decode stream ended without {cutter.end_name}"
     return result
-
-
-def parse_sent_text(chunks: list[bytes], chat: bool) -> tuple[str, int]:
-    """The answer text and token count the client has received, from the relayed raw chunks.
-
-    Only whole events count: a trailing partial event never reached the client as a token (the
-    client's SSE parser drops it), so it is not part of what was sent.
-    """
-    raw = b"".join(chunks)
-    events = raw.split(b"\n\n")
-    if not raw.endswith(b"\n\n"):
-        events = events[:-1]
-    parts: list[str] = []
-    tokens = 0
-    for event in events:
-        for line in event.split(b"\n"):
-            if not line.startswith(b"data: ") or line == _DONE:
-                continue
-            try:
-                obj = orjson.loads(line[6:])
-            except orjson.JSONDecodeError:
-                continue
-            for choice in obj.get("choices") or ():
-                piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                if piece:
-                    parts.append(piece)
-                    tokens += 1
-    return "".join(parts), tokens

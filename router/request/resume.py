@@ -21,7 +21,6 @@ import orjson
 from router.config import Settings
 from router.errors import UpstreamError
 from router.openai.api import CHAT, ParsedRequest
-from router.relay.aiohttp_relay import parse_sent_text
 from router.request.attempt import Ask, Call
 from router.tokens.loaded import tokenizer_for
 from router.workers.membership import Membership
@@ -43,7 +42,7 @@ class Resumer:
     async def ask(self, call: Call, sent: list[bytes]) -> Ask:
         """The try that continues the answer whose events so far are `sent`."""
         parsed = call.parsed
-        text, resumed = parse_sent_text(sent, parsed.path == CHAT)
+        text, resumed = sent_text(sent, parsed.path == CHAT)
         resumed = max(resumed, await self.tokens_in(call, text))
         body, prompt_tokens, max_tokens = resume_body(
             parsed, text, resumed, self.settings.estimates.chars_per_token
@@ -135,3 +134,31 @@ def resume_body(
     else:
         prompt_tokens = parsed.prompt_tokens + int(len(sent_text) / chars_per_token + 0.999)
     return body, prompt_tokens, remaining
+
+
+def sent_text(chunks: list[bytes], chat: bool) -> tuple[str, int]:
+    """The answer text and token count the client has received, from the relayed raw chunks.
+
+    Only whole events count: a trailing partial event never reached the client as a token (the
+    client's SSE parser drops it), so it is not part of what was sent.
+    """
+    raw = b"".join(chunks)
+    events = raw.split(b"\n\n")
+    if not raw.endswith(b"\n\n"):
+        events = events[:-1]
+    parts: list[str] = []
+    tokens = 0
+    for event in events:
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            try:
+                obj = orjson.loads(line[6:])
+            except orjson.JSONDecodeError:
+                continue
+            for choice in obj.get("choices") or ():
+                piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                if piece:
+                    parts.append(piece)
+                    tokens += 1
+    return "".join(parts), tokens

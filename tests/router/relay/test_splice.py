@@ -20,7 +20,7 @@ from aiohttp import web
 from openai import AsyncOpenAI
 
 from router.config import ConfigError, settings_from_mapping
-from router.relay.aiohttp_relay import RelayResult, count_tokens, parse_sent_text
+from router.relay.aiohttp_relay import RelayResult, count_tokens
 from router.relay.splice import relay_splice
 from router.relay.upstream_pool import (
     SpliceConnectError,
@@ -28,6 +28,7 @@ from router.relay.upstream_pool import (
     SplicePool,
     SpliceResponse,
 )
+from router.request.resume import sent_text
 from tests.conftest import MODEL, sim_cluster
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -274,7 +275,7 @@ async def test_raw_client_gets_whole_events_and_a_correct_chunked_end() -> None:
         assert result.completed and not result.client_gone and result.upstream_error is None
         assert result.tokens == len(TEXT) == count_tokens(SSE_BODY, True)
         assert b"".join(result.chunks) == SSE_BODY
-        assert parse_sent_text(result.chunks, True) == ("".join(TEXT), len(TEXT))
+        assert sent_text(result.chunks, True) == ("".join(TEXT), len(TEXT))
         assert f.first_tokens == 1
         assert f.token_totals == sorted(f.token_totals) and f.token_totals[-1] == len(TEXT)
 
@@ -531,12 +532,12 @@ def test_relay_setting_is_validated() -> None:
     aiohttp = settings_from_mapping({"upstream": {"relay": "aiohttp"}})
     assert aiohttp.upstream.relay == "aiohttp"
     with pytest.raises(ConfigError, match="relay"):
-        settings_from_mapping({"relay": "sendfile"})
+        settings_from_mapping({"upstream": {"relay": "sendfile"}})
 
 
 async def test_router_with_aiohttp_relay_streams_and_answers_whole(redis_prefix: str) -> None:
     """The other transport, still a supported setting (and the one https:// workers use)."""
-    async with sim_cluster(redis_prefix=redis_prefix, relay="aiohttp") as c:
+    async with sim_cluster(redis_prefix=redis_prefix, upstream={"relay": "aiohttp"}) as c:
         assert c.parts.splice is None
         body = {
             "model": MODEL,
@@ -557,7 +558,7 @@ async def test_router_with_aiohttp_relay_streams_and_answers_whole(redis_prefix:
 
 # -- the whole router on the splice relay ----------------------------------------------------
 async def test_router_with_splice_relay_streams_and_answers_whole(redis_prefix: str) -> None:
-    async with sim_cluster(redis_prefix=redis_prefix, relay="splice") as c:
+    async with sim_cluster(redis_prefix=redis_prefix, upstream={"relay": "splice"}) as c:
         assert c.parts.splice is not None
         body = {
             "model": MODEL,
@@ -584,7 +585,7 @@ async def test_router_with_splice_relay_streams_and_answers_whole(redis_prefix: 
 async def test_router_with_splice_relay_aborts_the_decode_when_the_client_leaves(
     redis_prefix: str,
 ) -> None:
-    async with sim_cluster(redis_prefix=redis_prefix, relay="splice") as c:
+    async with sim_cluster(redis_prefix=redis_prefix, upstream={"relay": "splice"}) as c:
         body = {
             "model": MODEL,
             "messages": [{"role": "user", "content": "walk away"}],
