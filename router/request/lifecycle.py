@@ -87,8 +87,8 @@ def _no_resume(parsed: ParsedRequest, sent: list[bytes], failure: LegFailure) ->
 
 @dataclass(frozen=True, slots=True)
 class RequestStages:
-    """The request path's stages, each built once per app with what it uses (router/edge/gateway.py
-    assembles them), and what the orchestrator itself reads."""
+    """The request path's stages, each built once per app with what it uses
+    (router/edge/request_stages.py assembles them), and what the orchestrator itself reads."""
 
     settings: Settings
     metrics: RouterMetrics
