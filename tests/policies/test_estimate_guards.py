@@ -53,8 +53,7 @@ async def test_a_hint_of_one_on_long_answers_no_longer_over_commits(
         redis_prefix=redis_prefix,
         kv_blocks=45,
         time_scale=50.0,
-        estimator="hint",
-        trust_hints=trusted,
+        estimates={"estimator": "hint", "trust_hints": trusted},
     ) as c:
         gw = c.parts
         async with aiohttp.ClientSession() as s:
@@ -81,9 +80,8 @@ async def test_live_overruns_raise_the_estimate_before_they_complete(redis_prefi
     async with sim_cluster(
         redis_prefix=redis_prefix,
         time_scale=20.0,
-        estimator="online_quantile",
-        estimator_args={"min_samples": 5},
-        histogram_refresh_s=0.05,
+        estimates={"estimator": "online_quantile", "estimator_args": {"min_samples": 5}},
+        loops={"histogram_refresh_s": 0.05},
     ) as c:
         gw = c.parts
         probe = RequestInfo("probe", MODEL, prompt_tokens=8, max_tokens=500)
@@ -125,8 +123,7 @@ async def test_forced_growth_keeps_a_margin_back_on_its_worker(redis_prefix: str
         redis_prefix=redis_prefix,
         kv_blocks=12,
         time_scale=5.0,
-        estimator="hint",
-        trust_hints=True,
+        estimates={"estimator": "hint", "trust_hints": True},
         # Growth is forced only where nothing may be preempted (issue 31): here, nothing may.
         preemption={"enabled": False},
     ) as c:
@@ -148,7 +145,7 @@ async def test_no_room_expected_before_the_deadline_is_refused_at_once(redis_pre
         redis_prefix=redis_prefix,
         kv_blocks=400,
         time_scale=1.0,
-        estimator="max_tokens",
+        estimates={"estimator": "max_tokens"},
         admission={"max_wait_s": 8.0},
     ) as c:
         gw = c.parts
@@ -184,7 +181,7 @@ async def test_a_large_request_at_the_head_does_not_hold_back_a_small_one_that_f
         redis_prefix=redis_prefix,
         kv_blocks=100,
         time_scale=50.0,
-        estimator="max_tokens",
+        estimates={"estimator": "max_tokens"},
         admission={"max_wait_s": 4.0},
     ) as c:
         gw = c.parts
@@ -222,7 +219,9 @@ async def test_a_burst_of_pending_reservations_is_not_taken_for_forced_growth(
     count with this replica's reservations still on their way: a burst's pending blocks (or
     two replicas racing for the same room) are no growth, and a margin learned from them
     closed the workers to the normal clients of issue 20's reproduction."""
-    async with sim_cluster(redis_prefix=redis_prefix, kv_blocks=100, estimator="max_tokens") as c:
+    async with sim_cluster(
+        redis_prefix=redis_prefix, kv_blocks=100, estimates={"estimator": "max_tokens"}
+    ) as c:
         gw = c.parts
 
         gw.pools.note_pending("d0", 5_000)

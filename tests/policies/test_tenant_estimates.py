@@ -355,9 +355,11 @@ async def test_live_a_tenants_short_answers_do_not_size_another_tenants_reservat
         kv_blocks=3000,
         time_scale=5000.0,
         tenants=tenants,
-        estimator="online_quantile",
-        estimator_args={"quantile": 0.9, "min_samples": MIN},
-        histogram_refresh_s=0.1,
+        estimates={
+            "estimator": "online_quantile",
+            "estimator_args": {"quantile": 0.9, "min_samples": MIN},
+        },
+        loops={"histogram_refresh_s": 0.1},
     ) as c:
         gw = c.parts
         url = c.router_url

@@ -183,11 +183,11 @@ A_CLIENTS = MAX_WAITERS + 8  # more open requests than the queue has places
 B_REQUESTS = 10
 
 # One request reserves (~8 prompt + 64 output tokens) / 16 = 5 blocks: 3 run at once on 15.
+_QUEUE: dict[str, Any] = {"max_waiters": MAX_WAITERS, "max_wait_s": 60}  # with its fairness
 _CLUSTER: dict[str, Any] = {
     "kv_blocks": 15,
-    "estimator": "max_tokens",
+    "estimates": {"estimator": "max_tokens"},
     "tenants": [{"name": "a", "keys": [KEY_A]}, {"name": "b", "keys": [KEY_B]}],
-    "admission": {"max_waiters": MAX_WAITERS, "max_wait_s": 60},
     "timeouts": {"ttft_s": 60},
 }
 
@@ -233,7 +233,7 @@ async def test_a_tenant_below_its_share_is_served_while_another_floods_the_queue
     async with sim_cluster(
         redis_prefix=redis_prefix if store == "redis" else None,
         time_scale=100.0,
-        fairness=fairness,
+        admission={**_QUEUE, "fairness": fairness},
         **_CLUSTER,
     ) as c:
         admission = c.parts.admission

@@ -37,7 +37,7 @@ from aiohttp import web
 from openai import AsyncOpenAI
 
 import tests.conftest as top_conftest
-from router.config import settings_from_mapping
+from router.config import merged_settings, settings_from_mapping
 from tests.app_parts import AppParts
 from tests.conftest import free_port, running_router
 from tests.engines import EngineProcess, EngineSuite, http_get
@@ -305,17 +305,14 @@ def router_settings(
         "model": SERVED,
         "perf": {"model": "tiny-llama", "gpu": "h100", "block_size": 1},
         "max_model_len": 8192,
-        "redis_url": top_conftest.REDIS_URL,
-        "key_prefix": key_prefix,
+        "store": {"url": top_conftest.REDIS_URL, "key_prefix": key_prefix},
+        "loops": {"health_interval_s": 0.5, "health_timeout_s": 10, "state_refresh_s": 0.05},
         "workers": workers,
         # The model's own tokenizer: exact prompt counts, and the resume's count of what was sent.
-        "tokenizers": {SERVED: str(MODEL_DIR)},
-        "health_interval_s": 0.5,
-        "health_timeout_s": 10,
-        "state_refresh_s": 0.05,
+        "estimates": {"tokenizers": {SERVED: str(MODEL_DIR)}},
         "timeouts": {"connect_s": 10, "prefill_s": 120, "ttft_s": 180, "idle_s": 60},
     }
-    raw.update(overrides)
+    raw = merged_settings(raw, overrides)  # a group's given settings replace only their own
     return raw
 
 

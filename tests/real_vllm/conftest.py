@@ -37,7 +37,7 @@ from openai import AsyncOpenAI
 import tests.conftest as top_conftest
 from router.adapters.base import ProtocolViolation
 from router.adapters.vllm import VllmNixlAdapter
-from router.config import settings_from_mapping
+from router.config import merged_settings, settings_from_mapping
 from tests.app_parts import AppParts
 from tests.conftest import free_port, running_router
 from tests.engines import EngineProcess, EngineSuite, http_post_json
@@ -400,21 +400,18 @@ def router_settings(cluster: VllmCluster, key_prefix: str, **overrides: Any) -> 
         "layout": {"engine": "vllm", "engine_version": VLLM_VERSION},
         "max_model_len": MAX_MODEL_LEN,
         # Read when used: the session may have started a private Redis (tests/conftest.py).
-        "redis_url": top_conftest.REDIS_URL,
-        "key_prefix": key_prefix,
+        "store": {"url": top_conftest.REDIS_URL, "key_prefix": key_prefix},
         "workers": workers,
-        "health_interval_s": 0.5,
         # Three engines share 2 cores: /health can take seconds.
-        "health_timeout_s": 10,
+        "loops": {"health_interval_s": 0.5, "health_timeout_s": 10, "state_refresh_s": 0.05},
         # Below the engines' kv_lease_duration (300 s, see VllmServer.command): a decode that
         # has not started by then is given up while P still holds the KV.
-        "kv_lease_s": 120,
-        "state_refresh_s": 0.05,
+        "leases": {"kv_s": 120},
         "timeouts": {"connect_s": 10, "prefill_s": 180, "ttft_s": 240, "idle_s": 120},
     }
     if os.environ.get("DR_TEST_RELAY"):  # as tests/conftest.py's sim_cluster
-        raw["relay"] = os.environ["DR_TEST_RELAY"]
-    raw.update(overrides)
+        raw["upstream"] = {"relay": os.environ["DR_TEST_RELAY"]}
+    raw = merged_settings(raw, overrides)  # a group's given settings replace only their own
     return raw
 
 

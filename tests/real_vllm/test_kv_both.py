@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from router.config import settings_from_mapping
+from router.config import merged_settings, settings_from_mapping
 from router.control.role_manager import ROLES
 from tests.conftest import running_router
 from tests.real_vllm.conftest import (
@@ -77,11 +77,14 @@ async def _router(pair: VllmCluster, prefix: str) -> AsyncIterator[RealRouter]:
     for w in raw["workers"]:
         w["role"] = "both"
         w["kv_blocks"] = pair.decodes[0].num_gpu_blocks()
-    raw.update(
-        admin_token=TOKEN,
-        registry_refresh_s=0.2,
-        roles={"interval_s": 0.2, "settle_s": 0.5, "drain_deadline_s": 120},
-        admission={"max_wait_s": 120},
+    raw = merged_settings(
+        raw,
+        {
+            "auth": {"admin_token": TOKEN},
+            "loops": {"registry_refresh_s": 0.2},
+            "roles": {"interval_s": 0.2, "settle_s": 0.5, "drain_deadline_s": 120},
+            "admission": {"max_wait_s": 120},
+        },
     )
     async with running_router(settings_from_mapping(raw)) as (url, app):
         yield RealRouter(url=url, app=app, cluster=pair)

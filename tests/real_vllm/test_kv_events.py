@@ -221,7 +221,7 @@ async def _router(cluster: EventsCluster, prefix: str) -> AsyncIterator[RealRout
     # router_settings' shape for one prefill and one decode, then the second prefill and every
     # worker's events; the model's own tokenizer, so text prompts hash as the engines' tokens.
     pair = VllmCluster(prefill=cluster.prefills[0], decodes=[cluster.decode], workdir=Path("."))
-    raw = router_settings(pair, prefix, tokenizers={SERVED: str(MODEL_DIR)})
+    raw = router_settings(pair, prefix, estimates={"tokenizers": {SERVED: str(MODEL_DIR)}})
     second = dict(raw["workers"][0], id="pb", url=cluster.prefills[1].url)
     raw["workers"].insert(1, second)
     for w in raw["workers"]:

@@ -52,8 +52,7 @@ async def exact_router(vllm_cluster: VllmCluster, redis_prefix: str) -> AsyncIte
     async with real_router(
         vllm_cluster,
         redis_prefix,
-        tokenizers={SERVED: str(MODEL_DIR)},
-        estimator=f"{__name__}:Recording",
+        estimates={"tokenizers": {SERVED: str(MODEL_DIR)}, "estimator": f"{__name__}:Recording"},
     ) as r:
         yield r
 

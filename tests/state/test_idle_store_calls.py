@@ -94,7 +94,7 @@ async def quiet_router(redis_prefix: str) -> AsyncIterator[SimCluster]:
     """Four simulated workers and a router at the default quiet cadences, once it is quiet:
     its refresher has backed off and rides on the registry sync's beat."""
     async with sim_cluster(
-        prefill=2, decode=2, redis_prefix=redis_prefix, state_refresh_s=0.1
+        prefill=2, decode=2, redis_prefix=redis_prefix, loops={"state_refresh_s": 0.1}
     ) as cluster:
         refresher = cluster.parts.refresher
         await _within(5.0, lambda: _true(refresher.riding), "the refresher never rode")
@@ -233,7 +233,11 @@ async def test_a_busy_replica_alone_reads_the_usage_at_the_quiet_cadence(
     other = RedisStore(client, Keys(redis_prefix))  # another replica's store
     # 20 simulated ms a token at time scale 2: a 1,500-token answer streams for ~15 s.
     async with sim_cluster(
-        prefill=1, decode=1, redis_prefix=redis_prefix, state_refresh_s=0.1, time_scale=2.0
+        prefill=1,
+        decode=1,
+        redis_prefix=redis_prefix,
+        loops={"state_refresh_s": 0.1},
+        time_scale=2.0,
     ) as cluster:
         refresher = cluster.parts.refresher
         stream = _streaming(cluster, 1500)

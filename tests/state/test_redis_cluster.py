@@ -203,7 +203,7 @@ async def test_router_serves_requests_through_the_cluster(
     redis_cluster: PrivateRedisCluster, cluster_prefix: str, admin: RedisCluster
 ) -> None:
     cluster = sim_cluster(
-        redis_prefix=cluster_prefix, redis_url=redis_cluster.url, prefill=2, decode=2
+        redis_prefix=cluster_prefix, store={"url": redis_cluster.url}, prefill=2, decode=2
     )
     async with (
         cluster as c,

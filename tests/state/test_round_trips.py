@@ -44,11 +44,13 @@ CHAT = "/v1/chat/completions"
 # Background loops slowed down so that, within one request, only the request's own traffic and
 # its background jobs are on the wire (the retry-budget tally is tagged as background too).
 QUIET = {
-    "state_refresh_s": 30.0,
-    "registry_refresh_s": 30.0,
-    "histogram_refresh_s": 30.0,
-    "stranded_reap_s": 30.0,
-    "load_poll_s": 0,
+    "loops": {
+        "state_refresh_s": 30.0,
+        "registry_refresh_s": 30.0,
+        "histogram_refresh_s": 30.0,
+        "stranded_reap_s": 30.0,
+        "load_poll_s": 0,
+    },
 }
 FAST_RETRY = {"backoff_base_s": 0.005, "backoff_max_s": 0.02}
 

@@ -166,8 +166,8 @@ async def test_renewal_is_one_call_per_worker_and_failures_are_retried(
 async def cluster_on(redis: PrivateRedis, **settings: Any) -> AsyncIterator[SimCluster]:
     async with sim_cluster(
         redis_prefix="dr:",  # a private server: nothing else lives there
-        redis_url=redis.url,
-        reservation_lease_s=3.0,
+        store={"url": redis.url},
+        leases={"reservation_s": 3.0},
         time_scale=5.0,
         **FAST,
         **settings,
@@ -246,8 +246,7 @@ async def test_answers_outgrowing_a_full_worker_are_counted_past_capacity(
         redis_prefix=redis_prefix,
         kv_blocks=12,
         time_scale=2.0,
-        estimator="hint",
-        trust_hints=True,
+        estimates={"estimator": "hint", "trust_hints": True},
     ) as c:
         body = {
             "model": MODEL,
@@ -284,7 +283,7 @@ async def test_a_burst_larger_than_the_redis_pool_waits_for_connections(
     redis_prefix: str,
 ) -> None:
     async with sim_cluster(
-        redis_prefix=redis_prefix, redis_max_connections=2, redis_pool_timeout_s=30.0, **FAST
+        redis_prefix=redis_prefix, store={"max_connections": 2, "pool_timeout_s": 30.0}, **FAST
     ) as c:
         bodies = [body_for(i, max_tokens=8) for i in range(150)]
         results = await asyncio.gather(*(call(c, b, True) for b in bodies))

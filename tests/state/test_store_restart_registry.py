@@ -45,14 +45,11 @@ def _settings(redis_url: str, prefix: str, workers: list[dict[str, Any]]) -> Set
         {
             "model": MODEL,
             "perf": {"model": MODEL, "gpu": "h100"},
-            "redis_url": redis_url,
-            "key_prefix": prefix,
+            "store": {"url": redis_url, "key_prefix": prefix},
+            "auth": {"admin_token": TOKEN},
+            "loops": {"registry_refresh_s": 0.1, "health_interval_s": 0.5, "state_refresh_s": 0.05},
+            "leases": {"reservation_s": 3.0},
             "workers": workers,
-            "admin_token": TOKEN,
-            "registry_refresh_s": 0.1,
-            "health_interval_s": 0.5,
-            "state_refresh_s": 0.05,
-            "reservation_lease_s": 3.0,
             "roles": {"interval_s": 0.1, "settle_s": 0.2},
         }
     )

@@ -17,7 +17,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from disagg_tools.sim.textgen import expected_answer
 from disagg_tools.sim.worker import WorkerConfig, running_worker
-from router.config import settings_from_mapping
+from router.config import merged_settings, settings_from_mapping
 from state import Keys
 from tests.app_parts import parts
 from tests.conftest import MODEL, running_router, sim_cluster
@@ -42,9 +42,9 @@ async def test_a_decode_worker_deleted_during_the_prefill_still_serves_its_reque
         sim_cluster(
             redis_prefix=redis_prefix,
             decode=1,
-            admin_token=TOKEN,
+            auth={"admin_token": TOKEN},
+            loops={"registry_refresh_s": 0.1},
             time_scale=50.0,
-            registry_refresh_s=0.1,
         ) as c,
         running_worker(
             WorkerConfig(
@@ -111,7 +111,9 @@ async def test_after_a_redis_restart_put_backs_and_new_reservations_stay_within_
             return asyncio.sleep(0)
 
         try:
-            await _two_replicas_through_a_reset({"redis_url": server.url}, restart, client, KEYS)
+            await _two_replicas_through_a_reset(
+                {"store": {"url": server.url}}, restart, client, KEYS
+            )
         finally:
             await client.aclose()
 
@@ -129,7 +131,7 @@ async def test_after_a_redis_cluster_lost_its_data_put_backs_and_new_reservation
     async def lose_everything() -> None:
         await _delete_prefix(client, prefix)
 
-    settings = {"redis_url": redis_cluster.url, "key_prefix": prefix}
+    settings = {"store": {"url": redis_cluster.url, "key_prefix": prefix}}
     try:
         await _two_replicas_through_a_reset(settings, lose_everything, client, Keys(prefix))
     finally:
@@ -145,19 +147,25 @@ async def _two_replicas_through_a_reset(
 ) -> None:
     async with contextlib.AsyncExitStack() as stack:
         workers = await _workers(stack, [("prefill", "p0", 4096), ("decode", "d0", CAP)])
-        base = {**_settings("", workers), **store_settings}
+        base = merged_settings(_settings("", workers), store_settings)
         # A notices the reset only by its renewal tick or its busy refresher, B within 0.1 s.
         a_url, a_app = await stack.enter_async_context(
             running_router(
                 settings_from_mapping(
-                    {**base, "registry_refresh_s": 30.0, "reservation_lease_s": 9.0}
+                    merged_settings(
+                        base,
+                        {"loops": {"registry_refresh_s": 30.0}, "leases": {"reservation_s": 9.0}},
+                    )
                 )
             )
         )
         b_url, _ = await stack.enter_async_context(
             running_router(
                 settings_from_mapping(
-                    {**base, "registry_refresh_s": 0.1, "reservation_lease_s": 3.0}
+                    merged_settings(
+                        base,
+                        {"loops": {"registry_refresh_s": 0.1}, "leases": {"reservation_s": 3.0}},
+                    )
                 )
             )
         )
@@ -187,12 +195,15 @@ async def test_a_worker_deleted_and_registered_again_under_live_streams_stays_wi
     async with contextlib.AsyncExitStack() as stack:
         workers = await _workers(stack, [("prefill", "p0", 4096), ("decode", "d0", 4096)])
         r0 = (await _workers(stack, [("decode", "r0", CAP)]))[0]
-        settings = {**_settings("", workers), "admin_token": TOKEN}
-        settings.pop("redis_url")
+        settings = merged_settings(_settings("", workers), {"auth": {"admin_token": TOKEN}})
+        settings["store"].pop("url")
         url, app = await stack.enter_async_context(
             running_router(
                 settings_from_mapping(
-                    {**settings, "registry_refresh_s": 0.1, "reservation_lease_s": 3.0}
+                    merged_settings(
+                        settings,
+                        {"loops": {"registry_refresh_s": 0.1}, "leases": {"reservation_s": 3.0}},
+                    )
                 )
             )
         )
@@ -252,11 +263,10 @@ def _settings(redis_url: str, workers: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "model": MODEL,
         "perf": {"model": MODEL, "gpu": "h100"},
-        "redis_url": redis_url,
+        "store": {"url": redis_url},
+        "estimates": {"estimator": "max_tokens"},  # no growth: every excess is a put-back's
+        "loops": {"state_refresh_s": 0.05, "health_interval_s": 0.5},
         "workers": workers,
-        "estimator": "max_tokens",  # no growth: every excess is a put-back's
-        "state_refresh_s": 0.05,
-        "health_interval_s": 0.5,
         # Long enough to wait out the hold-back and the streams before them: the hold-back
         # is "no room now", never an error.
         "admission": {"max_wait_s": 60.0},

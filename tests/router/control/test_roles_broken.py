@@ -77,7 +77,7 @@ async def _cluster(prefix: str) -> AsyncIterator[tuple[Engines, Replicas]]:
             workers,
             roles={"interval_s": 0.1, "settle_s": 0.3, "drain_deadline_s": 2.0},
             admission={"max_wait_s": MAX_WAIT_S},
-            health_interval_s=0.2,
+            loops={"health_interval_s": 0.2},
         )
         replicas = [await stack.enter_async_context(running_router(settings)) for _ in "ab"]
         yield engines, replicas

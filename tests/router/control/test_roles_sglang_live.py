@@ -93,7 +93,7 @@ async def _cluster(
             workers.append({"id": wid, "url": url, "role": "both", "adapter": "sglang",
                             "kv_blocks": 4096})  # fmt: skip
         roles = {"interval_s": 0.1, "settle_s": 0.3, "drain_deadline_s": DEADLINE_S}
-        settings = _settings(prefix, workers, roles=roles, health_interval_s=0.2)
+        settings = _settings(prefix, workers, roles=roles, loops={"health_interval_s": 0.2})
         replicas = [await stack.enter_async_context(running_router(settings)) for _ in "ab"]
         yield engines, replicas
 

@@ -12,7 +12,7 @@ import aiohttp
 
 from disagg_tools.sim.textgen import expected_answer
 from disagg_tools.sim.worker import WorkerConfig, running_worker
-from router.config import settings_from_mapping
+from router.config import merged_settings, settings_from_mapping
 from tests.conftest import MODEL, REDIS_URL, free_port, running_router
 
 CHAT = "/v1/chat/completions"
@@ -20,19 +20,15 @@ TOKEN = "s3cret-admin"
 
 
 def _settings(prefix: str, workers: list[dict[str, Any]], **extra: Any) -> Any:
-    return settings_from_mapping(
-        {
-            "model": MODEL,
-            "perf": {"model": MODEL, "gpu": "h100"},
-            "redis_url": REDIS_URL,
-            "key_prefix": prefix,
-            "workers": workers,
-            "admin_token": TOKEN,
-            "registry_refresh_s": 0.1,
-            "health_interval_s": 0.5,
-            **extra,
-        }
-    )
+    base = {
+        "model": MODEL,
+        "perf": {"model": MODEL, "gpu": "h100"},
+        "store": {"url": REDIS_URL, "key_prefix": prefix},
+        "auth": {"admin_token": TOKEN},
+        "loops": {"registry_refresh_s": 0.1, "health_interval_s": 0.5},
+        "workers": workers,
+    }
+    return settings_from_mapping(merged_settings(base, extra))
 
 
 @contextlib.asynccontextmanager
@@ -89,7 +85,7 @@ async def test_registration_needs_the_token(redis_prefix: str) -> None:
 
 async def test_write_side_is_off_without_a_token(redis_prefix: str) -> None:
     settings = settings_from_mapping(
-        {"model": MODEL, "redis_url": REDIS_URL, "key_prefix": redis_prefix, "workers": []}
+        {"model": MODEL, "workers": [], "store": {"url": REDIS_URL, "key_prefix": redis_prefix}}
     )
     async with running_router(settings) as (url, _), aiohttp.ClientSession() as s:
         async with s.delete(

@@ -48,7 +48,9 @@ async def _chat(s: aiohttp.ClientSession, url: str) -> tuple[int, dict[str, Any]
 
 async def test_draining_the_last_decode_worker_is_refused_unless_forced(redis_prefix: str) -> None:
     async with (
-        sim_cluster(prefill=1, decode=2, redis_prefix=redis_prefix, admin_token=TOKEN) as c,
+        sim_cluster(
+            prefill=1, decode=2, redis_prefix=redis_prefix, auth={"admin_token": TOKEN}
+        ) as c,
         aiohttp.ClientSession() as s,
     ):
         url = c.router_url + "/admin/workers"
@@ -92,7 +94,9 @@ async def test_workers_out_of_rotation_do_not_count(redis_prefix: str) -> None:
     rotation, and the refusal (and the 503 once forced) says what d9 is doing. Draining d9
     itself is fine: it serves nothing."""
     async with (
-        sim_cluster(prefill=1, decode=1, redis_prefix=redis_prefix, admin_token=TOKEN) as c,
+        sim_cluster(
+            prefill=1, decode=1, redis_prefix=redis_prefix, auth={"admin_token": TOKEN}
+        ) as c,
         aiohttp.ClientSession() as s,
     ):
         url = c.router_url + "/admin/workers"
@@ -121,7 +125,9 @@ async def test_workers_out_of_rotation_do_not_count(redis_prefix: str) -> None:
 
 async def test_removing_the_last_registered_decode_worker_is_refused(redis_prefix: str) -> None:
     async with (
-        sim_cluster(prefill=1, decode=0, redis_prefix=redis_prefix, admin_token=TOKEN) as c,
+        sim_cluster(
+            prefill=1, decode=0, redis_prefix=redis_prefix, auth={"admin_token": TOKEN}
+        ) as c,
         aiohttp.ClientSession() as s,
     ):
         url = c.router_url + "/admin/workers"
@@ -150,7 +156,7 @@ async def test_role_switches_are_guarded_and_the_503_names_the_other_role(
             decode=1,
             both=1,
             redis_prefix=redis_prefix,
-            admin_token=TOKEN,
+            auth={"admin_token": TOKEN},
             roles=SLOW_ROLES,
             admission={"max_wait_s": 0.5},
         ) as c,
@@ -204,7 +210,7 @@ async def test_switching_the_only_both_worker_is_refused(redis_prefix: str) -> N
             decode=0,
             both=1,
             redis_prefix=redis_prefix,
-            admin_token=TOKEN,
+            auth={"admin_token": TOKEN},
             roles=SLOW_ROLES,
         ) as c,
         aiohttp.ClientSession() as s,
@@ -223,8 +229,9 @@ async def test_switching_the_only_both_worker_is_refused(redis_prefix: str) -> N
         assert status == 200, body
 
 
-def _closed(**extra: Any) -> dict[str, Any]:
-    return {"admin_token": TOKEN, "admin_read_token": READ, "api_keys": [CLIENT], **extra}
+def _closed(**auth: Any) -> dict[str, Any]:
+    """Every credential configured, and `auth`'s other settings."""
+    return {"auth": {"admin_token": TOKEN, "admin_read_token": READ, "api_keys": [CLIENT], **auth}}
 
 
 ADMIN_GETS = ("/admin/state", "/admin/workers", "/admin/scaling", "/admin/roles")
@@ -265,7 +272,7 @@ async def test_with_client_keys_the_admin_reads_need_an_admin_token(redis_prefix
 
 async def test_client_keys_without_admin_tokens_close_the_admin_reads(redis_prefix: str) -> None:
     async with (
-        sim_cluster(redis_prefix=redis_prefix, api_keys=[CLIENT]) as c,
+        sim_cluster(redis_prefix=redis_prefix, auth={"api_keys": [CLIENT]}) as c,
         aiohttp.ClientSession() as s,
     ):
         for path in ADMIN_GETS:
@@ -276,7 +283,7 @@ async def test_client_keys_without_admin_tokens_close_the_admin_reads(redis_pref
 async def test_a_read_token_closes_the_admin_reads_in_open_mode(redis_prefix: str) -> None:
     """No client keys (open mode): the admin GETs stay public, unless a read token is set."""
     async with (
-        sim_cluster(redis_prefix=redis_prefix, admin_read_token=READ) as c,
+        sim_cluster(redis_prefix=redis_prefix, auth={"admin_read_token": READ}) as c,
         aiohttp.ClientSession() as s,
     ):
         assert await _get(s, c.router_url + "/admin/workers") == 401
@@ -326,12 +333,12 @@ async def test_a_guard_sees_another_replicas_drain_at_once(redis_prefix: str) ->
     reads the shared drained set before deciding, not its last refresh (1 s here)."""
     async with (
         sim_cluster(
-            prefill=1, decode=2, redis_prefix=redis_prefix, admin_token=TOKEN,
-            registry_refresh_s=30.0,
+            prefill=1, decode=2, redis_prefix=redis_prefix, auth={"admin_token": TOKEN},
+            loops={"registry_refresh_s": 30.0},
         ) as a,
         sim_cluster(
-            prefill=0, decode=0, redis_prefix=redis_prefix, admin_token=TOKEN,
-            registry_refresh_s=30.0, workers=_entries(a),
+            prefill=0, decode=0, redis_prefix=redis_prefix, auth={"admin_token": TOKEN},
+            loops={"registry_refresh_s": 30.0}, workers=_entries(a),
         ) as b,
         aiohttp.ClientSession() as s,
     ):  # fmt: skip
@@ -367,7 +374,7 @@ async def test_a_request_waits_for_a_worker_on_its_way_to_an_empty_decode_pool(
             decode=0,
             both=1,
             redis_prefix=redis_prefix,
-            admin_token=TOKEN,
+            auth={"admin_token": TOKEN},
             roles={"settle_s": 0.5, "interval_s": 0.1},
             admission={"max_wait_s": 20.0},
         ) as c,

@@ -237,7 +237,7 @@ async def test_http_parser_errors_are_openai_json() -> None:
 
 @pytest.mark.parametrize("encoding", ["gzip", "deflate", "br"])
 async def test_undecodable_body_is_400_and_a_gzip_bomb_413(encoding: str) -> None:
-    async with sim_cluster(redis_prefix=None, max_body_bytes=4096) as c:
+    async with sim_cluster(redis_prefix=None, server={"max_body_bytes": 4096}) as c:
         async with aiohttp.ClientSession() as s:
             headers = {"Content-Encoding": encoding, "Content-Type": "application/json"}
             async with s.post(c.router_url + CHAT, data=b"not compressed", headers=headers) as r:
@@ -265,7 +265,10 @@ async def test_undecodable_body_is_400_and_a_gzip_bomb_413(encoding: str) -> Non
 @pytest.mark.parametrize("relay", ["splice", "aiohttp"])
 async def test_a_client_that_stops_reading_loses_its_stream_and_reservation(relay: str) -> None:
     async with sim_cluster(
-        redis_prefix=None, relay=relay, kv_blocks=20000, timeouts={"client_stall_s": 0.5}
+        redis_prefix=None,
+        upstream={"relay": relay},
+        kv_blocks=20000,
+        timeouts={"client_stall_s": 0.5},
     ) as c:
         reader, writer = await _connect(c, rcvbuf=4096)
         writer.write(_stream_request(100_000))
@@ -300,7 +303,7 @@ async def test_the_reservation_is_given_back_when_the_decode_ends_not_when_the_c
         await write_eof(self, data)
 
     monkeypatch.setattr(web.StreamResponse, "write_eof", slow_eof)
-    async with sim_cluster(redis_prefix=None, relay=relay) as c:
+    async with sim_cluster(redis_prefix=None, upstream={"relay": relay}) as c:
         reader, writer = await _connect(c)
         writer.write(_stream_request(200, Connection="close"))
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
@@ -338,7 +341,9 @@ async def test_decode_leg_is_closed_when_the_client_stream_cannot_start(
 
     monkeypatch.setattr(web.StreamResponse, "prepare", gone)
     n = 8
-    async with sim_cluster(redis_prefix=None, relay=relay, decode=2, kv_blocks=50000) as c:
+    async with sim_cluster(
+        redis_prefix=None, decode=2, kv_blocks=50000, upstream={"relay": relay}
+    ) as c:
 
         async def one() -> None:
             reader, writer = await _connect(c)

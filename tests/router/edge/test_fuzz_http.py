@@ -26,6 +26,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given
 from hypothesis import strategies as st
 
+from router.config import merged_settings
 from router.errors import InvalidRequest
 from router.openai.api import CHAT, COMPLETIONS, parse_request
 from tests.conftest import MODEL, sim_cluster
@@ -43,13 +44,12 @@ _ERROR = jsonschema_rs.validator_for(_DOC["components"]["schemas"]["Error"])
 
 
 def cluster(redis_prefix: str, **kw: Any) -> Any:
+    base = {"server": {"max_body_bytes": MAX_BODY}, "auth": {"admin_token": ADMIN_TOKEN}}
     return sim_cluster(
         redis_prefix=redis_prefix,
         time_scale=2000.0,
         max_model_len=2048,
-        max_body_bytes=MAX_BODY,
-        admin_token=ADMIN_TOKEN,
-        **kw,
+        **merged_settings(base, kw),  # a test's auth settings join the admin token
     )
 
 
@@ -479,7 +479,7 @@ API_KEY = "fuzz-api-key"
 async def test_api_keys(redis_prefix: str, authorization: str | None, expected: int) -> None:
     """With `api_keys` set, the generation routes take only a configured bearer key."""
     headers = [] if authorization is None else [("Authorization", authorization)]
-    (resp,) = await exchange(redis_prefix, [post(CHAT, OK, *headers)], api_keys=[API_KEY])
+    (resp,) = await exchange(redis_prefix, [post(CHAT, OK, *headers)], auth={"api_keys": [API_KEY]})
     check_answer(resp)
     assert resp.status == expected, resp
 
@@ -848,11 +848,13 @@ async def test_fuzzed_paths_and_methods(redis_prefix: str) -> None:
 TENANT_KEY = "fuzz-tenant-key"
 READ_TOKEN = "fuzz-read-token"
 CLOSED: dict[str, Any] = {
-    "api_keys": [API_KEY],
+    "auth": {
+        "api_keys": [API_KEY],
+        "admin_read_token": READ_TOKEN,
+        "public_metrics": False,
+        "public_openapi": False,
+    },
     "tenants": [{"name": "t1", "keys": [{"id": "t1-key", "key": TENANT_KEY}]}],
-    "admin_read_token": READ_TOKEN,
-    "public_metrics": False,
-    "public_openapi": False,
 }
 # (method, path, body, who may call it: the credentials that serve it; None: anyone)
 CLIENT = (API_KEY, TENANT_KEY)

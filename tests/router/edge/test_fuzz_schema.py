@@ -254,7 +254,7 @@ async def test_schemathesis_against_a_live_router(redis_prefix: str) -> None:
         decode=1,
         time_scale=2000.0,
         max_model_len=2048,
-        admin_token=ADMIN_TOKEN,
+        auth={"admin_token": ADMIN_TOKEN},
         # A tenant without configured keys: the router stays open (the generation routes take
         # no key), and the tenant routes have a tenant and keys to work on.
         tenants=[{"name": TENANT, "weight": 2}],

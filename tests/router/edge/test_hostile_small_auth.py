@@ -67,7 +67,7 @@ async def test_a_credential_header_is_never_echoed(
 ) -> None:
     caplog.set_level(logging.DEBUG)  # every logger, every level
     requests = _requests()
-    async with sim_cluster(redis_prefix=None, api_keys=keys) as c:
+    async with sim_cluster(redis_prefix=None, auth={"api_keys": keys}) as c:
         port = int(c.router_url.rsplit(":", 1)[1])
 
         def work() -> dict[str, RawResponse]:

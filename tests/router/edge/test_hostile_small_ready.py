@@ -49,7 +49,7 @@ async def test_ready_says_503_while_the_store_is_frozen_and_200_once_it_answers(
         assert redis.proc is not None
         pid = redis.proc.pid
         async with (
-            sim_cluster(redis_prefix="dr:", redis_url=redis.url) as c,
+            sim_cluster(redis_prefix="dr:", store={"url": redis.url}) as c,
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as s,
         ):
             url = c.router_url + "/ready"

@@ -42,9 +42,8 @@ def test_secrets_of_settings_finds_every_secret() -> None:
     settings = settings_from_mapping(
         {
             "model": MODEL,
-            "redis_url": f"redis://user:{REDIS_PASSWORD}@127.0.0.1:6379/0",
-            "api_keys": [CLIENT_KEY],
-            "admin_token": ADMIN_TOKEN,
+            "store": {"url": f"redis://user:{REDIS_PASSWORD}@127.0.0.1:6379/0"},
+            "auth": {"api_keys": [CLIENT_KEY], "admin_token": ADMIN_TOKEN},
             "workers": [
                 {
                     "id": "d0",
@@ -66,8 +65,7 @@ async def test_a_request_logs_json_with_its_id_and_no_secret(
     async with (
         sim_cluster(
             redis_prefix=None,
-            api_keys=[CLIENT_KEY],
-            admin_token=ADMIN_TOKEN,
+            auth={"api_keys": [CLIENT_KEY], "admin_token": ADMIN_TOKEN},
         ) as cluster,
         aiohttp.ClientSession() as s,
     ):

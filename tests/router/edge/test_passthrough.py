@@ -96,7 +96,9 @@ async def test_requests_spread_over_the_workers_of_the_model(redis_prefix: str) 
 
 async def test_front_door_errors_are_openai_shaped(redis_prefix: str) -> None:
     async with (
-        sim_cluster(redis_prefix=redis_prefix, api_keys=["k-one"], max_body_bytes=4096) as c,
+        sim_cluster(
+            redis_prefix=redis_prefix, auth={"api_keys": ["k-one"]}, server={"max_body_bytes": 4096}
+        ) as c,
         _client(c.router_url, "k-one") as client,
     ):
         with pytest.raises(openai.NotFoundError) as err:

@@ -96,13 +96,11 @@ async def gated_cluster(
         raw = {
             "model": MODEL,
             "perf": {"model": MODEL, "gpu": "h100"},
-            "redis_url": REDIS_URL,
-            "key_prefix": redis_prefix,
+            "store": {"url": REDIS_URL, "key_prefix": redis_prefix},
+            "loops": {"health_interval_s": 0.5, "state_refresh_s": 0.05},
             "workers": [
                 {"id": "b0", "url": gate_url, "role": "both", "adapter": "sim", "kv_blocks": 4096}
             ],
-            "health_interval_s": 0.5,
-            "state_refresh_s": 0.05,
             "breaker": {"failures_to_open": 1, "cooldown_s": COOLDOWN_S},
         }
         try:

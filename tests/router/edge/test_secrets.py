@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import io
 import json
 import logging
@@ -35,7 +34,6 @@ from openai import AsyncOpenAI
 
 from disagg_tools.sim.faults import FaultConfig
 from disagg_tools.sim.worker import WorkerConfig, running_worker
-from router.config import Settings
 from router.logs import configure_logging, secrets_of
 from router.redact import Redactor, mask_url
 from router.worker_spec import Secret
@@ -249,12 +247,14 @@ async def test_no_secret_in_anything_the_router_process_prints(tmp_path: Path) -
             decode = {"role": "decode", "adapter": "sim", "kv_blocks": 4096}
             settings: dict[str, Any] = {
                 "model": MODEL,
-                "port": free_port(),
-                "redis_url": f"redis://default:{SECRETS['redis-pw']}@127.0.0.1:{redis_port}/0",
-                "api_keys": [SECRETS["client-key-a"], SECRETS["client-key-b"]],
-                "admin_token": SECRETS["admin-token"],
+                "server": {"port": free_port()},
+                "store": {"url": f"redis://default:{SECRETS['redis-pw']}@127.0.0.1:{redis_port}/0"},
+                "auth": {
+                    "api_keys": [SECRETS["client-key-a"], SECRETS["client-key-b"]],
+                    "admin_token": SECRETS["admin-token"],
+                },
+                "loops": {"health_interval_s": 0.2},
                 "tracing": True,
-                "health_interval_s": 0.2,
                 "workers": [
                     {"id": "p0", "url": p0, "role": "prefill", "adapter": "sim"}
                     | {"api_key": SECRETS["prefill-worker-key"]},
@@ -267,11 +267,10 @@ async def test_no_secret_in_anything_the_router_process_prints(tmp_path: Path) -
                     | decode,
                 ],
             }
-            if "admin_read_token" in {f.name for f in dataclasses.fields(Settings)}:
-                settings["admin_read_token"] = SECRETS["admin-read-token"]
+            settings["auth"]["admin_read_token"] = SECRETS["admin-read-token"]
             config, out, err = tmp_path / "router.yaml", tmp_path / "out", tmp_path / "err"
             config.write_text(yaml.safe_dump(settings))
-            base, seen = f"http://127.0.0.1:{settings['port']}", Seen()
+            base, seen = f"http://127.0.0.1:{settings['server']['port']}", Seen()
             async with aiohttp.ClientSession() as s:
                 async with asyncio.timeout(90):
                     async with _router(config, out, err):
@@ -394,9 +393,8 @@ def test_the_settings_know_their_secrets_and_never_show_them() -> None:
     settings = settings_from_mapping(
         {
             "model": MODEL,
-            "redis_url": "redis://h:6379/0?password=query-pw-1",
-            "api_keys": ["client-key-3"],
-            "admin_token": "admin-token-4",
+            "store": {"url": "redis://h:6379/0?password=query-pw-1"},
+            "auth": {"api_keys": ["client-key-3"], "admin_token": "admin-token-4"},
             "workers": [
                 worker,
                 {**worker, "id": "d1", "url": "http://h:2", "api_key": "worker-key-5"},

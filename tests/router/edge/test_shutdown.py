@@ -99,12 +99,9 @@ async def test_sigterm_finishes_short_streams_and_ends_long_ones(
                 {
                     "model": MODEL,
                     "perf": {"model": MODEL, "gpu": "h100"},
-                    "host": "127.0.0.1",
-                    "port": 0,
-                    "redis_url": REDIS_URL,
-                    "key_prefix": redis_prefix,
+                    "server": {"host": "127.0.0.1", "port": 0, "shutdown_grace_s": GRACE_S},
+                    "store": {"url": REDIS_URL, "key_prefix": redis_prefix},
                     "workers": workers,
-                    "shutdown_grace_s": GRACE_S,
                 }
             )
         )

@@ -145,8 +145,8 @@ async def _two_replicas(redis_prefix: str) -> AsyncIterator[tuple[SimCluster, st
     async with sim_cluster(
         redis_prefix=redis_prefix,
         tenants=[{"name": "a", "keys": [{"id": "a-cfg", "key": KEY_A}]}, {"name": "b"}],
-        admin_token=ADMIN,
-        registry_refresh_s=REFRESH_S,
+        auth={"admin_token": ADMIN},
+        loops={"registry_refresh_s": REFRESH_S},
     ) as c:
         settings = c.app[SETTINGS]
         async with running_router(settings) as (b, _):

@@ -199,23 +199,26 @@ def _settings(prefix: str, p_url: str, d_url: str, tracing: bool) -> Settings:
         {
             "model": MODEL,
             "perf": {"model": MODEL, "gpu": "h100"},
-            "redis_url": REDIS_URL,
-            "key_prefix": prefix,
+            "store": {"url": REDIS_URL, "key_prefix": prefix},
+            "loops": {
+                "health_interval_s": 0.5,
+                "state_refresh_s": 0.05,
+                "registry_refresh_s": REFRESH_S,
+            },
+            "auth": {
+                "api_keys": [OLD],
+                "admin_token": ADMIN,
+                "admin_read_token": READ,
+                "public_metrics": False,  # so /metrics takes a client key too
+            },
             "workers": [
                 {"id": "p0", "url": p_url, "role": "prefill", "adapter": "sim"},
                 {"id": "d0", "url": d_url, "role": "decode", "adapter": "sim", "kv_blocks": 4096},
             ],
-            "health_interval_s": 0.5,
-            "state_refresh_s": 0.05,
-            "registry_refresh_s": REFRESH_S,
             "tenants": [
                 {"name": "a", "weight": 2, "keys": [{"id": "a-cfg", "key": CFG_A}]},
                 {"name": "b", "keys": [CFG_B]},
             ],
-            "api_keys": [OLD],
-            "admin_token": ADMIN,
-            "admin_read_token": READ,
-            "public_metrics": False,  # so /metrics takes a client key too
             "tracing": tracing,
         }
     )

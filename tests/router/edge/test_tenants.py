@@ -66,7 +66,11 @@ def _metric(text: str, name: str, **labels: str) -> float:
 
 def test_keys_are_hashed_at_load_and_never_shown() -> None:
     settings = settings_from_mapping(
-        {"model": MODEL, "tenants": _tenants(requests_per_minute=600), "api_keys": [OLD_KEY]}
+        {
+            "model": MODEL,
+            "tenants": _tenants(requests_per_minute=600),
+            "auth": {"api_keys": [OLD_KEY]},
+        }
     )
     shown = f"{settings!r} {settings} {settings.tenant_keys!r} {settings.tenants!r}"
     assert KEY_A not in shown and KEY_B not in shown
@@ -122,7 +126,11 @@ def test_a_plain_key_and_its_hash_are_the_same_key() -> None:
         )
     with pytest.raises(ConfigError, match="twice"):
         settings_from_mapping(
-            {"model": MODEL, "tenants": [{"name": "a", "keys": [OLD_KEY]}], "api_keys": [OLD_KEY]}
+            {
+                "model": MODEL,
+                "tenants": [{"name": "a", "keys": [OLD_KEY]}],
+                "auth": {"api_keys": [OLD_KEY]},
+            }
         )
 
 
@@ -138,8 +146,7 @@ async def test_keys_name_tenants_rotate_revoke_and_never_show(
         sim_cluster(
             redis_prefix=redis_prefix,
             tenants=_tenants(),
-            api_keys=[OLD_KEY],
-            admin_token=ADMIN,
+            auth={"api_keys": [OLD_KEY], "admin_token": ADMIN},
         ) as c,
         aiohttp.ClientSession() as s,
     ):
@@ -242,11 +249,8 @@ async def test_keys_name_tenants_rotate_revoke_and_never_show(
 # -- live: the order among tenants on a saturated cluster ----------------------------------------
 
 # One request holds the decode worker whole: (8 prompt + 192 output tokens) / 16 = 13 blocks of 20.
-_FLOOD: dict[str, Any] = {
-    "kv_blocks": 20,
-    "estimator": "max_tokens",
-    "admission": {"max_wait_s": 30},
-}
+_FLOOD: dict[str, Any] = {"kv_blocks": 20, "estimates": {"estimator": "max_tokens"}}
+_FLOOD_WAIT: dict[str, Any] = {"max_wait_s": 30}  # the flood's admission, with its fairness
 
 
 async def _flood(url: str, key: str, until: float, done: list[float]) -> None:
@@ -264,7 +268,7 @@ async def test_vtc_admits_two_flooding_tenants_by_their_weights(redis_prefix: st
         redis_prefix=redis_prefix,
         time_scale=40.0,
         tenants=_tenants(),
-        fairness="vtc",
+        admission={**_FLOOD_WAIT, "fairness": "vtc"},
         **_FLOOD,
     ) as c:
         # One request each first: a tenant's first request reads its own estimator classes from
@@ -309,7 +313,7 @@ async def test_fifo_admits_in_arrival_order_whatever_the_weights(
         redis_prefix=redis_prefix,
         time_scale=200.0,
         tenants=_tenants(),
-        fairness=fairness,
+        admission={**_FLOOD_WAIT, "fairness": fairness},
         **_FLOOD,
     ) as c:
         store = c.parts.store

@@ -140,7 +140,7 @@ def test_body_too_large_is_an_invalid_request() -> None:
 
 
 async def test_bad_input_over_http_gets_openai_errors(redis_prefix: str) -> None:
-    async with sim_cluster(redis_prefix=redis_prefix, max_body_bytes=4096) as c:
+    async with sim_cluster(redis_prefix=redis_prefix, server={"max_body_bytes": 4096}) as c:
         async with aiohttp.ClientSession() as s:
             cases = [
                 (b"{oops", 400),

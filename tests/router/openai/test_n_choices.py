@@ -98,7 +98,7 @@ async def test_whole_answers_keep_every_choice(
     redis_prefix: str, path: str, assemble: bool
 ) -> None:
     async with (
-        sim_cluster(redis_prefix=redis_prefix, assemble_non_streaming=assemble) as c,
+        sim_cluster(redis_prefix=redis_prefix, upstream={"assemble_non_streaming": assemble}) as c,
         _client(c.router_url) as client,
     ):
         body = _body(path, "whole", n=3)
@@ -248,7 +248,7 @@ async def _faults(c: SimCluster, wid: str, **faults: Any) -> None:
     ids=["zero", "negative", "over-cap", "far-over-cap", "string"],
 )
 async def test_bad_n_is_a_400_naming_n(redis_prefix: str, n: Any, why: str) -> None:
-    async with sim_cluster(redis_prefix=redis_prefix, max_n=8) as c:
+    async with sim_cluster(redis_prefix=redis_prefix, api={"max_n": 8}) as c:
         body = _body(CHAT, "bad", n=n)
         async with aiohttp.ClientSession() as s, s.post(c.router_url + CHAT, json=body) as r:
             assert r.status == 400

@@ -250,7 +250,7 @@ def test_a_resumed_exact_prompt_grows_by_the_tokens_sent(tokenizer_dir: Path) ->
 
 def test_a_tokenizer_directory_without_tokenizer_json_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="tokenizer.json"):
-        settings_from_mapping({"model": MODEL, "tokenizers": {MODEL: str(tmp_path)}})
+        settings_from_mapping({"model": MODEL, "estimates": {"tokenizers": {MODEL: str(tmp_path)}}})
 
 
 async def test_large_bodies_are_tokenized_off_the_event_loop(
@@ -264,7 +264,9 @@ async def test_large_bodies_are_tokenized_off_the_event_loop(
         return await real(fn)
 
     monkeypatch.setattr(counting.asyncio, "to_thread", recording)
-    settings = settings_from_mapping({"model": MODEL, "tokenizers": {MODEL: str(tokenizer_dir)}})
+    settings = settings_from_mapping(
+        {"model": MODEL, "estimates": {"tokenizers": {MODEL: str(tokenizer_dir)}}}
+    )
     metrics = RouterMetrics()
     small = orjson.dumps({"model": MODEL, "prompt": "hello"})
     await parse_generation(COMPLETIONS, small, settings, (MODEL,), metrics)  # loads: a thread
@@ -313,8 +315,10 @@ async def test_the_router_reserves_by_the_exact_count_and_says_so(
     async with (
         sim_cluster(
             redis_prefix=redis_prefix,
-            tokenizers={MODEL: str(tokenizer_dir)},
-            estimator=f"{__name__}:RecordingEstimator",
+            estimates={
+                "tokenizers": {MODEL: str(tokenizer_dir)},
+                "estimator": f"{__name__}:RecordingEstimator",
+            },
         ) as c,
         aiohttp.ClientSession() as s,
     ):

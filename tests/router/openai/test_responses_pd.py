@@ -200,7 +200,9 @@ async def test_an_answer_longer_than_reserved_grows_the_reservation(redis_prefix
     """The reservation is sized by the client's hint (2 tokens); the answer streams 96 output
     text deltas, counted as tokens, so the reservation grows while it streams."""
     async with (
-        sim_cluster(redis_prefix=redis_prefix, estimator="hint", trust_hints=True) as c,
+        sim_cluster(
+            redis_prefix=redis_prefix, estimates={"estimator": "hint", "trust_hints": True}
+        ) as c,
         aiohttp.ClientSession() as s,
     ):
         body = {
@@ -265,7 +267,7 @@ async def test_responses_split_false_serves_it_whole_beside_a_prefill_pool(
     """The operator's switch for a vLLM before 0.32 (it ignores kv_transfer_params on Responses):
     every Responses request whole on one worker, chat still split."""
     async with (
-        sim_cluster(redis_prefix=redis_prefix, responses_split=False) as c,
+        sim_cluster(redis_prefix=redis_prefix, api={"responses_split": False}) as c,
         _client(c.router_url) as client,
     ):
         want, _ = _expected("whole please", 4)

@@ -205,7 +205,7 @@ async def test_half_open_is_decided_by_a_real_request_not_by_health(redis_prefix
         retry=FAST_RETRY,
         timeouts=SHORT_LEGS,
         breaker={"cooldown_s": 0.2, "max_cooldown_s": 60.0},
-        health_interval_s=0.05,
+        loops={"health_interval_s": 0.05},
     ) as c:
         await set_faults(c, "d1", garbage="not_json")
         breaker = c.parts.pools.workers["d1"].breaker
@@ -284,7 +284,7 @@ async def test_whole_answers_of_garbage_are_retried(redis_prefix: str, shape: st
         redis_prefix=redis_prefix,
         retry=FAST_RETRY,
         breaker={"cooldown_s": 60.0},
-        assemble_non_streaming=False,
+        upstream={"assemble_non_streaming": False},
     ) as c:
         await set_faults(c, "d1", garbage=shape)
         breaker = c.parts.pools.workers["d1"].breaker

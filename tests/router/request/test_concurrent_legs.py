@@ -100,9 +100,8 @@ async def sglang_cluster(
         raw = {
             "model": MODEL,
             "perf": {"model": MODEL, "gpu": "h100"},
-            "redis_url": REDIS_URL,
-            "key_prefix": redis_prefix,
-            "health_interval_s": 0.5,
+            "store": {"url": REDIS_URL, "key_prefix": redis_prefix},
+            "loops": {"health_interval_s": 0.5},
             "workers": [
                 {
                     "id": "p0",
@@ -274,8 +273,7 @@ async def test_mixed_version_pools_are_never_paired_across_versions(redis_prefix
             {
                 "model": MODEL,
                 "perf": {"model": MODEL, "gpu": "h100"},
-                "redis_url": REDIS_URL,
-                "key_prefix": redis_prefix,
+                "store": {"url": REDIS_URL, "key_prefix": redis_prefix},
                 "workers": entries,
                 "policy": "random",
             }
@@ -332,8 +330,7 @@ async def test_mooncake_prefill_engine_id_is_read_at_start_up(redis_prefix: str)
         settings = settings_from_mapping(
             {
                 "model": MODEL,
-                "redis_url": REDIS_URL,
-                "key_prefix": redis_prefix,
+                "store": {"url": REDIS_URL, "key_prefix": redis_prefix},
                 "retry": {"max_attempts": 1},
                 "workers": [
                     {

@@ -176,7 +176,7 @@ async def test_decode_that_never_takes_the_kv_is_retried(redis_prefix: str) -> N
     lease is over the attempt is given up and retried with a fresh prefill, long before the
     TTFT deadline."""
     async with sim_cluster(
-        redis_prefix=redis_prefix, retry=FAST_RETRY, kv_lease_s=0.5, timeouts={"ttft_s": 60}
+        redis_prefix=redis_prefix, retry=FAST_RETRY, leases={"kv_s": 0.5}, timeouts={"ttft_s": 60}
     ) as c:
         await set_faults(c, "d0", decode_stall_after_headers=True, count=1)
         body = body_for(9)
@@ -280,9 +280,9 @@ async def test_long_non_streamed_answer(redis_prefix: str, assembled: bool) -> N
     async with sim_cluster(
         redis_prefix=redis_prefix,
         retry={**FAST_RETRY, "max_attempts": 1},
-        kv_lease_s=1.0,
+        leases={"kv_s": 1.0},
+        upstream={"assemble_non_streaming": assembled},
         timeouts={"idle_s": 1.0},
-        assemble_non_streaming=assembled,
     ) as c:
         await set_faults(c, "d0", slow_factor=1500.0)  # ~20 ms a token at time scale 500
         body = body_for(10, max_tokens=150)

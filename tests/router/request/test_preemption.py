@@ -130,9 +130,8 @@ async def test_a_poisoned_tenant_is_held_to_its_limit_and_the_worker_to_its_capa
         kv_blocks=capacity,
         time_scale=100.0,
         tenants=TENANTS,
-        estimator="online_quantile",
-        estimator_args={"min_samples": 5},
-        histogram_refresh_s=0.05,
+        estimates={"estimator": "online_quantile", "estimator_args": {"min_samples": 5}},
+        loops={"histogram_refresh_s": 0.05},
     ) as c:
         gw, metrics = c.parts, c.parts.metrics
         for i in range(8):  # the poison: 4-token answers under max_tokens 1,000

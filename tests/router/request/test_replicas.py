@@ -203,18 +203,14 @@ async def test_two_router_processes_never_overbook_a_small_decode_pool(
             port = free_port()
             config = tmp_path / f"router{i}.yaml"
             raw = {
-                "host": "127.0.0.1",
-                "port": port,
+                "server": {"host": "127.0.0.1", "port": port},
+                "store": {"url": url, "key_prefix": redis_prefix},
+                "estimates": {"estimator": "max_tokens"},  # no answer outgrows its reservation
+                "loops": {"health_interval_s": 0.5, "state_refresh_s": 0.05, "load_poll_s": 0},
                 "model": MODEL,
                 "perf": {"model": MODEL, "gpu": "h100"},
-                "redis_url": url,
-                "key_prefix": redis_prefix,
                 "workers": workers,
-                "estimator": "max_tokens",  # no answer outgrows its reservation
                 "admission": {"max_wait_s": 2.0},  # past that, a clean 429
-                "health_interval_s": 0.5,
-                "state_refresh_s": 0.05,
-                "load_poll_s": 0,
             }
             config.write_text(yaml.safe_dump(raw))
             log = tmp_path / f"router{i}.log"
@@ -317,12 +313,14 @@ async def test_a_request_costs_three_or_four_scripts_and_a_statistic_per_class(
     n = 30
     async with sim_cluster(
         redis_prefix=prefix,
-        redis_url=url,
-        state_refresh_s=30.0,
-        registry_refresh_s=30.0,
-        histogram_refresh_s=30.0,
-        stranded_reap_s=30.0,
-        load_poll_s=0,
+        store={"url": url},
+        loops={
+            "state_refresh_s": 30.0,
+            "registry_refresh_s": 30.0,
+            "histogram_refresh_s": 30.0,
+            "stranded_reap_s": 30.0,
+            "load_poll_s": 0,
+        },
     ) as c:
         async with aiohttp.ClientSession() as session:
             body = {"model": MODEL, "messages": [{"role": "user", "content": "warm"}]}

@@ -71,7 +71,7 @@ async def serve(
 
 # The fake stream is no aiohttp response, so the decode legs go through aiohttp's client and
 # router/relay/aiohttp_relay.py (the splice relay writes to aiohttp's transport).
-CLUSTER: dict[str, Any] = {"relay": "aiohttp", "retry": FAST_RETRY}
+CLUSTER: dict[str, Any] = {"retry": FAST_RETRY, "upstream": {"relay": "aiohttp"}}
 
 
 async def test_streamed_request_runs_through_the_orchestrator(redis_prefix: str) -> None:

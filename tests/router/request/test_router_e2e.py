@@ -138,7 +138,7 @@ async def test_full_decode_pool_gives_429_and_sends_no_prefill(redis_prefix: str
     async with sim_cluster(
         redis_prefix=redis_prefix,
         kv_blocks=400,
-        estimator="max_tokens",
+        estimates={"estimator": "max_tokens"},
         admission={"max_wait_s": 0.3},
     ) as c:
         store = c.parts.store
@@ -166,7 +166,7 @@ async def test_waiting_request_is_admitted_when_room_frees(redis_prefix: str) ->
         sim_cluster(
             redis_prefix=redis_prefix,
             kv_blocks=400,
-            estimator="max_tokens",
+            estimates={"estimator": "max_tokens"},
             admission={"max_wait_s": 10},
         ) as c,
         _client(c.router_url) as client,
@@ -258,7 +258,7 @@ async def test_predictive_admission_counts_on_room_forecast_to_free(redis_prefix
         async with sim_cluster(
             redis_prefix=redis_prefix,
             kv_blocks=400,
-            estimator="max_tokens",
+            estimates={"estimator": "max_tokens"},
             admission={"mode": mode},
         ) as c:
             gw = c.parts
@@ -284,7 +284,7 @@ async def test_predictive_admission_does_not_count_on_a_reservation_past_its_exp
     async with sim_cluster(
         redis_prefix=redis_prefix,
         kv_blocks=400,
-        estimator="max_tokens",
+        estimates={"estimator": "max_tokens"},
         admission={"mode": "predictive", "max_wait_s": 0.5},
     ) as c:
         gw = c.parts
@@ -301,7 +301,7 @@ async def test_predictive_admission_does_not_count_on_a_reservation_past_its_exp
 
 
 async def test_client_api_keys_are_checked_and_never_forwarded(redis_prefix: str) -> None:
-    async with sim_cluster(redis_prefix=redis_prefix, api_keys=["k-one", "k-two"]) as c:
+    async with sim_cluster(redis_prefix=redis_prefix, auth={"api_keys": ["k-one", "k-two"]}) as c:
         url = c.router_url + CHAT
         body = _chat_body("who may ask?", 5)
         async with aiohttp.ClientSession() as s:

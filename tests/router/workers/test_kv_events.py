@@ -327,15 +327,13 @@ async def kv_cluster(
         raw: dict[str, Any] = {
             "model": MODEL,
             "perf": {"model": MODEL, "gpu": "h100"},
-            "redis_url": REDIS_URL,
-            "key_prefix": redis_prefix,
+            "store": {"url": REDIS_URL, "key_prefix": redis_prefix},
+            "loops": {"health_interval_s": 0.5, "state_refresh_s": 0.05},
             "workers": entries,
-            "health_interval_s": 0.5,
-            "state_refresh_s": 0.05,
             "policy": "two_sided",
         }
         if tokenizer is not None:
-            raw["tokenizers"] = {MODEL: str(tokenizer)}
+            raw["estimates"] = {"tokenizers": {MODEL: str(tokenizer)}}
         async with running_router(settings_from_mapping(raw)) as (url, app):
             c.app = app
             c.router_url = url
@@ -462,8 +460,7 @@ async def test_a_router_started_after_its_workers_learns_what_they_hold(
         raw = {
             "model": MODEL,
             "perf": {"model": MODEL, "gpu": "h100"},
-            "redis_url": REDIS_URL,
-            "key_prefix": redis_prefix + "late:",
+            "store": {"url": REDIS_URL, "key_prefix": redis_prefix + "late:"},
             "workers": entries,
         }
         async with running_router(settings_from_mapping(raw)) as (_, late):

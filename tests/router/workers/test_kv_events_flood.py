@@ -306,8 +306,7 @@ async def flooded_router(redis_prefix: str) -> AsyncIterator[tuple[Any, zmq.asyn
             raw = {
                 "model": MODEL,
                 "perf": {"model": MODEL, "gpu": "h100"},
-                "redis_url": REDIS_URL,
-                "key_prefix": redis_prefix,
+                "store": {"url": REDIS_URL, "key_prefix": redis_prefix},
                 "workers": [
                     {
                         "id": "w0",

@@ -268,8 +268,7 @@ async def test_long_expected_answer_avoids_the_nearly_full_decode_worker(
         decode=2,
         redis_prefix=redis_prefix,
         kv_blocks=1000,
-        estimator=estimator,
-        trust_hints=True,
+        estimates={"estimator": estimator, "trust_hints": True},
     ) as c:
 
         def request(expected: int) -> tuple[dict[str, Any], dict[str, str]]:
@@ -395,8 +394,8 @@ async def test_plugin_policy_by_dotted_path_serves_requests_and_decides(redis_pr
             kv_blocks=1000,
             policy=PLUGIN,
             policy_args={"max_candidates": 2},
-            estimator="hint",
-            trust_hints=True,  # the hint sizes the reservation, as a trusted caller's does
+            # the hint sizes the reservation, as a trusted caller's does
+            estimates={"estimator": "hint", "trust_hints": True},
         ) as c,
         aiohttp.ClientSession() as s,
     ):
@@ -492,8 +491,14 @@ def _settings(**over: Any) -> Any:
         ({"policy": PLUGIN, "policy_args": {"nope": 1}}, r"does not accept arguments"),
         ({"policy": f"{__name__}:RaisingPolicy"}, r"raised RuntimeError\('this policy is broken'"),
         ({"policy": f"{__name__}:StrangerPolicy"}, r"naming a worker not in the cluster view"),
-        ({"estimator": "no_such_package:Estimator"}, r"estimator 'no_such_package:Estimator'"),
-        ({"estimator": "online_quantile", "estimator_args": {"quantile": 2}}, r"quantile"),
+        (
+            {"estimates": {"estimator": "no_such_package:Estimator"}},
+            r"estimator 'no_such_package:Estimator'",
+        ),
+        (
+            {"estimates": {"estimator": "online_quantile", "estimator_args": {"quantile": 2}}},
+            r"quantile",
+        ),
     ],
 )
 def test_a_broken_plugin_fails_create_app_with_a_clear_error(
@@ -537,9 +542,11 @@ async def test_online_estimator_converges_on_a_trace_distribution(redis_prefix: 
         decode=1,
         redis_prefix=redis_prefix,
         time_scale=5000.0,
-        estimator="online_quantile",
-        estimator_args={"quantile": 0.9, "min_samples": 20},
-        histogram_refresh_s=0.1,
+        estimates={
+            "estimator": "online_quantile",
+            "estimator_args": {"quantile": 0.9, "min_samples": 20},
+        },
+        loops={"histogram_refresh_s": 0.1},
     ) as c:
         gw = c.parts
         gate = asyncio.Semaphore(concurrency)

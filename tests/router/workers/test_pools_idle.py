@@ -161,7 +161,7 @@ async def loop_running(coro: Any) -> AsyncIterator[None]:
 async def test_health_probes_back_off_while_quiet_and_come_back_at_the_first_placement() -> None:
     async with counting_worker() as (url, hits), aiohttp.ClientSession() as session:
         busy = [False]
-        s = settings(url, health_interval_s=0.05, health_idle_interval_s=0.4)
+        s = settings(url, loops={"health_interval_s": 0.05, "health_idle_interval_s": 0.4})
         r = replica(s, MemoryStore(), lambda: busy[0])
         async with loop_running(r.prober.run(session)):
             await asyncio.sleep(1.0)
@@ -179,7 +179,7 @@ async def test_health_probes_back_off_while_quiet_and_come_back_at_the_first_pla
 
 async def test_no_back_off_while_a_worker_fails_its_probes() -> None:
     async with counting_worker() as (url, hits), aiohttp.ClientSession() as session:
-        s = settings(url, health_interval_s=0.05, health_idle_interval_s=0.4)
+        s = settings(url, loops={"health_interval_s": 0.05, "health_idle_interval_s": 0.4})
         r = replica(s, MemoryStore())
         # d0 at a port nothing listens on: its probes fail, so the cadence stays the busy one.
         d0 = r.members.workers["d0"]
@@ -192,7 +192,7 @@ async def test_no_back_off_while_a_worker_fails_its_probes() -> None:
 async def test_load_polls_only_while_busy() -> None:
     async with counting_worker() as (url, hits), aiohttp.ClientSession() as session:
         busy = [False]
-        r = replica(settings(url, load_poll_s=0.05), MemoryStore(), lambda: busy[0])
+        r = replica(settings(url, loops={"load_poll_s": 0.05}), MemoryStore(), lambda: busy[0])
         async with loop_running(r.poller.run(session)):
             await asyncio.sleep(0.5)
             assert hits["metrics"] == 2  # the start-up round only (two workers)
@@ -254,7 +254,9 @@ async def test_a_store_that_lost_its_data_is_put_back_and_read_again() -> None:
 
 async def test_the_quiet_refresher_leaves_the_marker_to_the_registry_sync() -> None:
     store = CountingStore()
-    r = replica(settings("http://127.0.0.1:9", state_refresh_s=0.02), store, busy=lambda: False)
+    r = replica(
+        settings("http://127.0.0.1:9", loops={"state_refresh_s": 0.02}), store, busy=lambda: False
+    )
     async with loop_running(r.refresher.run()):
         await asyncio.sleep(0.5)
     # Quiet from the start: the first refresh checks the marker, the backed-off ones do not
