@@ -74,7 +74,7 @@ class ClusterShape:
 
 class PasswordRedis:
     """A private redis-server that refuses every client without its (random) password; no
-    persistence. `url` carries the password, as a router's `redis_url` does."""
+    persistence. `url` carries the password, as a router's `store.url` does."""
 
     def __init__(self, log_dir: Path) -> None:
         binary = shutil.which("redis-server")

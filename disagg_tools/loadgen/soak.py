@@ -18,7 +18,7 @@ answer is known in advance). Meanwhile:
     vanishing      `--vanish` of the streaming clients close their connection mid-stream
     non-streaming  `--non-stream` of the requests ask for a whole answer
 
-The router runs with short leases (`--lease-s`, 6 s: reservation_lease_s and kv_lease_s, the
+The router runs with short leases (`--lease-s`, 6 s: leases.reservation_s and leases.kv_s, the
 workers' KV lease the same in real seconds), TTFT/idle deadlines of 30/10 s and an admission
 wait of at most 10 s, so that every request ends within its client deadline (`--deadline-s`).
 

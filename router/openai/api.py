@@ -72,7 +72,7 @@ class ParsedRequest:
 # Validated integers must fit a signed 64-bit integer, as they do in the workers.
 _INT_MAX = 2**63 - 1
 
-# The default cap on `n` (settings `max_n`): OpenAI's own limit. Each choice holds its own
+# The default cap on `n` (settings `api.max_n`): OpenAI's own limit. Each choice holds its own
 # output KV on the decode worker, so the reservation grows with n.
 DEFAULT_MAX_N = 128
 

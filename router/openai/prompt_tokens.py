@@ -1,5 +1,6 @@
 """The request parse with the served models' tokenizers: exact prompt token counts where a
-tokenizer is configured (settings `tokenizers: {model: dir}`), the character estimate elsewhere.
+tokenizer is configured (setting `estimates.tokenizers: {model: dir}`), the character estimate
+elsewhere.
 
 Tokenizing is CPU work in the request's path, so it must not stall the event loop: a body over
 `THREAD_ABOVE_BYTES` is parsed and tokenized in a worker thread (`asyncio.to_thread`), as is the

@@ -1,7 +1,7 @@
-"""The served models' tokenizers, read once per directory per process (settings `tokenizers:
-{model: dir}`): the request parse counts prompts with them (router/openai/prompt_tokens.py), a
-resume
-counts the text already sent (router/request/resume.py)."""
+"""The served models' tokenizers, read once per directory per process (setting
+`estimates.tokenizers: {model: dir}`): the request parse counts prompts with them
+(router/openai/prompt_tokens.py), a resume counts the text already sent
+(router/request/resume.py)."""
 
 from __future__ import annotations
 
