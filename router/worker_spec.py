@@ -37,6 +37,13 @@ class Secret(str):
     f-strings, `%s` and format() show `***`. Comparisons, `encode()` and hashing see the value;
     `reveal()` is the value as a plain str, for the one place that sends it (a header)."""
 
+    def __new__(cls, value: object = "") -> Secret:
+        # str(a Secret) is its mask: a Secret made from a Secret keeps the value, not "***" (the
+        # environment's parser makes one, and the auth group wraps what it is given again).
+        if isinstance(value, Secret):
+            value = value.reveal()
+        return super().__new__(cls, value)
+
     def __repr__(self) -> str:
         return "Secret('***')" if self else "Secret('')"
 

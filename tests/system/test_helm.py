@@ -447,12 +447,6 @@ def test_secret_variables_are_the_ones_the_router_reads(tmp_path: Path) -> None:
     assert SECRET_PASSWORD not in json.dumps(objects)  # by reference only
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="router bug: a token from DISAGG_ROUTER_AUTH_ADMIN_TOKEN loads as '***' (the env "
-    "parser makes it a Secret, AuthSettings wraps it again and Secret(Secret) takes its masked "
-    "str()); the same token in the file loads. Remove this mark when fixed.",
-)
 def test_admin_tokens_from_their_secrets_load(tmp_path: Path) -> None:
     from router.config import load_settings
 

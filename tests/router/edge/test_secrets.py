@@ -406,3 +406,15 @@ def test_the_settings_know_their_secrets_and_never_show_them() -> None:
     shown = f"{settings!r} {settings} {settings.workers[0]!r}"
     assert "redis://h:6379/0?password=***" in shown and "u:***@h:1" in shown
     assert not [s for s in secrets if s in shown], shown
+
+
+def test_a_secret_made_from_a_secret_keeps_its_value() -> None:
+    """The environment's parser makes a Secret and the auth group wraps it again: before, the
+    second Secret took the first's mask, and an admin token from the environment was '***'."""
+    from router.config import load_settings
+    from router.worker_spec import Secret
+
+    assert Secret(Secret("abc")).reveal() == "abc"
+    settings = load_settings(None, env={"DISAGG_ROUTER_AUTH_ADMIN_TOKEN": "abc"})
+    assert settings.auth.admin_token.reveal() == "abc"
+    assert str(settings.auth.admin_token) == "***"
