@@ -37,6 +37,7 @@ from router.settings_groups import (
     ApiSettings,
     AuthSettings,
     BreakerSettings,
+    DiscoverySettings,
     EstimateSettings,
     LeaseSettings,
     LoopSettings,
@@ -62,6 +63,7 @@ from router.worker_spec import (
 __all__ = [
     "BreakerSettings",
     "ConfigError",
+    "DiscoverySettings",
     "ENV_PREFIX",
     "GROUPS",
     "PreemptionSettings",
@@ -147,6 +149,11 @@ class Settings:
         factory=ScalingSLO,
     )
     roles: RoleSettings = setting(doc="`both` workers' roles", factory=RoleSettings)
+    discovery: DiscoverySettings = setting(
+        doc="where the workers come from: the file and the admin API, or Kubernetes "
+        "(docs/kubernetes.md)",
+        factory=DiscoverySettings,
+    )
 
     __repr__ = masked_repr  # the Redis and worker URLs' passwords are not shown
 

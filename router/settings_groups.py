@@ -8,6 +8,7 @@ reference page docs/configuration.md is generated from it
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ __all__ = [
     "ApiSettings",
     "AuthSettings",
     "BreakerSettings",
+    "DiscoverySettings",
     "EstimateSettings",
     "LeaseSettings",
     "LoopSettings",
@@ -31,6 +33,7 @@ __all__ = [
     "StoreSettings",
     "Timeouts",
     "UpstreamSettings",
+    "check_selector",
     "setting",
 ]
 
@@ -419,3 +422,180 @@ class RoleSettings:
         pauses = self.reconfig_pause_s
         assert isinstance(pauses, Mapping)  # normalized in __post_init__
         return float(pauses.get(adapter, 0.0))
+
+
+_SELECTOR_TERM = re.compile(
+    r"""^\s*(?:
+        !?\s*[A-Za-z0-9._/-]+                                   # key, !key
+      | [A-Za-z0-9._/-]+\s*(?:==?|!=)\s*[A-Za-z0-9._-]*         # key=value, key!=value
+      | [A-Za-z0-9._/-]+\s+(?:in|notin)\s*\(\s*[A-Za-z0-9._,\s-]*\)  # key in (a, b)
+      | [A-Za-z0-9._/-]+\s*[<>]\s*-?\d+                         # key>3
+    )\s*$""",
+    re.VERBOSE,
+)
+
+
+def _selector_terms(text: str) -> list[str]:
+    """A label selector's terms: split on the commas outside parentheses."""
+    terms, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "," and depth == 0:
+            terms.append(text[start:i])
+            start = i + 1
+    terms.append(text[start:])
+    return terms
+
+
+def check_selector(name: str, text: str) -> None:
+    """A Kubernetes label selector (`app=vllm,role in (prefill)`), checked before the API
+    server sees it: a typo fails at start-up with the setting's name, not as a 400 later."""
+    if len(text) > 1024 or not all(_SELECTOR_TERM.match(t) for t in _selector_terms(text)):
+        raise ConfigError(
+            f"discovery.{name}: {text!r} is not a label selector (key=value, key!=value, "
+            "key in (a,b), key notin (a,b), key, !key; comma-separated)"
+        )
+
+
+_DISCOVERY_ROLES = ("prefill", "decode", "both")
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoverySettings:
+    """Where the workers come from (router/workers/kube/): `static` (the `workers:` list and
+    the admin API) or `kubernetes` (pods by a label selector per role, list + watch;
+    docs/kubernetes.md). The Helm chart renders this group from its `discovery:` values."""
+
+    kind: str = setting("static", doc="static | kubernetes")
+    namespace: str = setting(
+        "",
+        doc="namespace whose pods are watched; empty: the router pod's own (its service "
+        "account's namespace file), else `default`",
+    )
+    source: str = setting(
+        "pods",
+        doc="pods: readiness from each pod's Ready condition; endpointslices: from the "
+        "EndpointSlices' endpoint conditions (pods are still read for labels and ports)",
+    )
+    prefill_selector: str = setting("", doc="label selector of the prefill pods; empty: none")
+    decode_selector: str = setting("", doc="label selector of the decode pods; empty: none")
+    both_selector: str = setting(
+        "", doc="label selector of pods serving both phases (elastic roles); empty: none"
+    )
+    adapter: str = setting("vllm", doc="the discovered engines' protocol: vllm | sglang | "
+                           "mooncake | sim")  # fmt: skip
+    scheme: str = setting("http", doc="http | https: how the router reaches the engines")
+    port_name: str = setting(
+        "http", doc="the engine's HTTP port: the container port of this name, if the pod has one"
+    )
+    port_annotation: str = setting(
+        "disagg-router.io/port", doc="else this pod annotation's number, if set"
+    )
+    port: int = setting(8000, doc="else this port (`role_ports` per role first)")
+    role_ports: Mapping[str, int] = setting(
+        doc="per role, the port when no named port or annotation gives it, e.g. "
+        "{prefill: 8000, decode: 8200}",
+        factory=dict,
+    )
+    bootstrap_port_annotation: str = setting(
+        "sglang.ai/bootstrap-port",
+        doc="an SGLang/Mooncake prefill's KV bootstrap port: this annotation (as SGLang's "
+        "router reads it), then the container port `bootstrap_port_name`; neither: read "
+        "from the engine's /server_info",
+    )
+    bootstrap_port_name: str = setting("bootstrap", doc="see bootstrap_port_annotation")
+    kv_events_port_name: str = setting(
+        "kv-events",
+        doc="vLLM KV events: the container port of this name is the ZeroMQ PUB endpoint; "
+        "absent: no events for that pod",
+    )
+    kv_events_replay_port_name: str = setting(
+        "kv-replay", doc="the KV events' replay (ROUTER) endpoint's container port, optional"
+    )
+    kv_events_topic: str = setting("", doc="the KV events' topic (empty: every topic)")
+    model_label: str = setting(
+        "", doc="the served model from this pod label; empty: the first of `models`"
+    )
+    revision_label: str = setting(
+        "",
+        doc="the worker's revision from this pod label; empty: `pod-template-hash` (shown in "
+        "/admin/workers; pairing goes by the KV layout)",
+    )
+    layout_annotation: str = setting(
+        "disagg-router.io/kv-layout",
+        doc='a pod annotation holding KV layout fields as JSON ({"dtype": "fp8", ...}): '
+        "what HTTP cannot tell; they win over what the engine reports",
+    )
+    discover_layout: bool = setting(
+        True, doc="read each pod's KV layout from its engine before it is used"
+    )
+    kv_blocks: int | None = setting(
+        None, doc="decode capacity (blocks) of a discovered worker; default: the perf profile's"
+    )
+    kubeconfig: str = setting(
+        "",
+        doc="a kubeconfig file; empty: the in-cluster service account (KUBERNETES_SERVICE_HOST),"
+        " else $KUBECONFIG or ~/.kube/config",
+    )
+    backoff_s: float = setting(1.0, doc="first wait after an API error (doubles, with jitter)")
+    backoff_max_s: float = setting(30.0, doc="longest wait between API retries")
+    watch_timeout_s: int = setting(
+        300, doc="each watch asks the server to end it after this (then it is resumed)"
+    )
+
+    def __post_init__(self) -> None:
+        choices = {
+            "kind": ("static", "kubernetes"),
+            "source": ("pods", "endpointslices"),
+            "adapter": ("vllm", "sglang", "mooncake", "sim"),
+            "scheme": ("http", "https"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(
+                    f"discovery.{name}: {getattr(self, name)!r} is not one of {', '.join(allowed)}"
+                )
+        selectors = {r: getattr(self, f"{r}_selector") for r in _DISCOVERY_ROLES}
+        for role, text in selectors.items():
+            if not isinstance(text, str):
+                raise ConfigError(f"discovery.{role}_selector: expected a string")
+            if text.strip():
+                check_selector(f"{role}_selector", text)
+        if self.kind == "kubernetes" and not any(t.strip() for t in selectors.values()):
+            raise ConfigError(
+                "discovery.kind kubernetes needs at least one of discovery.prefill_selector, "
+                "decode_selector, both_selector"
+            )
+        ports = dict(self.role_ports or {})
+        for role, number in ports.items():
+            if role not in _DISCOVERY_ROLES:
+                raise ConfigError(f"discovery.role_ports: {role!r} is not prefill|decode|both")
+            _port(f"discovery.role_ports.{role}", number)
+        object.__setattr__(self, "role_ports", ports)
+        _port("discovery.port", self.port)
+        if self.kv_blocks is not None and (
+            isinstance(self.kv_blocks, bool) or not isinstance(self.kv_blocks, int)
+            or self.kv_blocks < 1
+        ):  # fmt: skip
+            raise ConfigError("discovery.kv_blocks must be an integer >= 1 (or unset)")
+        _positive("discovery", self, "backoff_s", "backoff_max_s", "watch_timeout_s")
+        if self.backoff_max_s < self.backoff_s:
+            raise ConfigError("discovery.backoff_max_s must be >= discovery.backoff_s")
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind == "kubernetes"
+
+    def selectors(self) -> dict[str, str]:
+        """{role: selector} of the roles watched."""
+        return {
+            r: getattr(self, f"{r}_selector").strip()
+            for r in _DISCOVERY_ROLES
+            if getattr(self, f"{r}_selector").strip()
+        }
+
+
+def _port(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
+        raise ConfigError(f"{name}: {value!r} is not a TCP port")

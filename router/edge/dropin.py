@@ -16,6 +16,17 @@ Precedence, when `--config FILE` is given too (docs/real-workers.md):
   * served models and max_model_len: the file's when it sets them, else what workers report;
   * a flag decode worker's capacity: `--kv-blocks` > what it reports > the file's `perf`.
 
+Kubernetes discovery (`--service-discovery --prefill-selector app=vllm role=prefill
+--decode-selector ... [--service-discovery-namespace NS] [--service-discovery-port N]
+[--bootstrap-port-annotation KEY]`: the flags of vllm-router (vllm-project/router src/main.rs;
+it has no bootstrap annotation flag) and sglang-router (sglang_router/launch_router.py,
+`--bootstrap-port-annotation`, default sglang.ai/bootstrap-port), selectors as space-separated
+`key=value` terms, AND-ed) sets `discovery.*`; `--selector` (their non-PD mode) watches pods
+that serve whole requests (role both). `--adapter`/`--pd-disaggregation` and `--kv-blocks`
+apply to discovered pods; `--prefill`/`--decode` workers may be given too (vllm-router's
+"static fallback"): they stay, the discovered ones join them. Unlike the peers (port 80), the
+port defaults to 8000, vLLM's and the chart's.
+
 The adapter: `--adapter`, else `sglang` when `--pd-disaggregation` (sglang-router's flag) or a
 bootstrap port is given, else `vllm`.
 """
@@ -41,6 +52,7 @@ __all__ = [
     "add_dropin_arguments",
     "flag_workers",
     "adapter_of",
+    "discovery_overrides",
     "dropin_mapping",
     "discover_facts",
     "load_serve_settings",
@@ -125,6 +137,7 @@ def add_dropin_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="KV capacity (blocks) of each flag decode worker; default: what the worker reports",
     )
+    _add_discovery_arguments(parser)
     group.add_argument(
         "--worker-startup-timeout-secs",
         type=float,
@@ -133,6 +146,80 @@ def add_dropin_arguments(parser: argparse.ArgumentParser) -> None:
         help="how long to wait for the flag workers to answer before serving "
         f"(default {DEFAULT_STARTUP_TIMEOUT_S:g})",
     )
+
+
+def _add_discovery_arguments(parser: argparse.ArgumentParser) -> None:
+    """Kubernetes discovery under the flags vllm-router and sglang-router give it (both parse
+    a selector as space-separated `key=value` terms, AND-ed); they set `discovery.*`."""
+    group = parser.add_argument_group(
+        "Kubernetes discovery (vllm-router / sglang-router flags; docs/kubernetes.md)"
+    )
+    group.add_argument(
+        "--service-discovery",
+        action="store_true",
+        help="find the workers as pods by label selector (discovery.kind kubernetes)",
+    )
+    for flag, role in (("--prefill-selector", "prefill"), ("--decode-selector", "decode")):
+        group.add_argument(
+            flag, nargs="+", metavar="KEY=VALUE", help=f"label selector of the {role} pods"
+        )
+    group.add_argument(
+        "--selector",
+        nargs="+",
+        metavar="KEY=VALUE",
+        help="label selector of pods that serve whole requests (role both)",
+    )
+    group.add_argument(
+        "--service-discovery-namespace",
+        metavar="NS",
+        help="namespace watched (discovery.namespace)",
+    )
+    group.add_argument(
+        "--service-discovery-port",
+        type=int,
+        metavar="PORT",
+        help="the engines' port when no named port says it (discovery.port)",
+    )
+    group.add_argument(
+        "--bootstrap-port-annotation",
+        metavar="KEY",
+        help="pod annotation of a prefill's bootstrap port (default sglang.ai/bootstrap-port)",
+    )
+
+
+def discovery_overrides(ns: argparse.Namespace) -> dict[str, Any]:
+    """`{"discovery": {...}}` from the discovery flags ({} when none is given). A selector
+    given without --service-discovery is refused: the peers ignore it silently, which hides
+    a forgotten flag."""
+    selectors = {
+        "prefill_selector": getattr(ns, "prefill_selector", None),
+        "decode_selector": getattr(ns, "decode_selector", None),
+        "both_selector": getattr(ns, "selector", None),
+    }
+    given = {k: ",".join(t for term in v for t in term.split(",") if t) for k, v in
+             selectors.items() if v}  # fmt: skip
+    if not getattr(ns, "service_discovery", False):
+        if given:
+            raise _ExitTwo("a --*selector needs --service-discovery")
+        return {}
+    if not given:
+        raise _ExitTwo("--service-discovery needs --prefill-selector/--decode-selector or "
+                       "--selector")  # fmt: skip
+    out: dict[str, Any] = {"kind": "kubernetes", **given}
+    if ns.service_discovery_namespace:
+        out["namespace"] = ns.service_discovery_namespace
+    if ns.service_discovery_port is not None:
+        # The peers' one port for every pod: no named port overrides it.
+        out["port"], out["port_name"] = ns.service_discovery_port, ""
+    if ns.bootstrap_port_annotation:
+        out["bootstrap_port_annotation"] = ns.bootstrap_port_annotation
+    if ns.adapter:
+        out["adapter"] = ns.adapter
+    elif ns.pd_disaggregation:
+        out["adapter"] = "sglang"
+    if ns.kv_blocks is not None:
+        out["kv_blocks"] = ns.kv_blocks
+    return {"discovery": out}
 
 
 def flag_workers(ns: argparse.Namespace) -> list[FlagWorker]:
@@ -256,10 +343,11 @@ def load_serve_settings(
     and, with `--prefill`/`--decode`, the workers and what they report."""
     try:
         workers = flag_workers(ns)
+        discovery = discovery_overrides(ns)
     except _ExitTwo as exc:
         raise ConfigError(str(exc)) from exc
     if not workers:
-        return load_settings(ns.config, env=env, overrides=overrides)
+        return load_settings(ns.config, env=env, overrides={**overrides, **discovery})
     file_raw = read_config(ns.config) if ns.config else {}
     adapter = adapter_of(ns, workers)
     facts = asyncio.run(discover_facts(workers, adapter, ns.worker_startup_timeout_secs))
@@ -267,7 +355,7 @@ def load_serve_settings(
         if fact is not None:
             log.info("worker %s (%s, %s) reports %s", w.url, w.role, adapter, fact)
     added = dropin_mapping(file_raw, workers, facts, adapter, ns.kv_blocks)
-    settings = load_settings(ns.config, env=env, overrides={**overrides, **added})
+    settings = load_settings(ns.config, env=env, overrides={**overrides, **added, **discovery})
     if settings.store.url is None:
         log.warning(
             "no --redis-url (nor store.url in a file, nor DISAGG_ROUTER_STORE_URL): state is "
