@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from state.fair_shares import FairSlot, FairView
 from state.quotas import Quota, QuotaTaken
 
 __all__ = [
@@ -460,6 +461,21 @@ class StateStore(Protocol):
     ) -> list[str]:
         """Extend the leases of `tenant`'s holds `holds` ({id: blocks}) in one call; one the
         store lost is put back. Returns the ids put back."""
+
+    # -- the cluster's fair share (state/fair_shares.py: the steps) -------------------------------
+    async def fair_sync(
+        self,
+        replica: str,
+        charges: Mapping[FairSlot, float],
+        waiting: Mapping[FairSlot, tuple[int, float]],
+        lease_s: float,
+    ) -> FairView:
+        """One replica's share of the fairness state, once a sync period: add its `charges`
+        ({(class, tenant): units / weight} since its last call; a tenant that was waiting nowhere
+        lifted to its class's floor first), register its `waiting` ({(class, tenant): (requests,
+        oldest's age s)}, replacing its previous ones, for `lease_s`), and read back the floors,
+        the counters of the tenants waiting anywhere and of those named, and every live
+        registration. One script on Redis (one slot)."""
 
     # -- lifecycle ------------------------------------------------------------------------
     def advertise_renewal(self, renew_within_s: float) -> None:

@@ -37,6 +37,9 @@ key                            type    meaning
 ``<p>{t:<tenant>}:holds``      hash    quota hold id -> "blocks|expected end" (blocks limited)
 ``<p>{t:<tenant>}:hexp``       zset    quota hold id -> lease expiry (unix s)
 ``<p>{t:<tenant>}:hsum``       string  sum of the ``:holds`` blocks
+``<p>{fair}:vtc``              hash    "<class>|<tenant>" -> its virtual counter (fair_shares.py)
+``<p>{fair}:wait``             hash    "<replica>|<class>|<tenant>" -> "count|since|expires"
+``<p>{fair}:floor``            hash    class -> its floor (a tenant that starts to wait is lifted)
 =============================  ======  =============================================================
 
 Every key that names a worker (its ``{d:..}`` and ``{p:..}`` keys, its field in the ``{reg}``
@@ -280,6 +283,13 @@ class Keys:
         """A tenant's quota keys, in the order the quota scripts take them (one hash tag)."""
         base = f"{self.prefix}{{t:{check_id('tenant', tenant)}}}"
         return [f"{base}:q", f"{base}:holds", f"{base}:hexp", f"{base}:hsum"]
+
+    # -- the cluster's fair share (state/fair_shares.py): one tag, one slot ------------------
+    @property
+    def fair(self) -> list[str]:
+        """The counters, the waiters and the floors, in the order the script takes them."""
+        base = f"{self.prefix}{{fair}}"
+        return [f"{base}:vtc", f"{base}:wait", f"{base}:floor"]
 
     # -- store-loss marker: under the registry's tag, so the shard that would lose the
     # registrations is the shard whose loss it reveals.

@@ -30,6 +30,7 @@ from state.base import (
     StrandIntent,
     UsageView,
 )
+from state.fair_shares import FairTable
 from state.keys import (
     RETRY_RETENTION_S,
     check_count,
@@ -37,6 +38,7 @@ from state.keys import (
     check_lease,
     check_policy,
 )
+from state.memory_fair import MemoryFair
 from state.memory_quotas import MemoryQuotas
 from state.memory_registry import MemoryRegistry
 from state.quotas import Buckets
@@ -109,7 +111,7 @@ class _Buckets:
         return sum(n for s, n in self._counts.items() if s >= first)
 
 
-class MemoryStore(MemoryRegistry, MemoryQuotas):
+class MemoryStore(MemoryRegistry, MemoryQuotas, MemoryFair):
     """The `StateStore` in this process's memory (the registry, drains, roles and the marker
     are `MemoryRegistry`'s)."""
 
@@ -121,6 +123,7 @@ class MemoryStore(MemoryRegistry, MemoryQuotas):
         self._retries = _Buckets()
         self._outputs: dict[str, Counter[int]] = {}
         self._quotas: dict[str, Buckets] = {}  # tenant -> its quota state (MemoryQuotas)
+        self._fair = FairTable()  # the cluster's fair share (MemoryFair)
 
     def _drop_worker(self, worker_id: str) -> None:
         self._decode.pop(worker_id, None)

@@ -53,6 +53,7 @@ from state.redis_conn import (
     store_call,
     text,
 )
+from state.redis_fair import RedisFair
 from state.redis_quotas import RedisQuotas
 from state.redis_registry import RedisRegistry
 from state.redis_scripts import (
@@ -74,7 +75,7 @@ from state.redis_scripts import (
 __all__ = ["RedisStore"]
 
 
-class RedisStore(RedisRegistry, RedisQuotas):
+class RedisStore(RedisRegistry, RedisQuotas, RedisFair):
     """The `StateStore` on Redis or Redis Cluster (see `RedisConnection` for the client; the
     registry, drains, roles and the store-loss marker are `RedisRegistry`'s, the tenants' quotas
     `RedisQuotas`')."""
@@ -83,6 +84,7 @@ class RedisStore(RedisRegistry, RedisQuotas):
         """Each script once per client (redis-py loads it on a node at its first NOSCRIPT)."""
         super()._register_scripts(register)
         self._register_quota_scripts(register)
+        self._register_fair_scripts(register)
         self._set_capacity = register(SET_CAPACITY_SCRIPT)
         self._reserve = register(RESERVE_SCRIPT)
         self._renew = register(RENEW_SCRIPT)

@@ -1,0 +1,163 @@
+"""The Lua script of the cluster's fair share (state/fair_shares.py has the steps; `fair_sync_now`
+there is the same arithmetic in Python, and the conformance suite holds both to the same
+results).
+
+Both keys share the hash tag ``{fair}``, so the script touches one Redis Cluster slot:
+
+    KEYS[1] <p>{fair}:vtc    hash  "<class>|<tenant>" -> its virtual counter
+    KEYS[2] <p>{fair}:wait   hash  "<replica>|<class>|<tenant>" -> "count|since|expires" (unix s)
+    KEYS[3] <p>{fair}:floor  hash  "<class>" -> its floor
+
+ARGV: now ('' for the server's clock), replica, lease (s), the number of charges then (class,
+tenant, amount) for each, the number of waiters then (class, tenant, count, age s) for each.
+The answer, flat: the number of floors then (class, floor) each, the number of counters then
+(class, tenant, counter) each, the number of registrations then (replica, class, tenant, count,
+waited s) each; numbers as strings (a Lua number would come back truncated to an integer).
+"""
+
+from __future__ import annotations
+
+from state.fair_shares import SWEEP_ABOVE
+from state.redis_scripts import _LUA_CLOCK
+
+__all__ = ["FAIR_SYNC_SCRIPT"]
+
+FAIR_SYNC_SCRIPT = (
+    _LUA_CLOCK
+    + """
+local now = clock()
+local replica = ARGV[2]
+local lease = tonumber(ARGV[3])
+local function fmt(x) return string.format('%.17g', x) end
+local function slot(p, t) return p .. '|' .. t end
+local function floor_of(p) return tonumber(redis.call('HGET', KEYS[3], p) or '0') end
+local function counter_of(s) return tonumber(redis.call('HGET', KEYS[1], s) or '') end
+
+-- 1. live registrations; who waited before this call; this replica's own dropped
+local before = {}
+local regs = redis.call('HGETALL', KEYS[2])
+for i = 1, #regs, 2 do
+  local field, value = regs[i], regs[i + 1]
+  local r, p, t = string.match(field, '^([^|]*)|(%-?%d+)|(.*)$')
+  local expires = tonumber(string.match(value, '([^|]*)$'))
+  if expires <= now then
+    redis.call('HDEL', KEYS[2], field)
+  else
+    before[slot(p, t)] = {p, t}
+    if r == replica then redis.call('HDEL', KEYS[2], field) end
+  end
+end
+
+local function raise_floors(waiting)
+  local least = {}
+  for s, pt in pairs(waiting) do
+    local c = counter_of(s)
+    if c ~= nil and (least[pt[1]] == nil or c < least[pt[1]]) then least[pt[1]] = c end
+  end
+  for p, c in pairs(least) do
+    if c > floor_of(p) then redis.call('HSET', KEYS[3], p, fmt(c)) end
+  end
+end
+
+-- 2. floors
+raise_floors(before)
+
+-- 3. lift and charge
+local named = {}
+local charged = {}
+local i = 4
+local n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do
+  local p, t, amount = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]); i = i + 3
+  local s = slot(p, t)
+  named[s] = {p, t}
+  charged[s] = (charged[s] or 0) + amount
+end
+local waiters = {}
+local m = tonumber(ARGV[i]); i = i + 1
+for _ = 1, m do
+  local p, t, count, age = ARGV[i], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3]); i = i + 4
+  local s = slot(p, t)
+  named[s] = {p, t}
+  waiters[#waiters + 1] = {p, t, count, age}
+end
+for s, pt in pairs(named) do
+  local floor = floor_of(pt[1])
+  local c = counter_of(s)
+  if c == nil then c = floor end
+  if before[s] == nil and c < floor then c = floor end
+  c = c + (charged[s] or 0)
+  redis.call('HSET', KEYS[1], s, fmt(c))
+end
+
+-- 4. register
+for _, w in ipairs(waiters) do
+  redis.call('HSET', KEYS[2], replica .. '|' .. w[1] .. '|' .. w[2],
+    w[3] .. '|' .. fmt(now - w[4]) .. '|' .. fmt(now + lease))
+end
+local waiting_now = {}
+local classes_waiting = {}
+regs = redis.call('HGETALL', KEYS[2])
+local live = {}
+for j = 1, #regs, 2 do
+  local r, p, t = string.match(regs[j], '^([^|]*)|(%-?%d+)|(.*)$')
+  local count, since = string.match(regs[j + 1], '^([^|]*)|([^|]*)|')
+  waiting_now[slot(p, t)] = {p, t}
+  classes_waiting[p] = true
+  live[#live + 1] = {r, p, t, count, since}
+end
+
+-- 5. a class nobody waits in: its floor follows this call's charged counters
+for s, _ in pairs(charged) do
+  local p = named[s][1]
+  if not classes_waiting[p] then
+    local c = counter_of(s)
+    if c > floor_of(p) then redis.call('HSET', KEYS[3], p, fmt(c)) end
+  end
+end
+raise_floors(waiting_now)
+
+-- 6. sweep
+if redis.call('HLEN', KEYS[1]) > """
+    + str(SWEEP_ABOVE)
+    + """ then
+  local all = redis.call('HGETALL', KEYS[1])
+  for j = 1, #all, 2 do
+    local p, t = string.match(all[j], '^(%-?%d+)|(.*)$')
+    if p ~= nil and waiting_now[slot(p, t)] == nil
+        and tonumber(all[j + 1]) <= floor_of(p) then
+      redis.call('HDEL', KEYS[1], all[j])
+    end
+  end
+end
+
+-- the answer
+local out = {}
+local floors = {}
+local fl = redis.call('HGETALL', KEYS[3])
+for j = 1, #fl, 2 do floors[#floors + 1] = {fl[j], fl[j + 1]} end
+out[#out + 1] = tostring(#floors)
+for _, f in ipairs(floors) do out[#out + 1] = f[1]; out[#out + 1] = f[2] end
+for s, pt in pairs(waiting_now) do named[s] = pt end
+local rows = {}
+for s, pt in pairs(named) do
+  local c = counter_of(s)
+  if c == nil then c = floor_of(pt[1]) end
+  rows[#rows + 1] = {pt[1], pt[2], fmt(c)}
+end
+out[#out + 1] = tostring(#rows)
+for _, r in ipairs(rows) do out[#out + 1] = r[1]; out[#out + 1] = r[2]; out[#out + 1] = r[3] end
+out[#out + 1] = tostring(#live)
+for _, w in ipairs(live) do
+  local waited = now - tonumber(w[5])
+  if waited < 0 then waited = 0 end
+  out[#out + 1] = w[1]; out[#out + 1] = w[2]; out[#out + 1] = w[3]
+  out[#out + 1] = w[4]; out[#out + 1] = fmt(waited)
+end
+local ttl = math.ceil((lease + 3600) * 1000)
+redis.call('PEXPIRE', KEYS[1], ttl)
+redis.call('PEXPIRE', KEYS[3], ttl)
+redis.call('PEXPIRE', KEYS[2], math.ceil((lease + 60) * 1000))
+return out
+"""
+)

@@ -1,0 +1,62 @@
+"""The cluster's fair share on `RedisStore`: one script call (state/fair_scripts.py) on the
+``{fair}`` hash tag, a replica's sync once a period (never on a request's path). The steps:
+state/fair_shares.py."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from redis.commands.core import AsyncScript
+
+from state.fair_scripts import FAIR_SYNC_SCRIPT
+from state.fair_shares import FairSlot, FairView, FairWaiter, check_fair_sync
+from state.redis_conn import RedisConnection, store_call, text
+
+__all__ = ["RedisFair"]
+
+
+def _number(raw: Any) -> float:
+    return float(text(raw))
+
+
+class RedisFair(RedisConnection):
+    """The fair-share method of the `StateStore` on Redis (mixed into `RedisStore`)."""
+
+    def _register_fair_scripts(self, register: Callable[[str], AsyncScript]) -> None:
+        self._fair_sync = register(FAIR_SYNC_SCRIPT)
+
+    @store_call
+    async def fair_sync(
+        self,
+        replica: str,
+        charges: Mapping[FairSlot, float],
+        waiting: Mapping[FairSlot, tuple[int, float]],
+        lease_s: float,
+    ) -> FairView:
+        check_fair_sync(replica, charges, waiting, lease_s)
+        args: list[str | int] = [self._now(), replica, repr(float(lease_s)), len(charges)]
+        for (priority, tenant), amount in charges.items():
+            args += [int(priority), tenant, repr(float(amount))]
+        args.append(len(waiting))
+        for (priority, tenant), (count, age) in waiting.items():
+            args += [int(priority), tenant, int(count), repr(float(age))]
+        row = [text(x) for x in await self._hot_script(self._fair_sync, self._keys.fair, args)]
+        i = 0
+        floors: dict[int, float] = {}
+        for _ in range(int(row[i])):
+            floors[int(row[i + 1])] = _number(row[i + 2])
+            i += 2
+        i += 1
+        counters: dict[FairSlot, float] = {}
+        for _ in range(int(row[i])):
+            counters[(int(row[i + 1]), row[i + 2])] = _number(row[i + 3])
+            i += 3
+        i += 1
+        waiters: list[FairWaiter] = []
+        for _ in range(int(row[i])):
+            name, cls, who, many, waited = row[i + 1 : i + 6]
+            waiters.append(FairWaiter(name, int(cls), who, int(many), _number(waited)))
+            i += 5
+        waiters.sort(key=lambda w: (w.replica, w.priority, w.tenant))
+        return FairView(dict(sorted(counters.items())), floors, tuple(waiters))

@@ -1,0 +1,109 @@
+"""The cluster's fair share in the store (state/fair_shares.py, issue 33): the memory store and
+Redis (one server and a cluster) held to the same results on a stepped clock, and a random
+sequence of syncs from three replicas against the Python reference (`fair_sync_now`)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from state import StateStore
+from state.fair_shares import FairTable, FairView, fair_sync_now
+from tests.state.test_state_conformance import SteppedClock, clocked, prefix, redis_cluster, store
+
+__all__ = ["clocked", "prefix", "redis_cluster", "store"]
+
+LEASE = 1.0
+
+
+async def test_charges_add_up_across_replicas(clocked: tuple[StateStore, SteppedClock]) -> None:
+    store, _ = clocked
+    await store.fair_sync("r1", {(0, "a"): 5.0}, {}, LEASE)
+    view = await store.fair_sync("r2", {(0, "a"): 2.5, (0, "b"): 1.0}, {}, LEASE)
+    assert view.counters[(0, "a")] == pytest.approx(7.5)
+    # b charged while nobody waits: lifted to the floor the last charge of a left (5.0), +1
+    assert view.counters[(0, "b")] == pytest.approx(6.0)
+    assert view.waiters == ()
+
+
+async def test_a_tenant_that_starts_to_wait_is_lifted_to_the_floor(
+    clocked: tuple[StateStore, SteppedClock],
+) -> None:
+    store, clock = clocked
+    # a waits on r1 with counter 10; b starts to wait on r2 at 0: lifted to a's 10
+    await store.fair_sync("r1", {(0, "a"): 10.0}, {(0, "a"): (3, 0.5)}, LEASE)
+    clock.advance(0.25)
+    view = await store.fair_sync("r2", {}, {(0, "b"): (1, 0.0)}, LEASE)
+    assert view.counters[(0, "b")] == pytest.approx(10.0)
+    assert view.floors[0] == pytest.approx(10.0)
+    waiters = {(w.replica, w.tenant): w for w in view.waiters}
+    assert waiters[("r1", "a")].count == 3
+    assert waiters[("r1", "a")].waited_s == pytest.approx(0.75)
+    assert waiters[("r2", "b")].waited_s == pytest.approx(0.0)
+    # b keeps waiting and is refunded below the floor: not lifted again while it waits
+    view = await store.fair_sync("r2", {(0, "b"): -4.0}, {(0, "b"): (1, 0.1)}, LEASE)
+    assert view.counters[(0, "b")] == pytest.approx(6.0)
+    assert view.floors[0] == pytest.approx(10.0)  # never down
+
+
+async def test_registrations_expire_and_are_replaced(
+    clocked: tuple[StateStore, SteppedClock],
+) -> None:
+    store, clock = clocked
+    await store.fair_sync("r1", {}, {(0, "a"): (1, 0.0), (1, "a"): (2, 0.0)}, LEASE)
+    view = await store.fair_sync("r1", {}, {(1, "a"): (2, 0.0)}, LEASE)  # (0, a) left
+    assert [(w.replica, w.priority, w.tenant) for w in view.waiters] == [("r1", 1, "a")]
+    clock.advance(LEASE + 0.01)  # r1 died: its registration lapses
+    view = await store.fair_sync("r2", {}, {}, LEASE)
+    assert view.waiters == ()
+
+
+async def test_classes_are_apart(clocked: tuple[StateStore, SteppedClock]) -> None:
+    store, _ = clocked
+    view = await store.fair_sync("r1", {(0, "a"): 3.0, (2, "a"): 7.0}, {}, LEASE)
+    assert view.counters == {(0, "a"): 3.0, (2, "a"): 7.0}
+    assert view.floors == {0: 3.0, 2: 7.0}
+
+
+async def test_bad_arguments_raise_before_writing(store: StateStore) -> None:
+    for replica, charges, waiting, lease in (
+        ("", {}, {}, LEASE),
+        ("r|1", {}, {}, LEASE),
+        ("r1", {(0, "a|b"): 1.0}, {}, LEASE),
+        ("r1", {(0, "a"): float("nan")}, {}, LEASE),
+        ("r1", {}, {(0, "a"): (0, 1.0)}, LEASE),
+        ("r1", {}, {}, 0.0),
+    ):
+        with pytest.raises(ValueError):
+            await store.fair_sync(replica, charges, waiting, lease)
+    view = await store.fair_sync("r1", {}, {}, LEASE)
+    assert view == FairView({}, {}, ())
+
+
+async def test_random_syncs_match_the_reference(clocked: tuple[StateStore, SteppedClock]) -> None:
+    store, clock = clocked
+    rng = random.Random(33)
+    table = FairTable()
+    tenants = ["a", "b", "c", "d"]
+    for _ in range(60):
+        replica = rng.choice(["r1", "r2", "r3"])
+        charges = {
+            (rng.choice([0, 1]), t): round(rng.uniform(-2, 10), 3)
+            for t in rng.sample(tenants, rng.randint(0, 3))
+        }
+        waiting = {
+            (rng.choice([0, 1]), t): (rng.randint(1, 4), round(rng.uniform(0, 0.5), 3))
+            for t in rng.sample(tenants, rng.randint(0, 2))
+        }
+        expected = fair_sync_now(table, clock(), replica, charges, waiting, LEASE)
+        got = await store.fair_sync(replica, charges, waiting, LEASE)
+        assert got.floors == pytest.approx(expected.floors)
+        assert got.counters == pytest.approx(expected.counters)
+        assert [(w.replica, w.priority, w.tenant, w.count) for w in got.waiters] == [
+            (w.replica, w.priority, w.tenant, w.count) for w in expected.waiters
+        ]
+        assert [w.waited_s for w in got.waiters] == pytest.approx(
+            [w.waited_s for w in expected.waiters], abs=1e-6
+        )
+        clock.advance(round(rng.uniform(0, 0.6), 3))
