@@ -123,6 +123,11 @@ class WorkerSpec:
     kv_events: KvEventsSpec | None = None  # None: no events, the prefix affinity is estimated
     # False: `bootstrap_port` is what an SGLang prefill's /server_info reported (or not read yet)
     bootstrap_configured: bool = True
+    # Kubernetes discovery (router/workers/kube/): the pod it was found as ("namespace/name"; ""
+    # for a worker of the file or the admin API) and its revision (the pod-template-hash or the
+    # configured label): shown to operators; pairing itself goes by `layout`.
+    pod: str = ""
+    revision: str = ""
 
     __repr__ = masked_repr  # a URL's password is not shown
 
@@ -239,6 +244,8 @@ _WORKER_KEYS = {
     "engine_id",
     "discover_layout",
     "kv_events",
+    "pod",
+    "revision",
 }
 _ADAPTERS = ("vllm", "sim", "sglang", "mooncake")
 
@@ -271,7 +278,7 @@ def parse_worker(
         parts.port  # noqa: B018 - a bad port raises here, not on the first request
     except ValueError as exc:
         raise ConfigError(f"{where}.url: {exc}") from exc
-    for key in ("group", "engine_id", "api_key"):
+    for key in ("group", "engine_id", "api_key", "pod", "revision"):
         if raw.get(key) is not None:
             _check_str(f"{where}.{key}", raw[key], 4096 if key == "api_key" else 256)
     if raw.get("api_key") and "@" in parts.netloc:
@@ -312,6 +319,8 @@ def parse_worker(
         layout_configured=tuple(sorted(configured.items())) if discover else (),
         kv_events=_parse_kv_events(raw.get("kv_events"), where),
         bootstrap_configured=raw.get("bootstrap_port") is not None,
+        pod=str(raw.get("pod") or ""),
+        revision=str(raw.get("revision") or ""),
     )
     if spec.is_decode:
         try:

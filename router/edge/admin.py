@@ -48,7 +48,7 @@ from aiohttp import web
 
 from policies.base import OutputLengthEstimator, PlacementPolicy
 from router.admission import Admission
-from router.config import ConfigError, Settings
+from router.config import Settings
 from router.control.role_manager import ROLES, RoleChangeRefused
 from router.control.scaling import DemandMeter, scaling_report
 from router.edge.auth import check_admin_read, check_admin_write
@@ -61,6 +61,7 @@ from router.workers.drain import set_drained
 from router.workers.health_probe import HealthProber
 from router.workers.membership import Membership
 from router.workers.placement_view import PlacementView
+from router.workers.registration import register_worker as register_worker_for_all
 from router.workers.registry import RegistrySync
 from router.workers.rotation import emptied_without, why_empty
 from router.workers.worker_state import WorkerState
@@ -187,6 +188,8 @@ def describe(view: AdminView, w: WorkerState) -> dict[str, object]:
         "layout": w.spec.layout.key if w.layout_known else None,  # None: not read yet
         "paired": w.spec.id not in unpaired,
         "dynamic": w.dynamic,
+        "pod": w.spec.pod or None,  # Kubernetes discovery: the pod it was found as
+        "revision": w.spec.revision or None,
         "drained": w.drained,
         "current_role": w.current_role,
         "queued_prompt_tokens": w.queued_prompt_tokens,
@@ -241,22 +244,6 @@ def _slo(view: AdminView) -> dict[str, object]:
     }
 
 
-async def _discovered(
-    view: AdminView, raw: dict[str, Any], url: str, adapter: str
-) -> dict[str, Any]:
-    """The registration with the layout the worker reports, under what the caller configured.
-    Stored that way, so every replica pairs the worker alike without asking it again."""
-    try:
-        facts = await view.prober.layout_facts(view.session, url, adapter)
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        raise InvalidRequest(
-            f"could not read the KV layout of the worker at {url} ({exc!r}); register it "
-            "when it answers, or give its `layout` without discover_layout",
-            param="url",
-        ) from exc
-    return {**raw, "layout": {**facts, **(raw.get("layout") or {})}}
-
-
 async def register_worker(request: web.Request) -> web.Response:
     view = _view(request)
     _require_token(view, request)
@@ -264,31 +251,17 @@ async def register_worker(request: web.Request) -> web.Response:
         raw = orjson.loads(await request.read())
         if not isinstance(raw, dict):
             raise TypeError("a registration is a JSON object")
-        discover = raw.pop("discover_layout", False)
-        if not isinstance(discover, bool):
-            raise InvalidRequest("discover_layout must be true or false", param="discover_layout")
-        spec = view.members.parse_registration(raw)  # checked before any call to the worker
-        if discover:
-            raw = await _discovered(view, raw, spec.url, spec.adapter)
-            spec = view.members.parse_registration(raw)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"the registration is not valid JSON: {exc}") from exc
-    except (ConfigError, TypeError, ValueError) as exc:
+    except TypeError as exc:
         raise InvalidRequest(f"bad worker registration: {exc}") from exc
-    current = view.members.workers.get(spec.id)
-    if current is not None and not current.dynamic:
-        raise InvalidRequest(
-            f"worker {spec.id} comes from the configuration file; "
-            "it cannot be replaced through the API",
-            param="id",
-        )
-    registration = orjson.dumps(raw).decode()
-    await view.store.register_worker(spec.id, registration)
-    if spec.is_decode:
-        await view.store.set_capacity(spec.id, spec.capacity_blocks)
-    state = view.members.add(spec, dynamic=True, registration=registration)
-    # In rotation now if it answers, else when it does.
-    await view.prober.probe(view.session, state)
+    discover = raw.pop("discover_layout", False)
+    if not isinstance(discover, bool):
+        raise InvalidRequest("discover_layout must be true or false", param="discover_layout")
+    # The path Kubernetes discovery takes too (router/workers/registration.py).
+    state = await register_worker_for_all(
+        view.store, view.members, view.prober, view.session, raw, discover
+    )
     return _json(describe(view, state), status=201)
 
 

@@ -24,6 +24,7 @@ from router.retry_budget import RetryBudget
 from router.tenants import Keyring
 from router.workers.accounting import LocalAccounting
 from router.workers.health_probe import HealthProber
+from router.workers.kube import KubeDiscovery
 from router.workers.kv_events import KvEventHub
 from router.workers.load_poller import LoadPoller
 from router.workers.membership import Membership
@@ -114,6 +115,7 @@ class WorkerLoops:
     registry: RegistrySync
     refresher: StateRefresher
     reaper: StrandedReaper
+    discovery: KubeDiscovery | None  # the pods of Kubernetes, when discovery.kind says so
 
 
 def build_worker_loops(core: Core, keyring: Keyring) -> WorkerLoops:
@@ -155,8 +157,22 @@ def build_worker_loops(core: Core, keyring: Keyring) -> WorkerLoops:
         timing,
         on_expired=lambda wid: metrics.stranded_expired.labels(worker=wid).inc(),
     )
+    # Kubernetes discovery registers pods through the admin API's path (the prober's checks).
+    discovery = (
+        KubeDiscovery(settings, store, members, prober) if settings.discovery.enabled else None
+    )
     return WorkerLoops(
-        members, timing, accounting, kv_hub, pools, loss, prober, registry, refresher, reaper
+        members,
+        timing,
+        accounting,
+        kv_hub,
+        pools,
+        loss,
+        prober,
+        registry,
+        refresher,
+        reaper,
+        discovery,
     )
 
 
@@ -225,6 +241,8 @@ def start_loops(core: Core, loops: WorkerLoops) -> None:
     tasks.loop(loops.reaper.run(), "stranded-reaper")
     tasks.loop(loops.prober.run(session), "health-probe")
     tasks.loop(loops.registry.run(session), "registry-sync")
+    if loops.discovery is not None:  # after the registry sync: it registers what it finds
+        tasks.loop(loops.discovery.run(session), "kube-discovery")
     tasks.loop(LoadPoller(core.settings, loops.members, loops.timing).run(session), "load-poller")
     tasks.loop(core.leases.run(), "lease-keeper")
     tasks.loop(loops.kv_hub.run(), "kv-events")

@@ -11,7 +11,7 @@ role manager has seen it serve its role again.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from router.config import Settings
@@ -47,6 +47,10 @@ class Membership:
         self.workers: dict[str, WorkerState] = {}
         # Workers removed while requests may still be on them (`worker`): the last few, by id.
         self._departed: dict[str, WorkerState] = {}
+        # Kubernetes discovery's word on a discovered worker's pod (router/workers/kube/):
+        # whether this replica's watch sees it Ready. Asked as such a worker joins, however it
+        # joins (this replica's discovery, or another replica's registration read back).
+        self.pod_readiness: Callable[[WorkerSpec], bool] | None = None
         for spec in settings.workers:
             self.add(spec)
 
@@ -69,6 +73,8 @@ class Membership:
             # (the admin API probes it at once; other replicas' probers within an interval).
             healthy=not dynamic,
         )
+        if spec.pod and self.pod_readiness is not None:
+            state.pod_ready = self.pod_readiness(spec)
         self.workers[spec.id] = state
         return state
 

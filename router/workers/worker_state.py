@@ -45,6 +45,10 @@ class WorkerState:
     # False until a `discover_layout` worker has told its layout: never paired on a guess.
     layout_known: bool = True
     drained: bool = False  # an operator's drain (router/workers/drain.py): no new placements
+    # A discovered worker's pod as this replica's own watch last saw it: Ready and not
+    # Terminating (router/workers/kube/). False takes it out of rotation at once, before the
+    # shared drain mark has gone round the store; its streams finish.
+    pod_ready: bool = True
     # The store's record of its last drain or undrain (None: none known): what this replica
     # puts back if the store loses it, compared by time with the other replicas' views.
     drain_mark: DrainMark | None = None
@@ -118,9 +122,15 @@ class WorkerState:
 
     @property
     def available(self) -> bool:
-        """In rotation: passing health probes, its circuit breaker lets a request through, and
-        not drained."""
-        return self.healthy and self.layout_known and not self.drained and self.breaker.allows()
+        """In rotation: passing health probes, its circuit breaker lets a request through, not
+        drained, and (a discovered worker) its pod Ready."""
+        return (
+            self.healthy
+            and self.layout_known
+            and not self.drained
+            and self.pod_ready
+            and self.breaker.allows()
+        )
 
     def __repr__(self) -> str:
         return (
