@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -26,7 +27,9 @@ from disagg_tools.kubeapi.server import KubeApiServer, KubeApiSettings, running_
 from disagg_tools.kubeapi.watch import WatchSettings
 from disagg_tools.sim.textgen import expected_answer
 from disagg_tools.sim.worker import WorkerConfig, running_worker
+from disagg_tools.sim.worker_state import RECENT_REQUESTS
 from router.config import merged_settings, settings_from_mapping
+from state import open_store
 from tests.conftest import MODEL, REDIS_URL, running_router
 from tests.router.request.test_faults import sse_text
 
@@ -251,3 +254,321 @@ async def test_a_pod_leaving_is_drained_its_stream_finishes_then_it_goes(
                 return on not in await admin_workers(url)
 
             await until(gone, 5, f"{on} removed")
+
+
+# --- the watch's troubles ---------------------------------------------------------------------
+
+
+def _pod_requests(kube: KubeApiServer, role: str) -> tuple[list[str], list[str]]:
+    """(lists, watches) of one role's pods as the stand-in received them."""
+    mine = [r for r in kube.requests if "/pods" in r and f"role%3D{role}" in r.replace("=", "%3D")]
+    watches = [r for r in mine if "watch=true" in r.lower()]
+    return [r for r in mine if r not in watches], watches
+
+
+async def test_a_410_after_compaction_lists_again_and_loses_nothing(
+    tmp_path: Path, redis_prefix: str
+) -> None:
+    """The watch's version falls out of the server's history while it is away (dropped, then
+    failing): 410 Gone, a fresh list, and what changed meanwhile is all there."""
+    async with asyncio.timeout(30), fleet(tmp_path) as f:
+        await f.pod("p0", "prefill")
+        await f.pod("d0", "decode")
+        d1 = await f.engine("d1", "decode")
+        async with running_router(router_settings(f, redis_prefix)) as (url, _):
+            await serving_exactly(url, {"p0", "d0"})
+            lists_before, _ = _pod_requests(f.kube, "decode")
+            # No await between these: the router sees none of it until it comes back.
+            f.kube.fail_next(2, 500)
+            f.kube.drop_watches(abrupt=False)
+            f.kube.add_pod("d1", labels={"app": "sim", "role": "decode"},
+                           ports={"http": d1.port}, pod_ip="127.0.0.1")  # fmt: skip
+            f.kube.delete_pod("d0")
+            f.kube.compact()
+            await serving_exactly(url, {"p0", "d1"})
+            lists_after, _ = _pod_requests(f.kube, "decode")
+            assert len(lists_after) == len(lists_before) + 1  # one re-list, after the 410
+            assert "d0" not in await admin_workers(url)
+
+
+@pytest.mark.parametrize("abrupt", [True, False], ids=["cut", "ended"])
+async def test_a_dropped_watch_resumes_from_its_version(
+    tmp_path: Path, redis_prefix: str, abrupt: bool
+) -> None:
+    """A watch cut mid-stream (or ended by the server) is resumed from the last version seen:
+    no new list, and a pod added meanwhile arrives."""
+    async with asyncio.timeout(30), fleet(tmp_path) as f:
+        await f.pod("p0", "prefill")
+        await f.pod("d0", "decode")
+        d1 = await f.engine("d1", "decode")
+        async with running_router(router_settings(f, redis_prefix)) as (url, _):
+            await serving_exactly(url, {"p0", "d0"})
+            lists, watches = _pod_requests(f.kube, "decode")
+            f.kube.drop_watches(abrupt=abrupt)
+            f.kube.add_pod("d1", labels={"app": "sim", "role": "decode"},
+                           ports={"http": d1.port}, pod_ip="127.0.0.1")  # fmt: skip
+            await serving_exactly(url, {"p0", "d0", "d1"})
+            lists_now, watches_now = _pod_requests(f.kube, "decode")
+            assert lists_now == lists and len(watches_now) == len(watches) + 1
+            resumed = watches_now[-1].lower()
+            assert "allowwatchbookmarks=true" in resumed
+            version = resumed.split("resourceversion=")[1].split("&")[0]
+            assert int(version) > 100  # from where it was, not 0 (a synthetic replay of all)
+
+
+@pytest.mark.parametrize("status", [500, 429])
+async def test_api_errors_back_off_then_recover(
+    tmp_path: Path, redis_prefix: str, status: int
+) -> None:
+    """The API failing (500, or 429 with Retry-After): the watch waits, longer each time (with
+    jitter), then comes back and catches up."""
+    async with asyncio.timeout(30), fleet(tmp_path) as f:
+        await f.pod("p0", "prefill")
+        await f.pod("d0", "decode")
+        d1 = await f.engine("d1", "decode")
+        settings = router_settings(f, redis_prefix, discovery={"backoff_s": 0.1,
+                                                               "backoff_max_s": 0.4})  # fmt: skip
+        async with running_router(settings) as (url, _):
+            await serving_exactly(url, {"p0", "d0"})
+            failures = 6
+            f.kube.fail_next(failures, status)
+            start = time.monotonic()
+            f.kube.drop_watches(abrupt=False)
+            f.kube.add_pod("d1", labels={"app": "sim", "role": "decode"},
+                           ports={"http": d1.port}, pod_ip="127.0.0.1")  # fmt: skip
+            await serving_exactly(url, {"p0", "d0", "d1"})
+            took = time.monotonic() - start
+            # Two watches (prefill, decode) share the failures; each waited at least half of
+            # 0.1, 0.2, ... after each of its own: never a tight loop of retries.
+            assert took >= 0.05 + 0.1, took
+            assert f.kube.state.faults.fail_next == 0  # every failure was met
+
+
+# --- replicas ---------------------------------------------------------------------------------
+
+
+async def registered(redis_prefix: str) -> set[str]:
+    """The ids in the shared registry, as the store has them."""
+    store = await open_store(REDIS_URL, redis_prefix)
+    try:
+        return set(await store.registered_workers())
+    finally:
+        await store.close()
+
+
+async def test_two_replicas_on_one_redis_see_one_registry(
+    tmp_path: Path, redis_prefix: str
+) -> None:
+    async with asyncio.timeout(30), fleet(tmp_path) as f:
+        await f.pod("p0", "prefill")
+        await f.pod("d0", "decode")
+        settings = router_settings(f, redis_prefix)
+        async with running_router(settings) as (a, _), running_router(settings) as (b, _):
+            for url in (a, b):
+                await serving_exactly(url, {"p0", "d0"})
+            await f.pod("d1", "decode")
+            f.kube.set_ready("d0", False)
+            for url in (a, b):
+                await serving_exactly(url, {"p0", "d1"})
+                assert (await admin_workers(url))["d0"]["drained"]
+            assert await registered(redis_prefix) == {"p0", "d0", "d1"}
+            f.kube.delete_pod("d0")
+            for url in (a, b):
+                await serving_exactly(url, {"p0", "d1"})
+
+            async def unregistered() -> bool:
+                return await registered(redis_prefix) == {"p0", "d1"}
+
+            await until(unregistered, 5, "d0 out of the shared registry")
+        # A replica started later adopts the registry as it is, and its own watch agrees.
+        async with running_router(settings) as (c, _):
+            await serving_exactly(c, {"p0", "d1"})
+
+
+async def test_churn_converges_on_every_replica_within_2_s(
+    tmp_path: Path, redis_prefix: str
+) -> None:
+    """Pods added and removed at 10 per second for 10 s (the bench runs a minute): after the
+    last change, every replica's pools and the shared registry match the pods within 2 s."""
+    async with asyncio.timeout(90), fleet(tmp_path) as f:
+        await f.pod("p0", "prefill")
+        engines = [await f.engine(f"c{i}", "decode") for i in range(12)]
+        settings = router_settings(f, redis_prefix)
+        async with running_router(settings) as (a, _), running_router(settings) as (b, _):
+            for url in (a, b):
+                await serving_exactly(url, {"p0"})
+            live: set[str] = set()
+            rng = random.Random(34)
+            end = time.monotonic() + 10.0
+            changes = 0
+            while time.monotonic() < end:
+                engine = rng.choice(engines)
+                if engine.name in live:
+                    f.kube.delete_pod(engine.name)
+                    live.discard(engine.name)
+                else:
+                    f.kube.add_pod(engine.name, labels={"app": "sim", "role": "decode"},
+                                   ports={"http": engine.port}, pod_ip="127.0.0.1")  # fmt: skip
+                    live.add(engine.name)
+                changes += 1
+                await asyncio.sleep(0.1)
+            assert changes >= 80  # about ten a second, even on a loaded machine
+            want = {"p0", *live}
+            took = [await serving_exactly(url, want, within_s=2.0) for url in (a, b)]
+
+            async def shared() -> bool:
+                return await registered(redis_prefix) == want
+
+            took.append(await until(shared, 2.0, "the shared registry"))
+            assert max(took) <= 2.0, took
+
+
+# --- a rollout to a new KV layout -------------------------------------------------------------
+
+
+@dataclass
+class Load:
+    """Streams sent round-robin to the replicas until stopped; each answer checked exactly."""
+
+    routers: list[str]
+    sent: int = 0
+    bad: list[str] = field(default_factory=list)
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def client(self, session: aiohttp.ClientSession, k: int) -> None:
+        i = 0
+        while not self.stop.is_set():
+            b = body(f"client {k} request {i}", n=16)
+            router = self.routers[(k + i) % len(self.routers)]
+            status, text = await chat(session, router, b)
+            self.sent += 1
+            if status != 200:
+                self.bad.append(f"{status}: {text[:200]}")
+            elif text != expected_answer(CHAT, b)[0]:
+                self.bad.append(f"inexact answer to {b['messages'][0]['content']!r}")
+            i += 1
+
+
+async def rollout_decode_pool(f: Fleet, routers: list[str]) -> None:
+    """As a Deployment rollout with maxSurge 1, maxUnavailable 0, after the new prefill pods
+    are up (docs/kubernetes.md): a new decode pod, Ready on every replica, then an old one
+    Terminating (drained), then deleted; and so on; then the old prefill pod goes."""
+    await f.pod("pb0", "prefill", layout="b", rev="r2")
+    for url in routers:
+        await until(lambda u=url: _has(u, "pb0"), 10, f"pb0 on {url}")  # type: ignore[misc]
+    for old, new in (("da0", "db0"), ("da1", "db1")):
+        await f.pod(new, "decode", layout="b", rev="r2")
+        for url in routers:
+            await until(lambda u=url, n=new: _has(u, n), 10, f"{new} on {url}")  # type: ignore[misc]
+        f.kube.terminate_pod(old)
+        await asyncio.sleep(0.3)  # the streams on it finish (the grace period)
+        f.kube.delete_pod(old)
+    f.kube.terminate_pod("pa0")
+    await asyncio.sleep(0.3)
+    f.kube.delete_pod("pa0")
+
+
+async def _has(router: str, wid: str) -> bool:
+    return wid in serving(await admin_workers(router))
+
+
+async def test_a_decode_rollout_to_a_new_layout_under_load(
+    tmp_path: Path, redis_prefix: str
+) -> None:
+    """Two replicas, load all along, the decode pool rolled to layout b (the prefill pool
+    surged first): no prefill of one layout handed to a decode of the other, no 5xx (no error
+    at all), every answer exact, nothing left reserved."""
+    # Time scale 25: a few hundred requests in all, within what each engine's log keeps.
+    async with asyncio.timeout(90), fleet(tmp_path, time_scale=25.0) as f:
+        await f.pod("pa0", "prefill", layout="a")
+        await f.pod("da0", "decode", layout="a")
+        await f.pod("da1", "decode", layout="a")
+        settings = router_settings(f, redis_prefix)
+        async with (
+            running_router(settings) as (a, _),
+            running_router(settings) as (b, _),
+            aiohttp.ClientSession() as session,
+        ):
+            for url in (a, b):
+                await serving_exactly(url, {"pa0", "da0", "da1"})
+            load = Load([a, b])
+            clients = [asyncio.create_task(load.client(session, k)) for k in range(6)]
+            await asyncio.sleep(0.5)
+            await rollout_decode_pool(f, [a, b])
+            for url in (a, b):
+                await serving_exactly(url, {"pb0", "db0", "db1"})
+            await asyncio.sleep(0.5)
+            load.stop.set()
+            await asyncio.gather(*clients)
+            assert load.sent >= 50 and not load.bad, (load.sent, load.bad[:5])
+            # Every decode leg's KV came from a prefill of its own layout.
+            layout_of = {"pa0": "a", "da0": "a", "da1": "a", "pb0": "b", "db0": "b", "db1": "b"}
+            by_port = {e.port: e.name for e in f.engines.values()}
+            pairs: dict[tuple[str, str], int] = {}
+            for name in ("da0", "da1", "db0", "db1"):
+                log = await f.engines[name].requests()
+                assert len(log) < RECENT_REQUESTS  # none forgotten
+                for r in log:
+                    prefill = by_port[r["body"]["kv_transfer_params"]["remote_port"]]
+                    key = (layout_of[prefill], layout_of[name])
+                    pairs[key] = pairs.get(key, 0) + 1
+            assert sum(pairs.values()) == load.sent  # every request's decode leg looked at
+            assert set(pairs) == {("a", "a"), ("b", "b")}, pairs  # both served, never crossed
+            # Nothing left reserved, on any decode worker old or new.
+            store = await open_store(REDIS_URL, redis_prefix)
+            try:
+
+                async def released() -> bool:
+                    usage = await store.decode_usage(["da0", "da1", "db0", "db1"])
+                    return all(u.reserved_blocks == 0 for u in usage.values())
+
+                await until(released, 5, "every reservation released")
+            finally:
+                await store.close()
+
+
+# --- readiness from EndpointSlices ----------------------------------------------------------------
+
+
+def _endpoint(name: str, ready: bool, terminating: bool = False) -> dict[str, Any]:
+    return {
+        "addresses": ["127.0.0.1"],
+        "conditions": {"ready": ready, "serving": ready, "terminating": terminating},
+        "targetRef": {"kind": "Pod", "name": name, "namespace": "default"},
+    }
+
+
+async def test_endpointslices_decide_readiness(tmp_path: Path, redis_prefix: str) -> None:
+    """source endpointslices: a pod is in rotation when its Service's EndpointSlice says its
+    endpoint is ready (and not terminating), whatever its own condition says."""
+    async with asyncio.timeout(30), fleet(tmp_path) as f:
+        await f.pod("p0", "prefill")
+        await f.pod("d0", "decode")
+        await f.pod("d1", "decode")
+
+        def slice_(**ready: bool) -> None:
+            f.kube.put_endpoint_slice(
+                "engines-abc",
+                service="engines",
+                endpoints=[_endpoint(n, r) for n, r in ready.items()],
+                ports={"http": 8000},
+            )
+
+        slice_(p0=True, d0=True, d1=False)
+        settings = router_settings(f, redis_prefix, discovery={"source": "endpointslices"})
+        async with running_router(settings) as (url, _):
+            await serving_exactly(url, {"p0", "d0"})
+            slice_(p0=True, d0=True, d1=True)
+            await serving_exactly(url, {"p0", "d0", "d1"})
+            f.kube.put_endpoint_slice(
+                "engines-abc",
+                service="engines",
+                endpoints=[
+                    _endpoint("p0", True),
+                    _endpoint("d0", False, terminating=True),
+                    _endpoint("d1", True),
+                ],  # fmt: skip
+                ports={"http": 8000},
+            )
+            await serving_exactly(url, {"p0", "d1"})
+            assert (await admin_workers(url))["d0"]["drained"]
