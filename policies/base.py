@@ -472,6 +472,7 @@ class Charge:
     priority: int
     units: float
     weight: float
+    blocks: int = 0  # the decode blocks its reservation held when admitted (the caller's)
 
 
 @runtime_checkable

@@ -71,7 +71,7 @@ import heapq
 import math
 from bisect import insort
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import TypeVar
 
 from policies.base import AdmissionCost, Charge, RequestInfo, WaitingRequest, blocks_for
@@ -412,6 +412,20 @@ class VTCFairness:
         """The tenant's virtual counter in a class (for metrics, /admin and tests)."""
         queue = self._queues.get(priority)
         return 0.0 if queue is None else queue.counters.get(tenant, queue.floor)
+
+    def adopt(self, counters: Mapping[tuple[int, str], float], floors: Mapping[int, float]) -> None:
+        """The cluster's counters, shared through the store (router/fair_share.py, issue 33):
+        each (class, tenant) named takes its value there (the caller adds what it charged
+        since), each class's floor rises to the cluster's (never down)."""
+        for (priority, tenant), value in counters.items():
+            queue = self._queue(priority)
+            queue.counters[tenant] = value
+            line = queue.lines.get(tenant)
+            if line is not None:
+                queue._reorder(tenant, line)
+        for priority, floor in floors.items():
+            queue = self._queue(priority)
+            queue.floor = max(queue.floor, floor)
 
     def enqueue(self, request: WaitingRequest) -> None:
         if request.ticket in self._waiting:

@@ -27,13 +27,13 @@ import itertools
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from policies.base import AdmissionCost, Charge, FairnessPolicy, Tenant, WaitingRequest
-from policies.fairness import FifoFairness
+from policies.fairness import MIN_UNITS, FifoFairness
 from policies.queue_shares import queue_share, queue_share_victim
 
-__all__ = ["AdmissionSettings", "Admission", "QueueFull", "BACKFILL"]
+__all__ = ["AdmissionSettings", "Admission", "Ledger", "QueueFull", "BACKFILL"]
 
 # Waiters one wake-up may reach: the head, then the next ones in line while each finds no room.
 BACKFILL = 8
@@ -93,6 +93,41 @@ class AdmissionSettings:
     fairness_args: Mapping[str, Any] = field(
         default_factory=dict, metadata={"doc": "the fairness policy's arguments"}
     )
+    # The cluster's fair share (issue 33, router/fair_share.py): with `vtc` only.
+    fair_cluster: bool = field(
+        default=True,
+        metadata={
+            "doc": "with vtc: one fair share for the cluster — the counters and who waits "
+            "where shared through the store, room left for the most under-served waiting "
+            "tenant whichever replica holds it; false: each replica its own"
+        },
+    )
+    fair_sync_s: float = field(
+        default=0.05,
+        metadata={
+            "doc": "how often a busy replica sends its charges and waiting tenants to the "
+            "store and reads the cluster's back (one call; none on a request's path)"
+        },
+    )
+    fair_handoff_grace_s: float = field(
+        default=0.25,
+        metadata={
+            "doc": "room left for an under-served tenant waiting on another replica is "
+            "taken by anyone after this long (and not left again for as long)"
+        },
+    )
+    fair_preempt_after_s: float = field(
+        default=0.1,
+        metadata={
+            "doc": "with vtc: a tenant under its share waiting this long with no room takes "
+            "room back — streams of the tenant most over its share are preempted and resume "
+            "(exact text, a pause); 0: never"
+        },
+    )
+    fair_preempt_per_s: float = field(
+        default=4.0,
+        metadata={"doc": "streams one replica may preempt for the fair share a second"},
+    )
 
     def __post_init__(self) -> None:
         if self.mode not in ("queue", "instant", "predictive"):
@@ -101,6 +136,23 @@ class AdmissionSettings:
             )
         if self.max_inflight < 1 or self.max_waiters < 0 or self.max_wait_s < 0:
             raise ValueError("admission limits must be positive")
+        if not (self.fair_sync_s > 0 and self.fair_handoff_grace_s >= 0):
+            raise ValueError("admission.fair_sync_s must be > 0, fair_handoff_grace_s >= 0")
+        if self.fair_preempt_after_s < 0 or self.fair_preempt_per_s < 0:
+            raise ValueError("admission.fair_preempt_after_s and fair_preempt_per_s must be >= 0")
+
+
+class Ledger(Protocol):
+    """Where the charges of the fairness policy go besides the policy (router/fair_share.py
+    `ClusterShare`): `amount` in units / weight, `admission` False for a settlement."""
+
+    def charged(self, priority: int, tenant: str, amount: float, admission: bool) -> None: ...
+
+    def held(self, priority: int, tenant: str, blocks: int) -> None:
+        """The tenant's admitted requests here hold `blocks` more (fewer, < 0)."""
+
+    def start(self) -> None:
+        """A request waits: the cluster must hear of it."""
 
 
 # The request of a caller that names no tenant (`wait` without `request`): tests, tools.
@@ -140,6 +192,9 @@ class Admission:
         # What the wake-up round a woken request belongs to has tried (it, and those before it
         # on the chain): `pass_on` skips them, so the round moves on down the line.
         self._tried: dict[int, tuple[int, ...]] = {}
+        # The cluster's fair share (router/fair_share.py), told every charge; None: this
+        # replica's order is its own.
+        self.ledger: Ledger | None = None
 
     def __repr__(self) -> str:
         return (
@@ -199,6 +254,8 @@ class Admission:
             request = replace(request, since_s=self._clock())
             self._queued[ticket] = request
             self.policy.enqueue(request)
+            if self.ledger is not None:
+                self.ledger.start()
         future: asyncio.Future[int] = loop.create_future()
         self._awake.discard(ticket)
         self._tried.pop(ticket, None)
@@ -308,16 +365,44 @@ class Admission:
         self._awake.discard(ticket)
         self._tried.pop(ticket, None)
 
-    def admitted(self, request: WaitingRequest) -> Charge:
-        """The request got its room (waited or not): the policy charges its tenant the estimate;
-        the charge is settled with the actual cost at its release (`settle`)."""
+    def admitted(self, request: WaitingRequest, blocks: int = 0) -> Charge:
+        """The request got its room (`blocks`, waited or not): the policy charges its tenant
+        the estimate; the charge is settled with the actual cost at its release (`settle`)."""
         queued = self._queued.pop(request.ticket, None)
         self._awake.discard(request.ticket)
         self._tried.pop(request.ticket, None)
-        return self.policy.admit(queued or request)
+        charge = self.policy.admit(queued or request)
+        ledger = self.ledger
+        if ledger is None:
+            return charge
+        charge = replace(charge, blocks=blocks)
+        ledger.held(charge.priority, charge.tenant, blocks)
+        if charge.units:
+            ledger.charged(charge.priority, charge.tenant, charge.units / charge.weight, True)
+        return charge
 
     def settle(self, charge: Charge, actual: AdmissionCost) -> None:
         self.policy.settle(charge, actual)
+        ledger = self.ledger
+        if ledger is None:
+            return
+        ledger.held(charge.priority, charge.tenant, -charge.blocks)
+        units = getattr(self.policy, "units", None)
+        if charge.units and units is not None:
+            # What `VTCFairness.settle` added to the counter, for the cluster's too.
+            delta = (max(MIN_UNITS, units(actual)) - charge.units) / charge.weight
+            ledger.charged(charge.priority, charge.tenant, delta, False)
+
+    def waiting_tenants(self) -> dict[tuple[int, str], tuple[int, float]]:
+        """{(class, tenant): (requests in the queue's order, the oldest's wait in s)}: what
+        this replica registers as waiting in the cluster's fair share (router/fair_share.py)."""
+        now = self._clock()
+        out: dict[tuple[int, str], tuple[int, float]] = {}
+        for r in self._queued.values():
+            slot = (r.priority, r.tenant.name)
+            count, age = out.get(slot, (0, 0.0))
+            out[slot] = (count + 1, max(age, now - r.since_s))
+        return out
 
     def notify(self, budget: int = BACKFILL) -> None:
         """Room may have appeared: let the head waiter try again (and pass it on, `pass_on`)."""

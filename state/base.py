@@ -469,13 +469,15 @@ class StateStore(Protocol):
         charges: Mapping[FairSlot, float],
         waiting: Mapping[FairSlot, tuple[int, float]],
         lease_s: float,
+        holding: Mapping[FairSlot, int] | None = None,
     ) -> FairView:
         """One replica's share of the fairness state, once a sync period: add its `charges`
         ({(class, tenant): units / weight} since its last call; a tenant that was waiting nowhere
         lifted to its class's floor first), register its `waiting` ({(class, tenant): (requests,
-        oldest's age s)}, replacing its previous ones, for `lease_s`), and read back the floors,
-        the counters of the tenants waiting anywhere and of those named, and every live
-        registration. One script on Redis (one slot)."""
+        oldest's age s)}) and `holding` ({(class, tenant): decode blocks}), replacing its
+        previous ones, for `lease_s`, and read back the floors, the counters of the tenants
+        waiting anywhere and of those named, every live waiter and the blocks each tenant holds
+        over the replicas. One script on Redis (one slot)."""
 
     # -- lifecycle ------------------------------------------------------------------------
     def advertise_renewal(self, renew_within_s: float) -> None:

@@ -5,14 +5,17 @@ results).
 Both keys share the hash tag ``{fair}``, so the script touches one Redis Cluster slot:
 
     KEYS[1] <p>{fair}:vtc    hash  "<class>|<tenant>" -> its virtual counter
-    KEYS[2] <p>{fair}:wait   hash  "<replica>|<class>|<tenant>" -> "count|since|expires" (unix s)
+    KEYS[2] <p>{fair}:wait   hash  "<replica>|<class>|<tenant>" -> "count|since|expires|held"
+                                   (unix s; held: decode blocks; count 0: it only holds)
     KEYS[3] <p>{fair}:floor  hash  "<class>" -> its floor
 
 ARGV: now ('' for the server's clock), replica, lease (s), the number of charges then (class,
-tenant, amount) for each, the number of waiters then (class, tenant, count, age s) for each.
+tenant, amount) for each, the number of waiters then (class, tenant, count, age s) for each,
+the number of holdings then (class, tenant, blocks) for each.
 The answer, flat: the number of floors then (class, floor) each, the number of counters then
-(class, tenant, counter) each, the number of registrations then (replica, class, tenant, count,
-waited s) each; numbers as strings (a Lua number would come back truncated to an integer).
+(class, tenant, counter) each, the number of waiters then (replica, class, tenant, count,
+waited s) each, the number of holdings then (class, tenant, blocks over every replica) each;
+numbers as strings (a Lua number would come back truncated to an integer).
 """
 
 from __future__ import annotations
@@ -39,11 +42,11 @@ local regs = redis.call('HGETALL', KEYS[2])
 for i = 1, #regs, 2 do
   local field, value = regs[i], regs[i + 1]
   local r, p, t = string.match(field, '^([^|]*)|(%-?%d+)|(.*)$')
-  local expires = tonumber(string.match(value, '([^|]*)$'))
-  if expires <= now then
+  local count, _, expires = string.match(value, '^([^|]*)|([^|]*)|([^|]*)')
+  if tonumber(expires) <= now then
     redis.call('HDEL', KEYS[2], field)
   else
-    before[slot(p, t)] = {p, t}
+    if tonumber(count) > 0 then before[slot(p, t)] = {p, t} end
     if r == replica then redis.call('HDEL', KEYS[2], field) end
   end
 end
@@ -73,15 +76,25 @@ for _ = 1, n do
   named[s] = {p, t}
   charged[s] = (charged[s] or 0) + amount
 end
-local waiters = {}
+local regs_out = {}
 local m = tonumber(ARGV[i]); i = i + 1
 for _ = 1, m do
   local p, t, count, age = ARGV[i], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3]); i = i + 4
   local s = slot(p, t)
   named[s] = {p, t}
-  waiters[#waiters + 1] = {p, t, count, age}
+  regs_out[s] = {p, t, count, age, '0'}
 end
-for s, pt in pairs(named) do
+local lifted = {}
+for s, pt in pairs(named) do lifted[s] = pt end
+local h = tonumber(ARGV[i]); i = i + 1
+for _ = 1, h do
+  local p, t, blocks = ARGV[i], ARGV[i + 1], ARGV[i + 2]; i = i + 3
+  local s = slot(p, t)
+  named[s] = {p, t}
+  if regs_out[s] == nil then regs_out[s] = {p, t, '0', 0, '0'} end
+  regs_out[s][5] = blocks
+end
+for s, pt in pairs(lifted) do
   local floor = floor_of(pt[1])
   local c = counter_of(s)
   if c == nil then c = floor end
@@ -91,20 +104,30 @@ for s, pt in pairs(named) do
 end
 
 -- 4. register
-for _, w in ipairs(waiters) do
-  redis.call('HSET', KEYS[2], replica .. '|' .. w[1] .. '|' .. w[2],
-    w[3] .. '|' .. fmt(now - w[4]) .. '|' .. fmt(now + lease))
+for _, w in pairs(regs_out) do
+  if tonumber(w[3]) > 0 or tonumber(w[5]) > 0 then
+    redis.call('HSET', KEYS[2], replica .. '|' .. w[1] .. '|' .. w[2],
+      w[3] .. '|' .. fmt(now - w[4]) .. '|' .. fmt(now + lease) .. '|' .. w[5])
+  end
 end
 local waiting_now = {}
 local classes_waiting = {}
+local held = {}
 regs = redis.call('HGETALL', KEYS[2])
 local live = {}
 for j = 1, #regs, 2 do
   local r, p, t = string.match(regs[j], '^([^|]*)|(%-?%d+)|(.*)$')
-  local count, since = string.match(regs[j + 1], '^([^|]*)|([^|]*)|')
-  waiting_now[slot(p, t)] = {p, t}
-  classes_waiting[p] = true
-  live[#live + 1] = {r, p, t, count, since}
+  local count, since, _, blocks = string.match(regs[j + 1], '^([^|]*)|([^|]*)|([^|]*)|(.*)$')
+  local s = slot(p, t)
+  if tonumber(count) > 0 then
+    waiting_now[s] = {p, t}
+    classes_waiting[p] = true
+    live[#live + 1] = {r, p, t, count, since}
+  end
+  if tonumber(blocks) > 0 then
+    if held[s] == nil then held[s] = {p, t, 0} end
+    held[s][3] = held[s][3] + tonumber(blocks)
+  end
 end
 
 -- 5. a class nobody waits in: its floor follows this call's charged counters
@@ -139,6 +162,7 @@ for j = 1, #fl, 2 do floors[#floors + 1] = {fl[j], fl[j + 1]} end
 out[#out + 1] = tostring(#floors)
 for _, f in ipairs(floors) do out[#out + 1] = f[1]; out[#out + 1] = f[2] end
 for s, pt in pairs(waiting_now) do named[s] = pt end
+for s, hb in pairs(held) do named[s] = {hb[1], hb[2]} end
 local rows = {}
 for s, pt in pairs(named) do
   local c = counter_of(s)
@@ -153,6 +177,12 @@ for _, w in ipairs(live) do
   if waited < 0 then waited = 0 end
   out[#out + 1] = w[1]; out[#out + 1] = w[2]; out[#out + 1] = w[3]
   out[#out + 1] = w[4]; out[#out + 1] = fmt(waited)
+end
+local hrows = {}
+for _, hb in pairs(held) do hrows[#hrows + 1] = hb end
+out[#out + 1] = tostring(#hrows)
+for _, hb in ipairs(hrows) do
+  out[#out + 1] = hb[1]; out[#out + 1] = hb[2]; out[#out + 1] = tostring(hb[3])
 end
 local ttl = math.ceil((lease + 3600) * 1000)
 redis.call('PEXPIRE', KEYS[1], ttl)

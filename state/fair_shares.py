@@ -2,12 +2,13 @@
 queue by the same virtual counters (issue 33; the policy: policies/fairness.py `vtc`).
 
 What is shared, per priority class: each tenant's virtual counter (VTC: units served / weight),
-the class's floor, and who waits where — per replica, each tenant it has waiting: how many
-requests and since when. A replica does not write on a request's path: it adds up the charges
-of its admissions and settlements and sends them, with its waiting tenants, in one call a sync
-period (`fair_sync`, router/fair_share.py), and reads back the counters of every tenant waiting
-anywhere, the floors and every replica's waiters. So a request costs no store round trip for
-its fairness; a busy replica one call a period.
+the class's floor, and who waits and holds where — per replica, each tenant it has waiting (how
+many requests, since when) and the decode blocks its admitted requests hold there. A replica
+does not write on a request's path: it adds up the charges of its admissions and settlements
+and sends them, with its waiting tenants and holdings, in one call a sync period (`fair_sync`,
+router/fair_share.py), and reads back the counters of every tenant waiting anywhere, the
+floors, every replica's waiters and every tenant's holdings. So a request costs no store round
+trip for its fairness; a busy replica one call a period.
 
 **The arithmetic of one `fair_sync`** (the Redis script, state/fair_scripts.py, does the same
 steps; the conformance suite holds both to the same results):
@@ -20,14 +21,16 @@ steps; the conformance suite holds both to the same results):
 3. A tenant named by this call (a charge, or waiting here) that was waiting nowhere is lifted to
    its class's floor (`max(counter, floor)`): idle time is not banked, as VTC lifts a tenant
    that starts to wait. Then its charge is added (a settlement's refund may be negative).
-4. This replica's waiters are registered with the lease.
+4. This replica's waiters and holdings are registered with the lease (a registration of a tenant
+   that holds blocks but has nothing waiting counts as no waiter).
 5. A class in which nobody waits now: its floor follows the counters charged by this call (the
    last to leave), never down.
 6. Counters at or below their floor of tenants that wait nowhere are forgotten when the table
    grows past `SWEEP_ABOVE` (lossless: they would be lifted to it).
 
 The answer: every class's floor, the counters of the tenants waiting anywhere and of those
-this call named, and every live registration with how long its oldest request has waited.
+this call named (holdings included), every live waiter with how long its oldest request has
+waited, and the blocks each tenant holds, summed over the replicas.
 """
 
 from __future__ import annotations
@@ -71,13 +74,15 @@ class FairView:
     counters: Mapping[FairSlot, float] = field(default_factory=dict)
     floors: Mapping[int, float] = field(default_factory=dict)
     waiters: tuple[FairWaiter, ...] = ()
+    held: Mapping[FairSlot, int] = field(default_factory=dict)  # over every replica
 
 
 @dataclass(slots=True)
 class _Registration:
-    count: int
+    count: int  # 0: it only holds blocks
     since: float
     expires: float
+    held: int = 0
 
 
 @dataclass(slots=True)
@@ -95,13 +100,18 @@ def check_fair_sync(
     charges: Mapping[FairSlot, float],
     waiting: Mapping[FairSlot, tuple[int, float]],
     lease_s: float,
+    holding: Mapping[FairSlot, int] | None = None,
 ) -> None:
     """Bad arguments raise ValueError before anything is written (both stores alike)."""
+    holding = holding or {}
+    for blocks in holding.values():
+        if not isinstance(blocks, int) or blocks < 0:
+            raise ValueError(f"held blocks must be an int >= 0, got {blocks!r}")
     if not replica or "|" in replica or "{" in replica or "}" in replica:
         raise ValueError(f"replica must be a non-empty name without '|' or braces: {replica!r}")
     if not (math.isfinite(lease_s) and lease_s > 0):
         raise ValueError(f"lease_s must be a positive finite number, got {lease_s}")
-    for priority, tenant in (*charges, *waiting):
+    for priority, tenant in (*charges, *waiting, *holding):
         if not tenant or "|" in tenant:
             raise ValueError(f"tenant must be a non-empty name without '|': {tenant!r}")
         if not isinstance(priority, int):
@@ -121,11 +131,13 @@ def fair_sync_now(
     charges: Mapping[FairSlot, float],
     waiting: Mapping[FairSlot, tuple[int, float]],
     lease_s: float,
+    holding: Mapping[FairSlot, int] | None = None,
 ) -> FairView:
     """One `fair_sync` applied to `table` at store time `now` (the module's steps)."""
+    holding = holding or {}
     # 1. expired registrations, and this replica's previous ones
     live = {k: r for k, r in table.waiting.items() if r.expires > now}
-    waiting_before = {(p, t) for (_, p, t) in live}
+    waiting_before = {(p, t) for (_, p, t), r in live.items() if r.count > 0}
     table.waiting = {k: r for k, r in live.items() if k[0] != replica}
     # 2. floors up to the least waiting counter
     _raise_floors(table, waiting_before)
@@ -136,11 +148,14 @@ def fair_sync_now(
             table.counters[slot] = max(table.counters.get(slot, floor), floor)
         table.counters[slot] = table.counters.get(slot, floor) + charges.get(slot, 0.0)
     # 4. register
-    for (priority, tenant), (count, age) in waiting.items():
-        table.waiting[(replica, priority, tenant)] = _Registration(
-            int(count), now - age, now + lease_s
-        )
-    waiting_now = {(p, t) for (_, p, t) in table.waiting}
+    for priority, tenant in _ordered(set(waiting) | set(holding)):
+        count, age = waiting.get((priority, tenant), (0, 0.0))
+        blocks = holding.get((priority, tenant), 0)
+        if count or blocks:
+            table.waiting[(replica, priority, tenant)] = _Registration(
+                int(count), now - age, now + lease_s, int(blocks)
+            )
+    waiting_now = {(p, t) for (_, p, t), r in table.waiting.items() if r.count > 0}
     # 5. a class nobody waits in: the floor follows what this call charged
     for slot in charges:
         priority = slot[0]
@@ -154,14 +169,21 @@ def fair_sync_now(
             for s, c in table.counters.items()
             if s in waiting_now or c > table.floors.get(s[0], 0.0)
         }
-    named = waiting_now | set(charges) | set(waiting)
+    named = waiting_now | set(charges) | set(waiting) | set(holding)
+    held: dict[FairSlot, int] = {}
+    for (_, p, t), reg in table.waiting.items():
+        if reg.held:
+            held[(p, t)] = held.get((p, t), 0) + reg.held
+    named |= set(held)
     return FairView(
         counters={s: table.counters.get(s, table.floors.get(s[0], 0.0)) for s in _ordered(named)},
         floors=dict(table.floors),
         waiters=tuple(
             FairWaiter(r, p, t, reg.count, max(0.0, now - reg.since))
             for (r, p, t), reg in sorted(table.waiting.items())
+            if reg.count > 0
         ),
+        held=dict(sorted(held.items())),
     )
 
 

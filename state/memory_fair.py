@@ -22,6 +22,8 @@ class MemoryFair:
         charges: Mapping[FairSlot, float],
         waiting: Mapping[FairSlot, tuple[int, float]],
         lease_s: float,
+        holding: Mapping[FairSlot, int] | None = None,
     ) -> FairView:
-        check_fair_sync(replica, charges, waiting, lease_s)
-        return fair_sync_now(self._fair, self._clock(), replica, charges, waiting, lease_s)
+        check_fair_sync(replica, charges, waiting, lease_s, holding)
+        now = self._clock()
+        return fair_sync_now(self._fair, now, replica, charges, waiting, lease_s, holding)

@@ -33,14 +33,19 @@ class RedisFair(RedisConnection):
         charges: Mapping[FairSlot, float],
         waiting: Mapping[FairSlot, tuple[int, float]],
         lease_s: float,
+        holding: Mapping[FairSlot, int] | None = None,
     ) -> FairView:
-        check_fair_sync(replica, charges, waiting, lease_s)
+        holding = holding or {}
+        check_fair_sync(replica, charges, waiting, lease_s, holding)
         args: list[str | int] = [self._now(), replica, repr(float(lease_s)), len(charges)]
         for (priority, tenant), amount in charges.items():
             args += [int(priority), tenant, repr(float(amount))]
         args.append(len(waiting))
         for (priority, tenant), (count, age) in waiting.items():
             args += [int(priority), tenant, int(count), repr(float(age))]
+        args.append(len(holding))
+        for (priority, tenant), blocks in holding.items():
+            args += [int(priority), tenant, int(blocks)]
         row = [text(x) for x in await self._hot_script(self._fair_sync, self._keys.fair, args)]
         i = 0
         floors: dict[int, float] = {}
@@ -58,5 +63,12 @@ class RedisFair(RedisConnection):
             name, cls, who, many, waited = row[i + 1 : i + 6]
             waiters.append(FairWaiter(name, int(cls), who, int(many), _number(waited)))
             i += 5
+        i += 1
+        held: dict[FairSlot, int] = {}
+        for _ in range(int(row[i])):
+            held[(int(row[i + 1]), row[i + 2])] = int(row[i + 3])
+            i += 3
         waiters.sort(key=lambda w: (w.replica, w.priority, w.tenant))
-        return FairView(dict(sorted(counters.items())), floors, tuple(waiters))
+        return FairView(
+            dict(sorted(counters.items())), floors, tuple(waiters), dict(sorted(held.items()))
+        )

@@ -6,10 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from policies.base import OutputLengthEstimator, PlacementPolicy
+from policies.fairness import VTCFairness
 from policies.overruns import LiveOverruns, OverrunMargin
 from router.adapters import ADAPTERS, ConcurrentAdapter, WorkerAdapter, adapter_for
 from router.edge.wiring import Core
+from router.fair_share import ClusterShare
 from router.histograms import HistogramCache
+from router.request.fair_takeback import FairTakeBack
 from router.request.holdings import Book
 from router.request.legs import Legs
 from router.request.lifecycle import RequestStages
@@ -30,6 +33,31 @@ def _every_adapter() -> dict[str, WorkerAdapter | ConcurrentAdapter]:
     """Every adapter, not only those of configured workers: a worker registered at run time may
     speak another protocol (stateless objects, so this costs nothing)."""
     return {name: adapter_for(name) for name in ADAPTERS}
+
+
+def _cluster_share(
+    core: Core, pools: Pools, preemptor: Preemptor, clock: Callable[[], float]
+) -> ClusterShare | None:
+    """With `vtc` (and `admission.fair_cluster`): one fair share for the cluster, its charges
+    and waiters shared through the store, its room taken back by preemption (issue 33)."""
+    admission, settings = core.admission, core.settings.admission
+    policy = admission.policy
+    if not settings.fair_cluster or not isinstance(policy, VTCFairness):
+        return None
+    members = pools.members
+    share = ClusterShare(
+        settings,
+        core.store,
+        admission,
+        policy,
+        core.tasks,
+        clock,
+        weights={t.name: t.weight for t in core.settings.tenants},
+        capacity=lambda: sum(w.capacity_blocks for w in members.decode_workers),
+    )
+    admission.ledger = share
+    share.listeners.append(FairTakeBack(settings, preemptor, clock))
+    return share
 
 
 def build_stages(
@@ -81,6 +109,7 @@ def build_stages(
         pairing=pairing,
         clock=clock,
     )
+    reserver.share = _cluster_share(core, pools, preemptor, clock)
     legs = Legs(settings, core.session, core.splice, members, pairing, metrics, clock)
     quota = QuotaGate(core.store, settings.leases.reservation_s, settings.scaling, metrics, clock)
     # Its holds live as long as the reservations they stand for: renewed on their tick.

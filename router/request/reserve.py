@@ -30,6 +30,7 @@ from policies.base import (
     Rejection,
     RequestInfo,
     WaitingRequest,
+    blocks_for,
 )
 from policies.fairness import admission_charge, estimate_cost
 from policies.overruns import LiveOverruns, OverrunMargin
@@ -37,6 +38,7 @@ from policies.tenant_classes import record_keys_of
 from router.admission import Admission, QueueFull
 from router.config import Settings
 from router.errors import NoCapacity, NotInRotation
+from router.fair_share import ClusterShare
 from router.histograms import HistogramCache
 from router.leases import LeaseKeeper
 from router.metrics import RouterMetrics
@@ -87,6 +89,9 @@ class Reserver:
     book: Book
     pairing: Pairing
     clock: Callable[[], float]
+    # The cluster's fair share (router/fair_share.py): room left for a more under-served
+    # tenant waiting on another replica. None: this replica's order is its own.
+    share: ClusterShare | None = None
 
     def __repr__(self) -> str:
         return f"Reserver(policy={self.policy.name}, estimator={self.estimator.name})"
@@ -196,7 +201,7 @@ class Reserver:
             cand.predicted_ttft_s,
             cand.predicted_itl_s or slo.itl_slo_s,
         )
-        seat.charge = self.admission.admitted(replace(waiting, cost=charged))
+        seat.charge = self.admission.admitted(replace(waiting, cost=charged), cand.reserve_blocks)
         seat.reserved_at = self.clock()
         return attempt
 
@@ -238,8 +243,12 @@ class Reserver:
                 seat.admitted = True
             # The prompt's token ids (None where not tokenized): each worker's exact cached
             # prefix from its KV events (router/workers/placement_view.py).
-            outcome = step.held or await self._try_reserve(
-                info, avoid, call.parsed.prompt_token_ids, seat.class_keys(self.estimator, info)
+            outcome = (
+                step.held
+                or self._left_for_another(waiting, info)
+                or await self._try_reserve(
+                    info, avoid, call.parsed.prompt_token_ids, seat.class_keys(self.estimator, info)
+                )
             )
             if isinstance(outcome, Attempt):
                 if adm.waiting:
@@ -279,6 +288,22 @@ class Reserver:
                 raise self._refuse(seat, queue_refused(exc, outcome)) from exc
             if (refusal := after_wait(baton, outcome)) is not None:
                 raise self._refuse(seat, refusal)
+
+    def _left_for_another(self, waiting: WaitingRequest, info: RequestInfo) -> Rejection | None:
+        """The room is left for a more under-served tenant waiting on another replica, for at
+        most the hand-off's grace (router/fair_share.py); None: this request may take it."""
+        share = self.share
+        if share is None or self.admission.settings.mode == "instant":
+            return None
+        need = blocks_for(info.prompt_tokens + info.reserve_output_tokens, info.block_size)
+        hold = share.hold_s(waiting.tenant, waiting.priority, waiting.cost, need)
+        if hold is None:
+            return None
+        return Rejection(
+            "the room that frees is left for a tenant below its share waiting on another "
+            "router replica (the cluster's fair share)",
+            max(1.0, hold),
+        )
 
     def _refuse(self, seat: Seat, refusal: Refuse) -> NoCapacity:
         """The 429 to raise, counted by reason (and by the request's tenant)."""

@@ -23,6 +23,7 @@ REQUEST = "router.request"
 # as a request meets it (reserve → legs → respond → resume → release), then the loop over them.
 FLOW = (
     "preemption",  # the live streams a growth with no room may stop (the rule: policies/)
+    "fair_takeback",  # streams stopped for the cluster's fair share (the rule: policies/)
     "holdings",  # the reservation's and the stranded KV's owners
     "attempt",  # the request (Call), one try's ask (Ask) and holdings (Attempt), a failed leg
     "retry_policy",  # whether a failed try is tried again, where, after what pause

@@ -59,6 +59,21 @@ async def test_registrations_expire_and_are_replaced(
     assert view.waiters == ()
 
 
+async def test_holdings_add_up_over_replicas_and_are_no_waiters(
+    clocked: tuple[StateStore, SteppedClock],
+) -> None:
+    store, clock = clocked
+    await store.fair_sync("r1", {}, {}, LEASE, {(0, "a"): 30})
+    view = await store.fair_sync("r2", {}, {(0, "b"): (1, 0.0)}, LEASE, {(0, "a"): 12})
+    assert view.held == {(0, "a"): 42}
+    assert [w.tenant for w in view.waiters] == ["b"]  # a holds, it does not wait
+    assert (0, "a") in view.counters
+    view = await store.fair_sync("r1", {}, {}, LEASE, {})  # r1's requests ended
+    assert view.held == {(0, "a"): 12}
+    clock.advance(LEASE + 0.01)
+    assert (await store.fair_sync("r3", {}, {}, LEASE)).held == {}
+
+
 async def test_classes_are_apart(clocked: tuple[StateStore, SteppedClock]) -> None:
     store, _ = clocked
     view = await store.fair_sync("r1", {(0, "a"): 3.0, (2, "a"): 7.0}, {}, LEASE)
@@ -77,8 +92,10 @@ async def test_bad_arguments_raise_before_writing(store: StateStore) -> None:
     ):
         with pytest.raises(ValueError):
             await store.fair_sync(replica, charges, waiting, lease)
+    with pytest.raises(ValueError):
+        await store.fair_sync("r1", {}, {}, LEASE, {(0, "a"): -1})
     view = await store.fair_sync("r1", {}, {}, LEASE)
-    assert view == FairView({}, {}, ())
+    assert view == FairView({}, {}, (), {})
 
 
 async def test_random_syncs_match_the_reference(clocked: tuple[StateStore, SteppedClock]) -> None:
@@ -96,8 +113,13 @@ async def test_random_syncs_match_the_reference(clocked: tuple[StateStore, Stepp
             (rng.choice([0, 1]), t): (rng.randint(1, 4), round(rng.uniform(0, 0.5), 3))
             for t in rng.sample(tenants, rng.randint(0, 2))
         }
-        expected = fair_sync_now(table, clock(), replica, charges, waiting, LEASE)
-        got = await store.fair_sync(replica, charges, waiting, LEASE)
+        holding = {
+            (rng.choice([0, 1]), t): rng.randint(0, 40)
+            for t in rng.sample(tenants, rng.randint(0, 3))
+        }
+        expected = fair_sync_now(table, clock(), replica, charges, waiting, LEASE, holding)
+        got = await store.fair_sync(replica, charges, waiting, LEASE, holding)
+        assert got.held == expected.held
         assert got.floors == pytest.approx(expected.floors)
         assert got.counters == pytest.approx(expected.counters)
         assert [(w.replica, w.priority, w.tenant, w.count) for w in got.waiters] == [

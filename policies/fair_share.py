@@ -1,0 +1,168 @@
+"""One fair share for the cluster (issue 33): the two rules that act on the fairness state every
+router replica shares through the store (state/fair_shares.py), pure and deterministic, so the
+live router (router/fair_share.py, router/request/fair_takeback.py) and a simulator run the
+same code.
+
+Both read the same facts: every replica's waiting tenants (`ClusterWaiter`: its class, its
+virtual counter as the store last had it, how many requests and how long the oldest has waited),
+and the counters (VTC units served / weight; policies/fairness.py).
+
+**Shares of the pool.** A tenant's share of the decode pool is its capacity times the tenant's
+weight over the weights of the tenants that hold or wait anywhere (`Occupancy`); VTC's counters
+say who was served more over time, the occupancy who holds more now. Both matter: a tenant that
+starts to wait is lifted to the floor (its counter then equals the least-served waiter's), so
+only the occupancy tells that a newcomer holds nothing while a flooding tenant holds the pool.
+
+**Hand-off** (`handoff_to`). Room that frees on a decode worker goes to the cluster's most
+under-served waiting tenant, whichever replica holds its request. A replica about to place a
+request of tenant t in class c first asks whether a waiter on *another* replica should have it:
+one of a more urgent class; one of class c whose counter is lower than t's by more than `slack`
+(one of t's requests' units / weight: two backlogged tenants' counters differ by about that);
+or, when t's request would take t past its share of the pool, one of a tenant under its share.
+Then it leaves the room (the request waits as if there were none) for that tenant's replica,
+whose refresh sees it; the answer names the first such waiter by (class, counter, longest wait,
+name). The caller bounds how long room is left (router/fair_share.py: at most the grace, then
+anyone takes it, and not again before another grace has passed): the cluster stays
+work-conserving.
+
+**Taking room back** (`take_back`). A tenant under its share of the pool has waited longer than
+`after_s` (a setting) and still has no room: the replica preempts streams it relays of the
+tenant most over its share (the most blocks held per weight, among tenants holding more than
+their share) — newest dispatch first (the least work to redo), never a stream already preempted
+`bound` times, at most `budget` of them (the caller's rate limit), at most one per request the
+starved tenant has waiting, and only while the victim is still over its share (it is never
+taken below it). The stream resumes with its exact text (issue 31); its continuation waits in
+the queue like any request of its tenant. Two tenants each within their shares never take from
+each other, so there is no back and forth: a preemption moves room from a tenant over its share
+to one under it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from policies.preemption import StreamFacts
+
+__all__ = ["ClusterWaiter", "Occupancy", "handoff_to", "take_back"]
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterWaiter:
+    """One replica's waiting requests of one tenant in one class, as the store has them."""
+
+    replica: str
+    priority: int
+    tenant: str
+    counter: float  # the tenant's virtual counter in its class
+    count: int  # its requests waiting there
+    waited_s: float  # how long the oldest has waited
+
+
+@dataclass(frozen=True, slots=True)
+class Occupancy:
+    """Who holds the decode pool now, over every replica: its `capacity` in blocks, the blocks
+    each tenant's admitted requests hold (`held`), the tenants' weights (absent: 1) and the
+    tenants that hold or wait (`active`). A tenant's share is the capacity times its weight over
+    the active tenants' weights (itself counted)."""
+
+    capacity: int
+    held: Mapping[str, int]
+    weights: Mapping[str, float]
+    active: frozenset[str]
+
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, 1.0)
+
+    def share(self, tenant: str) -> float:
+        total = sum(self.weight(t) for t in self.active | {tenant})
+        return self.capacity * self.weight(tenant) / total
+
+    def load(self, tenant: str) -> float:
+        """Blocks held per weight: the order of "more over its share"."""
+        return self.held.get(tenant, 0) / self.weight(tenant)
+
+    def under(self, tenant: str) -> bool:
+        return self.held.get(tenant, 0) < self.share(tenant)
+
+
+def handoff_to(
+    waiters: Iterable[ClusterWaiter],
+    replica: str,
+    tenant: str,
+    priority: int,
+    counter: float,
+    slack: float = 0.0,
+    occupancy: Occupancy | None = None,
+    need: int = 0,
+) -> ClusterWaiter | None:
+    """The waiter on another replica that room this replica found for `tenant` (class
+    `priority`, at `counter`, asking `need` blocks) should be left for; None: take it (the
+    module's rule)."""
+    over = occupancy is not None and occupancy.held.get(tenant, 0) + need > occupancy.share(tenant)
+    best: ClusterWaiter | None = None
+    for w in waiters:
+        if w.replica == replica or w.tenant == tenant or w.priority > priority:
+            continue
+        served_less = w.priority < priority or w.counter < counter - slack
+        held_less = over and occupancy is not None and occupancy.under(w.tenant)
+        if not (served_less or held_less):
+            continue
+        if best is None or _before(w, best):
+            best = w
+    return best
+
+
+def _before(a: ClusterWaiter, b: ClusterWaiter) -> bool:
+    return (a.priority, a.counter, -a.waited_s, a.tenant, a.replica) < (
+        b.priority,
+        b.counter,
+        -b.waited_s,
+        b.tenant,
+        b.replica,
+    )
+
+
+def take_back(
+    streams: Iterable[StreamFacts],
+    waiters: Iterable[ClusterWaiter],
+    occupancy: Occupancy,
+    after_s: float,
+    bound: int,
+    budget: int,
+) -> tuple[str, ...]:
+    """The streams to preempt so that a starved tenant gets room (the module's rule). Empty:
+    none."""
+    if budget < 1:
+        return ()
+    starved = sorted(
+        (w for w in waiters if w.waited_s >= after_s and w.count > 0 and occupancy.under(w.tenant)),
+        key=lambda w: (occupancy.load(w.tenant), w.counter, -w.waited_s, w.tenant, w.replica),
+    )
+    if not starved:
+        return ()
+    neediest = starved[0]
+    wanted = min(budget, sum(w.count for w in starved if w.tenant == neediest.tenant))
+    candidates = [
+        s
+        for s in streams
+        if s.preempted < bound
+        and s.tenant != neediest.tenant
+        and occupancy.held.get(s.tenant, 0) > occupancy.share(s.tenant)
+    ]
+    if not candidates:
+        return ()
+    victim = max({s.tenant for s in candidates}, key=lambda t: (occupancy.load(t), t))
+    newest = sorted(
+        (s for s in candidates if s.tenant == victim),
+        key=lambda s: (s.dispatched, s.stream_id),
+        reverse=True,
+    )
+    over = occupancy.held.get(victim, 0) - occupancy.share(victim)
+    chosen: list[str] = []
+    for stream in newest:
+        if len(chosen) >= wanted or over <= 0:
+            break
+        chosen.append(stream.stream_id)
+        over -= stream.blocks
+    return tuple(chosen)

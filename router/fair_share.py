@@ -1,0 +1,211 @@
+"""One fair share for the cluster, not per replica (issue 33): the `vtc` order's counters and who
+waits where, shared by every router replica through the store.
+
+**What is shared, and when.** Each replica adds up the charges its admissions and settlements
+make (router/admission.py `Ledger`) and, once every `admission.fair_sync_s` while it has
+anything in flight, waiting or to send, sends them with its waiting tenants (per class and
+tenant: how many, how long the oldest has waited) and the decode blocks its admitted requests
+hold per tenant, in one store call (`StateStore.fair_sync`,
+state/fair_shares.py: one script on one Redis Cluster slot). The answer — the floors, the
+counters of every tenant waiting anywhere and of those it named, every replica's waiters — is
+adopted by its policy (`VTCFairness.adopt`, plus what it charged while the call was out), so
+every replica orders its queue by the cluster's counters, at most one sync period old. A
+request's own path makes no store call for it: round trips per request are unchanged (two: the
+reservation and the end's `finish`), and a busy replica makes one call a period. A tenant that
+starts to wait anywhere is lifted to the floor in the store (VTC: no credit banked while idle).
+
+**Hand-off: the rule and its bound** (policies/fair_share.py `handoff_to`). Room that frees on a
+decode worker goes to the cluster's most under-served waiting tenant, whichever replica holds
+its request: a replica about to place a request of tenant t first asks whether a tenant waits on
+another replica that is more urgent, or whose counter is below t's by more than one of t's
+requests (its units / weight), or — when t would pass its share of the pool with this request —
+that holds less than its share. If so it leaves the room — the request waits as if
+none were free — and the other replica's state refresh (`loops.state_refresh_s`) sees the room
+and its waiter takes it. Bounded: a replica leaves room at most `admission.fair_handoff_grace_s`
+from the first request it held back (a wake-up is set for then), then anyone takes it, and it
+does not hold back again for another grace. So room is never left idle longer than the grace
+(plus a sync period for a stale registration), and at least half of any stretch in which the
+other replica never claims it is work-conserving.
+
+**Taking room back** (router/request/fair_takeback.py listens to each sync): a tenant starved
+past `admission.fair_preempt_after_s` gets streams of the tenant most over its share preempted
+on the replica that relays them (each replica acts for its own streams, reading every replica's
+waiters: no message between replicas), at most `admission.fair_preempt_per_s` a second each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
+
+from policies.base import AdmissionCost, Tenant
+from policies.fair_share import ClusterWaiter, Occupancy, handoff_to
+from policies.fairness import VTCFairness
+from router.admission import Admission, AdmissionSettings
+from router.background import BackgroundTasks
+from state.base import StateStore, StoreError
+from state.fair_shares import FairSlot, FairView
+
+__all__ = ["ClusterShare"]
+
+log = logging.getLogger(__name__)
+
+# Syncs with nothing to send, nothing waiting and nothing in flight before the loop stops (a
+# charge or a wait starts it again).
+_IDLE_SYNCS = 3
+# A registration outlives this many sync periods (and at least a second: a loaded replica's
+# loop may be late) before the store drops it: a replica that dies stops renewing.
+_LEASE_PERIODS = 10
+
+
+class ClusterShare:
+    """This replica's part of the cluster's fair share (the module's docstring)."""
+
+    def __init__(
+        self,
+        settings: AdmissionSettings,
+        store: StateStore,
+        admission: Admission,
+        policy: VTCFairness,
+        tasks: BackgroundTasks,
+        clock: Callable[[], float] = time.monotonic,
+        replica: str | None = None,
+        weights: Mapping[str, float] | None = None,
+        capacity: Callable[[], int] = lambda: 0,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.admission = admission
+        self.policy = policy
+        self.tasks = tasks
+        self.clock = clock
+        self.replica = replica or os.urandom(6).hex()
+        self.weights = dict(weights or {})  # the configured tenants' (absent: 1)
+        self.capacity = capacity  # the decode pool's blocks, as the replica sees it
+        self.lease_s = max(1.0, _LEASE_PERIODS * settings.fair_sync_s)
+        self.waiters: tuple[ClusterWaiter, ...] = ()  # every replica's, as of the last sync
+        self.view = FairView()
+        # Each tenant's latest admission charge (units / weight): one of its requests.
+        self.request_units: dict[str, float] = {}
+        self.listeners: list[Callable[[ClusterShare], None]] = []
+        self.syncs = 0
+        self.failures = 0
+        self._pending: dict[FairSlot, float] = {}
+        self._holding: dict[FairSlot, int] = {}  # blocks this replica's admitted requests hold
+        self.occupancy = Occupancy(0, {}, self.weights, frozenset())
+        self._task: asyncio.Task[None] | None = None
+        self._holding_since: float | None = None
+        self._open_until = -math.inf
+
+    def __repr__(self) -> str:
+        return (
+            f"ClusterShare({self.replica}, waiters={len(self.waiters)}, syncs={self.syncs}, "
+            f"failures={self.failures})"
+        )
+
+    # -- the ledger (router/admission.py calls it) ------------------------------------------
+    def charged(self, priority: int, tenant: str, amount: float, admission: bool) -> None:
+        slot = (priority, tenant)
+        self._pending[slot] = self._pending.get(slot, 0.0) + amount
+        if admission:
+            self.request_units[tenant] = amount
+        self.start()
+
+    def held(self, priority: int, tenant: str, blocks: int) -> None:
+        slot = (priority, tenant)
+        left = self._holding.get(slot, 0) + blocks
+        if left > 0:
+            self._holding[slot] = left
+        else:
+            self._holding.pop(slot, None)
+        self.start()
+
+    def start(self) -> None:
+        """Run the sync loop (again) if it is not running: a charge or a wait needs it."""
+        if self._task is None or self._task.done():
+            self._task = self.tasks.loop(self._run(), "fair-share-sync")
+
+    # -- the sync ---------------------------------------------------------------------------
+    async def _run(self) -> None:
+        idle = 0
+        while idle < _IDLE_SYNCS:
+            idle = 0 if await self.sync() else idle + 1
+            await asyncio.sleep(self.settings.fair_sync_s)
+
+    async def sync(self) -> bool:
+        """One exchange with the store; True while this replica has something to share."""
+        charges, self._pending = self._pending, {}
+        waiting = self.admission.waiting_tenants()
+        try:
+            view = await self.store.fair_sync(
+                self.replica, charges, waiting, self.lease_s, dict(self._holding)
+            )
+        except StoreError as exc:
+            for slot, amount in charges.items():  # sent again with the next
+                self._pending[slot] = self._pending.get(slot, 0.0) + amount
+            self.failures += 1
+            log.debug("fair share sync failed: %s", exc)
+            return True
+        self.syncs += 1
+        self._adopt(view)
+        for listener in self.listeners:
+            listener(self)
+        return bool(charges or waiting or self.admission.inflight or self._pending or self._holding)
+
+    def _adopt(self, view: FairView) -> None:
+        pending = self._pending  # charged while the call was out: not in the store's yet
+        counters = {slot: c + pending.get(slot, 0.0) for slot, c in view.counters.items()}
+        self.policy.adopt(counters, view.floors)
+        self.view = view
+        self.waiters = tuple(
+            ClusterWaiter(
+                w.replica,
+                w.priority,
+                w.tenant,
+                counters.get((w.priority, w.tenant), view.floors.get(w.priority, 0.0)),
+                w.count,
+                w.waited_s,
+            )
+            for w in view.waiters
+        )
+        held: dict[str, int] = {}
+        for (_, tenant), blocks in view.held.items():
+            held[tenant] = held.get(tenant, 0) + blocks
+        active = frozenset(held) | {w.tenant for w in view.waiters}
+        self.occupancy = Occupancy(self.capacity(), held, self.weights, active)
+
+    # -- the hand-off -----------------------------------------------------------------------
+    def hold_s(self, tenant: Tenant, priority: int, cost: AdmissionCost, need: int) -> float | None:
+        """Seconds to leave the room this replica found for a request of `tenant` (class
+        `priority`, expected to cost `cost`, asking `need` blocks), for a more under-served
+        tenant waiting on another replica; None: take it (the module's rule and bound)."""
+        if not self.waiters:
+            self._holding_since = None
+            return None
+        name = tenant.name
+        counter = self.policy.counter(name, priority)
+        units = self.policy.units(cost) / tenant.weight
+        other = handoff_to(
+            self.waiters, self.replica, name, priority, counter, units, self.occupancy, need
+        )
+        now = self.clock()
+        if other is None:
+            self._holding_since = None
+            return None
+        if now < self._open_until:
+            return None
+        if self._holding_since is None:
+            self._holding_since = now
+            grace = self.settings.fair_handoff_grace_s
+            # Then the held requests try again, and take the room if it is still there.
+            asyncio.get_running_loop().call_later(grace, self.admission.notify)
+        left = self._holding_since + self.settings.fair_handoff_grace_s - now
+        if left <= 0:
+            self._holding_since = None
+            self._open_until = now + self.settings.fair_handoff_grace_s
+            return None
+        return left

@@ -1,0 +1,166 @@
+"""The cluster's fair-share rules (policies/fair_share.py, issue 33): hand-off and taking room
+back, as functions, with hypothesis over random clusters."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policies.fair_share import ClusterWaiter, Occupancy, handoff_to, take_back
+from policies.preemption import StreamFacts
+
+TENANTS = ["a", "b", "c", "d"]
+
+
+def _occ(held: dict[str, int], capacity: int = 100, waiting: tuple[str, ...] = ()) -> Occupancy:
+    return Occupancy(capacity, held, {}, frozenset(held) | frozenset(waiting))
+
+
+def test_a_flooder_loses_its_newest_streams_to_a_starved_newcomer() -> None:
+    streams = [StreamFacts(f"s{i}", "flood", "d0", float(i), 25, 0) for i in range(4)]
+    waiter = ClusterWaiter("r1", 0, "victim", 10.0, 2, 0.5)
+    occ = _occ({"flood": 100}, waiting=("victim",))
+    # the victim's share is 50 blocks: two of the flood's 25-block streams, newest first
+    assert take_back(streams, [waiter], occ, 0.1, 2, 5) == ("s3", "s2")
+    # at most the budget, at most one per waiting request
+    assert take_back(streams, [waiter], occ, 0.1, 2, 1) == ("s3",)
+    assert take_back(streams, [ClusterWaiter("r1", 0, "victim", 10.0, 1, 0.5)], occ, 0.1, 2, 5) == (
+        "s3",
+    )
+    # not starved long enough, or already preempted `bound` times: nothing
+    assert take_back(streams, [waiter], occ, 1.0, 2, 5) == ()
+    spent = [
+        StreamFacts(s.stream_id, s.tenant, s.decode_id, s.dispatched, s.blocks, 2) for s in streams
+    ]
+    assert take_back(spent, [waiter], occ, 0.1, 2, 5) == ()
+
+
+def test_tenants_within_their_shares_never_take_from_each_other() -> None:
+    streams = [
+        StreamFacts("a1", "a", "d0", 1.0, 50, 0),
+        StreamFacts("b1", "b", "d0", 2.0, 50, 0),
+    ]
+    occ = _occ({"a": 50, "b": 50})
+    for tenant in ("a", "b"):
+        assert (
+            take_back(streams, [ClusterWaiter("r2", 0, tenant, 0.0, 3, 9.0)], occ, 0.1, 2, 9) == ()
+        )
+
+
+def test_room_is_left_for_a_less_served_or_under_share_tenant_elsewhere() -> None:
+    victim = ClusterWaiter("r1", 0, "victim", 5.0, 1, 0.2)
+    # by counters: the victim is behind by more than one request of the flooder
+    assert handoff_to([victim], "r2", "flood", 0, 100.0, 10.0) == victim
+    assert handoff_to([victim], "r2", "flood", 0, 12.0, 10.0) is None
+    # on the same replica: the local order has it already
+    assert handoff_to([victim], "r1", "flood", 0, 100.0, 10.0) is None
+    # by the occupancy: the flooder would pass its share, the victim holds nothing
+    occ = _occ({"flood": 90}, waiting=("victim",))
+    assert handoff_to([victim], "r2", "flood", 0, 5.0, 10.0, occ, 20) == victim
+    assert (
+        handoff_to(
+            [victim], "r2", "flood", 0, 5.0, 10.0, _occ({"flood": 10}, waiting=("victim",)), 20
+        )
+        is None
+    )
+    # a more urgent class always goes first; a less urgent one never
+    assert (
+        handoff_to([ClusterWaiter("r1", -1, "x", 1e9, 1, 0.0)], "r2", "flood", 0, 0.0) is not None
+    )
+    assert handoff_to([ClusterWaiter("r1", 1, "x", 0.0, 1, 0.0)], "r2", "flood", 0, 1e9) is None
+
+
+waiters_st = st.lists(
+    st.builds(
+        ClusterWaiter,
+        st.sampled_from(["r1", "r2"]),
+        st.integers(0, 1),
+        st.sampled_from(TENANTS),
+        st.floats(0, 100),
+        st.integers(1, 5),
+        st.floats(0, 2),
+    ),
+    max_size=6,
+)
+streams_st = st.lists(
+    st.builds(
+        StreamFacts,
+        st.uuids().map(str),
+        st.sampled_from(TENANTS),
+        st.sampled_from(["d0", "d1"]),
+        st.floats(0, 100),
+        st.integers(1, 40),
+        st.integers(0, 3),
+    ),
+    max_size=12,
+    unique_by=lambda s: s.stream_id,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    streams_st,
+    waiters_st,
+    st.dictionaries(st.sampled_from(TENANTS), st.integers(0, 200)),
+    st.integers(1, 400),
+    st.integers(0, 4),
+)
+def test_take_back_keeps_its_bounds(
+    streams: list[StreamFacts],
+    waiters: list[ClusterWaiter],
+    held: dict[str, int],
+    capacity: int,
+    budget: int,
+) -> None:
+    occ = Occupancy(capacity, held, {}, frozenset(held) | {w.tenant for w in waiters})
+    chosen = take_back(streams, waiters, occ, 0.5, 2, budget)
+    assert chosen == take_back(list(reversed(streams)), waiters, occ, 0.5, 2, budget)  # pure
+    assert len(chosen) <= budget and len(set(chosen)) == len(chosen)
+    if not chosen:
+        return
+    by_id = {s.stream_id: s for s in streams}
+    picked = [by_id[i] for i in chosen]
+    victims = {s.tenant for s in picked}
+    assert len(victims) == 1  # one tenant at a time: the most over its share
+    (victim,) = victims
+    starved = [w for w in waiters if w.waited_s >= 0.5 and occ.under(w.tenant)]
+    assert starved  # nothing is taken unless a tenant under its share waited that long
+    neediest = min(
+        starved, key=lambda w: (occ.load(w.tenant), w.counter, -w.waited_s, w.tenant, w.replica)
+    )
+    assert victim != neediest.tenant
+    assert len(chosen) <= sum(w.count for w in starved if w.tenant == neediest.tenant)
+    assert held.get(victim, 0) > occ.share(victim)  # over its share
+    assert all(s.preempted < 2 for s in picked)
+    # newest dispatch first among the victim's streams that may be taken
+    eligible = sorted(
+        (s for s in streams if s.tenant == victim and s.preempted < 2),
+        key=lambda s: (s.dispatched, s.stream_id),
+        reverse=True,
+    )
+    assert [s.stream_id for s in eligible[: len(chosen)]] == list(chosen)
+    # never taken below its share: every stream but the last leaves it over
+    before_last = sum(s.blocks for s in picked[:-1])
+    assert held.get(victim, 0) - before_last > occ.share(victim)
+    # the tenant most over its share (blocks per weight) among those with candidates
+    for s in streams:
+        over = held.get(s.tenant, 0) > occ.share(s.tenant)
+        if s.preempted < 2 and over and s.tenant != neediest.tenant:
+            assert occ.load(s.tenant) <= occ.load(victim)
+
+
+@settings(max_examples=300, deadline=None)
+@given(waiters_st, st.sampled_from(TENANTS), st.integers(0, 1), st.floats(0, 100))
+def test_handoff_names_a_waiter_of_another_replica_and_tenant(
+    waiters: list[ClusterWaiter], tenant: str, priority: int, counter: float
+) -> None:
+    chosen = handoff_to(waiters, "r1", tenant, priority, counter, 1.0)
+    if chosen is None:
+        assert not any(
+            w.replica != "r1"
+            and w.tenant != tenant
+            and (w.priority < priority or (w.priority == priority and w.counter < counter - 1.0))
+            for w in waiters
+        )
+        return
+    assert chosen.replica != "r1" and chosen.tenant != tenant and chosen.priority <= priority
