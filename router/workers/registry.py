@@ -112,6 +112,9 @@ class RegistrySync:
         _, registered, drained, roles = view
         joined: list[WorkerState] = []
         for wid, blob in registered.items():
+            known = members.workers.get(wid)
+            if known is not None and known.dynamic and known.registration == blob:
+                continue  # unchanged: not parsed again (a thousand workers, every second)
             try:
                 spec = members.parse_registration(orjson.loads(blob))
             except (ConfigError, orjson.JSONDecodeError, TypeError, ValueError) as exc:

@@ -138,6 +138,10 @@ class KubeDiscovery:
         self.namespace = ""
         self._dirty = asyncio.Event()
         self._known: dict[str, bytes] = {}  # id -> the registration last seen to match its pod
+        # id -> (the pod's resourceVersion, its role, the worker's state object) last found to
+        # match: an unchanged pod is not turned into a registration again at every resync
+        # (with 1,000 pods that was most of an idle replica's discovery cost).
+        self._fresh: dict[str, tuple[str, str, int]] = {}
         self._adopting: dict[str, asyncio.Task[None]] = {}
         self._retry_at: dict[str, float] = {}
         self._gate = asyncio.Semaphore(_ADOPTING_AT_ONCE)
@@ -265,11 +269,19 @@ class KubeDiscovery:
             if gone.dynamic and gone.spec.pod.startswith(prefix) and wid not in desired:
                 if wid not in self._adopting:
                     await self._remove(wid)
+        for wid in self._fresh.keys() - desired.keys():
+            del self._fresh[wid]
         now = time.monotonic()
         for wid, (role, pod) in desired.items():
             w = members.workers.get(wid)
             if w is not None and not w.dynamic:
                 self._complain(wid, f"pod {wid} has the id of a worker of the file: ignored")
+                continue
+            if w is None and not self._pod_in_rotation(wid):
+                continue  # adopted once Ready
+            seen = (str(pod.get("metadata", {}).get("resourceVersion", "")), role, id(w))
+            if w is not None and self._fresh.get(wid) == seen:
+                await self._follow_readiness(w)
                 continue
             try:
                 raw = registration(pod, role, self._d)
@@ -281,6 +293,7 @@ class KubeDiscovery:
                 continue  # no address yet
             blob = orjson.dumps(raw)
             if w is not None and self._matches(w, raw, blob):
+                self._fresh[wid] = seen
                 await self._follow_readiness(w)
             elif self._pod_in_rotation(wid):
                 if wid not in self._adopting and self._retry_at.get(wid, 0.0) <= now:
@@ -343,6 +356,7 @@ class KubeDiscovery:
         await self._store.unregister_worker(wid)
         self._members.remove(wid)
         self._known.pop(wid, None)
+        self._fresh.pop(wid, None)
         self._retry_at.pop(wid, None)
         log.info("worker %s removed: its pod is gone", wid)
 

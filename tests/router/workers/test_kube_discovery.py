@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -388,9 +389,11 @@ async def test_two_replicas_on_one_redis_see_one_registry(
 async def test_churn_converges_on_every_replica_within_2_s(
     tmp_path: Path, redis_prefix: str
 ) -> None:
-    """Pods added and removed at 10 per second for 10 s (the bench runs a minute): after the
-    last change, every replica's pools and the shared registry match the pods within 2 s."""
-    async with asyncio.timeout(90), fleet(tmp_path) as f:
+    """Pods added and removed at 10 per second for 10 s (DR_KUBE_CHURN_S=60 runs the minute
+    of docs/kubernetes.md): after the last change, every replica's pools and the shared
+    registry match the pods within 2 s."""
+    churn_s = float(os.environ.get("DR_KUBE_CHURN_S", "10"))
+    async with asyncio.timeout(churn_s + 80), fleet(tmp_path) as f:
         await f.pod("p0", "prefill")
         engines = [await f.engine(f"c{i}", "decode") for i in range(12)]
         settings = router_settings(f, redis_prefix)
@@ -399,7 +402,7 @@ async def test_churn_converges_on_every_replica_within_2_s(
                 await serving_exactly(url, {"p0"})
             live: set[str] = set()
             rng = random.Random(34)
-            end = time.monotonic() + 10.0
+            end = time.monotonic() + churn_s
             changes = 0
             while time.monotonic() < end:
                 engine = rng.choice(engines)
@@ -412,7 +415,7 @@ async def test_churn_converges_on_every_replica_within_2_s(
                     live.add(engine.name)
                 changes += 1
                 await asyncio.sleep(0.1)
-            assert changes >= 80  # about ten a second, even on a loaded machine
+            assert changes >= 8 * churn_s  # about ten a second, even on a loaded machine
             want = {"p0", *live}
             took = [await serving_exactly(url, want, within_s=2.0) for url in (a, b)]
 
@@ -421,6 +424,9 @@ async def test_churn_converges_on_every_replica_within_2_s(
 
             took.append(await until(shared, 2.0, "the shared registry"))
             assert max(took) <= 2.0, took
+            print(f"churn: {changes} changes in {churn_s:g} s, {len(want)} workers at the end; "
+                  f"converged after the last change in {', '.join(f'{t:.2f}' for t in took)} s "
+                  "(replica a, replica b, store)")  # fmt: skip
 
 
 # --- a rollout to a new KV layout -------------------------------------------------------------
@@ -501,6 +507,7 @@ async def test_a_decode_rollout_to_a_new_layout_under_load(
             load.stop.set()
             await asyncio.gather(*clients)
             assert load.sent >= 50 and not load.bad, (load.sent, load.bad[:5])
+            print(f"rollout: {load.sent} streams through 2 replicas, none failed or inexact")
             # Every decode leg's KV came from a prefill of its own layout.
             layout_of = {"pa0": "a", "da0": "a", "da1": "a", "pb0": "b", "db0": "b", "db1": "b"}
             by_port = {e.port: e.name for e in f.engines.values()}
@@ -514,6 +521,7 @@ async def test_a_decode_rollout_to_a_new_layout_under_load(
                     pairs[key] = pairs.get(key, 0) + 1
             assert sum(pairs.values()) == load.sent  # every request's decode leg looked at
             assert set(pairs) == {("a", "a"), ("b", "b")}, pairs  # both served, never crossed
+            print(f"rollout: decode legs by (prefill layout, decode layout): {pairs}")
             # Nothing left reserved, on any decode worker old or new.
             store = await open_store(REDIS_URL, redis_prefix)
             try:
