@@ -18,7 +18,8 @@ under-served waiting tenant, whichever replica holds its request. A replica abou
 request of tenant t in class c first asks whether a waiter on *another* replica should have it:
 one of a more urgent class; one of class c whose counter is lower than t's by more than `slack`
 (one of t's requests' units / weight: two backlogged tenants' counters differ by about that);
-or, when t's request would take t past its share of the pool, one of a tenant under its share.
+or, while t holds more than its share of the pool, one of a tenant that would still be within
+its own share with the room (`need`: the blocks t's request asks, standing for the waiter's).
 Then it leaves the room (the request waits as if there were none) for that tenant's replica,
 whose refresh sees it; the answer names the first such waiter by (class, counter, longest wait,
 name). The caller bounds how long room is left (router/fair_share.py: at most the grace, then
@@ -99,13 +100,17 @@ def handoff_to(
     """The waiter on another replica that room this replica found for `tenant` (class
     `priority`, at `counter`, asking `need` blocks) should be left for; None: take it (the
     module's rule)."""
-    over = occupancy is not None and occupancy.held.get(tenant, 0) + need > occupancy.share(tenant)
+    over = occupancy is not None and occupancy.held.get(tenant, 0) > occupancy.share(tenant)
     best: ClusterWaiter | None = None
     for w in waiters:
         if w.replica == replica or w.tenant == tenant or w.priority > priority:
             continue
         served_less = w.priority < priority or w.counter < counter - slack
-        held_less = over and occupancy is not None and occupancy.under(w.tenant)
+        held_less = (
+            over
+            and occupancy is not None
+            and occupancy.held.get(w.tenant, 0) + need <= occupancy.share(w.tenant)
+        )
         if not (served_less or held_less):
             continue
         if best is None or _before(w, best):

@@ -18,8 +18,8 @@ starts to wait anywhere is lifted to the floor in the store (VTC: no credit bank
 decode worker goes to the cluster's most under-served waiting tenant, whichever replica holds
 its request: a replica about to place a request of tenant t first asks whether a tenant waits on
 another replica that is more urgent, or whose counter is below t's by more than one of t's
-requests (its units / weight), or — when t would pass its share of the pool with this request —
-that holds less than its share. If so it leaves the room — the request waits as if
+requests (its units / weight), or — while t holds more than its share of the pool — that would
+still be within its own share with the room. If so it leaves the room — the request waits as if
 none were free — and the other replica's state refresh (`loops.state_refresh_s`) sees the room
 and its waiter takes it. Bounded: a replica leaves room at most `admission.fair_handoff_grace_s`
 from the first request it held back (a wake-up is set for then), then anyone takes it, and it

@@ -6,7 +6,9 @@ front of the same simulated workers, called with the official `openai` client.
   fill the decode pool: the victim's requests are admitted within a bound (its time to first
   token, not the aggressor's streams' length), the aggressor's streams preempted for it resume
   with their exact text, nobody gets a 5xx, nothing is left reserved afterwards;
-- shares within 5 % of the weights for 2 and 10 tenants spread over the two replicas.
+- (shares within 5 % of the weights over two replicas: tests/router/test_fair_share.py, where
+  thousands of admissions fit in seconds; here a live request costs a few hundred ms of a busy
+  machine's CPU, too few for a 5 % bound in a bounded run).
 """
 
 from __future__ import annotations
