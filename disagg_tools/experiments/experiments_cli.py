@@ -7,6 +7,9 @@ command here (the live validation is `python -m disagg_tools.launcher.validate`)
     python -m disagg_tools.experiments scaling   [--sizes 16,64,256,1000]
     python -m disagg_tools.experiments flood     [--tenants 2,10,1000] [--duration 80]
                                                  (tenants under a flood: experiments/flood.py)
+    python -m disagg_tools.experiments flood --placements one,spread,split
+                                                 [--fairness fifo,vtc] [--shared-fairness]
+                                                 (issue 33: the flood over two replicas, only)
     python -m disagg_tools.experiments preemption [--seeds 6] [--burst 40]
                                                  (a burst that overruns the estimates, the
                                                  router's preemption on and off:
@@ -92,6 +95,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tenants", default="2,10,1000", help="flood: convergence tenant counts")
     ap.add_argument("--duration", type=float, default=80.0, help="flood: arrivals stop (s)")
     ap.add_argument("--seed", type=int, default=0, help="flood: the runs' seed")
+    ap.add_argument(
+        "--placements",
+        default="",
+        help="flood: only the runs over two replicas, these placements (one,spread,split)",
+    )
+    ap.add_argument("--fairness", default="fifo,vtc", help="flood --placements: the orders")
+    ap.add_argument(
+        "--shared-fairness",
+        action="store_true",
+        help="flood --placements: one fair share and one line for the cluster, not per replica",
+    )
     ap.add_argument("--out", default="bench-results")
     ap.add_argument("--tag", default="", help="suffix for the JSON file names")
     ap.add_argument("--img", default="docs/img")
@@ -132,7 +146,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         write_json(out, "scaling" + ("-per-worker" if ns.per_worker_load else ""), rows)
         print(scaling_table(rows), flush=True)
-    if ns.what == "flood":
+    if ns.what == "flood" and ns.placements:
+        setup = flood.FloodSetup(duration_s=ns.duration, seed=ns.seed)
+        pool = setup.lengths()
+        cap = flood.capacity(setup, pool)
+        rows = flood.placements(
+            setup,
+            pool,
+            cap,
+            [p for p in ns.placements.split(",") if p],
+            policies=[f for f in ns.fairness.split(",") if f],
+            shared=ns.shared_fairness,
+        )
+        tag = "-shared" if ns.shared_fairness else ""
+        write_json(out, "flood-placements" + tag + ("-" + ns.tag if ns.tag else ""), rows)
+        print(f"capacity {cap:.1f} req/s\n\n" + flood.placements_table(rows), flush=True)
+    elif ns.what == "flood":
         setup = flood.FloodSetup(duration_s=ns.duration, seed=ns.seed)
         fdata = flood.run(setup, [int(x) for x in ns.tenants.split(",") if x])
         write_json(out, "flood" + ("-" + ns.tag if ns.tag else ""), fdata)

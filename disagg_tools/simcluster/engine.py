@@ -47,6 +47,7 @@ from disagg_tools.simcluster.feedback import Feedback
 from disagg_tools.simcluster.metrics import GapHistogram, Outcome, RequestRecord, SimResult
 from disagg_tools.simcluster.preemption import RouterPreemption
 from disagg_tools.simcluster.prefix_facts import PrefixFacts
+from disagg_tools.simcluster.replica_queues import ReplicaQueues, Replicas
 from disagg_tools.simcluster.role_switching import RoleController, Slot
 from disagg_tools.simcluster.workers import DecodeWorker, Job, PrefillWorker, quantize
 from policies.base import (
@@ -97,14 +98,21 @@ class _Engine:
         role_policy: RolePolicy | None = None,
         fairness: FairnessPolicy | None = None,
         tenants: Mapping[str, Tenant] | None = None,
+        replicas: Replicas | None = None,
     ) -> None:
         if rate_scale <= 0:
             raise ValueError(f"rate_scale must be > 0, got {rate_scale}")
         if fairness is not None and config.elastic:
             raise ValueError("a fairness policy is not simulated on an elastic cluster (yet)")
-        self.fair = (
-            None if fairness is None else FairQueue(fairness, tenants or {}, slo_tpot_s, slo_ttft_s)
-        )
+        self.fair: FairQueue | ReplicaQueues | None = None
+        if fairness is not None and replicas is not None and not replicas.shared:
+            # Today's router: a queue and counters per replica (replica_queues.py).
+            self.fair = ReplicaQueues(
+                fairness, tenants or {}, slo_tpot_s, slo_ttft_s, replicas,
+                self.push_call, self.drain_queue,
+            )  # fmt: skip
+        elif fairness is not None:
+            self.fair = FairQueue(fairness, tenants or {}, slo_tpot_s, slo_ttft_s)
         self.cfg = config
         self.policy = policy
         self.estimator = estimator if config.reserve else None
@@ -276,7 +284,7 @@ class _Engine:
         if fair is not None:
             fair.arrived(job)
             # Under a fair order an arrival queues while anything waits (fair_queue.py).
-            if not (fair.queue_first and self.q_live) and self._admit(job):
+            if not fair.holds_back(job, self.q_live) and self._admit(job):
                 fair.admitted(job)
                 return
         elif self.q_live == 0 and self._admit(job):
@@ -719,6 +727,7 @@ def simulate(
     role_policy: RolePolicy | None = None,
     fairness: FairnessPolicy | None = None,
     tenants: Mapping[str, Tenant] | None = None,
+    replicas: Replicas | None = None,
 ) -> SimResult:
     """Replay `requests` (arrival times divided by `rate_scale`) through the cluster.
 
@@ -733,6 +742,9 @@ def simulate(
     `tenant` attribute (disagg_tools.simcluster.tenants) names its tenant in `tenants` (one not
     there: weight 1, class 0). Without it the queue is FIFO with head-of-line blocking, as before.
     The TPOT and TTFT SLOs stand for the router's `scaling.itl_slo_s` and `ttft_slo_s` there.
+    `replicas` (with `fairness`) splits the admission queue over router replicas as today's
+    router has it: a queue and fairness counters per replica, a release waking its own
+    replica's waiters first (disagg_tools.simcluster.replica_queues); `shared` is one queue.
     """
     engine = _Engine(
         requests,
@@ -747,5 +759,6 @@ def simulate(
         role_policy,
         fairness,
         tenants,
+        replicas,
     )
     return engine.run()

@@ -74,6 +74,16 @@ class FairQueue:
     def __repr__(self) -> str:
         return f"FairQueue(waiting={len(self._jobs)}, {self.policy!r})"
 
+    @property
+    def waiting(self) -> int:
+        """Jobs waiting in this queue (in the policy)."""
+        return len(self._jobs)
+
+    def holds_back(self, job: Job, waiting: int) -> bool:
+        """Whether an arrival must queue behind the `waiting` ones: under any order but
+        `fifo` while anything waits (the policy must see every admission)."""
+        return self.queue_first and waiting > 0
+
     def tenant(self, name: str) -> Tenant:
         """A tenant of the table; one it does not name has weight 1, class 0."""
         tenant = self._tenants.get(name)
