@@ -18,6 +18,14 @@ waiter of the tenant most over its share, which is refused (`QueueFull`, reason 
 a tenant at or over its share is the one refused. With one tenant a full queue refuses as it
 always did. The queue lives in this process: `max_waiters` and the shares are per router
 replica, with the in-memory store and with Redis alike (nothing of it is in the store).
+
+The order's own state is the cluster's under `vtc` (issue 33, `admission.fair_cluster`): every
+charge goes to the `ledger` too (router/fair_share.py `ClusterShare`), which shares the counters,
+this queue's waiting tenants (`waiting_tenants`) and the blocks its admitted requests hold with
+the other replicas through the store once a sync period, and adopts the cluster's counters into
+the policy; room a replica finds may be left for a more under-served tenant waiting on another
+(router/request/reserve.py asks it before placing), and room is taken back by preemption
+(router/request/fair_takeback.py). docs/design.md §5, "One fair share for the cluster".
 """
 
 from __future__ import annotations
