@@ -33,7 +33,7 @@ async def test_a_preempted_stream_resumes_with_the_reference_text_and_usage(
             want, want_usage = await ask(ref, kind, prompt, stream=False, max_tokens=MAX_TOKENS)
         async with router.client() as client:
             got, usage = await ask(client, kind, prompt, stream=True, max_tokens=MAX_TOKENS)
-        metrics = router.edge.parts.metrics
+        metrics = router.parts.metrics
         assert metrics.preemptions.labels(reason="forced")._value.get() == 1
         assert got == want
         assert usage == want_usage

@@ -46,7 +46,7 @@ async def test_decode_pulls_every_prompt_token(router: RealRouter) -> None:
     p = cluster.prefill.name
     excess = delta(p, "local_compute") + delta(p, "local_cache_hit") - sent
     retries = sum(
-        router.edge.parts.metrics.retries.labels(side=side)._value.get()
+        router.parts.metrics.retries.labels(side=side)._value.get()
         for side in ("prefill", "decode")
     )
     if excess or retries:

@@ -38,10 +38,10 @@ async def test_a_preempted_stream_resumes_with_the_reference_text_and_usage(
     ) as router:
         async with router.client() as client:
             text, usage = await ask(client, kind, prompt, MAX_TOKENS, stream=True)
-        metrics = router.edge.parts.metrics
+        metrics = router.parts.metrics
         assert metrics.preemptions.labels(reason="forced")._value.get() == 1
         assert metrics.retries.labels(side="decode")._value.get() == 0
-        assert all(w.breaker.state == "closed" for w in router.edge.parts.pools.decode_workers)
+        assert all(w.breaker.state == "closed" for w in router.parts.pools.decode_workers)
         assert text == want
         assert usage is not None and want_usage is not None
         assert (usage.prompt_tokens, usage.completion_tokens) == (

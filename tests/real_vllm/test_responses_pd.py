@@ -90,7 +90,7 @@ async def test_responses_through_prefill_and_decode_equal_one_engine(router: Rea
     assert sum(external[d] for d in decodes) == sent
     assert sum(local[d] for d in decodes) == 0
     assert local[p0] == sent and external[p0] == 0
-    placements = router.edge.parts.metrics.placements
+    placements = router.parts.metrics.placements
     assert sum(placements.labels(prefill=p0, decode=d)._value.get() for d in decodes) == 2
 
     assert await router.reserved_blocks() == {d: 0 for d in decodes}

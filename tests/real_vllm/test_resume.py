@@ -64,7 +64,7 @@ async def stream_and_kill(router: RealRouter, kind: str, prompt: str) -> Try:
     killed: VllmServer | None = None
     asked = False
     killed_after, killed_at = 0, time.monotonic()
-    resumes_before = router.edge.parts.metrics.resumes._value.get()
+    resumes_before = router.parts.metrics.resumes._value.get()
     async with router.client() as client:
         if kind == "chat":
             stream = await client.chat.completions.create(
@@ -98,7 +98,7 @@ async def stream_and_kill(router: RealRouter, kind: str, prompt: str) -> Try:
                 killed_at = time.monotonic()
     # The router really resumed (not: the engine had finished before the kill). Chunks are not
     # counted: vLLM merges several tokens into one chunk when its API server falls behind.
-    resumed = router.edge.parts.metrics.resumes._value.get() > resumes_before
+    resumed = router.parts.metrics.resumes._value.get() > resumes_before
     return Try("".join(chunks), killed, killed_after, time.monotonic() - killed_at, resumed)
 
 
