@@ -69,9 +69,12 @@ class PlacementSpec:
     victim_pause_s: float = 1.0  # 0: back to back
     aggressor_clients: int = 20
     prompt_tokens: int = 100
-    victim_tokens: int = 64  # every victim answer's length (max_tokens the same)
-    aggressor_tokens: int = 256
-    decode_blocks: int = 160  # ~7 aggressor answers at once: the aggressor alone fills it
+    # Every answer's length (max_tokens the same), the same for both tenants: a victim asking
+    # for less than the aggressor would slip into the room the aggressor's next request does
+    # not fit (the queue's backfill), whatever the order, and hide what the order does.
+    victim_tokens: int = 128
+    aggressor_tokens: int = 128
+    decode_blocks: int = 120  # 8 answers at once (15 blocks each): the aggressor alone fills it
     duration_s: float = 60.0  # no new request after this
     warmup_s: float = 5.0  # requests sent before this are not measured
     max_wait_s: float = 30.0  # the router's admission.max_wait_s (its default)

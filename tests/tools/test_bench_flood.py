@@ -9,7 +9,14 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from disagg_tools.overhead.flood import parse_args, run_flood, write_report
+from disagg_tools.overhead.flood import (
+    parse_args,
+    placement_specs,
+    run_flood,
+    run_placements,
+    write_report,
+)
+from disagg_tools.overhead.flood_report import placement_table
 from tests.conftest import REDIS_URL
 
 _TENANT_KEYS = {
@@ -65,3 +72,41 @@ async def test_flood_bench_end_to_end(tmp_path: Path) -> None:
     jpath, mpath = write_report({"command": "test", **report}, tmp_path, "vtc")
     assert jpath.stat().st_size > 0
     assert "| flood | aggressor |" in mpath.read_text()
+
+
+async def test_flood_bench_across_replicas_reports_each_row(tmp_path: Path) -> None:
+    """Issue 33's bench, one placement for a few seconds: two replicas on a private Redis,
+    simulated workers. The row's shape, the aggressor never a 5xx, every 429 with a
+    Retry-After, every answer's text exactly the simulated worker's; not the timing targets."""
+    ns = parse_args(
+        [
+            "--placement", "split", "--fairness", "vtc", "--duration", "6", "--warmup", "1",
+            "--aggressor-clients", "8", "--victim-tokens", "16", "--aggressor-tokens", "64",
+            "--decode-blocks", "40", "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
+    specs = placement_specs(ns)
+    assert [(s.placement, s.fairness, s.victim_pause_s) for s in specs] == [("split", "vtc", 1.0)]
+    report = await run_placements(ns)
+
+    (row,) = report["rows"]
+    assert (row["placement"], row["fairness"]) == ("split", "vtc")
+    assert set(row["targets"]) == {
+        "victim_goodput", "victim_ttft_p99", "work_conserving", "aggressor_no_5xx",
+        "honest_429", "texts_exact",
+    }  # fmt: skip
+    assert len(report["baselines"]) == 2  # the victim's solo run, the aggressor's run alone
+    victim, aggressor = row["victim"], row["aggressor"]
+    assert victim["ok"] > 0 and aggressor["ok"] > 0 and row["victim_solo"]["ok"] > 0
+    assert row["aggressor_alone"]["ok"] > 0
+    for stats in (victim, aggressor, row["victim_solo"], row["aggressor_alone"]):
+        assert stats["http_5xx"] == 0, stats["outcomes"]
+        assert stats["not_exact"] == 0, stats["outcomes"]
+        assert stats["rejected_429"] == stats["rejected_429_with_retry_after"], stats
+        assert set(stats["outcomes"]) <= {"ok", "shed"}, stats["outcomes"]
+    assert row["targets"]["aggressor_no_5xx"] and row["targets"]["texts_exact"]
+    assert row["dead_processes"] == []
+    assert row["preemptions_per_1k"] >= 0 and row["work_ratio"] is not None
+    table = placement_table(report["rows"])
+    assert "| vtc, victim on replica 1, aggressor on replica 2 | 1 s pause |" in table
+    assert report["router_settings"]["admission"]["fairness"] == "vtc"
