@@ -124,6 +124,11 @@ class ClusterShare:
             self._holding.pop(slot, None)
         self.start()
 
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """The sync loop's task, while or since it ran (None: never started)."""
+        return self._task
+
     def start(self) -> None:
         """Run the sync loop (again) if it is not running: a charge or a wait needs it."""
         if self._task is None or self._task.done():
@@ -137,7 +142,9 @@ class ClusterShare:
             await asyncio.sleep(self.settings.fair_sync_s)
 
     async def sync(self) -> bool:
-        """One exchange with the store; True while this replica has something to share."""
+        """One exchange with the store; True while this replica has something to share. A
+        failed one is False too: the loop stops after a few (a store down, or closed at
+        shutdown) and the next charge or wait starts it again, its charges still to send."""
         charges, self._pending = self._pending, {}
         waiting = self.admission.waiting_tenants()
         try:
@@ -149,7 +156,7 @@ class ClusterShare:
                 self._pending[slot] = self._pending.get(slot, 0.0) + amount
             self.failures += 1
             log.debug("fair share sync failed: %s", exc)
-            return True
+            return False
         self.syncs += 1
         self._adopt(view)
         for listener in self.listeners:

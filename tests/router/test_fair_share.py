@@ -196,3 +196,32 @@ async def test_ten_tenants_share_by_weight_across_two_replicas(redis_prefix: str
     off = _off(served, weights)
     assert _used(served, 6, 5.0) > 0.5, served
     assert all(abs(x) <= 0.05 for x in off.values()), (off, served)
+
+
+async def test_charges_survive_a_store_that_does_not_answer(redis_prefix: str) -> None:
+    """A sync that fails keeps its charges for the next one, and the loop stops after a few
+    failures instead of spinning (a store down, or closed at shutdown)."""
+    down = RedisStore.from_url("redis://127.0.0.1:1", redis_prefix)  # nothing listens there
+    up = RedisStore.from_url(REDIS_URL, redis_prefix)
+    tasks = BackgroundTasks()
+    settings = AdmissionSettings(fairness="vtc", fair_sync_s=0.01)
+    policy = VTCFairness()
+    adm = Admission(settings, policy)
+    share = ClusterShare(settings, down, adm, policy, tasks, replica="r0")
+    adm.ledger = share
+    try:
+        charge = adm.admitted(WaitingRequest(adm.ticket(), Tenant("a"), 0, COST), 3)
+        assert share.task is not None
+        await asyncio.wait_for(share.task, 10)  # it stops by itself
+        assert share.failures >= 3 and share.syncs == 0
+        share.store = up
+        assert await share.sync()
+        assert share.view.counters[(0, "a")] == pytest.approx(1.0)
+        assert share.view.held == {(0, "a"): 3}
+        adm.settle(charge, COST)
+        await share.sync()
+        assert share.view.held == {}
+    finally:
+        await tasks.close()
+        await down.close()
+        await up.close()
