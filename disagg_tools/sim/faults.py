@@ -63,6 +63,7 @@ _EVENTS = (
     "prefill_die_after_kv",
     "decode_fail_before_first",
     "decode_die_after_tokens",
+    "decode_die_after_last_token",
     "decode_error_event_after_tokens",
     "decode_stall_after_headers",
     "hang",
@@ -79,6 +80,9 @@ class FaultConfig:
     prefill_die_after_kv: bool = False  # KV entry created, then the connection drops: stranded KV
     decode_fail_before_first: bool = False  # 500 before any token
     decode_die_after_tokens: int | None = None  # drop the connection after N tokens
+    # The last token sent without its finish, then the connection drops: the answer is whole but
+    # its stream never ended (a router that preempts there meets the same).
+    decode_die_after_last_token: bool = False
     # As vLLM reports a failed generation (e.g. a KV pull that failed): 200, N tokens, then
     # `data: {"error": {"message": "Internal server error", ..., "code": 500}}` and [DONE].
     decode_error_event_after_tokens: int | None = None
@@ -150,6 +154,7 @@ def _check_type(name: str, value: object) -> None:
         "prefill_fail",
         "prefill_die_after_kv",
         "decode_fail_before_first",
+        "decode_die_after_last_token",
         "decode_stall_after_headers",
         "hang",
     ):
@@ -220,6 +225,9 @@ class FaultState:
 
     def hang_after(self) -> int | None:
         return self._after_tokens("hang_after_tokens", self.config.hang_after_tokens)
+
+    def die_after_last_token(self) -> bool:
+        return self.config.decode_die_after_last_token and self._take("decode_die_after_last_token")
 
     def die_after_tokens(self) -> int | None:
         return self._after_tokens("decode_die_after_tokens", self.config.decode_die_after_tokens)

@@ -345,7 +345,8 @@ async def _decode(
         worker.engine.join(seq)
         if fmt.stream:
             error_after = worker.faults.error_event_after_tokens()
-            return await _stream(worker, request, seq, fmt, die_after, error_after)
+            die_at_end = worker.faults.die_after_last_token()
+            return await _stream(worker, request, seq, fmt, die_after, error_after, die_at_end)
         return await _collect(worker, request, seq, fmt, die_after)
     except asyncio.CancelledError:
         worker.metrics.inc("aborted")
@@ -422,6 +423,7 @@ async def _stream(
     fmt: AnswerShapes,
     die_after: int | None,
     error_after: int | None = None,
+    die_at_end: bool = False,
 ) -> web.StreamResponse:
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -445,6 +447,10 @@ async def _stream(
                 await resp.write_eof()
                 return resp
             sent += 1 if tok else 0
+            if finish is not None and die_at_end:
+                worker.metrics.inc("faults", label="decode_die_after_last_token")
+                await resp.write(fmt.events(tok, None, sent))
+                return _drop_connection(request, resp)
             await resp.write(fmt.events(tok, finish, sent))
             if finish is not None:
                 await resp.write_eof()

@@ -58,7 +58,7 @@ from router.request.respond import (
     Served,
 )
 from router.request.responses_api import upstream_body
-from router.request.resume import Resumer
+from router.request.resume import AnswerComplete, Resumer, end_frames
 from router.request.retry_policy import RetryPolicy
 from router.retry_budget import RetryBudget
 from router.tenants import ANONYMOUS, TenantSpec
@@ -230,6 +230,11 @@ class RequestFlow:
                         # Continue it: the next try asks for the rest.
                         ask, info = await self.stages.resume.ask(call, responder.sent), None
                 await self.retries.before_retry(failure)
+            except AnswerComplete:
+                # Cut or preempted after its last token: end it as the worker would have.
+                prompt_tokens = await self.stages.resume.prompt_tokens(call)
+                await responder.write_end(end_frames(parsed, responder.sent, prompt_tokens))
+                return None
             except (RouterError, StoreError) as exc:
                 if responder.stream is None:
                     raise

@@ -235,6 +235,17 @@ class Responder:
         except (ConnectionError, RuntimeError):
             self.stage.metrics.client_disconnects.inc()
 
+    async def write_end(self, frames: bytes) -> None:
+        """End a stream the worker left unfinished with the events a finished one ends with."""
+        if self.stream is None:
+            return
+        try:
+            await self.stream.write(frames)
+            self.sent.append(frames)
+            await self.stream.write_eof()
+        except (ConnectionError, RuntimeError):
+            self.stage.metrics.client_disconnects.inc()
+
     async def write_error(self, err: RouterError) -> None:
         """Headers are gone: end the stream with a valid SSE error frame, never a silent cut."""
         if self.stream is None:

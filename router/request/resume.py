@@ -25,7 +25,17 @@ from router.request.attempt import Ask, Call
 from router.tokens.loaded import tokenizer_for
 from router.workers.membership import Membership
 
-__all__ = ["Resumer", "resume_body"]
+__all__ = ["AnswerComplete", "Resumer", "end_frames", "resume_body", "sent_text"]
+
+
+class AnswerComplete(Exception):
+    """The client already has every token its `max_tokens` allows (a stream cut, or preempted,
+    after its last token but before its end): nothing is left to ask, the stream is ended with
+    the frames a finished answer ends with (`end_frames`), never an error."""
+
+    def __init__(self, tokens: int) -> None:
+        super().__init__(f"the answer is complete at {tokens} tokens")
+        self.tokens = tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +78,27 @@ class Resumer:
         )
         if tokenizer is not None:
             return len(tokenizer.encode(text, add_special_tokens=False))
+        count = await self._count_by_worker({"model": model, "prompt": text})
+        return count or 0
+
+    async def prompt_tokens(self, call: Call) -> int:
+        """The prompt's tokens as the engine counts them, for the usage of an answer the router
+        ends itself: exact already when the router counted them (a tokenizer, token ids), else
+        by a real vLLM worker's `/tokenize` of the same prompt, else the router's estimate."""
+        parsed = call.parsed
+        if parsed.prompt_tokens_source != "estimate":
+            return parsed.prompt_tokens
+        body = parsed.body
+        payload: dict[str, Any] = {"model": body.get("model")}
+        if parsed.path == CHAT:
+            payload.update(messages=body.get("messages"), add_generation_prompt=True)
+        else:
+            payload["prompt"] = body.get("prompt")
+        count = await self._count_by_worker(payload)
+        return parsed.prompt_tokens if count is None else count
+
+    async def _count_by_worker(self, payload: dict[str, Any]) -> int | None:
+        """`count` of a vLLM worker's `POST /tokenize` (at most two asked), None if none told."""
         asked = 0
         for w in list(self.members.workers.values()):
             if w.spec.adapter not in ("vllm", "mooncake") or not w.healthy or asked >= 2:
@@ -77,9 +108,7 @@ class Resumer:
                 async with asyncio.timeout(self.settings.timeouts.connect_s + 5.0):
                     async with self.session.post(
                         w.spec.url + "/tokenize",
-                        data=orjson.dumps(
-                            {"model": model, "prompt": text, "add_special_tokens": False}
-                        ),
+                        data=orjson.dumps({**payload, "add_special_tokens": False}),
                         headers={"Content-Type": "application/json"},
                     ) as resp:
                         if resp.status != 200:
@@ -89,7 +118,7 @@ class Resumer:
                 continue
             if isinstance(count, int) and count >= 0:
                 return count
-        return 0
+        return None
 
 
 def resume_body(
@@ -100,10 +129,7 @@ def resume_body(
         return dict(parsed.body), parsed.prompt_tokens, parsed.max_tokens
     remaining = parsed.max_tokens - sent_tokens
     if remaining < 1:
-        raise UpstreamError(
-            "the decode worker died after the last token but before the end of "
-            "the stream; the answer is complete"
-        )
+        raise AnswerComplete(parsed.max_tokens)
     body = dict(parsed.body)
     if parsed.path == CHAT:
         body["messages"] = [*parsed.body["messages"], {"role": "assistant", "content": sent_text}]
@@ -162,3 +188,46 @@ def sent_text(chunks: list[bytes], chat: bool) -> tuple[str, int]:
                     parts.append(piece)
                     tokens += 1
     return "".join(parts), tokens
+
+
+def end_frames(parsed: ParsedRequest, sent: list[bytes], prompt_tokens: int) -> bytes:
+    """The events that end a complete answer the worker did not end: a last chunk whose
+    finish_reason is `length` (every token `max_tokens` allows was sent), the usage event when
+    the request asked for it (stream_options.include_usage), and [DONE]; what of these the
+    client already has is not sent again. The chunks' id, object, model and creation time are
+    those of the events the client has."""
+    head: dict[str, Any] = {}
+    finished = used = False
+    for event in sent:
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data: {"):
+                continue
+            try:
+                payload = orjson.loads(line[6:])
+            except orjson.JSONDecodeError:
+                continue
+            if not isinstance(payload, dict):
+                continue
+            if not head:
+                head = {k: payload[k] for k in ("id", "object", "created", "model") if k in payload}
+            choices = payload.get("choices") or ()
+            finished |= any(isinstance(c, dict) and c.get("finish_reason") for c in choices)
+            used |= isinstance(payload.get("usage"), dict)
+    frames: list[dict[str, Any]] = []
+    if not finished:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        if parsed.path == CHAT:
+            choice["delta"] = {}
+        else:
+            choice["text"] = ""
+        frames.append({**head, "choices": [choice]})
+    if parsed.include_usage and not used:
+        completion = parsed.max_tokens
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+        }
+        frames.append({**head, "choices": [], "usage": usage})
+    out = b"".join(b"data: " + orjson.dumps(f) + b"\n\n" for f in frames)
+    return out + b"data: [DONE]\n\n"

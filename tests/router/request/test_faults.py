@@ -142,6 +142,53 @@ async def test_decode_dies_mid_stream(redis_prefix: str, stream: bool) -> None:
         await assert_quiet(c)
 
 
+async def test_a_stream_cut_after_its_last_token_ends_as_a_finished_answer(
+    redis_prefix: str,
+) -> None:
+    """The decode worker sent every token max_tokens allows, then its connection dropped before
+    the stream's end (a preemption can cut there too: under load vLLM sends many tokens a chunk,
+    and tests/real_vllm/test_preemption.py once met it so, which ended in an error frame).
+    The client gets the finished answer's end (finish_reason length, the usage it asked for,
+    [DONE]) on the stream it has, never an error frame, and nothing is asked again."""
+    content = "a story that fills its whole cap"
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 12,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with sim_cluster(redis_prefix=redis_prefix, decode=2, retry=FAST_RETRY) as c:
+        whole = {k: v for k, v in body.items() if k != "stream_options"}
+        status, want = await call(c, whole, False)
+        assert status == 200
+        for wid in ("d0", "d1"):
+            await set_faults(c, wid, decode_die_after_last_token=True, count=1)
+        async with aiohttp.ClientSession() as s:
+            async with s.post(c.router_url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                raw = await resp.read()
+        events = [e[6:] for e in raw.decode().split("\n\n") if e.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [orjson.loads(e) for e in events[:-1]]
+        assert not any("error" in ch for ch in chunks), chunks[-3:]
+        text = "".join(
+            ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"]
+        )
+        assert text == want["choices"][0]["message"]["content"]
+        reasons = [ch["choices"][0].get("finish_reason") for ch in chunks if ch["choices"]]
+        assert reasons[-1] == "length"
+        assert len({ch["id"] for ch in chunks}) == 1
+        usage = chunks[-1]["usage"]
+        assert usage["completion_tokens"] == 12
+        # The prompt as a vLLM worker's /tokenize counts it (exact on vLLM); the sim's /tokenize
+        # counts the messages' text only roughly, so here it is only a count of that prompt.
+        assert usage["prompt_tokens"] > 0
+        assert usage["total_tokens"] == usage["prompt_tokens"] + 12
+        assert c.parts.metrics.resumes._value.get() == 0  # nothing was asked again
+        await assert_quiet(c)
+
+
 def decode_errors(c: SimCluster, kind: str) -> float:
     return c.parts.metrics.upstream_errors.labels(side="decode", kind=kind)._value.get()
 
