@@ -57,9 +57,23 @@ def _pods_file(path: Path, pods: int, ports: dict[str, int]) -> None:
     path.write_text(json.dumps(docs))  # JSON is YAML
 
 
+def _forget(redis_url: str, prefix: str) -> None:
+    """Delete what a measured router left in Redis under its own prefix (a thousand
+    registrations and their capacities)."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        for key in client.scan_iter(match=f"{prefix}*", count=1000):
+            client.delete(key)
+    finally:
+        client.close()
+
+
 def _config(
     kind: str, ns: argparse.Namespace, kubeconfig: Path, ports: dict[str, int], path: Path
-) -> None:
+) -> str:
+    """Writes the router's config to `path`; returns its store key prefix."""
     store = {"key_prefix": fresh_key_prefix(f"kube-{kind}")}
     if ns.redis_url:
         store["url"] = ns.redis_url
@@ -67,6 +81,9 @@ def _config(
         "model": MODEL,
         "perf": {"model": MODEL, "gpu": "h100"},
         "store": store,
+        # A thousand probes at once to two engines on a shared core: a loaded machine would
+        # fail some at the default 5 s and the wait for "every worker serving" never ends.
+        "loops": {"health_timeout_s": 30.0},
     }
     if kind == "static":
         config["workers"] = [
@@ -90,11 +107,12 @@ def _config(
             "kv_blocks": 100000,
         }
     path.write_text(json.dumps(config))
+    return store["key_prefix"]
 
 
 def _serving(port: int) -> int:
     """How many workers the router at `port` has in rotation (its /admin/workers)."""
-    with urllib.request.urlopen(f"http://{HOST}:{port}/admin/workers", timeout=5) as resp:
+    with urllib.request.urlopen(f"http://{HOST}:{port}/admin/workers", timeout=60) as resp:
         workers = json.loads(resp.read())["workers"]
     return sum(1 for w in workers if w["healthy"] and not w["drained"] and w["layout"])
 
@@ -134,7 +152,7 @@ async def kube_idle(ns: argparse.Namespace, log_dir: Path) -> list[dict[str, Any
         out = []
         for kind in ns.kinds:
             cfg, port = log_dir / f"{kind}.yaml", free_port()
-            _config(kind, ns, kubeconfig, ports, cfg)
+            prefix = _config(kind, ns, kubeconfig, ports, cfg)
             cmd = [sys.executable, "-m", "router.edge.serve_cli", "--log-level", "WARNING"]
             cmd += ["serve", "--config", str(cfg), "--host", HOST, "--port", str(port)]
             router = Child(f"kube-idle-router-{kind}", cmd, log_dir, core=ns.router_core_)
@@ -151,6 +169,8 @@ async def kube_idle(ns: argparse.Namespace, log_dir: Path) -> list[dict[str, Any
                     raise RuntimeError(f"{router.name} died:\n{router.tail()}")
             finally:
                 router.stop()
+                if ns.redis_url:
+                    await asyncio.to_thread(_forget, ns.redis_url, prefix)
             r = {
                 "kind": kind,
                 "pods_watched": 0 if kind == "static" else ns.pods,

@@ -277,8 +277,12 @@ class KubeDiscovery:
             if w is not None and not w.dynamic:
                 self._complain(wid, f"pod {wid} has the id of a worker of the file: ignored")
                 continue
-            if w is None and not self._pod_in_rotation(wid):
-                continue  # adopted once Ready
+            if w is None and (
+                wid in self._adopting
+                or self._retry_at.get(wid, 0.0) > now
+                or not self._pod_in_rotation(wid)
+            ):
+                continue  # being adopted, or adopted once Ready (or once its engine answers)
             seen = (str(pod.get("metadata", {}).get("resourceVersion", "")), role, id(w))
             if w is not None and self._fresh.get(wid) == seen:
                 await self._follow_readiness(w)
