@@ -586,3 +586,24 @@ async def test_endpointslices_decide_readiness(tmp_path: Path, redis_prefix: str
             )
             await serving_exactly(url, {"p0", "d1"})
             assert (await admin_workers(url))["d0"]["drained"]
+
+
+async def test_pods_of_the_both_selector_serve_whole_requests(
+    tmp_path: Path, redis_prefix: str
+) -> None:
+    """`both_selector` (elastic roles, or sglang-router's plain `--selector`): the pods join as
+    `both` workers and serve requests alone; the role manager, not a label, moves them."""
+    async with asyncio.timeout(30), fleet(tmp_path) as f:
+        for name in ("b0", "b1"):
+            engine = await f.engine(name, "both")
+            f.kube.add_pod(name, labels={"app": "sim", "role": "both"},
+                           ports={"http": engine.port}, pod_ip="127.0.0.1")  # fmt: skip
+        settings = router_settings(
+            f, redis_prefix,
+            discovery={"prefill_selector": "", "decode_selector": "", "both_selector": "app=sim"},
+        )  # fmt: skip
+        async with running_router(settings) as (url, _), aiohttp.ClientSession() as s:
+            await serving_exactly(url, {"b0", "b1"})
+            assert {w["role"] for w in (await admin_workers(url)).values()} == {"both"}
+            b = body("served whole")
+            assert await chat(s, url, b) == (200, expected_answer(CHAT, b)[0])
