@@ -168,8 +168,8 @@ def _kv(d: dict[str, int]) -> str:
 
 # -- across replicas (issue 33): closed-loop clients, every answer checked ---------------------
 
-# A mid-answer pause longer than this is counted as a resume (a preempted stream waits for room
-# and a prefill again; the simulated worker's tokens come every ~8 ms).
+# A mid-answer pause longer than this is counted: a preempted stream's (it waits for room and a
+# prefill again before it resumes) or a stall (the simulated worker's tokens come every ~8 ms).
 RESUME_GAP_S = 0.5
 
 
@@ -178,7 +178,7 @@ def tenant_stats(
 ) -> dict[str, Any]:
     """One tenant's requests sent in [warmup, duration) of a closed-loop run (each followed to
     its end): answers exact per second, TTFT, output tokens per second, every outcome, 5xx,
-    429s and their Retry-After, texts not exact, streams with a resume's pause."""
+    429s and their Retry-After, texts not exact, streams paused mid-answer (and of them exact)."""
     window = max(1e-9, duration_s - warmup_s)
     mine = [r for r in results if warmup_s <= r.t_send - t0 < duration_s]
     ok = [r for r in mine if r.outcome == "ok"]
@@ -199,8 +199,8 @@ def tenant_stats(
         "rejected_429_with_retry_after": len(retry),
         "retry_after_s": {"min": retry[0] if retry else None, "max": retry[-1] if retry else None},
         "not_exact": sum(1 for r in mine if r.outcome in ("wrong_text", "cut")),
-        "resumed_streams": len(paused),
-        "resumed_streams_exact": sum(1 for r in paused if r.outcome == "ok"),
+        "paused_streams": len(paused),
+        "paused_streams_exact": sum(1 for r in paused if r.outcome == "ok"),
     }
 
 
@@ -218,7 +218,7 @@ def placement_row(flood: RunResult, solo: RunResult, alone: RunResult) -> dict[s
         work_conserving    both tenants' output tokens/s >= 0.95 × the aggressor's alone
         aggressor_no_5xx   no 5xx to either tenant
         honest_429         every 429 carried a Retry-After
-        texts_exact        no answer's text or end wrong (a resumed stream's included)
+        texts_exact        no answer's text or end wrong (a preempted and resumed one's included)
     """
     v, a = _stats(flood, "victim"), _stats(flood, "aggressor")
     vs, aa = _stats(solo, "victim"), _stats(alone, "aggressor")
@@ -273,7 +273,7 @@ def placement_table(rows: list[dict[str, Any]]) -> str:
         "| fairness, where the tenants' requests land | victim | victim ok/s (solo) | ratio "
         "| victim TTFT p50 / p99 s (solo) | p99 vs solo | aggressor ok/s (alone) "
         "| aggressor 5xx | 429s with Retry-After | preemptions / 1k req | total work vs "
-        "aggressor alone | texts exact (resumed) |",
+        "aggressor alone | texts exact (streams paused > 0.5 s) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines = list(head)
@@ -282,7 +282,7 @@ def placement_table(rows: list[dict[str, Any]]) -> str:
         refused = v["rejected_429"] + a["rejected_429"]
         with_ra = v["rejected_429_with_retry_after"] + a["rejected_429_with_retry_after"]
         exact = v["not_exact"] + a["not_exact"] == 0
-        resumed = v["resumed_streams"] + a["resumed_streams"]
+        paused = v["paused_streams"] + a["paused_streams"]
         lines.append(
             f"| {r['fairness']}, {_PLACED[r['placement']]} | {r['victim_mode']} "
             f"| {v['ok_per_s']:.2f} ({vs['ok_per_s']:.2f}) | {_f(r['victim_ok_ratio'], '{:.2f}')} "
@@ -291,7 +291,7 @@ def placement_table(rows: list[dict[str, Any]]) -> str:
             f"| ×{_f(r['victim_ttft_p99_ratio'], '{:.1f}')} "
             f"| {a['ok_per_s']:.2f} ({aa['ok_per_s']:.2f}) | {v['http_5xx'] + a['http_5xx']} "
             f"| {with_ra}/{refused} | {r['preemptions_per_1k']:.1f} "
-            f"| {_f(r['work_ratio'], '{:.2f}')} | {'yes' if exact else '**NO**'} ({resumed}) |"
+            f"| {_f(r['work_ratio'], '{:.2f}')} | {'yes' if exact else '**NO**'} ({paused}) |"
         )
     lines += [
         "",
