@@ -49,26 +49,27 @@ class ClusterSpec:
     victim_weight: float
     aggressor_weight: float
     aggressor_rpm: int  # 0: no limit
-    # The router's estimator, and more of its configuration (YAML lines: the preemption bench's
+    # The router's estimator and its arguments (a YAML flow mapping, "" for none), and more of
+    # its configuration (YAML lines in the settings' groups: the preemption bench's
     # `preemption: {enabled: false}`, disagg_tools/overhead/flood_preemption.py).
     estimator: str = "max_tokens"
     extra_config: str = ""
+    estimator_args: str = ""
 
 
 def router_config(spec: ClusterSpec, prefill_url: str, decode_url: str, prefix: str) -> str:
     rpm = f", requests_per_minute: {spec.aggressor_rpm}" if spec.aggressor_rpm > 0 else ""
+    args = f", estimator_args: {spec.estimator_args}" if spec.estimator_args else ""
     k = TENANT_KEYS
     return "\n".join(
         [
             f"model: {spec.model}",
             "perf: {model: llama-3-8b, gpu: h100}",
-            f"redis_url: {spec.redis_url}",
-            f'key_prefix: "{prefix}"',
+            f'store: {{url: "{spec.redis_url}", key_prefix: "{prefix}"}}',
             # The answer is exactly max_tokens (the stand-in ignores EOS): reserve just that.
-            f"estimator: {spec.estimator}",
+            f"estimates: {{estimator: {spec.estimator}{args}}}",
             *([spec.extra_config] if spec.extra_config else []),
-            f"fairness: {spec.fairness}",
-            f"admission: {{mode: queue, max_wait_s: {spec.max_wait_s}}}",
+            f"admission: {{mode: queue, max_wait_s: {spec.max_wait_s}, fairness: {spec.fairness}}}",
             "workers:",
             f"  - {{id: p0, url: {prefill_url}, role: prefill, adapter: vllm}}",
             f"  - {{id: d0, url: {decode_url}, role: decode, adapter: vllm, "

@@ -207,15 +207,19 @@ def summarise(streams: list[Stream], ns: argparse.Namespace) -> dict[str, Any]:
 
 async def run_mode(ns: argparse.Namespace, enabled: bool, log_dir: Path) -> dict[str, Any]:
     extra = [
-        "estimator_args: {min_samples: 5}",
-        "histogram_refresh_s: 0.2",
+        "loops: {histogram_refresh_s: 0.2}",
         f"preemption: {{enabled: {'true' if enabled else 'false'}}}",
     ]
     spec = ClusterSpec(
         ns.model, ns.redis_url, "fifo", ns.kv_blocks, ns.interval_ms, ns.prefill_ms,
         ns.first_token_ms, ns.max_wait_s, 1.0, 1.0, 0,
     )  # fmt: skip
-    spec = replace(spec, estimator="online_quantile", extra_config="\n".join(extra))
+    spec = replace(
+        spec,
+        estimator="online_quantile",
+        estimator_args="{min_samples: 5}",
+        extra_config="\n".join(extra),
+    )
     cluster = await start_cluster(spec, log_dir)
     try:
         # Taught a few at a time (the estimator learns each answer at its end).

@@ -107,9 +107,8 @@ def router_config(kv_blocks: int, prefill_url: str, decode_url: str, kv: str, pr
         [
             "model: llama-3-8b",
             "perf: {model: llama-3-8b, gpu: h100}",
-            "redis_url: redis://127.0.0.1:6379/0",
-            f'key_prefix: "{prefix}"',
-            "estimator: max_tokens",
+            f'store: {{url: "redis://127.0.0.1:6379/0", key_prefix: "{prefix}"}}',
+            "estimates: {estimator: max_tokens}",
             "workers:",
             f"  - {{id: p0, url: {prefill_url}, role: prefill, adapter: vllm}}",
             f"  - {{id: {_WORKER}, url: {decode_url}, role: decode, adapter: vllm, "
