@@ -196,6 +196,8 @@ def describe(
         "dynamic": w.dynamic,
         "pod": w.spec.pod or None,  # Kubernetes discovery: the pod it was found as
         "revision": w.spec.revision or None,
+        # Its pod Ready and not Terminating, as this replica's watch saw it (None: no pod).
+        "pod_ready": w.pod_ready if w.spec.pod else None,
         "drained": w.drained,
         "current_role": w.current_role,
         "queued_prompt_tokens": w.queued_prompt_tokens,

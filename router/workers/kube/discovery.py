@@ -188,7 +188,11 @@ class KubeDiscovery:
         return False
 
     def _spec_ready(self, spec: WorkerSpec) -> bool:
-        """Membership's question as a discovered worker joins: is its pod in rotation?"""
+        """Membership's question as a discovered worker joins: is its pod in rotation? Until
+        this replica's watches have listed (the API server slow or down at start-up), the
+        shared registry and its drain marks are the best knowledge: trusted, not refused."""
+        if not self.listed:
+            return True
         return spec.pod == f"{self.namespace}/{spec.id}" and self._pod_in_rotation(spec.id)
 
     def _complain(self, key: str, message: str) -> None:

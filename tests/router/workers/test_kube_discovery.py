@@ -28,7 +28,6 @@ from disagg_tools.kubeapi.server import KubeApiServer, KubeApiSettings, running_
 from disagg_tools.kubeapi.watch import WatchSettings
 from disagg_tools.sim.textgen import expected_answer
 from disagg_tools.sim.worker import WorkerConfig, running_worker
-from disagg_tools.sim.worker_state import RECENT_REQUESTS
 from router.config import merged_settings, settings_from_mapping
 from state import open_store
 from tests.conftest import MODEL, REDIS_URL, running_router
@@ -137,7 +136,11 @@ async def admin_workers(router: str) -> dict[str, dict[str, Any]]:
 
 def serving(workers: dict[str, dict[str, Any]]) -> set[str]:
     """The workers in rotation as /admin/workers shows them."""
-    return {wid for wid, w in workers.items() if w["healthy"] and not w["drained"] and w["layout"]}
+    return {
+        wid
+        for wid, w in workers.items()
+        if w["healthy"] and not w["drained"] and w["layout"] and w["pod_ready"] is not False
+    }
 
 
 async def until(check: Callable[[], Awaitable[bool]], within_s: float, what: str) -> float:
@@ -155,6 +158,15 @@ async def serving_exactly(router: str, ids: set[str], within_s: float = 10.0) ->
         return serving(await admin_workers(router)) == ids
 
     return await until(check, within_s, f"{router} serving {sorted(ids)}")
+
+
+async def drained_mark(router: str, wid: str) -> None:
+    """Until `wid` shows the shared drain mark (written after it left rotation here)."""
+
+    async def check() -> bool:
+        return bool((await admin_workers(router))[wid]["drained"])
+
+    await until(check, 5, f"{wid} drained as {router} sees it")
 
 
 def body(text: str, n: int = 24, stream: bool = True) -> dict[str, Any]:
@@ -240,8 +252,8 @@ async def test_a_pod_leaving_is_drained_its_stream_finishes_then_it_goes(
                 f.kube.set_ready(on, False)
             else:
                 f.kube.terminate_pod(on)
-            await serving_exactly(url, {"p0", other}, within_s=5)
-            assert (await admin_workers(url))[on]["drained"]
+            await serving_exactly(url, {"p0", other}, within_s=5)  # out of rotation here
+            await drained_mark(url, on)  # and drained for every replica
             assert not stream.done()  # still streaming while drained
             before = len(await f.engines[on].requests())
             for i in range(8):
@@ -371,7 +383,7 @@ async def test_two_replicas_on_one_redis_see_one_registry(
             f.kube.set_ready("d0", False)
             for url in (a, b):
                 await serving_exactly(url, {"p0", "d1"})
-                assert (await admin_workers(url))["d0"]["drained"]
+                await drained_mark(url, "d0")
             assert await registered(redis_prefix) == {"p0", "d0", "d1"}
             f.kube.delete_pod("d0")
             for url in (a, b):
@@ -490,7 +502,6 @@ async def test_a_decode_rollout_to_a_new_layout_under_load(
     """Two replicas, load all along, the decode pool rolled to layout b (the prefill pool
     surged first): no prefill of one layout handed to a decode of the other, no 5xx (no error
     at all), every answer exact, nothing left reserved."""
-    # Time scale 25: a few hundred requests in all, within what each engine's log keeps.
     async with asyncio.timeout(90), fleet(tmp_path, time_scale=25.0) as f:
         await f.pod("pa0", "prefill", layout="a")
         await f.pod("da0", "decode", layout="a")
@@ -504,6 +515,22 @@ async def test_a_decode_rollout_to_a_new_layout_under_load(
             for url in (a, b):
                 await serving_exactly(url, {"pa0", "da0", "da1"})
             load = Load([a, b])
+            # The decode engines keep their last 256 requests: read them all along.
+            legs: dict[tuple[str, str], dict[str, Any]] = {}
+            stop_reading = asyncio.Event()
+            decodes = [f.engines[n] for n in ("da0", "da1")]
+
+            async def read_legs() -> None:
+                while True:
+                    last = stop_reading.is_set()  # a pass begun after the load ended: the last
+                    for e in [*decodes, *(f.engines[n] for n in ("db0", "db1") if n in f.engines)]:
+                        for r in await e.requests():
+                            legs.setdefault((e.name, r["body"]["messages"][0]["content"]), r)
+                    if last:
+                        return
+                    await asyncio.sleep(0.05)
+
+            reader = asyncio.create_task(read_legs())
             clients = [asyncio.create_task(load.client(session, k)) for k in range(6)]
             await asyncio.sleep(0.5)
             await rollout_decode_pool(f, [a, b])
@@ -518,14 +545,14 @@ async def test_a_decode_rollout_to_a_new_layout_under_load(
             layout_of = {"pa0": "a", "da0": "a", "da1": "a", "pb0": "b", "db0": "b", "db1": "b"}
             by_port = {e.port: e.name for e in f.engines.values()}
             pairs: dict[tuple[str, str], int] = {}
-            for name in ("da0", "da1", "db0", "db1"):
-                log = await f.engines[name].requests()
-                assert len(log) < RECENT_REQUESTS  # none forgotten
-                for r in log:
-                    prefill = by_port[r["body"]["kv_transfer_params"]["remote_port"]]
-                    key = (layout_of[prefill], layout_of[name])
-                    pairs[key] = pairs.get(key, 0) + 1
-            assert sum(pairs.values()) == load.sent  # every request's decode leg looked at
+            stop_reading.set()
+            await reader
+            for (name, _), r in legs.items():
+                prefill = by_port[r["body"]["kv_transfer_params"]["remote_port"]]
+                key = (layout_of[prefill], layout_of[name])
+                pairs[key] = pairs.get(key, 0) + 1
+            # every request's decode leg looked at (each prompt is one request's)
+            assert len({prompt for _, prompt in legs}) == load.sent
             assert set(pairs) == {("a", "a"), ("b", "b")}, pairs  # both served, never crossed
             print(f"rollout: decode legs by (prefill layout, decode layout): {pairs}")
             # Nothing left reserved, on any decode worker old or new.
@@ -585,7 +612,7 @@ async def test_endpointslices_decide_readiness(tmp_path: Path, redis_prefix: str
                 ports={"http": 8000},
             )
             await serving_exactly(url, {"p0", "d1"})
-            assert (await admin_workers(url))["d0"]["drained"]
+            await drained_mark(url, "d0")
 
 
 async def test_pods_of_the_both_selector_serve_whole_requests(
@@ -607,3 +634,28 @@ async def test_pods_of_the_both_selector_serve_whole_requests(
             assert {w["role"] for w in (await admin_workers(url)).values()} == {"both"}
             b = body("served whole")
             assert await chat(s, url, b) == (200, expected_answer(CHAT, b)[0])
+
+
+async def test_a_replica_starting_while_the_api_is_down_serves_the_shared_registry(
+    tmp_path: Path, redis_prefix: str
+) -> None:
+    """Until its own watch has listed, a replica trusts the registry the others keep (and its
+    drain marks): an API server down at its start-up does not empty its pools."""
+    async with asyncio.timeout(30), fleet(tmp_path) as f:
+        await f.pod("p0", "prefill")
+        await f.pod("d0", "decode")
+        await f.pod("d1", "decode")
+        settings = router_settings(f, redis_prefix)
+        async with running_router(settings) as (a, _):
+            await serving_exactly(a, {"p0", "d0", "d1"})
+            f.kube.set_ready("d1", False)
+            await serving_exactly(a, {"p0", "d0"})
+            f.kube.fail_next(10_000, 500)  # the API answers nothing from now on
+            async with running_router(settings) as (b, _), aiohttp.ClientSession() as s:
+                await serving_exactly(b, {"p0", "d0"})  # d1 drained by the shared mark
+                bd = body("while the API is down")
+                assert await chat(s, b, bd) == (200, expected_answer(CHAT, bd)[0])
+                f.kube.fail_next(0)
+                f.kube.set_ready("d1", True)
+                for url in (a, b):
+                    await serving_exactly(url, {"p0", "d0", "d1"})
