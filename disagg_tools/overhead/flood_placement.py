@@ -56,6 +56,7 @@ __all__ = [
 PLACEMENTS = ("one", "spread", "split")
 RUN_KINDS = ("solo", "alone", "flood")
 _PREEMPTIONS = "disagg_router_preemptions_total"
+_STARTS = 3  # cluster starts tried for one run
 _clock = time.perf_counter
 
 
@@ -237,16 +238,30 @@ async def run_placement(kind: str, spec: PlacementSpec, log_dir: Path | None = N
     with tempfile.TemporaryDirectory(prefix="floodbench-") as tmp:
         workdir = Path(tmp) if log_dir is None else log_dir
         workdir.mkdir(parents=True, exist_ok=True)
-        cluster = _cluster(spec, workdir)
-        try:
-            await cluster.start()
-            # The whole run is bounded: the clients stop sending at duration_s and each
-            # request at deadline_s; a minute more for the cluster's start and the scrapes.
-            bound = spec.duration_s + spec.deadline_s + 60.0
-            await asyncio.wait_for(_traffic(cluster, kind, spec, run), bound)
-            run.dead = cluster.dead()
-        finally:
-            cluster.stop()
+        for attempt in range(_STARTS):
+            cluster = _cluster(spec, workdir)
+            try:
+                # A process that dies starting (a free port taken by someone else between its
+                # choice and the bind: the machine is shared), and a stranger answering on its
+                # port would have the run measure the stranger: start again. One that lost its
+                # port exits within the second after the bind.
+                try:
+                    await cluster.start()
+                    await asyncio.sleep(1.0)
+                    if cluster.dead():
+                        raise RuntimeError(f"processes died while starting: {cluster.dead()}")
+                except RuntimeError:
+                    if attempt + 1 < _STARTS:
+                        continue
+                    raise
+                # The whole run is bounded: the clients stop sending at duration_s and each
+                # request at deadline_s; a minute more for the cluster's start and the scrapes.
+                bound = spec.duration_s + spec.deadline_s + 60.0
+                await asyncio.wait_for(_traffic(cluster, kind, spec, run), bound)
+                run.dead = cluster.dead()
+                break
+            finally:
+                cluster.stop()
     run.elapsed_s = time.monotonic() - started
     return run
 
@@ -272,10 +287,12 @@ async def run_rows(
     def note(run: RunResult, tenant: str) -> dict[str, Any]:
         s = run.spec
         stats = tenant_stats(run.results.get(tenant, []), run.t0, s.warmup_s, s.duration_s)
+        stats["dead_processes"] = run.dead
         print(
             f"[floodbench] {run.kind} {s.fairness} {s.placement} victim {s.victim_mode}: "
             f"{tenant} {stats['ok_per_s']:.2f} ok/s, TTFT p99 {stats['ttft_p99_s']}, "
-            f"{stats['outcomes']} ({run.elapsed_s:.0f} s)",
+            f"{stats['outcomes']} ({run.elapsed_s:.0f} s){' DEAD: ' if run.dead else ''}"
+            f"{', '.join(run.dead)}",
             file=sys.stderr,
             flush=True,
         )
