@@ -323,9 +323,11 @@ def convergence(
     sizes: Sequence[int],
     *,
     overload: float = 3.0,
+    replicas: Replicas | None = None,
 ) -> list[dict[str, Any]]:
     """N backlogged tenants of unequal weights: each offered `overload` × the largest share,
-    admission waits up to 30 s; shares over the minute after the warm-up."""
+    admission waits up to 30 s; shares over the minute after the warm-up (over `replicas`'
+    queues when given: issue 33's shares across replicas)."""
     rows: list[dict[str, Any]] = []
     for n in sizes:
         ws = weights_for(n)
@@ -333,7 +335,7 @@ def convergence(
         mix = tuple(TenantLoad(f"t{i:04d}", w, overload * top * cap_rps) for i, w in enumerate(ws))
         weights = {t.name: t.weight for t in mix}
         for label, policy, kwargs in POLICIES:
-            _, res = run_mix(setup, mix, policy, pool, kwargs, max_wait_s=30.0)
+            _, res = run_mix(setup, mix, policy, pool, kwargs, replicas, max_wait_s=30.0)
             dev = share_deviation(setup, res, weights, setup.warmup_s, setup.duration_s)
             rows.append({"tenants": n, "policy": label, "offered_rps": len(mix) * mix[0].rate,
                          **dev})  # fmt: skip
