@@ -214,7 +214,7 @@ def placements(
     refresh_s: float = 0.1,
 ) -> list[dict[str, Any]]:
     """The flood over two replicas, per policy and placement, shaped like the live bench
-    (disagg_tools/overhead/flood_placement.py): a light victim (`victim_x` × the capacity,
+    (disagg_tools/loadgen/flood_replicas.py): a light victim (`victim_x` × the capacity,
     Poisson: the simulator has no closed-loop clients) and an aggressor that alone keeps the
     decode room full and a queue behind it (`aggressor_x` × the capacity), waits up to
     `max_wait_s` (the router's default, as live). The victim solo placed as in the flood; the

@@ -15,16 +15,7 @@ and the report (disagg_tools/overhead/flood_report.py): the victim's TTFT p50/p9
 in both runs and their ratios, the aggressor's answers/s, every status, whether every 429 had a
 Retry-After; `<out>/flood-<fairness>.json` and `.md`. About 2 minutes with the defaults.
 
-**Across replicas (issue 33)**: `--placement one,spread,split` runs instead two router replicas
-on one Redis in front of simulated workers, the victim's clients paced and the aggressor's
-back to back, once per placement × `--fairness` × `--victim` (disagg_tools/overhead/
-flood_placement.py), each against the victim's solo run and the aggressor's run alone, with the
-issue's targets met or not per row (flood_report.placement_table); `<out>/flood-placements.json`
-and `.md`. Each run is `--duration` seconds of sending plus its cluster's start and its last
-answers (about `--duration` + 15 s).
-
-    python -m disagg_tools.overhead.flood --placement one,spread,split --fairness vtc \
-        --duration 60
+Across router replicas (issue 33): disagg_tools/loadgen/flood_replicas_cli.py.
 """
 
 from __future__ import annotations
@@ -42,10 +33,9 @@ import orjson
 
 from disagg_tools.overhead.flood_cluster import TENANT_KEYS, ClusterSpec, start_cluster
 from disagg_tools.overhead.flood_load import TenantLoad, run_tenants
-from disagg_tools.overhead.flood_placement import PLACEMENTS, PlacementSpec, run_rows
-from disagg_tools.overhead.flood_report import markdown, placement_table, summarise, verdict
+from disagg_tools.overhead.flood_report import markdown, summarise, verdict
 
-__all__ = ["main", "run_flood", "run_placements", "parse_args", "placement_specs"]
+__all__ = ["main", "run_flood", "parse_args"]
 
 _BLOCK = 16
 _PROMPT_TOKENS = 55  # the load's prompt at the router's 4 characters a token (an estimate)
@@ -61,8 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a(
         "--fairness",
         default="vtc",
-        help="the router's `admission.fairness` (vtc, fifo, a dotted path; with --placement a "
-        "comma-separated list)",
+        help="the router's `admission.fairness` (vtc, fifo, a dotted path)",
     )
     a("--redis-url", default="redis://127.0.0.1:6379/0")
     a("--model", default="llama-3-8b")
@@ -75,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-wait-s",
         type=float,
         default=None,
-        help="the router's admission.max_wait_s (2; with --placement: 30, the router's default)",
+        help="the router's admission.max_wait_s (2)",
     )
     a("--ttft-slo-s", type=float, default=1.0, help="goodput: answers with TTFT within this")
     a("--victim-weight", type=float, default=1.0)
@@ -94,76 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--tolerance", type=float, default=0.10, help="the isolation target (0.10: 10 %%)")
     a("--seed", type=int, default=0)
     a("--out", type=Path, default=Path("bench-results/flood"))
-    r = p.add_argument_group("across replicas (issue 33)").add_argument
-    r(
-        "--placement",
-        default="",
-        help="comma-separated, of one|spread|split: where the tenants' requests land on two "
-        "replicas (one: both on replica 1; spread: each tenant's clients over both; split: "
-        "victim on replica 1, aggressor on 2); runs the bench across replicas",
-    )
-    r(
-        "--victim",
-        default="paced",
-        help="comma-separated, of paced|back-to-back: the victim's clients pause "
-        "--victim-pause-s between requests, or do not",
-    )
-    r("--victim-clients", type=int, default=2)
-    r("--victim-pause-s", type=float, default=1.0)
-    r("--aggressor-clients", type=int, default=20, help="each back to back")
-    r("--victim-tokens", type=int, default=128, help="every victim answer's length")
-    r("--aggressor-tokens", type=int, default=128, help="every aggressor answer's length")
-    r("--decode-blocks", type=int, default=120, help="the simulated decode worker's room")
-    r("--time-scale", type=float, default=1.0, help="the simulated workers' speed")
-    r("--deadline-s", type=float, default=120.0, help="the client's bound on one request")
     ns = p.parse_args(argv)
-    for name in ns.placement.split(",") if ns.placement else ():
-        if name not in PLACEMENTS:
-            p.error(f"--placement: {name!r} is not one of {', '.join(PLACEMENTS)}")
-    for mode in ns.victim.split(","):
-        if mode not in ("paced", "back-to-back"):
-            p.error(f"--victim: {mode!r} is not paced or back-to-back")
     return ns
-
-
-def placement_specs(ns: argparse.Namespace) -> list[PlacementSpec]:
-    """One spec per victim mode × fairness × placement, in that order."""
-    specs = []
-    for mode in ns.victim.split(","):
-        for fairness in ns.fairness.split(","):
-            for placement in ns.placement.split(","):
-                specs.append(
-                    PlacementSpec(
-                        placement=placement,
-                        fairness=fairness,
-                        victim_clients=ns.victim_clients,
-                        victim_pause_s=ns.victim_pause_s if mode == "paced" else 0.0,
-                        aggressor_clients=ns.aggressor_clients,
-                        victim_tokens=ns.victim_tokens,
-                        aggressor_tokens=ns.aggressor_tokens,
-                        decode_blocks=ns.decode_blocks,
-                        duration_s=ns.duration,
-                        warmup_s=ns.warmup,
-                        max_wait_s=30.0 if ns.max_wait_s is None else ns.max_wait_s,
-                        deadline_s=ns.deadline_s,
-                        time_scale=ns.time_scale,
-                    )
-                )
-    return specs
-
-
-async def run_placements(ns: argparse.Namespace) -> dict[str, Any]:
-    """The bench across replicas: every row of `placement_specs`, and the runs they compare to."""
-    t_start = time.monotonic()
-    specs = placement_specs(ns)
-    rows, baselines = await run_rows(specs, ns.out / "logs-placements")
-    return {
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(ns).items()},
-        "router_settings": specs[0].router_settings() if specs else {},
-        "rows": rows,
-        "baselines": baselines,
-        "elapsed_s": time.monotonic() - t_start,
-    }
 
 
 def nominal_capacity(ns: argparse.Namespace) -> tuple[int, float]:
@@ -272,14 +193,6 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     ns = parse_args(args)
     command = shlex.join(["python", "-m", "disagg_tools.overhead.flood", *args])
-    if ns.placement:
-        placed = {"command": command, **asyncio.run(run_placements(ns))}
-        ns.out.mkdir(parents=True, exist_ok=True)
-        jpath, mpath = ns.out / "flood-placements.json", ns.out / "flood-placements.md"
-        jpath.write_bytes(orjson.dumps(placed, option=orjson.OPT_INDENT_2))
-        mpath.write_text(f"`{command}`\n\n" + placement_table(placed["rows"]))
-        sys.stdout.write(mpath.read_text())
-        return 0
     (ns.out / f"logs-{_stem(ns.fairness)}").mkdir(parents=True, exist_ok=True)
     report = {
         "command": command,

@@ -9,14 +9,9 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from disagg_tools.overhead.flood import (
-    parse_args,
-    placement_specs,
-    run_flood,
-    run_placements,
-    write_report,
-)
-from disagg_tools.overhead.flood_report import placement_table
+from disagg_tools.loadgen import flood_replicas_cli
+from disagg_tools.loadgen.flood_replicas_report import placement_table
+from disagg_tools.overhead.flood import parse_args, run_flood, write_report
 from tests.conftest import REDIS_URL
 
 _TENANT_KEYS = {
@@ -78,16 +73,16 @@ async def test_flood_bench_across_replicas_reports_each_row(tmp_path: Path) -> N
     """Issue 33's bench, one placement for a few seconds: two replicas on a private Redis,
     simulated workers. The row's shape, the aggressor never a 5xx, every 429 with a
     Retry-After, every answer's text exactly the simulated worker's; not the timing targets."""
-    ns = parse_args(
+    ns = flood_replicas_cli.parse_args(
         [
             "--placement", "split", "--fairness", "vtc", "--duration", "6", "--warmup", "1",
             "--aggressor-clients", "8", "--victim-tokens", "16", "--aggressor-tokens", "64",
             "--decode-blocks", "40", "--out", str(tmp_path),
         ]
     )  # fmt: skip
-    specs = placement_specs(ns)
+    specs = flood_replicas_cli.placement_specs(ns)
     assert [(s.placement, s.fairness, s.victim_pause_s) for s in specs] == [("split", "vtc", 1.0)]
-    report = await run_placements(ns)
+    report = await flood_replicas_cli.run_placements(ns)
 
     (row,) = report["rows"]
     assert (row["placement"], row["fairness"]) == ("split", "vtc")

@@ -1,6 +1,7 @@
 """The flood bench across router replicas (issue 33): where each tenant's requests land.
 
-    python -m disagg_tools.overhead.flood --placement one,spread,split --fairness vtc,fifo
+    python -m disagg_tools.loadgen.flood_replicas_cli --placement one,spread,split \
+        --fairness vtc,fifo
 
 Two router replicas (`serve --config`, one process each) on one private, password-protected
 redis-server, in front of one simulated prefill and one simulated decode worker
@@ -22,7 +23,8 @@ new request after `duration_s`, so a run ends by itself.
 
 What a run returns (`RunResult`): every request's `loadclient.Result` by tenant, with its send
 time from the run's start, and the routers' preemption counters over the run (summed over the
-replicas). The report is disagg_tools/overhead/flood_report.py (`placement_row`).
+replicas); `placement_row` compares the runs (the numbers: disagg_tools/loadgen/
+flood_replicas_report.py).
 """
 
 from __future__ import annotations
@@ -37,17 +39,18 @@ from typing import Any
 
 import aiohttp
 
+from disagg_tools.loadgen.flood_replicas_report import ratio, tenant_stats
 from disagg_tools.loadgen.hostile_cluster import MODEL, HostileCluster
 from disagg_tools.loadgen.hostile_run import router_metrics
 from disagg_tools.loadgen.hostile_tenants import keyed, tenant_cluster
 from disagg_tools.loadgen.loadclient import LoadRequest, Result, make_request, new_session, send
-from disagg_tools.overhead.flood_report import placement_row, tenant_stats
 
 __all__ = [
     "PLACEMENTS",
     "RUN_KINDS",
     "PlacementSpec",
     "RunResult",
+    "placement_row",
     "replica_of",
     "run_placement",
     "run_rows",
@@ -311,3 +314,55 @@ async def run_rows(
         note(flood, "victim")
         rows.append(placement_row(flood, solos[key], alone))
     return rows, baselines
+
+
+def _stats(run: RunResult, tenant: str) -> dict[str, Any]:
+    spec = run.spec
+    return tenant_stats(run.results.get(tenant, []), run.t0, spec.warmup_s, spec.duration_s)
+
+
+def placement_row(flood: RunResult, solo: RunResult, alone: RunResult) -> dict[str, Any]:
+    """One row of the table: the flood run  against the victim's solo
+    run and the aggressor's run alone, and the issue's targets met or not:
+
+        victim_goodput     victim answers/s >= 0.95 × solo
+        victim_ttft_p99    victim TTFT p99 <= 1.5 × solo + 150 ms
+        work_conserving    both tenants' output tokens/s >= 0.95 × the aggressor's alone
+        aggressor_no_5xx   no 5xx to either tenant
+        honest_429         every 429 carried a Retry-After
+        texts_exact        no answer's text or end wrong (a preempted and resumed one's included)
+    """
+    v, a = _stats(flood, "victim"), _stats(flood, "aggressor")
+    vs, aa = _stats(solo, "victim"), _stats(alone, "aggressor")
+    requests = v["requests"] + a["requests"]
+    ok_ratio = ratio(v["ok_per_s"], vs["ok_per_s"])
+    p99, solo_p99 = v["ttft_p99_s"], vs["ttft_p99_s"]
+    p99_bound = None if solo_p99 is None else 1.5 * solo_p99 + 0.150
+    work = ratio(v["tokens_per_s"] + a["tokens_per_s"], aa["tokens_per_s"])
+    spec = flood.spec
+    targets = {
+        "victim_goodput": ok_ratio is not None and ok_ratio >= 0.95,
+        "victim_ttft_p99": p99 is not None and p99_bound is not None and p99 <= p99_bound,
+        "work_conserving": work is not None and work >= 0.95,
+        "aggressor_no_5xx": v["http_5xx"] == 0 and a["http_5xx"] == 0,
+        "honest_429": all(s["rejected_429"] == s["rejected_429_with_retry_after"] for s in (v, a)),
+        "texts_exact": v["not_exact"] == 0 and a["not_exact"] == 0,
+    }
+    return {
+        "placement": spec.placement,
+        "fairness": spec.fairness,
+        "victim_mode": spec.victim_mode,
+        "victim": v,
+        "aggressor": a,
+        "victim_solo": vs,
+        "aggressor_alone": aa,
+        "victim_ok_ratio": ok_ratio,
+        "victim_ttft_p50_ratio": ratio(v["ttft_p50_s"], vs["ttft_p50_s"]),
+        "victim_ttft_p99_ratio": ratio(p99, solo_p99),
+        "victim_ttft_p99_bound_s": p99_bound,
+        "work_ratio": work,
+        "preemptions": flood.preemptions,
+        "preemptions_per_1k": 1000.0 * flood.preemptions / max(1, requests),
+        "dead_processes": flood.dead,
+        "targets": targets,
+    }
