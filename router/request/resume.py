@@ -12,6 +12,7 @@ completions append the text to the prompt. The token cap shrinks by what was alr
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,32 +163,36 @@ def resume_body(
     return body, prompt_tokens, remaining
 
 
-def sent_text(chunks: list[bytes], chat: bool) -> tuple[str, int]:
-    """The answer text and token count the client has received, from the relayed raw chunks.
+def _sent_events(chunks: list[bytes]) -> Iterator[dict[str, Any]]:
+    """The JSON objects of the whole events the client has received, in order.
 
-    Only whole events count: a trailing partial event never reached the client as a token (the
-    client's SSE parser drops it), so it is not part of what was sent.
-    """
+    Only whole events count: a trailing partial event never reached the client (its SSE parser
+    drops it), so it is not part of what was sent."""
     raw = b"".join(chunks)
     events = raw.split(b"\n\n")
     if not raw.endswith(b"\n\n"):
         events = events[:-1]
-    parts: list[str] = []
-    tokens = 0
     for event in events:
         for line in event.split(b"\n"):
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            if not line.startswith(b"data: {"):
                 continue
             try:
-                obj = orjson.loads(line[6:])
+                payload = orjson.loads(line[6:])
             except orjson.JSONDecodeError:
                 continue
-            for choice in obj.get("choices") or ():
-                piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                if piece:
-                    parts.append(piece)
-                    tokens += 1
-    return "".join(parts), tokens
+            if isinstance(payload, dict):
+                yield payload
+
+
+def sent_text(chunks: list[bytes], chat: bool) -> tuple[str, int]:
+    """The answer text and token count the client has received, from the relayed raw chunks."""
+    parts: list[str] = []
+    for payload in _sent_events(chunks):
+        for choice in payload.get("choices") or ():
+            piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+            if piece:
+                parts.append(piece)
+    return "".join(parts), len(parts)
 
 
 def end_frames(parsed: ParsedRequest, sent: list[bytes], prompt_tokens: int) -> bytes:
@@ -198,21 +203,12 @@ def end_frames(parsed: ParsedRequest, sent: list[bytes], prompt_tokens: int) -> 
     those of the events the client has."""
     head: dict[str, Any] = {}
     finished = used = False
-    for event in sent:
-        for line in event.split(b"\n"):
-            if not line.startswith(b"data: {"):
-                continue
-            try:
-                payload = orjson.loads(line[6:])
-            except orjson.JSONDecodeError:
-                continue
-            if not isinstance(payload, dict):
-                continue
-            if not head:
-                head = {k: payload[k] for k in ("id", "object", "created", "model") if k in payload}
-            choices = payload.get("choices") or ()
-            finished |= any(isinstance(c, dict) and c.get("finish_reason") for c in choices)
-            used |= isinstance(payload.get("usage"), dict)
+    for payload in _sent_events(sent):
+        if not head:
+            head = {k: payload[k] for k in ("id", "object", "created", "model") if k in payload}
+        choices = payload.get("choices") or ()
+        finished |= any(isinstance(c, dict) and c.get("finish_reason") for c in choices)
+        used |= isinstance(payload.get("usage"), dict)
     frames: list[dict[str, Any]] = []
     if not finished:
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
