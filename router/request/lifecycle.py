@@ -219,6 +219,17 @@ class RequestFlow:
                         raise self._over_limit(ended, ask)
                     ask, info, resume_by = await self._after_preemption(ended)
                     continue
+                if (
+                    isinstance(ended, LegFailure)
+                    and resume_by is not None
+                    and ended.status in (429, 503)
+                    and self.stages.clock() < resume_by
+                ):
+                    # A preempted stream's continuation found its worker full after all (room
+                    # the ledger counted free went to answers longer than reserved): it goes on
+                    # waiting for room, as for its reservation, until `resume_by`; no retry.
+                    await self.retries.wait_for_room()
+                    continue
                 resume_by = None
                 failure = ended.failure if isinstance(ended, Broken) else ended
                 if isinstance(ended, LegFailure) and not failure.retryable:
@@ -279,7 +290,7 @@ class RequestFlow:
         answer did and broke, Preempted when the router stopped it for room (`resume_by`: the
         continuation of a preempted stream waits for room until then)."""
         stages = self.stages
-        self.retries.attempt()
+        self.retries.attempt(counted=resume_by is None)
         with self.call.trace.span("admission"):
             avoid = self.retries.tried
             attempt = await stages.reserve.admit_and_reserve(

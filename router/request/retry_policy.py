@@ -34,7 +34,17 @@ class RetryPolicy:
     when the request may not try again). `tried` are the workers that failed it, for the next
     pick to avoid."""
 
-    __slots__ = ("_settings", "_budget", "_metrics", "_request_id", "_rng", "attempts", "tried")
+    __slots__ = (
+        "_settings",
+        "_budget",
+        "_metrics",
+        "_request_id",
+        "_rng",
+        "attempts",
+        "counted",
+        "_room_waits",
+        "tried",
+    )
 
     def __init__(
         self,
@@ -50,6 +60,10 @@ class RetryPolicy:
         # so the same request backs off the same way.
         self._rng: random.Random | None = None
         self.attempts = 0
+        # The tries the cap counts: a preempted stream's continuation is not a retry (the
+        # router stopped it for room; no worker failed it), so it spends none.
+        self.counted = 0
+        self._room_waits = 0
         self.tried: set[str] = set()
 
     def __repr__(self) -> str:
@@ -59,10 +73,26 @@ class RetryPolicy:
         """Count the request toward the budget's window (its first try is no retry)."""
         self._budget.note_request()
 
-    def attempt(self) -> int:
-        """A try starts: its number, from 1."""
+    def attempt(self, counted: bool = True) -> int:
+        """A try starts: its number, from 1. `counted=False` for a preempted stream's
+        continuation, which the attempts cap does not count."""
         self.attempts += 1
+        self.counted += counted
         return self.attempts
+
+    async def wait_for_room(self) -> None:
+        """Pause before a preempted stream's continuation asks again for room that a worker
+        refused (429/503 while the ledger thought it free): jittered back-off like a retry's,
+        with no retry spent (the caller bounds the waiting by its own deadline)."""
+        r = self._settings
+        self._room_waits += 1
+        backoff = min(r.backoff_max_s, r.backoff_base_s * 2 ** (self._room_waits - 1))
+        await asyncio.sleep(self._jitter().uniform(0, backoff))
+
+    def _jitter(self) -> random.Random:
+        if self._rng is None:
+            self._rng = random.Random(self._request_id)
+        return self._rng
 
     async def before_retry(self, failure: LegFailure) -> None:
         """After `failure` (retryable), spend a retry and back off; or raise the 503 when the
@@ -70,9 +100,9 @@ class RetryPolicy:
         holds the budget, does not answer."""
         r = self._settings
         self.tried.add(failure.worker_id)
-        if self.attempts >= r.max_attempts:
+        if self.counted >= r.max_attempts:
             raise Unavailable(
-                f"gave up after {self.attempts} attempts; last: {failure.error.message}",
+                f"gave up after {self.counted} attempts; last: {failure.error.message}",
                 retry_after_s=1.0,
             ) from failure
         if not await self._budget.try_retry():
@@ -82,7 +112,5 @@ class RetryPolicy:
                 retry_after_s=1.0,
             ) from failure
         self._metrics.retries.labels(side=failure.side).inc()
-        backoff = min(r.backoff_max_s, r.backoff_base_s * 2 ** (self.attempts - 1))
-        if self._rng is None:
-            self._rng = random.Random(self._request_id)
-        await asyncio.sleep(self._rng.uniform(0, backoff))
+        backoff = min(r.backoff_max_s, r.backoff_base_s * 2 ** (self.counted - 1))
+        await asyncio.sleep(self._jitter().uniform(0, backoff))

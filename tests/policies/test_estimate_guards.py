@@ -36,9 +36,13 @@ def _counter(metric: Any) -> float:
 async def _stream_all(
     s: aiohttp.ClientSession, c: SimCluster, body: dict[str, Any], **kw: Any
 ) -> int:
+    """The streamed answer's events, checked whole: one role event, however often the answer
+    was preempted and resumed, and no error."""
     async with s.post(c.router_url + CHAT, json=body, **kw) as r:
         assert r.status == 200, await r.text()
-        return (await r.read()).count(b"data: {")
+        raw = await r.read()
+    assert raw.count(b'"role":') == 1 and b'"error"' not in raw, raw[-2000:]
+    return raw.count(b"data: {")
 
 
 @pytest.mark.parametrize("trusted", [False, True])

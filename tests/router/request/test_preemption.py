@@ -46,7 +46,8 @@ def _counter(metric: Any, **labels: str) -> float:
 async def _stream(
     url: str, key: str, content: str, max_tokens: int, natural: int | None
 ) -> tuple[str, Any]:
-    """The streamed answer's text and its usage (stream_options include_usage)."""
+    """The streamed answer's text and its usage (stream_options include_usage); the answer
+    opens with one role event, however many times it was resumed."""
     headers = {} if natural is None else {"X-Sim-Output-Tokens": str(natural)}
     async with _client(url, key) as client:
         stream = await client.chat.completions.create(
@@ -57,12 +58,14 @@ async def _stream(
             stream_options={"include_usage": True},
             extra_headers=headers,
         )
-        text, usage = [], None
+        text, usage, roles = [], None, 0
         async for chunk in stream:
+            roles += bool(chunk.choices and chunk.choices[0].delta.role)
             if chunk.choices and chunk.choices[0].delta.content:
                 text.append(chunk.choices[0].delta.content)
             if chunk.usage is not None:
                 usage = chunk.usage
+    assert roles == 1, f"{roles} role events in one answer"
     return "".join(text), usage
 
 
