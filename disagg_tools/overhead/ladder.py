@@ -18,7 +18,13 @@ from disagg_tools.overhead.idle import idle_phase
 from disagg_tools.overhead.measure import Segment, combine, measure
 from disagg_tools.overhead.overhead_client import LoadSpec
 from disagg_tools.overhead.overhead_report import add_deltas
-from disagg_tools.overhead.targets import StartedRouter, Workers, start_router, start_workers
+from disagg_tools.overhead.targets import (
+    StartedRouter,
+    Workers,
+    client_keys,
+    start_router,
+    start_workers,
+)
 from disagg_tools.procs import HOST
 from disagg_tools.progress import bar, note
 
@@ -80,6 +86,7 @@ def _load_spec(
     tokens: int,
     concurrency: int,
     saturation: bool,
+    api_keys: tuple[str, ...] = (),
 ) -> LoadSpec:
     """One rung's load: `concurrency` keep-alive streams of `tokens` tokens, slots staggered
     over one stream's length so that answers do not all start at once."""
@@ -101,6 +108,7 @@ def _load_spec(
         max_tokens=tokens,
         chat=ns.chat,
         stagger_s=stream_s if concurrency > 1 else 0.0,
+        api_keys=api_keys,
     )
 
 
@@ -138,7 +146,8 @@ async def _phase(
                     started = routers.get(name)
                     proc = started.proc if started else None
                     addr = started.addr if started else None
-                    spec = _load_spec(ns, workers, addr, tokens, c, saturation)
+                    keys = client_keys(name, ns)
+                    spec = _load_spec(ns, workers, addr, tokens, c, saturation, keys)
                     if proc is not None and not proc.alive():
                         raise RuntimeError(f"{proc.name} died:\n{proc.tail()}")
                     seg = await measure(spec, proc, workers, saturation=saturation)

@@ -10,6 +10,9 @@ One run, the same two workers (`disagg_tools.overhead.fixed_worker`: one prefill
     baseline  the client itself: prefill call (max_tokens 1 + kv_transfer_params), then decode
     ours      `python -m router.edge.serve_cli serve --config …` (in-process store; `ours_redis`:
     Redis)
+    ours_tenants  ours_redis with --tenants tenants configured (vtc, fair_cluster), the streams
+              spread over their keys; with ours_redis in the run, a table of the two side by
+              side (disagg_tools/overhead/tenants_target.py, issue 33)
     ours_dropin  `disagg-router serve --prefill URL --decode URL --redis-url URL`: the deployed
               configuration (no file, Redis, what the workers report)
     sglang    `python -m sglang_router.launch_router --pd-disaggregation …`
@@ -47,6 +50,7 @@ from disagg_tools.overhead.idle import idle_markdown
 from disagg_tools.overhead.ladder import run
 from disagg_tools.overhead.overhead_report import markdown, replace_between_markers
 from disagg_tools.overhead.targets import ROUTERS
+from disagg_tools.overhead.tenants_target import tenants_markdown
 
 __all__ = ["build_parser", "main"]
 
@@ -130,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--redis-url",
         default="redis://127.0.0.1:6379/0",
         help="for the ours_redis and ours_dropin targets (a fresh key prefix per router start)",
+    )
+    p.add_argument(
+        "--tenants",
+        type=int,
+        default=8,
+        help="tenants the ours_tenants target configures (weights 1, 2, 4, ..., a key each)",
     )
     p.add_argument("--no-saturation", dest="saturation", action="store_false")
     p.add_argument("--sat-concurrency", type=int, default=256)
@@ -244,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     if ns.json_path:
         Path(ns.json_path).write_text(text + "\n")
     md = markdown(result)
+    tenants = tenants_markdown(result["runs"])
+    if tenants:
+        md += "\n" + tenants
     if result.get("idle"):
         md += "\n" + idle_markdown(result["idle"], ns.idle_s)
     if ns.markdown:

@@ -259,8 +259,12 @@ class _Conn(asyncio.Protocol):
             self.transport.close()
 
 
-def _post(host: str, path: str, body: bytes, request_id: str | None = None) -> bytes:
+def _post(
+    host: str, path: str, body: bytes, request_id: str | None = None, api_key: str | None = None
+) -> bytes:
     rid = b"X-Request-Id: %s\r\n" % request_id.encode() if request_id else b""
+    if api_key:
+        rid += b"Authorization: Bearer %s\r\n" % api_key.encode()
     return (
         b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
         b"Accept: text/event-stream\r\n%sContent-Length: %d\r\n\r\n%s"
@@ -283,6 +287,8 @@ class LoadSpec:
     chat: bool = False
     stagger_s: float = 0.0  # spread the slots' first requests over this long
     request_timeout_s: float = 120.0
+    # Via a router: slot i sends with api_keys[i % len] (tenants' keys); none: no key.
+    api_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.target is None and (self.prefill is None or self.decode is None):
@@ -314,6 +320,8 @@ class _Slot:
         self.body = body
         self.body_bytes = orjson.dumps(body)
         self.prefill_bytes = orjson.dumps(prefill_body(body))
+        keys = spec.api_keys
+        self.api_key = keys[index % len(keys)] if keys else None
 
     async def conn(self, addr: tuple[str, int]) -> _Conn:
         c = self.conns.get(addr)
@@ -326,9 +334,8 @@ class _Slot:
         if spec.target is not None:
             conn = await self.conn(spec.target)
             rec.start = _clock()
-            await conn.request(
-                _post(f"{spec.target[0]}:{spec.target[1]}", self.path, self.body_bytes), rec
-            )
+            host = f"{spec.target[0]}:{spec.target[1]}"
+            await conn.request(_post(host, self.path, self.body_bytes, api_key=self.api_key), rec)
             return
         assert spec.prefill is not None and spec.decode is not None
         p, d = await self.conn(spec.prefill), await self.conn(spec.decode)

@@ -3,6 +3,8 @@
     baseline  no router: the client makes the two PD calls itself (nothing started here)
     ours      `python -m router.edge.serve_cli serve --config …` (in-process store; `ours_redis`:
               Redis; `ours_alt`: the same command from another source tree, `--ours-src`)
+    ours_tenants  ours_redis with tenants configured (vtc, one fair share for the cluster), the
+              load spread over their keys (disagg_tools/overhead/tenants_target.py, issue 33)
     ours_dropin  `disagg-router serve --prefill URL --decode URL --redis-url URL`: the deployed
               command line, no configuration file (the model and the KV capacity are read from
               the workers, router/edge/dropin.py), Redis in the path, a fresh key prefix per start
@@ -31,12 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from disagg_tools.overhead.overhead_client import LoadSpec, run_load
+from disagg_tools.overhead.tenants_target import TENANTS_TARGET, tenant_keys, tenant_settings
 from disagg_tools.procs import HOST, Child, free_port, process_tree_cpu_s
 
 __all__ = [
     "ROUTERS",
     "StartedRouter",
     "Workers",
+    "client_keys",
     "fixed_worker_command",
     "fresh_key_prefix",
     "router_command",
@@ -46,13 +50,27 @@ __all__ = [
     "wait_ready",
 ]
 
-ROUTERS = ("ours", "ours_redis", "ours_alt", "ours_dropin", "sglang", "vllm")
+ROUTERS = ("ours", "ours_redis", "ours_alt", TENANTS_TARGET, "ours_dropin", "sglang", "vllm")
 # Our router from a configuration file written here (`_our_config`).
-CONFIGURED = ("ours", "ours_redis", "ours_alt")
+CONFIGURED = ("ours", "ours_redis", "ours_alt", TENANTS_TARGET)
 
 
-async def wait_ready(addr: tuple[str, int], proc: Child, timeout_s: float = 60.0) -> None:
-    """Until one short stream comes back complete through `addr`."""
+def _tenants(ns: argparse.Namespace) -> int:
+    """How many tenants `ours_tenants` configures (`--tenants`; the idle phase's parser has no
+    such flag: 8)."""
+    return int(getattr(ns, "tenants", 8))
+
+
+def client_keys(name: str, ns: argparse.Namespace) -> tuple[str, ...]:
+    """The API keys the load generator spreads target `name`'s streams over (none: no key)."""
+    return tenant_keys(_tenants(ns)) if name == TENANTS_TARGET else ()
+
+
+async def wait_ready(
+    addr: tuple[str, int], proc: Child, timeout_s: float = 60.0, api_keys: tuple[str, ...] = ()
+) -> None:
+    """Until one short stream comes back complete through `addr` (sent with the first of
+    `api_keys`, if any)."""
     deadline = time.monotonic() + timeout_s
     last = "not tried"
     while time.monotonic() < deadline:
@@ -60,7 +78,15 @@ async def wait_ready(addr: tuple[str, int], proc: Child, timeout_s: float = 60.0
             raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
         try:
             recs, _, _ = await run_load(
-                LoadSpec(1, 1, warmup_per_slot=0, target=addr, max_tokens=2, request_timeout_s=5.0)
+                LoadSpec(
+                    1,
+                    1,
+                    warmup_per_slot=0,
+                    target=addr,
+                    max_tokens=2,
+                    request_timeout_s=5.0,
+                    api_keys=api_keys[:1],
+                )
             )
             r = recs[0]
             if r.error is None and r.done and r.tokens == 2:
@@ -213,9 +239,11 @@ def router_command(
     if name in CONFIGURED:
         cfg = log_dir / f"{config_name or name}.yaml"
         alt = name == "ours_alt"
-        redis = name == "ours_redis" or (alt and ns.alt_redis)
+        redis = name in ("ours_redis", TENANTS_TARGET) or (alt and ns.alt_redis)
         tokenizer = ns.alt_tokenizer if alt else ns.tokenizer
         extra = json.loads(ns.alt_settings) if alt and getattr(ns, "alt_settings", None) else {}
+        if name == TENANTS_TARGET:
+            extra = tenant_settings(_tenants(ns))
         _our_config(ns, prefill, decode, cfg, redis=redis, tokenizer=tokenizer, extra=extra)
         serve = ["--log-level", "WARNING", "serve", "--config", str(cfg)]
         return [
@@ -313,7 +341,7 @@ async def start_router(
         rt_priority=ns.rt_priority,
     )
     try:
-        await wait_ready((HOST, port), proc)
+        await wait_ready((HOST, port), proc, api_keys=client_keys(name, ns))
     except BaseException:
         proc.stop()
         raise

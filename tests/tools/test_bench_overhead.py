@@ -435,3 +435,45 @@ def test_a_tokenizer_puts_exact_counts_into_the_measured_router(
         settings = load_settings(cmd[cmd.index("--config") + 1])
         want = {"llama-3-8b": str(tok.resolve())} if name in exact else {}
         assert dict(settings.estimates.tokenizers) == want, name
+
+
+def test_smoke_the_tenants_target_beside_the_same_router_without(tmp_path: Path) -> None:
+    """`ours_tenants` (issue 33): ours_redis with tenants configured (vtc, one fair share for
+    the cluster), its streams spread over the tenants' keys; the report puts the two side by
+    side with their ratio."""
+    import tests.conftest as conftest
+
+    result = _run_bench(
+        tmp_path,
+        "baseline,ours_redis,ours_tenants",
+        "--tenants",
+        "3",
+        "--no-saturation",
+        "--redis-url",
+        conftest.REDIS_URL,
+    )
+    runs = result["runs"]
+    assert {r["target"] for r in runs} == {"baseline", "ours_redis", "ours_tenants"}
+    for r in runs:
+        # Every answer complete: the router wants a key once tenants are configured, so the
+        # tenants target's answers came with the tenants' keys.
+        _check_run(r, TOKENS)
+    config = (tmp_path / "logs" / "ours_tenants.yaml").read_text()
+    assert '"fairness": "vtc"' in config and '"fair_cluster": true' in config
+    assert config.count('"key": "sk-overhead-tenant-') == 3
+    assert "tenants" not in (tmp_path / "logs" / "ours_redis.yaml").read_text()
+    md = result["_markdown"]
+    assert "#### Tenants configured (ours_redis without, ours_tenants with)" in md
+    rows = [line for line in md.splitlines() if line.startswith(("| 1 | 6 |", "| 4 | 6 |"))]
+    assert len(rows) == 2
+
+
+def test_the_load_spreads_its_slots_over_the_keys() -> None:
+    from disagg_tools.overhead.overhead_client import LoadSpec, _post, _Slot
+
+    spec = LoadSpec(5, 1, target=("127.0.0.1", 1), api_keys=("a", "b"))
+    keys = [_Slot(spec, i, lambda r: None).api_key for i in range(5)]
+    assert keys == ["a", "b", "a", "b", "a"]
+    assert _Slot(LoadSpec(1, 1, target=("h", 1)), 0, lambda r: None).api_key is None
+    assert b"Authorization: Bearer a\r\n" in _post("h", "/v1/completions", b"{}", api_key="a")
+    assert b"Authorization" not in _post("h", "/v1/completions", b"{}")
