@@ -125,7 +125,8 @@ async def _generation(
         raise _Refusal(injected, f"injected fault: error {injected}")
     mode, kv_params = _mode(worker, body)
     model = body.get("model")
-    if model is not None and model != worker.config.model_name:
+    lora = model if isinstance(model, str) and worker.loras.serves(model) else None
+    if model is not None and model != worker.config.model_name and lora is None:
         raise _Refusal(404, f"The model `{model}` does not exist.", "model")
     try:
         spec_path, spec_body = (
@@ -148,12 +149,14 @@ async def _generation(
         if path == textgen.SGLANG_PATH
         else AnswerFormat
     )
-    fmt = fmt_class(path, request_id, worker.config.model_name, spec.prompt_tokens, body)
+    fmt = fmt_class(path, request_id, lora or worker.config.model_name, spec.prompt_tokens, body)
     if type(fmt) is AnswerFormat:  # garbage in OpenAI shapes only (not SGLang's, Responses')
         broken = await _broken_answer(worker, request, mode, fmt, spec)
         if broken is not None:
             return broken
     worker.metrics.inc("requests", label=mode)
+    if lora is not None:
+        await worker.loras.activate(lora)  # its swap-in, when not resident (sim.lora)
     # The prompt's blocks enter the prefix cache once computed or pulled (sim.kv_events).
     cache = worker.kv_events
     ids = cache.prompt_ids(spec_path, spec_body) if cache is not None else None

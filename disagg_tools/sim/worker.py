@@ -6,6 +6,7 @@
         neither                              -> local prefill, then decode
     GET  /health /v1/models /version /metrics
     POST /sim/kv/pull                          the decode side's KV read (the NIXL stand-in)
+    POST /v1/load_lora_adapter ...             vLLM's LoRA adapters (sim.lora)
     POST /generate, GET /server_info ...       SGLang's API and PD bootstrap rooms
                                                (sim.sglang_protocol, sim.bootstrap)
     POST /pd_role_switch                       SGLang's runtime prefill <-> decode flip, with
@@ -45,6 +46,7 @@ from .extra_endpoints import add_extra_routes
 from .faults import FaultConfig, error_response
 from .generation import handle_generation, handle_kv_pull, json_response
 from .kv_event_routes import add_kv_event_routes, kv_events_context
+from .lora import add_lora_routes
 from .role_switch import ROLE_SWITCH_PATH, handle_role_switch
 from .sglang_protocol import add_sglang_routes
 from .worker_config import WorkerConfig, add_worker_arguments, config_from_args
@@ -83,6 +85,7 @@ def create_worker_app(config: WorkerConfig) -> web.Application:
     app.router.add_get("/version", _handle_version)
     app.router.add_get("/metrics", _handle_metrics)
     app.router.add_post("/sim/kv/pull", handle_kv_pull)
+    add_lora_routes(app, lambda a: a[WORKER].loras)  # /v1/load_lora_adapter ... (sim.lora)
     app.router.add_get("/sim/requests", _handle_get_requests)
     app.router.add_delete("/sim/requests", _handle_clear_requests)
     app.router.add_get("/sim/state", _handle_state)
@@ -149,17 +152,19 @@ async def _handle_health(request: web.Request) -> web.Response:
 
 async def _handle_models(request: web.Request) -> web.Response:
     worker = request.app[WORKER]
+    created = int(time.time())
     card = {
         "id": worker.config.model_name,
         "object": "model",
-        "created": int(time.time()),
+        "created": created,
         "owned_by": "vllm",
         "root": worker.config.model,
         "parent": None,
         "max_model_len": worker.max_model_len,
         "permission": [],
     }
-    return json_response({"object": "list", "data": [card]})
+    adapters = worker.loras.model_cards(created)  # with `parent` (sim.lora)
+    return json_response({"object": "list", "data": [card, *adapters]})
 
 
 async def _handle_version(request: web.Request) -> web.Response:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from policies.costmodel import GPUS, MODELS
 
 from .faults import ERROR_STATUSES, GARBAGE_LEGS, GARBAGE_SHAPES, FaultConfig
+from .lora import LoraConfig, parse_lora_modules
 
 __all__ = ["ROLES", "WorkerConfig", "add_worker_arguments", "config_from_args"]
 
@@ -53,6 +54,8 @@ class WorkerConfig:
     # (sim.role_switch); the bootstrap listener then runs in decode mode too (sim.bootstrap).
     role_switch: bool = False
     role_switch_s: float = 1.0  # simulated seconds a flip's teardown and rebuild take
+    # LoRA adapters as vLLM serves them (sim.lora): --enable-lora, --max-loras, --lora-modules
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -131,6 +134,18 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         default=d["role_switch_s"].default,
         help="simulated seconds a role switch takes",
     )
+    lora = parser.add_argument_group("LoRA adapters (vLLM's flags; sim.lora)")
+    lora.add_argument("--enable-lora", action="store_true")
+    lora.add_argument("--max-loras", type=int, default=1, help="adapters resident at once (LRU)")
+    lora.add_argument("--lora-modules", nargs="*", default=None, metavar="NAME=PATH")
+    lora.add_argument(
+        "--allow-runtime-lora",
+        action="store_true",
+        help="serve /v1/load_lora_adapter (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+    )
+    lora.add_argument(
+        "--lora-load-s", type=float, default=0.5, help="simulated seconds a load takes"
+    )
     faults = parser.add_argument_group("fault injection")
     faults.add_argument("--fault-prefill-fail", action="store_true")
     faults.add_argument("--fault-prefill-die-after-kv", action="store_true")
@@ -205,5 +220,12 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
         tokenizer=ns.tokenizer,
         role_switch=ns.role_switch,
         role_switch_s=ns.role_switch_s,
+        lora=LoraConfig(
+            enabled=ns.enable_lora,
+            max_loras=ns.max_loras,
+            modules=parse_lora_modules(ns.lora_modules),
+            runtime_loading=ns.allow_runtime_lora,
+            load_s=ns.lora_load_s,
+        ),
         **extra,
     )

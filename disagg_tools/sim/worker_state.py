@@ -15,6 +15,7 @@ from policies.costmodel import perf_model
 from .decode_engine import BlockPool, DecodeEngine, KvLedger, PrefillQueue
 from .faults import FaultState
 from .kv_events import KvEventPublisher, SimPrefixCache, load_tokenizer
+from .lora import LoraState
 from .rooms import RoomTable
 from .sim_metrics import SimMetrics
 from .worker_config import WorkerConfig
@@ -57,6 +58,7 @@ class Worker:
         self.inflight: dict[asyncio.Task[Any], web.Request] = {}
         self.inflight_changed = asyncio.Event()
         self.session: aiohttp.ClientSession | None = None
+        self.loras = LoraState(config.lora, config.model_name, self.time_factor)  # sim.lora
         self.rooms = RoomTable()  # SGLang PD: prefilled KV by bootstrap_room (sim.bootstrap)
         self.bootstrap_port: int | None = None  # bound port of the bootstrap listener, if any
         # The prefix cache and its KV events, when an endpoint is configured (sim.kv_events).
@@ -101,6 +103,7 @@ class Worker:
             "inflight_requests": len(self.inflight),
             "counters": dict(self.metrics.counts),
             "faults": self.faults.snapshot(),
+            "lora": self.loras.describe(),
         }
 
     def __repr__(self) -> str:
