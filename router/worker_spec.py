@@ -115,6 +115,11 @@ class WorkerSpec:
     perf: PerfModel | None = None
     kv_blocks: int | None = None  # decode capacity; None = from the cost model
     stranded_cap_bytes: int = 0  # prefill backpressure; 0 = no cap
+    # LoRA adapters (docs/lora.md): 0 = the engine serves none (vLLM without --enable-lora);
+    # else its --max-loras, the adapters it keeps active at once. `lora_runtime_loading`: the
+    # router may load a catalog adapter on it (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True).
+    max_loras: int = 0
+    lora_runtime_loading: bool = False
     api_key: Secret = Secret("")
     # Read the layout from the worker (/version, /v1/models; SGLang /server_info) before using
     # it; `layout_configured` are the fields its own entry set, which win over what it reports.
@@ -128,6 +133,13 @@ class WorkerSpec:
     # configured label): shown to operators; pairing itself goes by `layout`.
     pod: str = ""
     revision: str = ""
+    # Data parallelism (docs/data-parallel.md): `dp_size` engines behind one URL, each its own
+    # queue and KV pool of `kv_blocks` (per rank). The membership expands such an entry into one
+    # placement target per rank (router/workers/dp_ranks.py): id `<id>@<rank>`, `dp_rank` set,
+    # `dp_parent` the entry's id.
+    dp_size: int = 1
+    dp_rank: int | None = None
+    dp_parent: str = ""
 
     __repr__ = masked_repr  # a URL's password is not shown
 
@@ -239,6 +251,8 @@ _WORKER_KEYS = {
     "perf",
     "kv_blocks",
     "stranded_cap_bytes",
+    "max_loras",
+    "lora_runtime_loading",
     "api_key",
     "bootstrap_port",
     "engine_id",
@@ -246,12 +260,32 @@ _WORKER_KEYS = {
     "kv_events",
     "pod",
     "revision",
+    "dp_size",
+    "data_parallel_size",
 }
 _ADAPTERS = ("vllm", "sim", "sglang", "mooncake")
 
 
 def _optional_int(name: str, value: Any, low: int, high: int) -> int | None:
     return None if value is None else check_int(name, value, low, high)
+
+
+def _parse_dp_size(raw: Mapping[str, Any], wid: str, where: str) -> int:
+    """`dp_size` (or vLLM's name, `data_parallel_size`): ranks behind the URL, 1 to 1024. A
+    rank's id is `<id>@<rank>`, so a DP entry's own id may hold no '@'; an SGLang `both`
+    engine flips its one PD role for every rank at once, which per-rank roles cannot follow."""
+    if "dp_size" in raw and "data_parallel_size" in raw:
+        raise ConfigError(f"{where}: give dp_size or data_parallel_size, not both")
+    key = "dp_size" if "dp_size" in raw else "data_parallel_size"
+    size = check_int(f"{where}.{key}", raw.get(key, 1), 1, 1024)
+    if size > 1 and "@" in wid:
+        raise ConfigError(f"{where}.id: a worker with {key} > 1 may hold no '@' in its id")
+    if size > 1 and raw.get("adapter") == "sglang" and raw.get("role") == "both":
+        raise ConfigError(
+            f"{where}: an SGLang `both` worker switches its PD role for all its ranks at once: "
+            f"{key} > 1 is not served for it"
+        )
+    return size
 
 
 def parse_worker(
@@ -297,9 +331,14 @@ def parse_worker(
         raise ConfigError(f"{where}: discover_layout must be true or false")
     configured = raw.get("layout") or {}
     kv_blocks = _optional_int(f"{where}.kv_blocks", raw.get("kv_blocks"), 1, _MAX_COUNT)
+    max_loras = check_int(f"{where}.max_loras", raw.get("max_loras", 0), 0, 4096)
+    lora_runtime = raw.get("lora_runtime_loading", False)
+    if not isinstance(lora_runtime, bool):
+        raise ConfigError(f"{where}: lora_runtime_loading must be true or false")
     stranded_cap = check_int(
         f"{where}.stranded_cap_bytes", raw.get("stranded_cap_bytes", 0), 0, _MAX_COUNT
     )
+    dp_size = _parse_dp_size(raw, wid, where)
     spec = WorkerSpec(
         id=wid,
         url=url.rstrip("/"),
@@ -314,6 +353,8 @@ def parse_worker(
         perf=perf,
         kv_blocks=kv_blocks,
         stranded_cap_bytes=stranded_cap,
+        max_loras=max_loras,
+        lora_runtime_loading=lora_runtime,
         api_key=Secret(raw.get("api_key") or ""),
         discover_layout=discover,
         layout_configured=tuple(sorted(configured.items())) if discover else (),
@@ -321,6 +362,7 @@ def parse_worker(
         bootstrap_configured=raw.get("bootstrap_port") is not None,
         pod=str(raw.get("pod") or ""),
         revision=str(raw.get("revision") or ""),
+        dp_size=dp_size,
     )
     if spec.is_decode:
         try:

@@ -195,7 +195,10 @@ async def _learn_mooncake_engines(members: Membership, session: aiohttp.ClientSe
                 exc,
             )
             continue
-        w.spec = replace(spec, engine_id=ids[min(ids)])
+        if spec.dp_rank is not None and spec.dp_rank not in ids:  # each rank its own engine
+            log.error("Mooncake prefill %s: its /query names no rank %s", spec.id, spec.dp_rank)
+            continue
+        w.spec = replace(spec, engine_id=ids[min(ids) if spec.dp_rank is None else spec.dp_rank])
 
 
 async def warm_up(core: Core, loops: WorkerLoops) -> None:

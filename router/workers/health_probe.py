@@ -147,6 +147,7 @@ class HealthProber:
                     # It may come back upgraded (a rolling upgrade restarts workers in place):
                     # its layout (and bootstrap port) are read again before it is used again.
                     w.layout_known = False
+        self._members.follow_lead(w)  # a data-parallel worker's ranks: one URL, one verdict
 
     def _may_slow(self) -> bool:
         """Every worker answers its probes (layout known, breaker closed), and this replica is
@@ -169,9 +170,7 @@ class HealthProber:
         s = self._settings
         interval = s.loops.health_interval_s
         while True:
-            await asyncio.gather(
-                *(self.probe(session, w) for w in list(self._members.workers.values()))
-            )
+            await asyncio.gather(*(self.probe(session, w) for w in self._members.probe_targets()))
             if self._may_slow():
                 interval = min(
                     2 * interval, max(s.loops.health_interval_s, s.loops.health_idle_interval_s)

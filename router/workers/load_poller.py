@@ -51,7 +51,10 @@ class LoadPoller:
             return
         workers = self._members.workers
         while True:
-            await asyncio.gather(*(self.poll(session, w) for w in list(workers.values())))
+            # A data-parallel server's report is its ranks' together (or its first rank's):
+            # wrong for each rank alone, so its ranks are placed by the router's accounting.
+            polled = [w for w in workers.values() if w.spec.dp_size == 1]
+            await asyncio.gather(*(self.poll(session, w) for w in polled))
             await self._timing.beat(period)
             while not self._timing.busy():
                 await self._timing.quiet_sleep(3600.0)  # the next placement, however long it takes

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Protocol
 
 from router.config import Settings
 from router.worker_spec import WorkerSpec, parse_worker
 from router.workers.breaker import CircuitBreaker
+from router.workers.dp_ranks import expand_ranks, is_lead, parent_id
 from router.workers.worker_state import WorkerState
 from state.base import WorkerRole
 
@@ -45,6 +47,9 @@ class Membership:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.workers: dict[str, WorkerState] = {}
+        # A data-parallel entry's rank targets by the entry's id (router/workers/dp_ranks.py):
+        # it joins, is replaced and leaves as one.
+        self._ranks: dict[str, tuple[str, ...]] = {}
         # Workers removed while requests may still be on them (`worker`): the last few, by id.
         self._departed: dict[str, WorkerState] = {}
         # Kubernetes discovery's word on a discovered worker's pod (router/workers/kube/):
@@ -61,6 +66,18 @@ class Membership:
     def add(
         self, spec: WorkerSpec, dynamic: bool = False, registration: str | None = None
     ) -> WorkerState:
+        """The entry `spec` joins (replacing one of the same id): one target, or one per
+        data-parallel rank (`<id>@<rank>`). Returns its lead (rank 0), which the health probe
+        reaches its URL through."""
+        if spec.id in self._ranks:
+            self._depart(spec.id)
+        targets = expand_ranks(spec)
+        states = [self._target(t, dynamic, registration) for t in targets]
+        if len(targets) > 1:
+            self._ranks[spec.id] = tuple(t.id for t in targets)
+        return states[0]
+
+    def _target(self, spec: WorkerSpec, dynamic: bool, registration: str | None) -> WorkerState:
         cap = spec.capacity_blocks if spec.is_decode else 0
         state = WorkerState(
             spec=spec,
@@ -79,8 +96,10 @@ class Membership:
         return state
 
     def remove(self, worker_id: str) -> bool:
-        """Out of the pools at once; requests already on it finish (releases go by id, their
-        legs find it through `worker`)."""
+        """Out of the pools at once (a data-parallel entry's id: all its ranks); requests
+        already on it finish (releases go by id, their legs find it through `worker`)."""
+        if worker_id in self._ranks:
+            return self._depart(worker_id)
         state = self.workers.pop(worker_id, None)
         if state is None:
             return False
@@ -89,6 +108,50 @@ class Membership:
         while len(self._departed) > _DEPARTED_KEPT:
             del self._departed[next(iter(self._departed))]
         return True
+
+    def _depart(self, parent: str) -> bool:
+        gone = False
+        for rid in self._ranks.pop(parent, ()):
+            gone = self.remove(rid) or gone
+        return gone
+
+    # -- entries and their ranks --------------------------------------------------------------
+    def entry(self, entry_id: str) -> WorkerState | None:
+        """The target standing for a worker entry (config file, registration): the worker
+        itself, or its rank 0; None when no such entry is in the pools."""
+        ranks = self._ranks.get(entry_id)
+        return self.workers.get(ranks[0] if ranks else entry_id)
+
+    def entry_ids(self) -> set[str]:
+        """The ids of the entries in the pools (a data-parallel entry's once, not per rank)."""
+        return {parent_id(w.spec) for w in self.workers.values()}
+
+    def ranks_of(self, entry_id: str) -> list[WorkerState]:
+        """An entry's targets: its ranks in order, or the worker alone."""
+        ids = self._ranks.get(entry_id, (entry_id,))
+        return [self.workers[i] for i in ids if i in self.workers]
+
+    def probe_targets(self) -> list[WorkerState]:
+        """One target per worker URL: the health prober's (the ranks follow: `follow_lead`)."""
+        return [w for w in self.workers.values() if is_lead(w.spec)]
+
+    def follow_lead(self, lead: WorkerState) -> None:
+        """The URL's health and what it reported, copied from its lead to its other ranks:
+        one server answers for all. Breakers stay each rank's own."""
+        if not lead.spec.dp_parent:
+            return
+        for w in self.ranks_of(lead.spec.dp_parent):
+            if w is lead:
+                continue
+            w.healthy, w.consecutive_failures = lead.healthy, lead.consecutive_failures
+            w.layout_known = lead.layout_known
+            if lead.layout_known and (
+                w.spec.layout != lead.spec.layout
+                or w.spec.bootstrap_port != lead.spec.bootstrap_port
+            ):
+                w.spec = replace(
+                    w.spec, layout=lead.spec.layout, bootstrap_port=lead.spec.bootstrap_port
+                )
 
     def worker(self, worker_id: str) -> WorkerState:
         """The worker an attempt was placed on, also when it has been removed since: its

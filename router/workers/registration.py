@@ -62,7 +62,7 @@ async def register_worker(
             spec = members.parse_registration(raw)
     except (ConfigError, TypeError, ValueError) as exc:
         raise InvalidRequest(f"bad worker registration: {exc}") from exc
-    current = members.workers.get(spec.id)
+    current = members.entry(spec.id)
     if current is not None and not current.dynamic:
         raise InvalidRequest(
             f"worker {spec.id} comes from the configuration file; "
@@ -71,9 +71,10 @@ async def register_worker(
         )
     registration = orjson.dumps(raw).decode()
     await store.register_worker(spec.id, registration)
-    if spec.is_decode:
-        await store.set_capacity(spec.id, spec.capacity_blocks)
     state = members.add(spec, dynamic=True, registration=registration)
-    # In rotation now if it answers, else when it does.
+    if spec.is_decode:  # per data-parallel rank: each its own pool (router/workers/dp_ranks.py)
+        for w in members.ranks_of(spec.id):
+            await store.set_capacity(w.spec.id, w.capacity_blocks)
+    # In rotation now if it answers, else when it does (its ranks with it).
     await prober.probe(session, state)
     return state

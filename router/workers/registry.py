@@ -26,6 +26,7 @@ import orjson
 from router.config import ConfigError, Settings
 from router.loop_timing import LoopTiming, UsageRider
 from router.tenants import Keyring
+from router.workers.dp_ranks import expand_ranks, parent_id
 from router.workers.drain import apply_drained
 from router.workers.health_probe import HealthProber
 from router.workers.membership import Membership
@@ -112,7 +113,8 @@ class RegistrySync:
         _, registered, drained, roles = view
         joined: list[WorkerState] = []
         for wid, blob in registered.items():
-            known = members.workers.get(wid)
+            # A data-parallel entry is one registration, its ranks' targets (members.entry: rank 0).
+            known = members.entry(wid)
             if known is not None and known.dynamic and known.registration == blob:
                 continue  # unchanged: not parsed again (a thousand workers, every second)
             try:
@@ -120,15 +122,15 @@ class RegistrySync:
             except (ConfigError, orjson.JSONDecodeError, TypeError, ValueError) as exc:
                 log.warning("ignoring bad registration of %s: %s", wid, exc)
                 continue
-            current = members.workers.get(wid)
-            if current is None or (current.dynamic and current.spec != spec):
+            current = members.entry(wid)
+            if current is None or (current.dynamic and current.spec != expand_ranks(spec)[0]):
                 joined.append(members.add(spec, dynamic=True, registration=blob))
                 if spec.is_decode:
-                    await store.set_capacity(spec.id, spec.capacity_blocks)
+                    for w in members.ranks_of(wid):
+                        await store.set_capacity(w.spec.id, w.capacity_blocks)
                 log.info("worker %s (%s) joined the pools", wid, spec.role)
-        gone = [
-            w.spec.id for w in members.workers.values() if w.dynamic and w.spec.id not in registered
-        ]
+        dynamic = {parent_id(w.spec) for w in members.workers.values() if w.dynamic}
+        gone = sorted(dynamic - set(registered))
         for wid in gone:
             members.remove(wid)
             log.info("worker %s left the pools", wid)
