@@ -32,20 +32,47 @@ tenant most over its share (the most blocks held per weight, among tenants holdi
 their share) — newest dispatch first (the least work to redo), never a stream already preempted
 `bound` times, at most `budget` of them (the caller's rate limit), at most one per request the
 starved tenant has waiting, and only while the victim is still over its share (it is never
-taken below it). The stream resumes with its exact text (issue 31); its continuation waits in
-the queue like any request of its tenant. Two tenants each within their shares never take from
-each other, so there is no back and forth: a preemption moves room from a tenant over its share
-to one under it.
+taken below it), and never from a class more urgent than the starved tenant's. The stream
+resumes with its exact text (issue 31); its continuation waits in the queue like any request
+of its tenant. Two tenants each within their shares never take from each other, so there is
+no back and forth: a preemption moves room from a tenant over its share to one under it.
+
+**A more urgent class takes room back** (`take_back_for_class`), before the share's rule and
+within the same budget. A request of class c (policies/priority_classes.py: interactive -1,
+default 0, batch 1; lower is more urgent) that has waited longer than `after_s` with no room
+preempts a stream of the *least urgent* class present that is less urgent than c — newest
+dispatch first, never a stream already preempted `bound` times, at most one per waiting
+request (the most urgent waiters first, then the longest waiting), whatever the tenants'
+shares: a class is the operator's word (llm-d's flow control and SGLang's gateway order the
+same way: priority bands, eviction lowest priority and newest dispatch first). A request a
+stream was taken for counts as served for the share's rule in the same decision (still at
+most one stream per waiting request). `plan_take_back` runs both rules.
+
+**Starvation bound.** No class is starved forever. Admissions: a waiting class gets one
+admission in at most `max_bypass` + m - 1 of more urgent ones (policies/fairness.py, m the
+classes waiting). Preemptions: a stream is taken at most `bound` (`preemption.max_per_stream`)
+times in its request's life, by either rule (or a growth's, policies/preemption.py), then it is
+never a candidate again; its continuation waits like any request of its class, under the
+admission bound. So a batch answer always completes: it loses at most `bound` decodes, each
+resumed with its exact text, then runs to its end.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from policies.preemption import StreamFacts
 
-__all__ = ["ClusterWaiter", "Occupancy", "handoff_to", "take_back"]
+__all__ = [
+    "ClusterWaiter",
+    "Occupancy",
+    "TakeBack",
+    "handoff_to",
+    "plan_take_back",
+    "take_back",
+    "take_back_for_class",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +180,7 @@ def take_back(
         for s in streams
         if s.preempted < bound
         and s.tenant != neediest.tenant
+        and s.priority >= neediest.priority  # never from a more urgent class
         and occupancy.held.get(s.tenant, 0) > occupancy.share(s.tenant)
     ]
     if not candidates:
@@ -171,3 +199,80 @@ def take_back(
         chosen.append(stream.stream_id)
         over -= stream.blocks
     return tuple(chosen)
+
+
+def take_back_for_class(
+    streams: Iterable[StreamFacts],
+    waiters: Iterable[ClusterWaiter],
+    after_s: float,
+    bound: int,
+    budget: int,
+) -> tuple[tuple[str, ...], tuple[ClusterWaiter, ...]]:
+    """The streams to preempt for requests of a more urgent class that waited `after_s` with no
+    room (the module's rule), and the waiters with the requests served by them taken off their
+    counts (for the share's rule in the same decision)."""
+    lines = tuple(waiters)
+    if budget < 1:
+        return (), lines
+    starved = sorted(
+        (i for i, w in enumerate(lines) if w.waited_s >= after_s and w.count > 0),
+        key=lambda i: _urgency(lines[i]),
+    )
+    if not starved:
+        return (), lines
+    # Least urgent class first, newest dispatch first in it: a waiter may take any stream of
+    # a class below its own, so the streams it may take are a prefix of this order.
+    victims = sorted(
+        (s for s in streams if s.preempted < bound and s.priority > lines[starved[0]].priority),
+        key=lambda s: (s.priority, s.dispatched, s.stream_id),
+        reverse=True,
+    )
+    most = min(budget, len(victims))
+    chosen: list[str] = []
+    served = [0] * len(lines)
+    for i in starved:
+        for _ in range(lines[i].count):
+            if len(chosen) >= most or victims[len(chosen)].priority <= lines[i].priority:
+                break  # the budget is spent, or every stream left is as urgent as this waiter
+            chosen.append(victims[len(chosen)].stream_id)
+            served[i] += 1
+    left = tuple(
+        replace(w, count=w.count - n) if n else w for w, n in zip(lines, served, strict=True)
+    )
+    return tuple(chosen), left
+
+
+def _urgency(w: ClusterWaiter) -> tuple[int, float, float, str, str]:
+    """The order the class's rule serves waiters in: most urgent class, longest wait first."""
+    return (w.priority, -w.waited_s, w.counter, w.tenant, w.replica)
+
+
+@dataclass(frozen=True, slots=True)
+class TakeBack:
+    """The streams to preempt, by why: for a more urgent class (`for_class`, counted as
+    reason "priority") and for the share (`for_share`, reason "fair_share")."""
+
+    for_class: tuple[str, ...] = ()
+    for_share: tuple[str, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.for_class) + len(self.for_share)
+
+
+def plan_take_back(
+    streams: Iterable[StreamFacts],
+    waiters: Iterable[ClusterWaiter],
+    occupancy: Occupancy,
+    after_s: float,
+    bound: int,
+    budget: int,
+) -> TakeBack:
+    """Both rules in one decision (the module's docstring): the class's first, then the share's
+    with what is left of the budget, on the streams not yet taken and the requests not yet
+    served. At most `budget` streams, each at most once."""
+    streams = tuple(streams)
+    for_class, left = take_back_for_class(streams, waiters, after_s, bound, budget)
+    taken = set(for_class)
+    rest = [s for s in streams if s.stream_id not in taken]
+    for_share = take_back(rest, left, occupancy, after_s, bound, budget - len(for_class))
+    return TakeBack(for_class, for_share)

@@ -30,6 +30,7 @@ class StreamFacts:
     dispatched: float  # when its decode was sent (any clock: only the order matters)
     blocks: int  # what its reservation holds now
     preempted: int  # times its request was preempted before
+    priority: int = 0  # its request's class (lower: more urgent; policies/priority_classes.py)
 
 
 @dataclass(frozen=True, slots=True)
