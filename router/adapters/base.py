@@ -43,19 +43,27 @@ class PrefillTarget:
     host: str  # as the decode worker must reach it (IPv6 without brackets)
     bootstrap_port: int | None  # the KV side channel; None = the engine's default / none
     engine_id: str | None = None  # Mooncake: the prefill engine's id from its /query
+    # A data-parallel prefill: the rank that prefills, of `dp_size` (router/adapters/dp_rank.py)
+    dp_rank: int | None = None
+    dp_size: int = 1
 
     def __repr__(self) -> str:
-        return f"PrefillTarget({self.host}:{self.bootstrap_port}, engine={self.engine_id})"
+        rank = "" if self.dp_rank is None else f", rank {self.dp_rank}/{self.dp_size}"
+        return f"PrefillTarget({self.host}:{self.bootstrap_port}, engine={self.engine_id}{rank})"
 
 
 def prefill_target(
-    url: str, bootstrap_port: int | None, engine_id: str | None = None
+    url: str,
+    bootstrap_port: int | None,
+    engine_id: str | None = None,
+    dp_rank: int | None = None,
+    dp_size: int = 1,
 ) -> PrefillTarget:
     """The target for a prefill worker's base URL (its host is what the decode connects to)."""
     host = urlsplit(url).hostname
     if not host:
         raise ValueError(f"prefill worker URL {url!r} has no host")
-    return PrefillTarget(host, bootstrap_port, engine_id)
+    return PrefillTarget(host, bootstrap_port, engine_id, dp_rank, dp_size)
 
 
 @runtime_checkable

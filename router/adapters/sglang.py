@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from router.adapters.base import PrefillTarget
 
-__all__ = ["SglangAdapter", "batch_size"]
+__all__ = ["SglangAdapter", "batch_size", "room_on_rank"]
 
 ROOM_BITS = 63  # SGLang's rooms are non-negative signed 64-bit integers
 
@@ -45,6 +45,12 @@ def batch_size(body: Mapping[str, Any]) -> int | None:
     return None
 
 
+def room_on_rank(draw: int, rank: int, dp_size: int) -> int:
+    """A room with `room % dp_size == rank`, from a random `draw` (< 2**52: dp_size is at most
+    1024, so the room stays within SGLang's 63 bits)."""
+    return draw * dp_size + rank
+
+
 class SglangAdapter:
     name = "sglang"
     concurrent_legs: Literal[True] = True
@@ -54,8 +60,14 @@ class SglangAdapter:
         # seed can never hand two requests the same room on one prefill worker.
         self._rng = rng if rng is not None else random.SystemRandom()
 
-    def room(self) -> int:
-        return self._rng.getrandbits(ROOM_BITS)
+    def room(self, prefill: PrefillTarget | None = None) -> int:
+        """A random room; for a data-parallel prefill one that falls on its rank: SGLang's
+        decode finds the prefill rank holding the KV as `bootstrap_room % dp_size`
+        (router/adapters/dp_rank.py), and so does its prefill under follow_bootstrap_room."""
+        if prefill is None or prefill.dp_rank is None or prefill.dp_size <= 1:
+            return self._rng.getrandbits(ROOM_BITS)
+        draw = self._rng.getrandbits(ROOM_BITS - 11)
+        return room_on_rank(draw, prefill.dp_rank, prefill.dp_size)
 
     def legs(
         self, body: dict[str, Any], prefill: PrefillTarget, request_id: str = ""
@@ -65,11 +77,11 @@ class SglangAdapter:
         if n is None:
             out["bootstrap_host"] = prefill.host
             out["bootstrap_port"] = prefill.bootstrap_port
-            out["bootstrap_room"] = self.room()
+            out["bootstrap_room"] = self.room(prefill)
         else:
             out["bootstrap_host"] = [prefill.host] * n
             out["bootstrap_port"] = [prefill.bootstrap_port] * n
-            out["bootstrap_room"] = [self.room() for _ in range(n)]
+            out["bootstrap_room"] = [self.room(prefill) for _ in range(n)]
         return out, dict(out)
 
     def __repr__(self) -> str:

@@ -35,6 +35,7 @@ import aiohttp
 import orjson
 
 from router.adapters import ProtocolViolation, prefill_target
+from router.adapters.dp_rank import rank_body
 from router.config import Settings
 from router.errors import DeadlineExceeded, InvalidRequest, Unavailable, UpstreamError
 from router.metrics import RouterMetrics
@@ -233,7 +234,7 @@ class Legs:
             async with self.leg_errors("prefill", worker, self.settings.timeouts.prefill_s):
                 async with self.session.post(
                     spec.url + call.parsed.path,
-                    data=orjson.dumps(wire_body),
+                    data=orjson.dumps(rank_body(spec.adapter, wire_body, spec.dp_rank)),
                     headers=self._headers(call, worker, ask.resumed),
                 ) as resp:
                     data = await resp.read()
@@ -286,7 +287,10 @@ class Legs:
         as it starts (not after the prefill's answer); a leg that fails cancels the other."""
         worker = self.members.worker(attempt.candidate.prefill_id or "")
         adapter = self.pairing.concurrent_adapter(worker)
-        target = prefill_target(worker.spec.url, worker.spec.bootstrap_port, worker.spec.engine_id)
+        spec = worker.spec  # a data-parallel prefill's rank: SGLang's rooms fall on it
+        target = prefill_target(
+            spec.url, spec.bootstrap_port, spec.engine_id, spec.dp_rank, spec.dp_size
+        )
         try:
             if adapter is None:  # pragma: no cover - the pairing said it is concurrent
                 raise ProtocolViolation(f"worker {worker.spec.id} has no concurrent legs")
@@ -327,6 +331,7 @@ class Legs:
         spec, t = worker.spec, self.settings.timeouts
         call.trace.begin("decode", worker=spec.id)
         answer: Relay[Any]
+        body = rank_body(spec.adapter, body, spec.dp_rank)  # an SGLang rank's, in the body
         async with self.leg_errors("decode", worker, deferred=True) as verdict:
             attempt.decode_verdict = verdict  # given when the answer is read (DecodeAnswer)
             if not call.assembling and self.splice is not None and self.splice.supports(spec.url):
