@@ -53,6 +53,8 @@ class BatchApplier:
         "_max_batch_bytes",
         "_max_batch_blocks",
         "_turns",
+        "rank",
+        "foreign_rank",
     )
 
     def __init__(
@@ -65,8 +67,14 @@ class BatchApplier:
         *,
         max_batch_bytes: int,
         max_batch_blocks: int,
+        rank: int | None = None,
     ) -> None:
         self.worker_id = worker_id
+        # The data-parallel rank whose publisher this is (None: a worker without ranks, whose
+        # batches may say 0): a batch naming another rank is ignored and counted in
+        # `foreign_rank`, never applied to this rank's index (router/workers/dp_ranks.py).
+        self.rank = rank
+        self.foreign_rank = 0
         self.index = index
         self.applied = 0
         self._metrics = metrics
@@ -101,6 +109,16 @@ class BatchApplier:
         except BatchRefused as exc:
             self._refusals.refuse(exc.reason, str(exc))
             return "refused"
+        said = batch.data_parallel_rank
+        if said is not None and said != (self.rank or 0):
+            self.foreign_rank += 1
+            if self.foreign_rank == 1:  # once: a misconfigured engine says it every batch
+                log.warning(
+                    "worker %s: a KV-event batch of data-parallel rank %s on the publisher of "
+                    "rank %s: ignored (counted in its prefix_cache.kv_events.foreign_rank)",
+                    wid, said, self.rank or 0,
+                )  # fmt: skip
+            return None
         self.applied += 1
         m.kv_events_batches.labels(worker=wid).inc()
         dropped = await self._events(batch)

@@ -89,6 +89,7 @@ class KvEventSubscriber:
         bound: Callable[[int | None], int] | None = None,
         max_batch_bytes: int = MAX_BATCH_BYTES,
         max_batch_blocks: int = MAX_BATCH_BLOCKS,
+        rank: int | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.spec = spec
@@ -106,6 +107,7 @@ class KvEventSubscriber:
             self._bound,
             max_batch_bytes=max_batch_bytes,
             max_batch_blocks=max_batch_blocks,
+            rank=rank,
         )
         self.state: State = "connecting"
         self._ctx = ctx
@@ -126,6 +128,7 @@ class KvEventSubscriber:
             "unchained_blocks": self.index.unchained,
             "block_size": self.index.block_size,
             "max_blocks": self._bound(self.index.block_size),
+            "foreign_rank": self._batches.foreign_rank,
         }
 
     async def run(self) -> None:
@@ -382,11 +385,13 @@ class KvEventHub:
     def reconcile(self) -> None:
         """Start a subscriber for each worker with events, stop those of workers gone; restart
         one whose task ended (its failure was logged)."""
+        # A data-parallel worker's ranks: each its own publisher (ports + rank), its own index.
         wanted = {
             wid: w.spec.kv_events
             for wid, w in self._members.workers.items()
             if w.spec.kv_events is not None
         }
+        ranks = {wid: self._members.workers[wid].spec.dp_rank for wid in wanted}
         for wid in list(self.subscribers):
             task = self._tasks.get(wid)
             if wanted.get(wid) != self.subscribers[wid].spec or task is None or task.done():
@@ -402,6 +407,7 @@ class KvEventHub:
                     bound=self._bound_of(wid),
                     max_batch_bytes=self._max_batch_bytes,
                     max_batch_blocks=self._max_batch_blocks,
+                    rank=ranks[wid],
                 )
                 self.subscribers[wid] = sub
                 self._tasks[wid] = asyncio.get_running_loop().create_task(
