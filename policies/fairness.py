@@ -197,7 +197,7 @@ class _TenantLine:
         self.live: set[int] = set()
         self.heap: list[int] = []  # tickets; ones no longer live are dropped lazily
         # Its entry in the class's order heap; an entry that is not this one is stale.
-        self.entry: tuple[float, int, str] | None = None
+        self.entry: _OrderEntry | None = None
 
     def add(self, ticket: int) -> None:
         self.live.add(ticket)
@@ -210,22 +210,35 @@ class _TenantLine:
         return _first_live(self.heap, self.live.__contains__, skip.__contains__)
 
 
-class _ClassQueue:
-    """The waiting requests of one priority class and its tenants' virtual counters (VTC)."""
+# A tenant's place in its class's order: (counter, 0 while it sits where it was lifted to else 1,
+# its head ticket, its name).
+_OrderEntry = tuple[float, int, int, str]
 
-    __slots__ = ("lines", "counters", "order", "floor", "sweep_above")
+
+class _ClassQueue:
+    """The waiting requests of one priority class and its tenants' virtual counters (VTC).
+
+    Ties: a tenant lifted to the floor as it starts to wait has exactly the counter of the
+    least-served tenant waiting, which has waited longer, so by ticket age alone the newcomer
+    would lose every tie — one more release to wait for on every request of a tenant that comes
+    and goes while another floods (and a room taken back for it handed to the flooder first).
+    Its counter is credited service it never got; it goes first among equal counters until it
+    is charged (`lifted`)."""
+
+    __slots__ = ("lines", "counters", "order", "floor", "sweep_above", "lifted")
 
     def __init__(self) -> None:
         self.lines: dict[str, _TenantLine] = {}  # tenants with something waiting here
         # Every tenant's counter here, in units / weight. Idle tenants at or below the floor are
         # forgotten now and then: they would be lifted to it anyway.
         self.counters: dict[str, float] = {}
-        self.order: list[tuple[float, int, str]] = []  # (counter, head ticket, tenant), lazy
+        self.order: list[_OrderEntry] = []  # lazy: stale entries dropped as met
         # Where a tenant that starts to wait is lifted to: the least counter of the tenants
         # waiting when last looked at, when none wait that of the last one to leave (VTC);
         # never lower than it was (`_current_floor`).
         self.floor = 0.0
         self.sweep_above = _COUNTER_SLACK  # counters remembered before idle ones are swept
+        self.lifted: dict[str, float] = {}  # waiting tenants at the counter they were lifted to
 
     def __bool__(self) -> bool:
         return bool(self.lines)
@@ -235,7 +248,7 @@ class _ClassQueue:
         if line is None:
             self._lift(tenant)
             line = self.lines[tenant] = _TenantLine()
-        old_head = line.entry[1] if line.entry is not None else None
+        old_head = line.entry[2] if line.entry is not None else None
         line.add(ticket)
         if old_head is None or ticket < old_head:
             self._reorder(tenant, line)
@@ -247,11 +260,12 @@ class _ClassQueue:
         line.live.discard(ticket)
         if not line.live:
             del self.lines[tenant]
+            self.lifted.pop(tenant, None)
             if not self.lines:
                 self.floor = max(self.floor, self.counters[tenant])
             if len(self.counters) > self.sweep_above:
                 self._forget_idle()
-        elif line.entry is not None and line.entry[1] == ticket:
+        elif line.entry is not None and line.entry[2] == ticket:
             self._reorder(tenant, line)
 
     def charge(self, tenant: str, amount: float) -> None:
@@ -260,6 +274,7 @@ class _ClassQueue:
         while nothing waits here, it is also the last to leave: the floor follows it."""
         if tenant not in self.lines:
             self._lift(tenant)
+            self.lifted.pop(tenant, None)  # kept for waiting tenants only
         self.correct(tenant, amount)
         if not self.lines:
             # Else the floor stays where the last *waiter* left it, and a tenant that starts to
@@ -283,7 +298,7 @@ class _ClassQueue:
         if not order:
             return None
         if not skip:
-            return order[0][1]
+            return order[0][2]
         return self._best_skipping(skip, order[0][0] + slack)
 
     def _best_skipping(self, skip: Collection[int], ceiling: float) -> int | None:
@@ -291,25 +306,28 @@ class _ClassQueue:
         # next ticket, which sorts after its entry, so an entry is a lower bound and the search
         # stops at the first entry above the best found, or above `ceiling`.
         order = self.order
-        taken: list[tuple[float, int, str]] = []
-        best: tuple[float, int] | None = None
+        taken: list[_OrderEntry] = []
+        best: tuple[float, int, int] | None = None
         while order:
             entry = heapq.heappop(order)
             if not self._current(entry):
                 continue
             taken.append(entry)
-            if entry[0] > ceiling or (best is not None and entry[:2] > best):
+            if entry[0] > ceiling or (best is not None and entry[:3] > best):
                 break
-            ticket = self.lines[entry[2]].head(skip)
-            if ticket is not None and (best is None or (entry[0], ticket) < best):
-                best = (entry[0], ticket)
+            ticket = self.lines[entry[3]].head(skip)
+            if ticket is not None and (best is None or (entry[0], entry[1], ticket) < best):
+                best = (entry[0], entry[1], ticket)
         for entry in taken:
             heapq.heappush(order, entry)
-        return None if best is None else best[1]
+        return None if best is None else best[2]
 
     def _lift(self, tenant: str) -> None:
         floor = self._current_floor()
-        self.counters[tenant] = max(self.counters.get(tenant, floor), floor)
+        counter = self.counters.get(tenant)
+        if counter is None or counter < floor:  # credited service it did not get
+            self.lifted[tenant] = floor
+        self.counters[tenant] = floor if counter is None else max(counter, floor)
 
     def _current_floor(self) -> float:
         order = self.order
@@ -323,15 +341,17 @@ class _ClassQueue:
             self.floor = order[0][0]
         return self.floor
 
-    def _current(self, entry: tuple[float, int, str]) -> bool:
-        line = self.lines.get(entry[2])
+    def _current(self, entry: _OrderEntry) -> bool:
+        line = self.lines.get(entry[3])
         return line is not None and line.entry is entry
 
     def _reorder(self, tenant: str, line: _TenantLine) -> None:
         """The tenant's counter or head changed: a new entry; the old one is now stale."""
         head = line.head()
         assert head is not None  # a line exists only while it has a live ticket
-        line.entry = (self.counters[tenant], head, tenant)
+        counter = self.counters[tenant]
+        rank = 0 if self.lifted.get(tenant) == counter else 1
+        line.entry = (counter, rank, head, tenant)
         heapq.heappush(self.order, line.entry)
         if len(self.order) > 2 * len(self.lines) + _HEAP_SLACK:
             self.order = [ln.entry for ln in self.lines.values() if ln.entry is not None]
@@ -417,15 +437,17 @@ class VTCFairness:
         """The cluster's counters, shared through the store (router/fair_share.py, issue 33):
         each (class, tenant) named takes its value there (the caller adds what it charged
         since), each class's floor rises to the cluster's (never down)."""
-        for (priority, tenant), value in counters.items():
-            queue = self._queue(priority)
-            queue.counters[tenant] = value
-            line = queue.lines.get(tenant)
-            if line is not None:
-                queue._reorder(tenant, line)
         for priority, floor in floors.items():
             queue = self._queue(priority)
             queue.floor = max(queue.floor, floor)
+        for (priority, tenant), value in counters.items():
+            queue = self._queue(priority)
+            queue.counters[tenant] = value
+            if tenant in queue.lifted and value <= queue.floor:
+                queue.lifted[tenant] = value  # lifted in the store: still uncharged credit
+            line = queue.lines.get(tenant)
+            if line is not None:
+                queue._reorder(tenant, line)
 
     def enqueue(self, request: WaitingRequest) -> None:
         if request.ticket in self._waiting:

@@ -570,3 +570,24 @@ def test_a_broken_fairness_policy_fails_at_load(spec: str, kwargs: object, messa
         load_fairness(spec, kwargs)  # type: ignore[arg-type]
     assert message in str(info.value), str(info.value)
     assert spec in str(info.value)
+
+
+def test_a_tenant_that_starts_to_wait_goes_first_among_equal_counters() -> None:
+    """A flooding tenant waits with the least counter; a tenant that starts to wait is lifted to
+    exactly that counter. By ticket age alone the flooder's older head would win the tie, and the
+    newcomer would wait one more release on every request (a room taken back for it included).
+    Lifted, it goes first; once charged it is behind the flooder's next."""
+    flooder, newcomer = Tenant("flooder"), Tenant("newcomer")
+    policy = VTCFairness()
+    policy.admit(request(1, flooder))  # served alone: the floor follows it
+    for ticket in range(2, 6):
+        policy.enqueue(request(ticket, flooder))
+    policy.enqueue(request(10, newcomer))
+    assert policy.counter("newcomer") == policy.counter("flooder")
+    order = []
+    for _ in range(3):
+        chosen = policy.pick(0.0)
+        assert chosen is not None
+        policy.admit(chosen)
+        order.append((chosen.tenant.name, chosen.ticket))
+    assert order == [("newcomer", 10), ("flooder", 2), ("flooder", 3)]
