@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from disagg_tools.sim.dp_front import running_dp_worker
 from disagg_tools.sim.worker import WorkerConfig, running_worker
 from router.config import Settings, merged_settings, settings_from_mapping
 from router.edge.app import create_app
@@ -126,9 +127,13 @@ async def sim_cluster(
     kv_blocks: int = 4096,
     time_scale: float = 500.0,
     worker_overrides: dict[str, dict[str, Any]] | None = None,
+    entry_overrides: dict[str, dict[str, Any]] | None = None,  # the router's entry, by id
+    dp: dict[str, int] | None = None,
     **settings: Any,
 ) -> AsyncIterator[SimCluster]:
-    """Simulated workers plus a router in front of them, all in this process on loopback."""
+    """Simulated workers plus a router in front of them, all in this process on loopback.
+    `dp`: data-parallel ranks by worker id (disagg_tools/sim/dp_front.py), each entry's
+    `dp_size` and `kv_blocks` per rank."""
     roles = (
         [("prefill", f"p{i}") for i in range(prefill)]
         + [("decode", f"d{i}") for i in range(decode)]
@@ -153,11 +158,16 @@ async def sim_cluster(
                 **extra,
             }
             cfg = WorkerConfig(**fields)
-            url = await stack.enter_async_context(running_worker(cfg))
+            ranks = (dp or {}).get(wid, 1)
+            serving = running_dp_worker(cfg, ranks) if ranks > 1 else running_worker(cfg)
+            url = await stack.enter_async_context(serving)
             workers[wid], configs[wid] = url, cfg
             entry: dict[str, Any] = {"id": wid, "url": url, "role": role, "adapter": "sim"}
+            if ranks > 1:
+                entry["dp_size"] = ranks
             if role != "prefill":
                 entry["kv_blocks"] = extra.get("kv_blocks", kv_blocks)
+            entry.update((entry_overrides or {}).get(wid, {}))
             entries.append(entry)
         raw: dict[str, Any] = {
             "model": MODEL,

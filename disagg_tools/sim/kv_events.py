@@ -99,6 +99,7 @@ class KvEventPublisher:
         self._replay: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self.seq = 0  # the next batch's sequence number
+        self.rank = 0  # the data-parallel rank its batches name (sim.dp_front)
         self.drop_batches = 0  # test hook: the next N batches are not sent
         self.drop_from_replay = False  # ... nor kept for replay
         self.bound: dict[str, str | None] = {"endpoint": None, "replay_endpoint": None}
@@ -123,7 +124,7 @@ class KvEventPublisher:
         if self._pub is None or not events:
             return
         seq, self.seq = self.seq, self.seq + 1
-        payload = msgpack.packb([time.time(), events, 0])
+        payload = msgpack.packb([time.time(), events, self.rank])
         if self.drop_batches > 0:
             self.drop_batches -= 1
             if not self.drop_from_replay:

@@ -1,0 +1,256 @@
+"""Data-parallel ranks as placement targets (issue 35; docs/data-parallel.md).
+
+The entry's parsing and expansion, the rank on the wire per engine, KV events per rank (a batch
+of a rank its publisher is not: ignored, counted), and live: simulated DP servers (one URL, four
+independent engines: disagg_tools/sim/dp_front.py) behind the router under a skewed load, a
+fault on one rank, a stream cut on a rank and resumed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import msgpack
+import pytest
+import zmq.asyncio
+
+from policies.base import KVLayout
+from router.adapters.base import prefill_target
+from router.adapters.dp_rank import RANK_HEADER, rank_body, rank_headers
+from router.adapters.sglang import SglangAdapter
+from router.config import settings_from_mapping
+from router.metrics import RouterMetrics
+from router.worker_spec import ConfigError, KvEventsSpec, parse_worker
+from router.workers.kv_events import KvEventSubscriber
+from router.workers.membership import Membership
+from tests.conftest import MODEL, SimCluster, sim_cluster
+from tests.router.request.test_faults import (
+    FAST_RETRY,
+    assert_quiet,
+    body_for,
+    call,
+    check_exact,
+)
+
+RANKS = 4
+BLOCKS_PER_RANK = 40  # small: a rank's room binds, and a URL-wide view would overfill one
+
+
+def _settings(*workers: dict[str, Any]) -> Any:
+    return settings_from_mapping(
+        {"model": MODEL, "perf": {"model": MODEL, "gpu": "h100"}, "workers": list(workers)}
+    )
+
+
+# --- the entry and its targets ----------------------------------------------------------------
+
+
+def test_a_dp_entry_expands_into_one_target_per_rank() -> None:
+    events = {"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5600"}
+    settings = _settings(
+        {"id": "p", "url": "http://h:1", "role": "prefill", "dp_size": 2, "kv_events": events},
+        {"id": "d", "url": "http://h:2", "role": "decode", "data_parallel_size": 4, "kv_blocks": 9},
+        {"id": "solo", "url": "http://h:3", "role": "decode", "kv_blocks": 5},
+    )
+    members = Membership(settings)
+    assert sorted(members.workers) == ["d@0", "d@1", "d@2", "d@3", "p@0", "p@1", "solo"]
+    assert members.entry_ids() == {"p", "d", "solo"}
+    # kv_blocks is each rank's own pool
+    assert [w.capacity_blocks for w in members.ranks_of("d")] == [9, 9, 9, 9]
+    assert {w.spec.url for w in members.ranks_of("d")} == {"http://h:2"}
+    # each rank's publisher: the entry's ports + rank (vLLM's offset_endpoint_port)
+    rank1 = members.workers["p@1"].spec.kv_events
+    assert rank1 is not None
+    assert (rank1.endpoint, rank1.replay_endpoint) == (
+        "tcp://127.0.0.1:5558",
+        "tcp://127.0.0.1:5601",
+    )
+    # one health probe per URL
+    assert sorted(w.spec.id for w in members.probe_targets()) == ["d@0", "p@0", "solo"]
+    lead = members.workers["d@0"]
+    lead.healthy, lead.consecutive_failures = False, 2
+    members.follow_lead(lead)
+    assert not any(w.healthy for w in members.ranks_of("d"))
+    # a rank's breaker is its own: its siblings stay available
+    members.follow_lead(lead := members.workers["d@0"])
+    lead.healthy = True
+    members.follow_lead(lead)
+    for _ in range(3):
+        members.workers["d@2"].breaker.on_failure()
+    assert [w.available for w in members.ranks_of("d")] == [True, True, False, True]
+    # the entry leaves as one; requests still on a rank find it
+    assert members.remove("d")
+    assert "d@1" not in members.workers and members.worker("d@1").spec.dp_parent == "d"
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"dp_size": 0}, "dp_size"),
+        ({"data_parallel_size": 2000}, "data_parallel_size"),
+        ({"dp_size": 2, "data_parallel_size": 2}, "not both"),
+        ({"dp_size": 2, "id": "a@b"}, "'@'"),
+        ({"dp_size": 2, "adapter": "sglang", "role": "both"}, "SGLang `both`"),
+    ],
+)
+def test_bad_dp_entries_are_refused(entry: dict[str, Any], message: str) -> None:
+    raw = {"id": "w", "url": "http://h:1", "role": "decode", "kv_blocks": 4, **entry}
+    with pytest.raises(ConfigError, match=message):
+        parse_worker(raw, None, KVLayout())
+
+
+# --- the rank on the wire ---------------------------------------------------------------------
+
+
+def test_each_engine_is_told_the_rank_its_own_way() -> None:
+    assert rank_headers("vllm", 3) == {RANK_HEADER: "3"}
+    assert rank_headers("mooncake", 0) == {RANK_HEADER: "0"}
+    assert rank_headers("sim", None) == {}
+    assert rank_headers("sglang", 2) == {}  # SGLang reads it from the body
+    assert rank_body("sglang", {"a": 1, "data_parallel_rank": 7}, 2) == {
+        "a": 1,
+        "data_parallel_rank": 2,
+    }
+    body = {"a": 1}
+    assert rank_body("vllm", body, 2) is body
+    # SGLang rooms fall on the prefill's rank: the decode finds it as room % dp_size
+    adapter = SglangAdapter()
+    target = prefill_target("http://10.0.0.1:30000", 8998, None, 3, 4)
+    for _ in range(50):
+        p, d = adapter.legs({"prompt": "x"}, target)
+        assert p["bootstrap_room"] % 4 == 3 and 0 <= p["bootstrap_room"] < 2**63
+        assert d["bootstrap_room"] == p["bootstrap_room"]
+    p, _ = adapter.legs({"prompt": ["a", "b", "c"]}, target)
+    assert [room % 4 for room in p["bootstrap_room"]] == [3, 3, 3]
+
+
+# --- KV events per rank -----------------------------------------------------------------------
+
+
+def _batch(rank: int | None, block_hash: int) -> bytes:
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [block_hash],
+        "parent_block_hash": None,
+        "token_ids": list(range(16)),
+        "block_size": 16,
+        "medium": "GPU",
+    }
+    return bytes(msgpack.packb([1.0, [stored], rank]))
+
+
+@pytest.mark.parametrize("rank", [None, 1])
+async def test_a_batch_of_another_rank_is_ignored_and_counted(rank: int | None) -> None:
+    ctx = zmq.asyncio.Context()
+    try:
+        sub = KvEventSubscriber(
+            "w", KvEventsSpec("tcp://127.0.0.1:1"), ctx, RouterMetrics(), rank=rank
+        )
+        own = rank or 0
+        await sub._apply(0, _batch(own, 11))  # its own rank's: applied
+        await sub._apply(1, _batch(5, 12))  # a rank it was not declared with: ignored
+        await sub._apply(2, _batch(None, 13))  # no rank said (an older engine): applied
+        assert len(sub.index) == 2
+        assert sub.describe()["foreign_rank"] == 1
+        assert sub.batches == 2
+    finally:
+        ctx.term()
+
+
+# --- live: simulated DP servers behind the router ---------------------------------------------
+
+
+async def _rank_states(c: SimCluster, wid: str) -> list[dict[str, Any]]:
+    return list((await c.worker_state(wid))["ranks"])
+
+
+async def _rank_requests(c: SimCluster, wid: str) -> list[dict[str, Any]]:
+    return await c.worker_requests(wid)
+
+
+def _dp_cluster(**settings: Any) -> Any:
+    return sim_cluster(
+        prefill=1,
+        decode=2,
+        dp={"p0": RANKS, "d0": RANKS, "d1": RANKS},
+        kv_blocks=BLOCKS_PER_RANK,
+        **settings,
+    )
+
+
+def _skewed(i: int) -> dict[str, Any]:
+    """Every fifth request long (its answer fills most of a rank), the rest short."""
+    return body_for(i, max_tokens=400 if i % 5 == 0 else 24)
+
+
+async def test_a_skewed_load_uses_every_rank_within_its_room(redis_prefix: str) -> None:
+    async with _dp_cluster(redis_prefix=redis_prefix, retry=FAST_RETRY) as c:
+        targets = sorted(w.spec.id for w in c.parts.pools.decode_workers)
+        assert targets == [f"d{i}@{r}" for i in range(2) for r in range(RANKS)]
+        bodies = [_skewed(i) for i in range(48)]
+        results = await asyncio.gather(*(call(c, b, i % 2 == 0) for i, b in enumerate(bodies)))
+        for i, ((status, result), body) in enumerate(zip(results, bodies, strict=True)):
+            check_exact(status, result, body, i % 2 == 0)
+        for wid in ("d0", "d1"):
+            served = await _rank_requests(c, wid)
+            # every rank took requests, each told its own rank by the header
+            assert {r["dp_rank"] for r in served} == set(range(RANKS))
+            for r in served:
+                assert r["headers"].get(RANK_HEADER) == str(r["dp_rank"])
+            for state in await _rank_states(c, wid):
+                # the router's reservations kept each rank within its own pool: no rank ever
+                # ran out of KV (the sim preempts a sequence when it does)
+                assert state["capacity_blocks"] == BLOCKS_PER_RANK
+                assert state["counters"].get("preemptions", 0) == 0, state
+        prefill_ranks = {r["dp_rank"] for r in await _rank_requests(c, "p0")}
+        assert len(prefill_ranks) > 1  # the prefill's ranks are targets too
+        await assert_quiet(c)
+
+
+async def test_a_failing_rank_is_left_alone_and_its_siblings_serve(redis_prefix: str) -> None:
+    breaker = {"failures_to_open": 2, "cooldown_s": 600.0}
+    async with _dp_cluster(redis_prefix=redis_prefix, retry=FAST_RETRY, breaker=breaker) as c:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(c.workers["d0"] + "/sim/faults?rank=2", json={"error_rate": 1.0}) as r,
+        ):
+            assert r.status == 200, await r.text()
+        concurrency, total = 4, 40
+        for start in range(0, total, concurrency):
+            bodies = [body_for(i, max_tokens=16) for i in range(start, start + concurrency)]
+            results = await asyncio.gather(*(call(c, b, True) for b in bodies))
+            for (status, result), body in zip(results, bodies, strict=True):
+                check_exact(status, result, body, True)
+        pools = c.parts.pools
+        assert not pools.worker("d0@2").breaker.allows()
+        assert all(pools.worker(f"d0@{r}").available for r in (0, 1, 3))
+        served = await _rank_requests(c, "d0")
+        failed = [r for r in served if r["dp_rank"] == 2]
+        # only what opened its breaker (and what was placed beside it, in one wave) reached it
+        assert 1 <= len(failed) <= breaker["failures_to_open"] + concurrency - 1
+        assert {r["dp_rank"] for r in served} >= {0, 1, 3}
+        await assert_quiet(c)
+
+
+async def test_a_stream_cut_on_a_rank_resumes_with_exact_text(redis_prefix: str) -> None:
+    async with _dp_cluster(redis_prefix=redis_prefix, retry=FAST_RETRY) as c:
+        for wid in ("d0", "d1"):  # each rank's first stream dies after 7 tokens
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(
+                    c.workers[wid] + "/sim/faults", json={"decode_die_after_tokens": 7, "count": 1}
+                ) as r,
+            ):
+                assert r.status == 200, await r.text()
+        bodies = [body_for(i, max_tokens=40) for i in range(16)]
+        results = await asyncio.gather(*(call(c, b, True) for b in bodies))
+        for (status, result), body in zip(results, bodies, strict=True):
+            check_exact(status, result, body, True)
+        cut = 0
+        for wid in ("d0", "d1"):
+            for state in await _rank_states(c, wid):
+                cut += state["counters"].get("faults:decode_die_after_tokens", 0)
+        assert cut >= 1  # streams were cut on ranks, and their clients got the exact text
+        await assert_quiet(c)
