@@ -111,7 +111,9 @@ class Settings:
     tenants: tuple[TenantSpec, ...] = setting(
         (),
         doc="a list of {name, weight, priority, requests_per_minute, tokens_per_minute, "
-        "max_reserved_blocks, keys: [...]} (router/tenants.py); keys are kept hashed only",
+        "max_reserved_blocks, keys: [...]} (router/tenants.py); keys are kept hashed only; "
+        "priority (alias class): the most urgent class the tenant's requests may have — "
+        "interactive, default, batch or an integer (-1, 0, 1: lower first)",
     )
     tenant_keys: tuple[KeySpec, ...] = setting(
         (), doc="the tenants' keys, hashed (built from `tenants`)", show=False, key=""

@@ -1,8 +1,11 @@
 """Tenants and their API keys: who a request is for (issue 25).
 
 A tenant has a name, a weight (its share of what is scarce, relative to the others'), a priority
-class (lower first) and limits (its quota, enforced by the store across replicas:
-state/quotas.py, router/request/quota.py). An
+class and limits (its quota, enforced by the store across replicas:
+state/quotas.py, router/request/quota.py). The class (`priority:`, or `class:` as its alias) is a
+name — interactive, default, batch — or an integer (policies/priority_classes.py: -1, 0, 1;
+lower is more urgent); it is the *most urgent* class the tenant's requests may have: a request
+may ask for a less urgent one, never a more urgent one (router/request/priority_class.py). An
 API key belongs to one tenant. The configuration names them (`tenants:`, keys under each); the
 old `api_keys` list is kept: each of its keys belongs to the `default` tenant. With no key at all
 the router is open, as it always was: every request is the anonymous `default` tenant's.
@@ -39,6 +42,7 @@ from typing import Any
 from aiohttp import web
 
 from policies.base import Tenant
+from policies.priority_classes import class_name, parse_class
 from state.base import TenantKey, TenantKeys
 from state.quotas import LIMIT_NAMES, Quota
 
@@ -161,8 +165,22 @@ def _plain_digest(key: Any, where: str) -> bytes:
     return hash_key(key.strip())
 
 
+def _class_entry(entry: dict[str, Any], where: str) -> None:
+    """`priority:` or its alias `class:` (not both), a class name or an integer, as the integer
+    class in `priority` (the entry is the caller's copy)."""
+    if "class" in entry:
+        if "priority" in entry:
+            raise ValueError(f"{where}: priority and class are the same setting: give one")
+        entry["priority"] = entry.pop("class")
+    if "priority" in entry:
+        try:
+            entry["priority"] = parse_class(entry["priority"])
+        except ValueError as exc:
+            raise ValueError(f"{where}.priority: {exc}") from exc
+
+
 def parse_tenants(raw: Any) -> tuple[tuple[TenantSpec, ...], tuple[KeySpec, ...]]:
-    """The `tenants:` section (a list of {name, weight, priority, limits..., keys: [...]}) as
+    """The `tenants:` section (a list of {name, weight, priority or class, limits..., keys}) as
     tenants and hashed keys (checked against each other by `Keyring`). Raises ValueError."""
     if raw is None:
         raw = []
@@ -175,11 +193,12 @@ def parse_tenants(raw: Any) -> tuple[tuple[TenantSpec, ...], tuple[KeySpec, ...]
         if not isinstance(entry, Mapping):
             raise ValueError(f"{where}: a mapping")
         entry = dict(entry)
-        unknown = set(entry) - {"name", "weight", "priority", "keys", *_LIMITS}
+        unknown = set(entry) - {"name", "weight", "priority", "class", "keys", *_LIMITS}
         if unknown:
             raise ValueError(f"{where}: unknown fields {sorted(unknown)}")
         if "name" not in entry:
             raise ValueError(f"{where}: name is required")
+        _class_entry(entry, where)
         limits = TenantLimits(**{k: entry.pop(k) for k in _LIMITS if k in entry})
         raw_keys = entry.pop("keys", None) or []
         if not isinstance(raw_keys, list):
@@ -392,6 +411,7 @@ class Keyring:
                 "name": t.name,
                 "weight": t.weight,
                 "priority": t.priority,
+                "class": class_name(t.priority),
                 "limits": {name: t.limits.limit(name) for name in _LIMITS},
                 "keys": [k.describe() for k in self._by_id.values() if k.tenant == t.name],
             }

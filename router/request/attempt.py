@@ -46,6 +46,7 @@ class Call:
     # Asked for whole, streamed from the decode worker and assembled (router/request/assemble.py).
     assembling: bool
     tenant: str = ""  # whose request it is (preemption takes a tenant's own streams first)
+    priority: int = 0  # its class (router/request/priority_class.py; lower: more urgent)
 
     def __repr__(self) -> str:
         return f"Call({self.request_id}, {self.parsed!r})"

@@ -1,30 +1,37 @@
-"""Take room back for the cluster's fair share (issue 33): after each sync of the fair share
-(router/fair_share.py), a tenant under its share that has waited longer than
-`admission.fair_preempt_after_s` with no room gets streams this replica relays of the tenant most
-over its share preempted — issue 31's preempt-and-resume (router/request/preemption.py): the
-stream's decode stops, its room is given back, its request resumes from the exact text the
-client has (a pause, never an error). The rule is policies/fair_share.py `take_back` (newest
-dispatch first, never a stream preempted `preemption.max_per_stream` times, a victim over its
-share of the pool and never taken below it, for a tenant under its share); the rate is a token
-bucket of `admission.fair_preempt_per_s` a second per replica (a burst of one), so the cluster
-is never thrashed: with R replicas at most R × that rate, each stream at most max_per_stream
-times.
-Counted as preemptions_total{reason="fair_share"}.
+"""Take room back for the cluster's fair share and its priority classes (issue 33): after each
+sync of the fair share (router/fair_share.py), a request that has waited longer than
+`admission.fair_preempt_after_s` with no room gets streams this replica relays preempted —
+issue 31's preempt-and-resume (router/request/preemption.py): the stream's decode stops, its
+room is given back, its request resumes from the exact text the client has (a pause, never an
+error). Two rules, one decision (policies/fair_share.py `plan_take_back`):
+
+- a request of a more urgent class takes a stream of the least urgent class below its own
+  (`take_back_for_class`), counted as preemptions_total{reason="priority"};
+- a tenant under its share takes streams of the tenant most over its share, of its own class or
+  a less urgent one (`take_back`), counted as preemptions_total{reason="fair_share"}.
+
+Both: newest dispatch first, never a stream preempted `preemption.max_per_stream` times, at most
+one per waiting request. The rate is a token bucket of `admission.fair_preempt_per_s` a second
+per replica (a burst of one), shared by both rules, so the cluster is never thrashed: with R
+replicas at most R × that rate, each stream at most max_per_stream times (so every answer, a
+batch one too, completes).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from policies.fair_share import take_back
+from policies.fair_share import plan_take_back
 from policies.preemption import StreamFacts
 from router.admission import AdmissionSettings
 from router.fair_share import ClusterShare
 from router.request.preemption import Preemptor, Victims
 
-__all__ = ["FAIR_SHARE", "FairTakeBack"]
+__all__ = ["FAIR_SHARE", "PRIORITY", "FairTakeBack"]
 
-FAIR_SHARE = "fair_share"  # the preemption's reason (metrics, the request's trace)
+# The preemptions' reasons (metrics, the request's trace).
+FAIR_SHARE = "fair_share"
+PRIORITY = "priority"
 
 
 class FairTakeBack:
@@ -62,11 +69,17 @@ class FairTakeBack:
             return
         facts = [
             StreamFacts(
-                s.reservation_id, s.tenant, s.decode_id, s.dispatched, s.blocks(), s.preempted
+                s.reservation_id,
+                s.tenant,
+                s.decode_id,
+                s.dispatched,
+                s.blocks(),
+                s.preempted,
+                s.priority,
             )
             for s in live
         ]
-        chosen = take_back(
+        plan = plan_take_back(
             facts,
             share.waiters,
             share.occupancy,
@@ -74,7 +87,10 @@ class FairTakeBack:
             self.preemptor.settings.max_per_stream,
             int(self._tokens),
         )
-        if chosen:
-            self._tokens -= len(chosen)
-            self.taken += len(chosen)
-            self.preemptor.preempt(Victims(chosen, False), FAIR_SHARE)
+        if plan:
+            self._tokens -= len(plan)
+            self.taken += len(plan)
+            if plan.for_class:
+                self.preemptor.preempt(Victims(plan.for_class, False), PRIORITY)
+            if plan.for_share:
+                self.preemptor.preempt(Victims(plan.for_share, False), FAIR_SHARE)

@@ -45,6 +45,7 @@ from router.request.attempt import Ask, Attempt, Call, LegFailure, loop_time
 from router.request.holdings import Record
 from router.request.legs import Legs
 from router.request.preemption import OVER_LIMIT
+from router.request.priority_class import request_class
 from router.request.quota import QuotaGate, over_limit_error, reserved_blocks
 from router.request.release import Releaser
 from router.request.reserve import Reserver, Seat
@@ -120,6 +121,8 @@ class RequestFlow:
     ) -> None:
         """`request_id`, `tenant`: the front door's (router/edge/front_door.py)."""
         parsed = client.parsed
+        # Its class: its tenant's, or a less urgent one it asks for (a bad one: 400).
+        priority = request_class(tenant, parsed.body, client.headers)
         self.stages = stages
         self.request_id = request_id
         assemble = stages.settings.upstream.assemble_non_streaming
@@ -132,6 +135,7 @@ class RequestFlow:
             prefixes=prefix_hashes(parsed.path, parsed.body),
             assembling=not parsed.stream and assemble and streamable(parsed.body),
             tenant=tenant.name,
+            priority=priority,
         )
         self.progress = Progress(self.call, stages.answering)
         self.responder = Responder(self.call, client, self.progress)

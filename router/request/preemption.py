@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 class LiveStream:
     """One relayed decode stream that may be preempted: its reservation (by id), its worker, its
     tenant, when it was dispatched, how many times its request was preempted before, how to stop
-    it, and why it was stopped (None: it was not)."""
+    it, its request's priority class, and why it was stopped (None: it was not)."""
 
     __slots__ = (
         "reservation_id",
@@ -54,6 +54,7 @@ class LiveStream:
         "preempted",
         "blocks",
         "cut",
+        "priority",
         "reason",
     )
 
@@ -66,6 +67,7 @@ class LiveStream:
         preempted: int,
         blocks: Callable[[], int],
         cut: Callable[[], None],
+        priority: int = 0,
     ) -> None:
         self.reservation_id = reservation_id
         self.decode_id = decode_id
@@ -74,10 +76,14 @@ class LiveStream:
         self.preempted = preempted
         self.blocks = blocks  # what its reservation holds now (it grows)
         self.cut = cut
+        self.priority = priority  # a more urgent class may take its room (fair_takeback.py)
         self.reason: str | None = None
 
     def __repr__(self) -> str:
-        return f"LiveStream({self.reservation_id[:8]}, {self.decode_id}, {self.tenant})"
+        return (
+            f"LiveStream({self.reservation_id[:8]}, {self.decode_id}, {self.tenant}, "
+            f"class {self.priority})"
+        )
 
 
 class Preemptor:
@@ -118,6 +124,7 @@ class Preemptor:
                 s.dispatched,
                 s.blocks(),
                 s.preempted,
+                s.priority,
             )
             for s in self.live.values()
             if s.reason is None

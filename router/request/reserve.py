@@ -115,7 +115,7 @@ class Reserver:
             prompt_tokens=ask.prompt_tokens,
             max_tokens=ask.max_tokens,
             arrival_s=call.started,
-            priority=seat.priority(call.parsed.body.get("priority")),
+            priority=call.priority,
             prefix_hashes=call.prefixes,
             # A hint is advisory: one that is not a plain ASCII number (`²`, `①` pass isdigit()
             # but not int(); 5,000 digits pass neither) is ignored like a missing one, as

@@ -279,6 +279,7 @@ class Responder:
                 self.progress.preempted,
                 lambda: reservation.blocks,
                 answer.close,
+                self.call.priority,
             )
             preemptor.register(live)
         self.progress.live = live

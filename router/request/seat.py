@@ -51,14 +51,6 @@ class Seat:
     def __repr__(self) -> str:
         return f"Seat(ticket={self.ticket}, tenant={self.tenant.name}, admitted={self.admitted})"
 
-    def priority(self, asked: object) -> int:
-        """The request's class: its tenant's, or a less urgent one the body asks for (a larger
-        `priority`); a request may not make itself more urgent than its tenant. The anonymous
-        `default` tenant of open mode bounds nothing: the body's priority as it is (else 0)."""
-        if not isinstance(asked, int):
-            return self.tenant.priority
-        return asked if self.tenant.implicit else max(self.tenant.priority, asked)
-
     def class_keys(self, estimator: OutputLengthEstimator, info: RequestInfo) -> tuple[str, ...]:
         """The classes `info`'s answer counts in: its reservation's live overruns and the
         release's record (router/request/lifecycle.py `settle`). Kept from its estimate
