@@ -22,9 +22,9 @@ DEFAULT = 0
 BATCH = 1
 CLASS_NAMES: dict[str, int] = {"interactive": INTERACTIVE, "default": DEFAULT, "batch": BATCH}
 _BY_VALUE = {v: k for k, v in CLASS_NAMES.items()}
-# An integer class written as text has at most this many characters (a sign and 18 digits:
-# within a signed 64-bit integer, as vLLM's `priority` is), so a huge header is not parsed.
-_MAX_DIGITS = 19
+# An integer class written as text has at most this many digits (within a signed 64-bit
+# integer, as vLLM's `priority` is), so a huge header is not parsed.
+_MAX_DIGITS = 18
 
 
 def parse_class(raw: object) -> int:
@@ -41,7 +41,7 @@ def parse_class(raw: object) -> int:
         if named is not None:
             return named
         digits = text[1:] if text[:1] in "+-" else text
-        if digits and len(text) <= _MAX_DIGITS and digits.isascii() and digits.isdigit():
+        if digits and len(digits) <= _MAX_DIGITS and digits.isascii() and digits.isdigit():
             return int(text)
     shown = repr(raw) if len(repr(raw)) <= 40 else repr(raw)[:40] + "..."
     raise ValueError(f"a priority class is a name ({_names()}) or an integer, not {shown}")
