@@ -6,18 +6,17 @@ router/request/legs.py; one worker's whole answer: router/edge/passthrough.py).
                         their own, so one id follows the request through every log
     forward_headers     the client's headers of those names, as they came (tracing, the
                         simulated workers' replay header)
-    X-data-parallel-rank  a vLLM data-parallel rank target's rank (router/adapters/dp_rank.py)
     Authorization       the worker's own API key when it has one; else the client's, when
                         `forward_client_auth`; else none
 
-A leg adds what only it knows (a resumed stream's token count, its tracing span).
+A leg adds what only it knows (a resumed stream's token count, its tracing span, a vLLM
+data-parallel rank target's `X-data-parallel-rank`: router/adapters/dp_rank.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from router.adapters.dp_rank import rank_headers
 from router.config import Settings
 from router.worker_spec import WorkerSpec
 
@@ -33,8 +32,6 @@ def upstream_headers(
         value = client.get(name)
         if value is not None:
             headers[name] = value
-    # A data-parallel rank target: the rank the router chose, over any the client sent.
-    headers.update(rank_headers(worker.adapter, worker.dp_rank))
     if worker.api_key:
         headers["Authorization"] = "Bearer " + worker.api_key.reveal()
     elif settings.auth.forward_client_auth and "Authorization" in client:

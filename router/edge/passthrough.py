@@ -41,6 +41,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from router.adapters.dp_rank import rank_headers
 from router.config import Settings
 from router.edge.front_door import RequestCount, enter
 from router.errors import InvalidRequest, ModelNotFound, NotInRotation
@@ -211,6 +212,7 @@ class _Forward:
     async def _attempt(self, w: WorkerState, raw: bytes, stream: bool) -> web.StreamResponse:
         spec, leg = w.spec, self.deps.leg
         headers = upstream_headers(self.deps.settings, self.http.headers, self.request_id, spec)
+        headers.update(rank_headers(spec.adapter, spec.dp_rank))  # a vLLM DP rank target's
         self.picks.inflight[spec.id] += 1
         try:
             if not stream:

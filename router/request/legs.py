@@ -35,7 +35,7 @@ import aiohttp
 import orjson
 
 from router.adapters import ProtocolViolation, prefill_target
-from router.adapters.dp_rank import rank_body
+from router.adapters.dp_rank import rank_body, rank_headers
 from router.config import Settings
 from router.errors import DeadlineExceeded, InvalidRequest, Unavailable, UpstreamError
 from router.metrics import RouterMetrics
@@ -205,6 +205,8 @@ class Legs:
         """Every path's upstream headers (router/upstream_headers.py), and what only a leg
         knows: a resumed stream's token count, its tracing span."""
         headers = upstream_headers(self.settings, call.headers, call.request_id, worker.spec)
+        # A data-parallel rank target's rank, over any the client sent (router/adapters/dp_rank.py)
+        headers.update(rank_headers(worker.spec.adapter, worker.spec.dp_rank))
         if resumed_tokens:
             headers[RESUMED_HEADER] = str(resumed_tokens)
         call.trace.inject(headers, "prefill" if worker.spec.role == "prefill" else "decode")
