@@ -145,6 +145,9 @@ class RequestInfo:
     # (policies/estimators.py `class_keys_for`). "" or `default` (no tenants configured): the
     # shared classes, as before tenants existed.
     tenant: str = ""
+    # The LoRA adapter the request names (its `model`; `model` above is then the adapter's base
+    # model); "": none. Placement sees only workers that hold it or may load it (docs/lora.md).
+    lora: str = ""
 
     @property
     def reserve_choice_tokens(self) -> int:
@@ -198,6 +201,9 @@ class PrefillView:
     # holds, from its own KV events (policies/token_blocks.py names the blocks). None: not
     # known (no events from this worker): placement falls back to `recent_prefixes`.
     cached_prefix_tokens: int | None = None
+    # Seconds before this worker can serve the request's LoRA adapter: 0 held (or no adapter),
+    # the expected load time where the router will load it first (router/workers/loras.py).
+    lora_load_s: float = 0.0
 
     @property
     def under_stranded_cap(self) -> bool:
@@ -227,6 +233,7 @@ class DecodeView:
     # prefix cache holds (only the rest of the KV need cross the link; a local prefill computes
     # only the rest). None: not known.
     cached_prefix_tokens: int | None = None
+    lora_load_s: float = 0.0  # as on PrefillView: the adapter's load before the request runs
 
     @property
     def free_blocks(self) -> int:

@@ -209,6 +209,7 @@ class TwoSidedPolicy:
             group, prefills = only[0]
             po = prefills[0]
             cost, ptie, pid = po.cost_s, po.tie, po.worker.worker_id
+            plora = po.worker.lora_load_s
             transfers: dict[str, float] = {}
             for d, n in decodes:
                 r, u = d.reserved_blocks, d.used_blocks
@@ -220,7 +221,8 @@ class TwoSidedPolicy:
                     t = ctx.transfer_to(group, d)
                 else:
                     t = transfers[d.group] = transfer_s(group, d.group)
-                ttft = cost + t + step
+                wait = d.lora_load_s - plora  # D's adapter load beyond P's (both at once)
+                ttft = cost + t + step + (wait if wait > 0 else 0.0)
                 append((tier, ttft, ptie, pid, d, n, ttft, step))
         else:
             for d, n in decodes:
@@ -230,7 +232,10 @@ class TwoSidedPolicy:
                 top: _Entry | None = None
                 for group, prefills in groups.get(keys.get(id(layout)) or key_of(layout), ()):
                     po = prefills[0]
-                    ttft = po.cost_s + ctx.transfer_to(group, d) + step
+                    wait = d.lora_load_s - po.worker.lora_load_s
+                    ttft = (
+                        po.cost_s + ctx.transfer_to(group, d) + step + (wait if wait > 0 else 0.0)
+                    )
                     if top is None or (ttft, po.tie) < (top[1], top[2]):
                         top = (tier, ttft, po.tie, po.worker.worker_id, d, n, ttft, step)
                 if allow_local and d.can_prefill:
@@ -303,7 +308,8 @@ class TwoSidedPolicy:
                 else:  # a hint, discounted by `prefix_weight`
                     hit = prefix_hit_fraction(hashes, p.recent_prefixes) if hashes else 0.0
                     compute = prompt * (1.0 - weight * hit)
-                cost = (p.queued_prompt_tokens + compute) / rate
+                # An adapter to load first delays the prefill (both sides load at once).
+                cost = (p.queued_prompt_tokens + compute) / rate + p.lora_load_s
                 bucket = buckets.get((key, p.group))
                 if bucket is None:
                     buckets[(key, p.group)] = [(cost, p)]
@@ -386,7 +392,10 @@ class _Context:
         for group, prefills in self.groups.get(self.key_of(d.layout), ()):
             transfer = self.transfer_to(group, d)
             for po in prefills[:1] if top_only else prefills:
-                ttft = po.cost_s + transfer + step
+                # The decode side's adapter load runs beside the prefill's: only what it
+                # takes beyond it delays the first token.
+                wait = d.lora_load_s - po.worker.lora_load_s
+                ttft = po.cost_s + transfer + step + (wait if wait > 0 else 0.0)
                 rank = (tier, ttft, tie_d, po.tie)
                 out.append((rank, po.worker.worker_id, d.worker_id, need, ttft, step))
         if allow_local and d.can_prefill:
@@ -406,7 +415,7 @@ class _Context:
         stall = max(0.0, prefill_s - d.step_time_s())
         if self.local_slo is not None and step + stall > self.local_slo:
             return None  # the resident sequences would see a token gap beyond the SLO
-        ttft = d.queued_prompt_tokens / rate + prefill_s + step
+        ttft = d.queued_prompt_tokens / rate + prefill_s + step + d.lora_load_s
         score = ttft + stall * max(1, d.resident_seqs)
         return ((0, score, tie_d, -1), None, d.worker_id, need, ttft, step)
 

@@ -32,6 +32,7 @@ from policies.costmodel import PerfModel
 from policies.scaling import ScalingSLO
 from router.admission import AdmissionSettings
 from router.config_renames import ENV_PREFIX, env_name, move_old_env, move_old_keys
+from router.lora_settings import LoraSettings
 from router.redact import masked_repr
 from router.settings_groups import (
     ApiSettings,
@@ -151,6 +152,9 @@ class Settings:
         factory=ScalingSLO,
     )
     roles: RoleSettings = setting(doc="`both` workers' roles", factory=RoleSettings)
+    lora: LoraSettings = setting(
+        doc="LoRA adapters: the catalog the router may load (docs/lora.md)", factory=LoraSettings
+    )
     discovery: DiscoverySettings = setting(
         doc="where the workers come from: the file and the admin API, or Kubernetes "
         "(docs/kubernetes.md)",

@@ -159,7 +159,9 @@ async def responses(request: web.Request) -> web.StreamResponse:
 
 
 def _served(request: web.Request) -> tuple[str, ...]:
-    return served_models(request.app[SETTINGS], request.app[SERVING].pools)
+    """The names a generation request may name: the models and the LoRA adapters known."""
+    pools = request.app[SERVING].pools
+    return served_models(request.app[SETTINGS], pools) + tuple(pools.placement.loras.adapters())
 
 
 async def _serve(
@@ -204,6 +206,12 @@ async def models(request: web.Request) -> web.Response:
             "max_model_len": s.max_model_len,
         }
         for m in served_models(s, request.app[SERVING].pools)
+    ]
+    # LoRA adapters, with their base model as vLLM lists them (docs/lora.md).
+    adapters = request.app[SERVING].pools.placement.loras.adapters()
+    data += [
+        {"id": a, "object": "model", "created": now, "owned_by": "disagg-router", "parent": base}
+        for a, base in adapters.items()
     ]
     return _json({"object": "list", "data": data})
 

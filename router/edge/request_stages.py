@@ -111,6 +111,7 @@ def build_stages(
     )
     reserver.share = _cluster_share(core, pools, preemptor, clock)
     legs = Legs(settings, core.session, core.splice, members, pairing, metrics, clock)
+    legs.loras = pools.placement.loras  # LoRA adapters loaded before the prefill leg
     quota = QuotaGate(core.store, settings.leases.reservation_s, settings.scaling, metrics, clock)
     # Its holds live as long as the reservations they stand for: renewed on their tick.
     core.leases.also_renew.append(quota.renew_all)

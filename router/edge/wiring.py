@@ -223,6 +223,8 @@ async def warm_up(core: Core, loops: WorkerLoops) -> None:
             wid,
         )
     await loops.refresher.refresh()
+    specs = [w.spec for w in members.workers.values()]
+    await loops.pools.placement.loras.refresh(session, specs)  # adapters before serving
 
 
 async def _tally_requests(retry_budget: RetryBudget) -> None:
@@ -247,6 +249,8 @@ def start_loops(core: Core, loops: WorkerLoops) -> None:
     if loops.discovery is not None:  # after the registry sync: it registers what it finds
         tasks.loop(loops.discovery.run(session), "kube-discovery")
     tasks.loop(LoadPoller(core.settings, loops.members, loops.timing).run(session), "load-poller")
+    loras = loops.pools.placement.loras  # each LoRA engine's adapters (router/workers/loras.py)
+    tasks.loop(loras.run(session, loops.members.workers), "lora-poll")
     tasks.loop(core.leases.run(), "lease-keeper")
     tasks.loop(loops.kv_hub.run(), "kv-events")
     tasks.loop(_tally_requests(core.retry_budget), "retry-tally")

@@ -49,6 +49,7 @@ from router.request.pairing import Pairing
 from router.request.responses_api import prefill_body as responses_prefill_body
 from router.upstream_headers import upstream_headers
 from router.workers.breaker import Verdict
+from router.workers.loras import LoraBook
 from router.workers.membership import Membership
 from router.workers.worker_state import WorkerState
 
@@ -163,6 +164,7 @@ class Legs:
     pairing: Pairing
     metrics: RouterMetrics
     clock: Callable[[], float]
+    loras: LoraBook | None = None  # the adapters each side must hold first (docs/lora.md)
 
     def __repr__(self) -> str:
         return f"Legs(relay={self.settings.upstream.relay})"
@@ -182,6 +184,7 @@ class Legs:
             )
         if prefill_id is not None and self.pairing.decode_alone(call.parsed.n, prefill_id):
             prefill_id = None  # the decode worker prefills it itself
+        await self._adapters_loaded(call, prefill_id, attempt.candidate.decode_id)
         if prefill_id is not None and self.pairing.concurrent(prefill_id):
             return await self._concurrent_legs(call, attempt, ask)
         body = ask.body
@@ -190,6 +193,22 @@ class Legs:
             decode = self.members.worker(attempt.candidate.decode_id)
             body = self.pairing.pull_adapter(decode).decode_body(ask.body, kv)
         return await self._open_decode(call, attempt, body, ask.resumed)
+
+    async def _adapters_loaded(self, call: Call, prefill_id: str | None, decode_id: str) -> None:
+        """A LoRA request's adapter on both workers of its pair before the prefill leg: loaded
+        where it is not held, both at once (router/workers/loras.py). A load that fails raises
+        its 503 for this request alone: no breaker is charged, no retry spent."""
+        loras, model = self.loras, call.parsed.model
+        if loras is None or loras.known(model) is None:
+            return
+        ids = [decode_id] if prefill_id is None else [prefill_id, decode_id]
+        specs = [self.members.worker(i).spec for i in ids]
+        done = await asyncio.gather(
+            *(loras.ensure(self.session, s, model) for s in specs), return_exceptions=True
+        )
+        for outcome in done:
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     def leg_errors(
         self,

@@ -109,9 +109,14 @@ class Reserver:
             (w.spec.layout.block_size for w in self.members.decode_workers),
             default=16,
         )
+        # A LoRA adapter's request is placed for its base model, on the workers that hold the
+        # adapter or may load it (router/workers/loras.py); "": no adapter.
+        model = call.parsed.model
+        lora_base = self.placement.loras.known(model)
         info = RequestInfo(
             request_id=call.request_id,
-            model=call.parsed.model,
+            model=lora_base or model,
+            lora=model if lora_base else "",
             prompt_tokens=ask.prompt_tokens,
             max_tokens=ask.max_tokens,
             arrival_s=call.started,
@@ -262,7 +267,7 @@ class Reserver:
                 patient=resume_by is not None,
                 instant=adm.settings.mode == "instant",
                 never_fits=self._never_fits(info),
-                unavailable=self._not_in_rotation(info.model),
+                unavailable=self._not_in_rotation(info.model) or self._no_lora_pair(info),
                 deadline=wait_until,
                 now=loop.time(),
                 door=adm.door(waiting.tenant),
@@ -337,7 +342,7 @@ class Reserver:
         expected ends of this replica's reservations (router/request/admit.py
         `room_expected_in`), on the view placement sees; None when that cannot be told."""
         now = self.clock()
-        view = self._with_margins(self.placement.snapshot(model=info.model))
+        view = self._with_margins(self.placement.snapshot(model=info.model, lora=info.lora))
         need_tokens = info.prompt_tokens + info.reserve_output_tokens
         return room_expected_in(
             need_tokens, view.decode, lambda worker: self.leases.ends_on(worker, now), now
@@ -367,21 +372,28 @@ class Reserver:
     ) -> Attempt | Rejection:
         snapshot = self.placement.snapshot
         view = self._with_margins(
-            snapshot(frozenset(avoid), info.model, prompt_token_ids=prompt_ids)
+            snapshot(frozenset(avoid), info.model, prompt_token_ids=prompt_ids, lora=info.lora)
         )
         decision = self.policy.place(info, view)
         if isinstance(decision, Rejection) and avoid:
             # Avoiding the workers that failed this request left nowhere to go: a worker that
             # failed once may well serve the retry (its circuit breaker decides, not this).
             decision = self.policy.place(
-                info, self._with_margins(snapshot(model=info.model, prompt_token_ids=prompt_ids))
+                info,
+                self._with_margins(
+                    snapshot(model=info.model, prompt_token_ids=prompt_ids, lora=info.lora)
+                ),
             )
         overbook: dict[str, int] = {}
         if isinstance(decision, Rejection) and self.admission.settings.mode == "predictive":
             overbook = self._forecast(info)
             if overbook:
                 view = snapshot(
-                    frozenset(avoid), info.model, freeing=overbook, prompt_token_ids=prompt_ids
+                    frozenset(avoid),
+                    info.model,
+                    freeing=overbook,
+                    prompt_token_ids=prompt_ids,
+                    lora=info.lora,
                 )
                 decision = self.policy.place(info, self._with_margins(view))
         if isinstance(decision, Rejection):
@@ -481,6 +493,22 @@ class Reserver:
                     retry_after_s=retry_after_s(pools, side, model),
                 )
         return None
+
+    def _no_lora_pair(self, info: RequestInfo) -> NotInRotation | None:
+        """A LoRA request with no (prefill, decode) pair whose both sides hold its adapter or
+        may load it (a decode worker that prefills itself counts as a pair): waiting is
+        pointless, a 503 naming the adapter (docs/lora.md)."""
+        if not info.lora:
+            return None
+        view = self.placement.snapshot(model=info.model, lora=info.lora)
+        keys = {p.layout.key for p in view.prefill if p.healthy}
+        if any(d.healthy and (d.can_prefill or d.layout.key in keys) for d in view.decode):
+            return None
+        return NotInRotation(
+            f"prefill/decode pair for the LoRA adapter '{info.lora}'",
+            "no pair in rotation has it on both sides, or may load it there",
+            retry_after_s=self.settings.lora.poll_s,
+        )
 
     def _never_fits(self, info: RequestInfo) -> bool:
         """Larger than any decode worker even when idle: waiting for room would be in vain."""

@@ -20,6 +20,7 @@ from policies.token_blocks import block_hashes
 from router.config import Settings
 from router.workers.discovery import LoadSnapshot
 from router.workers.kv_index import KvIndex
+from router.workers.loras import LoraBook
 from router.workers.membership import Membership
 from router.workers.worker_state import WorkerState
 
@@ -62,6 +63,8 @@ class PlacementView:
         self._members = members
         self._settings = settings
         self._kv = kv_indexes
+        # Which workers hold or may load each LoRA adapter (router/workers/loras.py).
+        self.loras = LoraBook(settings)
         # The last request's blocks: its snapshots (a retry, the forecast) reuse them.
         self._last_prompt: _PromptBlocks | None = None
         self._last_tokens: Sequence[int] | None = None
@@ -88,6 +91,18 @@ class PlacementView:
     def __repr__(self) -> str:
         return f"PlacementView({len(self._members.workers)} workers)"
 
+    def _lora_costs(self, lora: str) -> dict[str, float]:
+        """Worker id -> seconds before it can serve adapter `lora`, for the workers that hold it
+        or may load it (none for \"\": no adapter)."""
+        if not lora:
+            return {}
+        out: dict[str, float] = {}
+        for w in self._members.workers.values():
+            cost = self.loras.load_cost_s(w.spec, lora)
+            if cost is not None:
+                out[w.spec.id] = cost
+        return out
+
     def _fresh_load(self, w: WorkerState) -> LoadSnapshot | None:
         if w.load is None or w.load.stale(time.monotonic(), self._settings.loops.load_max_age_s):
             return None  # stale data is not trusted, least of all as "idle"
@@ -105,14 +120,18 @@ class PlacementView:
         model: str = "",
         freeing: dict[str, int] | None = None,
         prompt_token_ids: Sequence[int] | None = None,
+        lora: str = "",
     ) -> ClusterView:
         """The workers serving `model` (all when empty); `avoid` = workers that already failed
         this request; `freeing` = blocks per decode worker forecast to be free by the time the
         prefill ends (prediction-based admission); `prompt_token_ids` = the request's prompt,
-        for the exact cached prefix of each worker with KV events (None: not known)."""
+        for the exact cached prefix of each worker with KV events (None: not known); `lora` =
+        the request's LoRA adapter: only workers that hold it or may load it, with the load's
+        time (`lora_load_s`), never one that can do neither (docs/lora.md)."""
         freeing = freeing or {}
         members = self._members
         blocks = self._prompt_blocks(prompt_token_ids)
+        load_s = self._lora_costs(lora)
 
         def cached(w: WorkerState) -> int | None:
             if blocks is None or self._kv is None:
@@ -134,9 +153,10 @@ class PlacementView:
                 stranded_cap_bytes=w.spec.stranded_cap_bytes,
                 recent_prefixes=w.recent_prefixes.frozen,
                 cached_prefix_tokens=cached(w),
+                lora_load_s=load_s.get(w.spec.id, 0.0),
             )
             for w in members.prefill_workers
-            if w.spec.serves(model)
+            if w.spec.serves(model) and (not lora or w.spec.id in load_s)
         )
         decode = tuple(
             DecodeView(
@@ -158,9 +178,10 @@ class PlacementView:
                 ),
                 queued_prompt_tokens=w.queued_prompt_tokens,
                 cached_prefix_tokens=cached(w),
+                lora_load_s=load_s.get(w.spec.id, 0.0),
             )
             for w in members.decode_workers
-            if w.spec.serves(model)
+            if w.spec.serves(model) and (not lora or w.spec.id in load_s)
         )
         return ClusterView(
             prefill=prefill, decode=decode, kv_bytes_per_token=self._settings.kv_bytes_per_token
