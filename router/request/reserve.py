@@ -33,6 +33,7 @@ from policies.base import (
     blocks_for,
 )
 from policies.fairness import admission_charge, estimate_cost
+from policies.loras import lora_prefixes
 from policies.overruns import LiveOverruns, OverrunMargin
 from policies.tenant_classes import record_keys_of
 from router.admission import Admission, QueueFull
@@ -121,7 +122,8 @@ class Reserver:
             max_tokens=ask.max_tokens,
             arrival_s=call.started,
             priority=call.priority,
-            prefix_hashes=call.prefixes,
+            # Under an adapter, its own prefix space (policies/loras.py).
+            prefix_hashes=lora_prefixes(call.prefixes, model if lora_base else None),
             # A hint is advisory: one that is not a plain ASCII number (`²`, `①` pass isdigit()
             # but not int(); 5,000 digits pass neither) is ignored like a missing one, as
             # docs/policies.md says, rather than failing a request that is otherwise fine.

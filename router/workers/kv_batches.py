@@ -138,6 +138,7 @@ class BatchApplier:
                             event.parent_block_hash,
                             event.token_ids,
                             event.block_size,
+                            event.lora,
                         )
                     )
                     if index.overflowed:

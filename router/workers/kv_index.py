@@ -8,8 +8,10 @@ ids and the parent's engine hash, so the index keeps:
     _router_of: engine hash -> router hash   (to chain a child from its parent, and to remove)
     _held:      router hash -> engine blocks  (how many engine blocks carry that router name)
 
-`_held` counts because two engine blocks can carry the same tokens (a LoRA, a cache salt, an
-engine that caches a duplicate block): the router name stays held until the last goes. A store
+`_held` counts because two engine blocks can carry the same tokens (a cache salt, an engine that
+caches a duplicate block); blocks stored under a LoRA adapter (the event's `lora_name`) chain from
+the adapter's own root (policies/loras.py), so they never share a name with the base model's
+or another adapter's: the router name stays held until the last goes. A store
 for an engine hash already indexed counts once more (`_copies`, sparse), so each removal undoes
 one store.
 
@@ -37,7 +39,8 @@ import ctypes
 import functools
 from collections.abc import Callable, Generator, Hashable, Sequence
 
-from policies.token_blocks import ROOT_HASH, block_hashes, cached_prefix_blocks
+from policies.loras import lora_root
+from policies.token_blocks import block_hashes, cached_prefix_blocks
 
 __all__ = ["EngineHash", "KvIndex"]
 
@@ -145,10 +148,12 @@ class KvIndex:
         parent: EngineHash | None,
         token_ids: Sequence[int],
         block_size: int,
+        lora: str | None = None,
     ) -> int:
         """A BlockStored: `engine_hashes[i]` holds `token_ids[i*bs:(i+1)*bs]`, chained from
-        `parent` (None: the first block of a prompt). Returns how many blocks were indexed."""
-        steps = self.store_steps(engine_hashes, parent, token_ids, block_size)
+        `parent` (None: the first block of a prompt, under LoRA adapter `lora`: its chain starts
+        at the adapter's root, policies/loras.py). Returns how many blocks were indexed."""
+        steps = self.store_steps(engine_hashes, parent, token_ids, block_size, lora)
         while True:
             try:
                 next(steps)
@@ -161,6 +166,7 @@ class KvIndex:
         parent: EngineHash | None,
         token_ids: Sequence[int],
         block_size: int,
+        lora: str | None = None,
     ) -> Generator[None, None, int]:
         """`store`, `STORE_SLICE` blocks at a time, yielding between slices (the caller lets
         the event loop run); each slice chains from the previous one's last router hash, so
@@ -176,7 +182,7 @@ class KvIndex:
         elif block_size != self.block_size:
             raise ValueError(f"BlockStored: block size {block_size}, not {self.block_size}")
         if parent is None:
-            router_parent = ROOT_HASH
+            router_parent = lora_root(lora)  # a chain under an adapter lives in its own space
         elif parent in self._router_of:
             router_parent = self._router_of[parent]
         else:

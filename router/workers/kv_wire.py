@@ -82,6 +82,10 @@ class BlockStored:
     token_ids: Sequence[int]
     block_size: int
     medium: str | None = None
+    # The LoRA adapter the blocks were computed under (docs/lora.md): its `lora_name`, else
+    # "lora-id:<lora_id>" (an adapter the name of which the event does not give: its blocks
+    # match nothing a request names), None for the base model. The index names them apart.
+    lora: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +136,7 @@ _STORED_ORDER = (
     "block_size",
     "lora_id",
     "medium",
+    "lora_name",
 )
 _REMOVED_ORDER = ("block_hashes", "medium")
 
@@ -150,6 +155,15 @@ def _fields(raw: Any) -> tuple[str, dict[str, Any]]:
     raise WireError(f"an event is a tagged map or array, not {type(raw).__name__}")
 
 
+def _lora_of(f: dict[str, Any]) -> str | None:
+    name, lora_id = f.get("lora_name"), f.get("lora_id")
+    if isinstance(name, str) and 0 < len(name) <= 256:
+        return name
+    if isinstance(lora_id, int) and not isinstance(lora_id, bool) and lora_id > 0:
+        return f"lora-id:{lora_id}"
+    return None
+
+
 def _event(raw: Any, lists_checked: bool = False) -> KvEvent:
     kind, f = _fields(raw)
     medium = f.get("medium")
@@ -165,7 +179,7 @@ def _event(raw: Any, lists_checked: bool = False) -> KvEvent:
         if parent is not None and not isinstance(parent, int | bytes):
             raise WireError("BlockStored.parent_block_hash: expected a hash or null")
         hashes = _hashes(f.get("block_hashes"), kind, lists_checked)
-        return BlockStored(hashes, parent, tokens, size, medium)
+        return BlockStored(hashes, parent, tokens, size, medium, _lora_of(f))
     if kind == "BlockRemoved":
         return BlockRemoved(_hashes(f.get("block_hashes"), kind, lists_checked), medium)
     if kind == "AllBlocksCleared":
@@ -206,7 +220,9 @@ def decode_batch(payload: bytes, max_blocks: int | None = None) -> DecodedBatch:
 
 STEP_ELEMENTS = 4096  # list elements decoded between two yields (~0.4 ms here)
 _LISTS = ("block_hashes", "token_ids")  # the only fields that grow with a batch's size
-_READ = frozenset(("type", "parent_block_hash", "block_size", "medium") + _LISTS)
+_READ = frozenset(
+    ("type", "parent_block_hash", "block_size", "medium", "lora_id", "lora_name") + _LISTS
+)
 
 
 class _Reader:
@@ -269,7 +285,7 @@ class _Reader:
                 elif key in _READ:
                     fields[key] = u.unpack()
                 else:
-                    u.skip()  # extra_keys, lora names...: not read, so not built
+                    u.skip()  # extra_keys, group_idx...: not read, so not built
             return _event(fields, lists_checked=True)
         if self.at_array():
             n = u.read_array_header()

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from policies.base import ClusterView, DecodeView, PrefillView
+from policies.loras import lora_root
 from policies.token_blocks import block_hashes
 from router.config import Settings
 from router.workers.discovery import LoadSnapshot
@@ -44,15 +45,19 @@ class _PromptBlocks:
 
     def __init__(self, tokens: Sequence[int]) -> None:
         self._tokens = tokens
-        self._by_size: dict[int, tuple[int, ...]] = {}
+        self._by_size: dict[tuple[int, str], tuple[int, ...]] = {}
 
-    def cached_tokens(self, index: KvIndex | None, fallback_block_size: int) -> int | None:
+    def cached_tokens(
+        self, index: KvIndex | None, fallback_block_size: int, lora: str = ""
+    ) -> int | None:
+        """Under LoRA adapter `lora` the blocks are named in its own space (policies/loras.py):
+        a base-model or another adapter's prefix is no hit."""
         if index is None:
             return None
         size = index.block_size or fallback_block_size
-        hashes = self._by_size.get(size)
+        hashes = self._by_size.get((size, lora))
         if hashes is None:
-            hashes = self._by_size[size] = block_hashes(self._tokens, size)
+            hashes = self._by_size[(size, lora)] = block_hashes(self._tokens, size, lora_root(lora))
         return index.cached_prefix_blocks(hashes) * size
 
 
@@ -136,7 +141,8 @@ class PlacementView:
         def cached(w: WorkerState) -> int | None:
             if blocks is None or self._kv is None:
                 return None
-            return blocks.cached_tokens(self._kv.index_of(w.spec.id), w.spec.layout.block_size)
+            index = self._kv.index_of(w.spec.id)
+            return blocks.cached_tokens(index, w.spec.layout.block_size, lora)
 
         prefill = tuple(
             PrefillView(
