@@ -196,6 +196,9 @@ def describe(
         "dynamic": w.dynamic,
         "pod": w.spec.pod or None,  # Kubernetes discovery: the pod it was found as
         "revision": w.spec.revision or None,
+        # A data-parallel rank target (docs/data-parallel.md): its entry and rank; else None.
+        "dp_parent": w.spec.dp_parent or None,
+        "dp_rank": w.spec.dp_rank,
         # Its pod Ready and not Terminating, as this replica's watch saw it (None: no pod).
         "pod_ready": w.pod_ready if w.spec.pod else None,
         "drained": w.drained,
@@ -283,12 +286,18 @@ async def remove_worker(request: web.Request) -> web.Response:
     _require_token(view, request)
     wid = request.match_info["worker_id"]
     force = (await _options(request)).get("force", False)
-    current = view.members.workers.get(wid)
+    current = view.members.entry(wid)  # a data-parallel entry: its rank 0 stands for it
     if current is not None and not current.dynamic:
         raise InvalidRequest(f"worker {wid} comes from the configuration file", param="id")
+    if current is not None and current.spec.dp_parent and wid != current.spec.dp_parent:
+        raise InvalidRequest(
+            f"{wid} is a data-parallel rank of {current.spec.dp_parent}: remove the worker "
+            f"{current.spec.dp_parent} (or drain the rank)",
+            param="id",
+        )
     if current is not None:
         await _fresh_registry(view)
-        _refuse_if_emptied(view, wid, f"removing {wid}", force)
+        _refuse_if_emptied_all(view, wid, f"removing {wid}", force)
     removed = await view.store.unregister_worker(wid)
     view.members.remove(wid)
     if not removed and current is None:
@@ -305,16 +314,37 @@ async def _drain(request: web.Request, drained: bool) -> web.Response:
     _require_token(view, request)
     wid = request.match_info["worker_id"]
     force = drained and (await _options(request)).get("force", False)  # undrain: no body
-    if wid not in view.members.workers:
+    if view.members.entry(wid) is None:
         raise _not_found(wid)
     if drained:
         await _fresh_registry(view)
-        _refuse_if_emptied(view, wid, f"draining {wid}", force)
-    state = view.members.workers.get(wid)
+        _refuse_if_emptied_all(view, wid, f"draining {wid}", force)
+    state = view.members.entry(wid)
     if state is None:  # removed through another replica meanwhile
         raise _not_found(wid)
-    changed = await set_drained(view.store, view.members.workers.values(), wid, drained)
+    # A data-parallel entry's id drains (or undrains) each of its ranks.
+    changed = False
+    for rank in view.members.ranks_of(wid):
+        workers = view.members.workers.values()
+        changed = await set_drained(view.store, workers, rank.spec.id, drained) or changed
     return _json({**describe(view, state), "changed": changed})
+
+
+def _refuse_if_emptied_all(view: AdminView, wid: str, action: str, force: bool) -> None:
+    """`_refuse_if_emptied` for an entry's id: a data-parallel entry's ranks taken out
+    together (the others counted out while the last is judged; nothing awaits meanwhile)."""
+    ranks = view.members.ranks_of(wid)
+    if len(ranks) <= 1:
+        _refuse_if_emptied(view, wid, action, force)
+        return
+    others = [w for w in ranks[:-1] if not w.drained]
+    for w in others:
+        w.drained = True
+    try:
+        _refuse_if_emptied(view, ranks[-1].spec.id, action, force)
+    finally:
+        for w in others:
+            w.drained = False
 
 
 async def drain_worker(request: web.Request) -> web.Response:

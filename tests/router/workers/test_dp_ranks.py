@@ -16,6 +16,8 @@ import msgpack
 import pytest
 import zmq.asyncio
 
+from disagg_tools.sim.dp_front import running_dp_worker
+from disagg_tools.sim.worker import WorkerConfig
 from policies.base import KVLayout
 from router.adapters.base import prefill_target
 from router.adapters.dp_rank import RANK_HEADER, rank_body, rank_headers
@@ -26,6 +28,7 @@ from router.worker_spec import ConfigError, KvEventsSpec, parse_worker
 from router.workers.kv_events import KvEventSubscriber
 from router.workers.membership import Membership
 from tests.conftest import MODEL, SimCluster, sim_cluster
+from tests.router.edge.test_admin import TOKEN, _workers, two_replicas_with_prefill_only
 from tests.router.request.test_faults import (
     FAST_RETRY,
     assert_quiet,
@@ -254,3 +257,63 @@ async def test_a_stream_cut_on_a_rank_resumes_with_exact_text(redis_prefix: str)
                 cut += state["counters"].get("faults:decode_die_after_tokens", 0)
         assert cut >= 1  # streams were cut on ranks, and their clients got the exact text
         await assert_quiet(c)
+
+
+# --- one registry path: a DP worker registered through the admin API --------------------------
+
+
+async def test_a_registered_dp_worker_joins_every_replica_as_its_ranks(redis_prefix: str) -> None:
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    config = WorkerConfig(
+        role="decode",
+        worker_id="dd",
+        model=MODEL,
+        time_scale=500.0,
+        kv_blocks=512,
+        kv_lease_s=30.0 * 500,
+    )
+    async with (
+        two_replicas_with_prefill_only(redis_prefix) as (a, b, _),
+        running_dp_worker(config, 2) as d_url,
+        aiohttp.ClientSession() as s,
+    ):
+        entry = {"id": "dd", "url": d_url, "role": "decode", "adapter": "sim"}
+        entry |= {"kv_blocks": 512, "dp_size": 2}
+        async with s.post(a + "/admin/workers", json=entry, headers=auth) as r:
+            assert r.status == 201, await r.text()
+            assert (await r.json())["dp_parent"] == "dd"
+
+        def in_rotation(workers: dict[str, dict[str, Any]]) -> bool:
+            ranks = [workers.get(f"dd@{r}") for r in range(2)]
+            return all(w and w["healthy"] and w["layout"] and w["dp_rank"] == r
+                       for r, w in enumerate(ranks))  # fmt: skip
+
+        for _ in range(200):
+            if in_rotation(await _workers(s, b)):
+                break
+            await asyncio.sleep(0.05)
+        assert in_rotation(await _workers(s, b)), await _workers(s, b)
+        assert "dd" not in await _workers(s, b)  # the entry is its ranks
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "dp"}], "max_tokens": 9}
+        for _ in range(4):
+            async with s.post(b + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+        # the entry's id drains every rank (the only decode worker: forced)
+        async with s.post(a + "/admin/workers/dd/drain", headers=auth) as r:
+            assert r.status == 409, await r.text()
+        async with s.post(a + "/admin/workers/dd/drain", headers=auth, json={"force": True}) as r:
+            assert r.status == 200, await r.text()
+        workers = await _workers(s, a)
+        assert workers["dd@0"]["drained"] and workers["dd@1"]["drained"]
+        async with s.post(a + "/admin/workers/dd/undrain", headers=auth) as r:
+            assert r.status == 200, await r.text()
+        # a rank is not removed alone; the entry leaves with its ranks, on every replica
+        async with s.delete(a + "/admin/workers/dd@1", headers=auth) as r:
+            assert r.status == 400, await r.text()
+        async with s.delete(a + "/admin/workers/dd", headers=auth, json={"force": True}) as r:
+            assert r.status == 200, await r.text()
+        for _ in range(100):
+            if not {"dd@0", "dd@1"} & set(await _workers(s, b)):
+                break
+            await asyncio.sleep(0.05)
+        assert not {"dd@0", "dd@1"} & set(await _workers(s, b))
