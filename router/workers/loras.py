@@ -70,6 +70,7 @@ class LoraBook:
         self._default_base = settings.models[0]
         self._held: dict[str, dict[str, str]] = {}  # engine URL -> {adapter: base model}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._known: dict[str, str] | None = None  # adapters(), until what is held changes
         self.loads = 0
         self.load_failures = 0
 
@@ -82,25 +83,21 @@ class LoraBook:
     def known(self, model: str) -> str | None:
         """The base model of adapter `model`; None when `model` is no adapter the router knows
         (a base model, or an unknown name)."""
-        entry = self._settings.lora.catalog.get(model)
-        if entry is not None:
-            return entry.base_model or self._default_base
-        for held in self._held.values():
-            base = held.get(model)
-            if base is not None:
-                return base
-        return None
+        return self.adapters().get(model)
 
     def adapters(self) -> dict[str, str]:
-        """Every adapter known (catalog and engines): name -> base model."""
-        out = {
-            name: entry.base_model or self._default_base
-            for name, entry in self._settings.lora.catalog.items()
-        }
-        for held in self._held.values():
-            for name, base in held.items():
-                out.setdefault(name, base)
-        return out
+        """Every adapter known (catalog and engines): name -> base model. Built again only
+        after what the engines hold changed (a request asks it twice: its parse, its place)."""
+        if self._known is None:
+            out = {
+                name: entry.base_model or self._default_base
+                for name, entry in self._settings.lora.catalog.items()
+            }
+            for held in self._held.values():
+                for name, base in held.items():
+                    out.setdefault(name, base)
+            self._known = out
+        return self._known
 
     def held_by(self, spec: WorkerSpec) -> dict[str, str]:
         return dict(self._held.get(spec.url, {}))
@@ -131,7 +128,10 @@ class LoraBook:
 
     def learned(self, spec: WorkerSpec, models: Any) -> None:
         """A `/v1/models` answer of this worker: its adapters now."""
-        self._held[spec.url] = adapters_of(models)
+        held = adapters_of(models)
+        if held != self._held.get(spec.url):
+            self._held[spec.url] = held
+            self._known = None
 
     def forget_others(self, specs: Iterable[WorkerSpec]) -> None:
         """Drop what is kept of engines no longer among the workers."""
@@ -140,6 +140,7 @@ class LoraBook:
             if url not in urls:
                 del self._held[url]
                 self._locks.pop(url, None)
+                self._known = None
 
     async def poll(self, session: aiohttp.ClientSession, spec: WorkerSpec) -> None:
         timeout = aiohttp.ClientTimeout(total=self._settings.loops.health_timeout_s)
@@ -196,6 +197,7 @@ class LoraBook:
                 self.loads += 1
                 held = self._held.setdefault(spec.url, {})
                 held[adapter] = entry.base_model or self._default_base
+                self._known = None
         except TimeoutError as exc:
             raise self._failed(spec, adapter, f"not loaded within {limit} s") from exc
         except aiohttp.ClientError as exc:

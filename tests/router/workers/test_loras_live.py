@@ -144,7 +144,7 @@ async def test_unknown_adapters_are_404s_and_keep_nothing() -> None:
         redis_prefix=None, lora={"catalog": catalog}, **_lora_workers(cfgs, runtime=True)
     ) as c:
         loras = c.parts.pools.placement.loras
-        before = loras.adapters()
+        before = dict(loras.adapters())
         names = ["no-such-adapter", "../../etc/passwd", "..%2F..%2Fetc", "/loras/sql"]
         names += [f"unknown-{i}" for i in range(1000)]
         async with _client(c) as client:
