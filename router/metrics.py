@@ -149,8 +149,9 @@ class RouterMetrics:
             p + "preemptions",
             "Live streams preempted (their decode stopped, their room given back, the stream "
             "resumed from the text sent), by why: the decode worker had no room for a growth "
-            "(worker_full), the tenant was at its block limit (tenant_limit), or a test setting "
-            "(forced)",
+            "(worker_full), the tenant was at its block limit (tenant_limit), room taken back "
+            "for a tenant under its share (fair_share) or for a more urgent class (priority), "
+            "or a test setting (forced)",
             ["reason"],
             registry=r,
         )
