@@ -162,8 +162,8 @@ async def _generation(
     ids = cache.prompt_ids(spec_path, spec_body) if cache is not None else None
     if mode == "prefill":
         room = kv_params.get("bootstrap_room") if kv_params else None
-        return await _prefill(worker, request, spec, fmt, request_id, room, ids)
-    return await _decode(worker, request, spec, fmt, request_id, kv_params, ids)
+        return await _prefill(worker, request, spec, fmt, request_id, room, ids, lora)
+    return await _decode(worker, request, spec, fmt, request_id, kv_params, ids, lora)
 
 
 async def _broken_answer(
@@ -231,6 +231,7 @@ async def _prefill(
     rid: str,
     room: int | None = None,
     prompt_ids: list[int] | None = None,
+    lora: str | None = None,
 ) -> web.StreamResponse:
     blocks = _take_blocks(worker, blocks_for(spec.prompt_tokens, worker.config.block_size))
     try:
@@ -239,7 +240,7 @@ async def _prefill(
             raise _Refusal(500, "injected fault: prefill failed")
         await worker.prefill.run(spec.prompt_tokens)
         if worker.kv_events is not None and prompt_ids is not None:
-            worker.kv_events.store(prompt_ids)
+            worker.kv_events.store(prompt_ids, worker.loras.event_key(lora))
         worker.metrics.inc("prompt_tokens", spec.prompt_tokens)
         worker.metrics.inc("prompt_by_source", spec.prompt_tokens, label="local_compute")
         worker.metrics.inc("generation_tokens")
@@ -306,6 +307,7 @@ async def _decode(
     rid: str,
     kv_params: dict[str, Any] | None,
     prompt_ids: list[int] | None = None,
+    lora: str | None = None,
 ) -> web.StreamResponse:
     blocks = _take_blocks(worker, worker.engine.admission_blocks(spec.prompt_tokens))
     seq: Sequence | None = None
@@ -334,7 +336,8 @@ async def _decode(
             await worker.prefill.run(spec.prompt_tokens)
             source = "local_compute"
         if worker.kv_events is not None and prompt_ids is not None:
-            worker.kv_events.store(prompt_ids)  # pulled or computed, the decode side caches it
+            # pulled or computed, the decode side caches it (under its adapter: sim.lora)
+            worker.kv_events.store(prompt_ids, worker.loras.event_key(lora))
         worker.metrics.inc("prompt_tokens", spec.prompt_tokens)
         worker.metrics.inc("prompt_by_source", spec.prompt_tokens, label=source)
         die_after = worker.faults.die_after_tokens()

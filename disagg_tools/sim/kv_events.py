@@ -48,7 +48,8 @@ import zmq
 import zmq.asyncio
 from tokenizers import Tokenizer
 
-from policies.token_blocks import ROOT_HASH, block_hashes
+from policies.loras import lora_root
+from policies.token_blocks import block_hashes
 
 from . import textgen
 
@@ -174,6 +175,7 @@ class SimPrefixCache:
         self.tokenizer = tokenizer  # --tokenizer: text prompts' ids (prompt_token_ids)
         self._seed = os.urandom(8)  # vLLM's per-process hash seed
         self._blocks: OrderedDict[int, int] = OrderedDict()
+        self._lora: tuple[str, int] | None = None  # the adapter of the store being published
 
     def __repr__(self) -> str:
         return f"SimPrefixCache({len(self._blocks)}/{self.capacity} blocks)"
@@ -187,17 +189,21 @@ class SimPrefixCache:
         """The request's prompt token ids, as this worker's cache names them."""
         return prompt_token_ids(path, body, self.tokenizer)
 
-    def store(self, token_ids: Sequence[int]) -> None:
-        """The prompt's full blocks are cached (touched when already there); one batch."""
+    def store(self, token_ids: Sequence[int], lora: tuple[str, int] | None = None) -> None:
+        """The prompt's full blocks are cached (touched when already there); one batch. Under
+        a LoRA adapter `lora` (name, id) the blocks are another adapter's than the base
+        model's (vLLM folds the adapter into its block hashes) and its events say which."""
         bs = self.block_size
         full = len(token_ids) - len(token_ids) % bs
-        routers = block_hashes(token_ids[:full], bs, ROOT_HASH)
+        routers = block_hashes(token_ids[:full], bs, lora_root(lora[0] if lora else None))
+        self._lora = lora
         events: list[dict[str, Any]] = []
         run: list[int] = []
         run_start, run_parent = 0, None
         parent: int | None = None  # the engine hash of the block before the current one
         for i, router in enumerate(routers):
-            engine = self._engine_hash(parent or 0, token_ids[i * bs : (i + 1) * bs])
+            first = parent if parent is not None else self._lora_seed(lora)
+            engine = self._engine_hash(first, token_ids[i * bs : (i + 1) * bs])
             if engine in self._blocks:
                 self._blocks.move_to_end(engine)
                 if run:
@@ -228,10 +234,17 @@ class SimPrefixCache:
             "parent_block_hash": parent,
             "token_ids": list(token_ids[start * bs : (start + len(run)) * bs]),
             "block_size": bs,
-            "lora_id": None,
+            "lora_id": self._lora[1] if self._lora else None,
             "medium": "GPU",
-            "lora_name": None,
+            "lora_name": self._lora[0] if self._lora else None,
         }
+
+    @staticmethod
+    def _lora_seed(lora: tuple[str, int] | None) -> int:
+        """The engine's parent of a prompt's first block: 0, or one per adapter."""
+        if lora is None:
+            return 0
+        return int.from_bytes(hashlib.blake2b(lora[0].encode(), digest_size=8).digest(), "little")
 
     def clear(self) -> None:
         self._blocks.clear()

@@ -94,6 +94,13 @@ class LoraState:
     def serves(self, model: str) -> bool:
         return model in self.registered
 
+    def event_key(self, name: str | None) -> tuple[str, int] | None:
+        """(lora_name, lora_id) for the KV events of a request under `name` (sim.kv_events):
+        vLLM names its blocks apart per adapter and says which in each BlockStored."""
+        if name is None or name not in self.registered:
+            return None
+        return name, self.registered[name][1]
+
     def _register(self, name: str, path: str) -> None:
         self._next_id += 1
         self.registered[name] = (path, self._next_id)
