@@ -7,6 +7,7 @@ lacks the adapter on one side."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
@@ -174,3 +175,35 @@ async def test_models_lists_adapters_with_their_base_model() -> None:
         assert set(models) == {MODEL, "sql", "fr"}
         assert models["sql"].model_extra and models["sql"].model_extra["parent"] == MODEL
         assert models["fr"].model_extra and models["fr"].model_extra["parent"] == MODEL
+
+
+async def test_concurrent_requests_for_one_adapter_load_it_once_per_worker() -> None:
+    """Twelve requests at once for a catalog adapter no worker holds: one load per worker (the
+    others wait behind it and find it held), every answer served under the adapter."""
+    slow = LoraConfig(enabled=True, max_loras=4, runtime_loading=True, load_s=50.0)  # 0.1 s real
+    cfgs = {"p0": slow, "d0": slow}
+    async with sim_cluster(
+        redis_prefix=None, lora={"catalog": {"fr": "/loras/fr"}}, **_lora_workers(cfgs, True)
+    ) as c:
+        answers = await asyncio.gather(*(_ask(c, "fr", content=f"q{i}") for i in range(12)))
+        assert all(a.model == "fr" for a in answers)
+        for wid in ("p0", "d0"):
+            state = await _lora(c, wid)
+            assert state["loads"] == 1 and state["requests"] == {"fr": 12}
+        assert c.parts.pools.placement.loras.loads == 2
+
+
+async def test_a_load_past_its_timeout_is_a_503_and_the_worker_stays_in_rotation() -> None:
+    stuck = LoraConfig(enabled=True, max_loras=4, runtime_loading=True, load_s=1e6)
+    cfgs = {"p0": stuck, "d0": RUNTIME}
+    settings = {"lora": {"catalog": {"fr": "/loras/fr"}, "load_timeout_s": 0.3}}
+    async with sim_cluster(redis_prefix=None, **settings, **_lora_workers(cfgs, True)) as c:
+        with pytest.raises(openai.APIStatusError) as info:
+            await _ask(c, "fr")
+        assert info.value.status_code == 503
+        assert info.value.response.headers.get("Retry-After")
+        assert "not loaded within 0.3 s" in str(info.value.body)
+        worker = c.parts.pools.workers["p0"]
+        assert worker.breaker.state == "closed" and worker.available
+        assert (await _ask(c, MODEL)).choices[0].message.content
+        assert sum((await c.reserved_blocks()).values()) == 0
