@@ -20,12 +20,14 @@ its request: a replica about to place a request of tenant t first asks whether a
 another replica that is more urgent, or whose counter is below t's by more than one of t's
 requests (its units / weight), or — while t holds more than its share of the pool — that would
 still be within its own share with the room. If so it leaves the room — the request waits as if
-none were free — and the other replica's state refresh (`loops.state_refresh_s`) sees the room
-and its waiter takes it. Bounded: a replica leaves room at most `admission.fair_handoff_grace_s`
-from the first request it held back (a wake-up is set for then), then anyone takes it, and it
-does not hold back again for another grace. So room is never left idle longer than the grace
-(plus a sync period for a stale registration), and at least half of any stretch in which the
-other replica never claims it is work-conserving.
+none were free — and nudges the other replica through the store's pub/sub (`fair_nudge`): it
+reads the store at once, sees the room and its waiter takes it, instead of at its next state
+refresh (`loops.state_refresh_s`, 0.1 s; a lost nudge costs that much, nothing more). One nudge
+per hold, not per request held. Bounded: a replica leaves room at most
+`admission.fair_handoff_grace_s` from the first request it held back (a wake-up is set for
+then), then anyone takes it, and it does not hold back again for another grace. So room is
+never left idle longer than the grace (plus a sync period for a stale registration), and at
+least half of any stretch in which the other replica never claims it is work-conserving.
 
 **Taking room back** (router/request/fair_takeback.py listens to each sync): a tenant starved
 past `admission.fair_preempt_after_s` gets streams of the tenant most over its share preempted
@@ -40,7 +42,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 from policies.base import AdmissionCost, Tenant
 from policies.fair_share import ClusterWaiter, Occupancy, handoff_to
@@ -100,11 +102,14 @@ class ClusterShare:
         self._task: asyncio.Task[None] | None = None
         self._holding_since: float | None = None
         self._open_until = -math.inf
+        self.nudges_sent = 0
+        self.nudges_heard = 0
 
     def __repr__(self) -> str:
         return (
             f"ClusterShare({self.replica}, waiters={len(self.waiters)}, syncs={self.syncs}, "
-            f"failures={self.failures})"
+            f"failures={self.failures}, nudges sent/heard={self.nudges_sent}/"
+            f"{self.nudges_heard})"
         )
 
     # -- the ledger (router/admission.py calls it) ------------------------------------------
@@ -185,6 +190,32 @@ class ClusterShare:
         active = frozenset(held) | {w.tenant for w in view.waiters}
         self.occupancy = Occupancy(self.capacity(), held, self.weights, active)
 
+    # -- the nudge: room left for another replica's waiters --------------------------------
+    def listen(self, on_nudge: Callable[[], Awaitable[None]]) -> None:
+        """Hear the other replicas' nudges for the replica's life: each runs `on_nudge` (read
+        the store now and wake the queue). The store down: listen again after a pause."""
+        self.tasks.loop(self._listen(on_nudge), "fair-share-nudges")
+
+    async def _listen(self, on_nudge: Callable[[], Awaitable[None]]) -> None:
+        pause = self.settings.fair_sync_s
+        while True:
+            try:
+                async for _ in self.store.fair_nudges(self.replica):
+                    pause = self.settings.fair_sync_s
+                    self.nudges_heard += 1
+                    if self.admission.waiting:  # else nothing here wants the room
+                        await on_nudge()
+            except StoreError as exc:
+                log.debug("fair share nudges: %s", exc)
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 5.0)
+
+    async def _nudge(self, replica: str) -> None:
+        try:
+            await self.store.fair_nudge(replica)
+        except StoreError as exc:  # the refresh still finds the room, a period later
+            log.debug("fair share nudge to %s failed: %s", replica, exc)
+
     # -- the hand-off -----------------------------------------------------------------------
     def hold_s(self, tenant: Tenant, priority: int, cost: AdmissionCost, need: int) -> float | None:
         """Seconds to leave the room this replica found for a request of `tenant` (class
@@ -210,6 +241,8 @@ class ClusterShare:
             grace = self.settings.fair_handoff_grace_s
             # Then the held requests try again, and take the room if it is still there.
             asyncio.get_running_loop().call_later(grace, self.admission.notify)
+            self.nudges_sent += 1
+            self.tasks.job(self._nudge(other.replica), "fair-share-nudge")
         left = self._holding_since + self.settings.fair_handoff_grace_s - now
         if left <= 0:
             self._holding_since = None

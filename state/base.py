@@ -20,7 +20,7 @@ The store knows nothing of HTTP or of placement; times are seconds.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -478,6 +478,16 @@ class StateStore(Protocol):
         previous ones, for `lease_s`, and read back the floors, the counters of the tenants
         waiting anywhere and of those named, every live waiter and the blocks each tenant holds
         over the replicas. One script on Redis (one slot)."""
+
+    async def fair_nudge(self, replica: str) -> None:
+        """Tell `replica` that room was left for its waiters (router/fair_share.py's hand-off),
+        so that it reads the store now rather than at its next refresh. Best effort: a nudge
+        nobody hears costs the waiter one refresh period, nothing more."""
+
+    def fair_nudges(self, replica: str) -> AsyncIterator[None]:
+        """The nudges sent to `replica`, one item each, as they come, until the caller stops
+        reading (closing the iterator unsubscribes). StoreError when the store is down."""
+        ...
 
     # -- lifecycle ------------------------------------------------------------------------
     def advertise_renewal(self, renew_within_s: float) -> None:

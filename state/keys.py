@@ -291,6 +291,10 @@ class Keys:
         base = f"{self.prefix}{{fair}}"
         return [f"{base}:vtc", f"{base}:wait", f"{base}:floor"]
 
+    def fair_nudge(self, replica: str) -> str:
+        """The pub/sub channel on which `replica` hears that room was left for its waiters."""
+        return f"{self.prefix}{{fair}}:nudge:{check_id('replica', replica)}"
+
     # -- store-loss marker: under the registry's tag, so the shard that would lose the
     # registrations is the shard whose loss it reveals.
     @property

@@ -14,6 +14,7 @@ holds at most a few hundred, so a heap would cost more code than it saves.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections import Counter
@@ -124,6 +125,7 @@ class MemoryStore(MemoryRegistry, MemoryQuotas, MemoryFair):
         self._outputs: dict[str, Counter[int]] = {}
         self._quotas: dict[str, Buckets] = {}  # tenant -> its quota state (MemoryQuotas)
         self._fair = FairTable()  # the cluster's fair share (MemoryFair)
+        self._nudged: dict[str, list[asyncio.Queue[None]]] = {}  # (MemoryFair) by replica
 
     def _drop_worker(self, worker_id: str) -> None:
         self._decode.pop(worker_id, None)

@@ -4,20 +4,28 @@ state/fair_shares.py."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from redis.commands.core import AsyncScript
 
+from state.base import StoreError
 from state.fair_scripts import FAIR_SYNC_SCRIPT
 from state.fair_shares import FairSlot, FairView, FairWaiter, check_fair_sync
-from state.redis_conn import RedisConnection, store_call, text
+from state.redact import mask_urls
+from state.redis_conn import FAILURES, RedisConnection, store_call, text
 
 __all__ = ["RedisFair"]
 
 
 def _number(raw: Any) -> float:
     return float(text(raw))
+
+
+def _failed(exc: BaseException) -> StoreError:
+    problem = mask_urls(f"{type(exc).__name__}: {exc}")
+    return StoreError(f"the state store failed (fair_nudges): {problem}")
 
 
 class RedisFair(RedisConnection):
@@ -72,3 +80,27 @@ class RedisFair(RedisConnection):
         return FairView(
             dict(sorted(counters.items())), floors, tuple(waiters), dict(sorted(held.items()))
         )
+
+    @store_call
+    async def fair_nudge(self, replica: str) -> None:
+        await self._client.publish(self._keys.fair_nudge(replica), b"")
+
+    async def fair_nudges(self, replica: str) -> AsyncIterator[None]:
+        """A subscription of its own (one connection, redis-py's pub/sub; on a cluster the
+        message reaches every node, so any node serves it)."""
+        pubsub = self._client.pubsub()
+        try:
+            try:
+                await pubsub.subscribe(self._keys.fair_nudge(replica))
+            except FAILURES as exc:
+                raise _failed(exc) from exc
+            while True:
+                try:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
+                except FAILURES as exc:
+                    raise _failed(exc) from exc
+                if message is not None and message.get("type") == "message":
+                    yield None
+        finally:
+            with contextlib.suppress(*FAILURES):
+                await pubsub.aclose()

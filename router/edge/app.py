@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -364,6 +365,15 @@ def _services_context(settings: Settings):  # type: ignore[no-untyped-def]
         _hand_out(app, core, loops, demand)
         await warm_up(core, loops)
         start_loops(core, loops)
+        share = app[SERVING].stages.reserve.share
+        if share is not None:  # room another replica left for this one's waiters: read it now
+
+            async def read_room_now() -> None:
+                with contextlib.suppress(StoreError):
+                    await loops.refresher.refresh(check_marker=False)
+                core.admission.notify()
+
+            share.listen(read_room_now)
         app[ROLES] = RoleManager(
             settings, core.store, core.session, core.metrics, demand,
             loops.members, loops.accounting, app[_ROLE_POLICY],

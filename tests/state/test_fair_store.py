@@ -4,6 +4,7 @@ sequence of syncs from three replicas against the Python reference (`fair_sync_n
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -129,3 +130,48 @@ async def test_random_syncs_match_the_reference(clocked: tuple[StateStore, Stepp
             [w.waited_s for w in expected.waiters], abs=1e-6
         )
         clock.advance(round(rng.uniform(0, 0.6), 3))
+
+
+async def test_a_nudge_reaches_the_replica_listening_and_no_other(store: StateStore) -> None:
+    """The hand-off's nudge (router/fair_share.py): `fair_nudge(r)` is heard by r's listener
+    only, every one of them; a nudge nobody listens to is lost, not queued."""
+    await store.fair_nudge("r1")  # nobody listens yet: lost
+    heard: dict[str, int] = {"r1": 0, "r2": 0}
+    news = asyncio.Event()  # set at each nudge heard
+    subscribed = {"r1": asyncio.Event(), "r2": asyncio.Event()}
+
+    async def listen(replica: str) -> None:
+        nudges = store.fair_nudges(replica)
+        waiting = asyncio.ensure_future(anext(nudges))
+        subscribed[replica].set()
+        try:
+            while True:
+                await waiting
+                heard[replica] += 1
+                news.set()
+                waiting = asyncio.ensure_future(anext(nudges))
+        finally:
+            waiting.cancel()
+            await nudges.aclose()
+
+    listeners = [asyncio.create_task(listen(r)) for r in ("r1", "r2")]
+    try:
+        for event in subscribed.values():
+            await event.wait()
+        # Subscribing takes a round trip on Redis: nudge until the first is heard.
+        async with asyncio.timeout(10):
+            while heard["r1"] == 0:
+                await store.fair_nudge("r1")
+                await asyncio.sleep(0.05)
+        before = heard["r1"]
+        for _ in range(3):
+            await store.fair_nudge("r1")
+        async with asyncio.timeout(10):
+            while heard["r1"] < before + 3:
+                news.clear()
+                await news.wait()
+        assert heard["r2"] == 0
+    finally:
+        for task in listeners:
+            task.cancel()
+        await asyncio.gather(*listeners, return_exceptions=True)

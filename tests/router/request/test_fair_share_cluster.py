@@ -199,4 +199,9 @@ async def test_a_victim_on_one_replica_is_served_despite_a_flood_on_the_other(
         # more than the victim's requests need by far.
         assert taken <= 4 * 10
         assert _counter(r1.metrics.preemptions, reason="fair_share") == 0  # no victim stream
+        # The room r2 took back was left for r1's victim, and r1 was told at once (a nudge
+        # through the store), not at its next refresh.
+        share1, share2 = r1.requests.reserve.share, r2.requests.reserve.share
+        assert share1 is not None and share2 is not None
+        assert share2.nudges_sent >= 1 and share1.nudges_heard >= 1, (share1, share2)
         await _quiet(c, r1, r2)
