@@ -44,6 +44,7 @@ from disagg_tools.simcluster.config import ClusterConfig, SimWorkerSpec
 from disagg_tools.simcluster.events import EventQueue
 from disagg_tools.simcluster.fair_queue import FairQueue, actual_cost
 from disagg_tools.simcluster.feedback import Feedback
+from disagg_tools.simcluster.loras import LoraSimConfig, SimLoras
 from disagg_tools.simcluster.metrics import GapHistogram, Outcome, RequestRecord, SimResult
 from disagg_tools.simcluster.preemption import RouterPreemption
 from disagg_tools.simcluster.prefix_facts import PrefixFacts
@@ -99,6 +100,7 @@ class _Engine:
         fairness: FairnessPolicy | None = None,
         tenants: Mapping[str, Tenant] | None = None,
         replicas: Replicas | None = None,
+        loras: LoraSimConfig | None = None,
     ) -> None:
         if rate_scale <= 0:
             raise ValueError(f"rate_scale must be > 0, got {rate_scale}")
@@ -181,6 +183,8 @@ class _Engine:
             self.facts = PrefixFacts(config, wids, self.push_call, lambda: self.now)
             for d in self.decodes:
                 d.local_hit = partial(self.facts.local_hit, d.wid)
+        # LoRA adapters: one per request, loads before the prefill (simcluster/loras.py).
+        self.loras = SimLoras(loras, len(requests)) if loras is not None else None
         self.queue: deque[Job] = deque()
         self.q_live = 0
         self.hist: dict[str, dict[int, int]] = {}
@@ -344,6 +348,8 @@ class _Engine:
         prefill = tuple([p.view() for p in self.p_live])
         if self.facts is not None and job is not None:
             prefill, decode = self.facts.decorate(prefill, decode, job)
+        if self.loras is not None and job is not None:
+            prefill, decode = self.loras.decorate(prefill, decode, job.idx)
         return ClusterView(
             prefill=prefill,
             decode=decode,
@@ -425,6 +431,18 @@ class _Engine:
     def _dispatched(self, job: Job) -> None:
         p, d = job.p, job.d
         assert d is not None
+        if self.loras is not None:
+            # The router loads the adapter on both sides before the prefill leg.
+            wids = [d.wid] if p is None else [p.wid, d.wid]
+            wait = self.loras.ready_in(job.idx, wids)
+            if wait > 0:
+                for wid in self.loras.loading:  # the loads take their engines' time too
+                    if p is not None and wid == p.wid:
+                        self.loras.occupy(wid, self.now)
+                    elif d.stepping:
+                        d.extra_s += self.loras.config.load_s
+                self.events.at(self.now + wait, self._dispatched, job)
+                return
         if p is None:  # conditional disaggregation: D prefills it inside its next step
             job.local = True
             d.waiting.append(job)
@@ -503,6 +521,8 @@ class _Engine:
         else:
             cached = p.cached_tokens(job)
         dur = p.perf.prefill_s(job.prompt, cached)
+        if self.loras is not None:  # an adapter load running on its engine comes first
+            dur += self.loras.busy_for(p.wid, self.now)
         if self.roles is not None:
             self.roles.on_prefill_start(self.now, job, cached)
         if self.cfg.prefill_jitter:
@@ -728,6 +748,7 @@ def simulate(
     fairness: FairnessPolicy | None = None,
     tenants: Mapping[str, Tenant] | None = None,
     replicas: Replicas | None = None,
+    loras: LoraSimConfig | None = None,
 ) -> SimResult:
     """Replay `requests` (arrival times divided by `rate_scale`) through the cluster.
 
@@ -745,6 +766,8 @@ def simulate(
     `replicas` (with `fairness`) splits the admission queue over router replicas as today's
     router has it: a queue and fairness counters per replica, a release waking its own
     replica's waiters first (disagg_tools.simcluster.replica_queues); `shared` is one queue.
+    `loras` gives each request a LoRA adapter and the workers adapters to load
+    (disagg_tools.simcluster.loras); its loads are the summary's `lora_loads`.
     """
     engine = _Engine(
         requests,
@@ -760,5 +783,10 @@ def simulate(
         fairness,
         tenants,
         replicas,
+        loras,
     )
-    return engine.run()
+    result = engine.run()
+    if engine.loras is not None:
+        result.counters["lora_loads"] = engine.loras.loads
+        result.counters["lora_evictions"] = engine.loras.evictions
+    return result
