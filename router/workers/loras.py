@@ -160,9 +160,11 @@ class LoraBook:
         await asyncio.gather(*(self.poll(session, s) for s in engines.values()))
 
     async def run(self, session: aiohttp.ClientSession, workers: Mapping[str, Any]) -> None:
-        """Every `lora.poll_s`; `workers`: the membership's id -> WorkerState (its `spec`)."""
+        """Every `lora.poll_s`; `workers`: the membership's id -> WorkerState (its `spec`). What
+        an engine out of rotation (failing its health probes) held is forgotten: one that comes
+        back may be a new process without its adapters: it is read again at the next poll."""
         while True:
-            specs = [w.spec for w in list(workers.values())]
+            specs = [w.spec for w in list(workers.values()) if getattr(w, "healthy", True)]
             self.forget_others(specs)
             await self.refresh(session, specs)
             await asyncio.sleep(self._settings.lora.poll_s)
