@@ -17,6 +17,10 @@ bootstrap port is the front's: a room pull goes to the rank `bootstrap_room % dp
 as SGLang's decode looks the prefill rank up. KV events: each rank publishes on the configured
 ports + its rank, its batches saying `data_parallel_rank` (vLLM's layout).
 
+What it reports: `/metrics` every rank's samples labelled `engine="<rank>"` (vLLM's per-engine
+label), `/v1/loads` a record per rank with its `dp_rank` (SGLang's), `/server_info` rank 0's
+with `dp_size`.
+
 Test hooks: GET /sim/state has every rank's state under `ranks`; `?rank=R` sends /sim/faults,
 /sim/requests and /sim/state to one rank (POST /sim/faults without it: every rank).
 """
@@ -164,10 +168,57 @@ async def _health(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
+async def _metrics(request: web.Request) -> web.Response:
+    """vLLM's /metrics of a DP server: every rank's samples, labelled `engine="<rank>"`."""
+    ranks = request.app[DP_RANKS]
+    out: list[str] = []
+    for rank, worker in enumerate(ranks.workers):
+        worker.ledger.reap()
+        for line in worker.metrics.render().decode().splitlines():
+            if line.startswith("#"):
+                if rank == 0:
+                    out.append(line)
+            elif "{" in line:
+                out.append(line.replace("{", f'{{engine="{rank}",', 1))
+    return web.Response(text="\n".join(out) + "\n", content_type="text/plain")
+
+
+async def _loads(request: web.Request) -> web.Response:
+    """SGLang's /v1/loads of a DP server: one record per rank."""
+    records = []
+    for rank, w in enumerate(request.app[DP_RANKS].workers):
+        block = w.config.block_size
+        records.append(
+            {
+                "dp_rank": rank,
+                "num_running_reqs": w.engine.running + w.prefill.running,
+                "num_waiting_reqs": w.prefill.waiting + w.engine.preempted,
+                "num_used_tokens": w.pool.used * block,
+                "max_total_num_tokens": w.pool.capacity * block,
+            }
+        )
+    return web.Response(body=orjson.dumps({"loads": records}), content_type="application/json")
+
+
+async def _server_info(request: web.Request) -> web.StreamResponse:
+    """SGLang's /server_info of a DP server: rank 0's, with its `dp_size`."""
+    ranks = request.app[DP_RANKS]
+    async with ranks.session.get(ranks.urls[0] + request.path) as up:
+        if up.status != 200:
+            return web.Response(status=up.status, body=await up.read())
+        info = await up.json(content_type=None)
+    info["dp_size"] = ranks.size
+    return web.Response(body=orjson.dumps(info), content_type="application/json")
+
+
 def _front_app(ranks: DpRanks) -> web.Application:
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[DP_RANKS] = ranks
     app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/v1/loads", _loads)
+    app.router.add_get("/server_info", _server_info)
+    app.router.add_get("/get_server_info", _server_info)
     app.router.add_get("/sim/state", _every_rank)
     app.router.add_route("*", "/sim/faults", _every_rank)
     app.router.add_route("*", "/sim/requests", _every_rank)

@@ -43,7 +43,7 @@ class HealthProber:
     def __repr__(self) -> str:
         return f"HealthProber({len(self._members.workers)} workers)"
 
-    def _two_probes(self) -> asyncio.Timeout:
+    def two_probes(self) -> asyncio.Timeout:
         """The bound of one facts read: two health-probe timeouts (vLLM's takes two requests)."""
         return asyncio.timeout(2 * self._settings.loops.health_timeout_s)
 
@@ -52,7 +52,7 @@ class HealthProber:
     ) -> dict[str, Any]:
         """What the worker at `url` reports of its KV layout, within two health-probe timeouts.
         Raises aiohttp.ClientError, TimeoutError, ValueError."""
-        async with self._two_probes():
+        async with self.two_probes():
             return await fetch_layout_facts(session, url, adapter)
 
     async def discover_layout(self, session: aiohttp.ClientSession, w: WorkerState) -> bool:
@@ -62,7 +62,7 @@ class HealthProber:
         rotation."""
         spec = w.spec
         try:
-            async with self._two_probes():
+            async with self.two_probes():
                 facts, sglang = await fetch_server_facts(session, spec.url, spec.adapter)
             layout = (
                 merge_layout(spec.layout, facts, dict(spec.layout_configured))

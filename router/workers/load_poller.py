@@ -3,7 +3,8 @@
 vLLM's `/metrics`, SGLang's `/get_load` (router/workers/discovery.py): running and waiting
 requests and KV usage, kept on each worker for the placement snapshot, which trusts a reading
 for `load_max_age_s`. The router's own accounting stays the primary signal; a worker with no
-load endpoint is placed by it alone.
+load endpoint is placed by it alone. A data-parallel server is polled once, its report split by
+rank into its rank targets (router/workers/dp_loads.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import aiohttp
 from router.config import Settings
 from router.loop_timing import LoopTiming
 from router.workers.discovery import fetch_sglang_load, fetch_vllm_load
+from router.workers.dp_loads import assign_rank_loads, fetch_rank_loads
+from router.workers.dp_ranks import is_lead
 from router.workers.membership import Membership
 from router.workers.worker_state import WorkerState
 
@@ -29,6 +32,7 @@ class LoadPoller:
         self._settings = settings
         self._members = members
         self._timing = timing
+        self._foreign: set[str] = set()  # DP entries that reported undeclared ranks (told once)
 
     def __repr__(self) -> str:
         return f"LoadPoller(every {self._settings.loops.load_poll_s} s while busy)"
@@ -39,6 +43,24 @@ class LoadPoller:
             w.load = await fetch(session, w.spec.url)
         except Exception as exc:  # no load endpoint: the router's own accounting stands
             log.debug("load poll of %s failed: %s", w.spec.id, exc)
+
+    async def poll_ranks(self, session: aiohttp.ClientSession, lead: WorkerState) -> None:
+        """A data-parallel server's report split by rank, each rank target its own
+        (router/workers/dp_loads.py); a rank the entry does not declare is ignored, said once."""
+        spec = lead.spec
+        try:
+            loads = await fetch_rank_loads(session, spec.url, spec.adapter)
+        except Exception as exc:  # as `poll`: the router's own accounting stands
+            log.debug("load poll of %s failed: %s", spec.dp_parent, exc)
+            return
+        foreign = assign_rank_loads(self._members.ranks_of(spec.dp_parent), loads)
+        if foreign and spec.dp_parent not in self._foreign:
+            self._foreign.add(spec.dp_parent)
+            log.warning(
+                "worker %s reports the load of data-parallel ranks %s beyond its dp_size %d: "
+                "ignored (is its entry's dp_size the server's?)",
+                spec.dp_parent, foreign, spec.dp_size,
+            )  # fmt: skip
 
     async def run(self, session: aiohttp.ClientSession) -> None:
         """Every `load_poll_s` while this replica serves. While it is quiet, not at all: a
@@ -51,10 +73,14 @@ class LoadPoller:
             return
         workers = self._members.workers
         while True:
-            # A data-parallel server's report is its ranks' together (or its first rank's):
-            # wrong for each rank alone, so its ranks are placed by the router's accounting.
-            polled = [w for w in workers.values() if w.spec.dp_size == 1]
-            await asyncio.gather(*(self.poll(session, w) for w in polled))
+            # A data-parallel server: one poll of its URL (its lead), split by rank.
+            await asyncio.gather(
+                *(
+                    self.poll(session, w) if w.spec.dp_size == 1 else self.poll_ranks(session, w)
+                    for w in list(workers.values())
+                    if w.spec.dp_size == 1 or is_lead(w.spec)
+                )
+            )
             await self._timing.beat(period)
             while not self._timing.busy():
                 await self._timing.quiet_sleep(3600.0)  # the next placement, however long it takes

@@ -2,7 +2,8 @@
 Kubernetes discovery (router/workers/kube/) take.
 
 The registration is checked before any call to the worker; with `discover` its KV layout is
-read from it (under the fields the caller gave) and stored with it, so every replica pairs the
+read from it (under the fields the caller gave), and its data parallelism when the caller gave
+none (docs/data-parallel.md), and stored with it, so every replica pairs the
 worker alike without asking it again. It is written to the shared store (every replica adopts
 it within `registry_refresh_s`, router/workers/registry.py), applied here at once, and probed:
 in rotation when it answers.
@@ -17,12 +18,13 @@ import orjson
 
 from router.config import ConfigError
 from router.errors import InvalidRequest
+from router.workers.dp_loads import reported_dp_size
 from router.workers.health_probe import HealthProber
 from router.workers.membership import Membership
 from router.workers.worker_state import WorkerState
 from state.base import StateStore
 
-__all__ = ["register_worker", "with_discovered_layout"]
+__all__ = ["register_worker", "with_discovered_layout", "with_reported_ranks"]
 
 
 async def with_discovered_layout(
@@ -44,6 +46,25 @@ async def with_discovered_layout(
     return {**raw, "layout": {**facts, **(raw.get("layout") or {})}}
 
 
+async def with_reported_ranks(
+    prober: HealthProber,
+    session: aiohttp.ClientSession,
+    raw: dict[str, Any],
+    url: str,
+    adapter: str,
+) -> dict[str, Any]:
+    """The registration with the data parallelism the worker reports (router/workers/
+    dp_loads.py) when it gives none: stored with it, so every replica expands it alike."""
+    if "dp_size" in raw or "data_parallel_size" in raw:
+        return raw
+    try:
+        async with prober.two_probes():
+            size = await reported_dp_size(session, url, adapter)
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return raw  # it says nothing: one engine behind the URL
+    return {**raw, "dp_size": size} if size is not None and size > 1 else raw
+
+
 async def register_worker(
     store: StateStore,
     members: Membership,
@@ -59,6 +80,7 @@ async def register_worker(
         spec = members.parse_registration(raw)  # checked before any call to the worker
         if discover:
             raw = await with_discovered_layout(prober, session, raw, spec.url, spec.adapter)
+            raw = await with_reported_ranks(prober, session, raw, spec.url, spec.adapter)
             spec = members.parse_registration(raw)
     except (ConfigError, TypeError, ValueError) as exc:
         raise InvalidRequest(f"bad worker registration: {exc}") from exc
