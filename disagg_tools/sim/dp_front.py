@@ -64,6 +64,7 @@ class DpRanks:
     workers: list[Worker]
     urls: list[str]
     session: aiohttp.ClientSession
+    bootstrap_port: int | None = None  # the front's SGLang bootstrap port, once bound
     _turn: itertools.count[int] = field(default_factory=itertools.count)
 
     @property
@@ -201,13 +202,16 @@ async def _loads(request: web.Request) -> web.Response:
 
 
 async def _server_info(request: web.Request) -> web.StreamResponse:
-    """SGLang's /server_info of a DP server: rank 0's, with its `dp_size`."""
+    """SGLang's /server_info of a DP server: rank 0's, with its `dp_size` and the front's
+    bootstrap port (the one the decode is sent to: it finds the rank by the room)."""
     ranks = request.app[DP_RANKS]
     async with ranks.session.get(ranks.urls[0] + request.path) as up:
         if up.status != 200:
             return web.Response(status=up.status, body=await up.read())
         info = await up.json(content_type=None)
     info["dp_size"] = ranks.size
+    if ranks.bootstrap_port is not None:  # one bootstrap server for the URL: the front's
+        info["disaggregation_bootstrap_port"] = ranks.bootstrap_port
     return web.Response(body=orjson.dumps(info), content_type="application/json")
 
 
@@ -289,5 +293,8 @@ async def running_dp_worker(config: WorkerConfig, dp_size: int) -> AsyncIterator
             side = web.Application()
             side[DP_RANKS] = ranks
             side.router.add_post(ROOM_PATH, _room)
-            await stack.enter_async_context(_serve(side, config.host, config.bootstrap_port))
+            side_url = await stack.enter_async_context(
+                _serve(side, config.host, config.bootstrap_port)
+            )
+            ranks.bootstrap_port = int(side_url.rsplit(":", 1)[1])
         yield await stack.enter_async_context(_serve(_front_app(ranks), config.host, config.port))

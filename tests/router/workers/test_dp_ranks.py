@@ -29,7 +29,7 @@ from router.worker_spec import ConfigError, KvEventsSpec, parse_worker
 from router.workers.dp_loads import assign_rank_loads, split_sglang_loads, split_vllm_metrics
 from router.workers.kv_events import KvEventSubscriber
 from router.workers.membership import Membership
-from tests.conftest import MODEL, SimCluster, sim_cluster
+from tests.conftest import MODEL, REDIS_URL, SimCluster, running_router, sim_cluster
 from tests.router.edge.test_admin import TOKEN, _workers, two_replicas_with_prefill_only
 from tests.router.request.test_faults import (
     FAST_RETRY,
@@ -421,3 +421,50 @@ async def test_ranks_are_learned_from_the_server_and_polled_each_its_own(
         # one poll of the URL, each rank its own report
         for rank in range(3):
             assert workers[f"dd@{rank}"]["reported_load"] is not None, workers
+
+
+# --- SGLang: the rank in the body, the room on the prefill's rank -----------------------------
+
+
+async def test_sglang_dp_pairs_meet_on_the_prefill_rank_the_room_names(redis_prefix: str) -> None:
+    def config(role: str, wid: str, **extra: Any) -> WorkerConfig:
+        fields: dict[str, Any] = {"model": MODEL, "time_scale": 500.0, "kv_blocks": 256}
+        return WorkerConfig(role=role, worker_id=wid, kv_lease_s=30.0 * 500, **fields, **extra)
+
+    async with contextlib.AsyncExitStack() as stack:
+        p_url = await stack.enter_async_context(
+            running_dp_worker(config("prefill", "p0", bootstrap_port=0), RANKS)
+        )
+        d_url = await stack.enter_async_context(running_dp_worker(config("decode", "d0"), 2))
+        workers = [  # the prefill's bootstrap port read from its /server_info: the front's
+            {"id": "p0", "url": p_url, "role": "prefill", "adapter": "sglang", "dp_size": RANKS},
+            {"id": "d0", "url": d_url, "role": "decode", "adapter": "sglang", "dp_size": 2,
+             "kv_blocks": 256},
+        ]  # fmt: skip
+        raw = {
+            "model": MODEL,
+            "perf": {"model": MODEL, "gpu": "h100"},
+            "store": {"url": REDIS_URL, "key_prefix": redis_prefix},
+            "loops": {"health_interval_s": 0.5},
+            "workers": workers,
+        }
+        url, _ = await stack.enter_async_context(running_router(settings_from_mapping(raw)))
+        s = await stack.enter_async_context(aiohttp.ClientSession())
+        bodies = [body_for(i, max_tokens=12) for i in range(24)]
+
+        async def one(body: dict[str, Any]) -> tuple[int, Any]:
+            async with s.post(url + "/v1/chat/completions", json=body) as r:
+                return r.status, await r.json()
+
+        for (status, result), body in zip(
+            await asyncio.gather(*(one(b) for b in bodies)), bodies, strict=True
+        ):
+            check_exact(status, result, body, False)
+        for wid, base, size in (("p0", p_url, RANKS), ("d0", d_url, 2)):
+            async with s.get(base + "/sim/requests") as r:
+                served = await r.json()
+            assert {r["dp_rank"] for r in served} == set(range(size)), wid
+            for r in served:  # each leg sent to the rank the router chose, told in the body
+                assert r["body"]["data_parallel_rank"] == r["dp_rank"]
+                if wid == "p0":  # and every room falls on the prefill's rank
+                    assert r["body"]["bootstrap_room"] % RANKS == r["dp_rank"]
