@@ -203,6 +203,9 @@ class Admission:
         # The cluster's fair share (router/fair_share.py), told every charge; None: this
         # replica's order is its own.
         self.ledger: Ledger | None = None
+        # Told each admission's tenant and how long it waited in the queue (0: it did not), from
+        # its first wait, re-waits included (router/tenant_metrics.py: a histogram by tenant).
+        self.wait_observer: Callable[[str, float], None] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -379,6 +382,9 @@ class Admission:
         queued = self._queued.pop(request.ticket, None)
         self._awake.discard(request.ticket)
         self._tried.pop(request.ticket, None)
+        if self.wait_observer is not None:
+            waited = self._clock() - queued.since_s if queued is not None else 0.0
+            self.wait_observer((queued or request).tenant.name, waited)
         charge = self.policy.admit(queued or request)
         ledger = self.ledger
         if ledger is None:

@@ -417,6 +417,40 @@ class RouterMetrics:
             buckets=_TPOT_BUCKETS,
             registry=r,
         )
+        # The fair share's view per tenant (issue 33; router/tenant_metrics.py sets them).
+        self.tenant_admission_wait = Histogram(
+            p + "tenant_admission_wait_seconds",
+            "Time an admitted request waited in the admission queue (0: none), by tenant",
+            ["tenant"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tenant_preemptions = Counter(
+            p + "tenant_preemptions",
+            "Streams of the tenant preempted and resumed, by reason (as preemptions_total)",
+            ["tenant", "reason"],
+            registry=r,
+        )
+        self.tenant_decode_blocks_held = Gauge(
+            p + "tenant_decode_blocks_held",
+            "Decode KV blocks the tenant's admitted requests hold over the cluster, as of the "
+            "last fair-share sync (vtc with admission.fair_cluster)",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_decode_share_blocks = Gauge(
+            p + "tenant_decode_share_blocks",
+            "The tenant's share of the decode pool in blocks: capacity x its weight / the "
+            "weights of the tenants holding or waiting (itself counted), same sync",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_waiting = Gauge(
+            p + "tenant_waiting",
+            "Requests of the tenant waiting for room on any replica, same sync",
+            ["tenant"],
+            registry=r,
+        )
 
         # The children a request touches (router/edge/front_door.py, router/request/).
         self.requests_by = Labelled(self.requests)  # route, status
@@ -428,6 +462,8 @@ class RouterMetrics:
         self.tenant_block_seconds_by = Labelled(self.tenant_block_seconds)
         self.tenant_ttft_by = Labelled(self.tenant_ttft)
         self.tenant_tpot_by = Labelled(self.tenant_tpot)
+        self.tenant_admission_wait_by = Labelled(self.tenant_admission_wait)
+        self.tenant_preemptions_by = Labelled(self.tenant_preemptions)  # tenant, reason
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -23,6 +23,7 @@ from router.request.release import Releaser
 from router.request.reserve import Reserver
 from router.request.respond import Answering
 from router.request.resume import Resumer
+from router.tenant_metrics import watch_tenants
 from router.tracing import Tracing
 from router.workers.pools import Pools
 
@@ -110,6 +111,7 @@ def build_stages(
         clock=clock,
     )
     reserver.share = _cluster_share(core, pools, preemptor, clock)
+    watch_tenants(metrics, core.admission, reserver.share, (t.name for t in settings.tenants))
     legs = Legs(settings, core.session, core.splice, members, pairing, metrics, clock)
     legs.loras = pools.placement.loras  # LoRA adapters loaded before the prefill leg
     quota = QuotaGate(core.store, settings.leases.reservation_s, settings.scaling, metrics, clock)

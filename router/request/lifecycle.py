@@ -276,6 +276,7 @@ class RequestFlow:
         stages, call, progress = self.stages, self.call, self.progress
         progress.preempted += 1
         stages.metrics.preempted_tokens.inc(preempted.tokens)
+        stages.metrics.tenant_preemptions_by(self.seat.tenant.name, preempted.reason).inc()
         call.trace.event("preempted", reason=preempted.reason, tokens=preempted.tokens)
         settings = stages.settings.preemption
         # Its room is back on the worker: its hold gives it back to its tenant too, now (the

@@ -108,11 +108,27 @@ def test_the_dashboard_covers_the_issue() -> None:
         assert "disagg_router_" + metric in exprs, metric
 
 
+def test_the_dashboard_shows_each_tenants_share_waits_and_preemptions() -> None:
+    """Issue 33: per tenant, the blocks held against the share, the waiters, the admission
+    waits and the preemptions by reason."""
+    exprs = " ".join(e for _, _, e in dashboard_queries())
+    for metric in (
+        "tenant_decode_blocks_held",
+        "tenant_decode_share_blocks",
+        "tenant_waiting",
+        "tenant_admission_wait_seconds_bucket",
+        "tenant_preemptions_total",
+    ):
+        assert "disagg_router_" + metric in exprs, metric
+
+
 def _edit_cluster(text: str) -> str:
     config = yaml.safe_load(text)
     for w in config["workers"]:
         if w["role"] == "decode":
             w["kv_blocks"] = DECODE_BLOCKS
+    # The fair share's order, so that its per-tenant gauges (issue 33) are exported too.
+    config.setdefault("admission", {})["fairness"] = "vtc"
     return yaml.safe_dump(config, sort_keys=False)
 
 
