@@ -328,10 +328,12 @@ async def test_fifo_admits_in_arrival_order_whatever_the_weights(
         # Alternating tenants, b three times a's weight: fifo looks at neither.
         for i in range(8):
             tasks.append(asyncio.create_task(one(i, KEY_A if i % 2 else KEY_B)))
-            for _ in range(50):  # each in line before the next arrives
-                if c.parts.admission.waiting == i + 1:
-                    break
-                await asyncio.sleep(0.01)
+            # Each in line before the next arrives. Bounded by a generous deadline, not a count
+            # of polls: on a loaded machine a client's first request can take over half a second
+            # to reach the queue (the cause of this test's rare failures).
+            async with asyncio.timeout(20):
+                while c.parts.admission.waiting < i + 1:  # noqa: ASYNC110 (a counter, no event)
+                    await asyncio.sleep(0.01)
             assert c.parts.admission.waiting == i + 1
         assert await store.release("d0", "other-replica") == 20
         await asyncio.gather(*tasks)
