@@ -7,7 +7,10 @@ prefix, the official `openai` client.
   preempted for them (preemptions_total{reason="priority"}), their text is exact after the
   resume, nothing is left reserved;
 - a tenant allowed only `default` that asks for `interactive` (header and body) gets no more
-  than default: nothing is preempted for it, it waits for room like any default request.
+  than default: nothing is preempted for it, it waits for room like any default request;
+- on one replica, under `fifo` and `vtc` alike, a request of a more urgent class (by its
+  tenant's class name) is admitted before a less urgent one (asked by the header) that waited
+  longer.
 
 The batch tenant's weight is large, so it is never over its share of the pool: whatever is
 preempted is the class's doing, not the share's (reason="fair_share" stays 0).
@@ -20,11 +23,12 @@ import time
 from typing import Any
 
 import orjson
+import pytest
 from openai import AsyncOpenAI
 
 from disagg_tools.sim.textgen import expected_answer
 from router.openai.api import CHAT
-from tests.conftest import MODEL, SimCluster
+from tests.conftest import MODEL, SimCluster, sim_cluster
 from tests.router.request.test_fair_share_cluster import two_replicas
 from tests.router.request.test_faults import assert_quiet
 
@@ -46,7 +50,7 @@ def _natural(max_tokens: int) -> dict[str, str]:
 
 
 def _expected(content: str, max_tokens: int) -> str:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+    body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
     body["max_tokens"] = max_tokens
     text, _, _ = expected_answer(CHAT, orjson.loads(orjson.dumps(body)), _natural(max_tokens))
     return text
@@ -80,7 +84,7 @@ async def _stream(
             extra_headers={**_natural(out.max_tokens), **(headers or {})},
             extra_body=extra or None,
         )
-        parts = []
+        parts: list[str] = []
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 if not parts:
@@ -161,4 +165,43 @@ async def test_a_tenant_allowed_default_gets_no_more_by_asking_interactive(
         for parts in (r1, r2):
             for reason in ("priority", "fair_share"):
                 assert _counter(parts.metrics.preemptions, reason=reason) == 0
+        await assert_quiet(c)
+
+
+async def _waiting(c: SimCluster, n: int) -> None:
+    """Until `n` requests wait in the replica's admission queue."""
+    gauge = c.parts.metrics.admission_waiting
+    for _ in range(400):
+        if gauge._value.get() >= n:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"never {n} waiting")
+
+
+@pytest.mark.parametrize("fairness", ["fifo", "vtc"])
+async def test_a_more_urgent_class_is_admitted_first_by_its_name(
+    redis_prefix: str, fairness: str
+) -> None:
+    tenants = [_tenant("bulk", "default", weight=100), _tenant("chat", "interactive")]
+    settings = {**SETTINGS, "admission": {"fairness": fairness, "max_wait_s": 60}}
+    async with sim_cluster(redis_prefix=redis_prefix, tenants=tenants, **settings) as c:
+        long = [Streamed(f"holder {i}", LONG_TOKENS) for i in range(2)]
+        later = Streamed("a batch job", LONG_TOKENS)  # ~190 blocks: it fits once one ends
+        urgent = Streamed("a chat turn", SHORT_TOKENS)  # ~26: both do not fit then
+        async with asyncio.timeout(120):
+            holders = [asyncio.create_task(_stream(c.router_url, "bulk", s)) for s in long]
+            await _filled(c, 2 * 180)
+            batch = asyncio.create_task(
+                _stream(c.router_url, "bulk", later, {"X-Priority-Class": "batch"})
+            )
+            await _waiting(c, 1)
+            await _stream(c.router_url, "chat", urgent)
+            await asyncio.gather(batch, *holders)
+        assert urgent.exact and later.exact and all(s.exact for s in long)
+        assert urgent.first < later.first  # came later, admitted first
+        if fairness == "fifo":  # no take-back: it waited for a holder to end
+            assert urgent.first > min(s.end for s in long)
+            assert _counter(c.parts.metrics.preemptions, reason="priority") == 0
+        else:  # vtc: a default holder preempted for it
+            assert _counter(c.parts.metrics.preemptions, reason="priority") >= 1
         await assert_quiet(c)
