@@ -45,6 +45,7 @@ from router.config import Settings
 from router.errors import InvalidRequest
 from router.settings_groups import DiscoverySettings
 from router.worker_spec import WorkerSpec
+from router.workers.dp_ranks import parent_id
 from router.workers.drain import set_drained
 from router.workers.health_probe import HealthProber
 from router.workers.kube.client import ApiCalls, open_api
@@ -156,10 +157,10 @@ class KubeDiscovery:
     def changed(self, names: set[str]) -> None:
         """Pods changed: their workers' place in rotation here follows at once; the shared
         registry on the next reconcile."""
-        workers = self._members.workers
         for name in names:
-            w = workers.get(name)
-            if w is not None and w.spec.pod:
+            for w in self._members.ranks_of(name):  # a data-parallel pod: each of its ranks
+                if not w.spec.pod:
+                    continue
                 now = self._spec_ready(w.spec)
                 if w.pod_ready != now:
                     log.info("pod %s %s", name, "ready" if now else "out of rotation")
@@ -193,7 +194,8 @@ class KubeDiscovery:
         shared registry and its drain marks are the best knowledge: trusted, not refused."""
         if not self.listed:
             return True
-        return spec.pod == f"{self.namespace}/{spec.id}" and self._pod_in_rotation(spec.id)
+        name = parent_id(spec)  # a data-parallel pod's ranks are its pod's
+        return spec.pod == f"{self.namespace}/{name}" and self._pod_in_rotation(name)
 
     def _complain(self, key: str, message: str) -> None:
         if key not in self._complained:
@@ -269,15 +271,15 @@ class KubeDiscovery:
         desired = self._desired()
         members, prefix = self._members, f"{self.namespace}/"
         for gone in list(members.workers.values()):
-            wid = gone.spec.id
+            wid = parent_id(gone.spec)  # a data-parallel pod is one registration, its ranks
             if gone.dynamic and gone.spec.pod.startswith(prefix) and wid not in desired:
-                if wid not in self._adopting:
+                if wid not in self._adopting and members.entry(wid) is not None:
                     await self._remove(wid)
         for wid in self._fresh.keys() - desired.keys():
             del self._fresh[wid]
         now = time.monotonic()
         for wid, (role, pod) in desired.items():
-            w = members.workers.get(wid)
+            w = members.entry(wid)
             if w is not None and not w.dynamic:
                 self._complain(wid, f"pod {wid} has the id of a worker of the file: ignored")
                 continue
@@ -312,7 +314,8 @@ class KubeDiscovery:
     def _matches(self, w: WorkerState, raw: dict[str, Any], blob: bytes) -> bool:
         """The worker registered under this id is this pod as it is now (registered by this
         replica or read back from another's registration)."""
-        if self._known.get(w.spec.id) == blob:
+        wid = parent_id(w.spec)
+        if self._known.get(wid) == blob:
             return True
         try:
             want = self._members.parse_registration(raw)
@@ -323,7 +326,7 @@ class KubeDiscovery:
             getattr(have.layout, k, object()) == v for k, v in (raw.get("layout") or {}).items()
         )
         if same:
-            self._known[w.spec.id] = blob
+            self._known[wid] = blob
         return same
 
     async def _adopt(
@@ -351,14 +354,17 @@ class KubeDiscovery:
             self._dirty.set()  # deleted meanwhile? not ready any more? the next pass sees it
 
     async def _follow_readiness(self, w: WorkerState) -> None:
-        """The shared drain mark follows the pod: drained while NotReady or Terminating."""
-        wid = w.spec.id
+        """The shared drain mark follows the pod: drained while NotReady or Terminating (a
+        data-parallel pod: each of its ranks)."""
+        wid = parent_id(w.spec)
         ready = self._pod_in_rotation(wid)
-        w.pod_ready = ready
-        if w.drained == (not ready):
-            return
-        await set_drained(self._store, self._members.workers.values(), wid, not ready)
-        log.info("worker %s %s (its pod)", wid, "undrained" if ready else "drained")
+        for rank in self._members.ranks_of(wid):
+            rank.pod_ready = ready
+            if rank.drained == (not ready):
+                continue
+            workers = self._members.workers.values()
+            await set_drained(self._store, workers, rank.spec.id, not ready)
+            log.info("worker %s %s (its pod)", rank.spec.id, "undrained" if ready else "drained")
 
     async def _remove(self, wid: str) -> None:
         await self._store.unregister_worker(wid)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -18,6 +19,7 @@ import pytest
 import zmq.asyncio
 
 from disagg_tools.sim.dp_front import running_dp_worker
+from disagg_tools.sim.textgen import expected_answer
 from disagg_tools.sim.worker import WorkerConfig
 from policies.base import KVLayout
 from router.adapters.base import prefill_target
@@ -38,6 +40,17 @@ from tests.router.request.test_faults import (
     call,
     check_exact,
 )
+from tests.router.workers.test_kube_discovery import (
+    CHAT,
+    admin_workers,
+    serving_exactly,
+    until,
+)
+from tests.router.workers.test_kube_discovery import Engine as KubeEngine
+from tests.router.workers.test_kube_discovery import body as kube_body
+from tests.router.workers.test_kube_discovery import chat as kube_chat
+from tests.router.workers.test_kube_discovery import fleet as kube_fleet
+from tests.router.workers.test_kube_discovery import router_settings as kube_router_settings
 
 RANKS = 4
 BLOCKS_PER_RANK = 40  # small: a rank's room binds, and a URL-wide view would overfill one
@@ -468,3 +481,38 @@ async def test_sglang_dp_pairs_meet_on_the_prefill_rank_the_room_names(redis_pre
                 assert r["body"]["data_parallel_rank"] == r["dp_rank"]
                 if wid == "p0":  # and every room falls on the prefill's rank
                     assert r["body"]["bootstrap_room"] % RANKS == r["dp_rank"]
+
+
+# --- Kubernetes discovery: a data-parallel pod ------------------------------------------------
+
+
+async def test_a_dp_pod_is_discovered_as_its_ranks_and_leaves_as_one(
+    tmp_path: Path, redis_prefix: str
+) -> None:
+    async with asyncio.timeout(60), kube_fleet(tmp_path) as f:
+        await f.pod("p0", "prefill")
+        cfg = WorkerConfig(
+            role="decode", worker_id="d0", model=MODEL, kv_blocks=512, time_scale=500.0,
+            kv_lease_s=30.0 * 500,
+        )  # fmt: skip
+        url = await f.stack.enter_async_context(running_dp_worker(cfg, 2))
+        f.engines["d0"] = KubeEngine("d0", "decode", url, cfg)
+        await f.pod("d0", "decode")
+        # discover_layout: the pod's server tells its 2 ranks (its engines in /metrics)
+        settings = kube_router_settings(f, redis_prefix, discovery={"discover_layout": True})
+        async with running_router(settings) as (router, _), aiohttp.ClientSession() as s:
+            await serving_exactly(router, {"p0", "d0@0", "d0@1"})
+            for i in range(6):
+                b = kube_body(f"dp pod {i}")
+                assert await kube_chat(s, router, b) == (200, expected_answer(CHAT, b)[0])
+            f.kube.set_ready("d0", False)  # its pod out of rotation: every rank
+            await serving_exactly(router, {"p0"}, within_s=5)
+            f.kube.set_ready("d0", True)
+            await serving_exactly(router, {"p0", "d0@0", "d0@1"})
+            f.kube.delete_pod("d0")
+            await serving_exactly(router, {"p0"}, within_s=5)
+
+            async def gone() -> bool:
+                return not {"d0@0", "d0@1"} & set(await admin_workers(router))
+
+            await until(gone, 5, "d0's ranks removed")
