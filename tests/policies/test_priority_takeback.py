@@ -189,6 +189,11 @@ def test_taking_back_for_a_class_keeps_its_bounds(
     assert plan.for_class == chosen
     assert len(both) <= budget and len(set(both)) == len(both)
     assert len(both) <= sum(w.count for w in starved)
+    if plan.for_share:  # the share's rule: never a stream of a class more urgent than the
+        # starved tenant's it takes for (under its share, with requests not served by a class)
+        by_id = {s.stream_id: s for s in streams}
+        takers = [w for w in left if w.waited_s >= 0.5 and w.count and occ.under(w.tenant)]
+        assert all(by_id[i].priority >= min(w.priority for w in takers) for i in plan.for_share)
 
 
 @settings(max_examples=200, deadline=None)
