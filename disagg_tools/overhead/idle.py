@@ -1,6 +1,7 @@
 """What a router costs when nobody asks it anything: CPU ms per second with 4 workers, idle.
 
     python -m disagg_tools.overhead.idle [--targets ours,ours_dropin,vllm,sglang] [--idle-s 20]
+        [--per-role 1]
 
 Four `disagg_tools.overhead.fixed_worker` processes (two prefill, two decode), then each
 router in turn: started against all four, one short stream through it (it is up and has
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from disagg_tools import uvrun
+from disagg_tools.overhead.idle_threads import thread_delta, thread_readings
 from disagg_tools.overhead.targets import (
     fixed_worker_command,
     router_command,
@@ -47,7 +49,8 @@ async def _workers(
 ) -> tuple[list[Child], list[str], list[str]]:
     procs: list[Child] = []
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
-    for role in ("prefill", "prefill", "decode", "decode"):
+    per_role = getattr(ns, "per_role", 2)  # the ladder's `--idle-s` phase: two of each
+    for role in ("prefill",) * per_role + ("decode",) * per_role:
         port = free_port()
         cmd = fixed_worker_command(role, port, ns.model, interval_ms=20, prefill_ms=10)
         proc = Child(f"idle-worker-{role}-{len(procs)}", cmd, core=ns.load_core_, log_dir=log_dir)
@@ -77,8 +80,10 @@ async def idle_phase(ns: argparse.Namespace, log_dir: Path) -> list[dict[str, An
                 await asyncio.sleep(ns.settle_s)
                 load = os.getloadavg()[0]
                 t0, c0, r0 = _readings(proc.pid)
+                th0 = thread_readings(proc.pid)
                 await asyncio.sleep(ns.idle_s)
                 t1, c1, r1 = _readings(proc.pid)
+                threads = thread_delta(th0, thread_readings(proc.pid))
                 if not proc.alive():
                     raise RuntimeError(f"{proc.name} died:\n{proc.tail()}")
             finally:
@@ -91,10 +96,21 @@ async def idle_phase(ns: argparse.Namespace, log_dir: Path) -> list[dict[str, An
                 "cpu_ms_per_s": round((r1 - r0) / (t1 - t0) * 1e3, 3),
                 "tick_ms_per_s": round((c1 - c0) / (t1 - t0) * 1e3, 2),  # utime + stime
                 "loadavg_1m": load,
+                # Wake-ups: the scheduler's timeslices, every thread (idle_threads.py).
+                "wakes_per_s": round(sum(t.wakes for t in threads) / (t1 - t0), 1),
+                "threads": [
+                    {
+                        "name": t.name,
+                        "run_ms_per_s": round(t.run_ns / 1e6 / (t1 - t0), 3),
+                        "wakes_per_s": round(t.wakes / (t1 - t0), 1),
+                    }
+                    for t in threads
+                    if t.wakes
+                ],
             }
             print(
-                f"[idle] {name:>10} cpu={r['cpu_ms_per_s']} ms/s over {r['idle_s']} s "
-                f"(load {load:.2f})",
+                f"[idle] {name:>10} cpu={r['cpu_ms_per_s']} ms/s over {r['idle_s']} s, "
+                f"{r['wakes_per_s']} wakes/s (load {load:.2f}); threads: {r['threads']}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -108,21 +124,24 @@ async def idle_phase(ns: argparse.Namespace, log_dir: Path) -> list[dict[str, An
 def idle_markdown(runs: list[dict[str, Any]], idle_s: float) -> str:
     if not runs:
         return ""
+    workers = runs[0]["workers"]
     lines = [
-        f"### Idle: 4 workers (2 prefill + 2 decode), no traffic, {idle_s:g} s",
+        f"### Idle: {workers} workers ({workers // 2} prefill + {workers // 2} decode), "
+        f"no traffic, {idle_s:g} s",
         "",
         "Router CPU from the scheduler's nanosecond run time (`/proc/<pid>/task/*/schedstat`);"
         " the utime + stime column counts 10 ms ticks, exact to "
         f"±{10 / idle_s:.2f} ms/s over the window.",
         "",
-        "| target | router CPU-s | **router CPU ms/s** | (utime + stime ms/s) "
+        "| target | router CPU-s | **router CPU ms/s** | (utime + stime ms/s) | wake-ups/s "
         "| load average (1 min) |",
-        "|---|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for r in runs:
         lines.append(
             f"| {r['target']} | {r['router_cpu_s']:.4f} | {r['cpu_ms_per_s']:.3f} | "
-            f"{r.get('tick_ms_per_s', float('nan')):.2f} | {r['loadavg_1m']:.2f} |"
+            f"{r.get('tick_ms_per_s', float('nan')):.2f} | {r.get('wakes_per_s', float('nan'))} "
+            f"| {r['loadavg_1m']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -152,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--alt-tokenizer", default=None, help="ours_alt: exact prompt counts")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--idle-s", type=float, default=20.0, help="seconds of no traffic per router")
+    p.add_argument(
+        "--per-role", type=int, default=2, help="stand-in workers per role (1: one pair)"
+    )
     p.add_argument(
         "--settle-s", type=float, default=3.0, help="quiet seconds after start-up before measuring"
     )
