@@ -106,11 +106,9 @@ class _AiohttpClient:
         await self.stream.prepare(self.request)
         return self.stream
 
-    def answer(self, body: bytes | None, request_id: str) -> web.StreamResponse:
+    def answer(self, body: bytes | None, headers: dict[str, str]) -> web.StreamResponse:
         if body is not None:
-            return web.Response(
-                body=body, content_type="application/json", headers={"X-Request-Id": request_id}
-            )
+            return web.Response(body=body, content_type="application/json", headers=headers)
         if self.stream is None:  # pragma: no cover - run() streams whenever it returns no body
             raise RuntimeError("the request ended with neither a body nor a stream")
         return self.stream
@@ -180,7 +178,7 @@ async def _serve(
         try:
             body = await flow.run()
             count.status = flow.status
-            return client.answer(body, flow.request_id)
+            return client.answer(body, flow.answer_headers)
         finally:
             await asyncio.shield(flow.cleanup())
             serving.demand.note_output(model, flow.output_tokens or 0)

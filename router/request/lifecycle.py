@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from policies.base import RequestInfo
+from policies.priority_classes import class_name
 from router.admission import Admission
 from router.config import Settings
 from router.errors import (
@@ -45,7 +46,7 @@ from router.request.attempt import Ask, Attempt, Call, LegFailure, loop_time
 from router.request.holdings import Record
 from router.request.legs import Legs
 from router.request.preemption import OVER_LIMIT
-from router.request.priority_class import request_class
+from router.request.priority_class import PRIORITY_HEADER, request_class
 from router.request.quota import QuotaGate, over_limit_error, reserved_blocks
 from router.request.release import Releaser
 from router.request.reserve import Reserver, Seat
@@ -155,6 +156,11 @@ class RequestFlow:
 
     def __repr__(self) -> str:
         return f"RequestFlow({self.request_id}, {self.retries!r}, {self.attempt!r})"
+
+    @property
+    def answer_headers(self) -> dict[str, str]:
+        """A whole answer's headers: its id, and the class it was served in (as a stream's)."""
+        return {"X-Request-Id": self.request_id, PRIORITY_HEADER: class_name(self.call.priority)}
 
     @property
     def attempts(self) -> int:

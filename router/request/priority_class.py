@@ -13,9 +13,10 @@ and gets the least urgent of its tenant's class and what it asks. A request that
 *more* urgent class than its tenant allows is served in its tenant's class, silently, as if it
 had asked nothing (no 400): as OpenAI's `service_tier` falls back to what the account may use.
 A client sending one fixed priority under several keys, or a key moved to a less urgent tenant,
-keeps working, and a hostile client learns nothing and gains nothing that asking nothing would
-not give it. The anonymous `default` tenant of open mode bounds nothing: what the request asks
-is its class (else 0), as before tenants existed.
+keeps working, and a hostile client gains nothing that asking nothing would not give it. The
+answer's `X-Priority-Class` header says the class it was served in (streamed or whole), so a
+client can see that its ask was not granted. The anonymous `default` tenant of open mode
+bounds nothing: what the request asks is its class (else 0), as before tenants existed.
 
 **What the engine sees.** The body is sent to the workers as the client wrote it, `priority`
 included, as before classes had names: a vLLM worker started without `--scheduling-policy

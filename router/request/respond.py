@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import aiohttp
 import orjson
 
+from policies.priority_classes import class_name
 from router.config import Timeouts
 from router.errors import RouterError, UpstreamRejected, stream_error_frame
 from router.metrics import RouterMetrics
@@ -33,6 +34,7 @@ from router.request.assemble import DISCARD, assemble
 from router.request.attempt import Ask, Attempt, Call, LegFailure, loop_time
 from router.request.legs import DecodeAnswer
 from router.request.preemption import LiveStream, Preemptor, Victims
+from router.request.priority_class import PRIORITY_HEADER
 from router.request.responses_api import assembled, output_tokens
 from router.request.resumed_usage import usage_rewrite
 
@@ -310,6 +312,8 @@ class Responder:
                 "Content-Type": "text/event-stream",
                 "Cache-Control": "no-cache",
                 "X-Request-Id": self.call.request_id,
+                # The class it is served in: a more urgent one than asked for is not granted.
+                PRIORITY_HEADER: class_name(self.call.priority),
             }
             try:
                 self.stream = await self.client.start_stream(headers)

@@ -103,13 +103,25 @@ async def test_the_gateway_answers_a_bad_class_with_a_400_and_serves_a_good_one(
             assert err.value.status_code == 400
             body = err.value.body
             assert isinstance(body, dict) and body["param"] == "X-Priority-Class"
-            for header, extra in [("batch", {}), ("interactive", {"priority": -1})]:
-                answer = await client.chat.completions.create(
+            # The answer says the class it was served in: a more urgent one is not granted.
+            for header, extra, stream, served in [
+                ("batch", {}, False, "batch"),
+                ("interactive", {"priority": -1}, False, "default"),
+                ("7", {}, True, "7"),
+                ("interactive", {}, True, "default"),
+            ]:
+                raw = await client.chat.completions.with_raw_response.create(
                     model=MODEL,
                     messages=[{"role": "user", "content": "hi"}],
                     max_tokens=4,
+                    stream=stream,
                     extra_headers={PRIORITY_HEADER: header},
                     extra_body=extra,
                 )
-                assert answer.choices[0].message.content
+                assert raw.headers[PRIORITY_HEADER] == served
+                answer = raw.parse()
+                if stream:
+                    assert [chunk async for chunk in answer]  # type: ignore[union-attr]
+                else:
+                    assert answer.choices[0].message.content  # type: ignore[union-attr]
         assert sum((await c.reserved_blocks()).values()) == 0
