@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 
 from router.config import Settings
 from router.tenants import Keyring
+from router.workers.dp_ranks import parent_id
 from router.workers.drain import drain_view
 from router.workers.membership import Membership
 from state.base import StateStore
@@ -87,10 +88,13 @@ class StoreLoss:
         self._put_back_owed = True
         await self.register_capacities()
         members = self._members
-        dynamic = [w for w in members.workers.values() if w.dynamic and w.registration]
-        await asyncio.gather(
-            *(self._store.register_worker(w.spec.id, w.registration or "") for w in dynamic),
-        )
+        # One registration per entry: a data-parallel entry's ranks share theirs (its id's).
+        dynamic = {
+            parent_id(w.spec): w.registration or ""
+            for w in members.workers.values()
+            if w.dynamic and w.registration
+        }
+        await asyncio.gather(*(self._store.register_worker(i, r) for i, r in dynamic.items()))
         # Drains and roles as this replica last saw them. Every replica puts back its own view
         # (each learns of the loss from the marker), and the store keeps the freshest of them:
         # a drain mark by its time, a role by its version. So a drain another replica undid

@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import msgpack
 import pytest
+import redis.asyncio as aioredis
 import zmq.asyncio
 
 from disagg_tools.sim.dp_front import running_dp_worker
@@ -31,7 +32,9 @@ from router.worker_spec import ConfigError, KvEventsSpec, parse_worker
 from router.workers.dp_loads import assign_rank_loads, split_sglang_loads, split_vllm_metrics
 from router.workers.kv_events import KvEventSubscriber
 from router.workers.membership import Membership
+from state import Keys, RedisStore
 from tests.conftest import MODEL, REDIS_URL, SimCluster, running_router, sim_cluster
+from tests.redis_dump import delete_prefix
 from tests.router.edge.test_admin import TOKEN, _workers, two_replicas_with_prefill_only
 from tests.router.request.test_faults import (
     FAST_RETRY,
@@ -516,3 +519,49 @@ async def test_a_dp_pod_is_discovered_as_its_ranks_and_leaves_as_one(
                 return not {"d0@0", "d0@1"} & set(await admin_workers(router))
 
             await until(gone, 5, "d0's ranks removed")
+
+
+async def test_a_dp_registration_survives_a_store_that_lost_its_data(redis_prefix: str) -> None:
+    """The store restarted empty: each replica puts back the entry's one registration (not one
+    per rank), and the ranks stay in the pools of both."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    config = WorkerConfig(
+        role="decode", worker_id="dd", model=MODEL, time_scale=500.0, kv_blocks=512,
+        kv_lease_s=30.0 * 500,
+    )  # fmt: skip
+    async with (
+        two_replicas_with_prefill_only(redis_prefix) as (a, b, _),
+        running_dp_worker(config, 2) as d_url,
+        aiohttp.ClientSession() as s,
+    ):
+        entry = {"id": "dd", "url": d_url, "role": "decode", "adapter": "sim", "kv_blocks": 512}
+        async with s.post(a + "/admin/workers", json={**entry, "dp_size": 2}, headers=auth) as r:
+            assert r.status == 201, await r.text()
+        ranks = {"dd@0", "dd@1"}
+
+        async def both_serve() -> bool:
+            for replica in (a, b):
+                workers = await _workers(s, replica)
+                if not all(w in workers and workers[w]["healthy"] for w in ranks):
+                    return False
+            return True
+
+        await until(both_serve, 10, "both replicas serve dd's ranks")
+        await delete_prefix(REDIS_URL, redis_prefix)  # the store lost everything
+        client = aioredis.Redis.from_url(REDIS_URL)
+        store = RedisStore(client, Keys(redis_prefix))
+        try:
+
+            async def put_back() -> bool:
+                return set(await store.registered_workers()) == {"dd"}
+
+            await until(put_back, 30, "the registration put back under the entry's id")
+            for _ in range(10):  # and it stays so, a few registry syncs later
+                assert set(await store.registered_workers()) == {"dd"}
+                assert await both_serve()
+                await asyncio.sleep(0.1)
+        finally:
+            await client.aclose()
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "dp"}], "max_tokens": 5}
+        async with s.post(b + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200, await r.text()
