@@ -48,6 +48,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from router.loop_timing import beat
 from router.metrics import RouterMetrics
 from router.worker_spec import KvEventsSpec
 from router.workers.kv_batches import BatchApplier
@@ -432,7 +433,9 @@ class KvEventHub:
     async def run(self) -> None:
         while True:
             self.reconcile()
-            await asyncio.sleep(self._reconcile_s)
+            # On the pools' beat (router/loop_timing.py): an idle replica's wake-up is shared
+            # with its other loops', not one more of its own every second.
+            await beat(self._reconcile_s)
 
     async def close(self) -> None:
         tasks = list(self._tasks.values())
