@@ -7,6 +7,9 @@ command here (the live validation is `python -m disagg_tools.launcher.validate`)
     python -m disagg_tools.experiments scaling   [--sizes 16,64,256,1000]
     python -m disagg_tools.experiments flood     [--tenants 2,10,1000] [--duration 80]
                                                  (tenants under a flood: experiments/flood.py)
+    python -m disagg_tools.experiments flood --shares 2,10,1000 [--shared-fairness]
+                                                 (issue 33: shares across two replicas:
+                                                 experiments/flood_shares.py)
     python -m disagg_tools.experiments flood --placements one,spread,split
                                                  [--fairness fifo,vtc] [--shared-fairness]
                                                  (issue 33: the flood over two replicas, only)
@@ -34,7 +37,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from disagg_tools.experiments import flood, preemption
+from disagg_tools.experiments import flood, flood_shares, preemption
 from disagg_tools.experiments.simruns import admission_comparison, policy_comparison, scaling
 from disagg_tools.experiments.specs import CASES, SHAPES, TRACES, VARIANTS
 from disagg_tools.experiments.tables import (
@@ -100,11 +103,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="",
         help="flood: only the runs over two replicas, these placements (one,spread,split)",
     )
+    ap.add_argument(
+        "--shares",
+        default="",
+        help="flood: only the shares across two replicas, for these tenant counts (2,10,1000)",
+    )
     ap.add_argument("--fairness", default="fifo,vtc", help="flood --placements: the orders")
     ap.add_argument(
         "--shared-fairness",
         action="store_true",
-        help="flood --placements: one fair share and one line for the cluster, not per replica",
+        help="flood --placements/--shares: one fair share and one line for the cluster, not "
+        "per replica",
     )
     ap.add_argument("--out", default="bench-results")
     ap.add_argument("--tag", default="", help="suffix for the JSON file names")
@@ -146,7 +155,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         write_json(out, "scaling" + ("-per-worker" if ns.per_worker_load else ""), rows)
         print(scaling_table(rows), flush=True)
-    if ns.what == "flood" and ns.placements:
+    if ns.what == "flood" and ns.shares:
+        setup = flood.FloodSetup(seed=ns.seed)
+        pool = setup.lengths()
+        cap = flood.capacity(setup, pool)
+        runs = [flood_shares.DEFAULT_RUNS.get(n) or flood_shares.SharesRun(n) for n in
+                (int(x) for x in ns.shares.split(",") if x)]  # fmt: skip
+        share_rows = flood_shares.shares_across_replicas(
+            setup, pool, cap, runs, shared=ns.shared_fairness
+        )
+        tag = "-shared" if ns.shared_fairness else ""
+        write_json(out, "flood-shares" + tag + ("-" + ns.tag if ns.tag else ""), share_rows)
+        print(f"capacity {cap:.1f} req/s\n\n" + flood_shares.shares_table(share_rows), flush=True)
+    elif ns.what == "flood" and ns.placements:
         setup = flood.FloodSetup(duration_s=ns.duration, seed=ns.seed)
         pool = setup.lengths()
         cap = flood.capacity(setup, pool)

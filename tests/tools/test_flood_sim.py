@@ -19,6 +19,12 @@ from disagg_tools.experiments.flood import (
     share_deviation,
     tenant_row,
 )
+from disagg_tools.experiments.flood_shares import (
+    SharesRun,
+    backlogged,
+    share_errors,
+    shares_across_replicas,
+)
 from disagg_tools.simcluster.replica_queues import Replicas, placement
 from disagg_tools.simcluster.tenants import TenantLoad, parse_mix, tenant_streams
 from disagg_tools.traces import TraceRequest
@@ -30,6 +36,16 @@ CAPACITY_RPS = 36.0  # `capacity(FloodSetup())`, docs/benchmarks.md
 @pytest.fixture(scope="module")
 def pool() -> list[TraceRequest]:
     return SETUP.lengths()
+
+
+# The shares' runs need the benchmark's window: a 30 s one after a 10 s warm-up still holds the
+# start's transient (the estimator cold, every tenant arriving at once; up to 29 % off).
+FULL = FloodSetup()
+
+
+@pytest.fixture(scope="module")
+def full_pool() -> list[TraceRequest]:
+    return FULL.lengths()
 
 
 def test_parse_mix_and_streams_are_deterministic(pool: list[TraceRequest]) -> None:
@@ -145,3 +161,48 @@ def test_placements_name_each_tenants_replica() -> None:
     assert (placement("split")("victim", 5), placement("split")("aggressor", 0)) == (0, 1)
     with pytest.raises(ValueError):
         placement("both")
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["one share", "a share per replica"])
+def test_shares_across_two_replicas_are_within_5_percent_of_the_weights(
+    full_pool: list[TraceRequest], shared: bool
+) -> None:
+    # Issue 33's target for 2 and 10 tenants (weights 1:3 and 1/2/4), each tenant's requests
+    # spread over two replicas, all backlogged; the worst tenant's served units within 5 % of
+    # weight / sum of weights over the minute after a 20 s warm-up
+    # (disagg_tools/experiments/flood_shares.py; deterministic under the seed; the
+    # benchmark's rows: 0.1-2.7 %, docs/benchmarks.md).
+    runs = [SharesRun(2), SharesRun(10)]
+    rows = shares_across_replicas(FULL, full_pool, CAPACITY_RPS, runs, shared=shared)
+    for row in rows:
+        assert row.backlogged == row.tenants, row
+        assert row.worst_error < 0.05, row
+    # fifo, in the same runs, is far off (equal rates, unequal weights): the measure can fail.
+    (fifo,) = shares_across_replicas(
+        FULL, full_pool, CAPACITY_RPS, runs[1:], shared=shared, fairness="fifo"
+    )
+    assert fifo.worst_error > 0.3, fifo
+
+
+def test_the_share_error_counts_backlogged_tenants_only() -> None:
+    from disagg_tools.simcluster.metrics import RequestRecord
+
+    def rec(tenant: str, arrival: float, queued: float, units: float, outcome: str = "ok") -> Any:
+        return RequestRecord(
+            index=0, arrival_s=arrival, prompt_tokens=0, output_tokens=1, outcome=outcome,  # type: ignore[arg-type]
+            ttft_s=0.1, e2e_s=1.0, queued_s=queued, tenant=tenant, decode_block_s=units,
+        )  # fmt: skip
+
+    class Res:
+        records = [
+            # a waits the whole window [0, 10) and is served 30 units; b too, 60 units (weight 2)
+            rec("a", 0.0, 5.0, 10.0), rec("a", 0.0, 9.9, 20.0), rec("a", 9.0, 0.0, 0.0, "rejected"),
+            rec("b", 0.0, 9.95, 60.0),
+            # c waits only from 5 s on: not backlogged, left out
+            rec("c", 5.0, 4.0, 500.0),
+        ]  # fmt: skip
+
+    assert backlogged(Res(), ["a", "b", "c"], 0.0, 10.0) == {"a", "b"}  # type: ignore[arg-type]
+    e = share_errors(Res(), {"a": 1.0, "b": 2.0, "c": 1.0}, 0.0, 10.0)  # type: ignore[arg-type]
+    assert e["backlogged"] == 2 and e["admitted"] == 3
+    assert e["worst"] == pytest.approx(0.0) and e["classes"] == {1.0: 0.0, 2.0: 0.0}
