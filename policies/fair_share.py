@@ -60,7 +60,7 @@ resumed with its exact text, then runs to its end.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from policies.preemption import StreamFacts
 
@@ -165,14 +165,28 @@ def take_back(
 ) -> tuple[str, ...]:
     """The streams to preempt so that a starved tenant gets room (the module's rule). Empty:
     none."""
+    chosen = _take_back(streams, waiters, occupancy, after_s, bound, budget)
+    return tuple(stream for stream, _ in chosen)
+
+
+def _take_back(
+    streams: Iterable[StreamFacts],
+    waiters: Iterable[ClusterWaiter],
+    occupancy: Occupancy,
+    after_s: float,
+    bound: int,
+    budget: int,
+) -> list[tuple[str, ClusterWaiter]]:
+    """`take_back`'s streams, each with the waiter line whose request it serves (the starved
+    tenant's lines, longest wait first)."""
     if budget < 1:
-        return ()
+        return []
     starved = sorted(
         (w for w in waiters if w.waited_s >= after_s and w.count > 0 and occupancy.under(w.tenant)),
         key=lambda w: (occupancy.load(w.tenant), w.counter, -w.waited_s, w.tenant, w.replica),
     )
     if not starved:
-        return ()
+        return []
     neediest = starved[0]
     wanted = min(budget, sum(w.count for w in starved if w.tenant == neediest.tenant))
     candidates = [
@@ -184,7 +198,7 @@ def take_back(
         and occupancy.held.get(s.tenant, 0) > occupancy.share(s.tenant)
     ]
     if not candidates:
-        return ()
+        return []
     victim = max({s.tenant for s in candidates}, key=lambda t: (occupancy.load(t), t))
     newest = sorted(
         (s for s in candidates if s.tenant == victim),
@@ -192,13 +206,14 @@ def take_back(
         reverse=True,
     )
     over = occupancy.held.get(victim, 0) - occupancy.share(victim)
-    chosen: list[str] = []
+    units = [w for w in starved if w.tenant == neediest.tenant for _ in range(w.count)]
+    chosen: list[tuple[str, ClusterWaiter]] = []
     for stream in newest:
         if len(chosen) >= wanted or over <= 0:
             break
-        chosen.append(stream.stream_id)
+        chosen.append((stream.stream_id, units[len(chosen)]))
         over -= stream.blocks
-    return tuple(chosen)
+    return chosen
 
 
 def take_back_for_class(
@@ -211,15 +226,27 @@ def take_back_for_class(
     """The streams to preempt for requests of a more urgent class that waited `after_s` with no
     room (the module's rule), and the waiters with the requests served by them taken off their
     counts (for the share's rule in the same decision)."""
+    chosen, left = _take_back_for_class(streams, waiters, after_s, bound, budget)
+    return tuple(stream for stream, _ in chosen), left
+
+
+def _take_back_for_class(
+    streams: Iterable[StreamFacts],
+    waiters: Iterable[ClusterWaiter],
+    after_s: float,
+    bound: int,
+    budget: int,
+) -> tuple[list[tuple[str, ClusterWaiter]], tuple[ClusterWaiter, ...]]:
+    """`take_back_for_class`, each stream with the waiter line whose request it serves."""
     lines = tuple(waiters)
     if budget < 1:
-        return (), lines
+        return [], lines
     starved = sorted(
         (i for i, w in enumerate(lines) if w.waited_s >= after_s and w.count > 0),
         key=lambda i: _urgency(lines[i]),
     )
     if not starved:
-        return (), lines
+        return [], lines
     # Least urgent class first, newest dispatch first in it: a waiter may take any stream of
     # a class below its own, so the streams it may take are a prefix of this order.
     victims = sorted(
@@ -228,18 +255,18 @@ def take_back_for_class(
         reverse=True,
     )
     most = min(budget, len(victims))
-    chosen: list[str] = []
+    chosen: list[tuple[str, ClusterWaiter]] = []
     served = [0] * len(lines)
     for i in starved:
         for _ in range(lines[i].count):
             if len(chosen) >= most or victims[len(chosen)].priority <= lines[i].priority:
                 break  # the budget is spent, or every stream left is as urgent as this waiter
-            chosen.append(victims[len(chosen)].stream_id)
+            chosen.append((victims[len(chosen)].stream_id, lines[i]))
             served[i] += 1
     left = tuple(
         replace(w, count=w.count - n) if n else w for w, n in zip(lines, served, strict=True)
     )
-    return tuple(chosen), left
+    return chosen, left
 
 
 def _urgency(w: ClusterWaiter) -> tuple[int, float, float, str, str]:
@@ -250,10 +277,14 @@ def _urgency(w: ClusterWaiter) -> tuple[int, float, float, str, str]:
 @dataclass(frozen=True, slots=True)
 class TakeBack:
     """The streams to preempt, by why: for a more urgent class (`for_class`, counted as
-    reason "priority") and for the share (`for_share`, reason "fair_share")."""
+    reason "priority") and for the share (`for_share`, reason "fair_share"); `serves`: each
+    stream's waiter line (its replica, class, tenant), whose one request it makes room for —
+    what a replica claims in the store before it preempts, so that two replicas reading the
+    same waiter do not both preempt for it (router/request/fair_takeback.py)."""
 
     for_class: tuple[str, ...] = ()
     for_share: tuple[str, ...] = ()
+    serves: Mapping[str, tuple[str, int, str]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.for_class) + len(self.for_share)
@@ -271,8 +302,13 @@ def plan_take_back(
     with what is left of the budget, on the streams not yet taken and the requests not yet
     served. At most `budget` streams, each at most once."""
     streams = tuple(streams)
-    for_class, left = take_back_for_class(streams, waiters, after_s, bound, budget)
-    taken = set(for_class)
+    for_class, left = _take_back_for_class(streams, waiters, after_s, bound, budget)
+    taken = {stream for stream, _ in for_class}
     rest = [s for s in streams if s.stream_id not in taken]
-    for_share = take_back(rest, left, occupancy, after_s, bound, budget - len(for_class))
-    return TakeBack(for_class, for_share)
+    for_share = _take_back(rest, left, occupancy, after_s, bound, budget - len(for_class))
+    serves = {stream: (w.replica, w.priority, w.tenant) for stream, w in for_class + for_share}
+    return TakeBack(
+        tuple(stream for stream, _ in for_class),
+        tuple(stream for stream, _ in for_share),
+        serves,
+    )

@@ -32,7 +32,9 @@ least half of any stretch in which the other replica never claims it is work-con
 **Taking room back** (router/request/fair_takeback.py listens to each sync): a tenant starved
 past `admission.fair_preempt_after_s` gets streams of the tenant most over its share preempted
 on the replica that relays them (each replica acts for its own streams, reading every replica's
-waiters: no message between replicas), at most `admission.fair_preempt_per_s` a second each.
+waiters; before it preempts it claims the waiting requests it makes room for in the store, so
+that two replicas do not both preempt for one request), at most `admission.fair_preempt_per_s`
+a second each.
 """
 
 from __future__ import annotations
@@ -93,7 +95,9 @@ class ClusterShare:
         self.view = FairView()
         # Each tenant's latest admission charge (units / weight): one of its requests.
         self.request_units: dict[str, float] = {}
-        self.listeners: list[Callable[[ClusterShare], None]] = []
+        # Told after each sync (router/request/fair_takeback.py, router/tenant_metrics.py), in
+        # turn; one that answers an awaitable is awaited before the next.
+        self.listeners: list[Callable[[ClusterShare], Awaitable[None] | None]] = []
         self.syncs = 0
         self.failures = 0
         self._pending: dict[FairSlot, float] = {}
@@ -165,7 +169,9 @@ class ClusterShare:
         self.syncs += 1
         self._adopt(view)
         for listener in self.listeners:
-            listener(self)
+            told = listener(self)
+            if told is not None:
+                await told
         return bool(charges or waiting or self.admission.inflight or self._pending or self._holding)
 
     def _adopt(self, view: FairView) -> None:

@@ -479,6 +479,16 @@ class StateStore(Protocol):
         waiting anywhere and of those named, every live waiter and the blocks each tenant holds
         over the replicas. One script on Redis (one slot)."""
 
+    async def fair_claim(
+        self, wanted: Mapping[str, tuple[int, int]], owner: str, ttl_s: float
+    ) -> dict[str, int]:
+        """Before a take-back: for each waiter line `name` -> (its requests waiting, how many of
+        them `owner` means to make room for), claim up to that many of its requests for `ttl_s`
+        — the first ones no replica claimed in that time. Returns the requests claimed per
+        line: two replicas that read the same waiter preempt for it once, not once each. One
+        script on Redis (the `{fair}` slot)."""
+        ...
+
     async def fair_nudge(self, replica: str) -> None:
         """Tell `replica` that room was left for its waiters (router/fair_share.py's hand-off),
         so that it reads the store now rather than at its next refresh. Best effort: a nudge

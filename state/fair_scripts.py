@@ -23,7 +23,7 @@ from __future__ import annotations
 from state.fair_shares import SWEEP_ABOVE
 from state.redis_scripts import _LUA_CLOCK
 
-__all__ = ["FAIR_SYNC_SCRIPT"]
+__all__ = ["FAIR_CLAIM_SCRIPT", "FAIR_SYNC_SCRIPT"]
 
 FAIR_SYNC_SCRIPT = (
     _LUA_CLOCK
@@ -191,3 +191,27 @@ redis.call('PEXPIRE', KEYS[2], math.ceil((lease + 60) * 1000))
 return out
 """
 )
+
+
+# Claims of waiters' requests before a take-back (state/base.py `fair_claim`). KEYS: every unit's
+# key, line after line (`<p>{fair}:claim:<line>|<k>`, one slot with the counters); ARGV: the
+# claimant, the claims' life in ms, then per line (its units' count, the units wanted). The
+# answer: per line, the units claimed (the first free ones; a claim already held, by anyone,
+# is not free until it expires).
+FAIR_CLAIM_SCRIPT = """
+local owner, ttl = ARGV[1], ARGV[2]
+local out = {}
+local key, a = 1, 3
+while a < #ARGV do
+  local n, want = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+  local got = 0
+  for i = 0, n - 1 do
+    if got < want and redis.call('SET', KEYS[key + i], owner, 'NX', 'PX', ttl) then
+      got = got + 1
+    end
+  end
+  out[#out + 1] = got
+  key, a = key + n, a + 2
+end
+return out
+"""

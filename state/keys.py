@@ -291,6 +291,11 @@ class Keys:
         base = f"{self.prefix}{{fair}}"
         return [f"{base}:vtc", f"{base}:wait", f"{base}:floor"]
 
+    def fair_claims(self, line: str, units: int) -> list[str]:
+        """The claim keys of a waiter line's `units` requests (state/base.py `fair_claim`)."""
+        base = f"{self.prefix}{{fair}}:claim:{line}|"
+        return [f"{base}{k}" for k in range(units)]
+
     def fair_nudge(self, replica: str) -> str:
         """The pub/sub channel on which `replica` hears that room was left for its waiters."""
         return f"{self.prefix}{{fair}}:nudge:{check_id('replica', replica)}"

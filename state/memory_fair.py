@@ -18,6 +18,7 @@ class MemoryFair:
     _clock: Callable[[], float]
     _fair: FairTable
     _nudged: dict[str, list[asyncio.Queue[None]]]
+    _claims: dict[str, float]  # "<line>|<k>" -> when its claim expires
 
     async def fair_sync(
         self,
@@ -30,6 +31,23 @@ class MemoryFair:
         check_fair_sync(replica, charges, waiting, lease_s, holding)
         now = self._clock()
         return fair_sync_now(self._fair, now, replica, charges, waiting, lease_s, holding)
+
+    async def fair_claim(
+        self, wanted: Mapping[str, tuple[int, int]], owner: str, ttl_s: float
+    ) -> dict[str, int]:
+        now = self._clock()
+        claims = self._claims
+        for unit in [u for u, expires in claims.items() if expires <= now]:
+            del claims[unit]
+        got: dict[str, int] = {}
+        for line, (count, want) in wanted.items():
+            got[line] = 0
+            for k in range(count):
+                unit = f"{line}|{k}"
+                if got[line] < want and unit not in claims:
+                    claims[unit] = now + ttl_s
+                    got[line] += 1
+        return got
 
     async def fair_nudge(self, replica: str) -> None:
         for queue in self._nudged.get(replica, ()):

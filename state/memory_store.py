@@ -126,6 +126,7 @@ class MemoryStore(MemoryRegistry, MemoryQuotas, MemoryFair):
         self._quotas: dict[str, Buckets] = {}  # tenant -> its quota state (MemoryQuotas)
         self._fair = FairTable()  # the cluster's fair share (MemoryFair)
         self._nudged: dict[str, list[asyncio.Queue[None]]] = {}  # (MemoryFair) by replica
+        self._claims: dict[str, float] = {}  # (MemoryFair) take-back claims' expiries
 
     def _drop_worker(self, worker_id: str) -> None:
         self._decode.pop(worker_id, None)

@@ -11,7 +11,7 @@ from typing import Any
 from redis.commands.core import AsyncScript
 
 from state.base import StoreError
-from state.fair_scripts import FAIR_SYNC_SCRIPT
+from state.fair_scripts import FAIR_CLAIM_SCRIPT, FAIR_SYNC_SCRIPT
 from state.fair_shares import FairSlot, FairView, FairWaiter, check_fair_sync
 from state.redact import mask_urls
 from state.redis_conn import FAILURES, RedisConnection, store_call, text
@@ -33,6 +33,7 @@ class RedisFair(RedisConnection):
 
     def _register_fair_scripts(self, register: Callable[[str], AsyncScript]) -> None:
         self._fair_sync = register(FAIR_SYNC_SCRIPT)
+        self._fair_claim = register(FAIR_CLAIM_SCRIPT)
 
     @store_call
     async def fair_sync(
@@ -80,6 +81,24 @@ class RedisFair(RedisConnection):
         return FairView(
             dict(sorted(counters.items())), floors, tuple(waiters), dict(sorted(held.items()))
         )
+
+    @store_call
+    async def fair_claim(
+        self, wanted: Mapping[str, tuple[int, int]], owner: str, ttl_s: float
+    ) -> dict[str, int]:
+        lines = [(line, count, want) for line, (count, want) in wanted.items() if count > 0]
+        if not lines:
+            return {line: 0 for line in wanted}
+        keys: list[str] = []
+        args: list[str | int] = [owner, max(1, int(ttl_s * 1000))]
+        for line, count, want in lines:
+            keys += self._keys.fair_claims(line, count)
+            args += [count, want]
+        row = await self._hot_script(self._fair_claim, keys, args)
+        got = {line: 0 for line in wanted}
+        for (line, _, _), claimed in zip(lines, row, strict=True):
+            got[line] = int(claimed)
+        return got
 
     @store_call
     async def fair_nudge(self, replica: str) -> None:

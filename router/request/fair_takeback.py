@@ -11,7 +11,14 @@ error). Two rules, one decision (policies/fair_share.py `plan_take_back`):
   a less urgent one (`take_back`), counted as preemptions_total{reason="fair_share"}.
 
 Both: newest dispatch first, never a stream preempted `preemption.max_per_stream` times, at most
-one per waiting request. The rate is a token bucket of `admission.fair_preempt_per_s` a second
+one per waiting request — in the cluster, not per replica: every replica reads every waiter, so
+before it preempts a replica claims in the store the waiting requests its streams make room for
+(`StateStore.fair_claim`, for `claim_ttl_s`: about the time the room takes to reach the waiter
+and the waiter's registration to show it), and preempts only for those it got. Without it each
+replica holding the flooder's streams preempted one for the same request (issue 33's bench: 2×
+the preemptions with the tenants spread over two replicas).
+
+The rate is a token bucket of `admission.fair_preempt_per_s` a second
 per replica (a burst of one), shared by both rules, so the cluster is never thrashed: with R
 replicas at most R × that rate, each stream at most max_per_stream times (so every answer, a
 batch one too, completes).
@@ -19,19 +26,30 @@ batch one too, completes).
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from collections.abc import Callable
 
-from policies.fair_share import plan_take_back
+from policies.fair_share import TakeBack, plan_take_back
 from policies.preemption import StreamFacts
 from router.admission import AdmissionSettings
 from router.fair_share import ClusterShare
 from router.request.preemption import Preemptor, Victims
+from state.base import StoreError
 
-__all__ = ["FAIR_SHARE", "PRIORITY", "FairTakeBack"]
+__all__ = ["FAIR_SHARE", "PRIORITY", "FairTakeBack", "claim_ttl_s"]
+
+log = logging.getLogger(__name__)
 
 # The preemptions' reasons (metrics, the request's trace).
 FAIR_SHARE = "fair_share"
 PRIORITY = "priority"
+
+
+def claim_ttl_s(settings: AdmissionSettings) -> float:
+    """How long a claimed waiting request is not claimed again: the room's way to it (a nudge, a
+    placement) and its replica's and this one's next syncs, 4 sync periods, at least 0.1 s."""
+    return max(0.1, 4 * settings.fair_sync_s)
 
 
 class FairTakeBack:
@@ -55,7 +73,7 @@ class FairTakeBack:
         s = self.settings
         return s.fair_preempt_after_s > 0 and s.fair_preempt_per_s > 0 and self.preemptor.enabled
 
-    def __call__(self, share: ClusterShare) -> None:
+    async def __call__(self, share: ClusterShare) -> None:
         if not self.enabled or not share.waiters:
             return
         now = self.clock()
@@ -87,10 +105,46 @@ class FairTakeBack:
             self.preemptor.settings.max_per_stream,
             int(self._tokens),
         )
-        if plan:
-            self._tokens -= len(plan)
-            self.taken += len(plan)
-            if plan.for_class:
-                self.preemptor.preempt(Victims(plan.for_class, False), PRIORITY)
-            if plan.for_share:
-                self.preemptor.preempt(Victims(plan.for_share, False), FAIR_SHARE)
+        if not plan:
+            return
+        granted = await self._claim(share, plan)
+        for_class = _granted(plan.for_class, plan, granted)
+        for_share = _granted(plan.for_share, plan, granted)
+        taken = len(for_class) + len(for_share)
+        self._tokens -= taken
+        self.taken += taken
+        if for_class:
+            self.preemptor.preempt(Victims(for_class, False), PRIORITY)
+        if for_share:
+            self.preemptor.preempt(Victims(for_share, False), FAIR_SHARE)
+
+    async def _claim(self, share: ClusterShare, plan: TakeBack) -> Counter[tuple[str, int, str]]:
+        """The waiting requests the plan makes room for, claimed in the store: how many of each
+        line this replica got (none when the store does not answer: preempting blind could
+        take twice)."""
+        wanted = Counter(plan.serves.values())
+        counts = {(w.replica, w.priority, w.tenant): w.count for w in share.waiters}
+        names = {line: "|".join(map(str, line)) for line in wanted}
+        try:
+            got = await share.store.fair_claim(
+                {names[line]: (counts.get(line, n), n) for line, n in wanted.items()},
+                share.replica,
+                claim_ttl_s(self.settings),
+            )
+        except StoreError as exc:
+            log.debug("fair take-back: no claim (%s)", exc)
+            return Counter()
+        return Counter({line: got.get(names[line], 0) for line in wanted})
+
+
+def _granted(
+    streams: tuple[str, ...], plan: TakeBack, granted: Counter[tuple[str, int, str]]
+) -> tuple[str, ...]:
+    """The streams whose waiting request this replica claimed (each claim used once)."""
+    chosen: list[str] = []
+    for stream in streams:
+        line = plan.serves[stream]
+        if granted[line] > 0:
+            granted[line] -= 1
+            chosen.append(stream)
+    return tuple(chosen)

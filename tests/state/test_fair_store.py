@@ -175,3 +175,18 @@ async def test_a_nudge_reaches_the_replica_listening_and_no_other(store: StateSt
         for task in listeners:
             task.cancel()
         await asyncio.gather(*listeners, return_exceptions=True)
+
+
+async def test_a_waiters_requests_are_claimed_once_across_replicas(store: StateStore) -> None:
+    """Before a take-back (router/request/fair_takeback.py): two replicas that read the same
+    waiter claim its requests; each request goes to one of them until the claim expires."""
+    line = "r9|0|victim"
+    assert await store.fair_claim({line: (2, 1)}, "r1", 0.3) == {line: 1}
+    assert await store.fair_claim({line: (2, 2)}, "r2", 0.3) == {line: 1}  # the second only
+    assert await store.fair_claim({line: (2, 1), "r9|0|other": (1, 1)}, "r3", 0.3) == {
+        line: 0,
+        "r9|0|other": 1,
+    }
+    assert await store.fair_claim({line: (0, 1)}, "r3", 0.3) == {line: 0}
+    await asyncio.sleep(0.5)  # the claims expire: the requests may be claimed again
+    assert await store.fair_claim({line: (2, 2)}, "r2", 0.3) == {line: 2}

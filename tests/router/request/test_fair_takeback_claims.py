@@ -1,0 +1,55 @@
+"""Two replicas read the same starved waiter (router/request/fair_takeback.py): before either
+preempts it claims the waiting request in the store, so one request costs one preemption in the
+cluster, not one per replica holding the flooder's streams (issue 33's spread rows)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from policies.fair_share import ClusterWaiter, Occupancy
+from router.admission import AdmissionSettings
+from router.metrics import RouterMetrics
+from router.request.fair_takeback import FairTakeBack
+from router.request.preemption import LiveStream, Preemptor
+from router.settings_groups import PreemptionSettings
+from state import MemoryStore, StateStore
+
+
+@dataclass
+class _Share:
+    """What the take-back reads of router/fair_share.py's ClusterShare after a sync."""
+
+    replica: str
+    store: StateStore
+    waiters: tuple[ClusterWaiter, ...]
+    occupancy: Occupancy
+
+
+def _replica(name: str, cut: list[str]) -> tuple[FairTakeBack, Preemptor]:
+    metrics = RouterMetrics()
+    preemptor = Preemptor(PreemptionSettings(), metrics)
+    for i in range(3):  # the flooder's streams this replica relays
+        rid = f"{name}-s{i}"
+        stop = lambda rid=rid: cut.append(rid)  # noqa: E731 (the stream's cut)
+        preemptor.register(LiveStream(rid, "d0", "flooder", float(i), 0, lambda: 20, stop))
+    return FairTakeBack(AdmissionSettings(fairness="vtc"), preemptor, lambda: 100.0), preemptor
+
+
+async def _round(count: int) -> list[str]:
+    store = MemoryStore()
+    waiter = ClusterWaiter("r3", 0, "victim", 0.0, count, 1.0)  # waited 1 s on a third replica
+    occupancy = Occupancy(120, {"flooder": 120}, {}, frozenset({"flooder", "victim"}))
+    cut: list[str] = []
+    for name in ("r1", "r2"):
+        take_back, _ = _replica(name, cut)
+        await take_back(_Share(name, store, (waiter,), occupancy))  # type: ignore[arg-type]
+    return cut
+
+
+async def test_one_waiting_request_costs_one_preemption_across_replicas() -> None:
+    assert len(await _round(1)) == 1
+
+
+async def test_two_waiting_requests_get_one_preemption_each() -> None:
+    cut = await _round(2)
+    assert len(cut) == 2 and {rid.split("-")[0] for rid in cut} == {"r1", "r2"}
