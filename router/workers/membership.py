@@ -69,9 +69,11 @@ class Membership:
         """The entry `spec` joins (replacing one of the same id): one target, or one per
         data-parallel rank (`<id>@<rank>`). Returns its lead (rank 0), which the health probe
         reaches its URL through."""
+        targets = expand_ranks(spec)
         if spec.id in self._ranks:
             self._depart(spec.id)
-        targets = expand_ranks(spec)
+        elif len(targets) > 1 and spec.id in self.workers:  # it was one target, now ranks
+            self.remove(spec.id)
         states = [self._target(t, dynamic, registration) for t in targets]
         if len(targets) > 1:
             self._ranks[spec.id] = tuple(t.id for t in targets)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,12 @@ def test_a_dp_entry_expands_into_one_target_per_rank() -> None:
     for _ in range(3):
         members.workers["d@2"].breaker.on_failure()
     assert [w.available for w in members.ranks_of("d")] == [True, True, False, True]
+    # an entry re-added with other ranks replaces all of its targets
+    spec = members.workers["solo"].spec
+    members.add(replace(spec, dp_size=2))
+    assert {"solo@0", "solo@1"} <= set(members.workers) and "solo" not in members.workers
+    members.add(spec)
+    assert "solo" in members.workers and "solo@0" not in members.workers
     # the entry leaves as one; requests still on a rank find it
     assert members.remove("d")
     assert "d@1" not in members.workers and members.worker("d@1").spec.dp_parent == "d"
