@@ -184,3 +184,43 @@ async def test_live_gauges_waits_and_preemption_series(redis_prefix: str) -> Non
         for tenant in ("a", "b", "default"):
             series = "disagg_router_tenant_preemptions_total"
             assert _sample(text, series, tenant=tenant, reason="fair_share") == 0, tenant
+
+
+async def test_a_preempted_stream_is_counted_for_its_tenant(redis_prefix: str) -> None:
+    """The test setting preempts a stream after 30 tokens: it resumes, and the preemption is
+    counted for its tenant, with its reason (and for no other tenant)."""
+    tenants = [
+        {"name": "a", "weight": 1, "keys": [KEYS["a"]]},
+        {"name": "b", "weight": 3, "keys": [KEYS["b"]]},
+    ]
+    async with (
+        sim_cluster(
+            redis_prefix=redis_prefix,
+            decode=2,
+            time_scale=50.0,
+            tenants=tenants,
+            preemption={"force_after_tokens": 30},
+        ) as c,
+        aiohttp.ClientSession() as session,
+        AsyncOpenAI(
+            base_url=c.router_url + "/v1", api_key=KEYS["a"], max_retries=0, timeout=60
+        ) as client,
+    ):
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "a long story, preempted"}],
+            max_tokens=120,
+            stream=True,
+            extra_headers={"X-Sim-Output-Tokens": "90"},
+        )
+        parts = [
+            chunk.choices[0].delta.content or ""
+            async for chunk in stream
+            if chunk.choices and chunk.choices[0].delta.content
+        ]
+        assert len("".join(parts)) > 0
+        text = await _scrape(session, c.router_url)
+    series = "disagg_router_tenant_preemptions_total"
+    assert _sample(text, series, tenant="a", reason="forced") == 1
+    assert _sample(text, series, tenant="b", reason="forced") is None
+    assert _sample(text, "disagg_router_preemptions_total", reason="forced") == 1
