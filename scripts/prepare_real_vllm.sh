@@ -64,6 +64,16 @@ PY
   log "venv ready in $((SECONDS - t0)) s"
 fi
 
+# peft makes the LoRA test's adapter at test time (tests/real_vllm/test_lora.py); installed apart
+# from the stamped venv so that an existing venv gains it without being rebuilt.
+PEFT_VERSION="0.21.2"
+ACCELERATE_VERSION="1.16.0"   # peft imports it
+if ! "$PY" -c "import importlib.metadata as m, sys; sys.exit(m.version('peft') != '$PEFT_VERSION')" 2>/dev/null; then
+  log "installing peft==$PEFT_VERSION"
+  "$PY" -m pip install --quiet --disable-pip-version-check \
+    "peft==$PEFT_VERSION" "accelerate==$ACCELERATE_VERSION" "torch==$TORCH_VERSION"
+fi
+
 if [ -f "$MODEL/.ready" ] && [ "$(cat "$MODEL/.ready")" = "$(sha1sum scripts/build_tiny_model.py | cut -d' ' -f1)" ]; then
   log "model ready at $MODEL"
 else

@@ -1,0 +1,209 @@
+"""Issue 35 on real vLLM: LoRA adapters behind the router (docs/lora.md, "Real vLLM").
+
+Two adapters for the tiny model are made at test time with `peft` (random weights, rank 8, on
+the attention projections) in the real-vLLM venv. A prefill/decode pair of its own (module
+scope: the shared engines run without `--enable-lora`) serves `fr` from `--lora-modules` and may
+load adapters at runtime (`VLLM_ALLOW_RUNTIME_LORA_UPDATING`); `sql` is only in the router's
+catalog, so the router loads it on both engines itself. Greedy answers under each adapter through
+the router are exactly the decode engine's own answer under that adapter, and differ from the
+base model's (the adapter really applies); the decode engine's counters show the prompt's KV came
+over NIXL, not computed there."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from router.config import merged_settings, settings_from_mapping
+from tests.conftest import running_router
+from tests.real_vllm.conftest import (
+    MODEL_DIR,
+    PYTHON,
+    SERVED,
+    START_TIMEOUT_S,
+    RealRouter,
+    VllmCluster,
+    VllmServer,
+    missing_reason,
+    nixl_handshake,
+    router_settings,
+    unique_prompt,
+    wait_for,
+)
+
+pytestmark = pytest.mark.real_vllm
+
+MAX_LORAS = 2
+RANK = 8
+
+# Random LoRA weights (init_lora_weights=False: A and B both random, so the adapter changes the
+# output) for the tiny model's attention projections, saved in peft's format.
+MAKE_ADAPTER = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+from peft import LoraConfig, get_peft_model
+torch.manual_seed(int(sys.argv[3]))
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+config = LoraConfig(r=int(sys.argv[4]), lora_alpha=16, init_lora_weights=False,
+                    target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM")
+get_peft_model(model, config).save_pretrained(sys.argv[2])
+"""
+
+
+def _peft_missing() -> str | None:
+    probe = subprocess.run(
+        [str(PYTHON), "-c", "import peft"], capture_output=True, text=True, timeout=120
+    )
+    if probe.returncode != 0:
+        return "peft is not installed in the real-vLLM venv: run scripts/prepare_real_vllm.sh"
+    return None
+
+
+@pytest.fixture(scope="session")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two peft adapters of the tiny model, name -> directory."""
+    reason = missing_reason() or _peft_missing()
+    if reason is not None:
+        pytest.skip(reason)
+    root = tmp_path_factory.mktemp("loras")
+    made: dict[str, Path] = {}
+    for seed, name in enumerate(("fr", "sql"), start=1):
+        out = root / name
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        done = subprocess.run(
+            [str(PYTHON), "-c", MAKE_ADAPTER, str(MODEL_DIR), str(out), str(seed), str(RANK)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert (out / "adapter_model.safetensors").exists()
+        made[name] = out
+    return made
+
+
+@dataclass
+class LoraVllmServer(VllmServer):
+    """A vLLM server with `--enable-lora`, `fr` registered at start, runtime loading allowed."""
+
+    fr_path: str = ""
+
+    def command(self) -> list[str]:
+        return [
+            *super().command(),
+            "--enable-lora",
+            "--max-loras",
+            str(MAX_LORAS),
+            "--max-lora-rank",
+            str(RANK),
+            "--lora-modules",
+            f"fr={self.fr_path}",
+        ]
+
+    def environment(self) -> dict[str, str]:
+        return {**super().environment(), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
+@pytest.fixture(scope="module")
+def lora_pair(adapters: dict[str, Path]) -> Iterator[VllmCluster]:
+    workdir = Path(tempfile.mkdtemp(prefix="real-vllm-lora-"))
+    fr = str(adapters["fr"])
+    p = LoraVllmServer("lp0", "kv_producer", workdir, fr_path=fr)
+    d = LoraVllmServer("ld0", "kv_consumer", workdir, fr_path=fr)
+    pair = VllmCluster(prefill=p, decodes=[d], workdir=workdir)
+    t0 = time.monotonic()
+    try:
+        for s in pair.servers:
+            s.start()
+        deadline = t0 + START_TIMEOUT_S
+        for s in pair.servers:
+            s.wait_ready(deadline)
+        nixl_handshake(p, d, deadline)
+        print(f"\nreal vLLM: LoRA pair ready in {time.monotonic() - t0:.1f} s")
+        yield pair
+    finally:
+        pair.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
+async def _router(
+    pair: VllmCluster, prefix: str, adapters: dict[str, Path]
+) -> AsyncIterator[RealRouter]:
+    raw = router_settings(pair, prefix)
+    for w in raw["workers"]:
+        w.update(max_loras=MAX_LORAS, lora_runtime_loading=True)
+    catalog = {"sql": {"path": str(adapters["sql"]), "base_model": SERVED}}
+    raw = merged_settings(raw, {"lora": {"catalog": catalog, "poll_s": 1.0}})
+    async with running_router(settings_from_mapping(raw)) as (url, app):
+        yield RealRouter(url=url, app=app, cluster=pair)
+
+
+def _client(url: str) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+async def _complete(
+    client: AsyncOpenAI, model: str, prompt: str, extra_body: dict[str, str] | None = None
+) -> str:
+    c = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=8, temperature=0, extra_body=extra_body
+    )
+    return c.choices[0].text
+
+
+async def _parents(client: AsyncOpenAI) -> dict[str, Any]:
+    return {m.id: getattr(m, "parent", None) for m in (await client.models.list()).data}
+
+
+async def test_adapters_through_the_router_answer_as_one_engine_with_the_adapter(
+    lora_pair: VllmCluster, adapters: dict[str, Path], redis_prefix: str
+) -> None:
+    decode = lora_pair.decodes[0]
+    prompts = {name: unique_prompt(20, name) for name in ("fr", "sql")}
+    async with _router(lora_pair, redis_prefix, adapters) as r, _client(r.url) as via_router:
+        # (a) The router lists both adapters, each with its base model as parent: `fr` read
+        # from the engines' /v1/models, `sql` from its catalog.
+        async def listed() -> Any:
+            parents = await _parents(via_router)
+            return True if parents == {SERVED: None, "fr": SERVED, "sql": SERVED} else parents
+
+        await wait_for(listed, 30, "the router's /v1/models lists both adapters")
+
+        # (b) Under each adapter, the router's greedy answer is the decode engine's alone; the
+        # router loads `sql` on both engines first (only the catalog knew it).
+        before = decode.prompt_tokens_by_source().get("external_kv_transfer", 0.0)
+        answers = {
+            name: await _complete(via_router, name, prompt) for name, prompt in prompts.items()
+        }
+        after = decode.prompt_tokens_by_source().get("external_kv_transfer", 0.0)
+        assert after > before  # the prompts' KV came from the prefill engine over NIXL
+        async with _client(decode.url) as alone:
+            assert "sql" in await _parents(alone)  # loaded there by the router
+            for name, prompt in prompts.items():
+                salt = {"cache_salt": f"ref-{uuid.uuid4().hex}"}
+                own = await _complete(alone, name, prompt, extra_body=salt)
+                base = await _complete(alone, SERVED, prompt, extra_body=salt)
+                assert answers[name] == own, name
+                assert own != base, f"{name} does not change the tiny model's answer"
+        async with _client(lora_pair.prefill.url) as prefill:
+            assert "sql" in await _parents(prefill)
+
+        # (c) An adapter no engine and no catalog knows: a 404 naming it, no engine asked.
+        with pytest.raises(openai.NotFoundError) as missing:
+            await _complete(via_router, "no-such-adapter", prompts["fr"])
+        assert "no-such-adapter" in str(missing.value)
