@@ -72,6 +72,27 @@ def test_share_gauges_bound_their_labels_and_reset_to_zero() -> None:
     assert _sample(text, share, tenant="a") == 400
 
 
+def test_share_gauges_update_at_most_once_a_period_unless_quiet() -> None:
+    now = [0.0]
+    metrics = RouterMetrics()
+    gauges = ShareGauges(metrics, ["a"], period_s=1.0, clock=lambda: now[0])
+    held = "disagg_router_tenant_decode_blocks_held"
+
+    def busy(blocks: int) -> None:
+        gauges.update(Occupancy(100, {"a": blocks}, {}, frozenset({"a"})), [])
+
+    busy(10)
+    now[0] = 0.5
+    busy(20)  # within the period: skipped
+    assert _sample(_text(metrics), held, tenant="a") == 10
+    now[0] = 1.0
+    busy(30)
+    assert _sample(_text(metrics), held, tenant="a") == 30
+    now[0] = 1.2
+    gauges.update(Occupancy(100, {}, {}, frozenset()), [])  # quiet: shown at once
+    assert _sample(_text(metrics), held, tenant="a") == 0
+
+
 async def test_admission_waits_are_observed_by_tenant() -> None:
     """A request admitted at once is observed at 0 s; one that waited, at its wait."""
     from policies.base import AdmissionCost, Tenant, WaitingRequest
@@ -150,7 +171,8 @@ async def test_live_gauges_waits_and_preemption_series(redis_prefix: str) -> Non
     async with (
         sim_cluster(
             redis_prefix=redis_prefix,
-            time_scale=20.0,
+            # Answers of ~2.5 s: the gauges update at most once a second while busy.
+            time_scale=2.0,
             tenants=tenants,
             admission={"fairness": "vtc"},
         ) as c,
