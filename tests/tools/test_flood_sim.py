@@ -171,7 +171,7 @@ def test_shares_across_two_replicas_are_within_5_percent_of_the_weights(
     # spread over two replicas, all backlogged; the worst tenant's served units within 5 % of
     # weight / sum of weights over the minute after a 20 s warm-up
     # (disagg_tools/experiments/flood_shares.py; deterministic under the seed; the
-    # benchmark's rows: 0.1-2.7 %, docs/benchmarks.md).
+    # benchmark's rows: 0.6-2.5 %, docs/benchmarks.md).
     runs = [SharesRun(2), SharesRun(10)]
     rows = shares_across_replicas(FULL, full_pool, CAPACITY_RPS, runs, shared=shared)
     for row in rows:
