@@ -124,8 +124,11 @@ class AdmissionSettings:
             "taken by anyone after this long (and not left again for as long)"
         },
     )
+    # 0.05: a starved request's first token is then due within about this, a sync period or
+    # two (0.05 s each) and a prefill — inside issue 33's bound of 1.5 x solo + 0.15 s; at 0.1
+    # the sync periods alone pushed it past (docs/benchmarks.md, "Fair share across replicas").
     fair_preempt_after_s: float = field(
-        default=0.1,
+        default=0.05,
         metadata={
             "doc": "with vtc: a tenant under its share waiting this long with no room takes "
             "room back — streams of the tenant most over its share are preempted and resume "
