@@ -51,21 +51,24 @@ RANK = 8
 
 # Random LoRA weights (init_lora_weights=False: A and B both random, so the adapter changes the
 # output) for the tiny model's attention projections, saved in peft's format.
-MAKE_ADAPTER = """
+MAKE_ADAPTERS = """
 import sys, torch
 from transformers import AutoModelForCausalLM
 from peft import LoraConfig, get_peft_model
-torch.manual_seed(int(sys.argv[3]))
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
-config = LoraConfig(r=int(sys.argv[4]), lora_alpha=16, init_lora_weights=False,
-                    target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM")
-get_peft_model(model, config).save_pretrained(sys.argv[2])
+base, out, rank, names = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+for seed, name in enumerate(names, start=1):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=16, init_lora_weights=False, task_type="CAUSAL_LM",
+                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    get_peft_model(model, config).save_pretrained(f"{out}/{name}")
 """
 
 
 def _peft_missing() -> str | None:
     probe = subprocess.run(
-        [str(PYTHON), "-c", "import peft"], capture_output=True, text=True, timeout=120
+        [str(PYTHON), "-c", "import importlib.util as u, sys; sys.exit(not u.find_spec('peft'))"],
+        timeout=120,
     )
     if probe.returncode != 0:
         return "peft is not installed in the real-vLLM venv: run scripts/prepare_real_vllm.sh"
@@ -79,21 +82,20 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     if reason is not None:
         pytest.skip(reason)
     root = tmp_path_factory.mktemp("loras")
-    made: dict[str, Path] = {}
-    for seed, name in enumerate(("fr", "sql"), start=1):
-        out = root / name
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        done = subprocess.run(
-            [str(PYTHON), "-c", MAKE_ADAPTER, str(MODEL_DIR), str(out), str(seed), str(RANK)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-        )
-        assert done.returncode == 0, done.stderr[-2000:]
-        assert (out / "adapter_model.safetensors").exists()
-        made[name] = out
-    return made
+    names = ("fr", "sql")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    # One process for both: importing torch, transformers and peft is most of the cost.
+    done = subprocess.run(
+        [str(PYTHON), "-c", MAKE_ADAPTERS, str(MODEL_DIR), str(root), str(RANK), *names],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    for name in names:
+        assert (root / name / "adapter_model.safetensors").exists()
+    return {name: root / name for name in names}
 
 
 @dataclass
