@@ -84,15 +84,17 @@ class RetryPolicy:
         """Pause before a preempted stream's continuation asks again for room that a worker
         refused (429/503 while the ledger thought it free): jittered back-off like a retry's,
         with no retry spent (the caller bounds the waiting by its own deadline)."""
-        r = self._settings
         self._room_waits += 1
-        backoff = min(r.backoff_max_s, r.backoff_base_s * 2 ** (self._room_waits - 1))
-        await asyncio.sleep(self._jitter().uniform(0, backoff))
+        await self._back_off(self._room_waits)
 
-    def _jitter(self) -> random.Random:
+    async def _back_off(self, tries: int) -> None:
+        """Full jitter: uniform in [0, min(cap, base x 2^(tries-1))], seeded by the request id
+        (seeded only here: most requests never back off, and seeding costs ~5 us)."""
+        r = self._settings
         if self._rng is None:
             self._rng = random.Random(self._request_id)
-        return self._rng
+        backoff = min(r.backoff_max_s, r.backoff_base_s * 2 ** (tries - 1))
+        await asyncio.sleep(self._rng.uniform(0, backoff))
 
     async def before_retry(self, failure: LegFailure) -> None:
         """After `failure` (retryable), spend a retry and back off; or raise the 503 when the
@@ -112,5 +114,4 @@ class RetryPolicy:
                 retry_after_s=1.0,
             ) from failure
         self._metrics.retries.labels(side=failure.side).inc()
-        backoff = min(r.backoff_max_s, r.backoff_base_s * 2 ** (self.counted - 1))
-        await asyncio.sleep(self._jitter().uniform(0, backoff))
+        await self._back_off(self.counted)
