@@ -19,6 +19,7 @@ It answers as SGLang's tokenizer manager and scheduler do together (`pd_role_swi
     prepare_only                        200 "ready", nothing changed                safe true
     the flip                            prefix cache cleared, `role_switch_s` simulated
                                         seconds, then `worker.role` is the new role: 200 "ok"
+                                        after `role_switch_reply_s` more
     the `role_switch_fail` fault        400 "role switch failed; instance unhealthy, restart
                                         required: injected fault", safe false, no rollback
 
@@ -154,6 +155,8 @@ async def _switch(worker: Worker, body: Mapping[str, Any]) -> tuple[_Answer, str
     await asyncio.shield(flip)
     if worker.role_switch_unhealthy:
         return refuse(FAILED, False, "failed")
+    # The new role is already what /server_info reports; the answer may come back later.
+    await asyncio.sleep(worker.config.role_switch_reply_s * worker.time_factor())
     return _Answer(True, "ok", old_role, shown, False), "ok"
 
 

@@ -54,6 +54,9 @@ class WorkerConfig:
     # (sim.role_switch); the bootstrap listener then runs in decode mode too (sim.bootstrap).
     role_switch: bool = False
     role_switch_s: float = 1.0  # simulated seconds a flip's teardown and rebuild take
+    # Simulated seconds between the flip and its answer: SGLang's scheduler reports the new role
+    # (/server_info) before the tokenizer manager's answer to the caller is back.
+    role_switch_reply_s: float = 0.0
     # LoRA adapters as vLLM serves them (sim.lora): --enable-lora, --max-loras, --lora-modules
     lora: LoraConfig = field(default_factory=LoraConfig)
 
@@ -78,6 +81,8 @@ class WorkerConfig:
             raise ValueError("bootstrap_port must be within [0, 65535]")
         if self.role_switch_s < 0:
             raise ValueError("role_switch_s must be >= 0")
+        if self.role_switch_reply_s < 0:
+            raise ValueError("role_switch_reply_s must be >= 0")
 
     @property
     def model_name(self) -> str:
@@ -133,6 +138,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=d["role_switch_s"].default,
         help="simulated seconds a role switch takes",
+    )
+    parser.add_argument(
+        "--role-switch-reply-s",
+        type=float,
+        default=d["role_switch_reply_s"].default,
+        help="simulated seconds from a switch's flip to its answer (the new role shows first)",
     )
     lora = parser.add_argument_group("LoRA adapters (vLLM's flags; sim.lora)")
     lora.add_argument("--enable-lora", action="store_true")
@@ -220,6 +231,7 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
         tokenizer=ns.tokenizer,
         role_switch=ns.role_switch,
         role_switch_s=ns.role_switch_s,
+        role_switch_reply_s=ns.role_switch_reply_s,
         lora=LoraConfig(
             enabled=ns.enable_lora,
             max_loras=ns.max_loras,

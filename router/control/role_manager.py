@@ -312,7 +312,8 @@ class RoleManager:
                 continue
             if not record.draining:  # an engine back in its start-up role is switched again
                 self._pausing.pop(w.spec.id, None)
-                if w.engine_behind and w.available:
+                # (Also once a probe saw the new role while the switch's answer is unread.)
+                if (w.engine_behind or self.engines.asking(w)) and w.available:
                     self.engines.serves(w, record.role, self.members.workers.values())
                     await self._note_broken(w)
                 continue

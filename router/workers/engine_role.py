@@ -180,6 +180,13 @@ class EngineRoles:
             log.info("worker %s: asking its SGLang engine to serve %s", wid, role)
         return False
 
+    def asking(self, w: WorkerState) -> bool:
+        """Whether a switch of `w` was asked for and its answer not read yet (done or not). The
+        manager must keep calling `serves` until it is read, also once a probe already saw the
+        new role: the engine reports it before its answer comes back, and an answer never read
+        is a switch never counted and a backoff never cleared."""
+        return w.spec.id in self._calls
+
     def _answered(self, w: WorkerState, role: str, result: EngineSwitch) -> None:
         wid = w.spec.id
         self._metrics.role_engine_switches.labels(

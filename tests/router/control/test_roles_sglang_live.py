@@ -244,6 +244,38 @@ async def test_a_failed_switch_keeps_the_engine_out_until_restarted_and_a_restar
             await _stop_traffic(traffic, flow)
 
 
+async def test_a_switch_answered_after_a_probe_saw_the_new_role_is_still_read(
+    redis_prefix: str,
+) -> None:
+    """The race a loaded machine hit: SGLang's scheduler reports the new role before the
+    switch's answer is back, the prober reads it first, and a manager that asked again only
+    while the engine was behind never read the answer (no "ok" counted, the backoff kept).
+    Here every answer of b1 comes 1.5 s after its flip, far more than a probe interval."""
+    lag = {"b1": {"role_switch_reply_s": 1.5}}
+    async with _cluster(redis_prefix, **lag) as (engines, replicas), aiohttp.ClientSession() as s:
+        urls = [u for u, _ in replicas]
+        apps = [app for _, app in replicas]
+        await _until_role(s, urls, "b1", "decode")
+        await _force(s, urls[0], "b1", "prefill")
+        await _until_role(s, urls, "b1", "prefill")
+        assert _sample(apps, SWITCHES, worker="b1", to_role="prefill", outcome="ok") == 1
+
+        # Restarted in decode though its record says prefill: asked to switch back (outside a
+        # drain), the new role is probed ~1.3 s before the answer comes.
+        port = int(engines.urls["b1"].rsplit(":", 1)[1])
+        await engines.stop("b1")
+        await engines.start(_engine("b1", port=port, role_switch_reply_s=1.5))
+        await _until(
+            lambda: _sample(apps, SWITCHES, worker="b1", to_role="prefill", outcome="ok") >= 2,
+            "the late answer is read",
+        )
+        leader = next(u for u, app in replicas if app[ROLES].leader)
+        report = await _report(s, leader, "b1")
+        assert report["engine"]["serves"] == "prefill", report
+        assert report["engine"]["switching_to"] is None, report
+        assert _sample(apps, SWITCHES, worker="b1", to_role="prefill", outcome="busy") == 0
+
+
 async def test_an_engine_without_the_switch_flag_is_never_asked(redis_prefix: str) -> None:
     fixed = {"b2": {"role_switch": False}}
     cluster = _cluster(redis_prefix, **fixed)
