@@ -55,6 +55,9 @@ BLOCK_SIZE = 32
 # its AMX kernels wherever the CPU advertises AMX, and on VMs that advertise it without granting
 # it the worker dies on its first forward pass. The router does not care; the test is the same.
 DTYPE = os.environ.get("REAL_VLLM_DTYPE", "float32")
+# Adapters the engines hold at once, and their largest rank (test_lora makes rank-8 ones).
+MAX_LORAS = 2
+LORA_RANK = 8
 MAX_MODEL_LEN = 8192  # the tiny model's positions (scripts/build_tiny_model.py)
 START_TIMEOUT_S = float(os.environ.get("REAL_VLLM_START_TIMEOUT", "900"))
 # Every test here waits on engines that share 2 cores (NIXL's progress threads included); the
@@ -171,6 +174,13 @@ class VllmServer(EngineProcess):
             "0",
             "--dtype",
             DTYPE,
+            # LoRA on every engine, for test_lora (issue 35): a second engine pair of its own
+            # cost 6 minutes of CI on 2 cores. Requests without an adapter run as without it.
+            "--enable-lora",
+            "--max-loras",
+            str(MAX_LORAS),
+            "--max-lora-rank",
+            str(LORA_RANK),
         ]
         if self.kv_role is not None:
             # P holds a prefilled KV for kv_lease_duration (vLLM's default 30 s, extended by D's
@@ -219,6 +229,7 @@ class VllmServer(EngineProcess):
             TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
             XDG_CACHE_HOME=str(cache),
             VLLM_NO_USAGE_STATS="1",
+            VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",  # the router loads adapters (test_lora)
             DO_NOT_TRACK="1",
             NO_PROXY="*",
         )

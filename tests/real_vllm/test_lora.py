@@ -1,28 +1,26 @@
 """Issue 35 on real vLLM: LoRA adapters behind the router (docs/lora.md, "Real vLLM").
 
 Two adapters for the tiny model are made at test time with `peft` (random weights, rank 8, on
-the attention projections) in the real-vLLM venv. A prefill/decode pair of its own (module
-scope: the shared engines run without `--enable-lora`) serves `fr` from `--lora-modules` and may
-load adapters at runtime (`VLLM_ALLOW_RUNTIME_LORA_UPDATING`); `sql` is only in the router's
-catalog, so the router loads it on both engines itself. Greedy answers under each adapter through
-the router are exactly the decode engine's own answer under that adapter, and differ from the
-base model's (the adapter really applies); the decode engine's counters show the prompt's KV came
-over NIXL, not computed there."""
+the attention projections) in the real-vLLM venv. The package's engines run with `--enable-lora`
+and runtime loading allowed (`VLLM_ALLOW_RUNTIME_LORA_UPDATING`; tests/real_vllm/conftest.py):
+`fr` is loaded on p0 and d0 through the engines' own API before the router starts, as an
+operator's `--lora-modules` would have; `sql` is only in the router's catalog, so the router
+loads it on both engines itself. Greedy answers under each adapter through the router are
+exactly the decode engine's own answer under that adapter, and differ from the base model's
+(the adapter really applies); the decode engine's counters show the prompt's KV came over NIXL,
+not computed there. The adapters are unloaded again afterwards, for the package's other tests.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import subprocess
-import tempfile
-import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 from openai import AsyncOpenAI
@@ -30,24 +28,21 @@ from openai import AsyncOpenAI
 from router.config import merged_settings, settings_from_mapping
 from tests.conftest import running_router
 from tests.real_vllm.conftest import (
+    LORA_RANK,
+    MAX_LORAS,
     MODEL_DIR,
     PYTHON,
     SERVED,
-    START_TIMEOUT_S,
     RealRouter,
     VllmCluster,
     VllmServer,
     missing_reason,
-    nixl_handshake,
     router_settings,
     unique_prompt,
     wait_for,
 )
 
 pytestmark = pytest.mark.real_vllm
-
-MAX_LORAS = 2
-RANK = 8
 
 # Random LoRA weights (init_lora_weights=False: A and B both random, so the adapter changes the
 # output) for the tiny model's attention projections, saved in peft's format.
@@ -86,7 +81,7 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     # One process for both: importing torch, transformers and peft is most of the cost.
     done = subprocess.run(
-        [str(PYTHON), "-c", MAKE_ADAPTERS, str(MODEL_DIR), str(root), str(RANK), *names],
+        [str(PYTHON), "-c", MAKE_ADAPTERS, str(MODEL_DIR), str(root), str(LORA_RANK), *names],
         capture_output=True,
         text=True,
         timeout=300,
@@ -98,61 +93,47 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: root / name for name in names}
 
 
-@dataclass
-class LoraVllmServer(VllmServer):
-    """A vLLM server with `--enable-lora`, `fr` registered at start, runtime loading allowed."""
-
-    fr_path: str = ""
-
-    def command(self) -> list[str]:
-        return [
-            *super().command(),
-            "--enable-lora",
-            "--max-loras",
-            str(MAX_LORAS),
-            "--max-lora-rank",
-            str(RANK),
-            "--lora-modules",
-            f"fr={self.fr_path}",
-        ]
-
-    def environment(self) -> dict[str, str]:
-        return {**super().environment(), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+async def _adapter_call(
+    session: aiohttp.ClientSession, server: VllmServer, verb: str, body: dict[str, str]
+) -> tuple[int, str]:
+    """vLLM's runtime adapter API: POST /v1/{verb}_lora_adapter (its answer is plain text)."""
+    async with session.post(f"{server.url}/v1/{verb}_lora_adapter", json=body) as resp:
+        return resp.status, await resp.text()
 
 
-@pytest.fixture(scope="module")
-def lora_pair(adapters: dict[str, Path]) -> Iterator[VllmCluster]:
-    workdir = Path(tempfile.mkdtemp(prefix="real-vllm-lora-"))
-    fr = str(adapters["fr"])
-    p = LoraVllmServer("lp0", "kv_producer", workdir, fr_path=fr)
-    d = LoraVllmServer("ld0", "kv_consumer", workdir, fr_path=fr)
-    pair = VllmCluster(prefill=p, decodes=[d], workdir=workdir)
-    t0 = time.monotonic()
-    try:
-        for s in pair.servers:
-            s.start()
-        deadline = t0 + START_TIMEOUT_S
-        for s in pair.servers:
-            s.wait_ready(deadline)
-        nixl_handshake(p, d, deadline)
-        print(f"\nreal vLLM: LoRA pair ready in {time.monotonic() - t0:.1f} s")
-        yield pair
-    finally:
-        pair.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
+def _pair(cluster: VllmCluster) -> VllmCluster:
+    """p0 and d0 only: the answers are checked against d0's own, and the router loads `sql`
+    where it places it."""
+    return VllmCluster(
+        prefill=cluster.prefill, decodes=cluster.decodes[:1], workdir=cluster.workdir
+    )
 
 
-@contextlib.asynccontextmanager
-async def _router(
-    pair: VllmCluster, prefix: str, adapters: dict[str, Path]
+@pytest.fixture
+async def lora_router(
+    vllm_cluster: VllmCluster, adapters: dict[str, Path], redis_prefix: str
 ) -> AsyncIterator[RealRouter]:
-    raw = router_settings(pair, prefix)
-    for w in raw["workers"]:
-        w.update(max_loras=MAX_LORAS, lora_runtime_loading=True)
-    catalog = {"sql": {"path": str(adapters["sql"]), "base_model": SERVED}}
-    raw = merged_settings(raw, {"lora": {"catalog": catalog, "poll_s": 1.0}})
-    async with running_router(settings_from_mapping(raw)) as (url, app):
-        yield RealRouter(url=url, app=app, cluster=pair)
+    vllm_cluster.ensure_running()
+    pair = _pair(vllm_cluster)
+    async with aiohttp.ClientSession(trust_env=False) as session:
+        try:
+            for server in pair.servers:
+                body = {"lora_name": "fr", "lora_path": str(adapters["fr"])}
+                status, text = await _adapter_call(session, server, "load", body)
+                assert status == 200, f"{server.name}: {status} {text}"
+            raw = router_settings(pair, redis_prefix)
+            for w in raw["workers"]:
+                w.update(max_loras=MAX_LORAS, lora_runtime_loading=True)
+            catalog = {"sql": {"path": str(adapters["sql"]), "base_model": SERVED}}
+            raw = merged_settings(raw, {"lora": {"catalog": catalog, "poll_s": 1.0}})
+            async with running_router(settings_from_mapping(raw)) as (url, app):
+                yield RealRouter(url=url, app=app, cluster=pair)
+        finally:
+            # Whatever is loaded goes, on every engine (unknown ones answer 4xx: ignored).
+            for server in vllm_cluster.servers:
+                for name in ("fr", "sql"):
+                    if server.alive():
+                        await _adapter_call(session, server, "unload", {"lora_name": name})
 
 
 def _client(url: str) -> AsyncOpenAI:
@@ -173,11 +154,12 @@ async def _parents(client: AsyncOpenAI) -> dict[str, Any]:
 
 
 async def test_adapters_through_the_router_answer_as_one_engine_with_the_adapter(
-    lora_pair: VllmCluster, adapters: dict[str, Path], redis_prefix: str
+    lora_router: RealRouter,
 ) -> None:
-    decode = lora_pair.decodes[0]
+    r = lora_router
+    decode = r.cluster.decodes[0]
     prompts = {name: unique_prompt(20, name) for name in ("fr", "sql")}
-    async with _router(lora_pair, redis_prefix, adapters) as r, _client(r.url) as via_router:
+    async with _client(r.url) as via_router:
         # (a) The router lists both adapters, each with its base model as parent: `fr` read
         # from the engines' /v1/models, `sql` from its catalog.
         async def listed() -> Any:
@@ -202,7 +184,7 @@ async def test_adapters_through_the_router_answer_as_one_engine_with_the_adapter
                 base = await _complete(alone, SERVED, prompt, extra_body=salt)
                 assert answers[name] == own, name
                 assert own != base, f"{name} does not change the tiny model's answer"
-        async with _client(lora_pair.prefill.url) as prefill:
+        async with _client(r.cluster.prefill.url) as prefill:
             assert "sql" in await _parents(prefill)
 
         # (c) An adapter no engine and no catalog knows: a 404 naming it, no engine asked.
