@@ -198,6 +198,8 @@ class Admission:
         self._places: dict[str, _Places] = {}  # tenant -> the places it holds
         self._seq = itertools.count()
         self._queued: dict[int, WaitingRequest] = {}  # in the policy: parked or awake
+        # The queued that wait for decode room (not for a concurrency slot), since when.
+        self._for_room: dict[int, float] = {}
         self._parked: dict[int, asyncio.Future[int]] = {}  # waiting for a wake-up
         self._awake: set[int] = set()  # woken, trying for room, still in the policy
         # What the wake-up round a woken request belongs to has tried (it, and those before it
@@ -246,13 +248,16 @@ class Admission:
         ticket: int,
         deadline: float,
         request: WaitingRequest | None = None,
+        for_room: bool = True,
     ) -> int:
         """Wait for a wake-up: its budget (>= 1: how many waiters, this one included, it may
         still reach, see `pass_on`); 0 when the loop-time `deadline` passes first (the request
         then leaves the queue, as when it is cancelled). `request`: what the fairness policy
         orders by (its tenant and cost); None: the anonymous tenant's, at no cost. A full queue
         refuses it (`QueueFull`) unless its tenant is below its share of the queue: then the
-        newest waiter of the tenant most over its share is refused instead (`_make_room`)."""
+        newest waiter of the tenant most over its share is refused instead (`_make_room`).
+        `for_room`: it waits for decode room (or behind those that do), not for a concurrency
+        slot: only such waiters are the cluster's (`waiting_tenants`)."""
         loop = asyncio.get_running_loop()
         known = self._queued.get(ticket, request)  # a re-wait keeps the request it queued
         tenant = known.tenant if known is not None else _ANONYMOUS
@@ -268,8 +273,13 @@ class Admission:
             request = replace(request, since_s=self._clock())
             self._queued[ticket] = request
             self.policy.enqueue(request)
-            if self.ledger is not None:
-                self.ledger.start()
+        if for_room:
+            if ticket not in self._for_room:
+                self._for_room[ticket] = self._clock()
+                if self.ledger is not None:
+                    self.ledger.start()
+        else:
+            self._for_room.pop(ticket, None)
         future: asyncio.Future[int] = loop.create_future()
         self._awake.discard(ticket)
         self._tried.pop(ticket, None)
@@ -376,6 +386,7 @@ class Admission:
         """The request stops waiting without being admitted (deadline, cancel, an error)."""
         if self._queued.pop(ticket, None) is not None:
             self.policy.withdraw(ticket)
+        self._for_room.pop(ticket, None)
         self._awake.discard(ticket)
         self._tried.pop(ticket, None)
 
@@ -383,6 +394,7 @@ class Admission:
         """The request got its room (`blocks`, waited or not): the policy charges its tenant
         the estimate; the charge is settled with the actual cost at its release (`settle`)."""
         queued = self._queued.pop(request.ticket, None)
+        self._for_room.pop(request.ticket, None)
         self._awake.discard(request.ticket)
         self._tried.pop(request.ticket, None)
         if self.wait_observer is not None:
@@ -412,13 +424,20 @@ class Admission:
 
     def waiting_tenants(self) -> dict[tuple[int, str], tuple[int, float]]:
         """{(class, tenant): (requests in the queue's order, the oldest's wait in s)}: what
-        this replica registers as waiting in the cluster's fair share (router/fair_share.py)."""
+        this replica registers as waiting in the cluster's fair share (router/fair_share.py).
+        Only those waiting for decode room, and for how long they have: one held at this
+        replica's concurrency cap would take no room handed to it, and preempting a stream for
+        it (router/request/fair_takeback.py) would cut a stream for nothing."""
         now = self._clock()
         out: dict[tuple[int, str], tuple[int, float]] = {}
-        for r in self._queued.values():
+        queued = self._queued
+        for ticket, since in self._for_room.items():
+            r = queued.get(ticket)
+            if r is None:
+                continue
             slot = (r.priority, r.tenant.name)
             count, age = out.get(slot, (0, 0.0))
-            out[slot] = (count + 1, max(age, now - r.since_s))
+            out[slot] = (count + 1, max(age, now - since))
         return out
 
     def notify(self, budget: int = BACKFILL) -> None:

@@ -288,7 +288,11 @@ class Reserver:
             try:
                 self.metrics.admission_waiting.inc()
                 try:
-                    baton = await adm.wait(info.priority, seat.ticket, decision.until, waiting)
+                    # Held at the concurrency cap, it waits for a slot, not for room.
+                    for_room = seat.admitted
+                    baton = await adm.wait(
+                        info.priority, seat.ticket, decision.until, waiting, for_room
+                    )
                 finally:
                     self.metrics.admission_waiting.dec()
             except QueueFull as exc:

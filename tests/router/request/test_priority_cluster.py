@@ -205,3 +205,30 @@ async def test_a_more_urgent_class_is_admitted_first_by_its_name(
         else:  # vtc: a default holder preempted for it
             assert _counter(c.parts.metrics.preemptions, reason="priority") >= 1
         await assert_quiet(c)
+
+
+async def test_a_request_held_at_the_concurrency_cap_preempts_nothing(redis_prefix: str) -> None:
+    """Hostile to the take-back: an interactive request waits on replica 1 only for its
+    concurrency slot (cap 1, held by a batch stream there), while batch streams fill the pool.
+    Preempting one would give it nothing (no slot frees: the preempted stream keeps its own), so
+    nothing is preempted for it; it is served once the slot frees, its text exact."""
+    tenants = [_tenant("bulk", "batch", weight=100), _tenant("chat", "interactive")]
+    settings = {**SETTINGS, "admission": {**SETTINGS["admission"], "max_inflight": 1}}
+    async with two_replicas(redis_prefix, tenants=tenants, **settings) as (c, url2, r2):
+        r1 = c.parts
+        here, there = Streamed("batch here", LONG_TOKENS), Streamed("batch there", LONG_TOKENS)
+        urgent = Streamed("a chat turn at the cap", SHORT_TOKENS)
+        async with asyncio.timeout(120):
+            batch = [
+                asyncio.create_task(_stream(c.router_url, "bulk", here)),
+                asyncio.create_task(_stream(url2, "bulk", there)),
+            ]
+            await _filled(c, 2 * 180)
+            await _stream(c.router_url, "chat", urgent)
+            await asyncio.gather(*batch)
+        assert urgent.exact and here.exact and there.exact
+        assert urgent.first > here.end  # it waited for the slot, not for room
+        for parts in (r1, r2):
+            for reason in ("priority", "fair_share"):
+                assert _counter(parts.metrics.preemptions, reason=reason) == 0
+        await assert_quiet(c)
