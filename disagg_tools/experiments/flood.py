@@ -21,7 +21,10 @@ release waking its own replica's waiters first, the others at their next store r
 tenants on replica 1; `spread`: each tenant's requests over both; `split`: the victim on replica
 1, the aggressor on 2); `shared=True` (`--shared-fairness`) is one fair share and one line for
 the cluster instead, what the issue asks for (and the policy `--fairness` names, e.g. a shared
-one from policies/). Per row the issue's targets: victim goodput ≥ 0.95 × solo, TTFT p99 ≤
+one from policies/); under vtc it takes room back as the router does (streams of the tenant most
+over its share preempted for a starved waiter and resumed, at most 4 a second per replica:
+disagg_tools/simcluster/fair_takeback.py; `take_back=False` runs without). Per row the issue's
+targets: victim goodput ≥ 0.95 × solo, TTFT p99 ≤
 1.5 × solo + 150 ms, both tenants' output tokens/s ≥ 0.95 × the aggressor's alone.
 
 The capacity the shares are fractions of is measured, not assumed: one tenant flooding the
@@ -40,6 +43,7 @@ from typing import Any
 from disagg_tools.experiments.specs import TRACES
 from disagg_tools.simcluster.config import ClusterConfig
 from disagg_tools.simcluster.engine import simulate
+from disagg_tools.simcluster.fair_takeback import FAIR_SHARE, PRIORITY, TakeBackSettings
 from disagg_tools.simcluster.metrics import RequestRecord, SimResult, percentile
 from disagg_tools.simcluster.replica_queues import Replicas, placement
 from disagg_tools.simcluster.tenants import (
@@ -58,6 +62,7 @@ __all__ = [
     "isolation",
     "placements",
     "placements_table",
+    "preemption_reasons_table",
     "run_mix",
     "served",
     "share_deviation",
@@ -212,21 +217,24 @@ def placements(
     aggressor_x: float = 1.5,
     max_wait_s: float = 30.0,
     refresh_s: float = 0.1,
+    take_back: bool = True,
 ) -> list[dict[str, Any]]:
     """The flood over two replicas, per policy and placement, shaped like the live bench
     (disagg_tools/loadgen/flood_replicas.py): a light victim (`victim_x` × the capacity,
     Poisson: the simulator has no closed-loop clients) and an aggressor that alone keeps the
     decode room full and a queue behind it (`aggressor_x` × the capacity), waits up to
     `max_wait_s` (the router's default, as live). The victim solo placed as in the flood; the
-    aggressor alone once (the work the flood must keep: output tokens/s)."""
+    aggressor alone once (the work the flood must keep: output tokens/s). `take_back`: with
+    `shared` and vtc, room is taken back as the router does (the router's settings)."""
     victim = TenantLoad("victim", 1.0, victim_x * cap_rps)
     aggressor = TenantLoad("aggressor", 1.0, aggressor_x * cap_rps)
     _, alone_res = run_mix(setup, (aggressor,), "fifo", pool, max_wait_s=max_wait_s)
     alone = tenant_row(setup, alone_res, "aggressor")
     rows: list[dict[str, Any]] = []
+    settings = TakeBackSettings() if take_back else None
     for policy in policies:
         for name in names:
-            reps = Replicas(2, placement(name), refresh_s, shared)
+            reps = Replicas(2, placement(name), refresh_s, shared, settings)
             mix = (victim, aggressor)
             _, solo = run_mix(setup, (victim,), policy, pool, replicas=reps, max_wait_s=max_wait_s)
             _, flood = run_mix(setup, mix, policy, pool, replicas=reps, max_wait_s=max_wait_s)
@@ -235,6 +243,9 @@ def placements(
             a = tenant_row(setup, flood, "aggressor")
             window = [r for r in flood.records if _window(setup, r)]
             cuts = sum(r.router_preemptions for r in window)
+            for_share = sum(r.fair_share_preemptions for r in window)
+            for_class = sum(r.priority_preemptions for r in window)
+            per_1k = 1000.0 / max(1, len(window))
             bound = 1.5 * base["ttft_p99_s"] + 0.150
             work = _ratio(v["output_tok_s"] + a["output_tok_s"], alone["output_tok_s"])
             good = _ratio(v["goodput_rps"], base["goodput_rps"])
@@ -242,7 +253,8 @@ def placements(
                 {
                     "policy": policy,
                     "placement": name,
-                    "replicas": "one share for the cluster" if shared else "a share per replica",
+                    "replicas": _share_label(shared, take_back and policy == "vtc"),
+                    "take_back": shared and take_back and policy == "vtc",
                     "victim_rps": victim.rate,
                     "aggressor_rps": aggressor.rate,
                     "solo": base,
@@ -253,7 +265,13 @@ def placements(
                     "ttft_p99_ratio": _ratio(v["ttft_p99_s"], base["ttft_p99_s"]),
                     "ttft_p99_bound_s": bound,
                     "work_ratio": work,
-                    "preemptions_per_1k": 1000.0 * cuts / max(1, len(window)),
+                    "preemptions_per_1k": per_1k * cuts,
+                    # By why (the router's reasons): a growth's (issue 31) or a take-back's.
+                    "preemptions_per_1k_by_reason": {
+                        "growth": per_1k * (cuts - for_share - for_class),
+                        FAIR_SHARE: per_1k * for_share,
+                        PRIORITY: per_1k * for_class,
+                    },
                     "targets": {
                         "victim_goodput": good >= 0.95,
                         # (a victim served nothing has no TTFT to meet the bound with)
@@ -263,6 +281,13 @@ def placements(
                 }
             )
     return rows
+
+
+def _share_label(shared: bool, take_back: bool) -> str:
+    if not shared:
+        return "a share per replica"
+    one = "one share for the cluster"
+    return f"{one}, room taken back" if take_back else one
 
 
 def _ratio(a: float, b: float) -> float:
@@ -403,6 +428,22 @@ def placements_table(rows: Sequence[dict[str, Any]]) -> str:
             f"| {s['ttft_p99_s']:.3f} → {v['ttft_p99_s']:.3f} | {r['ttft_p99_ratio']:.1f} "
             f"| {a['served_rps']:.2f} | {r['work_ratio']:.2f} | {r['preemptions_per_1k']:.1f} "
             f"| {met} |"
+        )
+    return "\n".join(lines)
+
+
+def preemption_reasons_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The placements' preemptions per 1,000 requests by why (the router's reasons)."""
+    head = (
+        "| order, where the tenants' requests land | fair share | growth / 1k "
+        "| fair_share / 1k | priority / 1k |\n|---|---|---|---|---|"
+    )
+    lines = [head]
+    for r in rows:
+        by = r["preemptions_per_1k_by_reason"]
+        lines.append(
+            f"| {r['policy']}, {_PLACED[r['placement']]} | {r['replicas']} "
+            f"| {by['growth']:.1f} | {by[FAIR_SHARE]:.1f} | {by[PRIORITY]:.1f} |"
         )
     return "\n".join(lines)
 

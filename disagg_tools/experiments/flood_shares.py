@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disagg_tools.experiments.flood import FloodSetup, run_mix
+from disagg_tools.simcluster.fair_takeback import TakeBackSettings
 from disagg_tools.simcluster.metrics import SimResult
 from disagg_tools.simcluster.replica_queues import Replicas, placement
 from disagg_tools.simcluster.tenants import TenantLoad
@@ -189,8 +190,14 @@ def shares_across_replicas(
     *,
     shared: bool,
     fairness: str = "vtc",
+    take_back: bool = False,
 ) -> list[ShareRow]:
-    """Each run's row (the module's docstring); `cap_rps` is the base cluster's capacity."""
+    """Each run's row (the module's docstring); `cap_rps` is the base cluster's capacity.
+    `take_back`: with `shared`, room is also taken back by preemption as the router does
+    (disagg_tools/simcluster/fair_takeback.py). Off by default: these rows measure the order's
+    shares (docs/benchmarks.md reports them so); with every tenant backlogged the take-back
+    moves them off the weights — the preempted tenant pays its streams' redone prefills, and
+    its continuations' whole-cap reservations make it look over its share again."""
     rows = []
     for spec in runs:
         ws = weights_124(spec.tenants)
@@ -208,7 +215,9 @@ def shares_across_replicas(
             duration_s=spec.duration_s,
             seed=setup.seed,
         )
-        reps = Replicas(2, placement("spread"), 0.1, shared)
+        reps = Replicas(
+            2, placement("spread"), 0.1, shared, TakeBackSettings() if take_back else None
+        )
         _, res = run_mix(
             run_setup, mix, fairness, pool, None, reps, max_wait_s=MAX_WAIT_S, scale=spec.scale
         )

@@ -18,6 +18,8 @@ One request's life in the simulator:
     (`ClusterConfig.preemption`, disagg_tools.simcluster.preemption), or, preemption off, it
     grows past capacity (runs on unreserved blocks); when blocks run out the newest sequence is
     preempted by the engine and later recomputed locally on D, as vLLM does.
+    With one fair share for the cluster under vtc, a request starved of room takes it back: the
+    router's take-back preempts streams of the tenant most over its share (fair_takeback.py).
 
 Two router modes: `reserve=True` (ours) holds `Candidate.reserve_blocks` on D before prefill;
 `reserve=False` (the peers) reserves nothing and gives the policy no output-length estimate, so a
@@ -43,6 +45,7 @@ from typing import Protocol
 from disagg_tools.simcluster.config import ClusterConfig, SimWorkerSpec
 from disagg_tools.simcluster.events import EventQueue
 from disagg_tools.simcluster.fair_queue import FairQueue, actual_cost
+from disagg_tools.simcluster.fair_takeback import FAIR_SHARE, FairTakeBack
 from disagg_tools.simcluster.feedback import Feedback
 from disagg_tools.simcluster.loras import LoraSimConfig, SimLoras
 from disagg_tools.simcluster.metrics import GapHistogram, Outcome, RequestRecord, SimResult
@@ -64,7 +67,7 @@ from policies.base import (
     Tenant,
     blocks_for,
 )
-from policies.fairness import estimate_cost
+from policies.fairness import VTCFairness, estimate_cost
 from policies.tenant_classes import record_keys_of
 
 __all__ = ["TraceLike", "simulate"]
@@ -209,6 +212,21 @@ class _Engine:
             self.preemption = RouterPreemption(config.preemption_max_per_stream, self._resume)
             for d in self.decodes:
                 d.make_room = self.preemption.make_room
+        # The cluster's fair share takes room back (issue 33): with one share for the cluster,
+        # vtc and the router's preemption, as the router has it (fair_takeback.py).
+        self.take_back: FairTakeBack | None = None
+        if (
+            replicas is not None
+            and replicas.shared
+            and replicas.take_back is not None
+            and isinstance(self.fair, FairQueue)
+            and isinstance(self.fair.policy, VTCFairness)
+            and self.preemption is not None
+        ):
+            self.take_back = FairTakeBack(
+                replicas.take_back, replicas.count, replicas.place, self.fair, self.decodes,
+                config.preemption_max_per_stream, self.push_call, self._take_back,
+            )  # fmt: skip
         self.t_last = 0.0  # last request outcome (a stale deadline event may come later)
         self.c_queued = 0
         self.n_done = 0
@@ -285,6 +303,8 @@ class _Engine:
         self._estimate(job)
         job.deadline = job.arrival + (self.slo_ttft_s if cfg.max_wait_s is None else cfg.max_wait_s)
         fair = self.fair
+        if self.take_back is not None:
+            self.take_back.arrived(job)
         if fair is not None:
             fair.arrived(job)
             # Under a fair order an arrival queues while anything waits (fair_queue.py).
@@ -302,6 +322,8 @@ class _Engine:
             fair.wait(job, self.now)
         else:
             self.queue.append(job)
+        if self.take_back is not None:
+            self.take_back.busy(self.now)
         self.q_live += 1
         self.c_queued += 1
         self.events.at(job.deadline, self._deadline, job)
@@ -405,6 +427,8 @@ class _Engine:
                 if not forecast and d.free_held < need:
                     continue  # the snapshot is ours, so this only happens if a policy ignores room
                 d.reserve(self.now, job, need)
+                if self.take_back is not None:
+                    self.take_back.busy(self.now)
                 if self.roles is not None:
                     self.roles.on_reserve(self.now, job, need)
                 step = d.step_estimate()
@@ -490,13 +514,11 @@ class _Engine:
             self._finish(job, "rejected", "no room before the TTFT deadline")
 
     def _resume(self, job: Job) -> None:
-        """A preempted stream's continuation (`RouterPreemption.continuation` made it): its
-        fairness charge settled for the try that ended, re-estimated on its whole remaining
-        cap, waiting for room at the head of the admission queue (the router keeps its ticket,
-        the oldest) until `preemption_resume_wait_s` — never refused for a full queue."""
+        """A preempted stream's continuation (`RouterPreemption.continuation` made it; its
+        charge settled by `_continue`): re-estimated on its whole remaining cap, waiting for
+        room at the head of the admission queue (the router keeps its ticket, the oldest) until
+        `preemption_resume_wait_s` — never refused for a full queue."""
         fair = self.fair
-        if fair is not None and job.charge is not None:
-            fair.settle(job, actual_cost(job, self.now, False))
         job.kv_bytes = job.prompt * self.kvbpt
         self._estimate(job)
         job.deadline = self.now + self.cfg.preemption_resume_wait_s
@@ -510,6 +532,32 @@ class _Engine:
             self.queue.appendleft(job)
         self.q_live += 1
         self.events.at(job.deadline, self._deadline, job)
+
+    def _take_back(self, job: Job, reason: str) -> None:
+        """The take-back stops a running stream now (fair_takeback.py): it resumes exactly, its
+        continuation waiting for room like any request of its class, and the room it gave back
+        goes to the queue at once (the router's release wakes its waiters)."""
+        d = job.d
+        assert d is not None and self.preemption is not None
+        d.stop(job, self.now)
+        if reason == FAIR_SHARE:
+            job.cuts_fair_share += 1
+        else:
+            job.cuts_priority += 1
+        self._continue(job)
+        if self.q_live:
+            self._drain_queue()
+
+    def _continue(self, job: Job) -> None:
+        """A cut stream resumes: first its fairness charge is settled for the try that ended
+        — its reservation for the time it held it, the prompt it was prefilled with, as the
+        router's release settles it — before `RouterPreemption.continuation` makes the
+        continuation (which gives the reservation back and makes the prompt prompt + answer)."""
+        fair = self.fair
+        if fair is not None and job.charge is not None:
+            fair.settle(job, actual_cost(job, self.now, False))
+        assert self.preemption is not None
+        self.preemption.continuation(job)
 
     # -- prefill side ------------------------------------------------------------------------
     def _start_prefill(self, p: PrefillWorker) -> None:
@@ -616,7 +664,7 @@ class _Engine:
             d.cut_now = []
             assert self.preemption is not None
             for job in cut:
-                self.preemption.continuation(job)
+                self._continue(job)
         if (finished or evicted or failed or cut) and self.q_live:
             self._drain_queue()
 
@@ -666,6 +714,8 @@ class _Engine:
             - job.arrival,
             preemptions=job.preemptions,
             router_preemptions=job.cuts,
+            fair_share_preemptions=job.cuts_fair_share,
+            priority_preemptions=job.cuts_priority,
             redone_tokens=job.redone,
             refusals=job.refusals,
             reason=reason,
@@ -765,7 +815,9 @@ def simulate(
     The TPOT and TTFT SLOs stand for the router's `scaling.itl_slo_s` and `ttft_slo_s` there.
     `replicas` (with `fairness`) splits the admission queue over router replicas as today's
     router has it: a queue and fairness counters per replica, a release waking its own
-    replica's waiters first (disagg_tools.simcluster.replica_queues); `shared` is one queue.
+    replica's waiters first (disagg_tools.simcluster.replica_queues); `shared` is one queue,
+    and under vtc room is taken back by preemption as the router does (`replicas.take_back`,
+    disagg_tools.simcluster.fair_takeback; counted in the records by reason).
     `loras` gives each request a LoRA adapter and the workers adapters to load
     (disagg_tools.simcluster.loras); its loads are the summary's `lora_loads`.
     """

@@ -79,6 +79,11 @@ class FairQueue:
         """Jobs waiting in this queue (in the policy)."""
         return len(self._jobs)
 
+    def waiting_jobs(self) -> list[Job]:
+        """The jobs waiting in this queue, in ticket order (the take-back's waiters:
+        disagg_tools/simcluster/fair_takeback.py)."""
+        return list(self._jobs.values())
+
     def holds_back(self, job: Job, waiting: int) -> bool:
         """Whether an arrival must queue behind the `waiting` ones: under any order but
         `fifo` while anything waits (the policy must see every admission)."""

@@ -143,6 +143,10 @@ class RequestRecord:
     # to resume it (its prompt + its answer so far, at each preemption).
     router_preemptions: int = 0
     redone_tokens: int = 0
+    # Of those, the ones that took its room back for the cluster's fair share or for a more
+    # urgent class (disagg_tools/simcluster/fair_takeback.py); the rest were growths'.
+    fair_share_preemptions: int = 0
+    priority_preemptions: int = 0
 
     def meets(self, slo_ttft_s: float, slo_tpot_s: float) -> bool:
         return (
@@ -182,6 +186,8 @@ def _preemption_summary(recs: Sequence[RequestRecord]) -> dict[str, float | int]
     return {
         "router_preemptions": cut,
         "router_preemptions_per_1k": 1000.0 * cut / len(recs) if recs else 0.0,
+        "fair_share_preemptions": sum(r.fair_share_preemptions for r in recs),
+        "priority_preemptions": sum(r.priority_preemptions for r in recs),
         "redone_prefill_tokens": sum(r.redone_tokens for r in recs),
         "preempted_requests": sum(1 for r in recs if r.router_preemptions),
         "ttft_p99_not_preempted_s": _pct([r.ttft_s for r in ok if not r.router_preemptions], 99),

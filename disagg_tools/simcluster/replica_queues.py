@@ -9,7 +9,9 @@ models exactly that in the simulator, with the policy objects the router loads:
 
     Replicas        how many, which replica a tenant's n-th request lands on (`place`), the
                     store refresh period, and `shared`: one fair share and one line for the
-                    whole cluster (what issue 33 asks for; the engine then uses one FairQueue)
+                    whole cluster (what issue 33 asks for; the engine then uses one FairQueue),
+                    with room taken back by preemption under vtc (`take_back`, the router's
+                    settings; None: off — disagg_tools/simcluster/fair_takeback.py)
     ReplicaQueues   one `FairQueue` per replica, each with its own copy of the policy (its
                     own counters); a release settles on its replica and marks it due, so the
                     next drain wakes that replica's waiters first; every replica with waiters
@@ -28,6 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from disagg_tools.simcluster.fair_queue import FairQueue
+from disagg_tools.simcluster.fair_takeback import TakeBackSettings
 from disagg_tools.simcluster.workers import Job
 from policies.base import AdmissionCost, FairnessPolicy, Tenant
 
@@ -55,6 +58,9 @@ class Replicas:
     place: Callable[[str, int], int]
     refresh_s: float = 0.1  # the router's loops.state_refresh_s
     shared: bool = False  # one fair share and one line for the cluster (issue 33's design)
+    # With `shared` and vtc: the router's take-back (fair_takeback.py); None: room is never
+    # taken back (the comparison's "off").
+    take_back: TakeBackSettings | None = TakeBackSettings()
 
     def __post_init__(self) -> None:
         if self.count < 1 or self.refresh_s <= 0:

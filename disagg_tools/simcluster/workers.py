@@ -53,7 +53,7 @@ class Job:
         "p", "d", "res", "alloc", "ctx0", "gen", "s0", "phase", "over", "ver",
         "first_t", "last_t", "max_gap", "preemptions", "refusals", "kv_bytes", "exp_end",
         "local", "tenant", "waiting", "charge", "placed", "cap", "record",
-        "asked", "cuts", "redone", "first_admitted",
+        "asked", "cuts", "redone", "first_admitted", "cuts_fair_share", "cuts_priority",
     )  # fmt: skip
 
     def __init__(self, idx: int, arrival: float, prompt: int, out: int, hashes: tuple[int, ...]):
@@ -105,6 +105,10 @@ class Job:
         self.cuts = 0
         self.redone = 0
         self.first_admitted = -1.0
+        # Of its cuts, those that took room back for the fair share or a more urgent class
+        # (disagg_tools/simcluster/fair_takeback.py); the rest were its tenant's growths'.
+        self.cuts_fair_share = 0
+        self.cuts_priority = 0
 
     def __repr__(self) -> str:
         return f"Job({self.idx}, prompt={self.prompt}, out={self.out}, gen={self.gen})"
@@ -272,7 +276,7 @@ class DecodeWorker:
         "stepping", "extra_s", "waiting", "handoff_wait", "reservations", "area", "last_t",
         "_view", "c_grown", "c_overran", "step_base", "step_per_block", "rate", "step_s",
         "join_mid_step", "can_prefill", "nic_free", "overran_now", "local_hit",
-        "make_room", "cut_now", "peak_held", "c_past",
+        "make_room", "cut_now", "peak_held", "c_past", "boundary_t",
     )  # fmt: skip
 
     def __init__(self, idx: int, spec: SimWorkerSpec, layout: KVLayout, *, quantum: float = 0.0,
@@ -326,6 +330,7 @@ class DecodeWorker:
         self.cut_now: list[Job] = []
         self.peak_held = 0  # the most the router's accounting ever held here
         self.c_past = 0  # step boundaries that ended with more held than capacity
+        self.boundary_t = 0.0  # when the last step ended (its tokens' time)
 
     # -- accounting -------------------------------------------------------------------------
     def _tick(self, now: float) -> None:
@@ -430,6 +435,19 @@ class DecodeWorker:
         self._evict(job, now)
         self.cut_now.append(job)
 
+    def stop(self, job: Job, now: float) -> None:
+        """The router stops a running sequence now, between two boundaries (a take-back for the
+        fair share: disagg_tools/simcluster/fair_takeback.py; the router closes the stream
+        when it decides, not at a step's end): out of the batch with the tokens of its finished
+        steps kept, its room given back at once. The step under way ends as it was priced; its
+        token of that step is lost, as a cancelled engine request's is."""
+        self._tick(now)
+        emitted = self.step > job.s0
+        self._evict(job, now)
+        if emitted:
+            job.last_t = self.boundary_t  # its last token came at the last boundary, not now
+        self._view = None
+
     def take(self, job: Job, now: float) -> int:
         """Take a running sequence out at a step boundary to resume it elsewhere (a drain past
         its deadline). Like an eviction, it keeps its tokens: context = prompt + generated.
@@ -504,6 +522,7 @@ class DecodeWorker:
         self._tick(now)
         self._view = None
         self.step += 1
+        self.boundary_t = now
         s = self.step
         dur = self.durs[-1]
         batch = len(self.seqs)

@@ -1,0 +1,298 @@
+"""Taking decode room back for the cluster's fair share and its classes, in the simulator (issue
+33), as the live router does it (router/request/fair_takeback.py) with the router's own rule
+(policies/fair_share.py `plan_take_back`) and its preemption with exact resume
+(disagg_tools/simcluster/preemption.py).
+
+What runs, per router replica r (`Replicas.count`; a request's replica is where `Replicas.place`
+lands it, as in replica_queues.py, and the replica relays its decode stream):
+
+- r syncs every `sync_s` on its own grid (phase r × sync_s / count) while anything waits or
+  holds room (the router's sync loop runs while it is busy). At its sync it registers, as the
+  store keeps them (state/fair_shares.py), its waiting requests per (class, tenant) — how many
+  and since when the oldest waits (every request in the simulator's queue waits for decode
+  room: it has no concurrency cap) — and the blocks its admitted requests reserved per tenant
+  (the router's `Charge.blocks`); then it reads every replica's registrations: the waiters
+  (`ClusterWaiter`, the counter from the cluster's one VTC policy, the wait aged to now) and the
+  `Occupancy` (the decode pool's capacity, the blocks held per tenant, the tenants' weights,
+  who holds or waits) — router/fair_share.py `_adopt`;
+- its token bucket (`per_s` a second, a burst of one, from full at the start) gives the budget;
+  `plan_take_back` picks among the streams r relays (the sequences running on a decode worker:
+  tenant, worker, reservation time, blocks held, times preempted, class);
+- before it preempts, r claims the waiting requests the plan serves, each for
+  `max(0.1, 4 × sync_s)` (state/memory_fair.py `fair_claim`: the first units of a line nobody
+  claimed), and preempts only for those it got, as the router does;
+- each chosen stream stops at once (`DecodeWorker.stop`), its room given back, and resumes as
+  its continuation (`RouterPreemption.continuation`: prompt + its tokens re-prefilled, waiting
+  for room like any request of its class), counted by reason ("priority", "fair_share").
+
+Not modelled: the store's round trips (a registration is read the instant it is written, the
+counters are the one policy's, current); a stream whose KV is still on its way to the decode
+worker (the router may preempt it, the simulator only running ones); the room's hand-off
+between replicas (`handoff_to`), since the simulator's shared fair share is one line already.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from disagg_tools.simcluster.fair_queue import FairQueue
+from disagg_tools.simcluster.workers import DecodeWorker, Job
+from policies.base import blocks_for
+from policies.fair_share import ClusterWaiter, Occupancy, TakeBack, plan_take_back
+from policies.fairness import VTCFairness
+from policies.preemption import StreamFacts
+
+__all__ = ["FAIR_SHARE", "PRIORITY", "FairTakeBack", "TakeBackSettings"]
+
+# The preemptions' reasons, as the router counts them (preemptions_total{reason=...}).
+FAIR_SHARE = "fair_share"
+PRIORITY = "priority"
+
+Line = tuple[str, int, str]  # a waiter line: (replica, class, tenant), as `TakeBack.serves`
+
+
+@dataclass(frozen=True, slots=True)
+class TakeBackSettings:
+    """The router's settings of the take-back, with its defaults (router/admission.py
+    `AdmissionSettings`: fair_sync_s, fair_preempt_after_s, fair_preempt_per_s; the bound per
+    stream is `ClusterConfig.preemption_max_per_stream`, the router's preemption.max_per_stream).
+    The simulator may not import the router: tests/simcluster checks the two agree."""
+
+    sync_s: float = 0.05
+    after_s: float = 0.05
+    per_s: float = 4.0
+
+    def __post_init__(self) -> None:
+        if not (self.sync_s > 0 and self.after_s >= 0 and self.per_s >= 0):
+            raise ValueError("take-back: sync_s > 0, after_s >= 0, per_s >= 0")
+
+    @property
+    def enabled(self) -> bool:
+        # The router's `FairTakeBack.enabled`: 0 for either is "never".
+        return self.after_s > 0 and self.per_s > 0
+
+    @property
+    def claim_ttl_s(self) -> float:
+        """router/request/fair_takeback.py `claim_ttl_s`: 4 sync periods, at least 0.1 s."""
+        return max(0.1, 4 * self.sync_s)
+
+
+@dataclass(slots=True)
+class _Registration:
+    """What one replica last registered in the store: its waiter lines (class, tenant) ->
+    (requests, when the oldest started waiting), and its reserved blocks per tenant."""
+
+    waiting: dict[tuple[int, str], tuple[int, float]]
+    held: Counter[str]
+
+
+class _Bucket:
+    """One replica's token bucket: `rate` a second, a burst of one, full at the start."""
+
+    __slots__ = ("rate", "tokens", "at")
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.tokens = 1.0
+        self.at = 0.0
+
+    def refill(self, now: float) -> int:
+        """Whole tokens to spend now (the router's `int(self._tokens)`)."""
+        self.tokens = min(1.0, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        return int(self.tokens)
+
+
+class _Claims:
+    """The store's claims on waiting requests (state/memory_fair.py `fair_claim`): unit k of a
+    line is claimed by one replica for `ttl_s`; the others get only the units nobody holds."""
+
+    __slots__ = ("ttl_s", "_units")
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._units: dict[tuple[Line, int], float] = {}  # (line, k) -> expiry
+
+    def claim(self, wanted: Counter[Line], counts: dict[Line, int], now: float) -> Counter[Line]:
+        units = self._units
+        for unit in [u for u, expires in units.items() if expires <= now]:
+            del units[unit]
+        got: Counter[Line] = Counter()
+        for line, want in sorted(wanted.items()):
+            for k in range(counts.get(line, want)):
+                if got[line] >= want:
+                    break
+                if (line, k) not in units:
+                    units[(line, k)] = now + self.ttl_s
+                    got[line] += 1
+        return got
+
+
+class FairTakeBack:
+    """The take-back of one simulated cluster (the module's docstring). `cut(job, reason)` is
+    the engine's: stop the running stream now and resume it."""
+
+    def __init__(
+        self,
+        settings: TakeBackSettings,
+        replicas: int,
+        place: Callable[[str, int], int],
+        queue: FairQueue,
+        decodes: Sequence[DecodeWorker],
+        bound: int,
+        schedule: Callable[[float, Callable[[], None]], None],
+        cut: Callable[[Job, str], None],
+    ) -> None:
+        if not isinstance(queue.policy, VTCFairness):
+            raise ValueError("the take-back runs with the vtc order only (as the router's)")
+        self.settings = settings
+        self.policy: VTCFairness = queue.policy
+        self.queue = queue
+        self.decodes = decodes
+        self.bound = bound
+        self._replicas = replicas
+        self._place = place
+        self._schedule = schedule
+        self._cut = cut
+        self._of: dict[int, int] = {}  # job index -> the replica that holds and relays it
+        self._nth: dict[str, int] = {}  # tenant -> its requests so far
+        self._ticking: set[int] = set()
+        self._registered = [_Registration({}, Counter()) for _ in range(replicas)]
+        self._buckets = [_Bucket(settings.per_s) for _ in range(replicas)]
+        self._claims = _Claims(settings.claim_ttl_s)
+        # Each preemption: (time, replica, reason) — the counts and the rate bound's record.
+        self.taken: list[tuple[float, int, str]] = []
+
+    def __repr__(self) -> str:
+        return f"FairTakeBack(taken={len(self.taken)}, replicas={self._replicas})"
+
+    def arrived(self, job: Job) -> None:
+        """A request lands on its replica (its continuations stay there)."""
+        n = self._nth.get(job.tenant, 0)
+        self._nth[job.tenant] = n + 1
+        self._of[job.idx] = self._place(job.tenant, n) % self._replicas
+
+    def busy(self, now: float) -> None:
+        """Something waits or was admitted: every replica syncs on its grid again."""
+        if not self.settings.enabled:
+            return
+        for r in range(self._replicas):
+            if r not in self._ticking:
+                self._ticking.add(r)
+                self._sync_later(r, now)
+
+    def _sync_later(self, r: int, now: float) -> None:
+        period = self.settings.sync_s
+        phase = r * period / self._replicas
+        at = phase + math.floor((now - phase) / period + 1.0) * period
+        if at <= now + 1e-9:  # `now` on the grid already (a sync's own): the next one
+            at += period
+        self._schedule(at, lambda: self._sync(r, at))
+
+    def _sync(self, r: int, now: float) -> None:
+        waiting = self.queue.waiting_jobs()
+        holding = [j for d in self.decodes for j in d.reservations.values()]
+        self._registered[r] = self._register(r, waiting, holding)
+        self._take_back(r, now)
+        if waiting or holding:
+            self._sync_later(r, now)
+        else:  # idle: the next wait or admission starts the loop again (the router's)
+            self._ticking.discard(r)
+
+    def _register(self, r: int, waiting: Iterable[Job], holding: Iterable[Job]) -> _Registration:
+        lines: dict[tuple[int, str], tuple[int, float]] = {}
+        for job in waiting:
+            if self._of.get(job.idx) != r or job.waiting is None:
+                continue
+            slot = (job.waiting.priority, job.tenant)
+            count, since = lines.get(slot, (0, math.inf))
+            lines[slot] = (count + 1, min(since, job.queued_at))
+        held: Counter[str] = Counter()
+        for job in holding:
+            if self._of.get(job.idx) == r:
+                held[job.tenant] += job.res
+        return _Registration(lines, held)
+
+    def _view(self, now: float) -> tuple[list[ClusterWaiter], Occupancy]:
+        """Every replica's registrations as the store answers a sync (router/fair_share.py
+        `_adopt`)."""
+        waiters: list[ClusterWaiter] = []
+        held: Counter[str] = Counter()
+        for r, reg in enumerate(self._registered):
+            for (priority, tenant), (count, since) in sorted(reg.waiting.items()):
+                counter = self.policy.counter(tenant, priority)
+                waiters.append(
+                    ClusterWaiter(str(r), priority, tenant, counter, count, max(0.0, now - since))
+                )
+            held.update(reg.held)
+        held = +held  # (a tenant holding nothing is not a holder)
+        weights = {t: self.queue.tenant(t).weight for t in {*held, *(w.tenant for w in waiters)}}
+        active = frozenset(held) | {w.tenant for w in waiters}
+        capacity = sum(d.capacity for d in self.decodes)
+        return waiters, Occupancy(capacity, dict(held), weights, active)
+
+    def _streams(self, r: int) -> dict[str, Job]:
+        return {
+            str(job.idx): job
+            for d in self.decodes
+            for job in d.seqs.values()
+            if self._of.get(job.idx) == r
+        }
+
+    def _take_back(self, r: int, now: float) -> None:
+        """router/request/fair_takeback.py `FairTakeBack.__call__`, for replica r."""
+        waiters, occupancy = self._view(now)
+        if not waiters:
+            return
+        bucket = self._buckets[r]
+        budget = bucket.refill(now)
+        if budget < 1:
+            return
+        streams = self._streams(r)
+        if not streams:
+            return
+        plan = plan_take_back(
+            [_facts(sid, job) for sid, job in streams.items()],
+            waiters,
+            occupancy,
+            self.settings.after_s,
+            self.bound,
+            budget,
+        )
+        if not plan:
+            return
+        counts = {(w.replica, w.priority, w.tenant): w.count for w in waiters}
+        granted = self._claims.claim(Counter(plan.serves.values()), counts, now)
+        for_class = _granted(plan.for_class, plan, granted)
+        for_share = _granted(plan.for_share, plan, granted)
+        bucket.tokens -= len(for_class) + len(for_share)
+        for reason, chosen in ((PRIORITY, for_class), (FAIR_SHARE, for_share)):
+            for sid in chosen:
+                self.taken.append((now, r, reason))
+                self._cut(streams[sid], reason)
+
+
+def _facts(stream_id: str, job: Job) -> StreamFacts:
+    """What the rule reads of a running stream (as disagg_tools/simcluster/preemption.py
+    `_facts`: its reservation time stands for the router's dispatch, its blocks are its
+    reservation or what it grew to)."""
+    d = job.d
+    assert d is not None and job.waiting is not None
+    blocks = max(job.res, blocks_for(job.ctx0 + d.step - job.s0, d.bs))
+    return StreamFacts(
+        stream_id, job.tenant, d.wid, job.admitted_at, blocks, job.cuts, job.waiting.priority
+    )
+
+
+def _granted(streams: tuple[str, ...], plan: TakeBack, granted: Counter[Line]) -> list[str]:
+    """The streams whose waiting request this replica claimed (each claim used once)."""
+    chosen: list[str] = []
+    for stream in streams:
+        line = plan.serves[stream]
+        if granted[line] > 0:
+            granted[line] -= 1
+            chosen.append(stream)
+    return chosen
