@@ -12,6 +12,7 @@ command here (the live validation is `python -m disagg_tools.launcher.validate`)
                                                  experiments/flood_shares.py)
     python -m disagg_tools.experiments flood --placements one,spread,split
                                                  [--fairness fifo,vtc] [--shared-fairness]
+                                                 [--no-take-back]
                                                  (issue 33: the flood over two replicas, only)
     python -m disagg_tools.experiments preemption [--seeds 6] [--burst 40]
                                                  (a burst that overruns the estimates, the
@@ -115,6 +116,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="flood --placements/--shares: one fair share and one line for the cluster, not "
         "per replica",
     )
+    ap.add_argument(
+        "--no-take-back",
+        action="store_true",
+        help="flood --placements --shared-fairness: do not take room back (the router's "
+        "fair-share and priority preemptions), to compare",
+    )
     ap.add_argument("--out", default="bench-results")
     ap.add_argument("--tag", default="", help="suffix for the JSON file names")
     ap.add_argument("--img", default="docs/img")
@@ -178,8 +185,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             [p for p in ns.placements.split(",") if p],
             policies=[f for f in ns.fairness.split(",") if f],
             shared=ns.shared_fairness,
+            take_back=not ns.no_take_back,
         )
-        tag = "-shared" if ns.shared_fairness else ""
+        tag = ("-shared" if ns.shared_fairness else "") + (
+            "-no-take-back" if ns.no_take_back else ""
+        )
         write_json(out, "flood-placements" + tag + ("-" + ns.tag if ns.tag else ""), rows)
         print(f"capacity {cap:.1f} req/s\n\n" + flood.placements_table(rows), flush=True)
     elif ns.what == "flood":
