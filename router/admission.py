@@ -208,6 +208,10 @@ class Admission:
         # The cluster's fair share (router/fair_share.py), told every charge; None: this
         # replica's order is its own.
         self.ledger: Ledger | None = None
+        # Room taken back for a waiting tenant here (router/request/fair_takeback.py): its
+        # oldest waiter of that class is woken first until admitted, or until the loop-clock
+        # time given. (class, tenant) -> until.
+        self._earmarks: dict[tuple[int, str], float] = {}
         # Told each admission's tenant and how long it waited in the queue (0: it did not), from
         # its first wait, re-waits included (router/tenant_metrics.py: a histogram by tenant).
         self.wait_observer: Callable[[str, float], None] | None = None
@@ -382,6 +386,26 @@ class Admission:
             )
         )
 
+    def earmark(self, priority: int, tenant: str, for_s: float) -> None:
+        """Streams were preempted for a request of `tenant` in class `priority` waiting here:
+        the room they free is its, not the order's next (the take-back's rule, by each tenant's
+        occupancy, chose it; the order's counters may not). Its oldest such waiter is woken
+        first until one is admitted, for at most `for_s`."""
+        self._earmarks[(priority, tenant)] = self._clock() + for_s
+
+    def _earmarked(self, now: float, skip: set[int]) -> WaitingRequest | None:
+        """The oldest parked waiter of an earmarked line, not in `skip` (expired marks go)."""
+        marks = self._earmarks
+        for line, until in list(marks.items()):
+            if until < now:
+                del marks[line]
+        if not marks:
+            return None
+        for ticket, request in self._queued.items():  # in ticket order: oldest first
+            if (request.priority, request.tenant.name) in marks and ticket not in skip:
+                return request
+        return None
+
     def withdraw(self, ticket: int) -> None:
         """The request stops waiting without being admitted (deadline, cancel, an error)."""
         if self._queued.pop(ticket, None) is not None:
@@ -400,6 +424,9 @@ class Admission:
         if self.wait_observer is not None:
             waited = self._clock() - queued.since_s if queued is not None else 0.0
             self.wait_observer((queued or request).tenant.name, waited)
+        if self._earmarks:
+            admitted = queued or request
+            self._earmarks.pop((admitted.priority, admitted.tenant.name), None)
         charge = self.policy.admit(queued or request)
         ledger = self.ledger
         if ledger is None:
@@ -460,11 +487,16 @@ class Admission:
             # A fresh wake-up while the head is already awake (trying, or about to): it will
             # see this room too, or pass it on. Waking the next as well would set the two
             # racing for one room, and the order's shares would blur into who asked first.
-            head = self.policy.pick(now)
+            head = (self._earmarked(now, set()) if self._earmarks else None) or self.policy.pick(
+                now
+            )
             if head is not None and head.ticket in self._awake:
                 return
         skip = self._awake.union(tried)
-        while (chosen := self.policy.pick(now, skip)) is not None:
+        while (
+            chosen := (self._earmarked(now, skip) if self._earmarks else None)
+            or self.policy.pick(now, skip)
+        ) is not None:
             future = self._parked.pop(chosen.ticket, None)
             if future is None or future.done():
                 skip.add(chosen.ticket)  # cancelled, its task not yet run: it withdraws itself
