@@ -34,16 +34,12 @@ from policies.fair_share import TakeBack, plan_take_back
 from policies.preemption import StreamFacts
 from router.admission import AdmissionSettings
 from router.fair_share import ClusterShare
-from router.request.preemption import Preemptor, Victims
+from router.request.preemption import FAIR_SHARE, PRIORITY, Preemptor, Victims
 from state.base import StoreError
 
 __all__ = ["FAIR_SHARE", "PRIORITY", "FairTakeBack", "claim_ttl_s"]
 
 log = logging.getLogger(__name__)
-
-# The preemptions' reasons (metrics, the request's trace).
-FAIR_SHARE = "fair_share"
-PRIORITY = "priority"
 
 
 def claim_ttl_s(settings: AdmissionSettings) -> float:

@@ -45,7 +45,7 @@ from router.request.assemble import stream_upstream, streamable
 from router.request.attempt import Ask, Attempt, Call, LegFailure, loop_time
 from router.request.holdings import Record
 from router.request.legs import Legs
-from router.request.preemption import OVER_LIMIT
+from router.request.preemption import OVER_LIMIT, TAKEN_BACK
 from router.request.priority_class import PRIORITY_HEADER, request_class
 from router.request.quota import QuotaGate, over_limit_error, reserved_blocks
 from router.request.release import Releaser
@@ -227,7 +227,7 @@ class RequestFlow:
                 if isinstance(ended, Preempted):
                     if ended.reason == OVER_LIMIT:
                         raise self._over_limit(ended, ask)
-                    ask, info, resume_by = await self._after_preemption(ended)
+                    ask, info, resume_by = await self._after_preemption(ended, info)
                     continue
                 if (
                     isinstance(ended, LegFailure)
@@ -275,10 +275,13 @@ class RequestFlow:
         ).inc()
         return over_limit_error(tenant.name, limit, hold.blocks if hold else limit, sent)
 
-    async def _after_preemption(self, preempted: Preempted) -> tuple[Ask, RequestInfo, float]:
+    async def _after_preemption(
+        self, preempted: Preempted, before: RequestInfo
+    ) -> tuple[Ask, RequestInfo, float]:
         """The try that continues a preempted stream: the text the client has, re-prefilled;
-        its whole remaining cap reserved (its estimate proved short); its tenant's hold made
-        that size first, waiting for the tenant's room; and when it stops waiting for room."""
+        its whole remaining cap reserved where its estimate proved short (a growth's
+        preemption), else the rest of the try `before`'s estimate; its tenant's hold made that
+        size first, waiting for the tenant's room; and when it stops waiting for room."""
         stages, call, progress = self.stages, self.call, self.progress
         progress.preempted += 1
         stages.metrics.preempted_tokens.inc(preempted.tokens)
@@ -289,7 +292,14 @@ class RequestFlow:
         # growth it was preempted for waits for exactly that).
         await stages.quota.follow(self.seat.quota, 0, True)
         ask = await stages.resume.ask(call, self.responder.sent)
-        info = await stages.reserve.estimate(call, ask, self.seat, whole_cap=True)
+        # Taken back for others, it had not outgrown its estimate: its whole cap would make
+        # its tenant look over its share again and be taken again (in the simulator the
+        # shares of two backlogged tenants went 40 % off so), and hold room nobody uses.
+        if preempted.reason in TAKEN_BACK:
+            rest_of = (before, preempted.tokens)
+            info = await stages.reserve.estimate(call, ask, self.seat, rest_of=rest_of)
+        else:
+            info = await stages.reserve.estimate(call, ask, self.seat, whole_cap=True)
         blocks = reserved_blocks(info)
         await stages.quota.wait_to_follow(self.seat.quota, blocks, settings.resume_wait_s)
         return ask, info, stages.clock() + settings.resume_wait_s

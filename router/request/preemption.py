@@ -32,7 +32,21 @@ from policies.preemption import StreamFacts, Victims, choose_victims
 from router.config import PreemptionSettings
 from router.metrics import RouterMetrics
 
-__all__ = ["OVER_LIMIT", "LiveStream", "Preemptor", "Victims"]
+__all__ = [
+    "FAIR_SHARE",
+    "OVER_LIMIT",
+    "PRIORITY",
+    "TAKEN_BACK",
+    "LiveStream",
+    "Preemptor",
+    "Victims",
+]
+
+# Why a stream was taken back for others (router/request/fair_takeback.py): the cluster's fair
+# share, or a more urgent class. Such a stream had not outgrown its estimate.
+FAIR_SHARE = "fair_share"
+PRIORITY = "priority"
+TAKEN_BACK = frozenset({FAIR_SHARE, PRIORITY})
 
 # Why a stream is stopped without resuming: its answer alone outgrew its tenant's whole block
 # limit (router/request/lifecycle.py ends it with the limit's 429 frame).

@@ -98,11 +98,19 @@ class Reserver:
         return f"Reserver(policy={self.policy.name}, estimator={self.estimator.name})"
 
     async def estimate(
-        self, call: Call, ask: Ask, seat: Seat, *, whole_cap: bool = False
+        self,
+        call: Call,
+        ask: Ask,
+        seat: Seat,
+        *,
+        whole_cap: bool = False,
+        rest_of: tuple[RequestInfo, int] | None = None,
     ) -> RequestInfo:
         """What placement needs to know of the request, the output-length estimate included
         (`whole_cap`: the continuation of a preempted stream, whose estimate proved short,
-        reserves its whole remaining cap instead: `whole_cap_estimate`)."""
+        reserves its whole remaining cap instead: `whole_cap_estimate`; `rest_of`: the try it
+        continues and the tokens that try relayed, for a stream taken back for others, which
+        reserves the rest of that try's estimate: `rest_estimate`)."""
         hint = call.headers.get("X-Expected-Output-Tokens")
         # The choices' partial blocks are counted in the largest block size of the
         # decode workers, so the reservation is an upper bound wherever placement puts it.
@@ -137,6 +145,11 @@ class Reserver:
             # tenants configured) on the shared classes, as before.
             tenant=seat.tenant.name,
         )
+        if rest_of is not None:
+            rest = rest_estimate(info, *rest_of)
+            if rest is not None:
+                return within_block_limit(rest, seat.tenant)
+            whole_cap = True  # it had outgrown that estimate: as a growth's preemption
         if whole_cap:
             return within_block_limit(self.whole_cap_estimate(info), seat.tenant)
         return await self.estimated(info, seat)
@@ -525,3 +538,18 @@ class Reserver:
         return bool(workers) and all(
             need > w.capacity_blocks * w.spec.layout.block_size for w in workers
         )
+
+
+def rest_estimate(info: RequestInfo, before: RequestInfo, relayed: int) -> RequestInfo | None:
+    """`info` (a continuation: the prompt and the text relayed so far) reserving what the try
+    `before` still expected to decode: its reserved answer less the `relayed` tokens, within
+    the continuation's remaining cap. So a stream taken back for the fair share or a class
+    holds, resumed, the room it held (not its whole cap, which would make its tenant look over
+    its share again). None when it had relayed that much already: its estimate proved short."""
+    left = before.reserve_output_tokens - relayed
+    if left < 1:
+        return None
+    estimate = OutputEstimate(
+        min(left, info.max_tokens), source="taken back: the rest of its estimate"
+    )
+    return replace(info, estimate=estimate)
