@@ -1,4 +1,5 @@
-"""The splice relay's upstream side: keep-alive HTTP/1.1 connections to the decode workers.
+"""The splice relay's upstream side: keep-alive HTTP/1.1 connections to the workers (the decode
+legs, and the prefill legs' whole answers: router/request/legs.py `_post_whole`).
 
 Per worker `(host, port)` a pool of `asyncio.Protocol` connections (`TCP_NODELAY`), at most
 one request in flight on each. `data_received` hands the bytes to a `ResponseReader`
