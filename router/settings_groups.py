@@ -197,9 +197,10 @@ class UpstreamSettings:
     connections: int = setting(4096, doc="connections to the workers at most (all together)")
     relay: str = setting(
         "splice",
-        doc="how decode streams reach the client: splice (raw keep-alive client writing whole "
-        "SSE events to the client's transport; http:// workers) or aiohttp (also what "
-        "https:// workers always use)",
+        doc="how the PD legs reach the workers and decode streams the client: splice (raw "
+        "keep-alive client for the prefill and decode legs, writing whole SSE events to the "
+        "client's transport; http:// workers) or aiohttp (also what https:// workers always "
+        "use)",
     )
     forward_headers: tuple[str, ...] = setting(
         ("x-sim-output-tokens", "traceparent", "tracestate"),

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, Concatenate, ParamSpec, Self, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
@@ -47,6 +47,7 @@ __all__ = [
     "Cmd",
     "RedisConnection",
     "StoreUnavailableError",
+    "hash_pairs",
     "is_cluster_url",
     "raise_first",
     "redact_url",
@@ -182,6 +183,14 @@ class Cmd:
 
     def __repr__(self) -> str:
         return f"Cmd({self.args[0]} {self.key})"
+
+
+def hash_pairs(answer: Any) -> Iterable[tuple[Any, Any]]:
+    """A hash's fields and values: redis-py's HGETALL answers a dict; a script, or the lean
+    connection's HGETALL (raw answers, state/lean_redis.py), a flat list."""
+    if isinstance(answer, dict):
+        return answer.items()
+    return zip(answer[::2], answer[1::2], strict=True)
 
 
 def raise_first(results: list[Any]) -> list[Any]:

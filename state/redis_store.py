@@ -49,6 +49,7 @@ from state.keys import (
 )
 from state.redis_conn import (
     Cmd,
+    hash_pairs,
     raise_first,
     store_call,
     text,
@@ -358,8 +359,10 @@ class RedisStore(RedisRegistry, RedisQuotas, RedisFair):
         if not keys:
             return {}
         names = [self._keys.output_stats(c) for c in keys]
-        rows = raise_first(await self._pipelined([Cmd(("HGETALL", k), k) for k in names]))
+        # The histogram cache's refresh, about once a second while busy: on the lean
+        # connection (~60 us of CPU a call there against redis-py's ~185: issue 36).
+        rows = raise_first(await self._hot_pipeline([Cmd(("HGETALL", k), k) for k in names]))
         return {
-            class_key: {int(b): int(n) for b, n in row.items()}
+            class_key: {int(b): int(n) for b, n in hash_pairs(row)}
             for class_key, row in zip(keys, rows, strict=True)
         }

@@ -59,7 +59,7 @@ class Core:
     metrics: RouterMetrics
     store: StateStore
     session: aiohttp.ClientSession
-    splice: SplicePool | None  # the decode legs' raw client when settings.relay == "splice"
+    splice: SplicePool | None  # the PD legs' raw client (http:// workers) when relay == "splice"
     tasks: BackgroundTasks
     admission: Admission
     leases: LeaseKeeper

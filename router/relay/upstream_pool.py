@@ -1,4 +1,5 @@
-"""The splice relay's upstream side: keep-alive HTTP/1.1 connections to the decode workers.
+"""The splice relay's upstream side: keep-alive HTTP/1.1 connections to the workers (the decode
+legs, and the prefill legs' whole answers: router/request/legs.py `_post_whole`).
 
 Per worker `(host, port)` a pool of `asyncio.Protocol` connections (`TCP_NODELAY`), at most
 one request in flight on each. `data_received` hands the bytes to a `ResponseReader`
@@ -29,6 +30,7 @@ turns them into retryable leg failures exactly as with aiohttp's client):
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 from collections import deque
 from collections.abc import Callable
@@ -314,6 +316,28 @@ class SpliceResponse:
     release = close
 
 
+# Control characters aiohttp's client refuses in a header (RFC 9110 §5.5, RFC 9112 §4: a header
+# injection), as aiohttp.http_writer's _FORBIDDEN_HEADER_CHARS_RE.
+_FORBIDDEN_IN_HEADER: Final = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def header_lines(headers: dict[str, str]) -> bytes:
+    """`headers` as the request's header lines, written as aiohttp's client writes them (the
+    legs on aiohttp and on this pool send a worker the same bytes): UTF-8, which is how
+    aiohttp's server decoded a client's header (a forwarded one goes on as it came), a lone
+    surrogate dropped (aiohttp's C writer does); a control character raises ValueError."""
+    lines = []
+    for name, value in headers.items():
+        line = f"{name}: {value}"
+        if _FORBIDDEN_IN_HEADER.search(line) is not None:
+            raise ValueError(
+                "Forbidden control character detected in headers. "
+                "Potential header injection attack."
+            )
+        lines.append(line)
+    return "".join(f"{line}\r\n" for line in lines).encode("utf-8", "ignore")
+
+
 class SplicePool:
     """Keep-alive connections per worker `(host, port)`; at most `max_idle` idle per worker."""
 
@@ -346,10 +370,8 @@ class SplicePool:
         parts = urlsplit(url)
         key = (parts.hostname or "127.0.0.1", parts.port or 80)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        head = header_lines(headers)  # before a connection is taken: it may raise
         conn = self._idle_conn(key) or await self._connect(key, connect_s)
-        head = b"".join(
-            b"%s: %s\r\n" % (k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()
-        )
         conn.start(
             b"POST %s HTTP/1.1\r\nHost: %s:%d\r\n%sContent-Length: %d\r\n\r\n%s"
             % (target.encode("latin-1"), key[0].encode(), key[1], head, len(body), body),

@@ -160,7 +160,7 @@ class Legs:
 
     settings: Settings
     session: aiohttp.ClientSession
-    splice: SplicePool | None  # the decode legs' raw client when settings.relay == "splice"
+    splice: SplicePool | None  # the PD legs' raw client (http:// workers) when relay == "splice"
     members: Membership
     pairing: Pairing
     metrics: RouterMetrics
@@ -261,14 +261,13 @@ class Legs:
         call.trace.begin("prefill", worker=spec.id, prompt_tokens=ask.prompt_tokens)
         try:
             async with self.leg_errors("prefill", worker, self.settings.timeouts.prefill_s):
-                async with self.session.post(
+                status, data = await self._post_whole(
                     spec.url + call.parsed.path,
-                    data=orjson.dumps(rank_body(spec.adapter, wire_body, spec.dp_rank)),
-                    headers=self._headers(call, worker, ask.resumed),
-                ) as resp:
-                    data = await resp.read()
-                if resp.status != 200:
-                    raise upstream_failure("prefill", spec.id, resp.status, data)
+                    orjson.dumps(rank_body(spec.adapter, wire_body, spec.dp_rank)),
+                    self._headers(call, worker, ask.resumed),
+                )
+                if status != 200:
+                    raise upstream_failure("prefill", spec.id, status, data)
                 if answer is not None:
                     return answer(data)
         finally:
@@ -277,6 +276,28 @@ class Legs:
             worker.inflight -= 1
             self.metrics.prefill_seconds_by(spec.id).observe(self.clock() - t0)
         return data
+
+    async def _post_whole(
+        self, url: str, body: bytes, headers: dict[str, str]
+    ) -> tuple[int, bytes]:
+        """POST `body` and read the whole answer: (status, body). On the raw pool when the
+        splice relay is on and the worker is http:// (aiohttp's client leg was the largest
+        single item of the request path's profile; moving the prefill off it cut the router's
+        CPU per request by ~4-10 %: docs/benchmarks-overhead.md, issue 36), else on aiohttp's
+        session. The same deadlines either way: the leg's own (`leg_errors`) and the
+        request's; no idle timeout (idle_s 0) and no connect timeout of its own (the session
+        sets neither). Its errors are aiohttp.ClientConnectionErrors on both (the same
+        retryable leg failures). Cancelled or failed before the answer is whole, the
+        connection is dropped (vLLM's abort signal), as aiohttp's response does on leaving
+        its block."""
+        if self.splice is not None and self.splice.supports(url):
+            raw = await self.splice.post(url, body, headers, connect_s=None, idle_s=0.0)
+            try:
+                return raw.status, await raw.read()
+            finally:
+                raw.close()  # whole: back to the pool; else dropped
+        async with self.session.post(url, data=body, headers=headers) as resp:
+            return resp.status, await resp.read()
 
     async def _prefill(self, call: Call, attempt: Attempt, ask: Ask) -> dict[str, Any]:
         """vLLM NIXL pull mode: prefill first, then hand its kv_transfer_params to decode."""
