@@ -333,10 +333,16 @@ class _Engine:
         info = job.info
         assert info is not None
         est = self.estimator
-        if job.cuts:
+        if job.cuts and job.rest > 0:
+            # Taken back for others: the rest of its try's estimate (router/request/reserve.py
+            # `rest_estimate`); its answer is recorded where its first estimate said.
+            estimate = OutputEstimate(min(job.rest, info.max_tokens), source="taken back")
+            job.rest = 0
+        elif job.cuts:
             # A preempted stream's continuation: its estimate proved short, so its whole
             # remaining cap is reserved (router/request/lifecycle.py `_after_preemption`); its
             # answer is recorded where its first estimate said.
+            job.rest = 0
             estimate = OutputEstimate(reserve_tokens=info.max_tokens, source="preempted")
         elif est is not None:
             keys = est.class_keys(info)
@@ -544,6 +550,10 @@ class _Engine:
             job.cuts_fair_share += 1
         else:
             job.cuts_priority += 1
+        # What its try still expected to decode (its reservation's answer less what it
+        # produced in it), as the router's `rest_estimate` (router/request/reserve.py).
+        assert job.info is not None
+        job.rest = job.info.reserve_output_tokens - (job.ctx0 - job.prompt)
         self._continue(job)
         if self.q_live:
             self._drain_queue()

@@ -54,6 +54,7 @@ class Job:
         "first_t", "last_t", "max_gap", "preemptions", "refusals", "kv_bytes", "exp_end",
         "local", "tenant", "waiting", "charge", "placed", "cap", "record",
         "asked", "cuts", "redone", "first_admitted", "cuts_fair_share", "cuts_priority",
+        "rest",
     )  # fmt: skip
 
     def __init__(self, idx: int, arrival: float, prompt: int, out: int, hashes: tuple[int, ...]):
@@ -103,6 +104,9 @@ class Job:
         # many times it was cut, the prefill tokens redone for it, its first admission.
         self.asked = prompt
         self.cuts = 0
+        # Taken back for others: the output tokens its cut try still expected (its
+        # continuation reserves them, not its whole cap); 0: not taken back.
+        self.rest = 0
         self.redone = 0
         self.first_admitted = -1.0
         # Of its cuts, those that took room back for the fair share or a more urgent class

@@ -47,6 +47,28 @@ def test_tenants_within_their_shares_never_take_from_each_other() -> None:
         )
 
 
+def test_only_a_starved_tenant_takes_back_and_never_past_either_share() -> None:
+    """Two backlogged tenants at weights 1:3 (shares 25 and 75 of 100 blocks) fluctuate around
+    their shares: one merely under its share takes nothing (in the simulator such take-backs
+    preempted the lighter one 400 times a minute and put the shares 40 % off). A tenant holding
+    less than half its share is starved: it takes streams back, and only moves that leave the
+    victim at least its share and the starved at most its own."""
+    weights = {"light": 1.0, "heavy": 3.0}
+    streams = [StreamFacts(f"l{i}", "light", "d0", float(i), 10, 0) for i in range(3)]
+    heavy_waits = [ClusterWaiter("r1", 0, "heavy", 0.0, 2, 0.5)]
+
+    def occ(light: int, heavy: int) -> Occupancy:
+        return Occupancy(100, {"light": light, "heavy": heavy}, weights, frozenset(weights))
+
+    assert take_back(streams, heavy_waits, occ(30, 70), 0.1, 2, 5) == ()  # under, not starved
+    assert take_back(streams, heavy_waits, occ(45, 55), 0.1, 2, 5) == ()
+    assert take_back(streams, heavy_waits, occ(80, 20), 0.1, 2, 5) == ("l2", "l1")  # starved
+    # light over by 8: a 10-block stream would take it under its share; a 5-block one fits
+    assert take_back(streams, heavy_waits, occ(33, 30), 0.1, 2, 5) == ()
+    small = [*streams, StreamFacts("small", "light", "d0", 0.5, 5, 0)]
+    assert take_back(small, heavy_waits, occ(33, 30), 0.1, 2, 5) == ("small",)
+
+
 def test_room_is_left_for_a_less_served_or_under_share_tenant_elsewhere() -> None:
     victim = ClusterWaiter("r1", 0, "victim", 5.0, 1, 0.2)
     # by counters: the victim is behind by more than one request of the flooder
