@@ -59,7 +59,7 @@ resumed with its exact text, then runs to its end.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field, replace
 
 from policies.preemption import StreamFacts
@@ -308,6 +308,19 @@ class TakeBack:
 
     def __len__(self) -> int:
         return len(self.for_class) + len(self.for_share)
+
+    def claimed(
+        self, streams: tuple[str, ...], claims: MutableMapping[tuple[str, int, str], int]
+    ) -> tuple[str, ...]:
+        """The `streams` (of this plan) whose waiting request was claimed: `claims` holds how
+        many of each waiter line the replica got, each used once (decremented here)."""
+        chosen: list[str] = []
+        for stream in streams:
+            line = self.serves[stream]
+            if claims.get(line, 0) > 0:
+                claims[line] -= 1
+                chosen.append(stream)
+        return tuple(chosen)
 
 
 def plan_take_back(

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from disagg_tools.simcluster.fair_queue import FairQueue
 from disagg_tools.simcluster.workers import DecodeWorker, Job
 from policies.base import blocks_for
-from policies.fair_share import ClusterWaiter, Occupancy, TakeBack, plan_take_back
+from policies.fair_share import ClusterWaiter, Occupancy, plan_take_back
 from policies.fairness import VTCFairness
 from policies.preemption import StreamFacts
 
@@ -266,8 +266,8 @@ class FairTakeBack:
             return
         counts = {(w.replica, w.priority, w.tenant): w.count for w in waiters}
         granted = self._claims.claim(Counter(plan.serves.values()), counts, now)
-        for_class = _granted(plan.for_class, plan, granted)
-        for_share = _granted(plan.for_share, plan, granted)
+        for_class = plan.claimed(plan.for_class, granted)
+        for_share = plan.claimed(plan.for_share, granted)
         bucket.tokens -= len(for_class) + len(for_share)
         for reason, chosen in ((PRIORITY, for_class), (FAIR_SHARE, for_share)):
             for sid in chosen:
@@ -285,14 +285,3 @@ def _facts(stream_id: str, job: Job) -> StreamFacts:
     return StreamFacts(
         stream_id, job.tenant, d.wid, job.admitted_at, blocks, job.cuts, job.waiting.priority
     )
-
-
-def _granted(streams: tuple[str, ...], plan: TakeBack, granted: Counter[Line]) -> list[str]:
-    """The streams whose waiting request this replica claimed (each claim used once)."""
-    chosen: list[str] = []
-    for stream in streams:
-        line = plan.serves[stream]
-        if granted[line] > 0:
-            granted[line] -= 1
-            chosen.append(stream)
-    return chosen

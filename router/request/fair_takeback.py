@@ -104,8 +104,8 @@ class FairTakeBack:
         if not plan:
             return
         granted = await self._claim(share, plan)
-        for_class = _granted(plan.for_class, plan, granted)
-        for_share = _granted(plan.for_share, plan, granted)
+        for_class = plan.claimed(plan.for_class, granted)
+        for_share = plan.claimed(plan.for_share, granted)
         taken = len(for_class) + len(for_share)
         self._tokens -= taken
         self.taken += taken
@@ -137,16 +137,3 @@ class FairTakeBack:
             log.debug("fair take-back: no claim (%s)", exc)
             return Counter()
         return Counter({line: got.get(names[line], 0) for line in wanted})
-
-
-def _granted(
-    streams: tuple[str, ...], plan: TakeBack, granted: Counter[tuple[str, int, str]]
-) -> tuple[str, ...]:
-    """The streams whose waiting request this replica claimed (each claim used once)."""
-    chosen: list[str] = []
-    for stream in streams:
-        line = plan.serves[stream]
-        if granted[line] > 0:
-            granted[line] -= 1
-            chosen.append(stream)
-    return tuple(chosen)
