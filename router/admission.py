@@ -393,6 +393,11 @@ class Admission:
         first until one is admitted, for at most `for_s`."""
         self._earmarks[(priority, tenant)] = self._clock() + for_s
 
+    def _next(self, now: float, skip: set[int]) -> WaitingRequest | None:
+        """The next waiter to wake, not in `skip`: an earmarked line's first, else the order's."""
+        chosen = self._earmarked(now, skip) if self._earmarks else None
+        return chosen if chosen is not None else self.policy.pick(now, skip)
+
     def _earmarked(self, now: float, skip: set[int]) -> WaitingRequest | None:
         """The oldest parked waiter of an earmarked line, not in `skip` (expired marks go)."""
         marks = self._earmarks
@@ -424,10 +429,10 @@ class Admission:
         if self.wait_observer is not None:
             waited = self._clock() - queued.since_s if queued is not None else 0.0
             self.wait_observer((queued or request).tenant.name, waited)
+        admitted = queued or request
         if self._earmarks:
-            admitted = queued or request
             self._earmarks.pop((admitted.priority, admitted.tenant.name), None)
-        charge = self.policy.admit(queued or request)
+        charge = self.policy.admit(admitted)
         ledger = self.ledger
         if ledger is None:
             return charge
@@ -487,16 +492,11 @@ class Admission:
             # A fresh wake-up while the head is already awake (trying, or about to): it will
             # see this room too, or pass it on. Waking the next as well would set the two
             # racing for one room, and the order's shares would blur into who asked first.
-            head = (self._earmarked(now, set()) if self._earmarks else None) or self.policy.pick(
-                now
-            )
+            head = self._next(now, set())
             if head is not None and head.ticket in self._awake:
                 return
         skip = self._awake.union(tried)
-        while (
-            chosen := (self._earmarked(now, skip) if self._earmarks else None)
-            or self.policy.pick(now, skip)
-        ) is not None:
+        while (chosen := self._next(now, skip)) is not None:
             future = self._parked.pop(chosen.ticket, None)
             if future is None or future.done():
                 skip.add(chosen.ticket)  # cancelled, its task not yet run: it withdraws itself

@@ -521,8 +521,9 @@ class _Engine:
 
     def _resume(self, job: Job) -> None:
         """A preempted stream's continuation (`RouterPreemption.continuation` made it; its
-        charge settled by `_continue`): re-estimated on its whole remaining cap, waiting for
-        room at the head of the admission queue (the router keeps its ticket, the oldest) until
+        charge settled by `_continue`): re-estimated (`_estimate`: the rest of its try's
+        estimate after a take-back, else its whole remaining cap), waiting for room at the head
+        of the admission queue (the router keeps its ticket, the oldest) until
         `preemption_resume_wait_s` — never refused for a full queue."""
         fair = self.fair
         job.kv_bytes = job.prompt * self.kvbpt

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import asyncio
 
-from policies.base import AdmissionCost, Tenant, WaitingRequest
+from policies.base import Tenant, WaitingRequest
 from policies.fairness import VTCFairness
 from router.admission import Admission, AdmissionSettings
+from tests.policies.test_tenant_queues import _COST, _park
 
 FLOODER, VICTIM = Tenant("flooder"), Tenant("victim")
-_COST = AdmissionCost(100.0, 10)
 
 
 class Clock:
@@ -26,14 +26,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-async def _park(admission: Admission, ticket: int, tenant: Tenant) -> asyncio.Task[int]:
-    deadline = asyncio.get_running_loop().time() + 60
-    request = WaitingRequest(ticket, tenant, 0, _COST)
-    task = asyncio.create_task(admission.wait(0, ticket, deadline, request))
-    await asyncio.sleep(0)
-    return task
 
 
 async def _woken(tasks: dict[int, asyncio.Task[int]]) -> list[int]:
