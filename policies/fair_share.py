@@ -64,7 +64,15 @@ from dataclasses import dataclass, field, replace
 
 from policies.preemption import StreamFacts
 
+# Why a stream is taken back (the router's preemptions_total{reason}, the simulator's counts):
+# for the cluster's fair share, or for a more urgent class. Such a stream had not outgrown its
+# estimate (its continuation reserves the rest of it: router/request/reserve.py).
+FAIR_SHARE = "fair_share"
+PRIORITY = "priority"
+
 __all__ = [
+    "FAIR_SHARE",
+    "PRIORITY",
     "ClusterWaiter",
     "Occupancy",
     "TakeBack",

@@ -41,15 +41,11 @@ from dataclasses import dataclass
 from disagg_tools.simcluster.fair_queue import FairQueue
 from disagg_tools.simcluster.workers import DecodeWorker, Job
 from policies.base import blocks_for
-from policies.fair_share import ClusterWaiter, Occupancy, plan_take_back
+from policies.fair_share import FAIR_SHARE, PRIORITY, ClusterWaiter, Occupancy, plan_take_back
 from policies.fairness import VTCFairness
 from policies.preemption import StreamFacts
 
 __all__ = ["FAIR_SHARE", "PRIORITY", "FairTakeBack", "TakeBackSettings"]
-
-# The preemptions' reasons, as the router counts them (preemptions_total{reason=...}).
-FAIR_SHARE = "fair_share"
-PRIORITY = "priority"
 
 Line = tuple[str, int, str]  # a waiter line: (replica, class, tenant), as `TakeBack.serves`
 

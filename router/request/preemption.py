@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from policies.fair_share import FAIR_SHARE, PRIORITY
 from policies.preemption import StreamFacts, Victims, choose_victims
 from router.config import PreemptionSettings
 from router.metrics import RouterMetrics
@@ -42,10 +43,8 @@ __all__ = [
     "Victims",
 ]
 
-# Why a stream was taken back for others (router/request/fair_takeback.py): the cluster's fair
-# share, or a more urgent class. Such a stream had not outgrown its estimate.
-FAIR_SHARE = "fair_share"
-PRIORITY = "priority"
+# Why a stream was taken back for others (router/request/fair_takeback.py; the reasons are the
+# policy's). Such a stream had not outgrown its estimate.
 TAKEN_BACK = frozenset({FAIR_SHARE, PRIORITY})
 
 # Why a stream is stopped without resuming: its answer alone outgrew its tenant's whole block
