@@ -54,7 +54,16 @@ def actual_cost(job: Job, now: float, completed: bool) -> AdmissionCost:
 class FairQueue:
     """The waiting jobs, in `policy`'s order, and what it charged the admitted ones."""
 
-    __slots__ = ("policy", "queue_first", "_tenants", "_jobs", "_tickets", "_itl_s", "_ttft_s")
+    __slots__ = (
+        "policy",
+        "queue_first",
+        "_tenants",
+        "_jobs",
+        "_tickets",
+        "_itl_s",
+        "_ttft_s",
+        "_earmarks",
+    )
 
     def __init__(
         self,
@@ -70,6 +79,9 @@ class FairQueue:
         self._tickets = itertools.count()
         self._itl_s = itl_s
         self._ttft_s = ttft_s
+        # (class, tenant) -> until when room freed for that line is its waiters' first
+        # (router/admission.py `earmark`).
+        self._earmarks: dict[tuple[int, str], float] = {}
 
     def __repr__(self) -> str:
         return f"FairQueue(waiting={len(self._jobs)}, {self.policy!r})"
@@ -114,6 +126,8 @@ class FairQueue:
         expected to hold there."""
         assert job.waiting is not None and job.info is not None and job.placed is not None
         self._jobs.pop(job.waiting.ticket, None)
+        if self._earmarks:
+            self._earmarks.pop((job.waiting.priority, job.tenant), None)
         cand = job.placed
         charged = admission_charge(
             job.info,
@@ -133,11 +147,31 @@ class FairQueue:
             self.policy.settle(job.charge, actual)
             job.charge = None
 
+    def earmark(self, priority: int, tenant: str, until: float) -> None:
+        """Streams were taken back for a waiting request of `tenant` in class `priority`: the
+        room they free is its first, until one of that line is admitted or `until` (the
+        router's `Admission.earmark`)."""
+        self._earmarks[(priority, tenant)] = until
+
+    def _next(self, now: float, skip: set[int]) -> WaitingRequest | None:
+        """The oldest waiter of an earmarked line not in `skip`, else the policy's pick."""
+        marks = self._earmarks
+        if marks:
+            for line in [line for line, until in marks.items() if until < now]:
+                del marks[line]
+            for ticket in sorted(self._jobs):
+                job = self._jobs[ticket]
+                assert job.waiting is not None
+                if (job.waiting.priority, job.tenant) in marks and ticket not in skip:
+                    return job.waiting
+        return self.policy.pick(now, skip)
+
     def drain(self, now: float, try_admit: Callable[[Job], bool]) -> int:
-        """Offer the room to the waiters in the policy's order; returns how many got in."""
+        """Offer the room to the waiters, an earmarked line's first, then in the policy's
+        order; returns how many got in."""
         admitted = 0
         skip: set[int] = set()
-        while len(skip) < BACKFILL and (chosen := self.policy.pick(now, skip)) is not None:
+        while len(skip) < BACKFILL and (chosen := self._next(now, skip)) is not None:
             job = self._jobs[chosen.ticket]
             if not try_admit(job):
                 skip.add(chosen.ticket)

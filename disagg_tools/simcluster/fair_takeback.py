@@ -265,6 +265,11 @@ class FairTakeBack:
         for_class = plan.claimed(plan.for_class, granted)
         for_share = plan.claimed(plan.for_share, granted)
         bucket.tokens -= len(for_class) + len(for_share)
+        # The room is the waiters' it was taken for (the router's earmark; the simulator's
+        # shared fair share is one line, so every replica's waiter is woken here).
+        for sid in (*for_class, *for_share):
+            _, priority, tenant = plan.serves[sid]
+            self.queue.earmark(priority, tenant, now + self.settings.claim_ttl_s)
         for reason, chosen in ((PRIORITY, for_class), (FAIR_SHARE, for_share)):
             for sid in chosen:
                 self.taken.append((now, r, reason))

@@ -20,6 +20,7 @@ import pytest
 from disagg_tools.simcluster import engine as engine_module
 from disagg_tools.simcluster.config import ClusterConfig
 from disagg_tools.simcluster.engine import simulate
+from disagg_tools.simcluster.fair_queue import FairQueue
 from disagg_tools.simcluster.fair_takeback import (
     FAIR_SHARE,
     PRIORITY,
@@ -49,10 +50,11 @@ def _run(
     tenants: dict[str, Tenant] | None = None,
     replicas: int = 1,
     place: str = "one",
+    capacity: int = CAPACITY,
 ) -> SimResult:
     return simulate(
         requests,
-        ClusterConfig.homogeneous(1, 1, capacity_blocks=CAPACITY, max_wait_s=120.0),
+        ClusterConfig.homogeneous(1, 1, capacity_blocks=capacity, max_wait_s=120.0),
         load_policy("two_sided"),
         load_estimator("oracle"),  # exact reservations: no growth preempts, only take-backs
         seed=0,
@@ -150,9 +152,11 @@ def test_each_replica_preempts_within_its_token_bucket(
 ) -> None:
     made = _taken(monkeypatch)
     # A rate below what starvation alone allows (the victim stops being starved once it holds
-    # half its share: policies/fair_share.py STARVED_BELOW), so the bucket is what binds.
+    # half its share: policies/fair_share.py STARVED_BELOW), so the bucket is what binds. Twice
+    # the usual worker: half the victim's share is then about four of its streams, more than
+    # the two replicas' bursts of one (the room taken back is the victim's: the earmark).
     settings = TakeBackSettings(per_s=0.5)
-    res = _run(_starved(), settings, replicas=2, place=place)
+    res = _run(_starved(), settings, replicas=2, place=place, capacity=2 * CAPACITY)
     (take_back,) = made
     by_replica: dict[int, list[float]] = {}
     for t, replica, reason in take_back.taken:
@@ -171,7 +175,7 @@ def test_each_replica_preempts_within_its_token_bucket(
     # The bucket is what held it back: with a rate that never binds (still a burst of one a
     # sync), the first second after the first take-back has more.
     made.clear()
-    _run(_starved(), TakeBackSettings(per_s=1000.0), replicas=2, place=place)
+    _run(_starved(), TakeBackSettings(per_s=1000.0), replicas=2, place=place, capacity=2 * CAPACITY)
     (unbounded,) = made
     assert _first_second(take_back.taken) <= len(by_replica) * (settings.per_s + 1)
     assert _first_second(unbounded.taken) > _first_second(take_back.taken)
@@ -211,3 +215,33 @@ def test_the_settings_are_the_routers_defaults() -> None:
         PreemptionSettings().max_per_stream
     )
     assert Replicas(2, placement("one"), shared=True).take_back == ours  # on by default
+
+
+def test_room_taken_back_goes_to_the_tenant_it_was_taken_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The earmark (the router's Admission.earmark): once the victim has been served a stream,
+    the vtc order puts the flooder first again, and without the mark the flooder's waiters took
+    the room a take-back freed for the victim (in the 10-tenant shares run: 324 preemptions and
+    a 30.9 % share error, 195 and 19.3 % with it)."""
+    made = _taken(monkeypatch)
+    admitted: list[tuple[float, str]] = []
+    drain = FairQueue.drain
+
+    def recorded(self: FairQueue, now: float, try_admit: Any) -> int:
+        def admit(job: Any) -> bool:
+            ok = bool(try_admit(job))
+            if ok:
+                admitted.append((now, job.tenant))
+            return ok
+
+        return drain(self, now, admit)
+
+    monkeypatch.setattr(FairQueue, "drain", recorded)
+    _run(_starved(), TakeBackSettings(), replicas=1)
+    (take_back,) = made
+    fair = [t for t, _, reason in take_back.taken if reason == FAIR_SHARE]
+    assert len(fair) >= 2
+    for t in fair:
+        after = [tenant for at, tenant in admitted if at >= t]
+        assert after and after[0] == "victim", (t, after[:3])
