@@ -26,16 +26,26 @@ name). The caller bounds how long room is left (router/fair_share.py: at most th
 anyone takes it, and not again before another grace has passed): the cluster stays
 work-conserving.
 
-**Taking room back** (`take_back`). A tenant under its share of the pool has waited longer than
-`after_s` (a setting) and still has no room: the replica preempts streams it relays of the
-tenant most over its share (the most blocks held per weight, among tenants holding more than
-their share) — newest dispatch first (the least work to redo), never a stream already preempted
-`bound` times, at most `budget` of them (the caller's rate limit), at most one per request the
-starved tenant has waiting, and only while the victim is still over its share (it is never
-taken below it), and never from a class more urgent than the starved tenant's. The stream
-resumes with its exact text (issue 31); its continuation waits in the queue like any request
-of its tenant. Two tenants each within their shares never take from each other, so there is
-no back and forth: a preemption moves room from a tenant over its share to one under it.
+**Taking room back** (`take_back`). A tenant whose waiting requests, all admitted, would keep it
+within its share of the pool (`_owed`: the blocks it holds plus, for each of its waiting
+requests, one stream of the mean size the replica relays) has waited longer than `after_s` (a
+setting) and still has no room: the replica preempts streams it relays of the tenant most over
+its share (the most blocks held per weight, among tenants holding more than their share) —
+newest dispatch first (the least work to redo), never a stream already preempted `bound`
+times, at most `budget` of them (the caller's rate limit), at most one per request the owed
+tenant has waiting, and only while the victim is still over its share (it is never taken below
+it), and never from a class more urgent than the owed tenant's. The stream resumes with its
+exact text (issue 31); its continuation waits in the queue like any request of its tenant. Two
+tenants each within their shares never take from each other, so there is no back and forth: a
+preemption moves room from a tenant over its share to one under it.
+
+Why a tenant's demand and not its holdings decide: a tenant that asks for more than its share
+is backlogged, and the order (vtc's counters) already gives it its share over time; taking
+room for it whenever it holds little works against the order — it holds little exactly when
+the counters say it was served more before. In the simulator's 10 backlogged tenants the
+holdings rule (a tenant holding under half its share took back) put the worst share 19-31 %
+off the weights with ~200-300 take-backs a minute; by demand it is 2.8 % with 14, and a flooded
+victim that asks no more than its share is still served first (docs/benchmarks.md).
 
 **A more urgent class takes room back** (`take_back_for_class`), before the share's rule and
 within the same budget. A request of class c (policies/priority_classes.py: interactive -1,
@@ -59,7 +69,8 @@ resumed with its exact text, then runs to its end.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections import Counter
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from policies.preemption import StreamFacts
@@ -171,22 +182,24 @@ def take_back(
     bound: int,
     budget: int,
 ) -> tuple[str, ...]:
-    """The streams to preempt so that a starved tenant gets room (the module's rule). Empty:
+    """The streams to preempt so that a tenant owed room gets it (the module's rule). Empty:
     none."""
     chosen = _take_back(streams, waiters, occupancy, after_s, bound, budget)
     return tuple(stream for stream, _ in chosen)
 
 
-# A tenant is starved, for the share's take-back, while it holds less than this part of its
-# share. Merely under it is what every backlogged tenant is half the time, as holdings
-# fluctuate around the shares: taking streams back then (in the simulator, two backlogged
-# tenants at 1:3) preempted the lighter one 400 times a minute and put the shares 40 % off,
-# while the tenant a flood starves holds next to nothing.
-STARVED_BELOW = 0.5
-
-
-def _starved(occupancy: Occupancy, waiter: ClusterWaiter) -> bool:
-    return occupancy.held.get(waiter.tenant, 0) < STARVED_BELOW * occupancy.share(waiter.tenant)
+def _owed(occupancy: Occupancy, waiters: Sequence[ClusterWaiter], mean_blocks: float) -> set[str]:
+    """The tenants a take-back may serve (the module's rule): each one's held blocks plus its
+    waiting requests in every line, each as a stream of `mean_blocks`, within its share."""
+    waiting: Counter[str] = Counter()
+    for w in waiters:
+        waiting[w.tenant] += w.count
+    return {
+        tenant
+        for tenant, count in waiting.items()
+        if count > 0
+        and occupancy.held.get(tenant, 0) + count * mean_blocks <= occupancy.share(tenant)
+    }
 
 
 def _take_back(
@@ -197,18 +210,22 @@ def _take_back(
     bound: int,
     budget: int,
 ) -> list[tuple[str, ClusterWaiter]]:
-    """`take_back`'s streams, each with the waiter line whose request it serves (the starved
+    """`take_back`'s streams, each with the waiter line whose request it serves (the owed
     tenant's lines, longest wait first)."""
     if budget < 1:
         return []
-    starved = sorted(
-        (w for w in waiters if w.waited_s >= after_s and w.count > 0 and _starved(occupancy, w)),
+    streams, waiters = tuple(streams), tuple(waiters)
+    if not streams:
+        return []
+    owed = _owed(occupancy, waiters, sum(s.blocks for s in streams) / len(streams))
+    owed_lines = sorted(
+        (w for w in waiters if w.waited_s >= after_s and w.count > 0 and w.tenant in owed),
         key=lambda w: (occupancy.load(w.tenant), w.counter, -w.waited_s, w.tenant, w.replica),
     )
-    if not starved:
+    if not owed_lines:
         return []
-    neediest = starved[0]
-    wanted = min(budget, sum(w.count for w in starved if w.tenant == neediest.tenant))
+    neediest = owed_lines[0]
+    wanted = min(budget, sum(w.count for w in owed_lines if w.tenant == neediest.tenant))
     candidates = [
         s
         for s in streams
@@ -227,13 +244,13 @@ def _take_back(
     )
     over = occupancy.held.get(victim, 0) - occupancy.share(victim)
     under = occupancy.share(neediest.tenant) - occupancy.held.get(neediest.tenant, 0)
-    units = [w for w in starved if w.tenant == neediest.tenant for _ in range(w.count)]
+    units = [w for w in owed_lines if w.tenant == neediest.tenant for _ in range(w.count)]
     chosen: list[tuple[str, ClusterWaiter]] = []
     for stream in newest:
         if len(chosen) >= wanted:
             break
         # A move that overshoots neither side: the victim keeps at least its share and the
-        # starved tenant gets at most its own. Without it two backlogged tenants took streams
+        # owed tenant gets at most its own. Without it two backlogged tenants took streams
         # from each other on every fluctuation around their shares (in the simulator, weights
         # 1:3: the shares 40 % off, the weight-1 tenant preempted 414 times in a minute).
         if stream.blocks > over or stream.blocks > under:

@@ -130,9 +130,9 @@ class AdmissionSettings:
     fair_preempt_after_s: float = field(
         default=0.05,
         metadata={
-            "doc": "with vtc: a tenant under its share waiting this long with no room takes "
-            "room back — streams of the tenant most over its share are preempted and resume "
-            "(exact text, a pause); 0: never"
+            "doc": "with vtc: a tenant whose waiting requests fit within its share, waiting "
+            "this long with no room, takes room back — streams of the tenant most over its "
+            "share are preempted and resume (exact text, a pause); 0: never"
         },
     )
     fair_preempt_per_s: float = field(

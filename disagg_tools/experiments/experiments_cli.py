@@ -119,8 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--no-take-back",
         action="store_true",
-        help="flood --placements --shared-fairness: do not take room back (the router's "
-        "fair-share and priority preemptions), to compare",
+        help="flood --placements/--shares --shared-fairness: do not take room back (the "
+        "router's fair-share and priority preemptions, on by default as in the router), to "
+        "compare",
     )
     ap.add_argument("--out", default="bench-results")
     ap.add_argument("--tag", default="", help="suffix for the JSON file names")
@@ -169,9 +170,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs = [flood_shares.DEFAULT_RUNS.get(n) or flood_shares.SharesRun(n) for n in
                 (int(x) for x in ns.shares.split(",") if x)]  # fmt: skip
         share_rows = flood_shares.shares_across_replicas(
-            setup, pool, cap, runs, shared=ns.shared_fairness
+            setup,
+            pool,
+            cap,
+            runs,
+            shared=ns.shared_fairness,
+            take_back=ns.shared_fairness and not ns.no_take_back,
         )
-        tag = "-shared" if ns.shared_fairness else ""
+        tag = ("-shared" if ns.shared_fairness else "") + (
+            "-no-take-back" if ns.shared_fairness and ns.no_take_back else ""
+        )
         write_json(out, "flood-shares" + tag + ("-" + ns.tag if ns.tag else ""), share_rows)
         print(f"capacity {cap:.1f} req/s\n\n" + flood_shares.shares_table(share_rows), flush=True)
     elif ns.what == "flood" and ns.placements:

@@ -194,11 +194,11 @@ def shares_across_replicas(
 ) -> list[ShareRow]:
     """Each run's row (the module's docstring); `cap_rps` is the base cluster's capacity.
     `take_back`: with `shared`, room is also taken back by preemption as the router does
-    (disagg_tools/simcluster/fair_takeback.py). Off by default: these rows measure the order's
-    shares (docs/benchmarks.md reports them so); with every tenant backlogged the take-back
-    moves them off the weights — it takes room for a tenant holding under half its share whom
-    vtc's counters hold back (it was served more before), and the preempted tenant pays its
-    streams' redone prefills (10 tenants: 19.3 % worst error with it, 2.4 % without)."""
+    (disagg_tools/simcluster/fair_takeback.py; the command line turns it on with
+    --shared-fairness, as the router's default). With every tenant backlogged it should not
+    fire: each asks for more than its share, and the order serves it (policies/fair_share.py);
+    before the rule went by demand, it took room for tenants holding under half their share
+    and put 10 tenants' shares 19-31 % off."""
     rows = []
     for spec in runs:
         ws = weights_124(spec.tenants)

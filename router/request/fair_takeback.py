@@ -7,8 +7,9 @@ error). Two rules, one decision (policies/fair_share.py `plan_take_back`):
 
 - a request of a more urgent class takes a stream of the least urgent class below its own
   (`take_back_for_class`), counted as preemptions_total{reason="priority"};
-- a tenant under its share takes streams of the tenant most over its share, of its own class or
-  a less urgent one (`take_back`), counted as preemptions_total{reason="fair_share"}.
+- a tenant whose waiting requests fit within its share takes streams of the tenant most over its
+  share, of its own class or a less urgent one (`take_back`), counted as
+  preemptions_total{reason="fair_share"}.
 
 Both: newest dispatch first, never a stream preempted `preemption.max_per_stream` times, at most
 one per waiting request — in the cluster, not per replica: every replica reads every waiter, so

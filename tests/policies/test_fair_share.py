@@ -47,26 +47,41 @@ def test_tenants_within_their_shares_never_take_from_each_other() -> None:
         )
 
 
-def test_only_a_starved_tenant_takes_back_and_never_past_either_share() -> None:
-    """Two backlogged tenants at weights 1:3 (shares 25 and 75 of 100 blocks) fluctuate around
-    their shares: one merely under its share takes nothing (in the simulator such take-backs
-    preempted the lighter one 400 times a minute and put the shares 40 % off). A tenant holding
-    less than half its share is starved: it takes streams back, and only moves that leave the
-    victim at least its share and the starved at most its own."""
+def test_only_a_tenant_asking_within_its_share_takes_back_and_never_past_either_share() -> None:
+    """Two tenants at weights 1:3 (shares 25 and 75 of 100 blocks). One that asks for more than
+    its share (its held blocks plus a mean stream for each waiting request) is backlogged: the
+    order gives it its share over time, and taking room for it whenever it holds little worked
+    against the order (in the simulator, ten backlogged tenants: the shares 19-31 % off). One
+    whose waiting requests fit within its share takes streams back, and only moves that leave
+    the victim at least its share and the taker at most its own."""
     weights = {"light": 1.0, "heavy": 3.0}
     streams = [StreamFacts(f"l{i}", "light", "d0", float(i), 10, 0) for i in range(3)]
-    heavy_waits = [ClusterWaiter("r1", 0, "heavy", 0.0, 2, 0.5)]
+
+    def heavy_waits(count: int) -> list[ClusterWaiter]:
+        return [ClusterWaiter("r1", 0, "heavy", 0.0, count, 0.5)]
 
     def occ(light: int, heavy: int) -> Occupancy:
         return Occupancy(100, {"light": light, "heavy": heavy}, weights, frozenset(weights))
 
-    assert take_back(streams, heavy_waits, occ(30, 70), 0.1, 2, 5) == ()  # under, not starved
-    assert take_back(streams, heavy_waits, occ(45, 55), 0.1, 2, 5) == ()
-    assert take_back(streams, heavy_waits, occ(80, 20), 0.1, 2, 5) == ("l2", "l1")  # starved
+    # backlogged: 20 waiting requests of ~10 blocks are far more than its 75: nothing, even
+    # holding next to nothing (the order serves it)
+    assert take_back(streams, heavy_waits(20), occ(80, 20), 0.1, 2, 5) == ()
+    # asking within its share: 20 held + 2 x 10 <= 75 -> owed; 55 + 2 x 10 = 75 -> owed
+    assert take_back(streams, heavy_waits(2), occ(80, 20), 0.1, 2, 5) == ("l2", "l1")
+    assert take_back(streams, heavy_waits(2), occ(45, 55), 0.1, 2, 5) == ("l2", "l1")
+    # 70 + 2 x 10 > 75: it asks past its share -> nothing
+    assert take_back(streams, heavy_waits(2), occ(30, 70), 0.1, 2, 5) == ()
+    # the same demand across two replicas' lines counts whole: 1 + 1 there is 2
+    split = [
+        ClusterWaiter("r1", 0, "heavy", 0.0, 1, 0.5),
+        ClusterWaiter("r2", 0, "heavy", 0.0, 1, 0.5),
+    ]
+    assert len(take_back(streams, split, occ(80, 20), 0.1, 2, 5)) == 2
+    assert take_back(streams, [*split, *heavy_waits(5)], occ(80, 20), 0.1, 2, 5) == ()
     # light over by 8: a 10-block stream would take it under its share; a 5-block one fits
-    assert take_back(streams, heavy_waits, occ(33, 30), 0.1, 2, 5) == ()
     small = [*streams, StreamFacts("small", "light", "d0", 0.5, 5, 0)]
-    assert take_back(small, heavy_waits, occ(33, 30), 0.1, 2, 5) == ("small",)
+    assert take_back(streams, heavy_waits(1), occ(33, 30), 0.1, 2, 5) == ()
+    assert take_back(small, heavy_waits(1), occ(33, 30), 0.1, 2, 5) == ("small",)
 
 
 def test_room_is_left_for_a_less_served_or_under_share_tenant_elsewhere() -> None:

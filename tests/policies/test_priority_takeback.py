@@ -106,7 +106,7 @@ def test_the_share_never_takes_from_a_more_urgent_class() -> None:
     # A batch tenant under its share: the interactive tenant over its share keeps its streams.
     streams = [_stream(f"s{i}", "loud", float(i), INTERACTIVE) for i in range(5)]
     occ = Occupancy(100, {"loud": 100}, {}, frozenset({"loud", "quiet"}))
-    quiet = _waiter(BATCH, 3, tenant="quiet")
+    quiet = _waiter(BATCH, 2, tenant="quiet")  # two 20-block requests: within its share of 50
     assert len(plan_take_back(streams, [quiet], occ, 0.1, BOUND, 5)) == 0
     # the same tenant in the same class as the quiet one's: the share's rule applies
     same = [_stream(f"s{i}", "loud", float(i), BATCH) for i in range(5)]
