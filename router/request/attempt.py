@@ -12,7 +12,7 @@ whether trying again can help.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,13 +24,7 @@ from router.request.holdings import Reservation, StrandedEntry
 from router.tracing import RequestTrace
 from router.workers.breaker import Verdict
 
-__all__ = ["Ask", "Attempt", "Call", "LegFailure", "loop_time", "upstream_failure"]
-
-
-def loop_time(clock: Callable[[], float], flow_time: float) -> float:
-    """`flow_time` (on `clock`, the router's) as event-loop time, the clock asyncio's
-    deadlines use."""
-    return flow_time + (asyncio.get_running_loop().time() - clock())
+__all__ = ["Ask", "Attempt", "Call", "LegFailure", "upstream_failure"]
 
 
 @dataclass(frozen=True, slots=True)

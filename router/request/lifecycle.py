@@ -42,7 +42,7 @@ from router.metrics import RouterMetrics
 from router.openai.api import RESPONSES, ParsedRequest
 from router.openai.prompt_text import prefix_hashes
 from router.request.assemble import stream_upstream, streamable
-from router.request.attempt import Ask, Attempt, Call, LegFailure, loop_time
+from router.request.attempt import Ask, Attempt, Call, LegFailure
 from router.request.holdings import Record
 from router.request.legs import Legs
 from router.request.preemption import OVER_LIMIT, TAKEN_BACK
@@ -174,7 +174,9 @@ class RequestFlow:
             first = min(first, started + t.total_s)
         self.retries.begin()
         try:
-            async with asyncio.timeout_at(loop_time(stages.clock, first)) as deadline:
+            # `first` is on the router's clock; asyncio's deadlines are on the loop's.
+            at = first + (asyncio.get_running_loop().time() - stages.clock())
+            async with asyncio.timeout_at(at) as deadline:
                 self.progress.deadline = deadline
                 if self._interrupted is not None:
                     deadline.reschedule(asyncio.get_running_loop().time())

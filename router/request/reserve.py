@@ -55,7 +55,7 @@ from router.request.admit import (
     room_expected_in,
     turn,
 )
-from router.request.attempt import Ask, Attempt, Call, loop_time
+from router.request.attempt import Ask, Attempt, Call
 from router.request.fit import never_fits
 from router.request.holdings import Book, Reservation, StrandedEntry
 from router.request.pairing import Pairing
@@ -238,14 +238,14 @@ class Reserver:
         (router/request/admit.py, pure), do what it says (awaits, metrics), and again."""
         adm = self.admission
         loop = asyncio.get_running_loop()
-        wait_until = loop_time(
-            self.clock,
+        wait_by = (  # on the router's clock
             resume_by
             if resume_by is not None
             else min(
                 call.started + adm.settings.max_wait_s, call.started + self.settings.timeouts.ttft_s
-            ),
+            )
         )
+        wait_until = wait_by + (loop.time() - self.clock())  # on the loop's, as asyncio waits
         # One no decode worker could hold even empty, however short its answers: the client's
         # to change, at once (a 400, router/request/fit.py), not a 429 to retry in vain.
         if (too_large := never_fits(call.parsed, info, self.members.decode_workers)) is not None:
