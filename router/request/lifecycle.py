@@ -27,7 +27,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from policies.base import RequestInfo
+from policies.base import AdmissionCost, RequestInfo
 from policies.priority_classes import class_name
 from router.admission import Admission
 from router.config import Settings
@@ -362,9 +362,14 @@ class RequestFlow:
             if charge is not None:
                 # Settled before the release, whose wake-up lets the queue pick the next one:
                 # that pick then sees what this reservation actually cost, not its estimate.
+                # What the reservation took: its blocks (as grown) for the time it was held,
+                # and its prompt's tokens to prefill.
                 stages = self.stages
-                prompt = self.call.parsed.prompt_tokens
-                actual = stages.reserve.actual_cost(seat, attempt, prompt)
+                held_s = max(0.0, stages.clock() - seat.reserved_at)
+                blocks = attempt.reservation.blocks if attempt is not None else 0
+                actual = AdmissionCost(
+                    decode_block_s=blocks * held_s, prefill_tokens=self.call.parsed.prompt_tokens
+                )
                 stages.admission.settle(charge, actual)
                 stages.metrics.tenant_block_seconds_by(charge.tenant).inc(actual.decode_block_s)
         finally:

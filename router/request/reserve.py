@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from policies.base import (
-    AdmissionCost,
     Candidate,
     ClusterView,
     OutputEstimate,
@@ -335,13 +334,6 @@ class Reserver:
         self.metrics.rejections.labels(reason=reason).inc()
         self.metrics.tenant_rejections.labels(tenant=seat.tenant.name, reason=reason).inc()
         return NoCapacity(refusal.message, retry_after_s=refusal.retry_after_s)
-
-    def actual_cost(self, seat: Seat, attempt: Attempt | None, prompt_tokens: int) -> AdmissionCost:
-        """What a reservation took, at its release: its blocks (as grown) for the time it was
-        held, and its prompt's tokens to prefill."""
-        held_s = max(0.0, self.clock() - seat.reserved_at)
-        blocks = attempt.reservation.blocks if attempt is not None else 0
-        return AdmissionCost(decode_block_s=blocks * held_s, prefill_tokens=prompt_tokens)
 
     def _forecast(self, info: RequestInfo) -> dict[str, int]:
         """Prediction-based admission (Mooncake): blocks forecast to free on each decode worker
