@@ -185,8 +185,9 @@ class Legs:
             )
         if prefill_id is not None and self.pairing.decode_alone(call.parsed.n, prefill_id):
             prefill_id = None  # the decode worker prefills it itself
+        concurrent = prefill_id is not None and self.pairing.concurrent(prefill_id)
         await self._adapters_loaded(call, prefill_id, attempt.candidate.decode_id)
-        if prefill_id is not None and self.pairing.concurrent(prefill_id):
+        if concurrent:
             return await self._concurrent_legs(call, attempt, ask)
         body = ask.body
         if prefill_id is not None:
