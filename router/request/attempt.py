@@ -104,11 +104,24 @@ def upstream_failure(side: str, worker_id: str, status: int, data: bytes) -> Leg
 class Attempt:
     """One (prefill, decode) try: what it holds and must give back."""
 
-    __slots__ = ("candidate", "reservation", "stranded", "handoff_by", "partner", "decode_verdict")
+    __slots__ = (
+        "candidate",
+        "reservation",
+        "prefixes",
+        "stranded",
+        "handoff_by",
+        "partner",
+        "decode_verdict",
+    )
 
-    def __init__(self, candidate: Candidate, reservation: Reservation) -> None:
+    def __init__(
+        self, candidate: Candidate, reservation: Reservation, prefixes: tuple[int, ...]
+    ) -> None:
         self.candidate = candidate
         self.reservation = reservation
+        # The prompt's prefix hashes as placement read them (under a LoRA adapter, in its own
+        # space: policies/loras.py): what the prefill worker is noted to have seen.
+        self.prefixes = prefixes
         # The pulled prefill's KV between the legs (None for a local pair, concurrent legs, or
         # an answer the decode prefills itself).
         self.stranded: StrandedEntry | None = None

@@ -34,7 +34,6 @@ from typing import Any
 import aiohttp
 import orjson
 
-from policies.loras import lora_prefixes
 from router.adapters import ProtocolViolation, prefill_target
 from router.adapters.dp_rank import rank_body, rank_headers
 from router.config import Settings
@@ -196,13 +195,6 @@ class Legs:
             body = self.pairing.pull_adapter(decode).decode_body(ask.body, kv)
         return await self._open_decode(call, attempt, body, ask.resumed)
 
-    def _prefixes(self, call: Call) -> tuple[int, ...]:
-        """The prompt's prefix hashes, under a LoRA adapter in its own space (policies/loras.py),
-        as placement reads them (router/request/reserve.py)."""
-        model = call.parsed.model
-        known = self.loras is not None and self.loras.known(model) is not None
-        return lora_prefixes(call.prefixes, model if known else None)
-
     async def _adapters_loaded(self, call: Call, prefill_id: str | None, decode_id: str) -> None:
         """A LoRA request's adapter on both workers of its pair before the prefill leg: loaded
         where it is not held, both at once (router/workers/loras.py). A load that fails raises
@@ -257,7 +249,7 @@ class Legs:
         spec = worker.spec
         worker.queued_prompt_tokens += ask.prompt_tokens
         worker.inflight += 1
-        worker.recent_prefixes.add(self._prefixes(call))
+        worker.recent_prefixes.add(attempt.prefixes)  # as placement read them
         t0 = self.clock()
         call.trace.begin("prefill", worker=spec.id, prompt_tokens=ask.prompt_tokens)
         try:

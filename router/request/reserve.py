@@ -467,7 +467,7 @@ class Reserver:
         )
         self.metrics.placements_by(cand.prefill_id or "local", cand.decode_id).inc()
         log.debug("placed on %s -> %s", cand.prefill_id or "local", cand.decode_id)
-        attempt = Attempt(cand, reservation)
+        attempt = Attempt(cand, reservation, info.prefix_hashes)
         if intent is not None:
             attempt.stranded = StrandedEntry.hold(book, intent, reserved.stranded)
         return attempt
