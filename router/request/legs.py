@@ -254,10 +254,11 @@ class Legs:
         call.trace.begin("prefill", worker=spec.id, prompt_tokens=ask.prompt_tokens)
         try:
             async with self.leg_errors("prefill", worker, self.settings.timeouts.prefill_s):
+                headers = self._headers(call, worker, ask.resumed)
                 status, data = await self._post_whole(
                     spec.url + call.parsed.path,
                     orjson.dumps(rank_body(spec.adapter, wire_body, spec.dp_rank)),
-                    self._headers(call, worker, ask.resumed),
+                    headers,
                 )
                 if status != 200:
                     raise upstream_failure("prefill", spec.id, status, data)
@@ -377,12 +378,13 @@ class Legs:
         body = rank_body(spec.adapter, body, spec.dp_rank)  # an SGLang rank's, in the body
         async with self.leg_errors("decode", worker, deferred=True) as verdict:
             attempt.decode_verdict = verdict  # given when the answer is read (DecodeAnswer)
+            headers = self._headers(call, worker, resumed)
             if not call.assembling and self.splice is not None and self.splice.supports(spec.url):
                 # Its errors are aiohttp.ClientConnectionErrors: the same retryable failures.
                 raw = await self.splice.post(
                     spec.url + call.parsed.path,
                     orjson.dumps(body),
-                    self._headers(call, worker, resumed),
+                    headers,
                     connect_s=t.connect_s,
                     idle_s=t.idle_s,
                 )
@@ -395,7 +397,7 @@ class Legs:
                 resp = await self.session.post(
                     spec.url + call.parsed.path,
                     data=orjson.dumps(body),
-                    headers=self._headers(call, worker, resumed),
+                    headers=headers,
                     timeout=aiohttp.ClientTimeout(
                         total=None, sock_connect=t.connect_s, sock_read=t.idle_s
                     ),
