@@ -40,13 +40,13 @@ from router.config import Settings
 from router.errors import DeadlineExceeded, InvalidRequest, Unavailable, UpstreamError
 from router.metrics import RouterMetrics
 from router.openai.api import RESPONSES
+from router.openai.responses_pd import prefill_body as responses_prefill_body
 from router.relay.aiohttp_relay import relay_sse
 from router.relay.contract import Relay, RelayResult
 from router.relay.splice import relay_splice
 from router.relay.upstream_pool import SplicePool
 from router.request.attempt import Ask, Attempt, Call, LegFailure, upstream_failure
 from router.request.pairing import Pairing
-from router.request.responses_api import prefill_body as responses_prefill_body
 from router.upstream_headers import upstream_headers
 from router.workers.breaker import Verdict
 from router.workers.loras import LoraBook

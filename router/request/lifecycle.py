@@ -41,7 +41,7 @@ from router.errors import (
 from router.metrics import RouterMetrics
 from router.openai.api import RESPONSES, ParsedRequest
 from router.openai.prompt_text import prefix_hashes
-from router.request.assemble import stream_upstream, streamable
+from router.request.assemble import stream_upstream, streamable, upstream_body
 from router.request.attempt import Ask, Attempt, Call, LegFailure
 from router.request.holdings import Record
 from router.request.legs import Legs
@@ -59,7 +59,6 @@ from router.request.respond import (
     Responder,
     Served,
 )
-from router.request.responses_api import upstream_body
 from router.request.resume import AnswerComplete, Resumer, end_frames
 from router.request.retry_policy import RetryPolicy
 from router.retry_budget import RetryBudget

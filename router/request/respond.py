@@ -30,12 +30,11 @@ from router.errors import RouterError, UpstreamRejected, stream_error_frame
 from router.metrics import RouterMetrics
 from router.openai.api import CHAT, COMPLETIONS, RESPONSES, ParsedRequest
 from router.relay.contract import RelayResult
-from router.request.assemble import DISCARD, assemble
+from router.request.assemble import DISCARD, assemble, assembled, output_tokens
 from router.request.attempt import Ask, Attempt, Call, LegFailure
 from router.request.legs import DecodeAnswer
 from router.request.preemption import LiveStream, Preemptor, Victims
 from router.request.priority_class import PRIORITY_HEADER
-from router.request.responses_api import assembled, output_tokens
 from router.request.resumed_usage import usage_rewrite
 
 __all__ = [

@@ -29,7 +29,6 @@ FLOW = (
     "retry_policy",  # whether a failed try is tried again, where, after what pause
     "pairing",  # how a placed pair serves: pulled KV, concurrent legs, decode alone
     "assemble",  # a whole answer from a stream's events (pure)
-    "responses_api",  # the Responses API's shapes on this path (pure)
     "resumed_usage",  # a resumed stream's usage, said as one answer's (pure)
     "quota",  # the request's share of its tenant's quota, taken before it may wait
     "seat",  # the request's place under the concurrency cap: ticket, tenant, charge, quota
