@@ -50,12 +50,12 @@ from router.request.admit import (
     Unavailable,
     after_miss,
     after_wait,
+    never_fits,
     queue_refused,
     room_expected_in,
     turn,
 )
 from router.request.attempt import Ask, Attempt, Call
-from router.request.fit import never_fits
 from router.request.holdings import Book, Reservation, StrandedEntry
 from router.request.pairing import Pairing
 from router.request.quota import within_block_limit
@@ -246,7 +246,7 @@ class Reserver:
         )
         wait_until = wait_by + (loop.time() - self.clock())  # on the loop's, as asyncio waits
         # One no decode worker could hold even empty, however short its answers: the client's
-        # to change, at once (a 400, router/request/fit.py), not a 429 to retry in vain.
+        # to change, at once (a 400, admit.py `never_fits`), not a 429 to retry in vain.
         if (too_large := never_fits(call.parsed, info, self.members.decode_workers)) is not None:
             raise too_large
         overruns_seen = self.overruns.version

@@ -33,8 +33,7 @@ FLOW = (
     "quota",  # the request's share of its tenant's quota, taken before it may wait
     "seat",  # the request's place under the concurrency cap: ticket, tenant, charge, quota
     "priority_class",  # the request's class: its tenant's or a less urgent one it asks for
-    "fit",  # whether any decode worker could ever hold the request (a 400 if none)
-    "admit",  # the admission decision: take a slot, place, wait or refuse (pure)
+    "admit",  # the admission decision: take a slot, place, wait or refuse, a 400 if it never fits
     "reserve",  # estimate, place, queue, reserve
     "legs",  # prefill, KV handoff, decode: the answer bound to its relay
     "respond",  # the answer to the client
