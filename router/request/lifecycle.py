@@ -360,9 +360,8 @@ class RequestFlow:
         try:
             if charge is not None:
                 # Settled before the release, whose wake-up lets the queue pick the next one:
-                # that pick then sees what this reservation actually cost, not its estimate.
-                # What the reservation took: its blocks (as grown) for the time it was held,
-                # and its prompt's tokens to prefill.
+                # that pick then sees what this reservation actually cost, not its estimate —
+                # its blocks (as grown) for the time it was held, and its prompt to prefill.
                 stages = self.stages
                 held_s = max(0.0, stages.clock() - seat.reserved_at)
                 blocks = attempt.reservation.blocks if attempt is not None else 0
