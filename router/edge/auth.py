@@ -74,7 +74,8 @@ def token_matches(given: str, accepted: Iterable[str]) -> bool:
 def client_tenant(keyring: Keyring, request: web.Request) -> TenantSpec:
     """The request's tenant, by its client API key once keys are configured (else anyone is
     served, as the `default` tenant); 401 for a missing, unknown or revoked key."""
-    tenant = keyring.identify(bearer_token(request))
+    token = bearer_token(request)
+    tenant = keyring.identify(token)
     if tenant is None:
         raise Unauthorized("a valid API key is required (Authorization: Bearer ...)")
     return tenant

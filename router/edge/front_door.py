@@ -11,7 +11,7 @@ prefill/decode path: router/edge/app.py) and the routes served whole by one work
     the body's size       413 by its Content-Length before a byte is read, and by aiohttp's
                           `client_max_size` past it (a gzip bomb: the middleware's 413)
     the body's arrival    408 when it is not whole within `timeouts.body_s`, 400 when it cannot
-                          be decoded (router/edge/server.py `read_body`)
+                          be decoded (`read_body`)
 
 and names the request: the client's `X-Request-Id` when it is a sane token, else one of ours.
 What the body must say is each route's own (router/openai/api.py, router/openai/responses_pd.py, a
@@ -31,16 +31,17 @@ from dataclasses import dataclass
 from types import TracebackType
 
 from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
 
 from router.config import Settings
 from router.edge.auth import client_tenant
-from router.edge.server import read_body
+from router.edge.server import BadRequestBody, RequestTimeout, parser_error_text
 from router.edge.shutdown import SHUTDOWN
 from router.errors import BodyTooLarge, as_router_error
 from router.metrics import RouterMetrics
 from router.tenants import KEYRING, TenantSpec
 
-__all__ = ["Entry", "RequestCount", "client_request_id", "enter"]
+__all__ = ["Entry", "RequestCount", "client_request_id", "enter", "read_body"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,30 @@ async def enter(request: web.Request, settings: Settings) -> Entry:
         raise BodyTooLarge(f"the request body is larger than {limit} bytes")
     raw = await read_body(request, settings.timeouts.body_s)
     return Entry(raw, client_request_id(request.headers.get("X-Request-Id")), tenant)
+
+
+async def read_body(request: web.Request, body_s: float) -> bytes:
+    """The request body within `body_s` (408), decoded per Content-Encoding (400 if it is not).
+
+    A body over `client_max_size` (a gzip bomb included) still raises aiohttp's
+    HTTPRequestEntityTooLarge, which the error middleware answers with 413.
+    """
+    try:
+        async with asyncio.timeout(body_s or None):
+            return await request.read()
+    except TimeoutError as exc:
+        raise RequestTimeout(f"the request body did not arrive within {body_s} s") from exc
+    except web.RequestPayloadError as exc:
+        if isinstance(exc.__cause__, ContentEncodingError):
+            encoding = request.headers.get("Content-Encoding", "")
+            raise BadRequestBody(
+                f"the request body is not valid {encoding[:40]} (Content-Encoding)",
+                code="bad_content_encoding",
+            ) from exc
+        cause = exc.__cause__ if isinstance(exc.__cause__, HttpProcessingError) else None
+        raise BadRequestBody(
+            f"the request body could not be read: {parser_error_text(cause, str(exc))}"
+        ) from exc
 
 
 class RequestCount:

@@ -17,7 +17,8 @@ aiohttp's `RequestHandler` with these additions (`Timeouts` fields, 0 turns one 
   characters, a bad Content-Length, a 9 KB URL, a bad method — and a 500 that escapes the
   app) gets an OpenAI-style JSON body, built as the app's are (router/errors.py).
 
-`body_s` is the handler's (`read_body`), as is mapping a body aiohttp cannot decode to 400.
+`body_s` is the handler's (router/edge/front_door.py `read_body`), as is mapping a body aiohttp
+cannot decode to 400.
 
 aiohttp offers no hook for its protocol class, so `_adopt` rebuilds the `Server` that
 `AppRunner` made as a `_Server`, reading aiohttp's private state through the one function
@@ -38,7 +39,6 @@ from typing import Any
 from aiohttp import hdrs, web
 from aiohttp.http_exceptions import (
     ContentEncodingError,
-    HttpProcessingError,
     InvalidHeader,
     InvalidURLError,
     LineTooLong,
@@ -61,7 +61,6 @@ __all__ = [
     "RequestTimeout",
     "RouterRunner",
     "parser_error_text",
-    "read_body",
     "serving",
 ]
 
@@ -90,30 +89,6 @@ class BadRequestBody(_ClosesConnection):
     """aiohttp could not read the body: not valid per its Content-Encoding, or bad framing."""
 
     code = "bad_request_body"
-
-
-async def read_body(request: web.Request, body_s: float) -> bytes:
-    """The request body within `body_s` (408), decoded per Content-Encoding (400 if it is not).
-
-    A body over `client_max_size` (a gzip bomb included) still raises aiohttp's
-    HTTPRequestEntityTooLarge, which the error middleware answers with 413.
-    """
-    try:
-        async with asyncio.timeout(body_s or None):
-            return await request.read()
-    except TimeoutError as exc:
-        raise RequestTimeout(f"the request body did not arrive within {body_s} s") from exc
-    except web.RequestPayloadError as exc:
-        if isinstance(exc.__cause__, ContentEncodingError):
-            encoding = request.headers.get("Content-Encoding", "")
-            raise BadRequestBody(
-                f"the request body is not valid {encoding[:40]} (Content-Encoding)",
-                code="bad_content_encoding",
-            ) from exc
-        cause = exc.__cause__ if isinstance(exc.__cause__, HttpProcessingError) else None
-        raise BadRequestBody(
-            f"the request body could not be read: {parser_error_text(cause, str(exc))}"
-        ) from exc
 
 
 # Text in quotes, as aiohttp's parser errors quote the client's bytes (repr of a header line).

@@ -10,9 +10,8 @@ few places where Responses differs:
 
     parse             `parse_responses`: `input` + `instructions` give the prompt estimate,
                       `max_output_tokens` the token cap (router/openai/api.py's ParsedRequest)
-    prefill leg       `prefill_body` (router/request/responses_api.py, as the two below):
-                      the cap is `max_output_tokens: 1` (not `max_tokens`), `stream: false`,
-                      `store: false`; its answer's `kv_transfer_params` is the
+    prefill leg       `prefill_body`: the cap is `max_output_tokens: 1` (not `max_tokens`),
+                      `stream: false`, `store: false`; its answer's `kv_transfer_params` is the
                       handle (the stream has it only in `response.completed`, too late)
     decode leg        the client's body (`store: false`) plus the handle
                       (router/adapters/vllm.py decode_body)
@@ -21,7 +20,7 @@ few places where Responses differs:
                       `response.completed` came; `error` / `response.failed` end it; the
                       opening events (sent before the KV pull) are held until the next one
     whole answer      asked as a stream (`upstream_body`) and answered with the `response` of
-                      its `response.completed` event (`assembled`)
+                      its `response.completed` event (`assembled`: router/request/assemble.py)
     broken stream     no resume (a Responses stream cannot be continued under the same response
                       id and sequence numbers): a try that broke before the client got an event
                       is retried, one that broke after ends with an `error` event
@@ -52,7 +51,7 @@ from router.openai.prompt_text import text_of
 from router.openai.responses import RESPONSES, stateless_body
 from router.workers.pools import Pools
 
-__all__ = ["RESPONSES", "parse_responses", "serves_split"]
+__all__ = ["RESPONSES", "parse_responses", "prefill_body", "serves_split"]
 
 # Worker adapters whose prefill leg answers a KV handle the decode leg pulls
 # (router/request/legs.py).
@@ -158,3 +157,16 @@ def parse_responses(
         prompt_token_ids=ids,
         prompt_tokens_source=source,
     )
+
+
+def prefill_body(adapter_body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg of a Responses request, from the vLLM adapter's chat-shaped one: the
+    cap that makes it a prefill is `max_output_tokens` (vLLM's ResponsesRequest builds its
+    SamplingParams.max_tokens from it; `max_tokens` is an unknown field to it, ignored);
+    nothing is stored."""
+    dropped = ("max_tokens", "max_completion_tokens")
+    out = {k: v for k, v in adapter_body.items() if k not in dropped}
+    out["max_output_tokens"] = 1
+    out["stream"] = False
+    out["store"] = False
+    return out

@@ -12,6 +12,10 @@ concatenated, tool-call fragments are joined by their `index` (arguments concate
 lists are concatenated, the last non-null `finish_reason` wins, usage comes from the final
 `include_usage` chunk. Top-level fields (`id`, `created`, `model`, `system_fingerprint`) come
 from the first chunk.
+
+A Responses API answer (router/openai/responses_pd.py) is asked as a stream the same way
+(`upstream_body`: its stream has no `stream_options`) and answered with the `response` of its
+`response.completed` event (`assembled`), its length `output_tokens`.
 """
 
 from __future__ import annotations
@@ -22,7 +26,15 @@ import orjson
 
 from router.adapters.errors import WorkerError, sse_data, stream_error
 
-__all__ = ["DISCARD", "assemble", "stream_upstream", "streamable"]
+__all__ = [
+    "DISCARD",
+    "assemble",
+    "assembled",
+    "output_tokens",
+    "stream_upstream",
+    "streamable",
+    "upstream_body",
+]
 
 _TOP_LEVEL = ("id", "created", "model", "system_fingerprint", "service_tier")
 
@@ -40,6 +52,13 @@ def stream_upstream(body: dict[str, Any]) -> dict[str, Any]:
     out["stream"] = True
     out["stream_options"] = {"include_usage": True}
     return out
+
+
+def upstream_body(body: dict[str, Any]) -> dict[str, Any]:
+    """A whole Responses answer asked of the decode worker as a stream (the module docstring
+    says why): the Responses stream has no `stream_options`, its `response.completed` carries
+    the usage."""
+    return {**body, "stream": True}
 
 
 class _Discard:
@@ -180,3 +199,30 @@ def assemble(chunks: list[bytes], chat: bool) -> dict[str, Any] | WorkerError:
     answer["choices"] = [choices[i].render(chat) for i in sorted(choices)]
     answer["usage"] = usage
     return answer
+
+
+def assembled(chunks: list[bytes]) -> dict[str, Any] | None:
+    """The whole answer a relayed Responses stream spells: the `response` object of its
+    `response.completed` (or `response.incomplete`) event; None if there is none that parses."""
+    for event in reversed(b"".join(chunks).split(b"\n\n")):
+        lines = event.split(b"\n")
+        if lines[0] not in (b"event: response.completed", b"event: response.incomplete"):
+            continue
+        for line in lines[1:]:
+            payload = sse_data(line)
+            if payload is None:
+                continue
+            try:
+                obj = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                return None
+            response = obj.get("response") if isinstance(obj, dict) else None
+            return response if isinstance(response, dict) else None
+    return None
+
+
+def output_tokens(answer: dict[str, Any]) -> int:
+    """The output tokens of a whole Responses answer (its usage's; 0 if it has none)."""
+    usage = answer.get("usage")
+    tokens = usage.get("output_tokens") if isinstance(usage, dict) else None
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else 0

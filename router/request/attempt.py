@@ -12,7 +12,7 @@ whether trying again can help.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,13 +24,7 @@ from router.request.holdings import Reservation, StrandedEntry
 from router.tracing import RequestTrace
 from router.workers.breaker import Verdict
 
-__all__ = ["Ask", "Attempt", "Call", "LegFailure", "loop_time", "upstream_failure"]
-
-
-def loop_time(clock: Callable[[], float], flow_time: float) -> float:
-    """`flow_time` (on `clock`, the router's) as event-loop time, the clock asyncio's
-    deadlines use."""
-    return flow_time + (asyncio.get_running_loop().time() - clock())
+__all__ = ["Ask", "Attempt", "Call", "LegFailure", "upstream_failure"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,11 +104,24 @@ def upstream_failure(side: str, worker_id: str, status: int, data: bytes) -> Leg
 class Attempt:
     """One (prefill, decode) try: what it holds and must give back."""
 
-    __slots__ = ("candidate", "reservation", "stranded", "handoff_by", "partner", "decode_verdict")
+    __slots__ = (
+        "candidate",
+        "reservation",
+        "prefixes",
+        "stranded",
+        "handoff_by",
+        "partner",
+        "decode_verdict",
+    )
 
-    def __init__(self, candidate: Candidate, reservation: Reservation) -> None:
+    def __init__(
+        self, candidate: Candidate, reservation: Reservation, prefixes: tuple[int, ...]
+    ) -> None:
         self.candidate = candidate
         self.reservation = reservation
+        # The prompt's prefix hashes as placement read them (under a LoRA adapter, in its own
+        # space: policies/loras.py): what the prefill worker is noted to have seen.
+        self.prefixes = prefixes
         # The pulled prefill's KV between the legs (None for a local pair, concurrent legs, or
         # an answer the decode prefills itself).
         self.stranded: StrandedEntry | None = None

@@ -34,20 +34,19 @@ from typing import Any
 import aiohttp
 import orjson
 
-from policies.loras import lora_prefixes
 from router.adapters import ProtocolViolation, prefill_target
 from router.adapters.dp_rank import rank_body, rank_headers
 from router.config import Settings
 from router.errors import DeadlineExceeded, InvalidRequest, Unavailable, UpstreamError
 from router.metrics import RouterMetrics
 from router.openai.api import RESPONSES
+from router.openai.responses_pd import prefill_body as responses_prefill_body
 from router.relay.aiohttp_relay import relay_sse
 from router.relay.contract import Relay, RelayResult
 from router.relay.splice import relay_splice
 from router.relay.upstream_pool import SplicePool
 from router.request.attempt import Ask, Attempt, Call, LegFailure, upstream_failure
 from router.request.pairing import Pairing
-from router.request.responses_api import prefill_body as responses_prefill_body
 from router.upstream_headers import upstream_headers
 from router.workers.breaker import Verdict
 from router.workers.loras import LoraBook
@@ -185,8 +184,9 @@ class Legs:
             )
         if prefill_id is not None and self.pairing.decode_alone(call.parsed.n, prefill_id):
             prefill_id = None  # the decode worker prefills it itself
+        concurrent = prefill_id is not None and self.pairing.concurrent(prefill_id)
         await self._adapters_loaded(call, prefill_id, attempt.candidate.decode_id)
-        if prefill_id is not None and self.pairing.concurrent(prefill_id):
+        if concurrent:
             return await self._concurrent_legs(call, attempt, ask)
         body = ask.body
         if prefill_id is not None:
@@ -194,13 +194,6 @@ class Legs:
             decode = self.members.worker(attempt.candidate.decode_id)
             body = self.pairing.pull_adapter(decode).decode_body(ask.body, kv)
         return await self._open_decode(call, attempt, body, ask.resumed)
-
-    def _prefixes(self, call: Call) -> tuple[int, ...]:
-        """The prompt's prefix hashes, under a LoRA adapter in its own space (policies/loras.py),
-        as placement reads them (router/request/reserve.py)."""
-        model = call.parsed.model
-        known = self.loras is not None and self.loras.known(model) is not None
-        return lora_prefixes(call.prefixes, model if known else None)
 
     async def _adapters_loaded(self, call: Call, prefill_id: str | None, decode_id: str) -> None:
         """A LoRA request's adapter on both workers of its pair before the prefill leg: loaded
@@ -256,15 +249,16 @@ class Legs:
         spec = worker.spec
         worker.queued_prompt_tokens += ask.prompt_tokens
         worker.inflight += 1
-        worker.recent_prefixes.add(self._prefixes(call))
+        worker.recent_prefixes.add(attempt.prefixes)  # as placement read them
         t0 = self.clock()
         call.trace.begin("prefill", worker=spec.id, prompt_tokens=ask.prompt_tokens)
         try:
             async with self.leg_errors("prefill", worker, self.settings.timeouts.prefill_s):
+                headers = self._headers(call, worker, ask.resumed)
                 status, data = await self._post_whole(
                     spec.url + call.parsed.path,
                     orjson.dumps(rank_body(spec.adapter, wire_body, spec.dp_rank)),
-                    self._headers(call, worker, ask.resumed),
+                    headers,
                 )
                 if status != 200:
                     raise upstream_failure("prefill", spec.id, status, data)
@@ -384,12 +378,13 @@ class Legs:
         body = rank_body(spec.adapter, body, spec.dp_rank)  # an SGLang rank's, in the body
         async with self.leg_errors("decode", worker, deferred=True) as verdict:
             attempt.decode_verdict = verdict  # given when the answer is read (DecodeAnswer)
+            headers = self._headers(call, worker, resumed)
             if not call.assembling and self.splice is not None and self.splice.supports(spec.url):
                 # Its errors are aiohttp.ClientConnectionErrors: the same retryable failures.
                 raw = await self.splice.post(
                     spec.url + call.parsed.path,
                     orjson.dumps(body),
-                    self._headers(call, worker, resumed),
+                    headers,
                     connect_s=t.connect_s,
                     idle_s=t.idle_s,
                 )
@@ -402,7 +397,7 @@ class Legs:
                 resp = await self.session.post(
                     spec.url + call.parsed.path,
                     data=orjson.dumps(body),
-                    headers=self._headers(call, worker, resumed),
+                    headers=headers,
                     timeout=aiohttp.ClientTimeout(
                         total=None, sock_connect=t.connect_s, sock_read=t.idle_s
                     ),

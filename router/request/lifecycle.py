@@ -27,7 +27,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from policies.base import RequestInfo
+from policies.base import AdmissionCost, RequestInfo
 from policies.priority_classes import class_name
 from router.admission import Admission
 from router.config import Settings
@@ -41,8 +41,8 @@ from router.errors import (
 from router.metrics import RouterMetrics
 from router.openai.api import RESPONSES, ParsedRequest
 from router.openai.prompt_text import prefix_hashes
-from router.request.assemble import stream_upstream, streamable
-from router.request.attempt import Ask, Attempt, Call, LegFailure, loop_time
+from router.request.assemble import stream_upstream, streamable, upstream_body
+from router.request.attempt import Ask, Attempt, Call, LegFailure
 from router.request.holdings import Record
 from router.request.legs import Legs
 from router.request.preemption import OVER_LIMIT, TAKEN_BACK
@@ -59,7 +59,6 @@ from router.request.respond import (
     Responder,
     Served,
 )
-from router.request.responses_api import upstream_body
 from router.request.resume import AnswerComplete, Resumer, end_frames
 from router.request.retry_policy import RetryPolicy
 from router.retry_budget import RetryBudget
@@ -174,7 +173,9 @@ class RequestFlow:
             first = min(first, started + t.total_s)
         self.retries.begin()
         try:
-            async with asyncio.timeout_at(loop_time(stages.clock, first)) as deadline:
+            # `first` is on the router's clock; asyncio's deadlines are on the loop's.
+            at = first + (asyncio.get_running_loop().time() - stages.clock())
+            async with asyncio.timeout_at(at) as deadline:
                 self.progress.deadline = deadline
                 if self._interrupted is not None:
                     deadline.reschedule(asyncio.get_running_loop().time())
@@ -359,10 +360,14 @@ class RequestFlow:
         try:
             if charge is not None:
                 # Settled before the release, whose wake-up lets the queue pick the next one:
-                # that pick then sees what this reservation actually cost, not its estimate.
+                # that pick then sees what this reservation actually cost, not its estimate —
+                # its blocks (as grown) for the time it was held, and its prompt to prefill.
                 stages = self.stages
-                prompt = self.call.parsed.prompt_tokens
-                actual = stages.reserve.actual_cost(seat, attempt, prompt)
+                held_s = max(0.0, stages.clock() - seat.reserved_at)
+                blocks = attempt.reservation.blocks if attempt is not None else 0
+                actual = AdmissionCost(
+                    decode_block_s=blocks * held_s, prefill_tokens=self.call.parsed.prompt_tokens
+                )
                 stages.admission.settle(charge, actual)
                 stages.metrics.tenant_block_seconds_by(charge.tenant).inc(actual.decode_block_s)
         finally:

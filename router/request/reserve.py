@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from policies.base import (
-    AdmissionCost,
     Candidate,
     ClusterView,
     OutputEstimate,
@@ -51,12 +50,12 @@ from router.request.admit import (
     Unavailable,
     after_miss,
     after_wait,
+    never_fits,
     queue_refused,
     room_expected_in,
     turn,
 )
-from router.request.attempt import Ask, Attempt, Call, loop_time
-from router.request.fit import never_fits
+from router.request.attempt import Ask, Attempt, Call
 from router.request.holdings import Book, Reservation, StrandedEntry
 from router.request.pairing import Pairing
 from router.request.quota import within_block_limit
@@ -238,16 +237,16 @@ class Reserver:
         (router/request/admit.py, pure), do what it says (awaits, metrics), and again."""
         adm = self.admission
         loop = asyncio.get_running_loop()
-        wait_until = loop_time(
-            self.clock,
+        wait_by = (  # on the router's clock
             resume_by
             if resume_by is not None
             else min(
                 call.started + adm.settings.max_wait_s, call.started + self.settings.timeouts.ttft_s
-            ),
+            )
         )
+        wait_until = wait_by + (loop.time() - self.clock())  # on the loop's, as asyncio waits
         # One no decode worker could hold even empty, however short its answers: the client's
-        # to change, at once (a 400, router/request/fit.py), not a 429 to retry in vain.
+        # to change, at once (a 400, admit.py `never_fits`), not a 429 to retry in vain.
         if (too_large := never_fits(call.parsed, info, self.members.decode_workers)) is not None:
             raise too_large
         overruns_seen = self.overruns.version
@@ -335,13 +334,6 @@ class Reserver:
         self.metrics.rejections.labels(reason=reason).inc()
         self.metrics.tenant_rejections.labels(tenant=seat.tenant.name, reason=reason).inc()
         return NoCapacity(refusal.message, retry_after_s=refusal.retry_after_s)
-
-    def actual_cost(self, seat: Seat, attempt: Attempt | None, prompt_tokens: int) -> AdmissionCost:
-        """What a reservation took, at its release: its blocks (as grown) for the time it was
-        held, and its prompt's tokens to prefill."""
-        held_s = max(0.0, self.clock() - seat.reserved_at)
-        blocks = attempt.reservation.blocks if attempt is not None else 0
-        return AdmissionCost(decode_block_s=blocks * held_s, prefill_tokens=prompt_tokens)
 
     def _forecast(self, info: RequestInfo) -> dict[str, int]:
         """Prediction-based admission (Mooncake): blocks forecast to free on each decode worker
@@ -475,7 +467,7 @@ class Reserver:
         )
         self.metrics.placements_by(cand.prefill_id or "local", cand.decode_id).inc()
         log.debug("placed on %s -> %s", cand.prefill_id or "local", cand.decode_id)
-        attempt = Attempt(cand, reservation)
+        attempt = Attempt(cand, reservation, info.prefix_hashes)
         if intent is not None:
             attempt.stranded = StrandedEntry.hold(book, intent, reserved.stranded)
         return attempt

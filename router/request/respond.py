@@ -30,12 +30,11 @@ from router.errors import RouterError, UpstreamRejected, stream_error_frame
 from router.metrics import RouterMetrics
 from router.openai.api import CHAT, COMPLETIONS, RESPONSES, ParsedRequest
 from router.relay.contract import RelayResult
-from router.request.assemble import DISCARD, assemble
-from router.request.attempt import Ask, Attempt, Call, LegFailure, loop_time
+from router.request.assemble import DISCARD, assemble, assembled, output_tokens
+from router.request.attempt import Ask, Attempt, Call, LegFailure
 from router.request.legs import DecodeAnswer
 from router.request.preemption import LiveStream, Preemptor, Victims
 from router.request.priority_class import PRIORITY_HEADER
-from router.request.responses_api import assembled, output_tokens
 from router.request.resumed_usage import usage_rewrite
 
 __all__ = [
@@ -164,7 +163,10 @@ class Progress:
         stage.metrics.ttft.observe(self.first_token_at - call.started)
         t = stage.timeouts
         if self.deadline is not None:
-            end = loop_time(stage.clock, call.started + t.total_s) if t.total_s else None
+            end = None
+            if t.total_s:  # the total deadline, on the loop's clock as asyncio's are
+                end = call.started + t.total_s
+                end += asyncio.get_running_loop().time() - stage.clock()
             self.deadline.reschedule(end)
 
     def tokens(self, total: int) -> int:

@@ -29,13 +29,11 @@ FLOW = (
     "retry_policy",  # whether a failed try is tried again, where, after what pause
     "pairing",  # how a placed pair serves: pulled KV, concurrent legs, decode alone
     "assemble",  # a whole answer from a stream's events (pure)
-    "responses_api",  # the Responses API's shapes on this path (pure)
     "resumed_usage",  # a resumed stream's usage, said as one answer's (pure)
     "quota",  # the request's share of its tenant's quota, taken before it may wait
     "seat",  # the request's place under the concurrency cap: ticket, tenant, charge, quota
     "priority_class",  # the request's class: its tenant's or a less urgent one it asks for
-    "fit",  # whether any decode worker could ever hold the request (a 400 if none)
-    "admit",  # the admission decision: take a slot, place, wait or refuse (pure)
+    "admit",  # the admission decision: take a slot, place, wait or refuse, a 400 if it never fits
     "reserve",  # estimate, place, queue, reserve
     "legs",  # prefill, KV handoff, decode: the answer bound to its relay
     "respond",  # the answer to the client

@@ -186,7 +186,7 @@ async def _drive(session: aiohttp.ClientSession, cluster: ComposeCluster) -> dic
     huge = {
         "model": "llama-3-8b",
         # ~2,000 prompt tokens fit the 256 blocks of 16 (a prompt that alone does not is a 400
-        # at once, router/request/fit.py); with 3,000 more reserved while the estimator has
+        # at once, router/request/admit.py); with 3,000 more reserved while the estimator has
         # nothing learned for this cap it does not: 429 `no_room`.
         "messages": [{"role": "user", "content": "long " * 1600}],
         "max_tokens": 3000,

@@ -19,9 +19,9 @@ from openai import AsyncOpenAI
 
 from disagg_tools.sim.textgen import expected_answer
 from router.errors import InvalidRequest
-from router.openai.responses_pd import parse_responses
+from router.openai.responses_pd import parse_responses, prefill_body
 from router.relay.sse_cut import SseCutter
-from router.request.responses_api import assembled, prefill_body
+from router.request.assemble import assembled
 from tests.conftest import MODEL, SimCluster, sim_cluster
 
 RESPONSES = "/v1/responses"

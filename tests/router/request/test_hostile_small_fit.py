@@ -1,11 +1,11 @@
 """A request no decode worker could ever hold gets a 400 at once, naming what to change (issue
 31, item 6b); before, a retryable 429 no_decode_capacity.
 
-The rule (router/request/fit.py): never fits when even the smallest reservation the router could
-make for it — its prompt, each choice's own last prompt block and one output token — exceeds the
-largest decode worker, empty. A request over capacity only by the reservation it would get now
-(the estimate: `max_tokens` while cold) may be admitted on a smaller estimate and fit by its real
-length: that one keeps its 429.
+The rule (router/request/admit.py `never_fits`): never fits when even the smallest reservation the
+router could make for it — its prompt, each choice's own last prompt block and one output token —
+exceeds the largest decode worker, empty. A request over capacity only by the reservation it would
+get now (the estimate: `max_tokens` while cold) may be admitted on a smaller estimate and fit by its
+real length: that one keeps its 429.
 
 The official `openai` client against a live router and a simulated decode worker of 64 blocks
 of 16 tokens (1,024 tokens).
