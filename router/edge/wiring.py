@@ -250,7 +250,7 @@ def start_loops(core: Core, loops: WorkerLoops) -> None:
         tasks.loop(loops.discovery.run(session), "kube-discovery")
     tasks.loop(LoadPoller(core.settings, loops.members, loops.timing).run(session), "load-poller")
     loras = loops.pools.placement.loras  # each LoRA engine's adapters (router/workers/loras.py)
-    tasks.loop(loras.run(session, loops.members.workers), "lora-poll")
+    tasks.loop(loras.run(session, loops.members), "lora-poll")
     tasks.loop(core.leases.run(), "lease-keeper")
     tasks.loop(loops.kv_hub.run(), "kv-events")
     tasks.loop(_tally_requests(core.retry_budget), "retry-tally")
