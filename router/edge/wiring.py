@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from dataclasses import dataclass, replace
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -22,6 +24,7 @@ from router.metrics import RouterMetrics
 from router.relay.upstream_pool import SplicePool
 from router.retry_budget import RetryBudget
 from router.tenants import Keyring
+from router.worker_spec import WorkerSpec
 from router.workers.accounting import LocalAccounting
 from router.workers.health_probe import HealthProber
 from router.workers.kube import KubeDiscovery
@@ -39,6 +42,7 @@ from state.base import StateStore
 
 __all__ = [
     "Core",
+    "UpstreamConnector",
     "WorkerLoops",
     "open_core",
     "build_worker_loops",
@@ -48,6 +52,36 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# CPython before 3.12.8 (and 3.13.0) can leave a closed TLS connection's socket open when its
+# peer never answers the TLS shutdown (fixed by python/cpython#118960); aiohttp's
+# `enable_cleanup_closed` aborts such transports, and ignores the flag where it is fixed.
+TLS_CLOSE_LEAKS = sys.version_info < (3, 12, 8) or (3, 13, 0) <= sys.version_info < (3, 13, 1)
+
+
+class UpstreamConnector(aiohttp.TCPConnector):
+    """The workers' connection pool, aiohttp's `enable_cleanup_closed` on only once a worker
+    reached over https joins (`reach`, told of every worker joining: router/workers/
+    membership.py `on_join`), and on from then on. That clean-up is a timer every 2 s for as
+    long as the pool lives, aborting the TLS transports closed since; with http:// workers only
+    there are none, and it would wake an idle router every 2 s for nothing."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(limit=limit, limit_per_host=0, enable_cleanup_closed=False)
+
+    @property
+    def cleans_closed_tls(self) -> bool:
+        return not self._cleanup_closed_disabled
+
+    def reach(self, spec: WorkerSpec) -> None:
+        """Worker `spec` joins: over https (on a Python that needs it), the clean-up from now
+        on; it is armed before any connection to it can be made or closed."""
+        if not TLS_CLOSE_LEAKS or self.cleans_closed_tls:
+            return
+        if urlsplit(spec.url).scheme.lower() == "https":
+            # As `TCPConnector(enable_cleanup_closed=True)` sets it up in its constructor.
+            self._cleanup_closed_disabled = False
+            self._cleanup_closed()
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +93,7 @@ class Core:
     metrics: RouterMetrics
     store: StateStore
     session: aiohttp.ClientSession
+    connector: UpstreamConnector  # the session's
     splice: SplicePool | None  # the PD legs' raw client (http:// workers) when relay == "splice"
     tasks: BackgroundTasks
     admission: Admission
@@ -77,9 +112,7 @@ async def open_core(settings: Settings, metrics: RouterMetrics, fairness: Fairne
     tasks = BackgroundTasks(
         on_failure=lambda name: metrics.background_task_failures.labels(task=name).inc()
     )
-    connector = aiohttp.TCPConnector(
-        limit=settings.upstream.connections, limit_per_host=0, enable_cleanup_closed=True
-    )
+    connector = UpstreamConnector(settings.upstream.connections)
     session = aiohttp.ClientSession(
         connector=connector, auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None)
     )
@@ -88,6 +121,7 @@ async def open_core(settings: Settings, metrics: RouterMetrics, fairness: Fairne
         metrics=metrics,
         store=store,
         session=session,
+        connector=connector,
         splice=SplicePool(settings.upstream.connections)
         if settings.upstream.relay == "splice"
         else None,
@@ -122,6 +156,7 @@ def build_worker_loops(core: Core, keyring: Keyring) -> WorkerLoops:
     """`keyring`: the tenants' keys, whose shared part follows the store (router/tenants.py)."""
     settings, store, metrics, admission = core.settings, core.store, core.metrics, core.admission
     members = Membership(settings)
+    members.on_join(core.connector.reach)  # TLS clean-up once an https worker joins
     # Quiet (nothing in flight or waiting here, no leg on a worker): the loops slow down.
     timing = LoopTiming(
         members.carrying_work, lambda: admission.inflight > 0 or admission.waiting > 0
@@ -250,7 +285,7 @@ def start_loops(core: Core, loops: WorkerLoops) -> None:
         tasks.loop(loops.discovery.run(session), "kube-discovery")
     tasks.loop(LoadPoller(core.settings, loops.members, loops.timing).run(session), "load-poller")
     loras = loops.pools.placement.loras  # each LoRA engine's adapters (router/workers/loras.py)
-    tasks.loop(loras.run(session, loops.members.workers), "lora-poll")
+    tasks.loop(loras.run(session, loops.members), "lora-poll")
     tasks.loop(core.leases.run(), "lease-keeper")
     tasks.loop(loops.kv_hub.run(), "kv-events")
     tasks.loop(_tally_requests(core.retry_budget), "retry-tally")

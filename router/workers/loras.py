@@ -2,10 +2,11 @@
 and the loads themselves (docs/lora.md).
 
 Facts come from the engines: every `lora.poll_s` the router reads `/v1/models` of each worker
-whose entry says it serves adapters (`max_loras` > 0); a card with a `parent` is an adapter
-registered there (vLLM's `OpenAIServingModels.show_available_models`). The catalog
-(`lora.catalog`, router/lora_settings.py) names the adapters the router may load itself, on a
-worker with `lora_runtime_loading`, through vLLM's `POST /v1/load_lora_adapter`.
+whose entry says it serves adapters (`max_loras` > 0; while no worker does, the poll sleeps
+without a timer); a card with a `parent` is an adapter registered there (vLLM's
+`OpenAIServingModels.show_available_models`). The catalog (`lora.catalog`,
+router/lora_settings.py) names the adapters the router may load itself, on a worker with
+`lora_runtime_loading`, through vLLM's `POST /v1/load_lora_adapter`.
 
 Held adapters are kept per URL, not per worker id: the data-parallel ranks of one engine share
 its API server, which registers an adapter for every rank.
@@ -34,8 +35,10 @@ import aiohttp
 
 from router.config import Settings
 from router.errors import Unavailable
+from router.loop_timing import beat
 from router.lora_settings import valid_lora_name
 from router.worker_spec import WorkerSpec
+from router.workers.membership import Membership
 
 __all__ = ["LoraBook", "MAX_PER_ENGINE"]
 
@@ -73,6 +76,7 @@ class LoraBook:
         self._known: dict[str, str] | None = None  # adapters(), until what is held changes
         self.loads = 0
         self.load_failures = 0
+        self.rounds = 0  # passes of `run`: one at its start, then one per wake-up
 
     def __repr__(self) -> str:
         held = sum(len(a) for a in self._held.values())
@@ -159,15 +163,29 @@ class LoraBook:
         engines = {s.url: s for s in specs if s.max_loras > 0}
         await asyncio.gather(*(self.poll(session, s) for s in engines.values()))
 
-    async def run(self, session: aiohttp.ClientSession, workers: Mapping[str, Any]) -> None:
-        """Every `lora.poll_s`; `workers`: the membership's id -> WorkerState (its `spec`). What
-        an engine out of rotation (failing its health probes) held is forgotten: one that comes
+    async def run(self, session: aiohttp.ClientSession, members: Membership) -> None:
+        """Every `lora.poll_s`, on the pools' beat (router/loop_timing.py), while some worker
+        serves adapters (`max_loras` > 0). While none does, the loop has no timer at all: the
+        first such worker to join (configuration, admin API, registry, discovery) wakes it, and
+        it is read within `lora.poll_s` of entering rotation, as every LoRA engine is. What an
+        engine out of rotation (failing its health probes) held is forgotten: one that comes
         back may be a new process without its adapters: it is read again at the next poll."""
+        joined = asyncio.Event()
+        members.on_join(lambda spec: joined.set() if spec.max_loras > 0 else None)
         while True:
-            specs = [w.spec for w in list(workers.values()) if getattr(w, "healthy", True)]
+            self.rounds += 1
+            workers = list(members.workers.values())
+            if not any(w.spec.max_loras > 0 for w in workers):
+                self.forget_others(())
+                joined.clear()
+                await joined.wait()
+                continue
+            specs = [w.spec for w in workers if w.healthy]
             self.forget_others(specs)
             await self.refresh(session, specs)
-            await asyncio.sleep(self._settings.lora.poll_s)
+            # On the pools' beat: with `poll_s` a whole number of seconds, a wake-up the other
+            # loops make anyway, not one of its own.
+            await beat(self._settings.lora.poll_s)
 
     # -- loading on demand -----------------------------------------------------------------
 

@@ -56,6 +56,9 @@ class Membership:
         # whether this replica's watch sees it Ready. Asked as such a worker joins, however it
         # joins (this replica's discovery, or another replica's registration read back).
         self.pod_readiness: Callable[[WorkerSpec], bool] | None = None
+        # Told of every target as it joins (`on_join`): what waits for a kind of worker (a LoRA
+        # engine, an https URL) is woken by its arrival instead of looking on a timer.
+        self._on_join: list[Callable[[WorkerSpec], None]] = []
         for spec in settings.workers:
             self.add(spec)
 
@@ -63,6 +66,21 @@ class Membership:
         return f"Membership({list(self.workers.values())!r})"
 
     # -- joining and leaving ------------------------------------------------------------------
+    def on_join(self, listener: Callable[[WorkerSpec], None]) -> None:
+        """`listener(spec)` for every target in the pools now, then for each one that joins
+        (however it joins: the configuration, the admin API, the registry, discovery) as it
+        joins, and for a registration's worker before the registration first calls it
+        (`announce`): before the router's first connection to any worker."""
+        self._on_join.append(listener)
+        for w in list(self.workers.values()):
+            listener(w.spec)
+
+    def announce(self, spec: WorkerSpec) -> None:
+        """Worker `spec` joins, or is about to be called before it joins (a registration
+        reading its facts, router/workers/registration.py): the `on_join` listeners told."""
+        for listener in self._on_join:
+            listener(spec)
+
     def add(
         self, spec: WorkerSpec, dynamic: bool = False, registration: str | None = None
     ) -> WorkerState:
@@ -95,6 +113,7 @@ class Membership:
         if spec.pod and self.pod_readiness is not None:
             state.pod_ready = self.pod_readiness(spec)
         self.workers[spec.id] = state
+        self.announce(spec)
         return state
 
     def remove(self, worker_id: str) -> bool:

@@ -79,6 +79,7 @@ async def register_worker(
     try:
         spec = members.parse_registration(raw)  # checked before any call to the worker
         if discover:
+            members.announce(spec)  # what waits for such a worker, before the first call
             raw = await with_discovered_layout(prober, session, raw, spec.url, spec.adapter)
             raw = await with_reported_ranks(prober, session, raw, spec.url, spec.adapter)
             spec = members.parse_registration(raw)
