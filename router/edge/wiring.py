@@ -71,12 +71,16 @@ class UpstreamConnector(aiohttp.TCPConnector):
 
     @property
     def cleans_closed_tls(self) -> bool:
-        return not self._cleanup_closed_disabled
+        return getattr(self, "_cleanup_closed_disabled", True) is False
 
     def reach(self, spec: WorkerSpec) -> None:
         """Worker `spec` joins: over https (on a Python that needs it), the clean-up from now
-        on; it is armed before any connection to it can be made or closed."""
+        on; it is armed before any connection to it can be made or closed. The arming uses
+        aiohttp's own private hook (3.9-3.14); an aiohttp without it is left as it is rather
+        than failing a worker's join."""
         if not TLS_CLOSE_LEAKS or self.cleans_closed_tls:
+            return
+        if not hasattr(self, "_cleanup_closed_disabled") or not hasattr(self, "_cleanup_closed"):
             return
         if urlsplit(spec.url).scheme.lower() == "https":
             # As `TCPConnector(enable_cleanup_closed=True)` sets it up in its constructor.
