@@ -20,13 +20,11 @@ completions), and the first k tokens must be the uninterrupted answer's."""
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 
 import pytest
 from openai import AsyncOpenAI
 
-from tests.engines import http_get
 from tests.real_sglang.conftest import (
     SERVED,
     SglangCluster,
@@ -42,13 +40,15 @@ MAX_TOKENS = 48
 FORCE_AT = 4  # relayed chunks before the router stops the stream (one token each, or more)
 
 
-def _counter(server: SglangServer, name: str) -> float:
-    """The sum of one of the server's Prometheus counters over its label sets."""
-    status, body = http_get(server.url + "/metrics", timeout=10.0)
-    assert status == 200, body[:200]
-    text = body.decode() if isinstance(body, bytes) else body
-    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", re.M)
-    return sum(float(v) for v in pattern.findall(text))
+def _counters(server: SglangServer) -> tuple[float, float]:
+    """(prompt tokens, cached tokens) the server has counted, over all their label sets, from
+    one scrape of its /metrics (tests/engines.py `EngineProcess.metrics`)."""
+    scraped = server.metrics()
+
+    def total(wanted: str) -> float:
+        return sum(v for (name, _), v in scraped.items() if name == wanted)
+
+    return total("sglang:prompt_tokens_total"), total("sglang:cached_tokens_total")
 
 
 async def _counters_after(
@@ -58,10 +58,8 @@ async def _counters_after(
     count reaches `at_least` (its tokenizer manager counts a request as it finishes it)."""
     deadline = time.monotonic() + 10.0
     while True:
-        now = (
-            _counter(server, "sglang:prompt_tokens_total") - before[0],
-            _counter(server, "sglang:cached_tokens_total") - before[1],
-        )
+        prompt, cached = _counters(server)
+        now = (prompt - before[0], cached - before[1])
         if now[0] >= at_least or time.monotonic() > deadline:
             return now
         await asyncio.sleep(0.1)
@@ -85,13 +83,6 @@ async def _continuation(
         extra_body={"continue_final_message": True, "add_generation_prompt": False},
     )
     return r.choices[0].message.content or ""
-
-
-def _counters(server: SglangServer) -> tuple[float, float]:
-    return (
-        _counter(server, "sglang:prompt_tokens_total"),
-        _counter(server, "sglang:cached_tokens_total"),
-    )
 
 
 @pytest.mark.parametrize("kind", ["completions", "chat"])
