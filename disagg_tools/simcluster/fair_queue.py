@@ -159,11 +159,15 @@ class FairQueue:
         if marks:
             for line in [line for line, until in marks.items() if until < now]:
                 del marks[line]
-            for ticket in sorted(self._jobs):
-                job = self._jobs[ticket]
-                assert job.waiting is not None
-                if (job.waiting.priority, job.tenant) in marks and ticket not in skip:
-                    return job.waiting
+            marked = [
+                ticket
+                for ticket, job in self._jobs.items()
+                if job.waiting is not None
+                and (job.waiting.priority, job.tenant) in marks
+                and ticket not in skip
+            ]
+            if marked:
+                return self._jobs[min(marked)].waiting  # the oldest: the lowest ticket
         return self.policy.pick(now, skip)
 
     def drain(self, now: float, try_admit: Callable[[Job], bool]) -> int:
