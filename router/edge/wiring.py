@@ -78,9 +78,8 @@ class UpstreamConnector(aiohttp.TCPConnector):
         on; it is armed before any connection to it can be made or closed. The arming uses
         aiohttp's own private hook (3.9-3.14); an aiohttp without it is left as it is rather
         than failing a worker's join."""
-        if not TLS_CLOSE_LEAKS or self.cleans_closed_tls:
-            return
-        if not hasattr(self, "_cleanup_closed_disabled") or not hasattr(self, "_cleanup_closed"):
+        hooked = hasattr(self, "_cleanup_closed_disabled") and hasattr(self, "_cleanup_closed")
+        if not TLS_CLOSE_LEAKS or not hooked or self.cleans_closed_tls:
             return
         if urlsplit(spec.url).scheme.lower() == "https":
             # As `TCPConnector(enable_cleanup_closed=True)` sets it up in its constructor.
