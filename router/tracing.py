@@ -3,7 +3,8 @@
 One span per request (`POST <route>`, a child of the client's `traceparent` when it sent one)
 with children for each step of docs/design.md §2:
 
-    admission    estimate done → decode room reserved (the admission queue's wait included)
+    admission    estimate done → decode room reserved (the admission queue's wait included);
+                 its `tenant` attribute says whose request waited
     prefill      the prefill leg's POST, to its answer
     kv_handoff   the prefill's answer (KV stranded) → the decode's first event (KV accepted)
     decode       the decode leg, from its POST to the end of the request

@@ -313,7 +313,7 @@ class RequestFlow:
         continuation of a preempted stream waits for room until then)."""
         stages = self.stages
         self.retries.attempt(counted=resume_by is None)
-        with self.call.trace.span("admission"):
+        with self.call.trace.span("admission", tenant=self.seat.tenant.name):
             avoid = self.retries.tried
             attempt = await stages.reserve.admit_and_reserve(
                 self.call, info, self.seat, avoid, resume_by

@@ -109,7 +109,7 @@ def assign_rank_loads(ranks: list[WorkerState], loads: Mapping[int, LoadSnapshot
         if target is None:
             foreign.append(rank)
         else:
-            target.load = load
+            target.took_load(load)
     return foreign
 
 

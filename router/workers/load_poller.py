@@ -40,7 +40,7 @@ class LoadPoller:
     async def poll(self, session: aiohttp.ClientSession, w: WorkerState) -> None:
         fetch = fetch_sglang_load if w.spec.adapter == "sglang" else fetch_vllm_load
         try:
-            w.load = await fetch(session, w.spec.url)
+            w.took_load(await fetch(session, w.spec.url))
         except Exception as exc:  # no load endpoint: the router's own accounting stands
             log.debug("load poll of %s failed: %s", w.spec.id, exc)
 

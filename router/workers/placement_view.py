@@ -115,9 +115,7 @@ class PlacementView:
 
     def _used_blocks(self, w: WorkerState) -> int:
         load = self._fresh_load(w)
-        if load is None or load.kv_usage is None:
-            return 0
-        return int(load.kv_usage * w.capacity_blocks)
+        return 0 if load is None else w.used_blocks(load)
 
     def snapshot(
         self,

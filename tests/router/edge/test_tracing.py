@@ -14,6 +14,7 @@ from disagg_tools.sim.worker import WorkerConfig, running_worker
 from router.config import settings_from_mapping
 from router.edge.app import create_app
 from router.edge.server import serving
+from router.tenants import DEFAULT_TENANT
 from tests.conftest import MODEL
 
 pytest.importorskip("opentelemetry.sdk.trace")
@@ -107,6 +108,8 @@ async def test_one_request_makes_a_span_tree_and_parents_the_workers() -> None:
     assert times["admission"][1] <= times["prefill"][0]
     assert times["prefill"][1] <= times["kv_handoff"][0]
     assert dict(spans["prefill"].attributes or {})["worker"] == "p0"
+    # Whose request waited: an operator filters the admission waits by tenant.
+    assert dict(spans["admission"].attributes or {})["tenant"] == DEFAULT_TENANT
     assert dict(spans["decode"].attributes or {})["worker"] == "d0"
     # Each worker got its own leg's span as parent (W3C traceparent), not the client's.
     for wid, leg in (("p0", "prefill"), ("d0", "decode")):
