@@ -163,7 +163,10 @@ class Ledger(Protocol):
         """The tenant's admitted requests here hold `blocks` more (fewer, < 0)."""
 
     def start(self) -> None:
-        """A request waits: the cluster must hear of it."""
+        """Something to share (a charge, a hold): the cluster must hear of it."""
+
+    def waits(self, priority: int, tenant: str) -> None:
+        """A request of `tenant` in class `priority` starts waiting here for decode room."""
 
 
 # The request of a caller that names no tenant (`wait` without `request`): tests, tools.
@@ -281,7 +284,8 @@ class Admission:
             if ticket not in self._for_room:
                 self._for_room[ticket] = self._clock()
                 if self.ledger is not None:
-                    self.ledger.start()
+                    queued = self._queued[ticket]
+                    self.ledger.waits(queued.priority, queued.tenant.name)
         else:
             self._for_room.pop(ticket, None)
         future: asyncio.Future[int] = loop.create_future()

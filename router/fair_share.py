@@ -40,6 +40,7 @@ a second each.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -64,6 +65,9 @@ _IDLE_SYNCS = 3
 # A registration outlives this many sync periods (and at least a second: a loaded replica's
 # loop may be late) before the store drops it: a replica that dies stops renewing.
 _LEASE_PERIODS = 10
+# A timed sync fires this much after the wait it is for reached `fair_preempt_after_s`: the
+# loop's timers may fire a hair early, and the waiter's age must be past the bound.
+_CHECK_MARGIN_S = 0.002
 
 
 class ClusterShare:
@@ -108,6 +112,15 @@ class ClusterShare:
         self._open_until = -math.inf
         self.nudges_sent = 0
         self.nudges_heard = 0
+        # The waiter lines (class, tenant) this replica registered at its last sync, and the
+        # timed syncs new lines' waits ask for (`waits`).
+        self._lines: frozenset[tuple[int, str]] = frozenset()
+        self._sync_now = asyncio.Event()
+        self._checks: dict[tuple[int, str], asyncio.TimerHandle] = {}
+        # Lines whose timed sync is due: the next sync nudges the other replicas while one
+        # still waits (a sync a nudge asked for does not: no echo).
+        self._due: set[tuple[int, str]] = set()
+        self.checks = 0
 
     def __repr__(self) -> str:
         return (
@@ -122,6 +135,31 @@ class ClusterShare:
         self._pending[slot] = self._pending.get(slot, 0.0) + amount
         if admission:
             self.request_units[tenant] = amount
+        self.start()
+
+    def waits(self, priority: int, tenant: str) -> None:
+        """A request starts waiting for room here. A line (class, tenant) the cluster has not
+        heard of from this replica gets a sync of its own once it has waited
+        `fair_preempt_after_s`, so the take-back decides on it then, not up to a sync period
+        later (a flooded victim's wait is that bound plus the room's way to it), and the other
+        replicas are nudged to sync at once (`_run`): the streams to take back may be theirs.
+        A line already registered (a backlogged tenant's) costs nothing more."""
+        self.start()
+        line = (priority, tenant)
+        settings = self.settings
+        if line in self._lines or line in self._checks or settings.fair_preempt_per_s <= 0:
+            return
+        if settings.fair_preempt_after_s <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        delay = settings.fair_preempt_after_s + _CHECK_MARGIN_S
+        self._checks[line] = loop.call_later(delay, self._timed_sync, line)
+
+    def _timed_sync(self, line: tuple[int, str]) -> None:
+        del self._checks[line]
+        self.checks += 1
+        self._due.add(line)
+        self._sync_now.set()
         self.start()
 
     def held(self, priority: int, tenant: str, blocks: int) -> None:
@@ -147,8 +185,23 @@ class ClusterShare:
     async def _run(self) -> None:
         idle = 0
         while idle < _IDLE_SYNCS:
-            idle = 0 if await self.sync() else idle + 1
-            await asyncio.sleep(self.settings.fair_sync_s)
+            due, self._due = self._due, set()
+            self._sync_now.clear()
+            busy = await self.sync()
+            idle = 0 if busy else idle + 1
+            if due & self._lines:  # a line waited past the bound and still waits
+                self._nudge_others()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.settings.fair_sync_s):
+                    await self._sync_now.wait()
+
+    def _nudge_others(self) -> None:
+        """A line of this replica has waited past `fair_preempt_after_s`: every other replica
+        with a registration (it waits, so it syncs) syncs now, and its take-back reads the
+        waiter at once (the streams to take back may be its own)."""
+        for replica in sorted({w.replica for w in self.waiters} - {self.replica}):
+            self.nudges_sent += 1
+            self.tasks.job(self._nudge(replica), "fair-share-nudge")
 
     async def sync(self) -> bool:
         """One exchange with the store; True while this replica has something to share. A
@@ -167,6 +220,7 @@ class ClusterShare:
             log.debug("fair share sync failed: %s", exc)
             return False
         self.syncs += 1
+        self._lines = frozenset(waiting)
         self._adopt(view)
         for listener in self.listeners:
             told = listener(self)
@@ -209,6 +263,9 @@ class ClusterShare:
                 async for _ in self.store.fair_nudges(self.replica):
                     pause = self.settings.fair_sync_s
                     self.nudges_heard += 1
+                    # Another replica's waiter may be owed streams this one relays: sync now.
+                    self._sync_now.set()
+                    self.start()
                     if self.admission.waiting:  # else nothing here wants the room
                         await on_nudge()
             except StoreError as exc:

@@ -323,7 +323,7 @@ class _Engine:
         else:
             self.queue.append(job)
         if self.take_back is not None:
-            self.take_back.busy(self.now)
+            self.take_back.waits(job, self.now)
         self.q_live += 1
         self.c_queued += 1
         self.events.at(job.deadline, self._deadline, job)

@@ -7,7 +7,10 @@ What runs, per router replica r (`Replicas.count`; a request's replica is where 
 lands it, as in replica_queues.py, and the replica relays its decode stream):
 
 - r syncs every `sync_s` on its own grid (phase r × sync_s / count) while anything waits or
-  holds room (the router's sync loop runs while it is busy). At its sync it registers, as the
+  holds room (the router's sync loop runs while it is busy), and once more when a request
+  of a line (class, tenant) r had not registered has waited `after_s` (`waits`, the router's
+  `ClusterShare.waits`): if it still waits then, the other replicas with a registration sync
+  at once too (the router's nudge). At its sync it registers, as the
   store keeps them (state/fair_shares.py), its waiting requests per (class, tenant) — how many
   and since when the oldest waits (every request in the simulator's queue waits for decode
   room: it has no concurrency cap) — and the blocks its admitted requests reserved per tenant
@@ -48,6 +51,8 @@ from policies.preemption import StreamFacts
 __all__ = ["FAIR_SHARE", "PRIORITY", "FairTakeBack", "TakeBackSettings"]
 
 Line = tuple[str, int, str]  # a waiter line: (replica, class, tenant), as `TakeBack.serves`
+# router/fair_share.py's _CHECK_MARGIN_S: a timed sync comes this much after the bound.
+CHECK_MARGIN_S = 0.002
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +164,7 @@ class FairTakeBack:
         self._registered = [_Registration({}, Counter()) for _ in range(replicas)]
         self._buckets = [_Bucket(settings.per_s) for _ in range(replicas)]
         self._claims = _Claims(settings.claim_ttl_s)
+        self._timed: set[tuple[int, tuple[int, str]]] = set()  # (replica, line): a timed sync due
         # Each preemption: (time, replica, reason) — the counts and the rate bound's record.
         self.taken: list[tuple[float, int, str]] = []
 
@@ -180,6 +186,31 @@ class FairTakeBack:
                 self._ticking.add(r)
                 self._sync_later(r, now)
 
+    def waits(self, job: Job, now: float) -> None:
+        """A job starts waiting for room (the router's `ClusterShare.waits`): a line (class,
+        tenant) its replica did not register at its last sync gets a sync of its own once it has
+        waited `after_s`; if it still waits then, the other replicas with a registration sync
+        at once too (the router's nudge)."""
+        self.busy(now)
+        r = self._of.get(job.idx)
+        if not self.settings.enabled or job.waiting is None or r is None:
+            return
+        line = (job.waiting.priority, job.tenant)
+        if line in self._registered[r].waiting or (r, line) in self._timed:
+            return
+        self._timed.add((r, line))
+        at = now + self.settings.after_s + CHECK_MARGIN_S
+        self._schedule(at, lambda: self._timed_sync(r, line, at))
+
+    def _timed_sync(self, r: int, line: tuple[int, str], now: float) -> None:
+        self._timed.discard((r, line))
+        self._sync_once(r, now)
+        if line not in self._registered[r].waiting:
+            return  # admitted meanwhile
+        for other in range(self._replicas):
+            if other != r and self._registered[other].waiting:
+                self._sync_once(other, now)
+
     def _sync_later(self, r: int, now: float) -> None:
         period = self.settings.sync_s
         phase = r * period / self._replicas
@@ -189,14 +220,19 @@ class FairTakeBack:
         self._schedule(at, lambda: self._sync(r, at))
 
     def _sync(self, r: int, now: float) -> None:
-        waiting = self.queue.waiting_jobs()
-        holding = [j for d in self.decodes for j in d.reservations.values()]
-        self._registered[r] = self._register(r, waiting, holding)
-        self._take_back(r, now)
+        waiting, holding = self._sync_once(r, now)
         if waiting or holding:
             self._sync_later(r, now)
         else:  # idle: the next wait or admission starts the loop again (the router's)
             self._ticking.discard(r)
+
+    def _sync_once(self, r: int, now: float) -> tuple[list[Job], list[Job]]:
+        """Replica r's sync: it registers, reads every registration and takes back."""
+        waiting = self.queue.waiting_jobs()
+        holding = [j for d in self.decodes for j in d.reservations.values()]
+        self._registered[r] = self._register(r, waiting, holding)
+        self._take_back(r, now)
+        return waiting, holding
 
     def _register(self, r: int, waiting: Iterable[Job], holding: Iterable[Job]) -> _Registration:
         lines: dict[tuple[int, str], tuple[int, float]] = {}

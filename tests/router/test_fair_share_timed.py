@@ -1,0 +1,145 @@
+"""The take-back's timing across replicas (router/fair_share.py `ClusterShare.waits`): a line
+(class, tenant) that starts to wait where the cluster has not heard of it gets a sync of its own
+once it has waited `fair_preempt_after_s`, and the other replicas are nudged to sync at once, so
+the take-back (a listener of every sync) reads the waiter past its bound then, not a sync period
+later. A backlogged tenant's line, registered already, costs nothing more, and a sync a nudge
+asked for nudges no one back.
+
+Real Redis (a key prefix of its own), the replicas' own admission queues and ClusterShares, no
+HTTP. The regular sync period is long (5 s) so that a sync seen sooner is the timed one; the
+waits here are bounded well under it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from policies.base import AdmissionCost, Tenant, WaitingRequest
+from policies.fair_share import ClusterWaiter
+from policies.fairness import VTCFairness
+from router.admission import Admission, AdmissionSettings
+from router.background import BackgroundTasks
+from router.fair_share import ClusterShare
+from state import RedisStore
+from tests.conftest import REDIS_URL
+
+AFTER_S = 0.05
+PERIOD_S = 5.0
+COST = AdmissionCost(decode_block_s=1.0, prefill_tokens=0)
+VICTIM, AGGRESSOR = Tenant("victim"), Tenant("aggressor")
+
+
+class Seen:
+    """What each sync of one replica read: every replica's waiters."""
+
+    def __init__(self) -> None:
+        self.syncs: list[tuple[ClusterWaiter, ...]] = []
+        self.changed = asyncio.Event()
+
+    def __call__(self, share: ClusterShare) -> None:
+        self.syncs.append(share.waiters)
+        self.changed.set()
+
+    async def until(
+        self, want: str, replica: str, waited_s: float = AFTER_S, bound_s: float = 3.0
+    ) -> ClusterWaiter:
+        """The first waiter line of tenant `want` on `replica` seen waiting `waited_s` (by
+        default past the take-back's bound)."""
+        async with asyncio.timeout(bound_s):
+            while True:
+                for waiters in self.syncs:
+                    for w in waiters:
+                        if w.tenant == want and w.replica == replica and w.waited_s >= waited_s:
+                            return w
+                self.changed.clear()
+                await self.changed.wait()
+
+
+@contextlib.asynccontextmanager
+async def replicas(
+    redis_prefix: str, n: int
+) -> AsyncIterator[list[tuple[Admission, ClusterShare, Seen]]]:
+    store = RedisStore.from_url(REDIS_URL, redis_prefix)
+    tasks = BackgroundTasks()
+    settings = AdmissionSettings(
+        fairness="vtc", fair_sync_s=PERIOD_S, fair_preempt_after_s=AFTER_S, fair_preempt_per_s=4.0
+    )
+    out = []
+    for i in range(n):
+        policy = VTCFairness()
+        adm = Admission(settings, policy)
+        share = ClusterShare(settings, store, adm, policy, tasks, replica=f"r{i}")
+        adm.ledger = share
+        seen = Seen()
+        share.listeners.append(seen)
+
+        async def read_room_now() -> None:
+            return None
+
+        share.listen(read_room_now)
+        out.append((adm, share, seen))
+    try:
+        yield out
+    finally:
+        await tasks.close()
+        await store.close()
+
+
+def _wait(adm: Admission, tenant: Tenant) -> asyncio.Task[int]:
+    """A request of `tenant` waiting for room (nothing will free any: it waits until cancelled)."""
+    loop = asyncio.get_running_loop()
+    request = WaitingRequest(adm.ticket(), tenant, 0, COST)
+    return loop.create_task(adm.wait(0, request.ticket, loop.time() + 60, request))
+
+
+async def _cancel(*tasks: asyncio.Task[int]) -> None:
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_new_line_is_synced_once_it_has_waited_the_bound(redis_prefix: str) -> None:
+    async with replicas(redis_prefix, 1) as [(adm, share, seen)]:
+        waiter = _wait(adm, VICTIM)
+        try:
+            line = await seen.until("victim", "r0")  # long before the 5 s period
+            assert line.count == 1
+            assert share.checks == 1
+            assert share.syncs == 2  # the one its wait started, and the timed one
+        finally:
+            await _cancel(waiter)
+
+
+async def test_a_registered_line_asks_for_no_timed_sync(redis_prefix: str) -> None:
+    async with replicas(redis_prefix, 1) as [(adm, share, seen)]:
+        first = _wait(adm, AGGRESSOR)
+        more: list[asyncio.Task[int]] = []
+        try:
+            await seen.until("aggressor", "r0")
+            checks = share.checks
+            more = [_wait(adm, AGGRESSOR) for _ in range(20)]  # a backlog: the line is known
+            await asyncio.sleep(0)
+            assert share.checks == checks and not share._checks
+        finally:
+            await _cancel(first, *more)
+
+
+async def test_the_other_replicas_are_nudged_and_do_not_nudge_back(redis_prefix: str) -> None:
+    async with replicas(redis_prefix, 2) as [(a0, s0, seen0), (a1, s1, seen1)]:
+        # r1 has a backlog of its own, registered: it is a replica r0 knows to nudge.
+        backlog = _wait(a1, AGGRESSOR)
+        victim: asyncio.Task[int] | None = None
+        try:
+            await seen1.until("aggressor", "r1")  # its own timed sync is behind it
+            syncs = s1.syncs
+            victim = _wait(a0, VICTIM)
+            # r1's own regular sync is 5 s away: it reads r0's waiter past the bound because r0
+            # nudged it when its timed sync found the line still waiting.
+            line = await seen1.until("victim", "r0")
+            assert line.count == 1 and s1.syncs == syncs + 1
+            assert s0.nudges_sent >= 1 and s1.nudges_heard >= 1
+            assert s1.nudges_sent == 0  # a nudged sync nudges no one back
+        finally:
+            await _cancel(backlog, *([victim] if victim else []))
