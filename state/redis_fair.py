@@ -4,6 +4,7 @@ state/fair_shares.py."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
@@ -121,5 +122,7 @@ class RedisFair(RedisConnection):
                 if message is not None and message.get("type") == "message":
                     yield None
         finally:
-            with contextlib.suppress(*FAILURES):
-                await pubsub.aclose()
+            # Shielded: a shutdown cancels a task again until it ends (router/background.py);
+            # a second cancel inside the close would leave its connection's socket open.
+            with contextlib.suppress(*FAILURES, asyncio.CancelledError):
+                await asyncio.shield(pubsub.aclose())
