@@ -25,7 +25,8 @@ tokens/s, and the router process's CPU (utime + stime of every thread and child,
 seconds per 1,000 tokens and milliseconds per request. `--tokens 16,128` runs the whole ladder
 for each answer length (short answers weigh a request's fixed cost more). Then a saturation
 phase (faster workers, longer streams) gives tokens/s relayed and tokens per router CPU-second
-when the offered load is well beyond one core.
+when the offered load is well beyond one core (the requests per second a core sustains within
+a TTFT budget, issue 36, is `python -m disagg_tools.overhead.saturation`).
 
 Pinning (when the OS allows two or more cores): the router on `--router-core`, the load
 generator (this process) and the workers on `--load-core`. Routers and workers are
