@@ -339,14 +339,14 @@ class _Slot:
         spec = self.spec
         if spec.target is not None:
             conn = await self.conn(spec.target)
-            rec.start = _clock()
+            rec.start = rec.start or _clock()  # open loop: from when it was sent for
             host = f"{spec.target[0]}:{spec.target[1]}"
             await conn.request(_post(host, self.path, self.body_bytes, api_key=self.api_key), rec)
             return
         assert spec.prefill is not None and spec.decode is not None
         p, d = await self.conn(spec.prefill), await self.conn(spec.decode)
         rid = uuid.uuid4().hex
-        rec.start = _clock()
+        rec.start = rec.start or _clock()
         answer = await p.request(
             _post(f"{spec.prefill[0]}:{spec.prefill[1]}", self.path, self.prefill_bytes, rid), None
         )
@@ -410,8 +410,10 @@ async def run_arrivals(
     in flight (`spec.concurrency` and `requests_per_slot` are not used). Each goes out on an
     idle keep-alive slot, or a new one when every slot is busy (so the pool grows to what the
     rate needs, during the warm-up: the first `warmup` answers, not measured). A record's
-    `due` is when it should have been sent and `lag` how late the client sent it: TTFT runs
-    from the send, so a client that falls behind shows as lag, not as the target's latency.
+    `due` is when it should have been sent, its `start` when the client got to it and `lag`
+    the difference: the client's own lateness (its loop busy), not the target's latency. TTFT
+    runs from `start`, so it includes connecting when no idle connection is left: a target
+    slow to accept is slow to answer.
     Returns what `run_load` does."""
     records: list[StreamRecord] = []
     idle: list[_Slot] = []
@@ -434,7 +436,8 @@ async def run_arrivals(
         else:
             slot = _Slot(spec, len(slots), records.append)
             slots.append(slot)
-        task = loop.create_task(send(slot, StreamRecord(slot.index, i, i < warmup, due=due)))
+        rec = StreamRecord(slot.index, i, i < warmup, due=due, start=_clock())
+        task = loop.create_task(send(slot, rec))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
     if tasks:
