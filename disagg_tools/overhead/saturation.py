@@ -396,6 +396,12 @@ async def run(ns: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         "log_dir": str(log_dir),
     }
     t0 = time.monotonic()
+    # SIGTERM cancels the run (every process it started is stopped on the way out): raised as
+    # KeyboardInterrupt instead, it would land in a protocol callback, where uvloop reports it
+    # as a transport's fatal error and goes on.
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
     targets = [t for t in ns.targets if t != "baseline"]
     workers = await start_workers(ns, log_dir, ns.interval_ms, "sustain")
     bench = _Bench(ns, workers, {})
@@ -533,11 +539,14 @@ def main(argv: list[str] | None = None) -> int:
         os.setpriority(os.PRIO_PROCESS, 0, ns.nice)
     if ns.rt_priority:
         os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(ns.rt_priority))
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     log_dir = Path(ns.log_dir or tempfile.mkdtemp(prefix="bench-sustain-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    with pinned(ns.load_core_), asyncio.Runner(loop_factory=uvrun.loop_factory()) as runner:
-        result = runner.run(run(ns, log_dir))
+    try:
+        with pinned(ns.load_core_), asyncio.Runner(loop_factory=uvrun.loop_factory()) as runner:
+            result = runner.run(run(ns, log_dir))
+    except asyncio.CancelledError:
+        print("cancelled: every process it started is stopped", file=sys.stderr)
+        return 143
     if ns.json_path:
         Path(ns.json_path).write_text(json.dumps(result, indent=1) + "\n")
     md = markdown(result)
