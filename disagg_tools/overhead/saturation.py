@@ -23,9 +23,11 @@ the last passing and the first failing rate. Rates are rounded to three signific
 that the targets' bisections meet on the same rates and share the baseline's steps.
 
 The load generator must not be what fails: a step is "client" (not the target's verdict) when
-the client sent its requests late (lag p99 above `--max-lag-ms`) or the baseline itself cannot
-do the rate (errors, or achieved below `--min-achieved`). The search stops there and the rate
-found is reported as a lower bound, limited by the load generator, not as the router's.
+the baseline cannot do the rate (errors, achieved below `--min-achieved`, or the client's send
+lag p99 above `--max-lag-ms`), or when the target's step would pass but the client sent late.
+(A target's failing step with lag is the target's: the baseline showed the client can offer
+the rate.) The search stops there and the rate found is reported as a lower bound, limited by
+the load generator, not as the router's.
 """
 
 from __future__ import annotations
@@ -288,12 +290,15 @@ class _Bench:
             "p99": None if t99 is None or b99 is None else round(t99 - b99, 3),
         }
         detail: dict[str, Any] = {"run": got, "baseline": base, "added_ttft_ms": added}
-        if _lagging(got, ns):
-            verdict, detail["why"] = CLIENT, "the client sent late"
-        elif not _ok(got, ns):
+        # The baseline showed that the client can offer this rate (with more work per answer:
+        # two calls and two connections): when the target's step fails, what the client did
+        # late is what the target made it do (a pool of connections grown while it stalled).
+        if not _ok(got, ns):
             verdict, detail["why"] = FAIL, "errors or below the offered rate"
         elif added["p99"] is None or added["p99"] > ns.added_p99_ms:
             verdict, detail["why"] = FAIL, "added TTFT p99"
+        elif _lagging(got, ns):
+            verdict, detail["why"] = CLIENT, "passed, but the client sent late"
         else:
             verdict = PASS
         step = Step(rate, verdict, detail)
