@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,12 +88,19 @@ class Segment:
 
 
 async def measure(
-    spec: LoadSpec, router: Child | None, workers: Workers, *, saturation: bool = False
+    spec: LoadSpec,
+    router: Child | None,
+    workers: Workers,
+    *,
+    saturation: bool = False,
+    load: Callable[[], Awaitable[tuple[list[StreamRecord], float, float]]] | None = None,
 ) -> Segment:
+    """`spec` run closed loop (`run_load`), or `load` run instead (the open-loop arrivals of
+    `disagg_tools.overhead.saturation`), and the CPU around it."""
     load_before = os.getloadavg()[0]
     before = await workers.counters()
     with CpuSampler(router, workers) as cpu:
-        records, _, window = await run_load(spec)
+        records, _, window = await (load() if load is not None else run_load(spec))
     after = await workers.counters()
     # Reading the counters opens one connection per worker: not the router's.
     upstream = {k: after[k] - before.get(k, 0) for k in after}

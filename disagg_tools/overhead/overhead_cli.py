@@ -25,7 +25,8 @@ tokens/s, and the router process's CPU (utime + stime of every thread and child,
 seconds per 1,000 tokens and milliseconds per request. `--tokens 16,128` runs the whole ladder
 for each answer length (short answers weigh a request's fixed cost more). Then a saturation
 phase (faster workers, longer streams) gives tokens/s relayed and tokens per router CPU-second
-when the offered load is well beyond one core.
+when the offered load is well beyond one core (the requests per second a core sustains within
+a TTFT budget, issue 36, is `python -m disagg_tools.overhead.saturation`).
 
 Pinning (when the OS allows two or more cores): the router on `--router-core`, the load
 generator (this process) and the workers on `--load-core`. Routers and workers are
@@ -52,7 +53,7 @@ from disagg_tools.overhead.overhead_report import markdown, replace_between_mark
 from disagg_tools.overhead.targets import ROUTERS
 from disagg_tools.overhead.tenants_target import tenants_markdown
 
-__all__ = ["build_parser", "main"]
+__all__ = ["add_common_arguments", "build_parser", "main", "parse", "pinned"]
 
 
 def _ints(text: str) -> list[int]:
@@ -66,18 +67,15 @@ def _positive_ints(text: str) -> list[int]:
     return values
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m disagg_tools.overhead",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_common_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags every phase that starts the targets reads (`targets.start_workers`,
+    `targets.start_router`): the workers, the routers' settings, pinning, the output; the
+    ladder's own are `build_parser`'s, the sustained rate's `disagg_tools.overhead.saturation`'s."""
     p.add_argument(
         "--targets",
         default="baseline,ours,ours_dropin,sglang,vllm",
         help=f"comma list of baseline, {', '.join(ROUTERS)}",
     )
-    p.add_argument("--concurrency", type=_ints, default=[1, 32, 256, 1024])
     p.add_argument(
         "--tokens",
         type=_positive_ints,
@@ -92,22 +90,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="decode request to first token (default: one interval)",
     )
-    p.add_argument(
-        "--rounds",
-        type=int,
-        default=2,
-        help="interleaved rounds over all targets (each with its own warm-up)",
-    )
-    p.add_argument(
-        "--requests",
-        type=int,
-        default=2,
-        help="measured answers per stream slot and round (concurrency > 1)",
-    )
-    p.add_argument(
-        "--requests-c1", type=int, default=10, help="measured answers per round at concurrency 1"
-    )
-    p.add_argument("--warmup", type=int, default=1, help="warm-up answers per slot")
     p.add_argument("--chat", action="store_true", help="/v1/chat/completions, not completions")
     p.add_argument("--model", default="llama-3-8b")
     p.add_argument(
@@ -141,11 +123,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=8,
         help="tenants the ours_tenants target configures (weights 1, 2, 4, ..., a key each)",
     )
-    p.add_argument("--no-saturation", dest="saturation", action="store_false")
-    p.add_argument("--sat-concurrency", type=int, default=256)
-    p.add_argument("--sat-interval-ms", type=float, default=2.0)
-    p.add_argument("--sat-tokens", type=int, default=1024)
-    p.add_argument("--sat-requests", type=int, default=1, help="measured answers per slot")
     p.add_argument("--router-core", type=int, default=0)
     p.add_argument("--load-core", type=int, default=1)
     p.add_argument(
@@ -193,6 +170,37 @@ def build_parser() -> argparse.ArgumentParser:
         '"vtc"}}\' (A/B a setting with --ours-src .)',
     )
     p.add_argument("--log-dir", default=None, help="process logs and configs (default: a temp dir)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m disagg_tools.overhead",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_common_arguments(p)
+    p.add_argument("--concurrency", type=_ints, default=[1, 32, 256, 1024])
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="interleaved rounds over all targets (each with its own warm-up)",
+    )
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=2,
+        help="measured answers per stream slot and round (concurrency > 1)",
+    )
+    p.add_argument(
+        "--requests-c1", type=int, default=10, help="measured answers per round at concurrency 1"
+    )
+    p.add_argument("--warmup", type=int, default=1, help="warm-up answers per slot")
+    p.add_argument("--no-saturation", dest="saturation", action="store_false")
+    p.add_argument("--sat-concurrency", type=int, default=256)
+    p.add_argument("--sat-interval-ms", type=float, default=2.0)
+    p.add_argument("--sat-tokens", type=int, default=1024)
+    p.add_argument("--sat-requests", type=int, default=1, help="measured answers per slot")
     p.add_argument(
         "--idle-s",
         type=float,
@@ -210,8 +218,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
+    return parse(build_parser(), argv)
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`parser`'s namespace, with the targets checked and the cores chosen (`router_core_`,
+    `load_core_`: None when not pinning)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    ns = build_parser().parse_args(argv)
+    ns = parser.parse_args(argv)
     ns.argv_ = argv
     ns.targets = [t.strip() for t in ns.targets.split(",") if t.strip()]
     for t in ns.targets:
@@ -226,7 +240,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 @contextlib.contextmanager
-def _pinned(core: int | None) -> Iterator[None]:
+def pinned(core: int | None) -> Iterator[None]:
     if core is None:
         yield
         return
@@ -248,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     log_dir = Path(ns.log_dir or tempfile.mkdtemp(prefix="bench-overhead-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    with _pinned(ns.load_core_), asyncio.Runner(loop_factory=uvrun.loop_factory()) as runner:
+    with pinned(ns.load_core_), asyncio.Runner(loop_factory=uvrun.loop_factory()) as runner:
         result = runner.run(run(ns, log_dir))
     text = json.dumps(result, indent=1)
     if ns.json_path:

@@ -22,13 +22,13 @@ import socket
 import time
 import uuid
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import orjson
 
-__all__ = ["StreamRecord", "LoadSpec", "run_load", "prefill_body", "client_body"]
+__all__ = ["StreamRecord", "LoadSpec", "run_load", "run_arrivals", "prefill_body", "client_body"]
 
 _clock = time.perf_counter
 
@@ -88,6 +88,7 @@ class StreamRecord:
     tokens: int = 0
     done: bool = False
     error: str | None = None
+    due: float | None = None  # open loop (`run_arrivals`): when it was due to be sent
     reads: array[float] = field(default_factory=lambda: array("d"))  # a stamp per read of tokens
     counts: array[int] = field(default_factory=lambda: array("i"))  # tokens in that read
 
@@ -100,6 +101,11 @@ class StreamRecord:
     @property
     def ttft(self) -> float | None:
         return None if self.first is None else self.first - self.start
+
+    @property
+    def lag(self) -> float | None:
+        """Open loop: how late the client sent it (its own delay, not the target's)."""
+        return None if self.due is None else self.start - self.due
 
     def gaps(self) -> list[float]:
         """Inter-token gaps: between reads, and 0 between tokens that shared a read."""
@@ -333,14 +339,14 @@ class _Slot:
         spec = self.spec
         if spec.target is not None:
             conn = await self.conn(spec.target)
-            rec.start = _clock()
+            rec.start = rec.start or _clock()  # open loop: from when it was sent for
             host = f"{spec.target[0]}:{spec.target[1]}"
             await conn.request(_post(host, self.path, self.body_bytes, api_key=self.api_key), rec)
             return
         assert spec.prefill is not None and spec.decode is not None
         p, d = await self.conn(spec.prefill), await self.conn(spec.decode)
         rid = uuid.uuid4().hex
-        rec.start = _clock()
+        rec.start = rec.start or _clock()
         answer = await p.request(
             _post(f"{spec.prefill[0]}:{spec.prefill[1]}", self.path, self.prefill_bytes, rid), None
         )
@@ -356,21 +362,26 @@ class _Slot:
             await asyncio.sleep(delay)
         spec = self.spec
         for seq in range(spec.requests_per_slot):
-            rec = StreamRecord(self.index, seq, warmup=seq < spec.warmup_per_slot)
-            try:
-                async with asyncio.timeout(spec.request_timeout_s):
-                    await self.one(rec)
-            except (OSError, TimeoutError, ValueError) as exc:
-                rec.error = rec.error or f"{type(exc).__name__}: {exc}"
-                for c in self.conns.values():
-                    if c.transport is not None:
-                        c.transport.close()
-                self.conns.clear()
-            rec.end = _clock()
-            self.sink(rec)
+            await self.once(StreamRecord(self.index, seq, warmup=seq < spec.warmup_per_slot))
+        self.close()
+
+    async def once(self, rec: StreamRecord) -> None:
+        """One answer into `rec`, then to the sink: a failure is recorded, not raised (and the
+        slot's connections are dropped: the next answer connects afresh)."""
+        try:
+            async with asyncio.timeout(self.spec.request_timeout_s):
+                await self.one(rec)
+        except (OSError, TimeoutError, ValueError) as exc:
+            rec.error = rec.error or f"{type(exc).__name__}: {exc}"
+            self.close()
+        rec.end = _clock()
+        self.sink(rec)
+
+    def close(self) -> None:
         for c in self.conns.values():
             if c.transport is not None:
                 c.transport.close()
+        self.conns.clear()
 
 
 async def run_load(spec: LoadSpec) -> tuple[list[StreamRecord], float, float]:
@@ -385,6 +396,55 @@ async def run_load(spec: LoadSpec) -> tuple[list[StreamRecord], float, float]:
     t0 = _clock()
     await asyncio.gather(*(s.run(i * step) for i, s in enumerate(slots)))
     wall = _clock() - t0
+    measured = [r for r in records if not r.warmup]
+    window = 0.0
+    if measured:
+        window = max(r.end or r.start for r in measured) - min(r.start for r in measured)
+    return records, wall, window
+
+
+async def run_arrivals(
+    spec: LoadSpec, offsets: Sequence[float], warmup: int = 0
+) -> tuple[list[StreamRecord], float, float]:
+    """Open loop: answer i is asked for `offsets[i]` seconds after the start, whatever is still
+    in flight (`spec.concurrency` and `requests_per_slot` are not used). Each goes out on an
+    idle keep-alive slot, or a new one when every slot is busy (so the pool grows to what the
+    rate needs, during the warm-up: the first `warmup` answers, not measured). A record's
+    `due` is when it should have been sent, its `start` when the client got to it and `lag`
+    the difference: the client's own lateness (its loop busy), not the target's latency. TTFT
+    runs from `start`, so it includes connecting when no idle connection is left: a target
+    slow to accept is slow to answer.
+    Returns what `run_load` does."""
+    records: list[StreamRecord] = []
+    idle: list[_Slot] = []
+    slots: list[_Slot] = []
+    tasks: set[asyncio.Task[None]] = set()
+    loop = asyncio.get_running_loop()
+
+    async def send(slot: _Slot, rec: StreamRecord) -> None:
+        await slot.once(rec)
+        idle.append(slot)
+
+    t0 = _clock() + 0.01
+    for i, offset in enumerate(offsets):
+        due = t0 + offset
+        delay = due - _clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if idle:
+            slot = idle.pop()  # the most recently used: its connections are warm
+        else:
+            slot = _Slot(spec, len(slots), records.append)
+            slots.append(slot)
+        rec = StreamRecord(slot.index, i, i < warmup, due=due, start=_clock())
+        task = loop.create_task(send(slot, rec))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    if tasks:
+        await asyncio.gather(*tasks)
+    wall = _clock() - t0
+    for slot in slots:
+        slot.close()
     measured = [r for r in records if not r.warmup]
     window = 0.0
     if measured:

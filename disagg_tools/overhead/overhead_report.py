@@ -276,12 +276,15 @@ def verdicts(result: dict[str, Any]) -> dict[str, dict[str, str]]:
     return out
 
 
-def replace_between_markers(existing: str | None, block: str) -> str:
-    """Put `block` between the overhead markers of `existing` (or make a fresh document)."""
-    wrapped = f"{BEGIN}\n{block}\n{END}"
-    if existing and BEGIN in existing and END in existing:
-        head, _, rest = existing.partition(BEGIN)
-        _, _, tail = rest.partition(END)
+def replace_between_markers(
+    existing: str | None, block: str, begin: str = BEGIN, end: str = END
+) -> str:
+    """Put `block` between the markers (the overhead ones unless told) of `existing` (or make a
+    fresh document)."""
+    wrapped = f"{begin}\n{block}\n{end}"
+    if existing and begin in existing and end in existing:
+        head, _, rest = existing.partition(begin)
+        _, _, tail = rest.partition(end)
         return head + wrapped + tail
     return (
         ("# Router overhead\n\n" + wrapped + "\n")
