@@ -127,7 +127,7 @@ async def test_a_registered_line_asks_for_no_timed_sync(redis_prefix: str) -> No
 
 
 async def test_the_other_replicas_are_nudged_and_do_not_nudge_back(redis_prefix: str) -> None:
-    async with replicas(redis_prefix, 2) as [(a0, s0, seen0), (a1, s1, seen1)]:
+    async with replicas(redis_prefix, 2) as [(a0, s0, _), (a1, s1, seen1)]:
         # r1 has a backlog of its own, registered: it is a replica r0 knows to nudge.
         backlog = _wait(a1, AGGRESSOR)
         victim: asyncio.Task[int] | None = None
