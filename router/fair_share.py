@@ -34,7 +34,11 @@ past `admission.fair_preempt_after_s` gets streams of the tenant most over its s
 on the replica that relays them (each replica acts for its own streams, reading every replica's
 waiters; before it preempts it claims the waiting requests it makes room for in the store, so
 that two replicas do not both preempt for one request), at most `admission.fair_preempt_per_s`
-a second each.
+a second each. The bound is kept to the sync, not to the grid: a line (class, tenant) that
+starts to wait where this replica had not registered it gets a sync of its own once it has
+waited the bound (`waits`), and if it still waits the replicas with a registration are nudged
+to sync at once — the streams to take back may be theirs. A backlogged tenant's line is
+registered already: a flood asks for no extra sync.
 """
 
 from __future__ import annotations
