@@ -22,10 +22,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from state.fair_shares import FairSlot, FairView
 from state.quotas import Quota, QuotaTaken
+
+if TYPE_CHECKING:
+    from state.registry_feed import RegistryFeed
 
 __all__ = [
     "DecodeUsage",
@@ -515,6 +518,14 @@ class StateStore(Protocol):
     async def ping(self) -> bool: ...
 
     async def close(self) -> None: ...
+
+    def registry_feed(self, longest_wait_s: float) -> RegistryFeed:
+        """A wait for the next change to what `registry_view` reads (state/registry_feed.py):
+        every store call that changes it also feeds it, so a quiet replica can wait for that
+        instead of reading the registry every `registry_refresh_s`. On Redis it holds a
+        connection of its own (blocking reads of up to `longest_wait_s`); no I/O until
+        `start`."""
+        ...
 
     # -- one read for the registry sync (router/workers/registry.py) -------------------------------
     async def registry_view(self, marker_ttl_s: float) -> RegistryView:
