@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable, Mapping
 
 from state.base import DrainMark, RegistryView, TenantKey, TenantKeys, WorkerRole
 from state.holdback import RenewalHorizon
-from state.registry_feed import FeedCounter, MemoryRegistryFeed, RegistryFeed
 from state.keys import check_digest, check_id, check_lease, check_role, check_tenant_key
+from state.registry_feed import FeedCounter, MemoryRegistryFeed, RegistryFeed
 
 __all__ = ["MemoryRegistry"]
 

@@ -26,9 +26,9 @@ from redis.commands.core import AsyncScript
 
 from state.base import (
     DecodeUsage,
-    StoreError,
     DrainMark,
     RegistryView,
+    StoreError,
     TenantKey,
     TenantKeys,
     UsageView,

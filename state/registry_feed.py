@@ -44,6 +44,11 @@ class RegistryFeed(Protocol):
         again first (and raises `StoreError` if it cannot)."""
         ...
 
+    @property
+    def listening(self) -> bool:
+        """Started, and its connection not lost since."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -59,6 +64,10 @@ class RedisRegistryFeed:
 
     def __repr__(self) -> str:
         return f"RedisRegistryFeed({self._key}, after {self._last!r})"
+
+    @property
+    def listening(self) -> bool:
+        return self._client is not None
 
     async def start(self) -> None:
         await self._drop()
@@ -115,6 +124,10 @@ class MemoryRegistryFeed:
 
     def __repr__(self) -> str:
         return f"MemoryRegistryFeed(seen {self._seen} of {self._changes.count})"
+
+    @property
+    def listening(self) -> bool:
+        return True
 
     async def start(self) -> None:
         self._seen = self._changes.count

@@ -41,7 +41,9 @@ __all__ = [
 # value it saw last: a different one means another replica found it missing since, i.e. the
 # store lost its data. Re-creating it is a registry change (`fkey`, the feed): every quiet
 # replica then reads the new token at once and learns of the loss.
-_LUA_MARKER = LUA_FEED + """
+_LUA_MARKER = (
+    LUA_FEED
+    + """
 local function marker(key, token, ttl, rkey, own, carried, fkey)
   local v = redis.call('GET', key)
   local pub, pubs = tonumber(own), own
@@ -60,12 +62,12 @@ local function marker(key, token, ttl, rkey, own, carried, fkey)
   return {v, cur or '0'}
 end
 """
+)
 
 # KEYS[1] {reg}:marker  KEYS[2] {reg}:renewal  KEYS[3] {reg}:feed
 # ARGV[1] token  ARGV[2] TTL (s)  ARGV[3] own longest round (s)  ARGV[4] remembered longest (s)
 MARKER_SCRIPT = (
-    _LUA_MARKER
-    + "return marker(KEYS[1], ARGV[1], ARGV[2], KEYS[2], ARGV[3], ARGV[4], KEYS[3])\n"
+    _LUA_MARKER + "return marker(KEYS[1], ARGV[1], ARGV[2], KEYS[2], ARGV[3], ARGV[4], KEYS[3])\n"
 )
 
 # A worker's registration, written (and fed) only when it differs from the store's: a put-back
@@ -208,9 +210,12 @@ return {found, redis.call('HGETALL', KEYS[2]), redis.call('SMEMBERS', KEYS[3]),
 # Every script takes the same three keys, all under {reg}:
 # KEYS[1] {reg}:tkeys (id -> "tenant|digest|source")  KEYS[2] {reg}:tkeys:revoked (digests)
 # KEYS[3] {reg}:tkeys:version; the scripts that change the table take KEYS[4] {reg}:feed
-_LUA_DIGEST = LUA_FEED + """
+_LUA_DIGEST = (
+    LUA_FEED
+    + """
 local function digest(rec) return string.match(rec, '^[^|]*|([^|]*)|') end
 """
+)
 
 # Set a key id to a new key, revoking what it held before (a rotation) and ARGV[4] (a rotated
 # configured key's digest, which the table does not hold).

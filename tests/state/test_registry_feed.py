@@ -38,9 +38,7 @@ MUTATIONS: dict[str, Call] = {
     "set_drained (drain)": lambda s: s.set_drained("d-other", True),
     "set_role": lambda s: s.set_role("b0", "decode", 1),
     "forget_role": lambda s: s.forget_role("b0"),
-    "restore_registry": lambda s: s.restore_registry(
-        {"d-x": _mark()}, {"b1": _role("prefill", 3)}
-    ),
+    "restore_registry": lambda s: s.restore_registry({"d-x": _mark()}, {"b1": _role("prefill", 3)}),
     "put_tenant_key": lambda s: s.put_tenant_key("k2", "t", OTHER_DIGEST),
     "revoke_tenant_key": lambda s: s.revoke_tenant_key("k1"),
     "restore_tenant_keys": lambda s: s.restore_tenant_keys(
