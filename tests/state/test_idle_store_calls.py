@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import orjson
 import redis.asyncio as aioredis
 
 from state import Keys, MemoryStore, RedisStore, StateStore
@@ -237,6 +238,29 @@ async def test_another_replicas_drain_shows_within_a_refresh_and_its_reservation
             assert took <= QUIET_REFRESH_S + 1.0, took
             # The request ended the ride: the refresher reads on its own for a while.
             assert not cluster.parts.refresher.riding
+    finally:
+        await client.aclose()
+
+
+async def test_another_replicas_registration_and_removal_show_within_a_refresh(
+    redis_prefix: str,
+) -> None:
+    spec = {"id": "d9", "url": "http://127.0.0.1:9", "role": "decode", "adapter": "sim"}
+    client = aioredis.Redis.from_url(REDIS_URL)
+    other = RedisStore(client, Keys(redis_prefix))  # another replica's store
+    try:
+        async with quiet_router(redis_prefix) as cluster:
+            workers = cluster.parts.pools.workers
+            await other.register_worker("d9", orjson.dumps(spec | {"kv_blocks": 64}).decode())
+            took = await _within(
+                3 * QUIET_REFRESH_S, lambda: _true("d9" in workers), "not registered"
+            )
+            assert took <= QUIET_REFRESH_S + 1.0, took
+            assert await other.unregister_worker("d9")
+            took = await _within(
+                3 * QUIET_REFRESH_S, lambda: _true("d9" not in workers), "not removed"
+            )
+            assert took <= QUIET_REFRESH_S + 1.0, took
     finally:
         await client.aclose()
 
