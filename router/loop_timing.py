@@ -117,8 +117,8 @@ class LoopTiming:
             pass
 
     async def quiet_wait(self, wake: asyncio.Event) -> None:
-        """Until `wake` is set, or the next placement: no timer of its own (a rider's wait,
-        woken by the beat it rides on)."""
+        """Until `wake` is set, or the next placement or request: no timer of its own (a
+        rider's wait, woken by the read it rides on; the registry sync's wait on the feed)."""
         self._quiet_waits.add(wake)
         try:
             await wake.wait()

@@ -97,7 +97,10 @@ async def test_the_memory_store_reads_the_same_as_its_two_views() -> None:
 # -- an idle router on the real Redis ---------------------------------------------------------
 @contextlib.asynccontextmanager
 async def quiet_router(
-    redis_prefix: str, redis_url: str = REDIS_URL, **loops: float
+    redis_prefix: str,
+    redis_url: str = REDIS_URL,
+    admission: dict[str, Any] | None = None,
+    **loops: float,
 ) -> AsyncIterator[SimCluster]:
     """Four simulated workers and a router at the default quiet cadences, once it is quiet:
     its refresher has backed off and rides on the registry sync, which waits on the feed."""
@@ -107,6 +110,7 @@ async def quiet_router(
         redis_prefix=redis_prefix,
         redis_url=redis_url,
         loops={"state_refresh_s": 0.1, **loops},
+        admission=admission or {},
     ) as cluster:
         refresher = cluster.parts.refresher
         await _within(5.0, lambda: _true(refresher.riding), "the refresher never rode")
@@ -261,6 +265,45 @@ async def test_another_replicas_registration_and_removal_show_within_a_refresh(
                 3 * QUIET_REFRESH_S, lambda: _true("d9" not in workers), "not removed"
             )
             assert took <= QUIET_REFRESH_S + 1.0, took
+    finally:
+        await client.aclose()
+
+
+async def test_a_request_is_not_refused_on_a_view_left_from_a_quiet_spell(
+    redis_prefix: str,
+) -> None:
+    """The quiet replica last saw both decode workers full (another replica's reservations),
+    since released: it made no read meanwhile. Its next request, refused at once when there is
+    no room (`admission.mode: instant`), reads the store before it is refused, and is served."""
+    client = aioredis.Redis.from_url(REDIS_URL)
+    other = RedisStore(client, Keys(redis_prefix))  # another replica's store
+    try:
+        async with quiet_router(redis_prefix, admission={"mode": "instant"}) as cluster:
+            decode, refresher = cluster.parts.pools.workers, cluster.parts.refresher
+            full = {wid: decode[wid].capacity_blocks for wid in ("d0", "d1")}
+            for wid, capacity in full.items():
+                assert (await other.reserve(wid, "elsewhere", capacity, 30.0)).held
+            admission = cluster.parts.admission
+            assert admission.on_arrival is not None
+            admission.on_arrival()  # a read: this replica sees them full
+
+            def seen_full() -> bool:
+                return all(decode[wid].reserved_blocks == cap for wid, cap in full.items())
+
+            await _within(5.0, lambda: _true(seen_full()), "not seen full")
+            await _within(10.0, lambda: _true(refresher.riding), "never quiet again")
+            await asyncio.sleep(1.5 * refresher.stale_after_s)  # a quiet spell: no reads
+            for wid in full:
+                await other.release(wid, "elsewhere")
+            assert seen_full()  # quiet: nothing read since
+            # The arrival's own wake-up of the refresher usually reads before the placement;
+            # without it, what the placement does on a miss is all there is.
+            admission.on_arrival = None
+
+            body = {"model": MODEL, "prompt": "hello", "max_tokens": 8}
+            async with aiohttp.ClientSession() as s:
+                async with s.post(cluster.router_url + "/v1/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
     finally:
         await client.aclose()
 
