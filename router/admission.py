@@ -218,6 +218,9 @@ class Admission:
         # Told each admission's tenant and how long it waited in the queue (0: it did not), from
         # its first wait, re-waits included (router/tenant_metrics.py: a histogram by tenant).
         self.wait_observer: Callable[[str, float], None] | None = None
+        # Told of each request as it is admitted or first queued: the quiet loops wake
+        # (router/loop_timing.py `LoopTiming.arrived`).
+        self.on_arrival: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -244,6 +247,8 @@ class Admission:
 
     def enter(self) -> None:
         self.inflight += 1
+        if self.on_arrival is not None:
+            self.on_arrival()
 
     def leave(self) -> None:
         self.inflight -= 1
@@ -275,6 +280,8 @@ class Admission:
             self.withdraw(ticket)
             return 0
         if ticket not in self._queued:
+            if self.on_arrival is not None:
+                self.on_arrival()
             if request is None:
                 request = WaitingRequest(ticket, _ANONYMOUS, priority, _NO_COST)
             request = replace(request, since_s=self._clock())

@@ -27,7 +27,6 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from router.loop_timing import beat
 from state.base import Finished, StateStore, StoreError, StrandIntent
 
 __all__ = ["LeaseKeeper"]
@@ -80,6 +79,10 @@ class LeaseKeeper:
         # What else lives by this replica's renewals, renewed on the same tick and put back
         # after a store loss the same way (router/request/quota.py: tenants' quota holds).
         self.also_renew: list[Callable[[], Awaitable[None]]] = []
+        # Whether what `also_renew` renews holds anything now (one per entry there): while
+        # neither they nor this keeper hold or owe anything, its loop has no timer at all.
+        self.also_holding: list[Callable[[], bool]] = []
+        self._work = asyncio.Event()  # set by what gives the loop something to do (`wake`)
         # After a loss, the store holds new reservations back for the slowest replica's round
         # (state/holdback.py): it learns this replica's from here.
         store.advertise_renewal(self.renew_within_s)
@@ -109,6 +112,7 @@ class LeaseKeeper:
     ) -> None:
         self.live[reservation_id] = worker_id
         self.expected[reservation_id] = (blocks, expected_end)
+        self.wake()
 
     def resized(self, reservation_id: str, blocks: int, expected_end: float | None = None) -> None:
         """A grown reservation: its size, and (an answer longer than expected) its new end."""
@@ -160,6 +164,7 @@ class LeaseKeeper:
         self.strands[intent.request_id] = _Strand(intent.prefill_id, intent.nbytes, ready_by)
         if not written:
             self.owed_strands.add(intent.request_id)
+            self.wake()
 
     def owe_unstrand(self, prefill_id: str, request_id: str, ready_within_s: float) -> None:
         """An entry that may be in the ledger, pending (a reservation whose answer was lost):
@@ -237,6 +242,7 @@ class LeaseKeeper:
         ready_at: float | None = None,
     ) -> None:
         now = self.clock()
+        self.wake()
         if release is not None:
             self.owed_releases[release[1]] = _Owed(release[0], now)
         if unstrand is not None:
@@ -244,6 +250,15 @@ class LeaseKeeper:
             self.owed_unstrands[unstrand[1]] = _Owed(unstrand[0], since)
 
     # -- the background work ---------------------------------------------------------------------
+    def wake(self) -> None:
+        """Something to renew or settle now: the loop ticks again (`run`)."""
+        self._work.set()
+
+    @property
+    def idle(self) -> bool:
+        """Nothing held or owed, here or by what it also renews."""
+        return not self.live and not self.owed and not any(h() for h in self.also_holding)
+
     async def renew_all(self) -> int:
         """Renew every live lease, one call per decode worker; returns how many the store had
         lost and were put back. Each worker's answer is taken as it comes, not once all have
@@ -350,13 +365,15 @@ class LeaseKeeper:
         renew_every = self.renew_every_s
         next_renewal = self.clock() + renew_every
         while True:
-            tick_s = min(_OWED_RETRY_S, renew_every)
-            if self.live or self.owed:
-                await asyncio.sleep(tick_s)
-            else:
-                # Nothing held or owed: this wake-up is all the tick does, so it falls on the
-                # pools' beat (router/loop_timing.py), with an idle replica's other loops.
-                await beat(tick_s)
+            if self.idle:
+                # Nothing held or owed: a tick would do nothing, so there is none until a hold,
+                # a debt or a quota hold (`wake`) gives it work (an idle replica's wake-ups,
+                # docs/benchmarks-overhead.md "Idle"). What it holds then is fresh.
+                self._work.clear()
+                await self._work.wait()
+                next_renewal = self.clock() + renew_every
+                continue
+            await asyncio.sleep(min(_OWED_RETRY_S, renew_every))
             try:
                 await self.settle_owed()
                 if self.clock() >= next_renewal:

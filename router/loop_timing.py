@@ -13,10 +13,12 @@ While the replica is quiet (`busy` says no) some loops slow down; they sleep in 
 which the next placement (`placed`) cuts short, so the first request after a quiet spell
 brings them back at once.
 
-A quiet replica makes one store call a beat: the state refresher, quiet, hands its read to the
-registry sync, which reads the store on every beat anyway and takes it along
-(`StateStore.registry_and_usage_view`). They meet here: the registry sync announces its beat
-(`carrier_period`) while its loop runs, the refresher rides (`rider`) while quiet.
+A quiet replica makes no store call and has no timer on the beat: the registry sync waits on
+the store's change feed instead (router/workers/registry.py), and the state refresher, quiet,
+hands its read to the registry sync (`StateStore.registry_and_usage_view`), which takes it
+along whenever it reads. They meet here: the registry sync announces its period
+(`carrier_period`) while its loop runs, the refresher rides (`rider`) while quiet. The next
+request (`arrived`, before it is placed) or placement (`placed`) wakes every quiet wait.
 """
 
 from __future__ import annotations
@@ -91,6 +93,13 @@ class LoopTiming:
         for wake in self._quiet_waits:
             wake.set()
 
+    def arrived(self) -> None:
+        """A request arrived (admitted, or queued for room): the quiet loops wake as at a
+        placement, before it is placed: a request that waits for room must find the state
+        refresher reading again, and the registry sync back on its beat."""
+        if self._quiet_waits or not self._placed.is_set():
+            self.placed()
+
     def _delay(self, period: float) -> float:
         return _delay(period, self.phase)
 
@@ -108,8 +117,8 @@ class LoopTiming:
             pass
 
     async def quiet_wait(self, wake: asyncio.Event) -> None:
-        """Until `wake` is set, or the next placement: no timer of its own (a rider's wait,
-        woken by the beat it rides on)."""
+        """Until `wake` is set, or the next placement or request: no timer of its own (a
+        rider's wait, woken by the read it rides on; the registry sync's wait on the feed)."""
         self._quiet_waits.add(wake)
         try:
             await wake.wait()

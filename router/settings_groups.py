@@ -164,7 +164,15 @@ class LoopSettings:
     )
     stranded_reap_s: float = setting(1.0, doc="how often expired stranded-KV entries are reaped")
     registry_refresh_s: float = setting(
-        1.0, doc="how often replicas re-read the shared worker registry"
+        1.0,
+        doc="how often a busy replica re-reads the shared worker registry; a quiet one reads "
+        "it when the store's change feed says it changed (seen within this bound either way)",
+    )
+    registry_quiet_wait_s: float = setting(
+        30.0,
+        doc="the longest a quiet replica waits on the registry's change feed before reading "
+        "the registry anyway (what no event shows: a FLUSHALL on a running Redis); at most "
+        "half the store-loss marker's TTL",
     )
     load_poll_s: float = setting(
         1.0, doc="how often workers' /metrics (vLLM) or /get_load (SGLang) are read; 0: off"
@@ -174,7 +182,7 @@ class LoopSettings:
     )
 
     def __post_init__(self) -> None:
-        _positive("loops", self, "health_interval_s", "health_timeout_s")
+        _positive("loops", self, "health_interval_s", "health_timeout_s", "registry_quiet_wait_s")
 
 
 @dataclass(frozen=True, slots=True)

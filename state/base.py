@@ -22,10 +22,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from state.fair_shares import FairSlot, FairView
 from state.quotas import Quota, QuotaTaken
+
+if TYPE_CHECKING:
+    from state.registry_feed import RegistryFeed
 
 __all__ = [
     "DecodeUsage",
@@ -516,13 +519,22 @@ class StateStore(Protocol):
 
     async def close(self) -> None: ...
 
+    def registry_feed(self, longest_wait_s: float) -> RegistryFeed:
+        """A wait for the next change to what `registry_view` reads (state/registry_feed.py):
+        every store call that changes it also feeds it, so a quiet replica can wait for that
+        instead of reading the registry every `registry_refresh_s`. On Redis it holds a
+        connection of its own (blocking reads of up to `longest_wait_s`); no I/O until
+        `start`."""
+        ...
+
     # -- one read for the registry sync (router/workers/registry.py) -------------------------------
     async def registry_view(self, marker_ttl_s: float) -> RegistryView:
         """`check_marker(marker_ttl_s)`, `registered_workers()`, `drain_marks()` and
         `worker_roles()` in one store call (one round trip on Redis: the keys share the
         registry's hash tag): (data lost, registrations, drain marks, roles), with the tenant
-        keys' version as `keys_version`. A replica reads this every `registry_refresh_s`, busy
-        or idle, and the key table only when that version changed."""
+        keys' version as `keys_version`. A busy replica reads this every `registry_refresh_s`, a
+        quiet one when `registry_feed` moves, and the key table only when that version
+        changed."""
 
     # -- one read for the state refresher (router/workers/refresher.py) ----------------------------
     async def usage_view(
@@ -530,7 +542,8 @@ class StateStore(Protocol):
     ) -> tuple[dict[str, DecodeUsage], dict[str, int]]:
         """`decode_usage(decode_ids)` and `stranded_bytes(prefill_ids)` in one store call (one
         pipeline on Redis: one round trip on one server, one per node on a cluster). A replica
-        reads this every `state_refresh_s` while busy, about once a second while quiet."""
+        reads this every `state_refresh_s` while busy; while quiet, with the registry sync's reads
+        (`registry_and_usage_view`)."""
         ...
 
     # -- one read for a quiet beat (router/workers/registry.py carries the refresher's read) -------
@@ -538,8 +551,8 @@ class StateStore(Protocol):
         self, marker_ttl_s: float, decode_ids: Iterable[str], prefill_ids: Iterable[str]
     ) -> tuple[RegistryView, UsageView]:
         """`registry_view(marker_ttl_s)` and `usage_view(decode_ids, prefill_ids)` in one store
-        call: what a quiet replica reads once a beat (its registry sync and its state refresher
-        together). On one Redis server one script, so one round trip; on a cluster one pipeline,
-        a round trip per node that holds the keys (the registry's ``{reg}`` tag and each
-        worker's own tag are different slots, so no one script can read them all)."""
+        call: what a quiet replica reads when it reads (its registry sync and its state
+        refresher together). On one Redis server one script, so one round trip; on a cluster
+        one pipeline, a round trip per node that holds the keys (the registry's ``{reg}`` tag
+        and each worker's own tag are different slots, so no one script can read them all)."""
         ...

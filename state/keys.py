@@ -33,6 +33,7 @@ key                            type    meaning
 ``<p>{reg}:tkeys:revoked``     set     sha256 hex of every key revoked or rotated out
 ``<p>{reg}:tkeys:version``     string  the key table's version, +1 on every change
 ``<p>{reg}:demand``            hash    replica -> "when|its demand" for the role manager (pruned)
+``<p>{reg}:feed``              stream  an entry per registry change (capped), for quiet replicas
 ``<p>{t:<tenant>}:q``          hash    a tenant's quota buckets (levels, when) (state/quotas.py)
 ``<p>{t:<tenant>}:holds``      hash    quota hold id -> "blocks|expected end" (blocks limited)
 ``<p>{t:<tenant>}:hexp``       zset    quota hold id -> lease expiry (unix s)
@@ -305,6 +306,12 @@ class Keys:
     @property
     def marker(self) -> str:
         return f"{self.prefix}{{reg}}:marker"
+
+    @property
+    def feed(self) -> str:
+        """The registry's change feed: every script that changes a registration, a drain mark, a
+        role, the tenant keys or the marker appends to it (state/registry_feed.py)."""
+        return f"{self.prefix}{{reg}}:feed"
 
     @property
     def renewal(self) -> str:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from state.base import DrainMark, RegistryView, TenantKey, TenantKeys, WorkerRole
 from state.holdback import RenewalHorizon
 from state.keys import check_digest, check_id, check_lease, check_role, check_tenant_key
+from state.registry_feed import FeedCounter, MemoryRegistryFeed, RegistryFeed
 
 __all__ = ["MemoryRegistry"]
 
@@ -36,13 +37,18 @@ class MemoryRegistry:
         self._tkeys: dict[str, TenantKey] = {}  # key id -> its key (digest)
         self._trevoked: set[str] = set()
         self._tversion = 0
+        # Told of every registry change, as the Redis scripts append to the feed.
+        self._changes = FeedCounter()
 
     def _drop_worker(self, worker_id: str) -> None:
         """What the store keeps under `worker_id` outside the registry (`MemoryStore`'s)."""
 
     # -- worker registry ---------------------------------------------------------------------
     async def register_worker(self, worker_id: str, spec_json: str) -> None:
-        self._registry[check_id("worker_id", worker_id)] = spec_json
+        wid = check_id("worker_id", worker_id)
+        if self._registry.get(wid) != spec_json:
+            self._registry[wid] = spec_json
+            self._changes.fed()
 
     async def unregister_worker(self, worker_id: str) -> bool:
         wid = check_id("worker_id", worker_id)
@@ -50,6 +56,7 @@ class MemoryRegistry:
         self._drained_at.pop(wid, None)
         self._roles.pop(wid, None)
         self._drop_worker(wid)
+        self._changes.fed()
         return self._registry.pop(wid, None) is not None
 
     async def registered_workers(self) -> dict[str, str]:
@@ -65,6 +72,7 @@ class MemoryRegistry:
         else:
             self._drained.discard(wid)
         self._drained_at[wid] = self._clock()
+        self._changes.fed()
         return True
 
     async def drained_workers(self) -> set[str]:
@@ -88,10 +96,14 @@ class MemoryRegistry:
             return None
         record = WorkerRole(role, expect_version + 1, self._clock(), broken)
         self._roles[wid] = record
+        self._changes.fed()
         return record
 
     async def forget_role(self, worker_id: str) -> bool:
-        return self._roles.pop(worker_id, None) is not None
+        had = self._roles.pop(worker_id, None) is not None
+        if had:
+            self._changes.fed()
+        return had
 
     async def publish_demand(self, replica: str, payload: str, max_age_s: float) -> None:
         check_id("replica", replica)
@@ -134,6 +146,7 @@ class MemoryRegistry:
             check_id("worker_id", wid)
         for role in roles.values():
             check_role(role.role)
+        before = (set(self._drained), dict(self._drained_at), dict(self._roles))
         for wid, mark in drains.items():
             since = self._drained_at.get(wid)
             if since is None or since < mark.since_s:
@@ -146,6 +159,8 @@ class MemoryRegistry:
             current = self._roles.get(wid)
             if current is None or current.version < role.version:
                 self._roles[wid] = role
+        if (self._drained, self._drained_at, self._roles) != before:
+            self._changes.fed()
 
     # -- tenants' API keys ------------------------------------------------------------------
     async def put_tenant_key(
@@ -162,6 +177,7 @@ class MemoryRegistry:
                 self._trevoked.add(old)
         self._tkeys[key_id] = TenantKey(tenant, digest_hex, source)
         self._tversion += 1
+        self._changes.fed()
         return self._tversion
 
     async def revoke_tenant_key(self, key_id: str, digest_hex: str = "") -> int:
@@ -172,6 +188,7 @@ class MemoryRegistry:
         if current is not None:
             self._trevoked.add(current.digest_hex)
         self._tversion += 1
+        self._changes.fed()
         return self._tversion
 
     async def tenant_keys(self) -> TenantKeys:
@@ -193,7 +210,12 @@ class MemoryRegistry:
                 self._tkeys[key_id] = key
         if (self._tkeys, self._trevoked) != before:
             self._tversion = max(self._tversion, known_version) + 1
+            self._changes.fed()
         return self._tversion
+
+    # -- the change feed (state/registry_feed.py) ------------------------------------------
+    def registry_feed(self, longest_wait_s: float) -> RegistryFeed:
+        return MemoryRegistryFeed(self._changes)
 
     # -- lifecycle ------------------------------------------------------------------------
     def advertise_renewal(self, renew_within_s: float) -> None:
@@ -203,6 +225,8 @@ class MemoryRegistry:
         now = self._clock()
         missing = self._marker_until is None or self._marker_until <= now
         self._marker_until = now + max(1, int(ttl_s))
+        if missing:
+            self._changes.fed()
         # Published as `RedisRegistry`'s marker script does (registry_scripts.py `marker`).
         h = self._horizon
         published = h.carried() if missing else h.own_s

@@ -17,12 +17,18 @@ import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import AbstractConnection
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 
 from state.base import (
     DecodeUsage,
     DrainMark,
     RegistryView,
+    StoreError,
     TenantKey,
     TenantKeys,
     UsageView,
@@ -37,13 +43,16 @@ from state.redis_scripts import (
     SET_ROLE_SCRIPT,
     USAGE_SCRIPT,
 )
+from state.registry_feed import RedisRegistryFeed, RegistryFeed
 from state.registry_scripts import (
+    FORGET_ROLE_SCRIPT,
     FORGET_WORKER_SCRIPT,
     MARKER_SCRIPT,
     PUBLISH_DEMAND_SCRIPT,
     PUT_TENANT_KEY_SCRIPT,
     READ_DEMANDS_SCRIPT,
     READ_TENANT_KEYS_SCRIPT,
+    REGISTER_WORKER_SCRIPT,
     REGISTRY_AND_USAGE_SCRIPT,
     RESTORE_REGISTRY_SCRIPT,
     RESTORE_TENANT_KEYS_SCRIPT,
@@ -73,6 +82,8 @@ class RedisRegistry(RedisConnection):
         self._set_drained = register(SET_DRAINED_SCRIPT)
         self._restore = register(RESTORE_REGISTRY_SCRIPT)
         self._forget = register(FORGET_WORKER_SCRIPT)
+        self._register = register(REGISTER_WORKER_SCRIPT)
+        self._forget_role = register(FORGET_ROLE_SCRIPT)
         self._registry_and_usage = register(REGISTRY_AND_USAGE_SCRIPT)
         # The decode usage script once more, under the registry's own name: a cluster's quiet
         # read pipelines it beside the registry's commands (`_registry_and_usage_pipelined`).
@@ -85,14 +96,15 @@ class RedisRegistry(RedisConnection):
     # -- worker registry ---------------------------------------------------------------------
     @store_call
     async def register_worker(self, worker_id: str, spec_json: str) -> None:
-        await self._client.hset(self._keys.workers, check_id("worker_id", worker_id), spec_json)
+        keys = [self._keys.workers, self._keys.feed]
+        await self._register(keys=keys, args=[check_id("worker_id", worker_id), spec_json])
 
     @store_call
     async def unregister_worker(self, worker_id: str) -> bool:
         k = self._keys
         wid = check_id("worker_id", worker_id)
         registry = k.registry_fields()
-        cmds = [Cmd.run(self._forget, registry, [wid])]
+        cmds = [Cmd.run(self._forget, [*registry, k.feed], [wid])]
         cmds += [Cmd(("DEL", *keys), keys[0]) for keys in k.worker_keys(wid)]
         rows = raise_first(await self._pipelined(cmds))
         return bool(rows[0])
@@ -106,7 +118,7 @@ class RedisRegistry(RedisConnection):
     @store_call
     async def set_drained(self, worker_id: str, drained: bool) -> bool:
         wid = check_id("worker_id", worker_id)
-        keys = [self._keys.drained, self._keys.drained_at]
+        keys = [self._keys.drained, self._keys.drained_at, self._keys.feed]
         return bool(await self._set_drained(keys=keys, args=[self._now(), wid, int(drained)]))
 
     @store_call
@@ -134,12 +146,13 @@ class RedisRegistry(RedisConnection):
         check_role(role)
         wid = check_id("worker_id", worker_id)
         args: list[str | int] = [self._now(), wid, role, int(expect_version), broken]
-        rec = await self._set_role(keys=[self._keys.roles], args=args)
+        rec = await self._set_role(keys=[self._keys.roles, self._keys.feed], args=args)
         return None if not rec else _role(text(rec))
 
     @store_call
     async def forget_role(self, worker_id: str) -> bool:
-        return bool(await self._client.hdel(self._keys.roles, worker_id))
+        keys = [self._keys.roles, self._keys.feed]
+        return bool(await self._forget_role(keys=keys, args=[worker_id]))
 
     @store_call
     async def hold_lease(self, name: str, holder: str, ttl_s: float) -> bool:
@@ -181,7 +194,7 @@ class RedisRegistry(RedisConnection):
             check_role(role.role)
             args += [check_id("worker_id", wid), _record(role)]
         k = self._keys
-        await self._restore(keys=[k.drained, k.drained_at, k.roles], args=args)
+        await self._restore(keys=[k.drained, k.drained_at, k.roles, k.feed], args=args)
 
     # -- tenants' API keys (digests only: `check_tenant_key` refuses anything else) ----------
     @store_call
@@ -192,14 +205,15 @@ class RedisRegistry(RedisConnection):
         if replaces:
             check_digest(replaces)
         args = [key_id, f"{tenant}|{digest_hex}|{source}", digest_hex, replaces]
-        return int(await self._put_tkey(keys=self._keys.tenant_keys, args=args))
+        return int(await self._put_tkey(keys=self._tenant_keys_fed(), args=args))
 
     @store_call
     async def revoke_tenant_key(self, key_id: str, digest_hex: str = "") -> int:
         check_id("key_id", key_id)
         if digest_hex:
             check_digest(digest_hex)
-        return int(await self._revoke_tkey(keys=self._keys.tenant_keys, args=[key_id, digest_hex]))
+        keys = self._tenant_keys_fed()
+        return int(await self._revoke_tkey(keys=keys, args=[key_id, digest_hex]))
 
     @store_call
     async def tenant_keys(self) -> TenantKeys:
@@ -219,7 +233,35 @@ class RedisRegistry(RedisConnection):
         for key_id, key in keys.items():
             check_tenant_key(key_id, key.tenant, key.digest_hex, key.source)
             args += [key_id, f"{key.tenant}|{key.digest_hex}|{key.source}", key.digest_hex]
-        return int(await self._restore_tkeys(keys=self._keys.tenant_keys, args=args))
+        return int(await self._restore_tkeys(keys=self._tenant_keys_fed(), args=args))
+
+    def _tenant_keys_fed(self) -> list[str]:
+        """The table's keys and the feed: what a script that changes the table takes."""
+        return [*self._keys.tenant_keys, self._keys.feed]
+
+    # -- the change feed (state/registry_feed.py) ------------------------------------------
+    def registry_feed(self, longest_wait_s: float) -> RegistryFeed:
+        return RedisRegistryFeed(lambda: self._feed_client(longest_wait_s), self._keys.feed)
+
+    async def _feed_client(self, longest_wait_s: float) -> aioredis.Redis:
+        """A connection of the feed's own, to the server (or cluster node) that holds it, as
+        the store's own are made (address, credentials, TLS), with a read timeout past the
+        longest wait and no retry: a connection Redis closed must end the wait, not be
+        replaced under it."""
+        client = self._client
+        kind: type[AbstractConnection]
+        if isinstance(client, RedisCluster):
+            await client.initialize()
+            node = client.get_node_from_key(self._keys.feed)
+            if node is None:
+                raise StoreError("no cluster node holds the registry feed's slot")
+            kind, kwargs = node.connection_class, dict(node.connection_kwargs)
+        else:
+            pool = client.connection_pool
+            kind, kwargs = pool.connection_class, dict(pool.connection_kwargs)
+        kwargs.update(socket_timeout=longest_wait_s + 10.0, retry=Retry(NoBackoff(), 0))
+        pool = aioredis.ConnectionPool(connection_class=kind, max_connections=1, **kwargs)
+        return aioredis.Redis.from_pool(pool)
 
     # -- lifecycle ------------------------------------------------------------------------
     def advertise_renewal(self, renew_within_s: float) -> None:
@@ -233,7 +275,7 @@ class RedisRegistry(RedisConnection):
 
     def _marker_cmd(self, ttl_s: float) -> tuple[Cmd, str]:
         token = secrets.token_hex(8)  # fresh each time: a second loss must show as one too
-        keys = [self._keys.marker, self._keys.renewal]
+        keys = [self._keys.marker, self._keys.renewal, self._keys.feed]
         args = [token, max(1, int(ttl_s)), *self._renewal_args()]
         return Cmd.run(self._marker, keys, args), token
 
@@ -302,7 +344,7 @@ class RedisRegistry(RedisConnection):
         # is read raw: hashes as flat lists). An idle replica makes this call once a second
         # (docs/benchmarks-overhead.md, "Idle with Redis").
         k = self._keys
-        keys = [k.marker, *k.registry_fields(), k.tenant_keys[2], k.renewal]
+        keys = [k.marker, *k.registry_fields(), k.tenant_keys[2], k.renewal, k.feed]
         for wid in decode:
             keys += k.decode_worker(wid)
         keys += [k.stranded_sum(pid) for pid in prefill]

@@ -20,6 +20,7 @@ __all__ = [
     "MARK_READY_SCRIPT",
     "UNSTRAND_SCRIPT",
     "SET_ROLE_SCRIPT",
+    "LUA_FEED",
     "HOLD_LEASE_SCRIPT",
     "RELEASE_LEASE_SCRIPT",
     "REAP_SCRIPT",
@@ -37,6 +38,16 @@ local function clock()
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
 local function score(x) return string.format('%.6f', x) end
+"""
+
+# One entry on the registry's change feed (`Keys.feed`, a stream capped at about 64 entries:
+# readers only need to know that something changed since the id they hold, not what). Every
+# script that changes what the registry sync reads calls it, in the same script, so no change
+# can land without its entry (state/registry_feed.py).
+LUA_FEED = """
+local function feed(key)
+  redis.call('XADD', key, 'MAXLEN', '~', 64, '*', 'c', '1')
+end
 """
 
 # One entry out of a hash (id -> amount), its zset (id -> time) and their kept sum; the amount
@@ -288,12 +299,14 @@ return drop(KEYS[1], KEYS[2], KEYS[3], ARGV[1])
 """
 )
 
-# A role change, compare-and-set on the version. KEYS[1] {reg}:roles  ARGV[1] now ('' = the
+# A role change, compare-and-set on the version, on the registry's feed. KEYS[1] {reg}:roles
+# KEYS[2] {reg}:feed  ARGV[1] now ('' = the
 # server's clock)  ARGV[2] worker id  ARGV[3] role  ARGV[4] expected version (0: none yet)
 # ARGV[5] broken mark ('' or absent: none). Returns the new "role|version|since[|broken]", or
 # false when the version moved on.
 SET_ROLE_SCRIPT = (
     _LUA_CLOCK
+    + LUA_FEED
     + """
 local cur = redis.call('HGET', KEYS[1], ARGV[2])
 local version = 0
@@ -302,6 +315,7 @@ if version ~= tonumber(ARGV[4]) then return false end
 local rec = ARGV[3] .. '|' .. (version + 1) .. '|' .. score(clock())
 if ARGV[5] and ARGV[5] ~= '' then rec = rec .. '|' .. ARGV[5] end
 redis.call('HSET', KEYS[1], ARGV[2], rec)
+feed(KEYS[2])
 return rec
 """
 )

@@ -129,11 +129,13 @@ async def sim_cluster(
     worker_overrides: dict[str, dict[str, Any]] | None = None,
     entry_overrides: dict[str, dict[str, Any]] | None = None,  # the router's entry, by id
     dp: dict[str, int] | None = None,
+    redis_url: str = REDIS_URL,
     **settings: Any,
 ) -> AsyncIterator[SimCluster]:
     """Simulated workers plus a router in front of them, all in this process on loopback.
     `dp`: data-parallel ranks by worker id (disagg_tools/sim/dp_front.py), each entry's
-    `dp_size` and `kv_blocks` per rank."""
+    `dp_size` and `kv_blocks` per rank. `redis_url`: the store, when `redis_prefix` is given
+    (the session's Redis by default; a private one for tests that restart it)."""
     roles = (
         [("prefill", f"p{i}") for i in range(prefill)]
         + [("decode", f"d{i}") for i in range(decode)]
@@ -173,7 +175,7 @@ async def sim_cluster(
             "model": MODEL,
             "perf": {"model": MODEL, "gpu": "h100"},
             "store": {
-                "url": REDIS_URL if redis_prefix is not None else None,
+                "url": redis_url if redis_prefix is not None else None,
                 "key_prefix": redis_prefix or "dr:",
             },
             "workers": entries,

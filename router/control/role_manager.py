@@ -48,7 +48,6 @@ from policies.base import RolePlan, RolePolicy
 from policies.registry import load_role_policy
 from router.config import Settings
 from router.control.scaling import DemandMeter
-from router.loop_timing import beat
 from router.metrics import RouterMetrics
 from router.workers.accounting import LocalAccounting
 from router.workers.engine_role import EngineRoles
@@ -136,12 +135,16 @@ class RoleManager:
 
     # -- the loop -----------------------------------------------------------------------------
     async def run(self) -> None:
+        joined = asyncio.Event()
+        self.members.on_join(lambda spec: joined.set() if spec.role == "both" else None)
         try:
             while True:
                 if not any(True for _ in self.members.both_workers):
-                    # Nothing to re-role: this wake-up is all the loop does, so it falls on
-                    # the pools' beat (router/loop_timing.py), with the other loops'.
-                    await beat(self.settings.interval_s)
+                    # Nothing to re-role: no timer at all (an idle replica's wake-ups,
+                    # docs/benchmarks-overhead.md "Idle") until a `both` worker joins, however
+                    # it joins (configuration, admin API, the registry sync, discovery).
+                    joined.clear()
+                    await joined.wait()
                     continue
                 try:
                     await self.tick()

@@ -329,6 +329,8 @@ def _hand_out(app: web.Application, core: Core, loops: WorkerLoops, demand: Dema
         tracing=tracing,
         clock=clock,
     )
+    # A miss on a view left from a quiet spell reads the store before it refuses or queues.
+    stages.reserve.fresh_usage = loops.refresher.read_if_stale
     app[SERVING] = Serving(stages, loops.pools, demand, loops.refresher, core.leases)
     app[ADMIN] = AdminView(
         settings=settings,

@@ -117,6 +117,8 @@ def build_stages(
     quota = QuotaGate(core.store, settings.leases.reservation_s, settings.scaling, metrics, clock)
     # Its holds live as long as the reservations they stand for: renewed on their tick.
     core.leases.also_renew.append(quota.renew_all)
+    core.leases.also_holding.append(lambda: bool(quota.holds))
+    quota.on_hold = core.leases.wake
     return RequestStages(
         settings=settings,
         metrics=metrics,

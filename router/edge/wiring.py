@@ -164,6 +164,9 @@ def build_worker_loops(core: Core, keyring: Keyring) -> WorkerLoops:
     timing = LoopTiming(
         members.carrying_work, lambda: admission.inflight > 0 or admission.waiting > 0
     )
+    # The next request wakes what waits while quiet (the registry sync on the change feed, the
+    # riding refresher), before it is placed.
+    admission.on_arrival = timing.arrived
     accounting = LocalAccounting(members, timing)
     kv_hub = KvEventHub(members, metrics)
     pools = Pools(members, accounting, PlacementView(members, settings, kv_hub))

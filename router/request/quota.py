@@ -143,6 +143,8 @@ class QuotaGate:
         self.clock = clock
         # tenant -> its live holds (hold id -> blocks): what `renew_all` renews.
         self.holds: dict[str, dict[str, int]] = {}
+        # Told of each hold taken: whoever renews them wakes (router/leases.py `wake`).
+        self.on_hold: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         live = sum(len(h) for h in self.holds.values())
@@ -169,6 +171,8 @@ class QuotaGate:
             raise _refusal(tenant, quota, taken)
         if limited:
             self.holds.setdefault(tenant.name, {})[hold_id] = blocks
+            if self.on_hold is not None:
+                self.on_hold()
         return QuotaHold(tenant, hold_id, tokens, blocks)
 
     async def follow(self, hold: QuotaHold | None, blocks: int, force: bool = False) -> bool:

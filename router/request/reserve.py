@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from policies.base import (
@@ -92,6 +92,10 @@ class Reserver:
     # The cluster's fair share (router/fair_share.py): room left for a more under-served
     # tenant waiting on another replica. None: this replica's order is its own.
     share: ClusterShare | None = None
+    # Reads the other replicas' reservations now if this replica's view of them is older than
+    # a quiet refresh (router/workers/refresher.py `read_if_stale`); True if it read. None:
+    # the view is taken as it is.
+    fresh_usage: Callable[[], Awaitable[bool]] | None = None
 
     def __repr__(self) -> str:
         return f"Reserver(policy={self.policy.name}, estimator={self.estimator.name})"
@@ -375,6 +379,25 @@ class Reserver:
         return view if decode is view.decode else replace(view, decode=decode)
 
     async def _try_reserve(
+        self,
+        info: RequestInfo,
+        avoid: set[str],
+        prompt_ids: Sequence[int] | None,
+        classes: tuple[str, ...],
+    ) -> Attempt | Rejection:
+        outcome = await self._place_and_reserve(info, avoid, prompt_ids, classes)
+        if (
+            isinstance(outcome, Rejection)
+            and self.fresh_usage is not None
+            and await self.fresh_usage()
+        ):
+            # A quiet replica's view of the others' reservations may be from before its quiet
+            # spell (it makes no reads then): not refused or queued on that, but on what the
+            # store holds now. Only on a miss: a placement that fits costs nothing more.
+            outcome = await self._place_and_reserve(info, avoid, prompt_ids, classes)
+        return outcome
+
+    async def _place_and_reserve(
         self,
         info: RequestInfo,
         avoid: set[str],

@@ -431,8 +431,16 @@ class KvEventHub:
         self._metrics.kv_events_index_blocks.labels(worker=wid).set(0)
 
     async def run(self) -> None:
+        joined = asyncio.Event()
+        self._members.on_join(lambda spec: joined.set() if spec.kv_events is not None else None)
         while True:
             self.reconcile()
+            if not self.subscribers:
+                # No worker with KV events: nothing to reconcile, and no timer at all until
+                # one joins, however it joins (an idle replica's wake-ups).
+                joined.clear()
+                await joined.wait()
+                continue
             # On the pools' beat (router/loop_timing.py): an idle replica's wake-up is shared
             # with its other loops', not one more of its own every second.
             await beat(self._reconcile_s)

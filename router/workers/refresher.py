@@ -8,10 +8,13 @@ admission queue (`on_refresh`) that room freed by other replicas may show. It al
 store's health as it last saw it, for /ready and the metrics.
 
 While quiet it does not read at all once its interval has backed off to the registry sync's
-beat: it rides on that beat (router/loop_timing.py), the registry sync taking its read
-along in its own store call (`registry_and_usage_view`), so an idle replica makes one store call
-a second. A carried read that shows a change, a placement, a failed store or a stopped registry
-sync ends the ride.
+period: it rides on the registry sync's reads (router/loop_timing.py), which take its read along
+in their own store call (`registry_and_usage_view`). A quiet registry sync reads only when the
+registry's change feed moves (router/workers/registry.py), so an idle replica makes no store
+call, and its view of other replicas' reservations is as old as that last read until the next
+request: placement goes by it meanwhile, and is right either way (a reservation is checked
+against capacity in the store). A carried read that shows a change, a request or a placement, a
+failed store or a stopped registry sync ends the ride.
 
 While busy but alone — the last read showed no reservation on these workers but this
 replica's own (`own_reservations`), and no request waits in the admission queue — it backs
@@ -75,6 +78,7 @@ class StateRefresher:
         self._last_refresh: float | None = None
         self._ride_over = asyncio.Event()  # ends a ride on the registry sync's beat
         self._ride_saw_change = False
+        self._reading: asyncio.Future[None] | None = None  # `read_if_stale`'s shared read
 
     def __repr__(self) -> str:
         return f"StateRefresher(store_ok={self.store_ok})"
@@ -222,6 +226,41 @@ class StateRefresher:
         if self._on_refresh is not None:
             self._on_refresh()
         return self._store_view() != before
+
+    # -- a request on a view left from a quiet spell ------------------------------------------
+    @property
+    def stale_after_s(self) -> float:
+        """The oldest a view gets while this loop runs (its quiet cadence, 1 s); a quiet
+        replica's, which reads only when the registry changes, may be much older."""
+        base = self._settings.loops.state_refresh_s
+        return max(base, min(1.0, 10 * base))
+
+    async def read_if_stale(self) -> bool:
+        """Read the store now if the last read is older than `stale_after_s`: what a request
+        about to be refused or queued for room (router/request/reserve.py) does first, so
+        that no request is turned away on other replicas' reservations as they stood before
+        a quiet spell. Callers at once share one read. True if it read."""
+        last = self._last_refresh
+        if last is not None and time.monotonic() - last < self.stale_after_s:
+            return False
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(self._read_for_a_request())
+            self._reading.add_done_callback(self._read_done)
+        try:
+            await asyncio.shield(self._reading)
+        except StoreError:
+            return False  # the request goes by what it has; the outage is reported once
+        return True
+
+    async def _read_for_a_request(self) -> None:
+        await self.refresh()
+        if self._on_refresh is not None:
+            self._on_refresh()
+
+    def _read_done(self, reading: asyncio.Future[None]) -> None:
+        self._reading = None
+        if not reading.cancelled():
+            reading.exception()  # retrieved: each caller has seen it
 
     # -- riding on the registry sync's beat (loop_timing.UsageRider) --------------------------
     @property

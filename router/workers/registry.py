@@ -10,15 +10,25 @@ second call, only then) and its keyring adopts it (router/tenants.py): a key rev
 replica is refused here within one refresh. A store that lost its data is put back first
 (router/workers/store_loss.py), and read again.
 
-While the state refresher is quiet it rides on this loop's beat (router/loop_timing.py):
-the beat's one store call is then `registry_and_usage_view`, the refresher's read taken along,
-so an idle replica makes one store call a second, not two.
+While this replica is busy it reads on the beat, every `registry_refresh_s`. While it is quiet
+it reads only when the store's change feed moves (state/registry_feed.py): every store call
+that changes the registry feeds it, so a quiet replica sees each change as soon as it lands
+(well within `registry_refresh_s`), and makes no store call and has no timer while nothing
+changes. The wait also ends when its connection breaks (a Redis that died or restarted empty:
+the read then finds the marker gone and puts back, router/workers/store_loss.py), at the next
+request (`LoopTiming.arrived`), and after `registry_quiet_wait_s` at the latest, which keeps
+the marker alive (it is kept well inside its TTL) and bounds what no event shows (a FLUSHALL
+on a running Redis). A failed read or a feed that cannot listen puts the loop back on the beat.
+
+While the state refresher is quiet it rides on this loop (router/loop_timing.py): each read is
+then `registry_and_usage_view`, the refresher's read taken along, one store call for both.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Literal
 
 import aiohttp
 import orjson
@@ -33,6 +43,7 @@ from router.workers.membership import Membership
 from router.workers.store_loss import StoreLoss
 from router.workers.worker_state import WorkerState
 from state.base import RegistryView, StateStore, StoreError, TenantKeys, UsageView
+from state.registry_feed import RegistryFeed
 
 __all__ = ["RegistrySync"]
 
@@ -58,6 +69,9 @@ class RegistrySync:
         self._prober = prober
         self._timing = timing
         self._keyring = keyring
+        # A quiet replica's wait on the change feed, kept across busy spells (a blocking read
+        # cut short would cost its connection); None: none under way.
+        self._watch: asyncio.Task[bool] | None = None
 
     def __repr__(self) -> str:
         return f"RegistrySync(every {self._settings.loops.registry_refresh_s} s)"
@@ -158,20 +172,72 @@ class RegistrySync:
         if session is not None and joined:
             await asyncio.gather(*(self._prober.probe(session, w) for w in joined))
 
+    @property
+    def quiet_wait_s(self) -> float:
+        """The longest a quiet wait on the feed lasts: the setting, kept within half the
+        marker's TTL so that quiet replicas' reads keep the marker alive."""
+        return min(self._settings.loops.registry_quiet_wait_s, self._loss.marker_ttl_s / 2)
+
     async def run(self, session: aiohttp.ClientSession | None = None) -> None:
-        """Every `registry_refresh_s`, on the beat; a quiet refresher's read rides along."""
+        """Every `registry_refresh_s` on the beat while busy; while quiet, when the change feed
+        moves (a quiet refresher's read rides along either way)."""
         timing, period = self._timing, self._settings.loops.registry_refresh_s
         timing.carrier_period = period
+        feed = self._store.registry_feed(self.quiet_wait_s)
+        may_wait = False  # the last read answered, and the feed listens
         try:
             while True:
-                await timing.beat(period)
-                await self._beat_sync(session)
+                if may_wait and not timing.busy():
+                    woke = await self._until_change(feed)
+                    if woke == "request":
+                        continue  # busy now: on the beat; the registry is as fresh as the feed
+                    may_wait = woke == "change"
+                else:
+                    await timing.beat(period)
+                    may_wait = True
+                # After a failed wait too: a lost connection is what the store-loss path reads.
+                may_wait = await self._beat_sync(session) and may_wait
         finally:
             timing.carrier_period = None
             if timing.rider is not None:  # it waits for this loop: let it read for itself
                 timing.rider.drop_ride()
+            if self._watch is not None:
+                self._watch.cancel()
+                self._watch = None
+            await feed.close()
 
-    async def _beat_sync(self, session: aiohttp.ClientSession | None) -> None:
+    async def _until_change(self, feed: RegistryFeed) -> Literal["change", "request", "failed"]:
+        """Until the feed moves or its bound passes ("change": read, then wait again), a request
+        arrives ("request"), or the feed fails or loses its connection ("failed": read, and
+        wait for the next on the beat: a feed that fails at once must not make this loop spin)."""
+        watch = self._watch
+        if watch is None:
+            watch = self._watch = asyncio.create_task(feed.wait(self.quiet_wait_s))
+        woken = asyncio.Event()
+
+        def wake(_: object) -> None:
+            woken.set()
+
+        watch.add_done_callback(wake)
+        try:
+            await self._timing.quiet_wait(woken)
+        finally:
+            watch.remove_done_callback(wake)
+        if not watch.done():
+            return "request"  # the watch stays, for the next quiet spell
+        self._watch = None
+        try:
+            watch.result()
+        except StoreError as exc:
+            log.debug("registry feed failed: %s", exc)
+            return "failed"
+        except Exception as exc:
+            log.warning("registry feed failed: %r", exc)
+            return "failed"
+        return "change" if feed.listening else "failed"
+
+    async def _beat_sync(self, session: aiohttp.ClientSession | None) -> bool:
+        """One read of the loop; False when it failed."""
         rider = self._timing.rider
         try:
             if rider is None:
@@ -182,5 +248,8 @@ class RegistrySync:
             raise
         except StoreError as exc:  # the refresher reports the outage once
             log.debug("registry sync failed: %s", exc)
+            return False
         except Exception as exc:
             log.warning("registry sync failed: %r", exc)
+            return False
+        return True

@@ -6,7 +6,9 @@ capacities, the registry of dynamic workers, the drains and roles, the tenants' 
 check that finds it gone (after this replica's first use, which sets it) means the loss, and
 every replica then puts back its own view within one refresh. The registry sync
 (router/workers/registry.py) reads the marker with the registry (and, while this replica is
-quiet, with the state refresher's usage: one store call a beat), the state refresher
+quiet, with the state refresher's usage, in one store call; a quiet replica reads when the
+registry's change feed moves or its connection breaks, as a Redis restarted empty breaks it,
+and every `registry_quiet_wait_s` at the latest), the state refresher
 (router/workers/refresher.py) checks it on its own while busy; both hold `lock`, so one
 put-back runs at a time.
 """

@@ -1,0 +1,166 @@
+"""The registry's change feed (state/registry_feed.py): every store call that changes what the
+registry sync reads reaches it, on `MemoryStore`, the session's real Redis and the private Redis
+Cluster; calls that change nothing do not; a Redis connection that breaks ends a wait.
+
+A quiet replica reads the registry only when its feed moves (router/workers/registry.py), so a
+mutation that skipped the feed would go unseen by quiet replicas until the wait's bound: the
+list below must name every public method of the registry half of the store (a new one fails
+`test_every_registry_method_is_classified` until it is put on one side).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from state import DrainMark, MemoryStore, RedisStore, StateStore, WorkerRole
+from state.base import TenantKey
+from state.redis_registry import RedisRegistry
+from tests.state.test_state_registry_read import redis_cluster, store
+
+__all__ = ["redis_cluster", "store"]  # fixtures, imported so the parametrized store finds them
+
+TTL = 60.0
+DIGEST = "a" * 64
+OTHER_DIGEST = "b" * 64
+REGISTRATION = '{"id": "d-new", "role": "decode"}'
+
+Call = Callable[[StateStore], Awaitable[object]]
+
+# Each registry change, after `_setup` (a registered worker, drained, with a role; a key).
+MUTATIONS: dict[str, Call] = {
+    "register_worker": lambda s: s.register_worker("d-other", REGISTRATION),
+    "register_worker (changed)": lambda s: s.register_worker("d-new", REGISTRATION + " "),
+    "unregister_worker": lambda s: s.unregister_worker("d-new"),
+    "set_drained (undrain)": lambda s: s.set_drained("d-new", False),
+    "set_drained (drain)": lambda s: s.set_drained("d-other", True),
+    "set_role": lambda s: s.set_role("b0", "decode", 1),
+    "forget_role": lambda s: s.forget_role("b0"),
+    "restore_registry": lambda s: s.restore_registry({"d-x": _mark()}, {"b1": _role("prefill", 3)}),
+    "put_tenant_key": lambda s: s.put_tenant_key("k2", "t", OTHER_DIGEST),
+    "revoke_tenant_key": lambda s: s.revoke_tenant_key("k1"),
+    "restore_tenant_keys": lambda s: s.restore_tenant_keys(
+        {"k3": TenantKey("t", "c" * 64, "admin")}, [], 0
+    ),
+}
+
+# Calls that change nothing the registry sync reads: no entry (no replica woken for nothing).
+NO_CHANGE: dict[str, Call] = {
+    "register_worker (same)": lambda s: s.register_worker("d-new", REGISTRATION),
+    "set_drained (already)": lambda s: s.set_drained("d-new", True),
+    "forget_role (none)": lambda s: s.forget_role("b-none"),
+    "restore_registry (older)": lambda s: s.restore_registry({}, {"b0": _role("prefill", 1)}),
+    "registry_view": lambda s: s.registry_view(TTL),
+    "registry_and_usage_view": lambda s: s.registry_and_usage_view(TTL, ["d0"], ["p0"]),
+    "check_marker": lambda s: s.check_marker(TTL),
+    "tenant_keys": lambda s: s.tenant_keys(),
+    "publish_demand": lambda s: s.publish_demand("r1", "{}", 5.0),
+    "hold_lease": lambda s: s.hold_lease("roles", "me", 5.0),
+}
+
+# RedisRegistry's public methods that write nothing the registry sync reads, or only read.
+NOT_REGISTRY_CHANGES = {
+    "registered_workers",
+    "drained_workers",
+    "drain_marks",
+    "worker_roles",
+    "hold_lease",
+    "release_lease",
+    "publish_demand",
+    "replica_demands",
+    "tenant_keys",
+    "advertise_renewal",
+    "check_marker",  # feeds when it re-creates the marker: `test_a_recreated_marker_...`
+    "registry_view",
+    "registry_and_usage_view",
+    "registry_feed",
+}
+
+
+def _mark() -> DrainMark:
+    return DrainMark(True, 1.0)
+
+
+def _role(role: str, version: int) -> WorkerRole:
+    return WorkerRole(role, version, 1.0)
+
+
+async def _setup(store: StateStore) -> None:
+    await store.check_marker(TTL)
+    await store.register_worker("d-new", REGISTRATION)
+    await store.set_drained("d-new", True)
+    assert await store.set_role("b0", "prefill", 0) is not None
+    assert await store.put_tenant_key("k1", "t", DIGEST) > 0
+
+
+def test_every_registry_method_is_classified() -> None:
+    public = {
+        name
+        for name in vars(RedisRegistry)
+        if not name.startswith("_") and callable(getattr(RedisRegistry, name))
+    }
+    fed = {name.split(" ")[0] for name in MUTATIONS}
+    assert public == fed | NOT_REGISTRY_CHANGES, public ^ (fed | NOT_REGISTRY_CHANGES)
+
+
+@pytest.mark.parametrize("what", list(MUTATIONS))
+async def test_every_registry_change_reaches_the_feed(store: StateStore, what: str) -> None:
+    await _setup(store)
+    feed = store.registry_feed(30.0)
+    await feed.start()
+    try:
+        await MUTATIONS[what](store)
+        assert await feed.wait(10.0), f"{what} did not reach the feed"
+        # Seen once: the next wait has nothing new.
+        assert not await feed.wait(0.2)
+    finally:
+        await feed.close()
+
+
+@pytest.mark.parametrize("what", list(NO_CHANGE))
+async def test_a_call_that_changes_nothing_wakes_nobody(store: StateStore, what: str) -> None:
+    await _setup(store)
+    feed = store.registry_feed(30.0)
+    await feed.start()
+    try:
+        await NO_CHANGE[what](store)
+        assert not await feed.wait(0.3), f"{what} woke the feed"
+    finally:
+        await feed.close()
+
+
+async def test_a_wait_ends_at_a_change_made_while_it_blocks(store: StateStore) -> None:
+    await _setup(store)
+    feed = store.registry_feed(30.0)
+    await feed.start()
+    try:
+        waiting = asyncio.create_task(feed.wait(20.0))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        await store.set_drained("d-new", False)
+        assert await asyncio.wait_for(waiting, 10.0)
+    finally:
+        await feed.close()
+
+
+async def test_a_recreated_marker_reaches_the_feed(store: StateStore) -> None:
+    """A replica that finds the marker missing re-creates it: every quiet replica must read
+    the new token (the store lost its data). The first use feeds too (nobody waits then)."""
+    feed = store.registry_feed(30.0)
+    await feed.start()
+    try:
+        assert await store.check_marker(TTL)
+        assert await feed.wait(10.0)
+        assert not await store.check_marker(TTL)
+        assert not await feed.wait(0.2)
+        if isinstance(store, RedisStore):
+            await store._client.delete(store._keys.marker)  # lost, as after a FLUSHALL
+        else:
+            assert isinstance(store, MemoryStore)
+            store._marker_until = 0.0  # lapsed
+        assert await store.check_marker(TTL)
+        assert await feed.wait(10.0)
+    finally:
+        await feed.close()
