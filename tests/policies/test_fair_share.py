@@ -100,6 +100,17 @@ def test_room_is_left_for_a_less_served_or_under_share_tenant_elsewhere() -> Non
         )
         is None
     )
+    # by counters the flooder is behind (the victim was lifted and charged), but it holds more
+    # than its share and the victim, with the room, stays within its own: the victim keeps it.
+    # Before, each replica left the room for the other until the grace ran out.
+    flooder = ClusterWaiter("r2", 0, "flood", 5.0, 12, 2.0)
+    occ = _occ({"flood": 105, "victim": 0}, waiting=("victim", "flood"))
+    assert handoff_to([flooder], "r1", "victim", 0, 100.0, 10.0, occ, 15) is None
+    # and the flooder's replica leaves room for the victim (the occupancy rule), as before
+    assert handoff_to([victim], "r2", "flood", 0, 5.0, 10.0, occ, 15) == victim
+    # a flooder within its share is still served by the counters
+    even = _occ({"flood": 40, "victim": 0}, waiting=("victim", "flood"))
+    assert handoff_to([flooder], "r1", "victim", 0, 100.0, 10.0, even, 15) == flooder
     # a more urgent class always goes first; a less urgent one never
     assert (
         handoff_to([ClusterWaiter("r1", -1, "x", 1e9, 1, 0.0)], "r2", "flood", 0, 0.0) is not None
