@@ -114,6 +114,9 @@ class ClusterShare:
         self._task: asyncio.Task[None] | None = None
         self._holding_since: float | None = None
         self._open_until = -math.inf
+        # Room this replica took back for a waiter on another replica is left for it until
+        # then, whatever the hand-off's grace has left (`leave_for`).
+        self._leaving_until = -math.inf
         self.nudges_sent = 0
         self.nudges_heard = 0
         # The waiter lines (class, tenant) this replica registered at its last sync, and the
@@ -284,6 +287,17 @@ class ClusterShare:
             log.debug("fair share nudge to %s failed: %s", replica, exc)
 
     # -- the hand-off -----------------------------------------------------------------------
+    def leave_for(self, replica: str, for_s: float) -> None:
+        """This replica preempted streams for a waiter on `replica` (router/request/
+        fair_takeback.py): the room they free is left for `for_s` to the waiters the hand-off
+        rule names, and `replica` is nudged to read it now. Without it the room could go to
+        this replica's own flood once the hand-off's grace had run out (it may, waiting for
+        the take-back's budget): issue 33's split rows lost a take-back's room so."""
+        self._leaving_until = max(self._leaving_until, self.clock() + for_s)
+        asyncio.get_running_loop().call_later(for_s, self.admission.notify)
+        self.nudges_sent += 1
+        self.tasks.job(self._nudge(replica), "fair-share-nudge")
+
     def hold_s(self, tenant: Tenant, priority: int, cost: AdmissionCost, need: int) -> float | None:
         """Seconds to leave the room this replica found for a request of `tenant` (class
         `priority`, expected to cost `cost`, asking `need` blocks), for a more under-served
@@ -301,6 +315,8 @@ class ClusterShare:
         if other is None:
             self._holding_since = None
             return None
+        if now < self._leaving_until:
+            return self._leaving_until - now
         if now < self._open_until:
             return None
         if self._holding_since is None:

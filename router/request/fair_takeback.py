@@ -111,11 +111,14 @@ class FairTakeBack:
         self._tokens -= taken
         self.taken += taken
         # The room is the waiters' it was taken for: one here is woken before the order's
-        # next (one on another replica gets it by the hand-off, router/fair_share.py).
+        # next; for one on another replica the room is left (and that replica nudged) for as
+        # long as the claim, whatever the hand-off's grace has left (router/fair_share.py).
         for stream in (*for_class, *for_share):
             replica, priority, tenant = plan.serves[stream]
             if replica == share.replica:
                 share.admission.earmark(priority, tenant, claim_ttl_s(self.settings))
+            else:
+                share.leave_for(replica, claim_ttl_s(self.settings))
         if for_class:
             self.preemptor.preempt(Victims(for_class, False), PRIORITY)
         if for_share:

@@ -143,3 +143,43 @@ async def test_the_other_replicas_are_nudged_and_do_not_nudge_back(redis_prefix:
             assert s1.nudges_sent == 0  # a nudged sync nudges no one back
         finally:
             await _cancel(backlog, *([victim] if victim else []))
+
+
+async def test_room_taken_back_for_a_waiter_elsewhere_is_left_for_it(redis_prefix: str) -> None:
+    """r1 preempted its flood's streams for r0's victim (FairTakeBack calls `leave_for`): the
+    room is left to the victim for the claim's time even when the hand-off's own grace has run
+    out — here a grace of 0, under which the hand-off leaves nothing at all."""
+    store = RedisStore.from_url(REDIS_URL, redis_prefix)
+    tasks = BackgroundTasks()
+    settings = AdmissionSettings(
+        fairness="vtc",
+        fair_sync_s=PERIOD_S,
+        fair_preempt_after_s=AFTER_S,
+        fair_preempt_per_s=4.0,
+        fair_handoff_grace_s=0.0,
+    )
+    pairs = []
+    for name in ("r0", "r1"):
+        policy = VTCFairness()
+        adm = Admission(settings, policy)
+        share = ClusterShare(
+            settings, store, adm, policy, tasks, replica=name, capacity=lambda: 120
+        )
+        adm.ledger = share
+        pairs.append((adm, share))
+    (a0, _), (_, s1) = pairs
+    s1.held(0, "aggressor", 105)  # the flood's streams, relayed by r1: over its share of 60
+    victim = _wait(a0, VICTIM)
+    try:
+        async with asyncio.timeout(3.0):
+            while not any(w.tenant == "victim" for w in s1.waiters):
+                await s1.sync()
+        assert s1.hold_s(AGGRESSOR, 0, COST, 15) is None  # the hand-off's grace: none
+        s1.leave_for("r0", 0.2)
+        left = s1.hold_s(AGGRESSOR, 0, COST, 15)
+        assert left is not None and 0 < left <= 0.2
+        assert s1.hold_s(VICTIM, 0, COST, 15) is None  # the victim's own request may take it
+    finally:
+        await _cancel(victim)
+        await tasks.close()
+        await store.close()
