@@ -50,6 +50,11 @@ holdings rule (a tenant holding under half its share took back) put the worst sh
 off the weights with ~200-300 take-backs a minute; by demand it is 2.8 % with 14, and a flooded
 victim that asks no more than its share is still served first (docs/benchmarks.md).
 
+**Room kept for its tenant** (`keeps_room`, `yields_kept_room`). Room a tenant within its
+share gives back (an answer ended) is kept for that tenant's next request for a short time (the
+caller's `admission.fair_keep_s`), against requests of tenants over their share: a client that
+sends its next request as its answer ends finds it, instead of waiting for a take-back.
+
 **A more urgent class takes room back** (`take_back_for_class`), before the share's rule and
 within the same budget. A request of class c (policies/priority_classes.py: interactive -1,
 default 0, batch 1; lower is more urgent) that has waited longer than `after_s` with no room
@@ -91,6 +96,8 @@ __all__ = [
     "Occupancy",
     "TakeBack",
     "handoff_to",
+    "keeps_room",
+    "yields_kept_room",
     "plan_take_back",
     "take_back",
     "take_back_for_class",
@@ -182,6 +189,20 @@ def handoff_to(
         if best is None or _before(w, best):
             best = w
     return best
+
+
+def keeps_room(occupancy: Occupancy, tenant: str) -> bool:
+    """Room `tenant` gives back is kept for its own next request (router/fair_share.py
+    `ClusterShare.held`) while it holds no more than its share, that room counted: it asks no
+    more than its share, and a client that sends its next request as its answer ends would
+    otherwise find the room taken by a flood's waiter and wait for a take-back."""
+    return occupancy.held.get(tenant, 0) <= occupancy.share(tenant)
+
+
+def yields_kept_room(occupancy: Occupancy, tenant: str) -> bool:
+    """A request of `tenant` leaves room kept for another tenant alone: it holds more than its
+    share (a tenant within its own may take it)."""
+    return occupancy.held.get(tenant, 0) > occupancy.share(tenant)
 
 
 def _before(a: ClusterWaiter, b: ClusterWaiter) -> bool:

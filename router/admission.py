@@ -139,6 +139,18 @@ class AdmissionSettings:
         default=4.0,
         metadata={"doc": "streams one replica may preempt for the fair share a second"},
     )
+    # A client that sends its next request as its answer ends comes back within milliseconds;
+    # 0.05 s leaves room for a loaded machine, and at most that much of one answer's room
+    # idle when the tenant does not come back (docs/benchmarks.md, "Fair share across
+    # replicas").
+    fair_keep_s: float = field(
+        default=0.05,
+        metadata={
+            "doc": "with vtc: room a tenant within its share gives back is kept this long for "
+            "its next request on the same replica; tenants over their share wait meanwhile "
+            "(0: never)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.mode not in ("queue", "instant", "predictive"):
@@ -151,6 +163,8 @@ class AdmissionSettings:
             raise ValueError("admission.fair_sync_s must be > 0, fair_handoff_grace_s >= 0")
         if self.fair_preempt_after_s < 0 or self.fair_preempt_per_s < 0:
             raise ValueError("admission.fair_preempt_after_s and fair_preempt_per_s must be >= 0")
+        if self.fair_keep_s < 0:
+            raise ValueError("admission.fair_keep_s must be >= 0")
 
 
 class Ledger(Protocol):

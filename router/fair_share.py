@@ -52,7 +52,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 
 from policies.base import AdmissionCost, Tenant
-from policies.fair_share import ClusterWaiter, Occupancy, handoff_to
+from policies.fair_share import ClusterWaiter, Occupancy, handoff_to, keeps_room, yields_kept_room
 from policies.fairness import VTCFairness
 from router.admission import Admission, AdmissionSettings
 from router.background import BackgroundTasks
@@ -117,6 +117,9 @@ class ClusterShare:
         # Room this replica took back for a waiter on another replica is left for it until
         # then, whatever the hand-off's grace has left (`leave_for`).
         self._leaving_until = -math.inf
+        # Lines (class, tenant) whose given-back room is kept for their next request, until
+        # then (`held`).
+        self._kept: dict[tuple[int, str], float] = {}
         self.nudges_sent = 0
         self.nudges_heard = 0
         # The waiter lines (class, tenant) this replica registered at its last sync, and the
@@ -153,6 +156,8 @@ class ClusterShare:
         A line already registered (a backlogged tenant's) costs nothing more."""
         self.start()
         line = (priority, tenant)
+        if line in self._kept:  # its room is kept: woken at once, once it is parked
+            asyncio.get_running_loop().call_soon(self.admission.notify)
         settings = self.settings
         if line in self._lines or line in self._checks or settings.fair_preempt_per_s <= 0:
             return
@@ -176,7 +181,40 @@ class ClusterShare:
             self._holding[slot] = left
         else:
             self._holding.pop(slot, None)
+        if blocks < 0:
+            self._keep(slot)
+        elif self._kept:
+            self._kept.pop(slot, None)  # its next request took it
         self.start()
+
+    def _keep(self, line: tuple[int, str]) -> None:
+        """A request of `line` gave its room back: kept for the line's next request for
+        `fair_keep_s` while its tenant is within its share (policies/fair_share.py
+        `keeps_room`); the line's waiter is woken first meanwhile (the admission's earmark),
+        and the requests held off for it try again when it lapses."""
+        keep_s = self.settings.fair_keep_s
+        occupancy = self.occupancy
+        if keep_s <= 0 or not keeps_room(occupancy, line[1]):
+            return
+        if not any(yields_kept_room(occupancy, t) for t in occupancy.held if t != line[1]):
+            return  # no tenant over its share to keep it from: no cost on a fair cluster
+        self._kept[line] = self.clock() + keep_s
+        self.admission.earmark(line[0], line[1], keep_s)
+        asyncio.get_running_loop().call_later(keep_s, self.admission.notify)
+
+    def _kept_left(self, tenant: str, priority: int) -> float | None:
+        """Seconds a request of `tenant` (class `priority`) leaves room kept for another line
+        alone; None: it may take it."""
+        now = self.clock()
+        left = 0.0
+        for (p, t), until in list(self._kept.items()):
+            if until <= now:
+                del self._kept[(p, t)]
+            elif t != tenant and p <= priority:
+                left = max(left, until - now)
+        if left <= 0 or not yields_kept_room(self.occupancy, tenant):
+            return None
+        return left
 
     @property
     def task(self) -> asyncio.Task[None] | None:
@@ -301,7 +339,10 @@ class ClusterShare:
     def hold_s(self, tenant: Tenant, priority: int, cost: AdmissionCost, need: int) -> float | None:
         """Seconds to leave the room this replica found for a request of `tenant` (class
         `priority`, expected to cost `cost`, asking `need` blocks), for a more under-served
-        tenant waiting on another replica; None: take it (the module's rule and bound)."""
+        tenant waiting on another replica, or for the next request of a tenant within its
+        share whose room this is (`held`); None: take it (the module's rule and bound)."""
+        if self._kept and (kept := self._kept_left(tenant.name, priority)) is not None:
+            return kept
         if not self.waiters:
             self._holding_since = None
             return None
