@@ -4,7 +4,7 @@ cluster, not one per replica holding the flooder's streams (issue 33's spread ro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from policies.fair_share import ClusterWaiter, Occupancy
 from router.admission import AdmissionSettings
@@ -23,6 +23,11 @@ class _Share:
     store: StateStore
     waiters: tuple[ClusterWaiter, ...]
     occupancy: Occupancy
+    left_for: list[str] = field(default_factory=list)
+
+    def leave_for(self, replica: str, for_s: float) -> None:
+        """The room taken back is left for a waiter on `replica` (ClusterShare.leave_for)."""
+        self.left_for.append(replica)
 
 
 def _replica(name: str, cut: list[str]) -> tuple[FairTakeBack, Preemptor]:
@@ -35,21 +40,28 @@ def _replica(name: str, cut: list[str]) -> tuple[FairTakeBack, Preemptor]:
     return FairTakeBack(AdmissionSettings(fairness="vtc"), preemptor, lambda: 100.0), preemptor
 
 
-async def _round(count: int) -> list[str]:
+async def _round(count: int) -> tuple[list[str], list[str]]:
+    """The streams cut, and the replicas the room was left for, by the two replicas."""
     store = MemoryStore()
     waiter = ClusterWaiter("r3", 0, "victim", 0.0, count, 1.0)  # waited 1 s on a third replica
     occupancy = Occupancy(120, {"flooder": 120}, {}, frozenset({"flooder", "victim"}))
     cut: list[str] = []
+    left: list[str] = []
     for name in ("r1", "r2"):
         take_back, _ = _replica(name, cut)
-        await take_back(_Share(name, store, (waiter,), occupancy))  # type: ignore[arg-type]
-    return cut
+        share = _Share(name, store, (waiter,), occupancy)
+        await take_back(share)  # type: ignore[arg-type]
+        left += share.left_for
+    return cut, left
 
 
 async def test_one_waiting_request_costs_one_preemption_across_replicas() -> None:
-    assert len(await _round(1)) == 1
+    cut, left = await _round(1)
+    assert len(cut) == 1
+    assert left == ["r3"]  # the room is left for the waiter's replica, which is nudged
 
 
 async def test_two_waiting_requests_get_one_preemption_each() -> None:
-    cut = await _round(2)
+    cut, left = await _round(2)
+    assert left == ["r3", "r3"]
     assert len(cut) == 2 and {rid.split("-")[0] for rid in cut} == {"r1", "r2"}
