@@ -22,16 +22,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from state.fair_shares import FairSlot, FairView
 from state.quotas import Quota, QuotaTaken
 
-if TYPE_CHECKING:
-    from state.registry_feed import RegistryFeed
-
 __all__ = [
     "DecodeUsage",
+    "RegistryFeed",
     "DrainMark",
     "Finished",
     "Reserved",
@@ -233,6 +231,29 @@ class Finished:
 
 
 @runtime_checkable
+class RegistryFeed(Protocol):
+    """A wait for the next change to the shared registry (state/registry_feed.py: on Redis
+    and in process)."""
+
+    async def start(self) -> None:
+        """Wait from here: before the registry read the next `wait` follows. Raises
+        `StoreError` when the store cannot be reached."""
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Until the registry changed since the last wait (or `start`): True; or its
+        connection was lost, or it was started again (the changes meanwhile unknown): True;
+        or `timeout_s` passed with no change: False. A wait after a lost connection starts
+        again first (and raises `StoreError` if it cannot)."""
+        ...
+
+    @property
+    def listening(self) -> bool:
+        """Started, and its connection not lost since."""
+        ...
+
+    async def close(self) -> None: ...
+
+
 class StateStore(Protocol):
     # -- decode reservations -------------------------------------------------------------
     async def set_capacity(self, worker_id: str, capacity_blocks: int) -> None:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping
 
-from state.base import DrainMark, RegistryView, TenantKey, TenantKeys, WorkerRole
+from state.base import DrainMark, RegistryFeed, RegistryView, TenantKey, TenantKeys, WorkerRole
 from state.holdback import RenewalHorizon
 from state.keys import check_digest, check_id, check_lease, check_role, check_tenant_key
-from state.registry_feed import FeedCounter, MemoryRegistryFeed, RegistryFeed
+from state.registry_feed import FeedCounter, MemoryRegistryFeed
 
 __all__ = ["MemoryRegistry"]
 

@@ -27,6 +27,7 @@ from redis.commands.core import AsyncScript
 from state.base import (
     DecodeUsage,
     DrainMark,
+    RegistryFeed,
     RegistryView,
     StoreError,
     TenantKey,
@@ -43,7 +44,7 @@ from state.redis_scripts import (
     SET_ROLE_SCRIPT,
     USAGE_SCRIPT,
 )
-from state.registry_feed import RedisRegistryFeed, RegistryFeed
+from state.registry_feed import RedisRegistryFeed
 from state.registry_scripts import (
     FORGET_ROLE_SCRIPT,
     FORGET_WORKER_SCRIPT,

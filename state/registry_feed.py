@@ -22,34 +22,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 import redis.asyncio as aioredis
 
 from state.base import StoreError
 from state.redis_conn import FAILURES as _FAILURES
 
-__all__ = ["FeedCounter", "MemoryRegistryFeed", "RedisRegistryFeed", "RegistryFeed"]
-
-
-class RegistryFeed(Protocol):
-    async def start(self) -> None:
-        """Wait from here: before the registry read the next `wait` follows. Raises
-        `StoreError` when the store cannot be reached."""
-
-    async def wait(self, timeout_s: float) -> bool:
-        """Until the registry changed since the last wait (or `start`): True; or its
-        connection was lost, or it was started again (the changes meanwhile unknown): True;
-        or `timeout_s` passed with no change: False. A wait after a lost connection starts
-        again first (and raises `StoreError` if it cannot)."""
-        ...
-
-    @property
-    def listening(self) -> bool:
-        """Started, and its connection not lost since."""
-        ...
-
-    async def close(self) -> None: ...
+__all__ = ["FeedCounter", "MemoryRegistryFeed", "RedisRegistryFeed"]
 
 
 class RedisRegistryFeed:

@@ -42,8 +42,7 @@ from router.workers.health_probe import HealthProber
 from router.workers.membership import Membership
 from router.workers.store_loss import StoreLoss
 from router.workers.worker_state import WorkerState
-from state.base import RegistryView, StateStore, StoreError, TenantKeys, UsageView
-from state.registry_feed import RegistryFeed
+from state.base import RegistryFeed, RegistryView, StateStore, StoreError, TenantKeys, UsageView
 
 __all__ = ["RegistrySync"]
 
