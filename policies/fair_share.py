@@ -97,6 +97,7 @@ __all__ = [
     "TakeBack",
     "handoff_to",
     "keeps_room",
+    "under_share",
     "yields_kept_room",
     "plan_take_back",
     "take_back",
@@ -197,6 +198,15 @@ def keeps_room(occupancy: Occupancy, tenant: str) -> bool:
     more than its share, and a client that sends its next request as its answer ends would
     otherwise find the room taken by a flood's waiter and wait for a take-back."""
     return occupancy.held.get(tenant, 0) <= occupancy.share(tenant)
+
+
+def under_share(occupancy: Occupancy, tenant: str) -> bool:
+    """`tenant` holds less than its share of the pool: a wait of its may be owed room (the
+    take-back's rule decides), so it is worth a sync when it reaches the bound
+    (router/fair_share.py `ClusterShare.waits`). A tenant at or over its share is served by
+    the order; a sync of its own for each of its new waits only moved the shares (simulator,
+    10 backlogged tenants: 3.0 → 5.5 % off the weights)."""
+    return occupancy.held.get(tenant, 0) < occupancy.share(tenant)
 
 
 def yields_kept_room(occupancy: Occupancy, tenant: str) -> bool:

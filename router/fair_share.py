@@ -52,7 +52,14 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 
 from policies.base import AdmissionCost, Tenant
-from policies.fair_share import ClusterWaiter, Occupancy, handoff_to, keeps_room, yields_kept_room
+from policies.fair_share import (
+    ClusterWaiter,
+    Occupancy,
+    handoff_to,
+    keeps_room,
+    under_share,
+    yields_kept_room,
+)
 from policies.fairness import VTCFairness
 from router.admission import Admission, AdmissionSettings
 from router.background import BackgroundTasks
@@ -161,6 +168,8 @@ class ClusterShare:
         settings = self.settings
         if line in self._lines or line in self._checks or settings.fair_preempt_per_s <= 0:
             return
+        if not under_share(self.occupancy, tenant):
+            return  # served by the order: no take-back to time
         if settings.fair_preempt_after_s <= 0:
             return
         loop = asyncio.get_running_loop()

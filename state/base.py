@@ -230,7 +230,6 @@ class Finished:
         )
 
 
-@runtime_checkable
 class RegistryFeed(Protocol):
     """A wait for the next change to the shared registry (state/registry_feed.py: on Redis
     and in process)."""
@@ -254,6 +253,7 @@ class RegistryFeed(Protocol):
     async def close(self) -> None: ...
 
 
+@runtime_checkable
 class StateStore(Protocol):
     # -- decode reservations -------------------------------------------------------------
     async def set_capacity(self, worker_id: str, capacity_blocks: int) -> None:

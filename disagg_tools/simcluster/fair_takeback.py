@@ -44,7 +44,14 @@ from dataclasses import dataclass
 from disagg_tools.simcluster.fair_queue import FairQueue
 from disagg_tools.simcluster.workers import DecodeWorker, Job
 from policies.base import blocks_for
-from policies.fair_share import FAIR_SHARE, PRIORITY, ClusterWaiter, Occupancy, plan_take_back
+from policies.fair_share import (
+    FAIR_SHARE,
+    PRIORITY,
+    ClusterWaiter,
+    Occupancy,
+    plan_take_back,
+    under_share,
+)
 from policies.fairness import VTCFairness
 from policies.preemption import StreamFacts
 
@@ -197,6 +204,8 @@ class FairTakeBack:
             return
         line = (job.waiting.priority, job.tenant)
         if line in self._registered[r].waiting or (r, line) in self._timed:
+            return
+        if not under_share(self._view(now)[1], job.tenant):
             return
         self._timed.add((r, line))
         at = now + self.settings.after_s + CHECK_MARGIN_S

@@ -32,7 +32,11 @@ def _settings(prefix: str, workers: list[dict[str, Any]], **extra: Any) -> Any:
 
 
 @contextlib.asynccontextmanager
-async def two_replicas_with_prefill_only(prefix: str) -> AsyncIterator[tuple[str, str, str]]:
+async def two_replicas_with_prefill_only(
+    prefix: str, **extra: Any
+) -> AsyncIterator[tuple[str, str, str]]:
+    """Two router replicas on one key prefix with one prefill worker; `extra`: settings over
+    the test's own (`_settings`)."""
     async with contextlib.AsyncExitStack() as stack:
         p_url = await stack.enter_async_context(
             running_worker(
@@ -47,8 +51,8 @@ async def two_replicas_with_prefill_only(prefix: str) -> AsyncIterator[tuple[str
             )
         )
         workers = [{"id": "p0", "url": p_url, "role": "prefill", "adapter": "sim"}]
-        a, _ = await stack.enter_async_context(running_router(_settings(prefix, workers)))
-        b, _ = await stack.enter_async_context(running_router(_settings(prefix, workers)))
+        a, _ = await stack.enter_async_context(running_router(_settings(prefix, workers, **extra)))
+        b, _ = await stack.enter_async_context(running_router(_settings(prefix, workers, **extra)))
         yield a, b, p_url
 
 

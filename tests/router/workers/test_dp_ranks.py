@@ -306,7 +306,11 @@ async def test_a_registered_dp_worker_joins_every_replica_as_its_ranks(redis_pre
         kv_lease_s=30.0 * 500,
     )
     async with (
-        two_replicas_with_prefill_only(redis_prefix) as (a, b, _),
+        two_replicas_with_prefill_only(redis_prefix, loops={"registry_quiet_wait_s": 0.5}) as (
+            a,
+            b,
+            _,
+        ),
         running_dp_worker(config, 2) as d_url,
         aiohttp.ClientSession() as s,
     ):
@@ -529,15 +533,22 @@ async def test_a_dp_pod_is_discovered_as_its_ranks_and_leaves_as_one(
 
 
 async def test_a_dp_registration_survives_a_store_that_lost_its_data(redis_prefix: str) -> None:
-    """The store restarted empty: each replica puts back the entry's one registration (not one
-    per rank), and the ranks stay in the pools of both."""
+    """The store lost its data: each replica puts back the entry's one registration (not one
+    per rank), and the ranks stay in the pools of both. The keys are deleted under a Redis that
+    keeps running, which a quiet replica notices within `loops.registry_quiet_wait_s` (a
+    restart breaks its change feed's connection: at once); the wait is short here, as the
+    test's bound."""
     auth = {"Authorization": f"Bearer {TOKEN}"}
     config = WorkerConfig(
         role="decode", worker_id="dd", model=MODEL, time_scale=500.0, kv_blocks=512,
         kv_lease_s=30.0 * 500,
     )  # fmt: skip
     async with (
-        two_replicas_with_prefill_only(redis_prefix) as (a, b, _),
+        two_replicas_with_prefill_only(redis_prefix, loops={"registry_quiet_wait_s": 0.5}) as (
+            a,
+            b,
+            _,
+        ),
         running_dp_worker(config, 2) as d_url,
         aiohttp.ClientSession() as s,
     ):
