@@ -168,8 +168,9 @@ class ClusterShare:
         settings = self.settings
         if line in self._lines or line in self._checks or settings.fair_preempt_per_s <= 0:
             return
-        if not under_share(self.occupancy, tenant):
-            return  # served by the order: no take-back to time
+        occupancy = self.occupancy
+        if occupancy.capacity > 0 and not under_share(occupancy, tenant):
+            return  # at or over its share, as last synced: served by the order
         if settings.fair_preempt_after_s <= 0:
             return
         loop = asyncio.get_running_loop()
