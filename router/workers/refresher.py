@@ -269,9 +269,14 @@ class StateRefresher:
         return self._timing.rider is self
 
     def _can_ride(self, idle_cap: float) -> bool:
-        """A registry sync runs, at a beat no slower than this refresher's quiet cadence."""
+        """A registry sync runs, at a beat no slower than this refresher's quiet cadence, and
+        the last read showed no reservation but this replica's own. Another replica's (a
+        killed one's, until its lease runs out) keeps this one reading at its quiet cadence:
+        the read is what purges it once expired (the usage script), and a quiet replica riding
+        the change feed reads nothing (the state machine: a killed replica's reservations on a
+        worker never purged while both survivors were quiet)."""
         period = self._timing.carrier_period
-        return period is not None and period <= idle_cap
+        return self.alone and period is not None and period <= idle_cap
 
     async def _ride(self) -> bool:
         """Hand this refresher's reads to the registry sync's beat until one shows a change or
