@@ -18,6 +18,7 @@ from disagg_tools.overhead.idle import idle_phase
 from disagg_tools.overhead.measure import Segment, combine, measure
 from disagg_tools.overhead.overhead_client import LoadSpec
 from disagg_tools.overhead.overhead_report import add_deltas
+from disagg_tools.overhead.private_redis import redis_for_run
 from disagg_tools.overhead.targets import (
     StartedRouter,
     Workers,
@@ -182,12 +183,15 @@ async def run(ns: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         "log_dir": str(log_dir),
     }
     t0 = time.monotonic()
-    result["runs"] = await _phase(ns, log_dir, result["router_commands"], saturation=False)
-    add_deltas(result["runs"])
-    if ns.saturation:
-        result["saturation"] = await _phase(ns, log_dir, result["router_commands"], saturation=True)
-    if ns.idle_s > 0:
-        result["idle"] = await idle_phase(ns, log_dir)
+    async with redis_for_run(ns, log_dir):
+        result["redis_url"] = ns.redis_url
+        result["runs"] = await _phase(ns, log_dir, result["router_commands"], saturation=False)
+        add_deltas(result["runs"])
+        if ns.saturation:
+            commands = result["router_commands"]
+            result["saturation"] = await _phase(ns, log_dir, commands, saturation=True)
+        if ns.idle_s > 0:
+            result["idle"] = await idle_phase(ns, log_dir)
     result["machine"]["loadavg_at_end"] = os.getloadavg()
     result["elapsed_s"] = round(time.monotonic() - t0, 1)
     return result

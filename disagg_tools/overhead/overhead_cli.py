@@ -118,6 +118,13 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
         help="for the ours_redis and ours_dropin targets (a fresh key prefix per router start)",
     )
     p.add_argument(
+        "--private-redis",
+        action="store_true",
+        help="start a Redis of the run's own on the load core and point the Redis targets at "
+        "it, instead of --redis-url: the router's core then runs the router alone, as in a "
+        "deployment whose Redis is on other hosts (disagg_tools/overhead/private_redis.py)",
+    )
+    p.add_argument(
         "--tenants",
         type=int,
         default=8,

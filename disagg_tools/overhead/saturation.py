@@ -54,6 +54,7 @@ from disagg_tools.overhead.measure import Segment, measure
 from disagg_tools.overhead.overhead_cli import add_common_arguments, parse, pinned
 from disagg_tools.overhead.overhead_client import LoadSpec, StreamRecord, run_arrivals
 from disagg_tools.overhead.overhead_report import percentile, replace_between_markers, summarize
+from disagg_tools.overhead.private_redis import redis_for_run
 from disagg_tools.overhead.targets import StartedRouter, Workers, start_router, start_workers
 from disagg_tools.procs import HOST
 from disagg_tools.progress import note
@@ -392,6 +393,11 @@ def add_ratios(rows: list[dict[str, Any]], peer: str = "vllm") -> None:
 
 
 async def run(ns: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    async with redis_for_run(ns, log_dir):
+        return await _run(ns, log_dir)
+
+
+async def _run(ns: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     result: dict[str, Any] = {
         "params": {k: v for k, v in vars(ns).items() if not k.endswith("_")},
         "command": " ".join(["python -m disagg_tools.overhead.saturation", *ns.argv_]),
@@ -446,6 +452,12 @@ def _f(x: Any, digits: int = 1) -> str:
     return "—" if x is None else f"{x:.{digits}f}"
 
 
+def _redis_note(params: dict[str, Any]) -> str:
+    if params.get("private_redis"):
+        return "the run's own, on the load core"
+    return f"{params.get('redis_url', '?')}, unpinned"
+
+
 def markdown(result: dict[str, Any]) -> str:
     p = result["params"]
     m = result["machine"]
@@ -455,7 +467,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"Open-loop {p['arrivals']} arrivals of streaming "
         f"{'chat ' if p['chat'] else ''}completions, a token every {p['interval_ms']:g} ms, "
         f"steps of max({p['step_requests']} answers, {p['step_s']:g} s) after "
-        f"{p['warmup_s']:g} s of warm-up; load average {m['loadavg_at_start'][0]:.2f} at the "
+        f"{p['warmup_s']:g} s of warm-up; Redis: {_redis_note(p)}; load average "
+        f"{m['loadavg_at_start'][0]:.2f} at the "
         f"start, {m['loadavg_at_end'][0]:.2f} at the end; {result['elapsed_s']:.0f} s.",
         "",
         "| answer tokens | target | sustained req/s | limited by | added TTFT p50 / p99 ms "
