@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Self, cast
 
 import hiredis
@@ -69,6 +69,8 @@ _IMPLEMENTED = frozenset(
 _INTERNAL_PREFIXES = ("himport_registry", "maint_notifications", "orig_")
 _INTERNAL = frozenset({"retry"})
 
+# hiredis's stub types the command as a 1-tuple; it takes any number of arguments.
+_pack: Callable[[tuple[Arg, ...]], bytes] = cast(Any, hiredis.pack_command)
 _MORE = object()  # hiredis's answer when the buffer holds no whole reply yet
 
 
@@ -84,48 +86,14 @@ def _reply_error(message: str) -> ResponseError:
 
 
 def encode_commands(commands: Sequence[Sequence[Arg]]) -> bytes:
-    """Commands as RESP arrays of bulk strings, one bytes object for one write."""
-    return _encode_as_text(commands) or _encode_as_bytes(commands)
-
-
-def _encode_as_text(commands: Sequence[Sequence[Arg]]) -> bytes | None:
-    """The common case, twice as fast as `_encode_as_bytes`: every argument a str or an int,
-    all of it ASCII (so a str's length is its length in bytes), encoded once at the end.
-    None for anything else."""
-    out = []
-    for command in commands:
-        out.append(f"*{len(command)}\r\n")
-        for arg in command:
-            if type(arg) is str:
-                out.append(f"${len(arg)}\r\n{arg}\r\n")
-            elif type(arg) is int:  # not a bool, which is not a Redis value
-                digits = str(arg)
-                out.append(f"${len(digits)}\r\n{digits}\r\n")
-            else:
-                return None
-    text = "".join(out)
-    return text.encode() if text.isascii() else None
-
-
-def _encode_as_bytes(commands: Sequence[Sequence[Arg]]) -> bytes:
-    out = []
-    for command in commands:
-        out.append(b"*%d\r\n" % len(command))
-        for arg in command:
-            data = _encode_arg(arg)
-            out.append(b"$%d\r\n%b\r\n" % (len(data), data))
-    return b"".join(out)
-
-
-def _encode_arg(arg: Arg) -> bytes:
-    if isinstance(arg, bytes):
-        return arg
-    if isinstance(arg, str):
-        return arg.encode()
-    if isinstance(arg, bool) or not isinstance(arg, int | float):
-        # As redis-py's encoder: a bool or None is a bug in the caller, not a value.
-        raise TypeError(f"a Redis argument must be bytes, str, int or float, not {type(arg)}")
-    return repr(arg).encode()
+    """Commands as RESP arrays of bulk strings, one bytes object for one write: hiredis's C
+    encoder (half the CPU of a Python one, every command of every request goes through here).
+    It takes bytes, str (UTF-8), int and float (as repr), and refuses a bool or None with a
+    TypeError, as redis-py does: such an argument is a bug in the caller, not a value."""
+    if len(commands) == 1:
+        (command,) = commands
+        return _pack(command if type(command) is tuple else tuple(command))
+    return b"".join([_pack(c if type(c) is tuple else tuple(c)) for c in commands])
 
 
 class _Waiter:

@@ -81,6 +81,11 @@ def test_commands_are_encoded_as_resp_arrays() -> None:
     assert encode_commands([("ZADD", "z", 1.5, "m")]).count(b"$3\r\n1.5\r\n") == 1
     # Lengths in bytes, not characters, for text that is not ASCII.
     assert encode_commands([("SET", "é", 1)]) == b"*3\r\n$3\r\nSET\r\n$2\r\n\xc3\xa9\r\n$1\r\n1\r\n"
+    # A float as its repr (what the scripts' tonumber reads back exactly); a command given as
+    # a list encodes as the same tuple would.
+    assert encode_commands([["ZADD", "z", 0.1 + 0.2, "m"]]) == encode_commands(
+        [("ZADD", "z", "0.30000000000000004", "m")]
+    )
     with pytest.raises(TypeError):
         encode_commands([("SET", "k", None)])  # type: ignore[list-item]
     with pytest.raises(TypeError):
