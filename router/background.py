@@ -40,6 +40,7 @@ class BackgroundTasks:
         self._last_logged: dict[str, float] = {}
         self._unlogged: dict[str, int] = {}
         self.failures = 0
+        self.closed = False
 
     def __repr__(self) -> str:
         return (
@@ -62,6 +63,12 @@ class BackgroundTasks:
         self, coro: Coroutine[Any, Any, Any], name: str, into: set[asyncio.Task[Any]]
     ) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro, name=name)
+        if self.closed:
+            # Started by a timer or a callback that outlived the shutdown (a fair-share sync
+            # after its wait's timer, a nudge): cancelled before its first step, so that it
+            # opens no connection to a store that is closed or closing, which nobody would
+            # close again (an "unclosed transport" at the next garbage collection).
+            task.cancel()
         into.add(task)
         task.add_done_callback(lambda t: self._ended(t, into))
         return task
@@ -88,7 +95,9 @@ class BackgroundTasks:
         log.warning("background task %s failed: %r%s", name, exc, suffix)
 
     async def close(self, drain_s: float = 5.0) -> None:
-        """Give jobs `drain_s` to finish, then cancel whatever is left, loops first."""
+        """Give jobs `drain_s` to finish, then cancel whatever is left, loops first. Anything
+        started from then on is cancelled before it runs."""
+        self.closed = True
         await self._cancel(self._loops)
         if self._jobs:
             await asyncio.wait(set(self._jobs), timeout=drain_s)

@@ -66,7 +66,7 @@ from router.background import BackgroundTasks
 from state.base import StateStore, StoreError
 from state.fair_shares import FairSlot, FairView
 
-__all__ = ["ClusterShare"]
+__all__ = ["ClusterShare", "claim_ttl_s"]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,13 @@ _LEASE_PERIODS = 10
 # A timed sync fires this much after the wait it is for reached `fair_preempt_after_s`: the
 # loop's timers may fire a hair early, and the waiter's age must be past the bound.
 _CHECK_MARGIN_S = 0.002
+
+
+def claim_ttl_s(settings: AdmissionSettings) -> float:
+    """How long a claimed waiting request is not claimed again (router/request/fair_takeback.py),
+    and how long room taken back for it is its: the room's way to it (a nudge, a placement)
+    and its replica's and the taker's next syncs, 4 sync periods, at least 0.1 s."""
+    return max(0.1, 4 * settings.fair_sync_s)
 
 
 class ClusterShare:
@@ -315,9 +322,14 @@ class ClusterShare:
         pause = self.settings.fair_sync_s
         while True:
             try:
-                async for _ in self.store.fair_nudges(self.replica):
+                async for line in self.store.fair_nudges(self.replica):
                     pause = self.settings.fair_sync_s
                     self.nudges_heard += 1
+                    if line is not None:
+                        # Another replica took room back for this line's waiters here: the
+                        # room is theirs, not this queue's order's next (which may be an
+                        # older request of the very tenant whose stream was preempted).
+                        self.admission.earmark(*line, claim_ttl_s(self.settings))
                     # Another replica's waiter may be owed streams this one relays: sync now.
                     self._sync_now.set()
                     self.start()
@@ -328,23 +340,27 @@ class ClusterShare:
             await asyncio.sleep(pause)
             pause = min(2 * pause, 5.0)
 
-    async def _nudge(self, replica: str) -> None:
+    async def _nudge(self, replica: str, line: FairSlot | None = None) -> None:
         try:
-            await self.store.fair_nudge(replica)
+            await self.store.fair_nudge(replica, line)
         except StoreError as exc:  # the refresh still finds the room, a period later
             log.debug("fair share nudge to %s failed: %s", replica, exc)
 
     # -- the hand-off -----------------------------------------------------------------------
-    def leave_for(self, replica: str, for_s: float) -> None:
-        """This replica preempted streams for a waiter on `replica` (router/request/
-        fair_takeback.py): the room they free is left for `for_s` to the waiters the hand-off
-        rule names, and `replica` is nudged to read it now. Without it the room could go to
-        this replica's own flood once the hand-off's grace had run out (it may, waiting for
-        the take-back's budget): issue 33's split rows lost a take-back's room so."""
+    def leave_for(self, replica: str, line: FairSlot, for_s: float) -> None:
+        """This replica preempted streams for the waiters of `line` (class, tenant) on
+        `replica` (router/request/fair_takeback.py): the room they free is left for `for_s` to
+        the waiters the hand-off rule names, and `replica` is nudged with the line, which it
+        wakes first for as long (`_listen`). Without the first, the room could go to this
+        replica's own flood once the hand-off's grace had run out (issue 33's split rows lost a
+        take-back's room so); without the second, to the waiting replica's own queue order,
+        whose next may be the flooder's oldest request (the spread rows' tail: a victim's wait
+        of 0.3-0.6 s, its first take-back's room taken by the flood, the next one blocked by
+        the claim for its time)."""
         self._leaving_until = max(self._leaving_until, self.clock() + for_s)
         asyncio.get_running_loop().call_later(for_s, self.admission.notify)
         self.nudges_sent += 1
-        self.tasks.job(self._nudge(replica), "fair-share-nudge")
+        self.tasks.job(self._nudge(replica, line), "fair-share-nudge")
 
     def hold_s(self, tenant: Tenant, priority: int, cost: AdmissionCost, need: int) -> float | None:
         """Seconds to leave the room this replica found for a request of `tenant` (class

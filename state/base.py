@@ -513,14 +513,16 @@ class StateStore(Protocol):
         script on Redis (the `{fair}` slot)."""
         ...
 
-    async def fair_nudge(self, replica: str) -> None:
+    async def fair_nudge(self, replica: str, line: FairSlot | None = None) -> None:
         """Tell `replica` that room was left for its waiters (router/fair_share.py's hand-off),
-        so that it reads the store now rather than at its next refresh. Best effort: a nudge
-        nobody hears costs the waiter one refresh period, nothing more."""
+        so that it reads the store now rather than at its next refresh; `line` (class, tenant):
+        the waiters a take-back made the room for, whom `replica` wakes before its order's next.
+        Best effort: a nudge nobody hears costs the waiter one refresh period, nothing more."""
 
-    def fair_nudges(self, replica: str) -> AsyncIterator[None]:
-        """The nudges sent to `replica`, one item each, as they come, until the caller stops
-        reading (closing the iterator unsubscribes). StoreError when the store is down."""
+    def fair_nudges(self, replica: str) -> AsyncIterator[FairSlot | None]:
+        """The nudges sent to `replica`, one item each (its line, or None), as they come, until
+        the caller stops reading (closing the iterator unsubscribes). StoreError when the store
+        is down."""
         ...
 
     # -- lifecycle ------------------------------------------------------------------------

@@ -46,6 +46,9 @@ __all__ = [
     "FairView",
     "FairWaiter",
     "check_fair_sync",
+    "check_nudge_line",
+    "decode_nudge_line",
+    "encode_nudge_line",
     "fair_sync_now",
 ]
 
@@ -122,6 +125,39 @@ def check_fair_sync(
     for count, age in waiting.values():
         if count < 1 or not (math.isfinite(age) and age >= 0):
             raise ValueError(f"a waiter needs count >= 1 and age >= 0, got {count}, {age}")
+
+
+def check_nudge_line(line: FairSlot) -> None:
+    """A nudge's line names a class and a tenant as a registration does (ValueError else)."""
+    priority, tenant = line
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority must be an int, got {priority!r}")
+    if not tenant or "|" in tenant:
+        raise ValueError(f"tenant must be a non-empty name without '|': {tenant!r}")
+
+
+def encode_nudge_line(line: FairSlot | None) -> bytes:
+    """A nudge's message on the store's pub/sub: b"" for none, else b"<class>|<tenant>"."""
+    if line is None:
+        return b""
+    check_nudge_line(line)
+    return f"{line[0]}|{line[1]}".encode()
+
+
+def decode_nudge_line(data: object) -> FairSlot | None:
+    """The line a nudge names, None for a bare nudge or one this version cannot read (a
+    replica of another version: the nudge still wakes the queue, by its order)."""
+    if isinstance(data, bytes):
+        data = data.decode(errors="replace")
+    if not isinstance(data, str) or "|" not in data:
+        return None
+    priority, _, tenant = data.partition("|")
+    try:
+        line = (int(priority), tenant)
+        check_nudge_line(line)
+    except ValueError:
+        return None
+    return line
 
 
 def fair_sync_now(

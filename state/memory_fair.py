@@ -6,7 +6,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
 
-from state.fair_shares import FairSlot, FairTable, FairView, check_fair_sync, fair_sync_now
+from state.fair_shares import (
+    FairSlot,
+    FairTable,
+    FairView,
+    check_fair_sync,
+    check_nudge_line,
+    fair_sync_now,
+)
 
 __all__ = ["MemoryFair"]
 
@@ -17,7 +24,7 @@ class MemoryFair:
 
     _clock: Callable[[], float]
     _fair: FairTable
-    _nudged: dict[str, list[asyncio.Queue[None]]]
+    _nudged: dict[str, list[asyncio.Queue[FairSlot | None]]]
     _claims: dict[str, float]  # "<line>|<k>" -> when its claim expires
 
     async def fair_sync(
@@ -49,17 +56,18 @@ class MemoryFair:
                     got[line] += 1
         return got
 
-    async def fair_nudge(self, replica: str) -> None:
+    async def fair_nudge(self, replica: str, line: FairSlot | None = None) -> None:
+        if line is not None:
+            check_nudge_line(line)
         for queue in self._nudged.get(replica, ()):
-            queue.put_nowait(None)
+            queue.put_nowait(line)
 
-    async def fair_nudges(self, replica: str) -> AsyncIterator[None]:
-        queue: asyncio.Queue[None] = asyncio.Queue()
+    async def fair_nudges(self, replica: str) -> AsyncIterator[FairSlot | None]:
+        queue: asyncio.Queue[FairSlot | None] = asyncio.Queue()
         self._nudged.setdefault(replica, []).append(queue)
         try:
             while True:
-                await queue.get()
-                yield None
+                yield await queue.get()
         finally:
             listening = self._nudged[replica]
             listening.remove(queue)

@@ -31,7 +31,7 @@ from state.base import (
     StrandIntent,
     UsageView,
 )
-from state.fair_shares import FairTable
+from state.fair_shares import FairSlot, FairTable
 from state.keys import (
     RETRY_RETENTION_S,
     check_count,
@@ -125,7 +125,9 @@ class MemoryStore(MemoryRegistry, MemoryQuotas, MemoryFair):
         self._outputs: dict[str, Counter[int]] = {}
         self._quotas: dict[str, Buckets] = {}  # tenant -> its quota state (MemoryQuotas)
         self._fair = FairTable()  # the cluster's fair share (MemoryFair)
-        self._nudged: dict[str, list[asyncio.Queue[None]]] = {}  # (MemoryFair) by replica
+        self._nudged: dict[
+            str, list[asyncio.Queue[FairSlot | None]]
+        ] = {}  # (MemoryFair) by replica
         self._claims: dict[str, float] = {}  # (MemoryFair) take-back claims' expiries
 
     def _drop_worker(self, worker_id: str) -> None:

@@ -13,7 +13,14 @@ from redis.commands.core import AsyncScript
 
 from state.base import StoreError
 from state.fair_scripts import FAIR_CLAIM_SCRIPT, FAIR_SYNC_SCRIPT
-from state.fair_shares import FairSlot, FairView, FairWaiter, check_fair_sync
+from state.fair_shares import (
+    FairSlot,
+    FairView,
+    FairWaiter,
+    check_fair_sync,
+    decode_nudge_line,
+    encode_nudge_line,
+)
 from state.redact import mask_urls
 from state.redis_conn import FAILURES, RedisConnection, store_call, text
 
@@ -102,10 +109,10 @@ class RedisFair(RedisConnection):
         return got
 
     @store_call
-    async def fair_nudge(self, replica: str) -> None:
-        await self._client.publish(self._keys.fair_nudge(replica), b"")
+    async def fair_nudge(self, replica: str, line: FairSlot | None = None) -> None:
+        await self._client.publish(self._keys.fair_nudge(replica), encode_nudge_line(line))
 
-    async def fair_nudges(self, replica: str) -> AsyncIterator[None]:
+    async def fair_nudges(self, replica: str) -> AsyncIterator[FairSlot | None]:
         """A subscription of its own (one connection, redis-py's pub/sub; on a cluster the
         message reaches every node, so any node serves it)."""
         pubsub = self._client.pubsub()
@@ -120,7 +127,7 @@ class RedisFair(RedisConnection):
                 except FAILURES as exc:
                     raise _failed(exc) from exc
                 if message is not None and message.get("type") == "message":
-                    yield None
+                    yield decode_nudge_line(message.get("data"))
         finally:
             # Shielded: a shutdown cancels a task again until it ends (router/background.py);
             # a second cancel inside the close would leave its connection's socket open.

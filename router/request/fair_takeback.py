@@ -34,19 +34,13 @@ from collections.abc import Callable
 from policies.fair_share import TakeBack, plan_take_back
 from policies.preemption import StreamFacts
 from router.admission import AdmissionSettings
-from router.fair_share import ClusterShare
+from router.fair_share import ClusterShare, claim_ttl_s
 from router.request.preemption import FAIR_SHARE, PRIORITY, Preemptor, Victims
 from state.base import StoreError
 
 __all__ = ["FAIR_SHARE", "PRIORITY", "FairTakeBack", "claim_ttl_s"]
 
 log = logging.getLogger(__name__)
-
-
-def claim_ttl_s(settings: AdmissionSettings) -> float:
-    """How long a claimed waiting request is not claimed again: the room's way to it (a nudge, a
-    placement) and its replica's and this one's next syncs, 4 sync periods, at least 0.1 s."""
-    return max(0.1, 4 * settings.fair_sync_s)
 
 
 class FairTakeBack:
@@ -118,7 +112,7 @@ class FairTakeBack:
             if replica == share.replica:
                 share.admission.earmark(priority, tenant, claim_ttl_s(self.settings))
             else:
-                share.leave_for(replica, claim_ttl_s(self.settings))
+                share.leave_for(replica, (priority, tenant), claim_ttl_s(self.settings))
         if for_class:
             self.preemptor.preempt(Victims(for_class, False), PRIORITY)
         if for_share:

@@ -94,6 +94,37 @@ def _wait(adm: Admission, tenant: Tenant) -> asyncio.Task[int]:
     return loop.create_task(adm.wait(0, request.ticket, loop.time() + 60, request))
 
 
+async def _parked(adm: Admission, n: int) -> None:
+    """Until `n` requests are parked in `adm`'s queue (a task parks on its first turn)."""
+    for _ in range(10):
+        if adm.waiting >= n:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"{adm.waiting} parked, not {n}")
+
+
+async def _heard(share: ClusterShare, nudges: int, bound_s: float = 5.0) -> None:
+    """Until `share` has heard `nudges` nudges in all."""
+    for _ in range(int(bound_s / 0.01)):
+        if share.nudges_heard >= nudges:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{share.nudges_heard} nudges heard, not {nudges}")
+
+
+async def _listening(share: ClusterShare, other: ClusterShare) -> None:
+    """Until `share`'s nudge subscription is live (subscribing takes a round trip on Redis):
+    `other` nudges it, each nudge sent in full before the next, until one is heard."""
+    for _ in range(100):
+        heard = share.nudges_heard
+        await other._nudge(share.replica)
+        for _ in range(5):
+            if share.nudges_heard > heard:
+                return
+            await asyncio.sleep(0.01)
+    raise AssertionError("the nudges were never heard")
+
+
 async def _cancel(*tasks: asyncio.Task[int]) -> None:
     for t in tasks:
         t.cancel()
@@ -175,7 +206,7 @@ async def test_room_taken_back_for_a_waiter_elsewhere_is_left_for_it(redis_prefi
             while not any(w.tenant == "victim" for w in s1.waiters):
                 await s1.sync()
         assert s1.hold_s(AGGRESSOR, 0, COST, 15) is None  # the hand-off's grace: none
-        s1.leave_for("r0", 0.2)
+        s1.leave_for("r0", (0, "victim"), 0.2)
         left = s1.hold_s(AGGRESSOR, 0, COST, 15)
         assert left is not None and 0 < left <= 0.2
         assert s1.hold_s(VICTIM, 0, COST, 15) is None  # the victim's own request may take it
@@ -183,3 +214,46 @@ async def test_room_taken_back_for_a_waiter_elsewhere_is_left_for_it(redis_prefi
         await _cancel(victim)
         await tasks.close()
         await store.close()
+
+
+async def test_room_taken_back_elsewhere_goes_to_its_line_not_to_the_queues_next(
+    redis_prefix: str,
+) -> None:
+    """The spread row's tail (issue 33): r1 preempts a stream for the victim waiting on r0, but
+    r0's own queue also holds an older request of the flooder, next by its order (the victim,
+    back from idle, is lifted to the floor: a tie, the older request first). The nudge names
+    the line it was for, and r0 wakes that line's waiter first for the claim's time; without
+    the line, the flooder's request took the room and the claim kept anyone from taking more
+    back for the victim for its time (waits of 0.3-0.6 s)."""
+    async with replicas(redis_prefix, 2) as [(a0, s0, _), (_, s1, _)]:
+        flood = _wait(a0, AGGRESSOR)  # older: the order's next at a tie
+        await asyncio.sleep(0.01)
+        victim = _wait(a0, VICTIM)
+        try:
+            await _parked(a0, 2)
+            await _listening(s0, s1)
+            heard = s0.nudges_heard
+            s1.leave_for("r0", (0, "victim"), 0.5)
+            await _heard(s0, heard + 1)
+            a0.notify(budget=1)  # the room the preemption frees: one wake-up
+            await asyncio.wait({victim, flood}, timeout=3.0, return_when=asyncio.FIRST_COMPLETED)
+            assert victim.done() and not flood.done()
+        finally:
+            await _cancel(flood, victim)
+
+
+async def test_a_bare_nudge_wakes_the_queue_in_its_order(redis_prefix: str) -> None:
+    """The same without a line (a hand-off's nudge, or a replica of an older version): the
+    queue's order decides, the older request first."""
+    async with replicas(redis_prefix, 2) as [(a0, s0, _), (_, s1, _)]:
+        flood = _wait(a0, AGGRESSOR)
+        await asyncio.sleep(0.01)
+        victim = _wait(a0, VICTIM)
+        try:
+            await _parked(a0, 2)
+            await _listening(s0, s1)
+            a0.notify(budget=1)
+            await asyncio.wait({victim, flood}, timeout=3.0, return_when=asyncio.FIRST_COMPLETED)
+            assert flood.done() and not victim.done()
+        finally:
+            await _cancel(flood, victim)

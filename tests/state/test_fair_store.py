@@ -190,3 +190,37 @@ async def test_a_waiters_requests_are_claimed_once_across_replicas(store: StateS
     assert await store.fair_claim({line: (0, 1)}, "r3", 0.3) == {line: 0}
     await asyncio.sleep(0.5)  # the claims expire: the requests may be claimed again
     assert await store.fair_claim({line: (2, 2)}, "r2", 0.3) == {line: 2}
+
+
+async def test_a_nudge_names_the_line_it_left_room_for(store: StateStore) -> None:
+    """A take-back's nudge carries the waiter line (class, tenant) the room is for, which the
+    nudged replica wakes first (router/fair_share.py `_listen`); a hand-off's nudge names none.
+    A line the store could not carry back is refused before anything is sent."""
+    for bad in ((0, ""), (0, "a|b")):
+        with pytest.raises(ValueError):
+            await store.fair_nudge("r1", bad)
+    nudges = store.fair_nudges("r1")
+    heard: list[tuple[int, str] | None] = []
+    reading = asyncio.ensure_future(anext(nudges))
+    try:
+        # Subscribing takes a round trip on Redis: nudge until the first is heard.
+        async with asyncio.timeout(10):
+            while not reading.done():
+                await store.fair_nudge("r1")
+                await asyncio.sleep(0.05)
+        while True:  # the bare nudges sent before the first was heard
+            heard.append(reading.result())
+            await store.fair_nudge("r1", (2, "tenant-é"))
+            await store.fair_nudge("r1")
+            reading = asyncio.ensure_future(anext(nudges))
+            async with asyncio.timeout(10):
+                first = await reading
+            if first is not None:
+                break
+        async with asyncio.timeout(10):
+            second = await anext(nudges)
+        assert heard[0] is None
+        assert first == (2, "tenant-é") and second is None
+    finally:
+        reading.cancel()
+        await nudges.aclose()

@@ -25,8 +25,9 @@ class _Share:
     occupancy: Occupancy
     left_for: list[str] = field(default_factory=list)
 
-    def leave_for(self, replica: str, for_s: float) -> None:
-        """The room taken back is left for a waiter on `replica` (ClusterShare.leave_for)."""
+    def leave_for(self, replica: str, line: tuple[int, str], for_s: float) -> None:
+        """The room taken back is left for a waiter of `line` on `replica`
+        (ClusterShare.leave_for)."""
         self.left_for.append(replica)
 
 
