@@ -505,9 +505,22 @@ class Admission:
         """The waiter `ticket` woke and found no room: wake the next one in line that this
         wake-up has not tried, with what is left of its budget (nothing when it is spent)."""
         tried = self._tried.pop(ticket, (ticket,))
-        if budget < 1:
+        if budget < 1 or self._earmarked_for(ticket):
+            # An earmarked line's waiter found the room not free yet (the preempted stream's
+            # release is on its way): it is woken again when it lands. Passed on, the room
+            # would go to whoever tries next, the very tenant it was taken from as likely as not.
             return
         self._wake(budget, tried)
+
+    def _earmarked_for(self, ticket: int) -> bool:
+        """Whether the waiter `ticket` is of a line whose earmark has not lapsed."""
+        if not self._earmarks:
+            return False
+        request = self._queued.get(ticket)
+        if request is None:
+            return False
+        until = self._earmarks.get((request.priority, request.tenant.name))
+        return until is not None and until >= self._clock()
 
     def _wake(self, budget: int, tried: tuple[int, ...]) -> None:
         if not self._parked:

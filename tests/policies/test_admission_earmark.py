@@ -56,9 +56,14 @@ async def test_an_earmarked_tenant_is_woken_before_the_orders_next_until_admitte
     admission.earmark(0, "victim", 0.2)
     admission.notify(budget=1)
     assert await _woken(tasks) == [3]
-    # Woken, it found no room and passed the wake-up on: the order's next, not itself again.
+    # Woken, it found the room not free yet (the preempted stream's release is on its way):
+    # the wake-up is not passed on, or the order's next, the flooder, would take the room.
     admission.pass_on(0, 3, 1)
-    assert sorted(await _woken(tasks)) == [2, 3]
+    assert await _woken(tasks) == [3]
+    # It waits again, and the release's wake-up is its.
+    tasks[3] = await _park(admission, 3, VICTIM)
+    admission.notify(budget=1)
+    assert await _woken(tasks) == [3]
     # Admitted, the mark is spent.
     admission.admitted(WaitingRequest(3, VICTIM, 0, _COST))
     assert not admission._earmarks
@@ -79,4 +84,19 @@ async def test_an_earmark_expires_and_one_without_a_waiter_changes_nothing() -> 
     admission.notify(budget=1)
     assert await _woken(tasks) == [2]
     assert not admission._earmarks
+    await _close(admission, tasks)
+
+
+async def test_once_the_mark_lapses_a_failed_wake_up_is_passed_on() -> None:
+    """The hold is bounded by the mark: an earmarked waiter that still finds no room after it
+    lapses passes its wake-up on as any waiter does (the room is not left idle)."""
+    clock = Clock()
+    admission = Admission(AdmissionSettings(), VTCFairness(), clock=clock)
+    tasks = {1: await _park(admission, 1, FLOODER), 3: await _park(admission, 3, VICTIM)}
+    admission.earmark(0, "victim", 0.2)
+    admission.notify(budget=2)
+    assert await _woken(tasks) == [3]
+    clock.now += 0.3
+    admission.pass_on(0, 3, 1)
+    assert sorted(await _woken(tasks)) == [1, 3]
     await _close(admission, tasks)
