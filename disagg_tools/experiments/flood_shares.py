@@ -140,7 +140,8 @@ def backlogged(res: SimResult, tenants: Sequence[str], t0: float, t1: float) -> 
 
 def share_errors(res: SimResult, weights: dict[str, float], t0: float, t1: float) -> dict[str, Any]:
     """The module's share error over [t0, t1): worst, median, per weight class."""
-    keep = backlogged(res, list(weights), t0, t1)
+    # In name order: the sums below then do not vary in their last digits with the hash seed.
+    keep = sorted(backlogged(res, list(weights), t0, t1))
     units = dict.fromkeys(keep, 0.0)
     count = dict.fromkeys(keep, 0)
     largest = dict.fromkeys(keep, 0.0)
