@@ -31,6 +31,10 @@ served units are w_i × (the floor's advance) give or take about one request. It
 about one request's units over its units in the window: with k requests of the tenant in the
 window, ~1/k, and more for a heavy-tailed request. `windows` reports the worst error over the
 last L seconds of the same run for several L, which shows that fall (`ShareRow.by_window`).
+A longer run, from the command line (`SharesRun.duration_s` and `windows_s`):
+
+    python -m disagg_tools.experiments flood --shares 1000 --shared-fairness \
+        --shares-duration 680 --shares-windows 60,120,240,480
 
 The runs are deterministic under the setup's seed and use the policies the router loads.
 """
