@@ -8,6 +8,8 @@ command here (the live validation is `python -m disagg_tools.launcher.validate`)
     python -m disagg_tools.experiments flood     [--tenants 2,10,1000] [--duration 80]
                                                  (tenants under a flood: experiments/flood.py)
     python -m disagg_tools.experiments flood --shares 2,10,1000 [--shared-fairness]
+                                                 [--shares-duration 680]
+                                                 [--shares-windows 60,120,240,480]
                                                  (issue 33: shares across two replicas:
                                                  experiments/flood_shares.py)
     python -m disagg_tools.experiments flood --placements one,spread,split
@@ -34,7 +36,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +111,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="",
         help="flood: only the shares across two replicas, for these tenant counts (2,10,1000)",
     )
+    ap.add_argument(
+        "--shares-duration",
+        type=float,
+        default=None,
+        help="flood --shares: arrivals stop at this many seconds (default: each row's, 80); "
+        "the window runs from the warm-up (20 s) to it",
+    )
+    ap.add_argument(
+        "--shares-windows",
+        default=None,
+        help="flood --shares: the worst error also over the last L seconds, for these L "
+        "(default: each row's)",
+    )
     ap.add_argument("--fairness", default="fifo,vtc", help="flood --placements: the orders")
     ap.add_argument(
         "--shared-fairness",
@@ -169,6 +184,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         cap = flood.capacity(setup, pool)
         runs = [flood_shares.DEFAULT_RUNS.get(n) or flood_shares.SharesRun(n) for n in
                 (int(x) for x in ns.shares.split(",") if x)]  # fmt: skip
+        if ns.shares_duration is not None:
+            runs = [replace(r, duration_s=ns.shares_duration) for r in runs]
+        if ns.shares_windows is not None:
+            windows = tuple(float(x) for x in ns.shares_windows.split(",") if x)
+            runs = [replace(r, windows_s=windows) for r in runs]
         share_rows = flood_shares.shares_across_replicas(
             setup,
             pool,

@@ -31,6 +31,10 @@ served units are w_i × (the floor's advance) give or take about one request. It
 about one request's units over its units in the window: with k requests of the tenant in the
 window, ~1/k, and more for a heavy-tailed request. `windows` reports the worst error over the
 last L seconds of the same run for several L, which shows that fall (`ShareRow.by_window`).
+A longer run, from the command line (`SharesRun.duration_s` and `windows_s`):
+
+    python -m disagg_tools.experiments flood --shares 1000 --shared-fairness \
+        --shares-duration 680 --shares-windows 60,120,240,480
 
 The runs are deterministic under the setup's seed and use the policies the router loads.
 """
@@ -140,7 +144,8 @@ def backlogged(res: SimResult, tenants: Sequence[str], t0: float, t1: float) -> 
 
 def share_errors(res: SimResult, weights: dict[str, float], t0: float, t1: float) -> dict[str, Any]:
     """The module's share error over [t0, t1): worst, median, per weight class."""
-    keep = backlogged(res, list(weights), t0, t1)
+    # In name order: the sums below then do not vary in their last digits with the hash seed.
+    keep = sorted(backlogged(res, list(weights), t0, t1))
     units = dict.fromkeys(keep, 0.0)
     count = dict.fromkeys(keep, 0)
     largest = dict.fromkeys(keep, 0.0)

@@ -212,3 +212,19 @@ def test_handoff_names_a_waiter_of_another_replica_and_tenant(
         )
         return
     assert chosen.replica != "r1" and chosen.tenant != tenant and chosen.priority <= priority
+
+
+@given(
+    weights=st.dictionaries(st.sampled_from(TENANTS), st.sampled_from([0.5, 1.0, 2.0, 3.0, 4.0])),
+    active=st.frozensets(st.sampled_from(TENANTS)),
+    capacity=st.integers(0, 1000),
+)
+def test_a_share_is_the_weight_over_the_active_weights_asked_in_any_order(
+    weights: dict[str, float], active: frozenset[str], capacity: int
+) -> None:
+    # The active weights are summed once per snapshot (a take-back asks every tenant's share):
+    # every tenant's share, in or out of the active set, still counts itself once.
+    occ = Occupancy(capacity, {}, weights, active)
+    for tenant in [*TENANTS, *reversed(TENANTS)]:
+        total = sum(weights.get(t, 1.0) for t in active | {tenant})
+        assert occ.share(tenant) == capacity * weights.get(tenant, 1.0) / total

@@ -213,3 +213,32 @@ def test_the_share_error_counts_backlogged_tenants_only() -> None:
     e = share_errors(Res(), {"a": 1.0, "b": 2.0, "c": 1.0}, 0.0, 10.0)  # type: ignore[arg-type]
     assert e["backlogged"] == 2 and e["admitted"] == 3
     assert e["worst"] == pytest.approx(0.0) and e["classes"] == {1.0: 0.0, 2.0: 0.0}
+
+
+def test_the_shares_command_line_sets_the_window(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The long 1,000-tenant row of docs/benchmarks.md is one command: --shares-duration and
+    # --shares-windows reach each row's SharesRun (the run itself is not made here).
+    from disagg_tools.experiments import experiments_cli, flood, flood_shares
+
+    seen: list[SharesRun] = []
+
+    def fake_rows(*args: Any, **kwargs: Any) -> list[Any]:
+        seen.extend(args[3])
+        return []
+
+    monkeypatch.setattr(flood.FloodSetup, "lengths", lambda self: [])
+    monkeypatch.setattr(flood, "capacity", lambda setup, pool: 1.0)
+    monkeypatch.setattr(flood_shares, "shares_across_replicas", fake_rows)
+    argv = ["flood", "--shares", "10,1000", "--shared-fairness", "--out", str(tmp_path)]
+    assert (
+        experiments_cli.main([*argv, "--shares-duration", "680", "--shares-windows", "60,120"]) == 0
+    )
+    assert [(r.tenants, r.scale, r.duration_s, r.warmup_s, r.windows_s) for r in seen] == [
+        (10, 1, 680.0, 20.0, (60.0, 120.0)),
+        (1000, 16, 680.0, 20.0, (60.0, 120.0)),
+    ]
+    seen.clear()
+    assert experiments_cli.main(argv) == 0  # without them: each row's own
+    assert seen == [flood_shares.SharesRun(10), flood_shares.DEFAULT_RUNS[1000]]
