@@ -90,6 +90,7 @@ FAIR_SHARE = "fair_share"
 PRIORITY = "priority"
 
 __all__ = [
+    "TAKE_BACK_BURST",
     "FAIR_SHARE",
     "PRIORITY",
     "ClusterWaiter",
@@ -103,6 +104,12 @@ __all__ = [
     "take_back",
     "take_back_for_class",
 ]
+
+# Take-backs one replica may make at once, on top of its rate (`admission.fair_preempt_per_s`).
+# One was too few: two waiters on two replicas that start to wait together, served by one
+# replica's streams, had the second wait out a whole token (0.25 s at 4 a second) — issue 33's
+# spread row's tail. The rate bounds the average, this the burst.
+TAKE_BACK_BURST = 2
 
 
 @dataclass(frozen=True, slots=True)

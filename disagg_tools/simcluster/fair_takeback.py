@@ -18,7 +18,8 @@ lands it, as in replica_queues.py, and the replica relays its decode stream):
   (`ClusterWaiter`, the counter from the cluster's one VTC policy, the wait aged to now) and the
   `Occupancy` (the decode pool's capacity, the blocks held per tenant, the tenants' weights,
   who holds or waits) — router/fair_share.py `_adopt`;
-- its token bucket (`per_s` a second, a burst of one, from full at the start) gives the budget;
+- its token bucket (`per_s` a second, a burst of `TAKE_BACK_BURST`, from full at the start) gives
+  the budget;
   `plan_take_back` picks among the streams r relays (the sequences running on a decode worker:
   tenant, worker, reservation time, blocks held, times preempted, class);
 - before it preempts, r claims the waiting requests the plan serves, each for
@@ -47,6 +48,7 @@ from policies.base import blocks_for
 from policies.fair_share import (
     FAIR_SHARE,
     PRIORITY,
+    TAKE_BACK_BURST,
     ClusterWaiter,
     Occupancy,
     plan_take_back,
@@ -98,18 +100,19 @@ class _Registration:
 
 
 class _Bucket:
-    """One replica's token bucket: `rate` a second, a burst of one, full at the start."""
+    """One replica's token bucket: `rate` a second, a burst of `TAKE_BACK_BURST` (the router's),
+    full at the start."""
 
     __slots__ = ("rate", "tokens", "at")
 
     def __init__(self, rate: float) -> None:
         self.rate = rate
-        self.tokens = 1.0
+        self.tokens = float(TAKE_BACK_BURST)
         self.at = 0.0
 
     def refill(self, now: float) -> int:
         """Whole tokens to spend now (the router's `int(self._tokens)`)."""
-        self.tokens = min(1.0, self.tokens + (now - self.at) * self.rate)
+        self.tokens = min(TAKE_BACK_BURST, self.tokens + (now - self.at) * self.rate)
         self.at = now
         return int(self.tokens)
 

@@ -19,8 +19,8 @@ and the waiter's registration to show it), and preempts only for those it got. W
 replica holding the flooder's streams preempted one for the same request (issue 33's bench: 2×
 the preemptions with the tenants spread over two replicas).
 
-The rate is a token bucket of `admission.fair_preempt_per_s` a second
-per replica (a burst of one), shared by both rules, so the cluster is never thrashed: with R
+The rate is a token bucket of `admission.fair_preempt_per_s` a second per replica (a burst of
+`TAKE_BACK_BURST`, 2), shared by both rules, so the cluster is never thrashed: with R
 replicas at most R × that rate, each stream at most max_per_stream times (so every answer, a
 batch one too, completes).
 """
@@ -31,7 +31,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 
-from policies.fair_share import TakeBack, plan_take_back
+from policies.fair_share import TAKE_BACK_BURST, TakeBack, plan_take_back
 from policies.preemption import StreamFacts
 from router.admission import AdmissionSettings
 from router.fair_share import ClusterShare, claim_ttl_s
@@ -52,7 +52,7 @@ class FairTakeBack:
         self.settings = settings
         self.preemptor = preemptor
         self.clock = clock
-        self._tokens = 1.0
+        self._tokens = float(TAKE_BACK_BURST)
         self._at = clock()
         self.taken = 0
 
@@ -69,7 +69,7 @@ class FairTakeBack:
             return
         now = self.clock()
         rate = self.settings.fair_preempt_per_s
-        self._tokens = min(1.0, self._tokens + (now - self._at) * rate)
+        self._tokens = min(TAKE_BACK_BURST, self._tokens + (now - self._at) * rate)
         self._at = now
         if self._tokens < 1.0:
             return

@@ -32,6 +32,7 @@ from disagg_tools.simcluster.replica_queues import Replicas, placement
 from disagg_tools.simcluster.tenants import TenantRequest
 from disagg_tools.simcluster.workers import DecodeWorker
 from policies.base import Tenant
+from policies.fair_share import TAKE_BACK_BURST
 from policies.registry import load_estimator, load_fairness, load_policy
 
 CAPACITY = 300  # blocks of the one decode worker: about 7 of the flooder's answers
@@ -152,11 +153,12 @@ def test_each_replica_preempts_within_its_token_bucket(
 ) -> None:
     made = _taken(monkeypatch)
     # A rate below what starvation alone allows (the victim stops being starved once it holds
-    # half its share: policies/fair_share.py STARVED_BELOW), so the bucket is what binds. Twice
-    # the usual worker: half the victim's share is then about four of its streams, more than
-    # the two replicas' bursts of one (the room taken back is the victim's: the earmark).
+    # half its share: policies/fair_share.py STARVED_BELOW), so the bucket is what binds. Four
+    # times the usual worker: half the victim's share is then about eight of its streams, more
+    # than the two replicas' bursts of TAKE_BACK_BURST (the room taken back is the victim's:
+    # the earmark).
     settings = TakeBackSettings(per_s=0.5)
-    res = _run(_starved(), settings, replicas=2, place=place, capacity=2 * CAPACITY)
+    res = _run(_starved(), settings, replicas=2, place=place, capacity=4 * CAPACITY)
     (take_back,) = made
     by_replica: dict[int, list[float]] = {}
     for t, replica, reason in take_back.taken:
@@ -164,20 +166,21 @@ def test_each_replica_preempts_within_its_token_bucket(
         by_replica.setdefault(replica, []).append(t)
     assert by_replica
     for times in by_replica.values():
-        # Any stretch [a, b] of a replica's preemptions holds at most rate × (b − a) + 1.
+        # Any stretch [a, b] of a replica's preemptions holds at most rate × (b − a) + burst.
         for i, j in itertools.combinations_with_replacement(range(len(times)), 2):
-            assert j - i + 1 <= settings.per_s * (times[j] - times[i]) + 1 + 1e-9, (i, j, times)
+            bound = settings.per_s * (times[j] - times[i]) + TAKE_BACK_BURST + 1e-9
+            assert j - i + 1 <= bound, (i, j, times)
     span = max(t for t, _, _ in take_back.taken)
-    assert len(take_back.taken) <= len(by_replica) * (settings.per_s * span + 1)
+    assert len(take_back.taken) <= len(by_replica) * (settings.per_s * span + TAKE_BACK_BURST)
     assert sum(r.fair_share_preemptions + r.priority_preemptions for r in res.records) == len(
         take_back.taken
     )
-    # The bucket is what held it back: with a rate that never binds (still a burst of one a
-    # sync), the first second after the first take-back has more.
+    # The bucket is what held it back: with a rate that never binds (still a burst a sync),
+    # the first second after the first take-back has more.
     made.clear()
-    _run(_starved(), TakeBackSettings(per_s=1000.0), replicas=2, place=place, capacity=2 * CAPACITY)
+    _run(_starved(), TakeBackSettings(per_s=1000.0), replicas=2, place=place, capacity=4 * CAPACITY)
     (unbounded,) = made
-    assert _first_second(take_back.taken) <= len(by_replica) * (settings.per_s + 1)
+    assert _first_second(take_back.taken) <= len(by_replica) * (settings.per_s + TAKE_BACK_BURST)
     assert _first_second(unbounded.taken) > _first_second(take_back.taken)
 
 

@@ -64,5 +64,7 @@ async def test_one_waiting_request_costs_one_preemption_across_replicas() -> Non
 
 async def test_two_waiting_requests_get_one_preemption_each() -> None:
     cut, left = await _round(2)
+    # Two in all, whichever replica's burst makes them: the first replica claims both requests
+    # (a burst of two), the second finds nothing left to claim and cuts nothing.
     assert left == ["r3", "r3"]
-    assert len(cut) == 2 and {rid.split("-")[0] for rid in cut} == {"r1", "r2"}
+    assert len(cut) == 2 and {rid.split("-")[0] for rid in cut} == {"r1"}
