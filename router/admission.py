@@ -137,7 +137,10 @@ class AdmissionSettings:
     )
     fair_preempt_per_s: float = field(
         default=4.0,
-        metadata={"doc": "streams one replica may preempt for the fair share a second"},
+        metadata={
+            "doc": "streams one replica may preempt for the fair share a second (on average: "
+            "a burst of two at once)"
+        },
     )
     # A client that sends its next request as its answer ends comes back within milliseconds;
     # 0.05 s leaves room for a loaded machine, and at most that much of one answer's room
