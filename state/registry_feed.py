@@ -80,10 +80,23 @@ class RedisRegistryFeed:
     async def _drop(self) -> None:
         client, self._client = self._client, None
         if client is not None:
-            await client.aclose()
+            # Shielded: shutdown cancels the registry loop again and again until it ends
+            # (router/background.py), and a cancel inside the close would leave the feed's
+            # socket open for the garbage collector ("unclosed transport"). The close runs to
+            # its end on its own; the cancel still reaches the caller.
+            closing = asyncio.ensure_future(client.aclose())
+            closing.add_done_callback(_retrieved)
+            await asyncio.shield(closing)
 
     async def close(self) -> None:
         await self._drop()
+
+
+def _retrieved(closing: asyncio.Future[None]) -> None:
+    """A close nobody awaits any more (its caller was cancelled): its failure, if any, is
+    retrieved here rather than reported as "never retrieved" (the socket is gone either way)."""
+    if not closing.cancelled():
+        closing.exception()
 
 
 def _newest_id(answer: Any) -> Any:
