@@ -387,4 +387,11 @@ async def serving(
         shutdown = app.get(SHUTDOWN)
         if shutdown is not None:
             await shutdown.stop(runner.sites)
+        server = runner.server
         await runner.cleanup()
+        # A connection the kernel had queued when the site stopped listening is accepted after
+        # aiohttp's shutdown took its list of connections: nothing closes it, and in a process
+        # that goes on (tests, an embedding), its socket is left to the garbage collector.
+        await asyncio.sleep(0)
+        for handler in server.connections if server is not None else ():
+            handler.force_close()
