@@ -114,11 +114,8 @@ def check_fair_sync(
         raise ValueError(f"replica must be a non-empty name without '|' or braces: {replica!r}")
     if not (math.isfinite(lease_s) and lease_s > 0):
         raise ValueError(f"lease_s must be a positive finite number, got {lease_s}")
-    for priority, tenant in (*charges, *waiting, *holding):
-        if not tenant or "|" in tenant:
-            raise ValueError(f"tenant must be a non-empty name without '|': {tenant!r}")
-        if not isinstance(priority, int):
-            raise ValueError(f"priority must be an int, got {priority!r}")
+    for slot in (*charges, *waiting, *holding):
+        _check_slot(slot)
     for amount in charges.values():
         if not math.isfinite(amount):
             raise ValueError(f"a charge must be finite, got {amount}")
@@ -127,13 +124,22 @@ def check_fair_sync(
             raise ValueError(f"a waiter needs count >= 1 and age >= 0, got {count}, {age}")
 
 
-def check_nudge_line(line: FairSlot) -> None:
-    """A nudge's line names a class and a tenant as a registration does (ValueError else)."""
-    priority, tenant = line
-    if not isinstance(priority, int) or isinstance(priority, bool):
-        raise ValueError(f"priority must be an int, got {priority!r}")
+def _check_slot(slot: FairSlot) -> None:
+    """A (class, tenant) as the store keeps it: a tenant the "|" separator cannot split, an
+    int class (ValueError else)."""
+    priority, tenant = slot
     if not tenant or "|" in tenant:
         raise ValueError(f"tenant must be a non-empty name without '|': {tenant!r}")
+    if not isinstance(priority, int):
+        raise ValueError(f"priority must be an int, got {priority!r}")
+
+
+def check_nudge_line(line: FairSlot) -> None:
+    """A nudge's line names a class and a tenant as a registration does, and its class is not
+    a bool (sent as "True", it would not read back as an int) (ValueError else)."""
+    if isinstance(line[0], bool):
+        raise ValueError(f"priority must be an int, got {line[0]!r}")
+    _check_slot(line)
 
 
 def encode_nudge_line(line: FairSlot | None) -> bytes:
