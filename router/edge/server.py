@@ -309,6 +309,20 @@ class _Server(web.Server):
         self.limits = limits
         self.protocol_loop = loop
         self.protocol_kwargs = protocol_kwargs
+        self.closing = False
+
+    def connection_made(self, handler: web.RequestHandler, transport: asyncio.Transport) -> None:
+        super().connection_made(handler, transport)
+        if self.closing:
+            # Accepted after the sites stopped (the listening socket's accepts run as tasks a
+            # loop turn or two later): aiohttp's shutdown has taken its list of connections, or
+            # clears it when done, so nothing would ever close this one, and in a process that
+            # goes on (tests, an embedding) its socket is left to the garbage collector.
+            transport.abort()
+
+    def pre_shutdown(self) -> None:
+        self.closing = True  # the sites have stopped: from here a new connection is refused
+        super().pre_shutdown()
 
     def __call__(self) -> _Protocol:
         return _Protocol(self, self.limits, loop=self.protocol_loop, **self.protocol_kwargs)
@@ -387,11 +401,4 @@ async def serving(
         shutdown = app.get(SHUTDOWN)
         if shutdown is not None:
             await shutdown.stop(runner.sites)
-        server = runner.server
-        await runner.cleanup()
-        # A connection the kernel had queued when the site stopped listening is accepted after
-        # aiohttp's shutdown took its list of connections: nothing closes it, and in a process
-        # that goes on (tests, an embedding), its socket is left to the garbage collector.
-        await asyncio.sleep(0)
-        for handler in server.connections if server is not None else ():
-            handler.force_close()
+        await runner.cleanup()  # a connection accepted late is closed at once (`_Server`)

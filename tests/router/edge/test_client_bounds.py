@@ -434,3 +434,47 @@ async def test_a_non_ascii_digit_hint_is_ignored() -> None:
             raw = await _read_to_eof(reader)
             writer.close()
             assert _parse(raw)[0] == 200, (hint[:10], raw[:400])
+
+
+async def test_a_connection_accepted_while_shutting_down_is_closed() -> None:
+    """The listening socket's accepts run as tasks a loop turn or two after the kernel's: one
+    can land while aiohttp's shutdown waits for the requests in progress, after it took its
+    list of connections (and it clears that list when done). Such a connection is closed at
+    once, not left to the garbage collector (the state machine's 'unclosed transport')."""
+    app = web.Application()
+    shutting_down = asyncio.Event()
+
+    async def slow(_: web.Request) -> web.Response:
+        await asyncio.sleep(1.0)  # keeps aiohttp's shutdown waiting
+        return web.Response(text="done")
+
+    async def on_shutdown(_: web.Application) -> None:
+        shutting_down.set()
+
+    app.router.add_get("/", slow)
+    app.on_shutdown.append(on_shutdown)
+    loop = asyncio.get_running_loop()
+    ours, theirs = socket.socketpair()
+    theirs.setblocking(False)
+    async with aiohttp.ClientSession() as session, contextlib.AsyncExitStack() as stack:
+        runner = await stack.enter_async_context(serving(app, "127.0.0.1", 0, Timeouts()))
+        server = runner.server
+        assert isinstance(server, _Server)
+        port = runner.addresses[0][1]
+        answer = asyncio.create_task(_get_text(session, f"http://127.0.0.1:{port}/"))
+        await asyncio.sleep(0.1)  # the request is in progress
+        closing = asyncio.create_task(stack.aclose())
+        await asyncio.wait_for(shutting_down.wait(), WAIT)
+        await asyncio.sleep(0.05)  # aiohttp's shutdown now waits for `slow`
+        transport, _ = await loop.connect_accepted_socket(server, ours)
+        await asyncio.wait_for(closing, WAIT)
+        assert await answer == "done"
+    assert transport.is_closing()
+    with contextlib.suppress(ConnectionError):
+        assert await asyncio.wait_for(loop.sock_recv(theirs, 1024), WAIT) == b""
+    theirs.close()
+
+
+async def _get_text(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(url) as r:
+        return await r.text()
