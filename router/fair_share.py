@@ -11,8 +11,12 @@ counters of every tenant waiting anywhere and of those it named, every replica's
 adopted by its policy (`VTCFairness.adopt`, plus what it charged while the call was out), so
 every replica orders its queue by the cluster's counters, at most one sync period old. A
 request's own path makes no store call for it: round trips per request are unchanged (two: the
-reservation and the end's `finish`), and a busy replica makes one call a period. A tenant that
-starts to wait anywhere is lifted to the floor in the store (VTC: no credit banked while idle).
+reservation and the end's `finish`), and a busy replica makes one call a period — while a tenant
+waits anywhere. While nobody does, the counters and holdings only need to be fresh for when one
+starts, and the call is `_QUIET_PERIODS` periods apart (0.4 s by default); the first request to
+wait on such a cluster is registered at once, and its replica nudges every replica registered
+(waiting or holding blocks), which then syncs at once and every period. A tenant that starts to
+wait anywhere is lifted to the floor in the store (VTC: no credit banked while idle).
 
 **Hand-off: the rule and its bound** (policies/fair_share.py `handoff_to`). Room that frees on a
 decode worker goes to the cluster's most under-served waiting tenant, whichever replica holds
@@ -76,6 +80,10 @@ _IDLE_SYNCS = 3
 # A registration outlives this many sync periods (and at least a second: a loaded replica's
 # loop may be late) before the store drops it: a replica that dies stops renewing.
 _LEASE_PERIODS = 10
+# While no tenant waits anywhere (as of the last sync) a sync only keeps the store's counters
+# and holdings fresh for when one starts: it runs this many periods apart. A busy cluster with
+# room for everyone then costs an eighth of the calls (issue 33's per-request cost).
+_QUIET_PERIODS = 8
 # A timed sync fires this much after the wait it is for reached `fair_preempt_after_s`: the
 # loop's timers may fire a hair early, and the waiter's age must be past the bound.
 _CHECK_MARGIN_S = 0.002
@@ -112,7 +120,10 @@ class ClusterShare:
         self.replica = replica or os.urandom(6).hex()
         self.weights = dict(weights or {})  # the configured tenants' (absent: 1)
         self.capacity = capacity  # the decode pool's blocks, as the replica sees it
+        # A registration with waiters is renewed every period; one that only holds blocks,
+        # every quiet period at the slowest.
         self.lease_s = max(1.0, _LEASE_PERIODS * settings.fair_sync_s)
+        self.quiet_lease_s = max(1.0, _LEASE_PERIODS * _QUIET_PERIODS * settings.fair_sync_s)
         self.waiters: tuple[ClusterWaiter, ...] = ()  # every replica's, as of the last sync
         self.view = FairView()
         # Each tenant's latest admission charge (units / weight): one of its requests.
@@ -170,6 +181,10 @@ class ClusterShare:
         A line already registered (a backlogged tenant's) costs nothing more."""
         self.start()
         line = (priority, tenant)
+        if not self.view.waiters and line not in self._lines:
+            # The first wait on a quiet cluster: registered now, and every replica is told
+            # (`sync`), so none takes room a period of the quiet cadence late.
+            self._sync_now.set()
         if line in self._kept:  # its room is kept: woken at once, once it is parked
             asyncio.get_running_loop().call_soon(self.admission.notify)
         settings = self.settings
@@ -253,15 +268,25 @@ class ClusterShare:
             idle = 0 if busy else idle + 1
             if due & self._lines:  # a line waited past the bound and still waits
                 self._nudge_others()
+            period = self.settings.fair_sync_s
+            if not self.contended:
+                period *= _QUIET_PERIODS
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.settings.fair_sync_s):
+                async with asyncio.timeout(period):
                     await self._sync_now.wait()
 
+    @property
+    def contended(self) -> bool:
+        """A tenant waits for room anywhere in the cluster (as of the last sync) or here: the
+        sync runs every period, else every `_QUIET_PERIODS`."""
+        return bool(self.view.waiters) or self.admission.waiting > 0
+
     def _nudge_others(self) -> None:
-        """A line of this replica has waited past `fair_preempt_after_s`: every other replica
-        with a registration (it waits, so it syncs) syncs now, and its take-back reads the
-        waiter at once (the streams to take back may be its own)."""
-        for replica in sorted({w.replica for w in self.waiters} - {self.replica}):
+        """A line of this replica has waited past `fair_preempt_after_s`, or the cluster's
+        first waiter waits here: every other replica with a registration (it waits or holds
+        blocks, so it syncs) syncs now, and its take-back reads the waiter at once (the
+        streams to take back may be its own) and its hand-off leaves room for it."""
+        for replica in sorted(set(self.view.replicas) - {self.replica}):
             self.nudges_sent += 1
             self.tasks.job(self._nudge(replica), "fair-share-nudge")
 
@@ -271,9 +296,11 @@ class ClusterShare:
         shutdown) and the next charge or wait starts it again, its charges still to send."""
         charges, self._pending = self._pending, {}
         waiting = self.admission.waiting_tenants()
+        was_quiet = not self.view.waiters
+        lease_s = self.lease_s if waiting else self.quiet_lease_s
         try:
             view = await self.store.fair_sync(
-                self.replica, charges, waiting, self.lease_s, dict(self._holding)
+                self.replica, charges, waiting, lease_s, dict(self._holding)
             )
         except StoreError as exc:
             for slot, amount in charges.items():  # sent again with the next
@@ -284,6 +311,8 @@ class ClusterShare:
         self.syncs += 1
         self._lines = frozenset(waiting)
         self._adopt(view)
+        if was_quiet and waiting:  # the others may sync a quiet period apart: tell them now
+            self._nudge_others()
         for listener in self.listeners:
             told = listener(self)
             if told is not None:

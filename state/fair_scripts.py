@@ -14,8 +14,9 @@ tenant, amount) for each, the number of waiters then (class, tenant, count, age 
 the number of holdings then (class, tenant, blocks) for each.
 The answer, flat: the number of floors then (class, floor) each, the number of counters then
 (class, tenant, counter) each, the number of waiters then (replica, class, tenant, count,
-waited s) each, the number of holdings then (class, tenant, blocks over every replica) each;
-numbers as strings (a Lua number would come back truncated to an integer).
+waited s) each, the number of holdings then (class, tenant, blocks over every replica) each,
+the number of replicas registered then their names; numbers as strings (a Lua number would
+come back truncated to an integer).
 """
 
 from __future__ import annotations
@@ -115,8 +116,10 @@ local classes_waiting = {}
 local held = {}
 regs = redis.call('HGETALL', KEYS[2])
 local live = {}
+local registered = {}
 for j = 1, #regs, 2 do
   local r, p, t = string.match(regs[j], '^([^|]*)|(%-?%d+)|(.*)$')
+  registered[r] = true
   local count, since, _, blocks = string.match(regs[j + 1], '^([^|]*)|([^|]*)|([^|]*)|(.*)$')
   local s = slot(p, t)
   if tonumber(count) > 0 then
@@ -184,6 +187,10 @@ out[#out + 1] = tostring(#hrows)
 for _, hb in ipairs(hrows) do
   out[#out + 1] = hb[1]; out[#out + 1] = hb[2]; out[#out + 1] = tostring(hb[3])
 end
+local names = {}
+for r, _ in pairs(registered) do names[#names + 1] = r end
+out[#out + 1] = tostring(#names)
+for _, r in ipairs(names) do out[#out + 1] = r end
 local ttl = math.ceil((lease + 3600) * 1000)
 redis.call('PEXPIRE', KEYS[1], ttl)
 redis.call('PEXPIRE', KEYS[3], ttl)

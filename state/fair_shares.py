@@ -78,6 +78,9 @@ class FairView:
     floors: Mapping[int, float] = field(default_factory=dict)
     waiters: tuple[FairWaiter, ...] = ()
     held: Mapping[FairSlot, int] = field(default_factory=dict)  # over every replica
+    # Every replica with a live registration (waiting or holding), sorted: the ones a replica
+    # whose first waiter starts a wait on a quiet cluster tells (router/fair_share.py).
+    replicas: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -226,6 +229,7 @@ def fair_sync_now(
             if reg.count > 0
         ),
         held=dict(sorted(held.items())),
+        replicas=tuple(sorted({r for r, _, _ in table.waiting})),
     )
 
 

@@ -85,9 +85,15 @@ class RedisFair(RedisConnection):
         for _ in range(int(row[i])):
             held[(int(row[i + 1]), row[i + 2])] = int(row[i + 3])
             i += 3
+        i += 1
+        replicas = sorted(row[i + 1 : i + 1 + int(row[i])])
         waiters.sort(key=lambda w: (w.replica, w.priority, w.tenant))
         return FairView(
-            dict(sorted(counters.items())), floors, tuple(waiters), dict(sorted(held.items()))
+            dict(sorted(counters.items())),
+            floors,
+            tuple(waiters),
+            dict(sorted(held.items())),
+            tuple(replicas),
         )
 
     @store_call

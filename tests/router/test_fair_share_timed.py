@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from policies.base import AdmissionCost, Tenant, WaitingRequest
 from policies.fair_share import ClusterWaiter
 from policies.fairness import VTCFairness
 from router.admission import Admission, AdmissionSettings
 from router.background import BackgroundTasks
-from router.fair_share import ClusterShare
+from router.fair_share import _QUIET_PERIODS, ClusterShare
 from state import RedisStore
 from tests.conftest import REDIS_URL
 
@@ -42,6 +43,13 @@ class Seen:
         self.syncs.append(share.waiters)
         self.changed.set()
 
+    async def synced(self, bound_s: float = 3.0) -> None:
+        """Until a sync has been seen."""
+        async with asyncio.timeout(bound_s):
+            while not self.syncs:
+                self.changed.clear()
+                await self.changed.wait()
+
     async def until(
         self, want: str, replica: str, waited_s: float = AFTER_S, bound_s: float = 3.0
     ) -> ClusterWaiter:
@@ -57,15 +65,17 @@ class Seen:
                 await self.changed.wait()
 
 
+SETTINGS = AdmissionSettings(
+    fairness="vtc", fair_sync_s=PERIOD_S, fair_preempt_after_s=AFTER_S, fair_preempt_per_s=4.0
+)
+
+
 @contextlib.asynccontextmanager
 async def replicas(
-    redis_prefix: str, n: int
+    redis_prefix: str, n: int, settings: AdmissionSettings = SETTINGS
 ) -> AsyncIterator[list[tuple[Admission, ClusterShare, Seen]]]:
     store = RedisStore.from_url(REDIS_URL, redis_prefix)
     tasks = BackgroundTasks()
-    settings = AdmissionSettings(
-        fairness="vtc", fair_sync_s=PERIOD_S, fair_preempt_after_s=AFTER_S, fair_preempt_per_s=4.0
-    )
     out = []
     for i in range(n):
         policy = VTCFairness()
@@ -167,9 +177,10 @@ async def test_the_other_replicas_are_nudged_and_do_not_nudge_back(redis_prefix:
             syncs = s1.syncs
             victim = _wait(a0, VICTIM)
             # r1's own regular sync is 5 s away: it reads r0's waiter past the bound because r0
-            # nudged it when its timed sync found the line still waiting.
+            # nudged it when its timed sync found the line still waiting (and, r0 having seen
+            # no waiter before its own, once when it registered the line).
             line = await seen1.until("victim", "r0")
-            assert line.count == 1 and s1.syncs == syncs + 1
+            assert line.count == 1 and syncs + 1 <= s1.syncs <= syncs + 2
             assert s0.nudges_sent >= 1 and s1.nudges_heard >= 1
             assert s1.nudges_sent == 0  # a nudged sync nudges no one back
         finally:
@@ -257,3 +268,41 @@ async def test_a_bare_nudge_wakes_the_queue_in_its_order(redis_prefix: str) -> N
             assert flood.done() and not victim.done()
         finally:
             await _cancel(flood, victim)
+
+
+async def test_a_quiet_cluster_syncs_a_quiet_period_apart(redis_prefix: str) -> None:
+    """Streams in flight and nobody waiting anywhere: the sync only keeps the counters and
+    holdings fresh, every `_QUIET_PERIODS` periods (the per-request cost of tenants, issue
+    33), and its registration of holdings outlives that period."""
+    settings = replace(SETTINGS, fair_sync_s=0.05)
+    async with replicas(redis_prefix, 1, settings) as [(_, share, _)]:
+        share.held(0, "aggressor", 10)  # a stream in flight: the loop runs
+        await asyncio.sleep(1.2)  # 24 periods; 3 quiet ones
+        assert not share.contended
+        assert 1 <= share.syncs <= 5  # every period: ~24
+        assert share.quiet_lease_s >= 2 * _QUIET_PERIODS * 0.05
+        assert share.view.held == {(0, "aggressor"): 10}
+        share.held(0, "aggressor", -10)
+
+
+async def test_the_first_waiter_on_a_quiet_cluster_tells_every_replica_at_once(
+    redis_prefix: str,
+) -> None:
+    """r1 relays a stream and nobody waits: it syncs a quiet period apart (here 40 s). r0's
+    first waiter is registered at once and r0 nudges every replica registered, holders too, so
+    r1 reads it now: its hand-off leaves room for it and its take-back can act, not 40 s on.
+    The take-back is off here, so no timed sync's nudge stands in for that one."""
+    settings = replace(SETTINGS, fair_preempt_per_s=0.0)
+    async with replicas(redis_prefix, 2, settings) as [(a0, s0, _), (_, s1, seen1)]:
+        s1.held(0, "aggressor", 100)  # the loop's first sync registers it
+        await seen1.synced()
+        assert not s1.contended
+        await _listening(s1, s0)
+        heard = s1.nudges_heard
+        victim = _wait(a0, VICTIM)
+        try:
+            line = await seen1.until("victim", "r0", waited_s=0.0)
+            assert line.count == 1 and s1.contended
+            assert s1.nudges_heard == heard + 1 and s0.syncs == 1
+        finally:
+            await _cancel(victim)

@@ -69,10 +69,14 @@ async def test_holdings_add_up_over_replicas_and_are_no_waiters(
     assert view.held == {(0, "a"): 42}
     assert [w.tenant for w in view.waiters] == ["b"]  # a holds, it does not wait
     assert (0, "a") in view.counters
+    assert view.replicas == ("r1", "r2")  # a holder is a replica to tell, as a waiter's is
     view = await store.fair_sync("r1", {}, {}, LEASE, {})  # r1's requests ended
     assert view.held == {(0, "a"): 12}
+    assert view.replicas == ("r2",)  # nothing left to register
+    await store.fair_sync("r3", {}, {}, 10 * LEASE, {(0, "c"): 1})  # a quiet one's long lease
     clock.advance(LEASE + 0.01)
-    assert (await store.fair_sync("r3", {}, {}, LEASE)).held == {}
+    view = await store.fair_sync("r4", {}, {}, LEASE)
+    assert view.held == {(0, "c"): 1} and view.replicas == ("r3",)
 
 
 async def test_classes_are_apart(clocked: tuple[StateStore, SteppedClock]) -> None:
@@ -96,7 +100,7 @@ async def test_bad_arguments_raise_before_writing(store: StateStore) -> None:
     with pytest.raises(ValueError):
         await store.fair_sync("r1", {}, {}, LEASE, {(0, "a"): -1})
     view = await store.fair_sync("r1", {}, {}, LEASE)
-    assert view == FairView({}, {}, (), {})
+    assert view == FairView({}, {}, (), {}, ())
 
 
 async def test_random_syncs_match_the_reference(clocked: tuple[StateStore, SteppedClock]) -> None:
