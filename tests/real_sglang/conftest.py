@@ -108,6 +108,14 @@ class SglangServer(EngineProcess):
             "0",
             "--sleep-on-idle",
             "--enable-metrics",
+            # SGLang's own pick for its torch.distributed store is a random port below the
+            # ephemeral range, checked free in the launcher and bound seconds later by the
+            # scheduler: with four engines starting at once, one's was taken by then (a
+            # clean-clone run: "EADDRINUSE" on port 27917, server d1 exited, the suite's 14
+            # tests errored). A fresh port of ours at each start, never one this process
+            # handed out before (tests/ports.py).
+            "--nccl-port",
+            str(free_port()),
         ]
         if self.mode is not None:
             cmd += [
