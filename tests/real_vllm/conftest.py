@@ -382,6 +382,18 @@ class RealRouter:
         usage = await self.parts.store.decode_usage([s.name for s in self.cluster.decodes])
         return {wid: u.reserved_blocks for wid, u in usage.items()}
 
+    async def settled_reserved_blocks(self) -> dict[str, int]:
+        """`reserved_blocks` once every request the router admitted has ended: the client has
+        the whole answer as soon as its last byte is written, and the handler settles (the
+        release) after that, on the same loop a moment later (a clean-clone run read 2 blocks
+        still reserved right after a whole answer). Bounded: 10 s."""
+        admission = self.parts.admission
+        for _ in range(100):
+            if admission.inflight == 0:
+                break
+            await asyncio.sleep(0.1)
+        return await self.reserved_blocks()
+
     async def stranded(self) -> dict[str, int]:
         return dict(await self.parts.store.stranded_bytes([self.cluster.prefill.name]))
 

@@ -59,4 +59,4 @@ async def test_decode_pulls_every_prompt_token(router: RealRouter) -> None:
         ), f"{excess} extra prefill tokens are not whole retried prompts ({prompts})"
     assert excess >= 0
     assert delta(p, "external_kv_transfer") == 0
-    assert await router.reserved_blocks() == {"d0": 0, "d1": 0}
+    assert await router.settled_reserved_blocks() == {"d0": 0, "d1": 0}

@@ -86,7 +86,7 @@ async def test_seeded_choices_through_the_router_are_the_engines(
     assert usage is not None and usage.completion_tokens == ref["usage"]["completion_tokens"]
     # Served whole by a decode engine: the prefill engine computed nothing for it.
     assert _counter(router.cluster.prefill, "vllm:prompt_tokens") == prefill_prompts
-    assert await router.reserved_blocks() == {"d0": 0, "d1": 0}
+    assert await router.settled_reserved_blocks() == {"d0": 0, "d1": 0}
     assert sum((await router.stranded()).values()) == 0
 
 
@@ -96,4 +96,4 @@ async def test_greedy_n_above_one_is_the_engines_400(router: RealRouter) -> None
     status, answer = await _post(router.url + "/v1/chat/completions", body)
     assert status == 400, answer
     assert "n must be 1" in answer["error"]["message"]
-    assert await router.reserved_blocks() == {"d0": 0, "d1": 0}
+    assert await router.settled_reserved_blocks() == {"d0": 0, "d1": 0}

@@ -21,7 +21,7 @@ async def test_routed_answer_equals_reference(router: RealRouter, kind: str, str
     expected = await reference(router.cluster.decodes[0], kind, prompt, MAX_TOKENS)
     assert text == expected
     assert usage is not None and usage.completion_tokens == MAX_TOKENS
-    assert await router.reserved_blocks() == {"d0": 0, "d1": 0}
+    assert await router.settled_reserved_blocks() == {"d0": 0, "d1": 0}
     assert sum((await router.stranded()).values()) == 0
 
 

@@ -51,7 +51,7 @@ async def test_embeddings_verdict_of_a_generative_model_passes_through(router: R
     assert status == direct_status
     if status >= 400:
         assert set(routed["error"]) == {"message", "type", "param", "code"}
-    assert await router.reserved_blocks() == {"d0": 0, "d1": 0}
+    assert await router.settled_reserved_blocks() == {"d0": 0, "d1": 0}
 
 
 def _tokens(logprobs: Any) -> list[tuple[str, list[str]]]:
@@ -109,7 +109,7 @@ async def test_logprobs_seed_stop_pass_through_the_pd_path(
     # The decode engine's logprobs reached the client: one entry a token, two alternatives each,
     # the same tokens the engine alone chose.
     assert got == expected
-    assert await router.reserved_blocks() == {"d0": 0, "d1": 0}
+    assert await router.settled_reserved_blocks() == {"d0": 0, "d1": 0}
     assert sum((await router.stranded()).values()) == 0
 
 

@@ -48,5 +48,5 @@ async def test_a_preempted_stream_resumes_with_the_reference_text_and_usage(
             want_usage.prompt_tokens,
             want_usage.completion_tokens,
         )
-        assert await router.reserved_blocks() == {"d0": 0, "d1": 0}
+        assert await router.settled_reserved_blocks() == {"d0": 0, "d1": 0}
         assert sum((await router.stranded()).values()) == 0

@@ -93,5 +93,5 @@ async def test_responses_through_prefill_and_decode_equal_one_engine(router: Rea
     placements = router.parts.metrics.placements
     assert sum(placements.labels(prefill=p0, decode=d)._value.get() for d in decodes) == 2
 
-    assert await router.reserved_blocks() == {d: 0 for d in decodes}
+    assert await router.settled_reserved_blocks() == {d: 0 for d in decodes}
     assert sum((await router.stranded()).values()) == 0
