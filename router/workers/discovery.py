@@ -28,11 +28,11 @@ from typing import Any
 
 import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
-from prometheus_client.parser import text_string_to_metric_families
 from yarl import URL
 
 from policies.base import KVLayout
 from router.redact import mask_url
+from router.workers.prom_samples import label_value, samples
 
 __all__ = [
     "LoadSnapshot",
@@ -89,27 +89,28 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+_LOAD_NAMES = frozenset((_RUNNING, _WAITING, *_KV_USAGE, _CACHE_INFO))
+
+
 def parse_vllm_metrics(text: str, at: float) -> LoadSnapshot:
-    """A load record from vLLM's Prometheus text: sums over engines/models, the fullest cache."""
+    """A load record from vLLM's Prometheus text: sums over engines/models, the fullest cache.
+    Only the lines of these gauges are read (router/workers/prom_samples.py): a real vLLM text
+    is tens of kilobytes of histograms, read twice a second per worker while serving."""
     running = waiting = 0.0
     usage: float | None = None
     blocks: int | None = None
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            name = sample.name
-            if name == _RUNNING:
-                running += sample.value
-            elif name == _WAITING:
-                waiting += sample.value
-            elif name in _KV_USAGE:
-                value = _finite(sample.value)
-                if value is not None:
-                    usage = value if usage is None else max(usage, value)
-            elif name == _CACHE_INFO:
-                raw = sample.labels.get("num_gpu_blocks")
-                if raw is not None and raw.isdigit():
-                    blocks = (blocks or 0) + int(raw)
-    return LoadSnapshot(int(running), int(waiting), usage, blocks, at)
+    for name, labels, value in samples(text, _LOAD_NAMES):
+        if name == _RUNNING:
+            running += value if math.isfinite(value) else 0.0  # a buggy engine's NaN: none
+        elif name == _WAITING:
+            waiting += value if math.isfinite(value) else 0.0
+        elif name == _CACHE_INFO:
+            raw = label_value(labels, "num_gpu_blocks")
+            if raw is not None and raw.isdigit():
+                blocks = (blocks or 0) + int(raw)
+        elif (finite := _finite(value)) is not None:  # a KV usage gauge
+            usage = finite if usage is None else max(usage, finite)
+    return LoadSnapshot(max(int(running), 0), max(int(waiting), 0), usage, blocks, at)
 
 
 async def fetch_vllm_load(
@@ -339,10 +340,10 @@ def worker_facts_vllm(models: Any, metrics_text: str | None) -> WorkerFacts:
     blocks = block_size = None
     if metrics_text:
         blocks = parse_vllm_metrics(metrics_text, 0.0).num_gpu_blocks or None
-        for family in text_string_to_metric_families(metrics_text):
-            for sample in family.samples:
-                if sample.name == _CACHE_INFO and sample.labels.get("block_size", "").isdigit():
-                    block_size = int(sample.labels["block_size"]) or None
+        for sample in samples(metrics_text, frozenset((_CACHE_INFO,))):
+            raw = label_value(sample.labels, "block_size")
+            if raw is not None and raw.isdigit():
+                block_size = int(raw) or None
     return WorkerFacts(
         models=tuple(dict.fromkeys(names)),
         kv_blocks=blocks,

@@ -64,8 +64,9 @@ class LoadPoller:
 
     async def run(self, session: aiohttp.ClientSession) -> None:
         """Every `load_poll_s` while this replica serves. While it is quiet, not at all: a
-        reading older than `load_max_age_s` is not trusted anyway, and a vLLM worker's
-        /metrics costs ~1 ms of router CPU a poll (docs/history/benchmarks-overhead.md). The first
+        reading older than `load_max_age_s` is not trusted anyway, and each poll costs
+        router CPU (the request, and reading four gauges of a vLLM text of tens of KB:
+        router/workers/prom_samples.py). The first
         placement after a quiet spell polls at once (placement meanwhile goes by the router's
         own accounting, as with any stale reading)."""
         period = self._settings.loops.load_poll_s
