@@ -3,10 +3,11 @@ load poll's own reading of four gauges (router/workers/prom_samples.py), on a te
 vLLM's /metrics (its gauges, counters and latency histograms, bucket by bucket, and the
 process collectors), per engine count.
 
-    python scripts/load_parse_cost.py [--engines 1,4] [--repeat 200]
+    python scripts/load_parse_cost.py [--engines 1,4] [--repeat 200] \
+        [--text tests/router/workers/texts/vllm-0.32-metrics.txt]
 
-Prints, per engine count, the text's size and the CPU µs per parse of each reader (the mean
-over `--repeat` parses, after a warm-up).
+Prints, per engine count (and for the real engine's text given with `--text`), the text's size
+and the CPU µs per parse of each reader (the mean over `--repeat` parses, after a warm-up).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -106,14 +108,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", default="1,4", help="engine counts, comma-separated")
     parser.add_argument("--repeat", type=int, default=200)
+    parser.add_argument("--text", type=Path, help="a real engine's /metrics text, one more row")
     ns = parser.parse_args(argv)
-    print("| engines | text bytes | full parser µs | load poll's reading µs | ratio |")
-    print("|---:|---:|---:|---:|---:|")
-    for engines in (int(e) for e in ns.engines.split(",")):
-        text = vllm_like_text(engines)
+    print("| text | bytes | full parser µs | load poll's reading µs | ratio |")
+    print("|---|---:|---:|---:|---:|")
+    texts = [
+        (f"vLLM-shaped, {n} engine(s)", vllm_like_text(n)) for n in map(int, ns.engines.split(","))
+    ]
+    if ns.text is not None:
+        texts.append((ns.text.name, ns.text.read_text()))
+    for name, text in texts:
         full = _cpu_us(_full_parser, text, ns.repeat)
         ours = _cpu_us(lambda t: parse_vllm_metrics(t, 0.0), text, ns.repeat)
-        print(f"| {engines} | {len(text):,} | {full:.0f} | {ours:.0f} | {full / ours:.0f} × |")
+        print(f"| {name} | {len(text):,} | {full:.0f} | {ours:.0f} | {full / ours:.0f} × |")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,9 @@ def test_the_vllm_shaped_text_reads_as_written() -> None:
 
 
 def test_the_benchmark_prints_its_table(capsys: pytest.CaptureFixture[str]) -> None:
-    main(["--engines", "1", "--repeat", "2"])
+    real = REPO / "tests" / "router" / "workers" / "texts" / "vllm-0.32-metrics.txt"
+    main(["--engines", "1", "--repeat", "2", "--text", str(real)])
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("| engines |") and lines[2].startswith("| 1 |")
+    assert lines[0].startswith("| text |") and len(lines) == 4
+    assert lines[2].startswith("| vLLM-shaped, 1 engine(s) |")
+    assert lines[3].startswith("| vllm-0.32-metrics.txt | 53,")

@@ -6,6 +6,7 @@ among histograms that it does not, with label values a hostile or careless worke
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -126,3 +127,10 @@ def test_only_whole_names_and_sample_lines_are_read() -> None:
         f'{_RUNNING}{{model_name="m"}} 2 1700000000000\n'
     )
     assert [s.value for s in samples(text, frozenset((_RUNNING,)))] == [2.0]
+
+
+def test_a_real_vllm_text_reads_as_the_full_parser_reads_it() -> None:
+    text = (Path(__file__).parent / "texts" / "vllm-0.32-metrics.txt").read_text()
+    ours = parse_vllm_metrics(text, 0.0)
+    assert same(ours, reference(text))
+    assert ours.num_gpu_blocks == 32768 and ours.kv_usage == 0.0
