@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import signal
 import socket as _socket
 import sys
 import time
 import uuid
+from pathlib import Path
 from typing import Any, cast
 
 import orjson
@@ -55,6 +57,18 @@ DEFAULT_KV_BLOCKS = 100_000_000
 BLOCK_SIZE = 16  # tokens per KV block, vLLM's default
 
 
+_OWN_GAUGES = re.compile(
+    r"vllm:(num_requests_running|num_requests_waiting|kv_cache_usage_perc|cache_config_info)\b"
+)
+
+
+def other_families(text: str) -> str:
+    """A real engine's /metrics text without the lines of the gauges a fixed worker reports
+    itself (samples, HELP and TYPE alike)."""
+    lines = [line for line in text.splitlines() if not _OWN_GAUGES.search(line)]
+    return "\n".join(lines) + "\n" if lines else ""
+
+
 class FixedWorker:
     """Settings and counters shared by every connection of one worker process."""
 
@@ -68,6 +82,7 @@ class FixedWorker:
         host: str,
         port: int,
         kv_blocks: int = DEFAULT_KV_BLOCKS,
+        metrics_extra: str = "",
     ) -> None:
         self.role = role
         self.model = model
@@ -77,6 +92,8 @@ class FixedWorker:
         self.host = host
         self.port = port
         self.kv_blocks = kv_blocks
+        # A real engine's other families, served after this worker's own (`--metrics-extra`).
+        self.metrics_extra = metrics_extra
         self.engine_id = uuid.uuid4().hex
         self.running = 0
         self.served = 0
@@ -99,7 +116,7 @@ class FixedWorker:
             f"fixed_worker_connections_total {self.connections}\n"
             f"fixed_worker_requests_total {self.served}\n"
             f"fixed_worker_tokens_total {self.tokens}\n"
-        )
+        ) + self.metrics_extra
 
     def __repr__(self) -> str:
         return (
@@ -646,6 +663,14 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_KV_BLOCKS,
         help="KV capacity reported in /metrics (vllm:cache_config_info num_gpu_blocks)",
     )
+    p.add_argument(
+        "--metrics-extra",
+        type=Path,
+        default=None,
+        help="a real engine's /metrics text: its families other than the gauges this worker "
+        "reports are served too, so that reading /metrics costs the router what it costs "
+        "against that engine (tests/router/workers/texts/vllm-0.32-metrics.txt: 53 KB)",
+    )
     ns = p.parse_args(argv)
     worker = FixedWorker(
         ns.role,
@@ -656,6 +681,7 @@ def main(argv: list[str] | None = None) -> int:
         ns.host,
         ns.port,
         ns.kv_blocks,
+        other_families(ns.metrics_extra.read_text()) if ns.metrics_extra else "",
     )
     uvrun.run(serve(worker))
     return 0

@@ -90,6 +90,15 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="decode request to first token (default: one interval)",
     )
+    p.add_argument(
+        "--worker-metrics",
+        default=None,
+        type=lambda path: str(Path(path).resolve()),  # the workers start in their own directory
+        metavar="FILE",
+        help="the stand-in workers also serve this real engine's /metrics families, so that "
+        "the load polls cost what they cost against it (e.g. "
+        "tests/router/workers/texts/vllm-0.32-metrics.txt, 53 KB); default: their own gauges",
+    )
     p.add_argument("--chat", action="store_true", help="/v1/chat/completions, not completions")
     p.add_argument("--model", default="llama-3-8b")
     p.add_argument(

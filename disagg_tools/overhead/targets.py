@@ -169,6 +169,8 @@ async def start_workers(
         cmd = fixed_worker_command(role, port, ns.model, interval_ms, ns.prefill_ms)
         if ns.first_token_ms is not None:
             cmd += ["--first-token-ms", str(ns.first_token_ms)]
+        if getattr(ns, "worker_metrics", None):
+            cmd += ["--metrics-extra", ns.worker_metrics]  # absolute (the CLI resolves it)
         procs.append(
             Child(
                 f"worker-{role}-{tag}",
