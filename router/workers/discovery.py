@@ -95,15 +95,16 @@ _LOAD_NAMES = frozenset((_RUNNING, _WAITING, *_KV_USAGE, _CACHE_INFO))
 def parse_vllm_metrics(text: str, at: float) -> LoadSnapshot:
     """A load record from vLLM's Prometheus text: sums over engines/models, the fullest cache.
     Only the lines of these gauges are read (router/workers/prom_samples.py): a real vLLM text
-    is tens of kilobytes of histograms, read twice a second per worker while serving."""
+    is tens of kilobytes of histograms, read once a second per worker while serving. A count
+    that is not finite (a buggy engine's NaN) counts as none."""
     running = waiting = 0.0
     usage: float | None = None
     blocks: int | None = None
     for name, labels, value in samples(text, _LOAD_NAMES):
         if name == _RUNNING:
-            running += value if math.isfinite(value) else 0.0  # a buggy engine's NaN: none
+            running += _finite(value) or 0.0
         elif name == _WAITING:
-            waiting += value if math.isfinite(value) else 0.0
+            waiting += _finite(value) or 0.0
         elif name == _CACHE_INFO:
             raw = label_value(labels, "num_gpu_blocks")
             if raw is not None and raw.isdigit():
