@@ -40,6 +40,7 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any, cast
+from urllib.parse import parse_qs
 
 import orjson
 
@@ -66,6 +67,20 @@ def other_families(text: str) -> str:
     """A real engine's /metrics text without the lines of the gauges a fixed worker reports
     itself (samples, HELP and TYPE alike)."""
     lines = [line for line in text.splitlines() if not _OWN_GAUGES.search(line)]
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+def restricted(text: str, names: set[str]) -> str:
+    """`text` with only the samples (and HELP/TYPE lines) of `names`: what prometheus_client,
+    which serves vLLM's /metrics, answers a request naming them with `name[]`."""
+
+    def name_of(line: str) -> str:
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            return parts[2] if len(parts) > 2 else ""
+        return re.split(r"[{\s]", line, maxsplit=1)[0]
+
+    lines = [line for line in text.splitlines() if name_of(line) in names]
     return "\n".join(lines) + "\n" if lines else ""
 
 
@@ -290,7 +305,7 @@ class _Conn(asyncio.Protocol):
         del buf[:consumed]
         self.close_after = headers.get(b"connection", b"").lower() == b"close"
         self.busy = True
-        self._dispatch(method, target.split(b"?", 1)[0], headers, body)
+        self._dispatch(method, target, headers, body)
 
     def _done(self) -> None:
         self.busy = False
@@ -323,6 +338,7 @@ class _Conn(asyncio.Protocol):
         self, method: bytes, path: bytes, headers: dict[bytes, bytes], body: bytes
     ) -> None:
         w = self.worker
+        path, _, query = path.partition(b"?")
         if method == b"GET":
             if path == b"/health" or path == b"/health_generate":
                 self._reply(200, b"")
@@ -348,8 +364,12 @@ class _Conn(asyncio.Protocol):
                 )
             elif path == b"/version":
                 self._reply(200, b'{"version":"0.0.0-fixed"}')
-            elif path == b"/metrics":
-                self._reply(200, w.metrics_text().encode(), b"text/plain; version=0.0.4")
+            elif path in (b"/metrics", b"/metrics/"):  # as vLLM: /metrics/ is the same text
+                text = w.metrics_text()
+                names = parse_qs(query.decode("latin-1")).get("name[]")
+                if names:  # as prometheus_client: only the families named
+                    text = restricted(text, set(names))
+                self._reply(200, text.encode(), b"text/plain; version=0.0.4")
             elif path in (b"/server_info", b"/get_server_info"):
                 self._reply(
                     200,

@@ -220,6 +220,7 @@ def _front_app(ranks: DpRanks) -> web.Application:
     app[DP_RANKS] = ranks
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/metrics/", _metrics)  # as vLLM (router/workers/discovery.py)
     app.router.add_get("/v1/loads", _loads)
     app.router.add_get("/server_info", _server_info)
     app.router.add_get("/get_server_info", _server_info)

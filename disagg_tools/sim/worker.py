@@ -84,6 +84,8 @@ def create_worker_app(config: WorkerConfig) -> web.Application:
     app.router.add_get("/v1/models", _handle_models)
     app.router.add_get("/version", _handle_version)
     app.router.add_get("/metrics", _handle_metrics)
+    # vLLM serves /metrics/ too (prometheus_client's own app, which the load poll asks by name).
+    app.router.add_get("/metrics/", _handle_metrics)
     app.router.add_post("/sim/kv/pull", handle_kv_pull)
     add_lora_routes(app, lambda a: a[WORKER].loras)  # /v1/load_lora_adapter ... (sim.lora)
     app.router.add_get("/sim/requests", _handle_get_requests)

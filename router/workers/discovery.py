@@ -40,6 +40,7 @@ __all__ = [
     "parse_vllm_metrics",
     "parse_sglang_load",
     "fetch_vllm_load",
+    "fetch_vllm_load_text",
     "fetch_sglang_load",
     "layout_facts_vllm",
     "layout_facts_sglang",
@@ -90,6 +91,13 @@ def _finite(value: float) -> float | None:
 
 
 _LOAD_NAMES = frozenset((_RUNNING, _WAITING, *_KV_USAGE, _CACHE_INFO))
+# Asked by name (`name[]`), prometheus_client answers only those families: these gauges are
+# under 1 KB of vLLM 0.32's 53 KB /metrics, which the engine would otherwise render and the
+# router read once a second per worker. vLLM's `/metrics` route itself (its FastAPI
+# instrumentator) ignores the names; `/metrics/` is prometheus_client's own ASGI app, which vLLM
+# mounts beside it (0.32: vllm/entrypoints/serve/instrumentator/metrics.py) and which
+# honours them. tests/real_vllm/test_load_poll.py checks it on a real engine.
+LOAD_METRICS_PATH = "/metrics/?" + "&".join(f"name[]={n}" for n in sorted(_LOAD_NAMES))
 
 
 def parse_vllm_metrics(text: str, at: float) -> LoadSnapshot:
@@ -117,11 +125,36 @@ def parse_vllm_metrics(text: str, at: float) -> LoadSnapshot:
 async def fetch_vllm_load(
     session: aiohttp.ClientSession, url: str, clock: Clock = time.monotonic
 ) -> LoadSnapshot:
-    async with session.get(url.rstrip("/") + "/metrics") as resp:
+    return parse_vllm_metrics(await fetch_vllm_load_text(session, url), clock())
+
+
+async def fetch_vllm_load_text(session: aiohttp.ClientSession, url: str) -> str:
+    """The /metrics text that carries the load gauges, asked for by name (LOAD_METRICS_PATH).
+
+    A server that ignores `name[]` answers the whole text, which reads the same. One that has
+    no `/metrics/` (a 4xx), or whose answer to the names lacks the running gauge, is asked for
+    the whole `/metrics` in the same poll: an answer must never read as idle because a filter
+    dropped the gauges (an older prometheus_client in multiprocess mode answers a restricted
+    query with nothing). A 5xx is the engine's answer: the poll fails."""
+    base = url.rstrip("/")
+    text = await _metrics_text(session, base + LOAD_METRICS_PATH, missing_ok=True)
+    if text is not None and _RUNNING in text:
+        return text
+    whole = await _metrics_text(session, base + "/metrics")
+    assert whole is not None
+    return whole
+
+
+async def _metrics_text(
+    session: aiohttp.ClientSession, url: str, missing_ok: bool = False
+) -> str | None:
+    """The text at `url`; None for a 4xx when `missing_ok`; else a 4xx or 5xx raises."""
+    async with session.get(url) as resp:
+        if missing_ok and 400 <= resp.status < 500:
+            return None
         if resp.status >= 400:  # as raise_for_status, without the headers
             raise _refused(resp, "/metrics")
-        text = await resp.text()
-    return parse_vllm_metrics(text, clock())
+        return await resp.text()
 
 
 # --- SGLang ----------------------------------------------------------------------------------

@@ -21,7 +21,12 @@ from typing import Any
 
 import aiohttp
 
-from router.workers.discovery import LoadSnapshot, parse_sglang_load, parse_vllm_metrics
+from router.workers.discovery import (
+    LoadSnapshot,
+    fetch_vllm_load_text,
+    parse_sglang_load,
+    parse_vllm_metrics,
+)
 from router.workers.worker_state import WorkerState
 
 __all__ = [
@@ -86,8 +91,7 @@ async def fetch_rank_loads(
 ) -> dict[int, LoadSnapshot]:
     """One poll of a data-parallel server: its load per rank (raises aiohttp.ClientError)."""
     if adapter != "sglang":
-        async with await _get(session, url, "/metrics") as resp:
-            return split_vllm_metrics(await resp.text(), clock())
+        return split_vllm_metrics(await fetch_vllm_load_text(session, url), clock())
     try:
         async with await _get(session, url, "/v1/loads") as resp:
             load = await resp.json(content_type=None)

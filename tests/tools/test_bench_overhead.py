@@ -202,6 +202,33 @@ def test_the_stand_in_worker_tells_what_the_dropin_reads() -> None:
     assert worker_facts_vllm(models, small.metrics_text()).kv_blocks == 7
 
 
+def test_the_stand_in_worker_answers_metrics_by_name_as_vllm_does() -> None:
+    """vLLM's prometheus_client answers `/metrics?name[]=...` with the named families only; the
+    stand-in does too, so that the benchmark's load polls cost what they cost against vLLM."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from disagg_tools.overhead.fixed_worker import FixedWorker, other_families, restricted
+    from router.workers.discovery import LOAD_METRICS_PATH, parse_vllm_metrics
+
+    real = (REPO / "tests/router/workers/texts/vllm-0.32-metrics.txt").read_text()
+    worker = FixedWorker(
+        "decode", "m", 0.02, 0.01, None, "127.0.0.1", 1, metrics_extra=other_families(real)
+    )
+    worker.running = 3
+    whole = worker.metrics_text()
+    names = {q.removeprefix("name[]=") for q in LOAD_METRICS_PATH.partition("?")[2].split("&")}
+    text = restricted(whole, names)
+    assert len(text) * 20 < len(whole)
+    assert {s.name for f in text_string_to_metric_families(text) for s in f.samples} == {
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:cache_config_info",
+    }
+    assert parse_vllm_metrics(text, 1.0) == parse_vllm_metrics(whole, 1.0)
+    assert parse_vllm_metrics(text, 1.0).running == 3
+
+
 @pytest.mark.peers
 @pytest.mark.parametrize("peer,module", [("sglang", "sglang_router"), ("vllm", "vllm_router")])
 def test_smoke_peer_router(tmp_path: Path, peer: str, module: str) -> None:
