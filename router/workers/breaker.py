@@ -38,6 +38,9 @@ class CircuitBreaker:
         self.cooldown_s = settings.cooldown_s
         self.probes_in_flight = 0
         self.trips = 0
+        # When a real request last worked (`on_success`): the health prober skips a worker that
+        # answered one within its probe interval (router/workers/health_probe.py).
+        self.succeeded_at: float | None = None
 
     @property
     def state(self) -> str:
@@ -85,6 +88,7 @@ class CircuitBreaker:
         if probe:
             self.probes_in_flight = max(0, self.probes_in_flight - 1)
         self.failures = 0
+        self.succeeded_at = self.clock()
         if self.opened_at is not None and self.state != "open":
             self.opened_at = None
             self.cooldown_s = self.settings.cooldown_s

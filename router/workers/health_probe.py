@@ -4,7 +4,10 @@ A worker is in rotation once it answers `/health` and what its entry leaves out 
 layout (configured, or read from the worker itself: `discover_layout`) and, for an SGLang prefill
 without a configured `bootstrap_port`, the bootstrap port its `/server_info` reports. Two failed
 probes in a row take it out; a worker that may come back upgraded (or restarted on another
-bootstrap port) has those read again first. The prober slows down to
+bootstrap port) has those read again first. A worker that answered a real request well within
+the last probe interval is not probed: that answer says more than `/health` does (whose pass
+does not show that the engine works, router/workers/breaker.py), and a worker that stops
+answering stops renewing it. The prober slows down to
 `health_idle_interval_s` while every worker answers and the replica is quiet: a request's own
 failure trips the breaker meanwhile, and the first placement brings the cadence back.
 """
@@ -116,7 +119,27 @@ class HealthProber:
             w.decode_graphs = facts.decode_graphs
         return True
 
+    def _answered_lately(self, w: WorkerState) -> bool:
+        """`w` answered a real request well within the last probe interval, and nothing else is
+        owed at its probe: no request failed since, healthy, no failed probe, its layout known,
+        no engine role to read, not a data-parallel server (its lead's probe speaks for every
+        rank)."""
+        breaker = w.breaker
+        at = breaker.succeeded_at
+        return (
+            at is not None
+            and breaker.failures == 0
+            and breaker.clock() - at < self._settings.loops.health_interval_s
+            and w.healthy
+            and w.consecutive_failures == 0
+            and w.layout_known
+            and not w.spec.switches_engine_role
+            and w.spec.dp_size == 1
+        )
+
     async def probe(self, session: aiohttp.ClientSession, w: WorkerState) -> None:
+        if self._answered_lately(w):
+            return
         try:
             timeout = aiohttp.ClientTimeout(total=self._settings.loops.health_timeout_s)
             async with session.get(w.spec.url + "/health", timeout=timeout) as resp:

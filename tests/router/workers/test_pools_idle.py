@@ -190,6 +190,37 @@ async def test_no_back_off_while_a_worker_fails_its_probes() -> None:
         assert hits["health"] >= 8  # p0's probes, every 0.05 s: ~12 in 0.6 s
 
 
+async def test_a_worker_that_answered_a_request_lately_is_not_probed() -> None:
+    """A real request that worked within the probe interval stands for the probe; once they stop
+    working (or stop coming), the probes come back within one interval."""
+    async with counting_worker() as (p_url, p_hits), counting_worker() as (d_url, d_hits):
+        async with aiohttp.ClientSession() as session:
+            busy = [True]
+            s = settings(p_url, loops={"health_interval_s": 0.05})
+            r = replica(s, MemoryStore(), lambda: busy[0])
+            d0 = r.members.workers["d0"]
+            d0.spec = replace(d0.spec, url=d_url)
+            d0.breaker.on_success()  # a stream it finished, just now
+            async with loop_running(r.prober.run(session)):
+                for _ in range(25):  # its streams keep finishing, every 0.02 s for 0.5 s
+                    d0.breaker.on_success()
+                    await asyncio.sleep(0.02)
+                serving = d_hits["health"]
+                await asyncio.sleep(0.5)  # no more answers: probed again
+            # p0 carried no request: probed every 0.05 s throughout (~20 in 1 s).
+            assert p_hits["health"] >= 5, p_hits
+            assert serving == 0, serving
+            assert d_hits["health"] >= 3, d_hits
+            # A request that failed after it, or a failed probe, ends the pass at once.
+            d0.breaker.on_success()
+            assert r.prober._answered_lately(d0)
+            d0.breaker.on_failure()
+            assert not r.prober._answered_lately(d0)
+            d0.breaker.on_success()
+            d0.consecutive_failures = 1
+            assert not r.prober._answered_lately(d0)
+
+
 async def test_load_polls_only_while_busy() -> None:
     async with counting_worker() as (url, hits), aiohttp.ClientSession() as session:
         busy = [False]
