@@ -373,6 +373,29 @@ class RouterRunner(web.AppRunner):
         return _adopt(await super()._make_server(), self.timeouts)
 
 
+async def stop_accepting(sites: list[web.BaseSite]) -> None:
+    """Stop taking connections on `sites`, and let those already taken become connections,
+    before the listening sockets close.
+
+    asyncio's selector loop accepts in a reader callback and builds each connection's transport
+    in a task one loop turn later. Closed in between, the server refuses the build
+    (`Server._attach` asserts it is open, CPython 3.11): the transport is left half made, holding
+    the accepted socket, with no one to read or close it, and its client waits for an answer
+    until the garbage collector closes the socket (tests/router/edge/test_shutdown_accepts.py).
+    With the accept callback removed first, one turn lets the builds already queued finish;
+    those connections are then served or refused like any other. uvloop builds a transport as
+    it accepts: removing a reader it never added is a no-op there."""
+    loop = asyncio.get_running_loop()
+    for site in sites:
+        # asyncio's Server or uvloop's (not an AbstractServer): only its sockets are read.
+        server = aiohttp_private(site, "_server", object, optional=True)
+        for sock in getattr(server, "sockets", None) or ():
+            with contextlib.suppress(OSError, RuntimeError, ValueError):  # the shutdown goes on
+                loop.remove_reader(sock.fileno())
+    for _ in range(2):  # the builds queued by the last accept callback, and their callbacks
+        await asyncio.sleep(0)
+
+
 @contextlib.asynccontextmanager
 async def serving(
     app: web.Application,
@@ -398,6 +421,7 @@ async def serving(
         await web.TCPSite(runner, host, port, backlog=backlog).start()
         yield runner
     finally:
+        await stop_accepting(list(runner.sites))
         shutdown = app.get(SHUTDOWN)
         if shutdown is not None:
             await shutdown.stop(runner.sites)
