@@ -194,18 +194,20 @@ async def test_a_worker_that_answered_a_request_lately_is_not_probed() -> None:
     working (or stop coming), the probes come back within one interval."""
     async with counting_worker() as (p_url, p_hits), counting_worker() as (d_url, d_hits):
         async with aiohttp.ClientSession() as session:
-            busy = [True]
             s = settings(p_url, loops={"health_interval_s": 0.05})
-            r = replica(s, MemoryStore(), lambda: busy[0])
+            r = replica(s, MemoryStore(), lambda: True)
             d0 = r.members.workers["d0"]
             d0.spec = replace(d0.spec, url=d_url)
+            # d0's breaker keeps its own time: its answer stays recent however slowly this
+            # loaded machine runs the probe rounds, until the test moves the time on.
+            now = [1000.0]
+            d0.breaker.clock = lambda: now[0]
             d0.breaker.on_success()  # a stream it finished, just now
             async with loop_running(r.prober.run(session)):
-                for _ in range(25):  # its streams keep finishing, every 0.02 s for 0.5 s
-                    d0.breaker.on_success()
-                    await asyncio.sleep(0.02)
+                await asyncio.sleep(0.5)  # ~10 probe rounds
                 serving = d_hits["health"]
-                await asyncio.sleep(0.5)  # no more answers: probed again
+                now[0] += 0.1  # two probe intervals since its last answer: probed again
+                await asyncio.sleep(0.5)
             # p0 carried no request: probed every 0.05 s throughout (~20 in 1 s).
             assert p_hits["health"] >= 5, p_hits
             assert serving == 0, serving
