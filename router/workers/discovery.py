@@ -92,7 +92,7 @@ def _finite(value: float) -> float | None:
 
 _LOAD_NAMES = frozenset((_RUNNING, _WAITING, *_KV_USAGE, _CACHE_INFO))
 # Asked by name (`name[]`), prometheus_client answers only those families: these gauges are
-# under 1 KB of vLLM 0.32's 53 KB /metrics, which the engine would otherwise render and the
+# 1.7 KB of vLLM 0.32's 53 KB /metrics, which the engine would otherwise render and the
 # router read once a second per worker. vLLM's `/metrics` route itself (its FastAPI
 # instrumentator) ignores the names; `/metrics/` is prometheus_client's own ASGI app, which vLLM
 # mounts beside it (0.32: vllm/entrypoints/serve/instrumentator/metrics.py) and which
