@@ -143,6 +143,9 @@ class QuotaGate:
         self.clock = clock
         # tenant -> its live holds (hold id -> blocks): what `renew_all` renews.
         self.holds: dict[str, dict[str, int]] = {}
+        # tenant -> its limits as last taken: what a hold the renewal put back after its
+        # settle is dropped with (`renew_all`).
+        self.limits: dict[str, Quota] = {}
         # Told of each hold taken: whoever renews them wakes (router/leases.py `wake`).
         self.on_hold: Callable[[], None] | None = None
 
@@ -171,6 +174,7 @@ class QuotaGate:
             raise _refusal(tenant, quota, taken)
         if limited:
             self.holds.setdefault(tenant.name, {})[hold_id] = blocks
+            self.limits[tenant.name] = quota
             if self.on_hold is not None:
                 self.on_hold()
         return QuotaHold(tenant, hold_id, tokens, blocks)
@@ -236,15 +240,39 @@ class QuotaGate:
             log.debug("quota of %s not settled (its hold expires with its lease): %s", tenant, exc)
 
     async def renew_all(self) -> None:
-        """Renew every live hold, one call per tenant; failures are logged, not raised."""
+        """Renew every live hold, one call per tenant; failures are logged, not raised.
+
+        The renewal sends a snapshot of the holds. A request that ends while it is on its way
+        drops its hold here at once and in the store by its own call, on another connection:
+        when that call runs first, the renewal finds the hold gone and puts it back (as it
+        does for one the store lost), and the tenant would be charged for blocks nobody holds
+        until the lease ends. So a hold put back that is no longer held here is dropped again."""
         for name, held in list(self.holds.items()):
             try:
                 back = await self.store.renew_quota_holds(name, dict(held), self.lease_s)
             except StoreError as exc:
                 log.warning("quota holds of %s not renewed: %s", name, exc)
                 continue
-            if back:
-                log.warning("%d quota hold(s) of %s were lost: put back", len(back), name)
+            if not back:
+                continue
+            live = self.holds.get(name, {})
+            settled = [hold_id for hold_id in back if hold_id not in live]
+            if len(back) > len(settled):
+                log.warning(
+                    "%d quota hold(s) of %s were lost: put back", len(back) - len(settled), name
+                )
+            await self._drop_settled(name, settled)
+
+    async def _drop_settled(self, tenant: str, hold_ids: list[str]) -> None:
+        """Drop again the holds a renewal put back after their requests had settled."""
+        quota = self.limits.get(tenant)
+        if quota is None:
+            return
+        for hold_id in hold_ids:
+            try:
+                await self.store.settle_quota(tenant, quota, hold_id, 0)
+            except StoreError as exc:
+                log.debug("settled hold %s of %s not dropped again: %s", hold_id, tenant, exc)
 
 
 def _refusal(tenant: TenantSpec, quota: Quota, taken: QuotaTaken) -> QuotaExceeded:

@@ -1,0 +1,106 @@
+"""A quota hold's renewal racing its request's settle (router/request/quota.py `renew_all`),
+against a real Redis.
+
+The renewal sends a snapshot of the live holds; the settle drops a hold locally at once and in
+the store by its own call. When the settle's call runs first, the renewal finds the hold gone
+and puts it back, as it does for one the store lost: the tenant was then charged for blocks no
+request held until the lease ended (seen once in the state machine, a 429 for a tenant with
+nothing running)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+from policies.base import RequestInfo
+from policies.scaling import ScalingSLO
+from router.metrics import RouterMetrics
+from router.request.quota import QuotaGate
+from router.tenants import TenantSpec
+from state import open_store
+from state.base import StateStore
+from state.quotas import Quota
+from tests.conftest import REDIS_URL
+
+LEASE = 30.0
+LIMIT = 8  # blocks the tenant may hold at once
+
+
+def _info(request_id: str) -> RequestInfo:
+    # 64 prompt tokens and at most 64 more: 8 blocks of 16, the tenant's whole limit.
+    return RequestInfo(request_id, "m", prompt_tokens=64, max_tokens=64, tenant="acme")
+
+
+class _HeldRenewal:
+    """The store's renewal call, let through only when the test says so (the store is real:
+    what is held back is when the call reaches it)."""
+
+    def __init__(self, store: StateStore) -> None:
+        self.real = store.renew_quota_holds
+        self.sent = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def __call__(self, tenant: str, holds: Mapping[str, int], lease_s: float) -> list[str]:
+        self.sent.set()
+        await self.go.wait()
+        return await self.real(tenant, holds, lease_s)
+
+
+async def _room_left(store: StateStore, tenant: TenantSpec, gate_blocks: int) -> bool:
+    """Whether a hold of `gate_blocks` more fits the tenant's limit now (taken and dropped)."""
+    taken = await store.take_quota(tenant.name, tenant.limits, "probe", 0, gate_blocks, LEASE, 1)
+    if taken:
+        await store.settle_quota(tenant.name, tenant.limits, "probe", 0)
+    return bool(taken)
+
+
+async def test_a_hold_settled_while_its_renewal_was_on_the_way_is_not_put_back(
+    redis_prefix: str,
+) -> None:
+    store = await open_store(REDIS_URL, redis_prefix)
+    try:
+        tenant = TenantSpec("acme", limits=Quota(max_reserved_blocks=LIMIT))
+        gate = QuotaGate(store, LEASE, ScalingSLO(), RouterMetrics(), clock=lambda: 0.0)
+        hold = await gate.take(tenant, _info("r1"))
+        assert hold is not None and hold.blocks == LIMIT
+        assert not await _room_left(store, tenant, 1)
+
+        held = _HeldRenewal(store)
+        store.renew_quota_holds = held  # type: ignore[method-assign]
+        renewal = asyncio.ensure_future(gate.renew_all())
+        await held.sent.wait()  # the snapshot, with r1's hold, is on its way
+        await gate.settle(hold, actual_tokens=100)
+        assert await _room_left(store, tenant, LIMIT)  # the settle dropped it in the store
+        held.go.set()
+        await renewal
+
+        # The renewal put it back (the store had lost it) and the gate dropped it again.
+        assert await _room_left(store, tenant, LIMIT)
+        assert gate.holds == {}
+    finally:
+        await store.close()
+
+
+async def test_a_hold_the_store_lost_under_a_live_request_is_still_put_back(
+    redis_prefix: str,
+) -> None:
+    """The other side of the same answer: a hold still held here that the store lost (it was
+    down for a lease) is put back and kept, so the tenant cannot run past its limit."""
+    store = await open_store(REDIS_URL, redis_prefix)
+    try:
+        tenant = TenantSpec("acme", limits=Quota(max_reserved_blocks=LIMIT))
+        gate = QuotaGate(store, LEASE, ScalingSLO(), RouterMetrics(), clock=lambda: 0.0)
+        hold = await gate.take(tenant, _info("r1"))
+        assert hold is not None
+        # Lost by the store behind the gate's back.
+        await store.settle_quota(tenant.name, tenant.limits, hold.hold_id, 0)
+        assert await _room_left(store, tenant, LIMIT)
+
+        await gate.renew_all()
+        assert not await _room_left(store, tenant, 1)  # back, at its size
+        assert gate.holds == {"acme": {hold.hold_id: LIMIT}}
+
+        await gate.settle(hold, actual_tokens=100)
+        assert await _room_left(store, tenant, LIMIT)
+    finally:
+        await store.close()
