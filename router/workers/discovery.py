@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,12 +32,14 @@ from yarl import URL
 
 from policies.base import KVLayout
 from router.redact import mask_url
-from router.workers.prom_samples import label_value, samples
+from router.workers.prom_samples import Sample, label_value, samples
 
 __all__ = [
     "LoadSnapshot",
     "fetch_layout_facts",
     "parse_vllm_metrics",
+    "vllm_load",
+    "VLLM_LOAD_NAMES",
     "parse_sglang_load",
     "fetch_vllm_load",
     "fetch_vllm_load_text",
@@ -90,25 +92,31 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-_LOAD_NAMES = frozenset((_RUNNING, _WAITING, *_KV_USAGE, _CACHE_INFO))
+VLLM_LOAD_NAMES = frozenset((_RUNNING, _WAITING, *_KV_USAGE, _CACHE_INFO))
 # Asked by name (`name[]`), prometheus_client answers only those families: these gauges are
 # 1.7 KB of vLLM 0.32's 53 KB /metrics, which the engine would otherwise render and the
 # router read once a second per worker. vLLM's `/metrics` route itself (its FastAPI
 # instrumentator) ignores the names; `/metrics/` is prometheus_client's own ASGI app, which vLLM
 # mounts beside it (0.32: vllm/entrypoints/serve/instrumentator/metrics.py) and which
 # honours them. tests/real_vllm/test_load_poll.py checks it on a real engine.
-LOAD_METRICS_PATH = "/metrics/?" + "&".join(f"name[]={n}" for n in sorted(_LOAD_NAMES))
+LOAD_METRICS_PATH = "/metrics/?" + "&".join(f"name[]={n}" for n in sorted(VLLM_LOAD_NAMES))
 
 
 def parse_vllm_metrics(text: str, at: float) -> LoadSnapshot:
     """A load record from vLLM's Prometheus text: sums over engines/models, the fullest cache.
     Only the lines of these gauges are read (router/workers/prom_samples.py): a real vLLM text
-    is tens of kilobytes of histograms, read once a second per worker while serving. A count
-    that is not finite (a buggy engine's NaN) counts as none."""
+    is tens of kilobytes of histograms, read once a second per worker while serving."""
+    return vllm_load(samples(text, VLLM_LOAD_NAMES), at)
+
+
+def vllm_load(found: Iterable[Sample], at: float) -> LoadSnapshot:
+    """The load record of vLLM's load gauge samples `found` (of `VLLM_LOAD_NAMES`; one rank's
+    of a data-parallel server: router/workers/dp_loads.py). A count that is not finite (a
+    buggy engine's NaN) counts as none."""
     running = waiting = 0.0
     usage: float | None = None
     blocks: int | None = None
-    for name, labels, value in samples(text, _LOAD_NAMES):
+    for name, labels, value in found:
         if name == _RUNNING:
             running += _finite(value) or 0.0
         elif name == _WAITING:

@@ -13,7 +13,6 @@ it is ignored and counted (`LoadPoller`, router/workers/load_poller.py).
 
 from __future__ import annotations
 
-import re
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -22,11 +21,13 @@ from typing import Any
 import aiohttp
 
 from router.workers.discovery import (
+    VLLM_LOAD_NAMES,
     LoadSnapshot,
     fetch_vllm_load_text,
     parse_sglang_load,
-    parse_vllm_metrics,
+    vllm_load,
 )
+from router.workers.prom_samples import Sample, label_value, samples
 from router.workers.worker_state import WorkerState
 
 __all__ = [
@@ -37,24 +38,17 @@ __all__ = [
     "split_vllm_metrics",
 ]
 
-_ENGINE = re.compile(r'[{,]\s*engine="(\d+)"')
-
 
 def split_vllm_metrics(text: str, at: float) -> dict[int, LoadSnapshot]:
-    """vLLM's Prometheus text -> a load per `engine` label (none: the text has no such label)."""
-    lines: dict[int, list[str]] = defaultdict(list)
-    comments: list[str] = []
-    for line in text.splitlines():
-        if line.startswith("#"):
-            comments.append(line)
-            continue
-        match = _ENGINE.search(line.split("}", 1)[0])
-        if match is not None:
-            lines[int(match.group(1))].append(line)
-    return {
-        rank: parse_vllm_metrics("\n".join(comments + samples) + "\n", at)
-        for rank, samples in lines.items()
-    }
+    """vLLM's Prometheus text -> a load per `engine` label (none: the text has no such label),
+    in one pass over the load gauges' lines. A rank none of whose load gauges is in the text
+    gets no reading: its last one ages as a silent worker's does, rather than reading as idle."""
+    by_rank: dict[int, list[Sample]] = defaultdict(list)
+    for sample in samples(text, VLLM_LOAD_NAMES):
+        engine = label_value(sample.labels, "engine")
+        if engine is not None and engine.isdigit():
+            by_rank[int(engine)].append(sample)
+    return {rank: vllm_load(found, at) for rank, found in by_rank.items()}
 
 
 def split_sglang_loads(

@@ -397,6 +397,21 @@ def test_a_dp_servers_report_is_split_by_rank_and_an_undeclared_rank_ignored() -
     assert [w.load for w in ranks] == [loads[0], loads[1]]
 
 
+def test_the_rank_split_reads_labels_as_the_format_quotes_them() -> None:
+    """A `}` or an `engine="…"` inside a quoted label value does not end the labels or name a
+    rank (the split used to cut a line at its first `}`); a rank with only histograms in the
+    text gets no reading rather than one of 0 running; other families' lines are not read."""
+    text = (
+        'vllm:num_requests_running{model_name="m}x",engine="0"} 3.0\n'
+        'vllm:num_requests_running{model_name="a,engine=\\"5\\"",engine="1"} 4.0\n'
+        'vllm:num_requests_waiting{engine="1",model_name="m"} 2.0\n'
+        'vllm:time_to_first_token_seconds_bucket{engine="2",le="0.1"} 7.0\n'
+        'vllm:num_requests_running{model_name="m"} 9.0\n'
+    )
+    loads = split_vllm_metrics(text, 1.0)
+    assert {r: (x.running, x.waiting) for r, x in loads.items()} == {0: (3, 0), 1: (4, 2)}
+
+
 async def test_ranks_are_learned_from_the_server_and_polled_each_its_own(
     redis_prefix: str,
 ) -> None:
