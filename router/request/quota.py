@@ -71,6 +71,7 @@ class QuotaHold:
     hold_id: str
     tokens: int
     blocks: int  # what the hold counts now (0 when not limited: no hold)
+    settled: bool = False  # its request ended (`QuotaGate.settle`)
 
     @property
     def limited(self) -> bool:
@@ -194,6 +195,11 @@ class QuotaGate:
         except StoreError as exc:
             log.debug("quota hold of %s not resized: %s", tenant, exc)
             return True
+        if hold.settled:
+            # The request ended while the resize was on its way (a resend after a lost
+            # connection can run after the settle's drop): the resize put a dropped hold back.
+            await self._drop_settled(tenant, hold.tenant.limits, [hold.hold_id])
+            return True
         if not taken:
             return False
         hold.blocks = blocks
@@ -222,6 +228,7 @@ class QuotaGate:
         """`hold`'s request ended having cost `actual_tokens` (`refund_request`: the cluster
         refused it, its request is given back). Never raises a StoreError."""
         tenant = hold.tenant.name
+        hold.settled = True
         if hold.limited:
             held = self.holds.get(tenant, {})
             held.pop(hold.hold_id, None)
@@ -261,13 +268,13 @@ class QuotaGate:
                 log.warning(
                     "%d quota hold(s) of %s were lost: put back", len(back) - len(settled), name
                 )
-            await self._drop_settled(name, settled)
+            quota = self.limits.get(name)
+            if quota is not None:
+                await self._drop_settled(name, quota, settled)
 
-    async def _drop_settled(self, tenant: str, hold_ids: list[str]) -> None:
-        """Drop again the holds a renewal put back after their requests had settled."""
-        quota = self.limits.get(tenant)
-        if quota is None:
-            return
+    async def _drop_settled(self, tenant: str, quota: Quota, hold_ids: list[str]) -> None:
+        """Drop again the holds a renewal or a resize put back after their requests had
+        settled."""
         for hold_id in hold_ids:
             try:
                 await self.store.settle_quota(tenant, quota, hold_id, 0)

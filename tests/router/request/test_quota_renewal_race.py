@@ -1,16 +1,18 @@
-"""A quota hold's renewal racing its request's settle (router/request/quota.py `renew_all`),
-against a real Redis.
+"""A quota hold's renewal or resize racing its request's settle (router/request/quota.py
+`renew_all`, `follow`), against a real Redis.
 
 The renewal sends a snapshot of the live holds; the settle drops a hold locally at once and in
 the store by its own call. When the settle's call runs first, the renewal finds the hold gone
 and puts it back, as it does for one the store lost: the tenant was then charged for blocks no
 request held until the lease ended (seen once in the state machine, a 429 for a tenant with
-nothing running)."""
+nothing running). A resize is the same: the store's resize puts back a hold it lost, and a
+resize sent again on a fresh connection after a lost one can run after the settle."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from policies.base import RequestInfo
 from policies.scaling import ScalingSLO
@@ -31,19 +33,19 @@ def _info(request_id: str) -> RequestInfo:
     return RequestInfo(request_id, "m", prompt_tokens=64, max_tokens=64, tenant="acme")
 
 
-class _HeldRenewal:
-    """The store's renewal call, let through only when the test says so (the store is real:
+class _HeldCall:
+    """One of the store's calls, let through only when the test says so (the store is real:
     what is held back is when the call reaches it)."""
 
-    def __init__(self, store: StateStore) -> None:
-        self.real = store.renew_quota_holds
+    def __init__(self, real: Callable[..., Awaitable[Any]]) -> None:
+        self.real = real
         self.sent = asyncio.Event()
         self.go = asyncio.Event()
 
-    async def __call__(self, tenant: str, holds: Mapping[str, int], lease_s: float) -> list[str]:
+    async def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.sent.set()
         await self.go.wait()
-        return await self.real(tenant, holds, lease_s)
+        return await self.real(*args, **kwargs)
 
 
 async def _room_left(store: StateStore, tenant: TenantSpec, gate_blocks: int) -> bool:
@@ -65,7 +67,7 @@ async def test_a_hold_settled_while_its_renewal_was_on_the_way_is_not_put_back(
         assert hold is not None and hold.blocks == LIMIT
         assert not await _room_left(store, tenant, 1)
 
-        held = _HeldRenewal(store)
+        held = _HeldCall(store.renew_quota_holds)
         store.renew_quota_holds = held  # type: ignore[method-assign]
         renewal = asyncio.ensure_future(gate.renew_all())
         await held.sent.wait()  # the snapshot, with r1's hold, is on its way
@@ -102,5 +104,30 @@ async def test_a_hold_the_store_lost_under_a_live_request_is_still_put_back(
 
         await gate.settle(hold, actual_tokens=100)
         assert await _room_left(store, tenant, LIMIT)
+    finally:
+        await store.close()
+
+
+async def test_a_hold_settled_while_its_resize_was_on_the_way_is_not_put_back(
+    redis_prefix: str,
+) -> None:
+    store = await open_store(REDIS_URL, redis_prefix)
+    try:
+        tenant = TenantSpec("acme", limits=Quota(max_reserved_blocks=LIMIT))
+        gate = QuotaGate(store, LEASE, ScalingSLO(), RouterMetrics(), clock=lambda: 0.0)
+        hold = await gate.take(tenant, _info("r1"))
+        assert hold is not None
+
+        held = _HeldCall(store.resize_quota_hold)
+        store.resize_quota_hold = held  # type: ignore[method-assign]
+        growth = asyncio.ensure_future(gate.follow(hold, LIMIT - 2))
+        await held.sent.wait()
+        await gate.settle(hold, actual_tokens=100)
+        assert await _room_left(store, tenant, LIMIT)
+        held.go.set()
+        assert await growth
+
+        assert await _room_left(store, tenant, LIMIT)  # not put back at LIMIT - 2
+        assert gate.holds == {}
     finally:
         await store.close()
