@@ -238,6 +238,9 @@ class Admission:
         # Told of each request as it is admitted or first queued: the quiet loops wake
         # (router/loop_timing.py `LoopTiming.arrived`).
         self.on_arrival: Callable[[], None] | None = None
+        # Told when a request starts waiting for decode room: the state refresher reads at its
+        # busy cadence again (router/workers/refresher.py `room_wait`).
+        self.on_room_wait: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -307,6 +310,8 @@ class Admission:
         if for_room:
             if ticket not in self._for_room:
                 self._for_room[ticket] = self._clock()
+                if self.on_room_wait is not None:
+                    self.on_room_wait()
                 if self.ledger is not None:
                     queued = self._queued[ticket]
                     self.ledger.waits(queued.priority, queued.tenant.name)

@@ -103,6 +103,11 @@ class LoopTiming:
     def _delay(self, period: float) -> float:
         return _delay(period, self.phase)
 
+    def delay_past(self, seconds: float, period: float) -> float:
+        """How long from now to this replica's first beat of `period` at least `seconds`
+        away."""
+        return max(seconds, 0.0) + _delay(period, self.phase - max(seconds, 0.0))
+
     async def beat(self, period: float) -> None:
         """Sleep to this replica's next beat of `period`."""
         await asyncio.sleep(self._delay(period))

@@ -190,6 +190,7 @@ def build_worker_loops(core: Core, keyring: Keyring) -> WorkerLoops:
         own_reservations=core.leases.reservations_by_worker,
         queue_waits=lambda: admission.waiting > 0,
     )
+    admission.on_room_wait = refresher.room_wait
     reaper = StrandedReaper(
         settings,
         store,

@@ -21,6 +21,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from router.admission import Admission, AdmissionSettings
 from router.config import RetrySettings, Settings, settings_from_mapping
 from router.loop_timing import LoopTiming
 from router.retry_budget import RetryBudget
@@ -336,3 +337,62 @@ async def test_the_retry_tally_waits_while_nothing_is_counted() -> None:
     await asyncio.sleep(0.05)
     assert not again.done()  # flushed: nothing owed, asleep again
     again.cancel()
+
+
+async def test_a_busy_replica_alone_sits_out_without_waking_and_a_room_wait_ends_it() -> None:
+    """Busy and alone in the store, the refresher backs off to one read a second, and between
+    reads it does not wake on every beat to look (at one stream those looks were ~20 wake-ups
+    a second); a request that starts waiting for room ends the sit-out at once."""
+    store = CountingStore()
+    s = settings("http://127.0.0.1:9", loops={"state_refresh_s": 0.05})
+    members = Membership(s)
+    looks = [0]
+    waiting = [False]
+
+    def busy() -> bool:
+        looks[0] += 1
+        return True
+
+    timing = LoopTiming(busy)
+    refresher = StateRefresher(
+        s,
+        store,
+        members,
+        LocalAccounting(members, timing),
+        StoreLoss(s, store, members),
+        timing,
+        own_reservations=lambda: {},  # nothing reserved anywhere: alone after the first read
+        queue_waits=lambda: waiting[0],
+    )
+    async with loop_running(refresher.run()):
+        await asyncio.sleep(1.2)
+        reads = store.calls["usage_view"]
+        # Sit-outs of 0.1, 0.2, 0.4 and 0.5 s: a handful of reads and looks. Looking on every
+        # 0.05 s beat would be ~24 looks; a loaded machine only makes fewer.
+        assert 2 <= reads <= 6, reads
+        assert looks[0] <= 14, looks[0]
+        waiting[0] = True
+        refresher.room_wait()
+        await asyncio.sleep(0.02)
+        assert store.calls["usage_view"] >= reads + 1  # read at once, not after the sit-out
+        await asyncio.sleep(0.3)
+        assert store.calls["usage_view"] >= reads + 4  # and on the busy cadence while it waits
+
+
+async def test_the_admission_queue_tells_when_a_request_starts_waiting_for_room() -> None:
+    """What ends the refresher's sit-out (`on_room_wait`): once per request that starts waiting
+    for decode room, not for a concurrency slot."""
+    admission = Admission(AdmissionSettings())
+    told: list[int] = []
+    admission.on_room_wait = lambda: told.append(1)
+    deadline = asyncio.get_running_loop().time() + 60
+    slot = asyncio.create_task(admission.wait(0, 1, deadline, for_room=False))
+    await asyncio.sleep(0)
+    assert told == []
+    room = asyncio.create_task(admission.wait(0, 2, deadline))
+    await asyncio.sleep(0)
+    assert told == [1]
+    for task in (slot, room):
+        task.cancel()
+    await asyncio.gather(slot, room, return_exceptions=True)
+    assert admission.waiting == 0
