@@ -52,44 +52,66 @@ class RedisRegistryFeed:
     async def start(self) -> None:
         await self._drop()
         try:
-            self._client = await self._connect()
-            newest = await self._client.xrevrange(self._key, "+", "-", count=1)
+            client = self._client = await self._connect()
+        except _FAILURES as exc:
+            raise StoreError(f"the registry feed cannot start: {type(exc).__name__}") from exc
+        try:
+            newest = await client.xrevrange(self._key, "+", "-", count=1)
         except _FAILURES as exc:
             await self._drop()
             raise StoreError(f"the registry feed cannot start: {type(exc).__name__}") from exc
+        finally:
+            await self._closed_under(client)
         # No feed yet (a new or emptied store): its first entry, whatever its id, is new.
         self._last = newest[0][0] if newest else "0-0"
 
     async def wait(self, timeout_s: float) -> bool:
-        if self._client is None:
+        client = self._client
+        if client is None:
             await self.start()
             return True  # what changed while it was not listening is unknown: read
         block_ms = max(1, int(timeout_s * 1000))
         try:
-            answer = await self._client.xread({self._key: self._last}, block=block_ms)
+            answer = await client.xread({self._key: self._last}, block=block_ms)
         except _FAILURES:
             # Redis closed it (died, restarted, failed over) or stopped answering: read now,
             # the store-loss path decides; the next wait starts again.
             await self._drop()
             return True
+        finally:
+            await self._closed_under(client)
         if not answer:
             return False
         self._last = _newest_id(answer)
         return True
 
+    async def _closed_under(self, client: aioredis.Redis) -> None:
+        """A call on `client` returned (or failed) after the feed was closed or started again
+        by another task: the close disconnected the connection under the call, and redis-py
+        connects a disconnected connection again for the call's next command (its handshake
+        is several: HELLO, AUTH, SELECT, ...). That socket belongs to no one the feed knows:
+        closed here, or the garbage collector finds it open (seen in the state machine: a
+        replica shut down while its feed was connecting)."""
+        if self._client is not client:
+            await _close(client)
+
     async def _drop(self) -> None:
         client, self._client = self._client, None
         if client is not None:
-            # Shielded: shutdown cancels the registry loop again and again until it ends
-            # (router/background.py), and a cancel inside the close would leave the feed's
-            # socket open for the garbage collector ("unclosed transport"). The close runs to
-            # its end on its own; the cancel still reaches the caller.
-            closing = asyncio.ensure_future(client.aclose())
-            closing.add_done_callback(_retrieved)
-            await asyncio.shield(closing)
+            await _close(client)
 
     async def close(self) -> None:
         await self._drop()
+
+
+async def _close(client: aioredis.Redis) -> None:
+    """Close `client` to its end. Shielded: shutdown cancels the registry loop again and again
+    until it ends (router/background.py), and a cancel inside the close would leave the feed's
+    socket open for the garbage collector ("unclosed transport"). The close runs to its end on
+    its own; the cancel still reaches the caller."""
+    closing = asyncio.ensure_future(client.aclose())
+    closing.add_done_callback(_retrieved)
+    await asyncio.shield(closing)
 
 
 def _retrieved(closing: asyncio.Future[None]) -> None:

@@ -11,13 +11,19 @@ list below must name every public method of the registry half of the store (a ne
 from __future__ import annotations
 
 import asyncio
+import os
+import uuid
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 
 from state import DrainMark, MemoryStore, RedisStore, StateStore, WorkerRole
 from state.base import TenantKey
 from state.redis_registry import RedisRegistry
+from state.registry_feed import RedisRegistryFeed
+from tests.conftest import REDIS_URL
 from tests.state.test_state_registry_read import redis_cluster, store
 
 __all__ = ["redis_cluster", "store"]  # fixtures, imported so the parametrized store finds them
@@ -164,3 +170,52 @@ async def test_a_recreated_marker_reaches_the_feed(store: StateStore) -> None:
         assert await feed.wait(10.0)
     finally:
         await feed.close()
+
+
+async def test_a_feed_closed_while_its_call_reconnects_leaves_no_connection_open(
+    redis_prefix: str,
+) -> None:
+    """A replica shut down while its feed was connecting (the state machine's "unclosed
+    transport"): the close disconnects the feed's connection under the call, redis-py connects
+    it again for the call's next command, and that socket must not outlive the feed. The
+    call here runs one command, waits until the feed is closed, then sends the next (redis-py
+    connects again), as its handshake does."""
+    name = f"feedtest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    closed = asyncio.Event()
+
+    async def connect() -> aioredis.Redis:
+        client = aioredis.Redis.from_url(REDIS_URL, client_name=name)
+        real = client.xread
+
+        async def xread(*args: Any, **kwargs: Any) -> Any:
+            await client.ping()  # connected, as a handshake's first command
+            await closed.wait()  # the feed is closed meanwhile: the pool disconnected
+            return await real(*args, **kwargs)  # the next command connects again
+
+        client.xread = xread  # type: ignore[method-assign]
+        return client
+
+    async def ours_open() -> list[str]:
+        listed = await probe.client_list()
+        return [c["addr"] for c in listed if c.get("name") == name]
+
+    probe = aioredis.Redis.from_url(REDIS_URL)
+    feed = RedisRegistryFeed(connect, redis_prefix + "feed")
+    try:
+        await feed.start()
+        waiting = asyncio.ensure_future(feed.wait(0.05))
+        for _ in range(200):
+            if await ours_open():
+                break
+            await asyncio.sleep(0.01)
+        await feed.close()
+        closed.set()
+        await waiting
+        for _ in range(100):  # Redis lists a closed client until it has read the close
+            if not await ours_open():
+                break
+            await asyncio.sleep(0.02)
+        assert await ours_open() == []
+    finally:
+        await feed.close()
+        await probe.aclose()
