@@ -58,7 +58,7 @@ class RedisRegistryFeed:
         try:
             newest = await client.xrevrange(self._key, "+", "-", count=1)
         except _FAILURES as exc:
-            await self._drop()
+            self._forget(client)
             raise StoreError(f"the registry feed cannot start: {type(exc).__name__}") from exc
         finally:
             await self._closed_under(client)
@@ -75,8 +75,9 @@ class RedisRegistryFeed:
             answer = await client.xread({self._key: self._last}, block=block_ms)
         except _FAILURES:
             # Redis closed it (died, restarted, failed over) or stopped answering: read now,
-            # the store-loss path decides; the next wait starts again.
-            await self._drop()
+            # the store-loss path decides; the next wait starts again (the client is closed
+            # just below, no longer the feed's).
+            self._forget(client)
             return True
         finally:
             await self._closed_under(client)
@@ -85,13 +86,19 @@ class RedisRegistryFeed:
         self._last = _newest_id(answer)
         return True
 
+    def _forget(self, client: aioredis.Redis) -> None:
+        """`client` failed: no longer the feed's (`_closed_under` closes it)."""
+        if self._client is client:
+            self._client = None
+
     async def _closed_under(self, client: aioredis.Redis) -> None:
-        """A call on `client` returned (or failed) after the feed was closed or started again
-        by another task: the close disconnected the connection under the call, and redis-py
-        connects a disconnected connection again for the call's next command (its handshake
-        is several: HELLO, AUTH, SELECT, ...). That socket belongs to no one the feed knows:
-        closed here, or the garbage collector finds it open (seen in the state machine: a
-        replica shut down while its feed was connecting)."""
+        """After every call on `client`: close it when it is no longer the feed's — it failed,
+        or another task closed the feed or started it again meanwhile. Such a close
+        disconnected the connection under the call, and redis-py connects a disconnected
+        connection again for the call's next command (its handshake is several: HELLO, AUTH,
+        SELECT, ...): that socket belongs to no one the feed knows, and is closed here, or the
+        garbage collector finds it open (seen in the state machine: a replica shut down while
+        its feed was connecting). Closing a closed client again is harmless."""
         if self._client is not client:
             await _close(client)
 
