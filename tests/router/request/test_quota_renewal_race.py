@@ -11,13 +11,16 @@ resize sent again on a fresh connection after a lost one can run after the settl
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
+
+import pytest
 
 from policies.base import RequestInfo
 from policies.scaling import ScalingSLO
 from router.metrics import RouterMetrics
-from router.request.quota import QuotaGate
+from router.request.quota import QuotaGate, QuotaHold
 from router.tenants import TenantSpec
 from state import open_store
 from state.base import StateStore
@@ -56,78 +59,78 @@ async def _room_left(store: StateStore, tenant: TenantSpec, gate_blocks: int) ->
     return bool(taken)
 
 
-async def test_a_hold_settled_while_its_renewal_was_on_the_way_is_not_put_back(
-    redis_prefix: str,
-) -> None:
+@dataclass
+class Acme:
+    """A real Redis store, tenant `acme` limited to LIMIT blocks, its gate, and request r1's
+    hold (the whole limit)."""
+
+    store: StateStore
+    tenant: TenantSpec
+    gate: QuotaGate
+    hold: QuotaHold
+
+
+@pytest.fixture
+async def acme(redis_prefix: str) -> AsyncIterator[Acme]:
     store = await open_store(REDIS_URL, redis_prefix)
     try:
         tenant = TenantSpec("acme", limits=Quota(max_reserved_blocks=LIMIT))
         gate = QuotaGate(store, LEASE, ScalingSLO(), RouterMetrics(), clock=lambda: 0.0)
         hold = await gate.take(tenant, _info("r1"))
         assert hold is not None and hold.blocks == LIMIT
-        assert not await _room_left(store, tenant, 1)
-
-        held = _HeldCall(store.renew_quota_holds)
-        store.renew_quota_holds = held  # type: ignore[method-assign]
-        renewal = asyncio.ensure_future(gate.renew_all())
-        await held.sent.wait()  # the snapshot, with r1's hold, is on its way
-        await gate.settle(hold, actual_tokens=100)
-        assert await _room_left(store, tenant, LIMIT)  # the settle dropped it in the store
-        held.go.set()
-        await renewal
-
-        # The renewal put it back (the store had lost it) and the gate dropped it again.
-        assert await _room_left(store, tenant, LIMIT)
-        assert gate.holds == {}
+        yield Acme(store, tenant, gate, hold)
     finally:
         await store.close()
 
 
-async def test_a_hold_the_store_lost_under_a_live_request_is_still_put_back(
-    redis_prefix: str,
+async def test_a_hold_settled_while_its_renewal_was_on_the_way_is_not_put_back(
+    acme: Acme,
 ) -> None:
+    store, tenant, gate, hold = acme.store, acme.tenant, acme.gate, acme.hold
+    assert not await _room_left(store, tenant, 1)
+
+    held = _HeldCall(store.renew_quota_holds)
+    store.renew_quota_holds = held  # type: ignore[method-assign]
+    renewal = asyncio.ensure_future(gate.renew_all())
+    await held.sent.wait()  # the snapshot, with r1's hold, is on its way
+    await gate.settle(hold, actual_tokens=100)
+    assert await _room_left(store, tenant, LIMIT)  # the settle dropped it in the store
+    held.go.set()
+    await renewal
+
+    # The renewal put it back (the store had lost it) and the gate dropped it again.
+    assert await _room_left(store, tenant, LIMIT)
+    assert gate.holds == {}
+
+
+async def test_a_hold_the_store_lost_under_a_live_request_is_still_put_back(acme: Acme) -> None:
     """The other side of the same answer: a hold still held here that the store lost (it was
     down for a lease) is put back and kept, so the tenant cannot run past its limit."""
-    store = await open_store(REDIS_URL, redis_prefix)
-    try:
-        tenant = TenantSpec("acme", limits=Quota(max_reserved_blocks=LIMIT))
-        gate = QuotaGate(store, LEASE, ScalingSLO(), RouterMetrics(), clock=lambda: 0.0)
-        hold = await gate.take(tenant, _info("r1"))
-        assert hold is not None
-        # Lost by the store behind the gate's back.
-        await store.settle_quota(tenant.name, tenant.limits, hold.hold_id, 0)
-        assert await _room_left(store, tenant, LIMIT)
+    store, tenant, gate, hold = acme.store, acme.tenant, acme.gate, acme.hold
+    # Lost by the store behind the gate's back.
+    await store.settle_quota(tenant.name, tenant.limits, hold.hold_id, 0)
+    assert await _room_left(store, tenant, LIMIT)
 
-        await gate.renew_all()
-        assert not await _room_left(store, tenant, 1)  # back, at its size
-        assert gate.holds == {"acme": {hold.hold_id: LIMIT}}
+    await gate.renew_all()
+    assert not await _room_left(store, tenant, 1)  # back, at its size
+    assert gate.holds == {"acme": {hold.hold_id: LIMIT}}
 
-        await gate.settle(hold, actual_tokens=100)
-        assert await _room_left(store, tenant, LIMIT)
-    finally:
-        await store.close()
+    await gate.settle(hold, actual_tokens=100)
+    assert await _room_left(store, tenant, LIMIT)
 
 
 async def test_a_hold_settled_while_its_resize_was_on_the_way_is_not_put_back(
-    redis_prefix: str,
+    acme: Acme,
 ) -> None:
-    store = await open_store(REDIS_URL, redis_prefix)
-    try:
-        tenant = TenantSpec("acme", limits=Quota(max_reserved_blocks=LIMIT))
-        gate = QuotaGate(store, LEASE, ScalingSLO(), RouterMetrics(), clock=lambda: 0.0)
-        hold = await gate.take(tenant, _info("r1"))
-        assert hold is not None
+    store, tenant, gate, hold = acme.store, acme.tenant, acme.gate, acme.hold
+    held = _HeldCall(store.resize_quota_hold)
+    store.resize_quota_hold = held  # type: ignore[method-assign]
+    growth = asyncio.ensure_future(gate.follow(hold, LIMIT - 2))
+    await held.sent.wait()
+    await gate.settle(hold, actual_tokens=100)
+    assert await _room_left(store, tenant, LIMIT)
+    held.go.set()
+    assert await growth
 
-        held = _HeldCall(store.resize_quota_hold)
-        store.resize_quota_hold = held  # type: ignore[method-assign]
-        growth = asyncio.ensure_future(gate.follow(hold, LIMIT - 2))
-        await held.sent.wait()
-        await gate.settle(hold, actual_tokens=100)
-        assert await _room_left(store, tenant, LIMIT)
-        held.go.set()
-        assert await growth
-
-        assert await _room_left(store, tenant, LIMIT)  # not put back at LIMIT - 2
-        assert gate.holds == {}
-    finally:
-        await store.close()
+    assert await _room_left(store, tenant, LIMIT)  # not put back at LIMIT - 2
+    assert gate.holds == {}
