@@ -225,6 +225,11 @@ class Admission:
         # What the wake-up round a woken request belongs to has tried (it, and those before it
         # on the chain): `pass_on` skips them, so the round moves on down the line.
         self._tried: dict[int, tuple[int, ...]] = {}
+        # Woken by a pass-on, not yet run, when a fresh wake-up woke a waiter ahead of them in
+        # the order: they go back to waiting without trying (`wait`), or the room the fresh
+        # wake-up is for would go to whichever task the loop runs first — a chain's, woken
+        # earlier, ahead of the head (fifo served 6 before 3 in CI that way).
+        self._superseded: set[int] = set()
         # The cluster's fair share (router/fair_share.py), told every charge; None: this
         # replica's order is its own.
         self.ledger: Ledger | None = None
@@ -324,7 +329,17 @@ class Admission:
         self._place(ticket, tenant)
         try:
             async with asyncio.timeout_at(deadline):
-                return await future
+                while True:
+                    budget = await future
+                    if ticket not in self._superseded:
+                        return budget
+                    # A fresh wake-up went to a waiter ahead of this one: back in line, untried
+                    # (that wake-up's own pass-on reaches it if the room is not for the head).
+                    self._superseded.discard(ticket)
+                    self._awake.discard(ticket)
+                    self._tried.pop(ticket, None)
+                    future = loop.create_future()
+                    self._parked[ticket] = future
         except TimeoutError:
             self._parked.pop(ticket, None)
             self.withdraw(ticket)
@@ -451,6 +466,7 @@ class Admission:
         self._for_room.pop(ticket, None)
         self._awake.discard(ticket)
         self._tried.pop(ticket, None)
+        self._superseded.discard(ticket)
 
     def admitted(self, request: WaitingRequest, blocks: int = 0) -> Charge:
         """The request got its room (`blocks`, waited or not): the policy charges its tenant
@@ -547,7 +563,20 @@ class Admission:
             if future is None or future.done():
                 skip.add(chosen.ticket)  # cancelled, its task not yet run: it withdraws itself
                 continue
+            if not tried:
+                self._supersede_behind(chosen.ticket, now)
             self._awake.add(chosen.ticket)
             self._tried[chosen.ticket] = (*tried, chosen.ticket)
             future.set_result(budget)
             return
+
+    def _supersede_behind(self, head: int, now: float) -> None:
+        """A fresh wake-up goes to `head`: a waiter a pass-on woke that is behind it in the
+        order and has not run yet must not try first (the loop runs it first: it was woken
+        first). It waits again (`wait`); the head's own pass-on reaches it if need be."""
+        for ticket in self._awake:
+            if len(self._tried.get(ticket, ())) < 2 or ticket in self._superseded:
+                continue  # a fresh wake-up's own head, not a pass-on's: it keeps its try
+            first = self._next(now, self._awake - {ticket})
+            if first is not None and first.ticket != ticket:  # it is behind the head
+                self._superseded.add(ticket)
