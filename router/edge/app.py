@@ -180,7 +180,10 @@ async def _serve(
             count.status = flow.status
             return client.answer(body, flow.answer_headers)
         finally:
-            await asyncio.shield(flow.cleanup())
+            if flow.settled:  # a stream settles as its decode ends: nothing left to await
+                flow.close()
+            else:
+                await asyncio.shield(flow.cleanup())
             serving.demand.note_output(model, flow.output_tokens or 0)
 
 

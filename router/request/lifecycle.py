@@ -417,14 +417,23 @@ class RequestFlow:
         if first is not None:
             metrics.tenant_ttft_by(tenant).observe(first - self.call.started)
 
+    @property
+    def settled(self) -> bool:
+        """`settle` has run (or runs): what `cleanup` has left awaits nothing (`close`)."""
+        return self._settled
+
     async def cleanup(self) -> None:
-        stages = self.stages
         try:
             await self.settle()
         finally:
-            if self.seat.admitted:
-                self.seat.admitted = False
-                stages.admission.leave()
-            stages.metrics.duration.observe(stages.clock() - self.call.started)
-            self._count_for_tenant()
-            self.call.trace.close(self.status)
+            self.close()
+
+    def close(self) -> None:
+        """The end of the request once settled: its admission slot, its metrics, its trace."""
+        stages = self.stages
+        if self.seat.admitted:
+            self.seat.admitted = False
+            stages.admission.leave()
+        stages.metrics.duration.observe(stages.clock() - self.call.started)
+        self._count_for_tenant()
+        self.call.trace.close(self.status)
