@@ -2,32 +2,43 @@
 at most 50 ms above the baseline's, for each answer length, ours against vllm-router.
 
     python -m disagg_tools.overhead.saturation [--targets ours_redis,ours_dropin,vllm]
-                                               [--tokens 16,128] [--json F] [--markdown F]
+                                               [--tokens 16,128] [--tries 3]
+                                               [--json F] [--markdown F]
 
 One pair of stand-in workers (`fixed_worker`, a token every `--interval-ms`, no limit on
 concurrent streams), every target started once as `python -m disagg_tools.overhead` starts it
 (`targets.start_router`: pinned to `--router-core`; the workers and this process on
 `--load-core`). For each answer length and target, OPEN-LOOP arrivals (`run_arrivals`: Poisson
 or evenly spaced with jitter, seeded by rate, so a target and the baseline at one rate get the
-same arrival times), each a streaming chat completion. One step at a rate: `--warmup-s` of
-arrivals not measured, then max(`--step-requests`, rate x `--step-s`) measured ones. The same
-step without a router (the client makes the two PD calls itself: the `baseline` target) gives
-the baseline's TTFT at that rate (measured once per rate and answer length, shared by the
-targets). A step passes when every measured answer is complete, the achieved rate (sends and
-first tokens per second) is at least `--min-achieved` of its arrivals' own, and the target's
-TTFT p99 minus the baseline's is at most `--added-p99-ms`.
+same arrival times), each a streaming chat completion. One try of a step at a rate:
+`--warmup-s` of arrivals not measured, then max(`--step-requests`, rate x `--step-s`) measured
+ones. The same without a router (the client makes the two PD calls itself: the `baseline`
+target) gives the baseline's TTFT at that rate. A try passes when every measured answer is
+complete, the achieved rate (sends and first tokens per second) is at least `--min-achieved`
+of its arrivals' own, and the target's TTFT p99 minus the baseline's is at most
+`--added-p99-ms`.
 
 The search (`find_sustained`): a ladder of rates from `--start-rps`, times `--factor` while
 steps pass (down, divided, while the first fails), then `--bisect` geometric bisections between
 the last passing and the first failing rate. Rates are rounded to three significant digits, so
-that the targets' bisections meet on the same rates and share the baseline's steps.
+that the targets' bisections meet on the same rates and share the baseline's steps. A step's
+verdict is the majority of up to `--tries` tries (`majority`): it passes once more than half
+pass, fails once they cannot (with 3: two agreeing tries decide, else a third). With one try,
+a single TTFT spike failed a step and so ended the whole search (two runs ten minutes apart:
+0.92x and <= 0.50x the peer); a majority makes the verdict a property of the rate, not of one
+run. A step reports its median try among those that voted for its verdict, and every try's
+vote; the router CPU per request at the sustained rate (steadier than the rate) is the median
+over its tries. The baseline runs once per answer length and rate, not per try: every try of
+every target is held to the same reference (a spike in it moves them all alike instead of
+deciding one try), at one step's cost.
 
-The load generator must not be what fails: a step is "client" (not the target's verdict) when
+The load generator must not be what fails: a try is "client" (not the target's verdict) when
 the baseline cannot do the rate (errors, achieved below `--min-achieved`, or the client's send
-lag p99 above `--max-lag-ms`), or when the target's step would pass but the client sent late.
-(A target's failing step with lag is the target's: the baseline showed the client can offer
-the rate.) The search stops there and the rate found is reported as a lower bound, limited by
-the load generator, not as the router's.
+lag p99 above `--max-lag-ms`), or when the target's try would pass but the client sent late.
+(A target's failing try with lag is the target's: the baseline showed the client can offer
+the rate.) A "client" try is its step's verdict at once: more tries say nothing of the target.
+The search stops there and the rate found is reported as a lower bound, limited by the load
+generator, not as the router's.
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ import math
 import os
 import random
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -66,8 +78,10 @@ __all__ = [
     "find_sustained",
     "grid",
     "main",
+    "majority",
     "markdown",
     "run",
+    "vote_text",
 ]
 
 PASS, FAIL, CLIENT = "pass", "fail", "client"
@@ -151,6 +165,47 @@ async def find_sustained(
         "limited_by": limited,
         "steps": steps,
     }
+
+
+async def majority(try_once: Callable[[], Awaitable[Step]], tries: int) -> Step:
+    """One step from up to `tries` calls of `try_once` (module doc): PASS once more than half
+    of `tries` pass, FAIL once they cannot, CLIENT at once on a CLIENT try. Its detail is the
+    median try's of those for its verdict, plus "tries" (each try's verdict and detail, in
+    order) and "votes" (tries by verdict)."""
+    if tries < 1:
+        raise ValueError(f"tries={tries}: a step needs at least one try")
+    need = tries // 2 + 1
+    done: list[Step] = []
+    verdict: str | None = None
+    while verdict is None:
+        done.append(await try_once())
+        passes = sum(s.verdict == PASS for s in done)
+        if done[-1].verdict == CLIENT:
+            verdict = CLIENT
+        elif passes >= need:
+            verdict = PASS
+        elif len(done) - passes > tries - need:  # too many fails for `need` passes
+            verdict = FAIL
+
+    def added_p99(s: Step) -> float:  # an unmeasured one (errors) ranks as the worst
+        p99 = (s.detail.get("added_ttft_ms") or {}).get("p99")
+        return math.inf if p99 is None else float(p99)
+
+    # The median by added TTFT p99; of two middle ones, the worse.
+    voters = sorted((s for s in done if s.verdict == verdict), key=added_p99)
+    median = voters[len(voters) // 2]
+    detail = {
+        **median.detail,
+        "tries": [{"verdict": s.verdict, **s.detail} for s in done],
+        "votes": {v: sum(s.verdict == v for s in done) for v in (PASS, FAIL, CLIENT)},
+    }
+    return Step(median.rate, verdict, detail)
+
+
+def vote_text(step: Step) -> str:
+    """How a step's tries voted: "2/3 pass" (for its verdict / run); "" if not `majority`'s."""
+    tried = step.detail.get("tries")
+    return f"{step.detail['votes'][step.verdict]}/{len(tried)} {step.verdict}" if tried else ""
 
 
 def arrival_offsets(rate: float, n: int, *, seed: int, poisson: bool = True) -> list[float]:
@@ -277,6 +332,13 @@ class _Bench:
         return self.baseline[key]
 
     async def probe(self, name: str, tokens: int, rate: float) -> Step:
+        """`name`'s step at `rate`: up to `--tries` tries, their majority decides."""
+        step = await majority(functools.partial(self.try_once, name, tokens, rate), self.ns.tries)
+        note(f"[sustain] {name:>11} offered={rate}: {vote_text(step)}", sys.stderr)
+        return step
+
+    async def try_once(self, name: str, tokens: int, rate: float) -> Step:
+        """One try of `name` at `rate` against the baseline's one step there."""
         ns = self.ns
         base = await self.base(tokens, rate)
         if not _ok(base, ns) or _lagging(base, ns):
@@ -326,12 +388,25 @@ def _progress_step(name: str, step: Step) -> None:
     note(f"[sustain] {name:>11} offered={step.rate}: {step.detail.get('why')}", sys.stderr)
 
 
+def _median_cpu_ms(step: Step) -> float | None:
+    """The router CPU ms per request over the step's tries (their median), or None."""
+    tried = step.detail.get("tries") or [step.detail]
+    cpu = [c for t in tried if (c := (t.get("run") or {}).get("cpu_ms_per_request")) is not None]
+    return round(statistics.median(cpu), 4) if cpu else None
+
+
 def _step_row(step: Step) -> dict[str, Any]:
     d = step.detail
     run_ = d.get("run") or {}
     return {
         "rate": step.rate,
         "verdict": step.verdict,
+        "votes": vote_text(step),
+        "tries": [
+            {k: t.get(k) for k in ("verdict", "why", "added_ttft_ms")}
+            | {"router_cpu_ms_per_request": (t.get("run") or {}).get("cpu_ms_per_request")}
+            for t in d.get("tries", [])
+        ],
         "why": d.get("why"),
         "added_ttft_ms": d.get("added_ttft_ms"),
         "achieved_rps": run_.get("achieved_rps"),
@@ -345,11 +420,16 @@ def _step_row(step: Step) -> dict[str, Any]:
 
 def _result_row(name: str, tokens: int, found: dict[str, Any]) -> dict[str, Any]:
     step: Step | None = found["step"]
+    # The first step that did not pass: where the ladder turned (with one try, on one spike).
+    failing = next((s for s in found["steps"] if s.verdict != PASS), None)
     row: dict[str, Any] = {
         "target": name,
         "max_tokens": tokens,
         "sustained_rps": found["sustained"],
         "limited_by": found["limited_by"],
+        "first_failing": None
+        if failing is None
+        else {"rate": failing.rate, "verdict": failing.verdict, "votes": vote_text(failing)},
         "steps": [_step_row(s) for s in found["steps"]],
     }
     if step is not None:
@@ -358,8 +438,9 @@ def _result_row(name: str, tokens: int, found: dict[str, Any]) -> dict[str, Any]
             added_ttft_ms=step.detail["added_ttft_ms"],
             ttft_ms=run_["ttft_ms"],
             baseline_ttft_ms=base["ttft_ms"],
+            sustained_votes=vote_text(step),
             achieved_rps=run_["achieved_rps"],
-            router_cpu_ms_per_request=run_["cpu_ms_per_request"],
+            router_cpu_ms_per_request=_median_cpu_ms(step),
             router_cpu_util=run_["router_cpu_util"],
             client_lag_ms=run_["lag_ms"],
             load_core_util=run_["load_core_util"],
@@ -467,13 +548,15 @@ def markdown(result: dict[str, Any]) -> str:
         f"Open-loop {p['arrivals']} arrivals of streaming "
         f"{'chat ' if p['chat'] else ''}completions, a token every {p['interval_ms']:g} ms, "
         f"steps of max({p['step_requests']} answers, {p['step_s']:g} s) after "
-        f"{p['warmup_s']:g} s of warm-up; Redis: {_redis_note(p)}; load average "
+        f"{p['warmup_s']:g} s of warm-up, each step up to {p.get('tries', 1)} tries "
+        f"(their majority decides); Redis: {_redis_note(p)}; load average "
         f"{m['loadavg_at_start'][0]:.2f} at the "
         f"start, {m['loadavg_at_end'][0]:.2f} at the end; {result['elapsed_s']:.0f} s.",
         "",
         "| answer tokens | target | sustained req/s | limited by | added TTFT p50 / p99 ms "
-        "| router CPU ms/req | client lag p99 ms | load core | vs vllm-router |",
-        "|---:|---|---:|---|---:|---:|---:|---:|---:|",
+        "| router CPU ms/req | client lag p99 ms | load core | tries: sustained · first failing "
+        "| vs vllm-router |",
+        "|---:|---|---:|---|---:|---:|---:|---:|---|---:|",
     ]
     for r in result["sustained"]:
         added = r.get("added_ttft_ms") or {}
@@ -483,20 +566,30 @@ def markdown(result: dict[str, Any]) -> str:
         rps = r["sustained_rps"]
         shown = "—" if rps is None else f"{'≥ ' if r['limited_by'] != 'router' else ''}{rps:g}"
         lag = (r.get("client_lag_ms") or {}).get("p99")
+        at = f"{ff['votes']} at {ff['rate']:g}" if (ff := r.get("first_failing")) else "—"
+        tries = f"{r.get('sustained_votes') or '—'} · {at}"  # "2/3 pass · 2/2 fail at 400"
         lines.append(
             f"| {r['max_tokens']} | {r['target']} | {shown} | {r['limited_by']} "
             f"| {_f(added.get('p50'))} / {_f(added.get('p99'))} "
             f"| {_f(r.get('router_cpu_ms_per_request'), 3)} | {_f(lag, 2)} "
-            f"| {_f(r.get('load_core_util'), 2)} | {vs} |"
+            f"| {_f(r.get('load_core_util'), 2)} | {tries} | {vs} |"
         )
     lines += [
         "",
         "limited by: router = the next rate up failed (the router's limit); load generator = "
         "the next rate could not be offered (the client lagged or the baseline failed): the "
         "rate is a lower bound and a ratio against it a bound too; load core = CPU of the "
-        "client and the workers on their core (1 = all of it).",
+        "client and the workers on their core (1 = all of it); tries: how the tries voted at the "
+        "sustained rate and at the first failing one (router CPU ms/req: the median over the "
+        "sustained rate's tries).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a positive integer")
+    return int(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -519,6 +612,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-rps", type=float, default=50.0, help="the ladder's first rate")
     p.add_argument("--factor", type=float, default=2.0, help="the ladder's step (x rate)")
     p.add_argument("--bisect", type=int, default=3, help="bisections after the ladder")
+    p.add_argument(
+        "--tries", type=_positive_int, default=3, help="at most, per step; a majority decides"
+    )
     p.add_argument("--min-rps", type=float, default=5.0)
     p.add_argument("--max-rps", type=float, default=20_000.0)
     p.add_argument(
