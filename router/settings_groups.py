@@ -73,6 +73,12 @@ class ServerSettings:
         "and retried by clients after 1, 2, 4... s (the kernel caps it at somaxconn)",
     )
     max_body_bytes: int = setting(8 * 1024 * 1024, doc="largest request body accepted (413)")
+    front_door: str = setting(
+        "aiohttp",
+        doc="aiohttp: every request through aiohttp's server | lean: chat and completions "
+        "requests of the common shape on the router's own HTTP/1.1 protocol, the rest handed "
+        "to aiohttp (router/edge/lean_door.py)",
+    )
     shutdown_grace_s: float = setting(
         20.0,
         doc="on SIGTERM, running requests get this long to finish; the rest end with an SSE "
@@ -84,6 +90,8 @@ class ServerSettings:
             raise ConfigError(f"server.port: {self.port} is not a TCP port")
         if self.shutdown_grace_s < 0:
             raise ConfigError("server.shutdown_grace_s must be >= 0")
+        if self.front_door not in ("aiohttp", "lean"):
+            raise ConfigError(f"server.front_door must be aiohttp or lean, not {self.front_door!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -185,6 +185,10 @@ async def sim_cluster(
         # does not choose one itself.
         if os.environ.get("DR_TEST_RELAY"):
             raw["upstream"] = {"relay": os.environ["DR_TEST_RELAY"]}
+        # DR_TEST_FRONT_DOOR=lean|aiohttp: the front door of every cluster whose test does not
+        # choose one itself (router/edge/lean_door.py).
+        if os.environ.get("DR_TEST_FRONT_DOOR"):
+            raw["server"] = {"front_door": os.environ["DR_TEST_FRONT_DOOR"]}
         # A test's settings over these: a group's given settings replace only their own.
         raw = merged_settings(raw, settings)
         url, app = await stack.enter_async_context(running_router(settings_from_mapping(raw)))

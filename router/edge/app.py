@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from importlib.resources import files
+from typing import Any, Protocol, TypeVar
 
 import orjson
 from aiohttp import web
@@ -22,6 +23,7 @@ from router.control.scaling import DemandMeter, export_scaling, scaling_report
 from router.edge.admin import ADMIN, AdminView, add_admin_routes
 from router.edge.auth import check_scrape
 from router.edge.front_door import Entry, RequestCount, enter
+from router.edge.lean_door import LeanRoutes
 from router.edge.passthrough import (
     PASSTHROUGH_ROUTES,
     RESPONSES_ROUTE,
@@ -31,6 +33,7 @@ from router.edge.passthrough import (
 )
 from router.edge.ready_probe import STORE_PROBE, StoreProbe
 from router.edge.request_stages import build_stages
+from router.edge.server import LEAN_ROUTES
 from router.edge.shutdown import SHUTDOWN, Shutdown
 from router.edge.wiring import (
     Core,
@@ -80,15 +83,33 @@ async def error_middleware(request: web.Request, handler):  # type: ignore[no-un
     except web.HTTPException as exc:
         if exc.status < 400:
             raise  # a redirect is an answer, not an error
-        err = as_router_error(exc, body_limit=request.app[SETTINGS].server.max_body_bytes)
-    except (RouterError, StoreError) as exc:
+        return error_response(handler_error(exc, request))
+    except Exception as exc:
+        return error_response(handler_error(exc, request))
+
+
+def handler_error(exc: BaseException, request: Any) -> RouterError:
+    """The answer for what a handler raised (the middleware's, and the lean door's)."""
+    if isinstance(exc, web.HTTPException):
+        return as_router_error(exc, body_limit=request.app[SETTINGS].server.max_body_bytes)
+    if isinstance(exc, (RouterError, StoreError)):
         if isinstance(exc, StoreError):
             log.debug("%s %s: %s", request.method, request.path, exc)
-        err = as_router_error(exc)
-    except Exception as exc:
-        log.exception("unhandled error serving %s %s", request.method, request.path)
-        err = as_router_error(exc)
-    return error_response(err)
+        return as_router_error(exc)
+    log.exception("unhandled error serving %s %s", request.method, request.path, exc_info=exc)
+    return as_router_error(exc)
+
+
+_A = TypeVar("_A", covariant=True)
+
+
+class _Client(Protocol[_A]):
+    """The door's side of a `ClientSide`: aiohttp's (`_AiohttpClient`) or the lean door's
+    (router/edge/lean_door.py `LeanClient`)."""
+
+    async def start_stream(self, headers: dict[str, str]) -> Any: ...
+
+    def answer(self, body: bytes | None, headers: dict[str, str]) -> _A: ...
 
 
 class _AiohttpClient:
@@ -116,13 +137,35 @@ class _AiohttpClient:
 
 async def _generate(request: web.Request, path: str) -> web.StreamResponse:
     """Chat and completions: always the prefill/decode path."""
+    return await generate(request, path, _AiohttpClient(request))
+
+
+async def generate(request: Any, path: str, client: _Client[_A]) -> _A:
+    """Chat and completions on either door: `request` is aiohttp's, or the lean door's
+    (router/edge/lean_door.py `LeanRequest`: the attributes of aiohttp's read here)."""
     s, metrics, served = request.app[SETTINGS], request.app[METRICS], _served(request)
     with RequestCount(metrics, path) as count:
         entry = await enter(request, s)  # shutdown, API key, body, id (router/edge/front_door.py)
         count.tenant = entry.tenant.name
         # Exact prompt tokens where the model has a tokenizer (router/openai/prompt_tokens.py).
         parsed = await parse_generation(path, entry.raw, s, served, metrics)
-        return await _serve(request, entry, parsed, count)
+        return await _serve(request, entry, parsed, count, client)
+
+
+def lean_routes(app: web.Application) -> LeanRoutes:
+    """What the lean front door serves (router/edge/lean_door.py): chat and completions."""
+    return LeanRoutes(
+        paths={CHAT.encode(): CHAT, COMPLETIONS.encode(): COMPLETIONS},
+        serve=generate,
+        error_for=_lean_error,
+        app=app,
+        max_body_bytes=app[SETTINGS].server.max_body_bytes,
+    )
+
+
+def _lean_error(exc: BaseException, request: Any) -> RouterError | None:
+    """The lean door's answer for what the flow raised; None: the client is gone."""
+    return None if isinstance(exc, ConnectionResetError) else handler_error(exc, request)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -142,7 +185,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
         count.tenant = entry.tenant.name
         parsed = await parse_generation(RESPONSES, entry.raw, s, served, metrics)
         if serves_split(s, request.app[SERVING].pools, parsed.body):
-            return await _serve(request, entry, parsed, count)
+            return await _serve(request, entry, parsed, count, _AiohttpClient(request))
         # No NIXL-pull prefill worker in rotation (or built-in tools): whole on one worker.
         resp = await forward(
             request.app[_PASSTHROUGH],
@@ -164,11 +207,10 @@ def _served(request: web.Request) -> tuple[str, ...]:
 
 
 async def _serve(
-    request: web.Request, entry: Entry, parsed: ParsedRequest, count: RequestCount
-) -> web.StreamResponse:
+    request: Any, entry: Entry, parsed: ParsedRequest, count: RequestCount, client: _Client[_A]
+) -> _A:
     """One request's flow through the prefill/decode path (router/request/lifecycle.py)."""
     serving = request.app[SERVING]
-    client = _AiohttpClient(request)
     client_side = ClientSide(parsed, request.headers, client.start_stream)
     flow = RequestFlow(serving.stages, client_side, entry.request_id, entry.tenant)
     bind_request_id(flow.request_id)  # on every log line of this request (router/logs.py)
@@ -416,6 +458,8 @@ def create_app(settings: Settings, *, tracer_provider: object = None) -> web.App
     # Tenants and their hashed keys; the admin API changes them, shared by every replica through
     # the store (router/tenants.py).
     app[KEYRING] = Keyring(settings.tenants, settings.tenant_keys, settings.auth.api_keys)
+    if settings.server.front_door == "lean":
+        app[LEAN_ROUTES] = lean_routes(app)
     app.cleanup_ctx.append(_services_context(settings))
     app.router.add_post(CHAT, chat_completions)
     app.router.add_post(COMPLETIONS, completions)

@@ -45,6 +45,7 @@ from aiohttp.http_exceptions import (
 )
 
 from router.config import Timeouts
+from router.edge.lean_door import LeanDoor, LeanRoutes
 from router.errors import (
     INTERNAL_ERROR_MESSAGE,
     DeadlineExceeded,
@@ -65,6 +66,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# The lean front door's routes (router/edge/app.py sets them when `server.front_door` is lean).
+LEAN_ROUTES = web.AppKey("lean_routes", LeanRoutes)
 
 _PARSER_ERROR_CODE = "bad_http_request"
 _MAX_MESSAGE = 200  # what a parser error says, at most (it never quotes the client's bytes)
@@ -126,18 +130,65 @@ def _raw_response(status: int, reason: str, body: bytes) -> bytes:
     return head.encode() + body
 
 
+class StallGuard:
+    """`client_stall_s` for one connection (both doors: `_Protocol`, router/edge/lean_door.py):
+    once the transport's write buffer is over its high-water mark, a client that then takes no
+    byte of it for `stall_s` has its connection aborted; one that takes some, however slowly,
+    gets another period."""
+
+    __slots__ = ("_stall_s", "_timer", "_queued", "_transport")
+
+    def __init__(self, stall_s: float) -> None:
+        self._stall_s = stall_s
+        self._timer: asyncio.TimerHandle | None = None
+        self._queued = 0  # bytes queued for the client when the timer was armed
+        self._transport: asyncio.Transport | None = None
+
+    @property
+    def armed(self) -> bool:
+        return self._timer is not None
+
+    def paused(self, transport: asyncio.Transport) -> None:
+        """The transport paused writing (its buffer is over the high-water mark)."""
+        if self._stall_s > 0 and self._timer is None:
+            self._transport = transport
+            self._arm(transport)
+
+    def _arm(self, transport: asyncio.Transport) -> None:
+        self._queued = transport.get_write_buffer_size()
+        self._timer = asyncio.get_running_loop().call_later(self._stall_s, self._stalled)
+
+    def resumed(self) -> None:
+        self.cancel()
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._transport = None
+
+    def _stalled(self) -> None:
+        self._timer = None
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        if transport.get_write_buffer_size() < self._queued:
+            self._arm(transport)  # slow, but it took some: a slow reader is not a stalled one
+            return
+        log.info(
+            "client %s took no bytes for %s s: connection aborted",
+            transport.get_extra_info("peername"),
+            self._stall_s,
+        )
+        # abort, not close: close would wait for the buffer to drain, i.e. forever.
+        transport.abort()
+
+
 class _Protocol(web.RequestHandler):
     """One client connection: aiohttp's handler plus the head deadline, the write-stall
     deadline and OpenAI-style bodies for the errors aiohttp answers itself."""
 
-    __slots__ = (
-        "_limits",
-        "_between",
-        "_head_bytes",
-        "_head_timer",
-        "_stall_timer",
-        "_stall_queued",
-    )
+    __slots__ = ("_limits", "_between", "_head_bytes", "_head_timer", "_stall")
 
     def __init__(self, manager: web.Server, limits: Timeouts, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -145,13 +196,12 @@ class _Protocol(web.RequestHandler):
         self._between = True  # waiting for a request head
         self._head_bytes = False  # some of it has come
         self._head_timer: asyncio.TimerHandle | None = None
-        self._stall_timer: asyncio.TimerHandle | None = None
-        self._stall_queued = 0  # bytes queued for the client when the stall timer was armed
+        self._stall = StallGuard(limits.client_stall_s)
 
     def __repr__(self) -> str:
         return (
             f"_Protocol(open={self.transport is not None}, awaiting_head={self._between}, "
-            f"head_timer={self._head_timer is not None}, stalled={self._stall_timer is not None})"
+            f"head_timer={self._head_timer is not None}, stalled={self._stall.armed})"
         )
 
     # -- the request head ---------------------------------------------------------------------
@@ -205,41 +255,18 @@ class _Protocol(web.RequestHandler):
     # -- a client that takes nothing ----------------------------------------------------------
     def pause_writing(self) -> None:
         super().pause_writing()
-        if self._limits.client_stall_s > 0 and self._stall_timer is None:
-            self._arm_stall()
-
-    def _arm_stall(self) -> None:
-        assert self.transport is not None
-        self._stall_queued = self.transport.get_write_buffer_size()
-        loop = asyncio.get_running_loop()
-        self._stall_timer = loop.call_later(self._limits.client_stall_s, self._stalled)
+        if self.transport is not None:
+            self._stall.paused(self.transport)
 
     def resume_writing(self) -> None:
         super().resume_writing()
-        if self._stall_timer is not None:
-            self._stall_timer.cancel()
-            self._stall_timer = None
-
-    def _stalled(self) -> None:
-        self._stall_timer = None
-        if self.transport is None:
-            return
-        if self.transport.get_write_buffer_size() < self._stall_queued:
-            self._arm_stall()  # slow, but it took some: a slow reader is not a stalled one
-            return
-        log.info(
-            "client %s took no bytes for %s s: connection aborted",
-            self.peername,
-            self._limits.client_stall_s,
-        )
-        # abort, not close: close would wait for the buffer to drain, i.e. forever.
-        self.transport.abort()
+        self._stall.resumed()
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        for timer in (self._head_timer, self._stall_timer):
-            if timer is not None:
-                timer.cancel()
-        self._head_timer = self._stall_timer = None
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        self._stall.cancel()
         super().connection_lost(exc)
 
     # -- the errors aiohttp answers itself ----------------------------------------------------
@@ -292,6 +319,7 @@ class _Server(web.Server):
         loop: asyncio.AbstractEventLoop,
         request_factory: Any,
         handler_cancellation: bool,
+        lean: LeanRoutes | None = None,
         **protocol_kwargs: Any,
     ) -> None:
         def made_request(message: Any, payload: Any, protocol: Any, writer: Any, task: Any) -> Any:
@@ -310,6 +338,10 @@ class _Server(web.Server):
         self.protocol_loop = loop
         self.protocol_kwargs = protocol_kwargs
         self.closing = False
+        # The lean front door (router/edge/lean_door.py), when on: its connections, until one
+        # is handed to aiohttp (then aiohttp's own list has it).
+        self.lean = lean
+        self.doors: set[LeanDoor] = set()
 
     def connection_made(self, handler: web.RequestHandler, transport: asyncio.Transport) -> None:
         super().connection_made(handler, transport)
@@ -323,12 +355,31 @@ class _Server(web.Server):
     def pre_shutdown(self) -> None:
         self.closing = True  # the sites have stopped: from here a new connection is refused
         super().pre_shutdown()
+        for door in list(self.doors):
+            door.close()
 
-    def __call__(self) -> _Protocol:
+    async def shutdown(self, timeout: float | None = None) -> None:  # noqa: ASYNC109 (aiohttp's)
+        doors = [door.shutdown(timeout) for door in list(self.doors)]
+        await asyncio.gather(super().shutdown(timeout), *doors)
+        self.doors.clear()
+
+    def __call__(self) -> asyncio.Protocol:  # type: ignore[override]  # a lean door, or aiohttp's
+        if self.lean is None:
+            return self.aiohttp_protocol()
+        return LeanDoor(
+            self.lean,
+            self.limits,
+            StallGuard(self.limits.client_stall_s),
+            self.aiohttp_protocol,
+            self.doors,
+            lambda: self.closing,
+        )
+
+    def aiohttp_protocol(self) -> _Protocol:
         return _Protocol(self, self.limits, loop=self.protocol_loop, **self.protocol_kwargs)
 
 
-def _adopt(server: web.Server, limits: Timeouts) -> _Server:
+def _adopt(server: web.Server, limits: Timeouts, lean: LeanRoutes | None = None) -> _Server:
     """`server` (made by `AppRunner`) rebuilt as a `_Server` with the same handler, factory
     and protocol arguments."""
     if type(server) is not web.Server:
@@ -344,6 +395,7 @@ def _adopt(server: web.Server, limits: Timeouts) -> _Server:
         loop=loop,
         request_factory=server.request_factory,
         handler_cancellation=server.handler_cancellation,
+        lean=lean,
         **kwargs,
     )
 
@@ -370,7 +422,7 @@ class RouterRunner(web.AppRunner):
         self.timeouts = timeouts
 
     async def _make_server(self) -> web.Server:
-        return _adopt(await super()._make_server(), self.timeouts)
+        return _adopt(await super()._make_server(), self.timeouts, self.app.get(LEAN_ROUTES))
 
 
 async def stop_accepting(sites: list[web.BaseSite]) -> None:

@@ -13,10 +13,9 @@ tests/router/edge/test_client_bounds.py run it against the installed aiohttp).
 from __future__ import annotations
 
 import asyncio
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import aiohttp
-from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 
 __all__ = ["AiohttpChanged", "aiohttp_private", "prepared_writer"]
@@ -48,10 +47,23 @@ def aiohttp_private(
     return value
 
 
-def prepared_writer(client: web.StreamResponse) -> tuple[AbstractStreamWriter, asyncio.Transport]:
+class Drains(Protocol):
+    """What the splice relay waits on while the client's buffer is full."""
+
+    async def drain(self) -> None: ...
+
+
+def prepared_writer(client: Any) -> tuple[Drains, asyncio.Transport]:
     """The payload writer and transport of `client`, a prepared (headers sent) response, for
     writing body bytes without aiohttp's per-write overhead (router/relay/splice.py). Raises
-    `ConnectionResetError` if the client has gone already."""
+    `ConnectionResetError` if the client has gone already. The lean front door's stream
+    (router/edge/lean_door.py `LeanStream`) is its own writer: its `splice_target`."""
+    target = getattr(client, "splice_target", None)
+    if target is not None:
+        drains, transport = target()
+        if transport.is_closing():
+            raise ConnectionResetError("the client's connection is closed")
+        return drains, transport
     # None once the body is ended (write_eof) or before prepare: nothing may be written then.
     writer = aiohttp_private(client, "_payload_writer", AbstractStreamWriter, optional=True)
     transport = getattr(writer, "transport", None)

@@ -17,9 +17,8 @@ import sys
 from collections.abc import Callable
 
 from aiohttp import web
-from aiohttp.abc import AbstractStreamWriter
 
-from router.relay.aiohttp_private import prepared_writer
+from router.relay.aiohttp_private import Drains, prepared_writer
 from router.relay.contract import NO_FIRST_EVENT, RelayObserver, RelayResult, Rewrite
 from router.relay.sse_cut import SseCutter
 from router.relay.upstream_pool import (
@@ -52,7 +51,7 @@ class _Splice:
     def __init__(
         self,
         conn: UpstreamConn,
-        writer: AbstractStreamWriter,
+        writer: Drains,
         transport: asyncio.Transport,
         cutter: SseCutter,
         clock: Callable[[], float],

@@ -331,7 +331,8 @@ async def test_decode_leg_is_closed_when_the_client_stream_cannot_start(
     relay: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The client went away while its decode leg was being opened: `prepare` fails. The leg
-    must be aborted then, not read to its end into memory."""
+    must be aborted then, not read to its end into memory. aiohttp's door (its `prepare` is
+    what fails); the lean door's start is tests/router/edge/test_lean_door.py's."""
     prepare = web.StreamResponse.prepare
 
     async def gone(self: web.StreamResponse, request: web.BaseRequest) -> Any:
@@ -342,7 +343,11 @@ async def test_decode_leg_is_closed_when_the_client_stream_cannot_start(
     monkeypatch.setattr(web.StreamResponse, "prepare", gone)
     n = 8
     async with sim_cluster(
-        redis_prefix=None, decode=2, kv_blocks=50000, upstream={"relay": relay}
+        redis_prefix=None,
+        decode=2,
+        kv_blocks=50000,
+        upstream={"relay": relay},
+        server={"front_door": "aiohttp"},
     ) as c:
 
         async def one() -> None:
