@@ -46,6 +46,9 @@ __all__ = [
     "RouterError",
     "InvalidRequest",
     "BodyTooLarge",
+    "ClosesConnection",
+    "RequestTimeout",
+    "BadRequestBody",
     "Unauthorized",
     "Forbidden",
     "ModelNotFound",
@@ -108,6 +111,27 @@ class InvalidRequest(RouterError):
 class BodyTooLarge(InvalidRequest):
     status = 413
     code = "request_too_large"
+
+
+class ClosesConnection(InvalidRequest):
+    """The rest of the request's body will not be read: the connection ends with the answer,
+    and says so, so that a keep-alive client does not send its next request on it."""
+
+    def headers(self) -> dict[str, str]:
+        return {"Connection": "close"}
+
+
+class RequestTimeout(ClosesConnection):
+    """The request (head or body) did not arrive in time."""
+
+    status = 408
+    code = "request_timeout"
+
+
+class BadRequestBody(ClosesConnection):
+    """The body could not be read: not valid per its Content-Encoding, or bad framing."""
+
+    code = "bad_request_body"
 
 
 class Unauthorized(RouterError):

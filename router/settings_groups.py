@@ -74,10 +74,10 @@ class ServerSettings:
     )
     max_body_bytes: int = setting(8 * 1024 * 1024, doc="largest request body accepted (413)")
     front_door: str = setting(
-        "aiohttp",
-        doc="aiohttp: every request through aiohttp's server | lean: chat and completions "
-        "requests of the common shape on the router's own HTTP/1.1 protocol, the rest handed "
-        "to aiohttp (router/edge/lean_door.py)",
+        "lean",
+        doc="lean: chat and completions requests of the common shape on the router's own "
+        "HTTP/1.1 protocol, any other request (and its connection) handed to aiohttp's "
+        "(router/edge/lean_door.py) | aiohttp: every request through aiohttp's server",
     )
     shutdown_grace_s: float = setting(
         20.0,

@@ -35,9 +35,9 @@ from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
 
 from router.config import Settings
 from router.edge.auth import client_tenant
-from router.edge.server import BadRequestBody, RequestTimeout, parser_error_text
+from router.edge.server import parser_error_text
 from router.edge.shutdown import SHUTDOWN
-from router.errors import BodyTooLarge, as_router_error
+from router.errors import BadRequestBody, BodyTooLarge, RequestTimeout, as_router_error
 from router.metrics import RouterMetrics
 from router.tenants import KEYRING, TenantSpec
 

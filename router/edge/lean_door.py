@@ -1,12 +1,12 @@
-"""The lean front door (issue 36, setting `server.front_door: lean`): chat and completions
+"""The lean front door (issue 36, `server.front_door: lean`, the default): chat and completions
 requests of the common shape served on a bare asyncio protocol; any other request, and its
 connection from then on, handed to aiohttp's (router/edge/server.py `_Protocol`).
 
 aiohttp's server costs about a third of the router's CPU on a short answer (its request and
 response objects, the middleware chain, the router, its writer; docs/benchmarks-overhead.md).
 Most of that is for what a generation request never uses. Here a request head is parsed with
-`bytes` methods and served by the same flow (router/edge/app.py `generate`) with its answers
-written straight onto the transport.
+`bytes` methods (router/edge/lean_http.py) and served by the same flow (router/edge/app.py
+`generate`) with its answers written straight onto the transport.
 
 The common shape, and nothing else: `POST /v1/chat/completions` or `POST /v1/completions`,
 HTTP/1.1, one `Content-Length` (at most `server.max_body_bytes`), no `Transfer-Encoding`,
@@ -29,15 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from http import HTTPStatus
 from typing import Any, Protocol
 
-from multidict import CIMultiDict, CIMultiDictProxy
-
 from router.config import Timeouts
+from router.edge.lean_http import Body, LeanRequest, head_bytes, parse_head
+from router.errors import RequestTimeout
 
 __all__ = ["LeanDoor", "LeanRoutes", "LeanStream"]
 
@@ -45,10 +43,6 @@ log = logging.getLogger(__name__)
 
 _MAX_HEAD = 16 * 1024  # aiohttp's limits: 8190 bytes a line, and a few lines
 _PAUSE_PIPELINED = 64 * 1024  # bytes sent ahead of an answer before reading stops
-_TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-_REFUSED_HEADERS = frozenset({"transfer-encoding", "expect", "upgrade"})
-# Control characters (HTAB aside): aiohttp's parser refuses them in a head, so they go there.
-_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 class Guard(Protocol):
@@ -72,103 +66,6 @@ class LeanRoutes:
     error_for: Callable[[BaseException, LeanRequest], Any]
     app: Any  # aiohttp's Application: the flow reads its services from it
     max_body_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Head:
-    route: str
-    headers: CIMultiDictProxy[str]
-    length: int
-    close: bool  # `Connection: close`
-
-
-def parse_head(head: bytes, routes: LeanRoutes) -> _Head | None:
-    """`head` (up to its blank line) as a request of the common shape; None: anything else."""
-    lines = head.split(b"\r\n")
-    parts = lines[0].split(b" ")
-    if len(parts) != 3 or parts[0] != b"POST" or parts[2] != b"HTTP/1.1":
-        return None
-    route = routes.paths.get(parts[1])
-    if route is None:
-        return None
-    pairs: list[tuple[str, str]] = []
-    length: int | None = None
-    close = False
-    for line in lines[1:]:
-        name, colon, value = line.partition(b":")
-        if not colon or not name or not _TOKEN.issuperset(name) or _CONTROL.search(value):
-            return None  # no colon, a space before it, an obs-fold, a control character
-        text = value.strip(b" \t").decode("utf-8", "surrogateescape")
-        key = name.decode("ascii").lower()
-        if key in _REFUSED_HEADERS:
-            return None
-        if key == "content-length":
-            if length is not None or not text.isdigit() or not text.isascii():
-                return None
-            length = int(text)
-        elif key == "content-encoding" and text.lower() != "identity":
-            return None
-        elif key == "connection":
-            tokens = {t.strip().lower() for t in text.split(",")}
-            if not tokens <= {"keep-alive", "close"}:
-                return None
-            close = "close" in tokens
-        pairs.append((name.decode("ascii"), text))
-    if length is None or length > routes.max_body_bytes:
-        return None
-    return _Head(route, CIMultiDictProxy(CIMultiDict(pairs)), length, close)
-
-
-class _Body:
-    """The request body as it arrives: whole once `length` bytes have."""
-
-    __slots__ = ("data", "length", "whole")
-
-    def __init__(self, length: int, first: bytes, loop: asyncio.AbstractEventLoop) -> None:
-        self.data = bytearray(first)
-        self.length = length
-        self.whole: asyncio.Future[bytes] = loop.create_future()
-        if len(self.data) >= length:
-            self.whole.set_result(bytes(self.data))
-
-    def feed(self, data: bytes) -> bytes:
-        """Take what belongs to the body; returns what follows it (a pipelined head)."""
-        need = self.length - len(self.data)
-        self.data += data[:need]
-        if len(self.data) >= self.length and not self.whole.done():
-            self.whole.set_result(bytes(self.data))
-        return data[need:]
-
-    def is_eof(self) -> bool:
-        return self.whole.done()
-
-
-class LeanRequest:
-    """What the generation flow reads of a request (the attributes of aiohttp's it uses)."""
-
-    __slots__ = ("app", "headers", "content_length", "content", "method", "path")
-
-    def __init__(self, app: Any, head: _Head, body: _Body, path: str) -> None:
-        self.app, self.headers, self.content_length = app, head.headers, head.length
-        self.content = body
-        self.method, self.path = "POST", path
-
-    def __repr__(self) -> str:
-        return f"LeanRequest({self.path}, {self.content_length} bytes)"
-
-    async def read(self) -> bytes:
-        return await self.content.whole
-
-
-def _head_bytes(status: int, headers: Mapping[str, str], framing: str, close: bool) -> bytes:
-    reason = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Unknown"
-    out = [f"HTTP/1.1 {status} {reason}\r\n"]
-    out += [f"{k}: {v}\r\n" for k, v in headers.items() if k.lower() != "connection"]
-    out.append(framing)
-    if close:
-        out.append("Connection: close\r\n")
-    out.append("\r\n")
-    return "".join(out).encode("latin-1")
 
 
 class LeanStream:
@@ -218,7 +115,7 @@ class LeanClient:
         if transport is None or transport.is_closing():
             raise ConnectionResetError("the client's connection is closed")
         framing = "Transfer-Encoding: chunked\r\n"
-        transport.write(_head_bytes(200, headers, framing, self.door.closes_after))
+        transport.write(head_bytes(200, headers, framing, self.door.closes_after))
         self.stream = LeanStream(self.door, transport)
         return self.stream
 
@@ -235,7 +132,7 @@ class LeanClient:
             self.door.closes_after = True
         if transport is not None and not transport.is_closing():
             framing = f"Content-Length: {len(body)}\r\n"
-            transport.write(_head_bytes(status, headers, framing, self.door.closes_after) + body)
+            transport.write(head_bytes(status, headers, framing, self.door.closes_after) + body)
         self.answered = True
 
 
@@ -256,7 +153,7 @@ class LeanDoor(asyncio.Protocol):
         self._doors, self._server_closing = doors, closing
         self.transport: asyncio.Transport | None = None
         self._buffer = bytearray()
-        self._body: _Body | None = None
+        self._body: Body | None = None
         self._task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._head_timed = False  # the timer is the head's (else keep-alive's)
@@ -313,14 +210,14 @@ class LeanDoor(asyncio.Protocol):
             elif buffer and not self._head_timed:
                 self._arm_head()  # its first byte: the head's clock starts
             return
-        head = parse_head(bytes(buffer[:end]), self.routes)
+        head = parse_head(bytes(buffer[:end]), self.routes.paths, self.routes.max_body_bytes)
         if head is None:
             self._hand_over()
             return
         self._cancel_timer()
         start = end + 4
         assert self.transport is not None
-        body = _Body(
+        body = Body(
             head.length, bytes(buffer[start : start + head.length]), asyncio.get_running_loop()
         )
         del buffer[: start + head.length]
@@ -421,8 +318,6 @@ class LeanDoor(asyncio.Protocol):
         self._head_timed = False
 
     def _head_overdue(self) -> None:
-        from router.edge.server import RequestTimeout  # the server imports this module
-
         self._timer = None
         transport = self.transport
         if transport is None or self._task is not None:
@@ -431,7 +326,7 @@ class LeanDoor(asyncio.Protocol):
             err = RequestTimeout(f"the request head did not arrive within {self.limits.header_s} s")
             body = err.body()
             framing = f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            transport.write(_head_bytes(err.status, {}, framing, True) + body)
+            transport.write(head_bytes(err.status, {}, framing, True) + body)
         transport.close()
 
     def _idle_over(self) -> None:

@@ -50,7 +50,7 @@ from router.errors import (
     INTERNAL_ERROR_MESSAGE,
     DeadlineExceeded,
     HTTPRefusal,
-    InvalidRequest,
+    RequestTimeout,
     RouterError,
     error_response,
 )
@@ -58,8 +58,6 @@ from router.redact import scrub
 from router.relay.aiohttp_private import AiohttpChanged, aiohttp_private
 
 __all__ = [
-    "BadRequestBody",
-    "RequestTimeout",
     "RouterRunner",
     "parser_error_text",
     "serving",
@@ -72,27 +70,6 @@ LEAN_ROUTES = web.AppKey("lean_routes", LeanRoutes)
 
 _PARSER_ERROR_CODE = "bad_http_request"
 _MAX_MESSAGE = 200  # what a parser error says, at most (it never quotes the client's bytes)
-
-
-class _ClosesConnection(InvalidRequest):
-    """The rest of the request's body will not be read: the connection ends with the answer,
-    and says so, so that a keep-alive client does not send its next request on it."""
-
-    def headers(self) -> dict[str, str]:
-        return {"Connection": "close"}
-
-
-class RequestTimeout(_ClosesConnection):
-    """The request (head or body) did not arrive in time."""
-
-    status = 408
-    code = "request_timeout"
-
-
-class BadRequestBody(_ClosesConnection):
-    """aiohttp could not read the body: not valid per its Content-Encoding, or bad framing."""
-
-    code = "bad_request_body"
 
 
 # Text in quotes, as aiohttp's parser errors quote the client's bytes (repr of a header line).

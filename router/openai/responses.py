@@ -38,6 +38,9 @@ def stateless_body(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         raise InvalidRequest(
             _STATELESS.format(what="'previous_response_id'"), param="previous_response_id"
         )
+    for flag in ("store", "background"):  # the schema's booleans: 1.2e-201 is not false
+        if body.get(flag) is not None and not isinstance(body[flag], bool):
+            raise InvalidRequest(f"'{flag}' must be a boolean", param=flag)
     if body.get("store") is True:
         raise InvalidRequest(_STATELESS.format(what="'store': true"), param="store")
     if body.get("background") is True:

@@ -289,3 +289,21 @@ async def test_a_stream_in_flight_at_shutdown_finishes_and_an_idle_connection_cl
         assert rest.rstrip().endswith(b"0") and b"data: [DONE]" in rest
         idle_writer.close()
         writer.close()
+
+
+async def test_a_client_far_ahead_of_its_answers_is_read_no_faster_than_answered(
+    lean: SimCluster,
+) -> None:
+    """600 requests pipelined in one write (~120 KB): the door stops reading past 64 KB ahead
+    of its answers and goes on as it answers; every answer comes, in order."""
+    reader, writer = await asyncio.open_connection(*_addr(lean))
+    try:
+        requests = [_post(_body(1 + i % 3)) for i in range(600)]
+        assert sum(map(len, requests)) > 100_000
+        writer.write(b"".join(requests))
+        for i in range(600):
+            status, _, body = await asyncio.wait_for(_read_answer(reader), 20)
+            assert status == 200 and orjson.loads(body)["usage"]["completion_tokens"] == 1 + i % 3
+        assert len(_server(lean).doors) == 1
+    finally:
+        writer.close()

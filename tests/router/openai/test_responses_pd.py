@@ -379,6 +379,10 @@ def test_parse_estimates_and_validates() -> None:
         ({"input": "x", "max_output_tokens": 5000}, "max_output_tokens"),
         ({"input": "x", "instructions": 3}, "instructions"),
         ({"input": "x", "store": True}, "store"),
+        # Schema booleans (the schema fuzz once saw a float accepted as "not true").
+        ({"input": "x", "store": 1.2e-201}, "store"),
+        ({"input": "x", "store": 0}, "store"),
+        ({"input": "x", "background": "no"}, "background"),
     ]:
         with pytest.raises(InvalidRequest) as err:
             parse(bad)
