@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from email.utils import formatdate
 from http import HTTPStatus
 from typing import Any
 
@@ -115,9 +117,30 @@ class LeanRequest:
         return await self.content.whole
 
 
+class _HttpDate:
+    """The `Date` header's value (RFC 9110 asks an origin server with a clock for one), made
+    once a second, not once an answer."""
+
+    __slots__ = ("second", "text")
+
+    def __init__(self) -> None:
+        self.second, self.text = -1, ""
+
+    def now(self) -> str:
+        second = int(time.time())
+        if second != self.second:
+            self.second, self.text = second, formatdate(second, usegmt=True)
+        return self.text
+
+
+_DATE = _HttpDate()
+
+
 def head_bytes(status: int, headers: Mapping[str, str], framing: str, close: bool) -> bytes:
+    """An answer's head: its status line, `headers` (but `Connection`), `Date`, `framing`
+    (its `Content-Length` or chunked line) and `Connection: close` when it closes."""
     reason = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Unknown"
-    out = [f"HTTP/1.1 {status} {reason}\r\n"]
+    out = [f"HTTP/1.1 {status} {reason}\r\nDate: {_DATE.now()}\r\n"]
     out += [f"{k}: {v}\r\n" for k, v in headers.items() if k.lower() != "connection"]
     out.append(framing)
     if close:

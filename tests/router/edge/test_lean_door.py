@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import gzip
 import re
+import time
 from collections.abc import AsyncIterator
+from email.utils import parsedate_to_datetime
 
 import orjson
 import pytest
@@ -101,6 +103,12 @@ def _addr(c: SimCluster) -> tuple[str, int]:
 async def test_the_same_answers_as_aiohttps_door_and_served_by_the_lean_one(
     lean: SimCluster,
 ) -> None:
+    reader, writer = await asyncio.open_connection(*_addr(lean))
+    writer.write(_post(_body(2)))
+    _, headers, _ = await asyncio.wait_for(_read_answer(reader), 10)
+    writer.close()
+    sent = parsedate_to_datetime(headers["date"])  # RFC 9110's Date, as aiohttp sends it
+    assert abs(sent.timestamp() - time.time()) < 5
     async with AsyncOpenAI(base_url=lean.router_url + "/v1", api_key="k", max_retries=0) as cl:
         whole = await cl.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8
