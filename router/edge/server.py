@@ -1,5 +1,10 @@
 """The router's HTTP server: aiohttp's runner and site, with the client side bounded.
 
+With `server.front_door: lean` (the default) each connection starts on the lean front door
+(router/edge/lean_door.py), which serves chat and completions requests of the common shape
+itself and hands any other request, and its connection, to the `_Protocol` below; `_Server`
+makes both and closes both at shutdown. The bounds below hold on either door.
+
 aiohttp bounds how much a client may send (line, header and body sizes) but not how slowly,
 and answers its own parser errors in plain text. Every connection here is a `_Protocol`,
 aiohttp's `RequestHandler` with these additions (`Timeouts` fields, 0 turns one off):
