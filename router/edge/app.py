@@ -80,11 +80,9 @@ async def error_middleware(request: web.Request, handler):  # type: ignore[no-un
         return await handler(request)
     except ConnectionResetError:
         raise  # the client is gone: nobody to answer
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise  # a redirect is an answer, not an error
-        return error_response(handler_error(exc, request))
     except Exception as exc:
+        if isinstance(exc, web.HTTPException) and exc.status < 400:
+            raise  # a redirect is an answer, not an error
         return error_response(handler_error(exc, request))
 
 

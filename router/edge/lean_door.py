@@ -28,18 +28,22 @@ its answer (or when `shutdown_timeout` runs out: router/edge/server.py `_Server.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from router.config import Timeouts
-from router.edge.lean_http import Body, LeanRequest, head_bytes, parse_head
+from router.edge.lean_http import (
+    Body,
+    LeanRequest,
+    head_bytes,
+    json_answer,
+    parse_head,
+    request_route,
+)
 from router.errors import RequestTimeout
 
 __all__ = ["LeanDoor", "LeanRoutes", "LeanStream"]
-
-log = logging.getLogger(__name__)
 
 _MAX_HEAD = 16 * 1024  # aiohttp's limits: 8190 bytes a line, and a few lines
 _PAUSE_PIPELINED = 64 * 1024  # bytes sent ahead of an answer before reading stops
@@ -123,16 +127,15 @@ class LeanClient:
         """The flow's whole answer: written once the handler has returned (`LeanDoor._serve`),
         as aiohttp writes a returned response, so the request is counted and settled first."""
         if body is not None:
-            self.pending = (200, {"Content-Type": "application/json", **headers}, body)
+            self.pending = (200, headers, body)
 
     def whole(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
-        """A whole answer (the flow's, or an error's)."""
+        """A whole JSON answer (the flow's, or an error's)."""
         transport = self.door.transport
         if "close" in headers.get("Connection", "").lower():
             self.door.closes_after = True
         if transport is not None and not transport.is_closing():
-            framing = f"Content-Length: {len(body)}\r\n"
-            transport.write(head_bytes(status, headers, framing, self.door.closes_after) + body)
+            transport.write(json_answer(status, headers, body, self.door.closes_after))
         self.answered = True
 
 
@@ -216,7 +219,6 @@ class LeanDoor(asyncio.Protocol):
             return
         self._cancel_timer()
         start = end + 4
-        assert self.transport is not None
         body = Body(
             head.length, bytes(buffer[start : start + head.length]), asyncio.get_running_loop()
         )
@@ -233,13 +235,7 @@ class LeanDoor(asyncio.Protocol):
         line_end = partial.find(b"\r\n")
         if line_end < 0:
             return b"POST /"[: len(partial)] == partial[:6]
-        parts = bytes(partial[:line_end]).split(b" ")
-        return (
-            len(parts) == 3
-            and parts[0] == b"POST"
-            and parts[2] == b"HTTP/1.1"
-            and parts[1] in self.routes.paths
-        )
+        return request_route(bytes(partial[:line_end]), self.routes.paths) is not None
 
     def _hand_over(self) -> None:
         """aiohttp's protocol takes the connection, with what has arrived of this request."""
@@ -277,9 +273,7 @@ class LeanDoor(asyncio.Protocol):
                 if self.transport is not None:
                     self.transport.abort()
             else:
-                client.whole(
-                    err.status, {"Content-Type": "application/json", **err.headers()}, err.body()
-                )
+                client.whole(err.status, err.headers(), err.body())
         finally:
             self._task = None
         if client.stream is not None:
@@ -324,9 +318,7 @@ class LeanDoor(asyncio.Protocol):
             return
         if self._buffer:
             err = RequestTimeout(f"the request head did not arrive within {self.limits.header_s} s")
-            body = err.body()
-            framing = f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            transport.write(head_bytes(err.status, {}, framing, True) + body)
+            transport.write(json_answer(err.status, err.headers(), err.body(), True))
         transport.close()
 
     def _idle_over(self) -> None:

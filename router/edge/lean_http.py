@@ -23,7 +23,15 @@ from typing import Any
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-__all__ = ["Body", "Head", "LeanRequest", "head_bytes", "parse_head"]
+__all__ = [
+    "Body",
+    "Head",
+    "LeanRequest",
+    "head_bytes",
+    "json_answer",
+    "parse_head",
+    "request_route",
+]
 
 _TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
 _REFUSED_HEADERS = frozenset({"transfer-encoding", "expect", "upgrade"})
@@ -39,13 +47,18 @@ class Head:
     close: bool  # `Connection: close`
 
 
+def request_route(line: bytes, paths: Mapping[bytes, str]) -> str | None:
+    """The route of a request line `POST <one of paths> HTTP/1.1`; None for any other line."""
+    parts = line.split(b" ")
+    if len(parts) != 3 or parts[0] != b"POST" or parts[2] != b"HTTP/1.1":
+        return None
+    return paths.get(parts[1])
+
+
 def parse_head(head: bytes, paths: Mapping[bytes, str], max_body: int) -> Head | None:
     """`head` (up to its blank line) as a request of the common shape; None: anything else."""
     lines = head.split(b"\r\n")
-    parts = lines[0].split(b" ")
-    if len(parts) != 3 or parts[0] != b"POST" or parts[2] != b"HTTP/1.1":
-        return None
-    route = paths.get(parts[1])
+    route = request_route(lines[0], paths)
     if route is None:
         return None
     pairs: list[tuple[str, str]] = []
@@ -149,3 +162,11 @@ def head_bytes(status: int, headers: Mapping[str, str], framing: str, close: boo
     # UTF-8 as aiohttp writes headers; the flow's values are ASCII (a client's X-Request-Id is
     # kept only when it is: router/edge/front_door.py).
     return "".join(out).encode("utf-8", "surrogateescape")
+
+
+def json_answer(status: int, headers: Mapping[str, str], body: bytes, close: bool) -> bytes:
+    """A whole JSON answer, head and body (the flow's, an error's)."""
+    framing = f"Content-Length: {len(body)}\r\n"
+    return (
+        head_bytes(status, {"Content-Type": "application/json", **headers}, framing, close) + body
+    )
