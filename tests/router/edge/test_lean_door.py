@@ -11,6 +11,7 @@ pipelined client answered in order, and a shutdown that lets a stream finish."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import re
 import time
@@ -100,13 +101,24 @@ def _addr(c: SimCluster) -> tuple[str, int]:
     return host, int(port)
 
 
+@contextlib.asynccontextmanager
+async def _connected(
+    c: SimCluster,
+) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    """A raw connection to the router, closed on the way out."""
+    reader, writer = await asyncio.open_connection(*_addr(c))
+    try:
+        yield reader, writer
+    finally:
+        writer.close()
+
+
 async def test_the_same_answers_as_aiohttps_door_and_served_by_the_lean_one(
     lean: SimCluster,
 ) -> None:
-    reader, writer = await asyncio.open_connection(*_addr(lean))
-    writer.write(_post(_body(2)))
-    _, headers, _ = await asyncio.wait_for(_read_answer(reader), 10)
-    writer.close()
+    async with _connected(lean) as (reader, writer):
+        writer.write(_post(_body(2)))
+        _, headers, _ = await asyncio.wait_for(_read_answer(reader), 10)
     sent = parsedate_to_datetime(headers["date"])  # RFC 9110's Date, as aiohttp sends it
     assert abs(sent.timestamp() - time.time()) < 5
     async with AsyncOpenAI(base_url=lean.router_url + "/v1", api_key="k", max_retries=0) as cl:
@@ -135,8 +147,7 @@ async def test_the_same_answers_as_aiohttps_door_and_served_by_the_lean_one(
 async def _exchange(c: SimCluster, request_bytes: bytes) -> tuple[int, bytes, bool]:
     """Send `request_bytes` on a new connection: the answer's status and body, and whether
     the router closed the connection after it."""
-    reader, writer = await asyncio.open_connection(*_addr(c))
-    try:
+    async with _connected(c) as (reader, writer):
         writer.write(request_bytes)
         status, _, body = await asyncio.wait_for(_read_answer(reader), 10)
         try:
@@ -144,8 +155,6 @@ async def _exchange(c: SimCluster, request_bytes: bytes) -> tuple[int, bytes, bo
         except TimeoutError:
             closed = False
         return status, re.sub(rb'"created":\d+', b'"created":0', body), closed
-    finally:
-        writer.close()
 
 
 @pytest.mark.parametrize(
@@ -179,20 +188,16 @@ async def test_what_is_not_the_common_shape_aiohttp_answers_as_without_the_lean_
 
 
 async def test_a_gzip_body_is_served_through_aiohttp(lean: SimCluster) -> None:
-    reader, writer = await asyncio.open_connection(*_addr(lean))
-    try:
+    async with _connected(lean) as (reader, writer):
         writer.write(_post(gzip.compress(_body()), extra=b"Content-Encoding: gzip\r\n"))
         status, _, body = await asyncio.wait_for(_read_answer(reader), 10)
         assert status == 200 and orjson.loads(body)["usage"]["completion_tokens"] == 8
-    finally:
-        writer.close()
 
 
 async def test_keep_alive_then_another_route_then_pipelined_answers_in_order(
     lean: SimCluster,
 ) -> None:
-    reader, writer = await asyncio.open_connection(*_addr(lean))
-    try:
+    async with _connected(lean) as (reader, writer):
         # Two generation requests in one write: answered in order on the lean door.
         writer.write(_post(_body(3)) + _post(_body(5)))
         first = await asyncio.wait_for(_read_answer(reader), 10)
@@ -209,15 +214,12 @@ async def test_keep_alive_then_another_route_then_pipelined_answers_in_order(
         writer.write(_post(_body(2)))
         status, _, body = await asyncio.wait_for(_read_answer(reader), 10)
         assert status == 200 and orjson.loads(body)["usage"]["completion_tokens"] == 2
-    finally:
-        writer.close()
 
 
 async def test_errors_of_the_flow_are_openai_bodies_and_close_when_they_say_so(
     lean: SimCluster,
 ) -> None:
-    reader, writer = await asyncio.open_connection(*_addr(lean))
-    try:
+    async with _connected(lean) as (reader, writer):
         writer.write(_post(b'{"model": "nope", "messages": []}'))
         status, headers, body = await asyncio.wait_for(_read_answer(reader), 10)
         assert status in (400, 404) and orjson.loads(body)["error"]["message"]
@@ -229,39 +231,33 @@ async def test_errors_of_the_flow_are_openai_bodies_and_close_when_they_say_so(
         status, headers, _ = await asyncio.wait_for(_read_answer(reader), 10)
         assert status == 200 and headers["connection"] == "close"
         assert await asyncio.wait_for(reader.read(), 5) == b""  # closed after it
-    finally:
-        writer.close()
 
 
 async def test_a_slow_head_is_a_408_and_an_idle_connection_closes() -> None:
     bounds = {"timeouts": {"header_s": 0.3, "keepalive_s": 0.3}}
     async with sim_cluster(redis_prefix=None, **LEAN, **bounds) as c:
-        reader, writer = await asyncio.open_connection(*_addr(c))
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost:")  # and nothing more
-        status, headers, body = await asyncio.wait_for(_read_answer(reader), 5)
-        assert status == 408 and headers["connection"] == "close"
-        assert orjson.loads(body)["error"]["code"] == "request_timeout"
-        writer.close()
+        async with _connected(c) as (reader, writer):
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost:")  # and nothing more
+            status, headers, body = await asyncio.wait_for(_read_answer(reader), 5)
+            assert status == 408 and headers["connection"] == "close"
+            assert orjson.loads(body)["error"]["code"] == "request_timeout"
         # Kept alive after an answer, then idle: closed after keepalive_s.
-        reader, writer = await asyncio.open_connection(*_addr(c))
-        writer.write(_post(_body(2)))
-        assert (await asyncio.wait_for(_read_answer(reader), 10))[0] == 200
-        assert await asyncio.wait_for(reader.read(), 5) == b""
-        writer.close()
+        async with _connected(c) as (reader, writer):
+            writer.write(_post(_body(2)))
+            assert (await asyncio.wait_for(_read_answer(reader), 10))[0] == 200
+            assert await asyncio.wait_for(reader.read(), 5) == b""
         # A connection that sends nothing is closed without a word.
-        reader, writer = await asyncio.open_connection(*_addr(c))
-        assert await asyncio.wait_for(reader.read(), 5) == b""
-        writer.close()
+        async with _connected(c) as (reader, writer):
+            assert await asyncio.wait_for(reader.read(), 5) == b""
 
 
 async def test_a_slow_body_is_a_408() -> None:
     async with sim_cluster(redis_prefix=None, **LEAN, timeouts={"body_s": 0.3}) as c:
-        reader, writer = await asyncio.open_connection(*_addr(c))
-        whole = _post(_body())
-        writer.write(whole[:-5])  # the body's last bytes never come
-        status, headers, body = await asyncio.wait_for(_read_answer(reader), 5)
-        assert status == 408 and headers["connection"] == "close"
-        writer.close()
+        async with _connected(c) as (reader, writer):
+            whole = _post(_body())
+            writer.write(whole[:-5])  # the body's last bytes never come
+            status, headers, body = await asyncio.wait_for(_read_answer(reader), 5)
+            assert status == 408 and headers["connection"] == "close"
 
 
 async def test_a_client_that_leaves_mid_stream_gives_its_room_back() -> None:
@@ -283,20 +279,17 @@ async def test_a_client_that_leaves_mid_stream_gives_its_room_back() -> None:
 
 async def test_a_stream_in_flight_at_shutdown_finishes_and_an_idle_connection_closes() -> None:
     async with sim_cluster(redis_prefix=None, **LEAN, time_scale=50.0) as c:
-        idle_reader, idle_writer = await asyncio.open_connection(*_addr(c))
-        idle_writer.write(_post(_body(2)))
-        assert (await asyncio.wait_for(_read_answer(idle_reader), 10))[0] == 200
-        reader, writer = await asyncio.open_connection(*_addr(c))
-        writer.write(_post(_body(60, stream=True)))
-        assert (await reader.readline()).startswith(b"HTTP/1.1 200")
-        server = _server(c)
-        assert len(server.doors) == 2
-        server.pre_shutdown()  # what aiohttp's runner does as it stops
-        assert await asyncio.wait_for(idle_reader.read(), 5) == b""  # the idle one: closed
-        rest = await asyncio.wait_for(reader.read(), 30)  # the stream: finished, then closed
-        assert rest.rstrip().endswith(b"0") and b"data: [DONE]" in rest
-        idle_writer.close()
-        writer.close()
+        async with _connected(c) as (idle_reader, idle_writer), _connected(c) as (reader, writer):
+            idle_writer.write(_post(_body(2)))
+            assert (await asyncio.wait_for(_read_answer(idle_reader), 10))[0] == 200
+            writer.write(_post(_body(60, stream=True)))
+            assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+            server = _server(c)
+            assert len(server.doors) == 2
+            server.pre_shutdown()  # what aiohttp's runner does as it stops
+            assert await asyncio.wait_for(idle_reader.read(), 5) == b""  # the idle one: closed
+            rest = await asyncio.wait_for(reader.read(), 30)  # the stream: finished, then closed
+            assert rest.rstrip().endswith(b"0") and b"data: [DONE]" in rest
 
 
 async def test_a_client_far_ahead_of_its_answers_is_read_no_faster_than_answered(
@@ -304,8 +297,7 @@ async def test_a_client_far_ahead_of_its_answers_is_read_no_faster_than_answered
 ) -> None:
     """600 requests pipelined in one write (~120 KB): the door stops reading past 64 KB ahead
     of its answers and goes on as it answers; every answer comes, in order."""
-    reader, writer = await asyncio.open_connection(*_addr(lean))
-    try:
+    async with _connected(lean) as (reader, writer):
         requests = [_post(_body(1 + i % 3)) for i in range(600)]
         assert sum(map(len, requests)) > 100_000
         writer.write(b"".join(requests))
@@ -313,5 +305,3 @@ async def test_a_client_far_ahead_of_its_answers_is_read_no_faster_than_answered
             status, _, body = await asyncio.wait_for(_read_answer(reader), 20)
             assert status == 200 and orjson.loads(body)["usage"]["completion_tokens"] == 1 + i % 3
         assert len(_server(lean).doors) == 1
-    finally:
-        writer.close()
