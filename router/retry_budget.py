@@ -2,10 +2,11 @@
 
 Spending a retry is a store call (the budget is shared by every replica: Finagle's rule of
 `ratio` × recent requests + a floor). Counting requests toward the window is not: each replica
-tallies its first attempts locally and adds the tally to the store a few times a second, so
-a request costs no store call for it and nothing is left running per request; an idle replica
-neither calls the store nor wakes up for it (`counted`). The window is 10 s; a count that
-lands 0.25 s late does not move it.
+tallies its first attempts locally and adds the tally to the store twice a second, on the
+background loops' shared beat (router/edge/wiring.py), so a request costs no store call for it
+and nothing is left running per request; an idle replica neither calls the store nor wakes up
+for it (`counted`). The window is 10 s; a count that lands up to 0.5 s late moves it by 5 % at
+most, and towards fewer retries, never more.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from router.admission import Admission
 from router.background import BackgroundTasks
 from router.config import Settings
 from router.leases import LeaseKeeper
-from router.loop_timing import LoopTiming
+from router.loop_timing import LoopTiming, beat
 from router.metrics import RouterMetrics
 from router.relay.upstream_pool import SplicePool
 from router.retry_budget import RetryBudget
@@ -52,6 +52,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# How often the retry budget's request tally goes to the store (router/retry_budget.py).
+_TALLY_S = 0.5
 
 # CPython before 3.12.8 (and 3.13.0) can leave a closed TLS connection's socket open when its
 # peer never answers the TLS shutdown (fixed by python/cpython#118960); aiohttp's
@@ -270,11 +273,14 @@ async def warm_up(core: Core, loops: WorkerLoops) -> None:
 
 
 async def _tally_requests(retry_budget: RetryBudget) -> None:
-    """Add this replica's count of first attempts to the shared retry budget, a few times a
-    second (router/retry_budget.py)."""
+    """Add this replica's count of first attempts to the shared retry budget, twice a second
+    (router/retry_budget.py), on the loops' shared beat: its store call goes out in the same
+    loop turn as theirs (one write, one wake-up for the answers) instead of waking the
+    replica on its own. A tally on its own 0.25 s timer was a third of a busy replica's
+    timer wake-ups at one stream (docs/benchmarks-overhead.md)."""
     while True:
         await retry_budget.counted()  # idle: no wake-up until a request is counted
-        await asyncio.sleep(0.25)
+        await beat(_TALLY_S)
         try:
             await retry_budget.flush()
         except StoreError:
