@@ -217,9 +217,11 @@ class StateRefresher:
         self._room_wait.clear()
         # Backed off to a whole second, it ends on the second's beat, where the registry sync,
         # the load polls and the lease keeper wake: its read goes out with theirs instead of
-        # waking the replica once more a second.
+        # waking the replica once more a second. The beat nearest `interval` from now (half a
+        # period either way): the first read on the beat comes within half a second of when
+        # it was due, the next ones a second apart.
         period = interval if interval >= 1.0 else base
-        wait_s = self._timing.delay_past(interval - base / 2, period)
+        wait_s = self._timing.delay_past(interval - period / 2, period)
         try:
             async with asyncio.timeout(wait_s):
                 await self._room_wait.wait()

@@ -379,6 +379,51 @@ async def test_a_busy_replica_alone_sits_out_without_waking_and_a_room_wait_ends
         assert store.calls["usage_view"] >= reads + 4  # and on the busy cadence while it waits
 
 
+class _TimedUsageStore(CountingStore):
+    """Also notes on the loop's clock when each usage read came."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read_at: list[float] = []
+
+    async def usage_view(self, decode_ids: Any, prefill_ids: Any) -> Any:
+        self.read_at.append(asyncio.get_running_loop().time())
+        return await super().usage_view(decode_ids, prefill_ids)
+
+
+async def test_a_busy_replica_alone_backed_off_to_a_second_reads_on_the_seconds_beat() -> None:
+    """Backed off to one read a second, the busy, alone refresher reads on the second's beat,
+    where the registry sync, the load polls and the lease keeper wake: its read goes out in
+    their loop turn instead of waking the replica once more a second (issue 36). Before, it
+    ended each sit-out on a `state_refresh_s` beat, wherever in the second that fell. The
+    first read on the beat comes within half a second of when it was due, then a second
+    apart."""
+    store = _TimedUsageStore()
+    s = settings("http://127.0.0.1:9", loops={"state_refresh_s": 0.1})
+    members = Membership(s)
+    timing = LoopTiming(lambda: True, phase=0.5)
+    refresher = StateRefresher(
+        s,
+        store,
+        members,
+        LocalAccounting(members, timing),
+        StoreLoss(s, store, members),
+        timing,
+        own_reservations=lambda: {},  # alone after the first read
+        queue_waits=lambda: False,
+    )
+    async with loop_running(refresher.run()):
+        await asyncio.sleep(5.2)  # sit-outs of 0.2, 0.4, 0.8, then a second each
+    at = store.read_at
+    gaps = [b - a for a, b in zip(at, at[1:], strict=False)]
+    on_beat = [t for t, gap in zip(at[1:], gaps, strict=False) if gap > 0.9]
+    assert len(on_beat) >= 2, at
+    # Each within the loop's lateness of the beat (phase 0.5 of every second), never early;
+    # a read on a 0.1 s beat of its own would be off by up to 0.45 s.
+    assert all((t - 0.5) % 1.0 < 0.15 for t in on_beat), [(t - 0.5) % 1.0 for t in on_beat]
+    assert all(gap < 1.6 for gap in gaps), gaps
+
+
 async def test_the_admission_queue_tells_when_a_request_starts_waiting_for_room() -> None:
     """What ends the refresher's sit-out (`on_room_wait`): once per request that starts waiting
     for decode room, not for a concurrency slot."""
