@@ -12,10 +12,11 @@ from collections.abc import Sequence
 from router.config import RetrySettings
 from router.edge.wiring import _TALLY_S, _tally_requests
 from router.leases import _OWED_RETRY_S, LeaseKeeper
-from router.loop_timing import PROCESS_PHASE
+from router.loop_timing import PROCESS_PHASE, beat
 from router.retry_budget import RetryBudget
 from state.base import Finished
 from state.memory_store import MemoryStore
+from tests.router.workers.test_pools_idle import loop_running
 
 # A timer fires late by the loop's busy turns (a loaded machine's: tens of ms), never early.
 # The calls below start half way between two beats, so a call on a timer of its own lands
@@ -42,12 +43,6 @@ class _TimedStore(MemoryStore):
         return await super().finish(*args, **kwargs)  # type: ignore[arg-type]
 
 
-async def _to_offset(period: float, offset: float) -> None:
-    """Sleep until `offset` seconds past this process's beat of `period`."""
-    now = asyncio.get_running_loop().time()
-    await asyncio.sleep((offset - (now - PROCESS_PHASE)) % period)
-
-
 def _off_beat(times: Sequence[float], period: float) -> list[float]:
     """How far each time is from this process's nearest beat of `period`."""
     off = []
@@ -60,16 +55,13 @@ def _off_beat(times: Sequence[float], period: float) -> list[float]:
 async def test_the_retry_tally_goes_out_on_the_beat() -> None:
     store = _TimedStore()
     budget = RetryBudget(store, RetrySettings())
-    task = asyncio.create_task(_tally_requests(budget))
-    try:
+    async with loop_running(_tally_requests(budget)):
         for _ in range(3):
             # A request counted 0.1 s past a beat: a tally on a 0.25 s timer of its own went
             # out 0.35 s past it, 0.15 s before the next.
-            await _to_offset(_TALLY_S, 0.1)
+            await beat(_TALLY_S, PROCESS_PHASE + 0.1)
             budget.note_request()
             await asyncio.sleep(_TALLY_S)
-    finally:
-        task.cancel()
     assert len(store.tallies) >= 2, store.tallies
     assert max(_off_beat(store.tallies, _TALLY_S)) < SLACK_S, store.tallies
     assert budget._untallied == 0  # every count landed
@@ -78,14 +70,11 @@ async def test_the_retry_tally_goes_out_on_the_beat() -> None:
 async def test_the_lease_keepers_owed_steps_are_retried_on_the_beat() -> None:
     store = _TimedStore()
     keeper = LeaseKeeper(store, lease_s=30.0)
-    task = asyncio.create_task(keeper.run())
-    try:
+    async with loop_running(keeper.run()):
         # Held half way between two beats: a tick on a 1 s sleep of its own fell there too.
-        await _to_offset(_OWED_RETRY_S, _OWED_RETRY_S / 2)
+        await beat(_OWED_RETRY_S, PROCESS_PHASE + _OWED_RETRY_S / 2)
         keeper.hold("d0", "r1", blocks=4)
         keeper._owe(("d0", "r-owed"), None)  # a release that failed: retried on the tick
         async with asyncio.timeout(3 * _OWED_RETRY_S):
             await store.finished.wait()
-    finally:
-        task.cancel()
     assert max(_off_beat(store.finishes, _OWED_RETRY_S)) < SLACK_S, store.finishes

@@ -339,6 +339,26 @@ async def test_the_retry_tally_waits_while_nothing_is_counted() -> None:
     again.cancel()
 
 
+def _refresher_alone(
+    s: Settings,
+    store: StateStore,
+    members: Membership,
+    timing: LoopTiming,
+    queue_waits: Callable[[], bool],
+) -> StateRefresher:
+    """A state refresher of a replica that reserves nothing: alone after its first read."""
+    return StateRefresher(
+        s,
+        store,
+        members,
+        LocalAccounting(members, timing),
+        StoreLoss(s, store, members),
+        timing,
+        own_reservations=lambda: {},
+        queue_waits=queue_waits,
+    )
+
+
 async def test_a_busy_replica_alone_sits_out_without_waking_and_a_room_wait_ends_it() -> None:
     """Busy and alone in the store, the refresher backs off to one read a second, and between
     reads it does not wake on every beat to look (at one stream those looks were ~20 wake-ups
@@ -353,17 +373,7 @@ async def test_a_busy_replica_alone_sits_out_without_waking_and_a_room_wait_ends
         looks[0] += 1
         return True
 
-    timing = LoopTiming(busy)
-    refresher = StateRefresher(
-        s,
-        store,
-        members,
-        LocalAccounting(members, timing),
-        StoreLoss(s, store, members),
-        timing,
-        own_reservations=lambda: {},  # nothing reserved anywhere: alone after the first read
-        queue_waits=lambda: waiting[0],
-    )
+    refresher = _refresher_alone(s, store, members, LoopTiming(busy), lambda: waiting[0])
     async with loop_running(refresher.run()):
         await asyncio.sleep(1.2)
         reads = store.calls["usage_view"]
@@ -402,16 +412,7 @@ async def test_a_busy_replica_alone_backed_off_to_a_second_reads_on_the_seconds_
     s = settings("http://127.0.0.1:9", loops={"state_refresh_s": 0.1})
     members = Membership(s)
     timing = LoopTiming(lambda: True, phase=0.5)
-    refresher = StateRefresher(
-        s,
-        store,
-        members,
-        LocalAccounting(members, timing),
-        StoreLoss(s, store, members),
-        timing,
-        own_reservations=lambda: {},  # alone after the first read
-        queue_waits=lambda: False,
-    )
+    refresher = _refresher_alone(s, store, members, timing, lambda: False)
     async with loop_running(refresher.run()):
         await asyncio.sleep(5.2)  # sit-outs of 0.2, 0.4, 0.8, then a second each
     at = store.read_at
