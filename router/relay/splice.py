@@ -78,14 +78,6 @@ class _Splice:
         if out and self.rewrite is not None:
             out = self.rewrite(out)  # the same bytes back when it changed nothing
         if out:
-            result = self.result
-            if result.first_token_at is None:
-                result.first_token_at = self.clock()
-                if self.observer is not None:
-                    self.observer.first_token()
-            result.chunks.append(out)
-            if cutter.tokens > self.tokens_due and self.observer is not None:
-                self.tokens_due = self.observer.tokens(cutter.tokens)
             transport = self.transport
             if transport.is_closing():
                 self.gone()
@@ -94,6 +86,16 @@ class _Splice:
                 transport.write(framed)
             else:
                 transport.write(b"%x\r\n%s\r\n" % (len(out), out))
+            result = self.result
+            result.chunks.append(out)
+            # The bookkeeping after the write: the first token's (TTFT, the KV handed over, the
+            # deadline moved on) is ~0.1 ms of Python the client need not wait for.
+            if result.first_token_at is None:
+                result.first_token_at = self.clock()
+                if self.observer is not None:
+                    self.observer.first_token()
+            if cutter.tokens > self.tokens_due and self.observer is not None:
+                self.tokens_due = self.observer.tokens(cutter.tokens)
             if self.drainer is None and transport.get_write_buffer_size() > HIGH_WATER:
                 self.conn.pause()
                 self.drainer = asyncio.get_running_loop().create_task(self.drain())

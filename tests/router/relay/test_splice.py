@@ -130,6 +130,7 @@ class Front:
         self.finished = asyncio.Event()
         self.started = asyncio.Event()  # the upstream answer's head is in
         self.cancelled = False
+        self.on_first_token: Callable[[], None] | None = None
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         resp = await self.pool.post(
@@ -164,6 +165,8 @@ class Front:
 
     def first_token(self) -> None:  # RelayObserver
         self.first_tokens += 1
+        if self.on_first_token is not None:
+            self.on_first_token()
 
     def tokens(self, total: int) -> int:  # RelayObserver
         self.token_totals.append(total)
@@ -301,6 +304,33 @@ async def test_one_chunk_reads_go_out_as_they_came_and_the_observer_hears_past_i
     assert [t for t in totals if t <= 25] == totals[:1]  # the first read's call, then silence
     # past it: one call a read, the [DONE] read too
     assert totals[-1] == len(TEXT) and len(totals) <= 1 + (len(TEXT) - 25) + 1
+
+
+async def test_the_first_token_is_on_the_wire_before_its_bookkeeping() -> None:
+    """The first token goes to the client before the observer's first-token work (TTFT
+    recorded, the KV handed over, the deadline moved: ~0.1 ms the client need not wait for).
+    Over loopback a write lands in the reader's socket within the send, and the client's
+    reader cannot run while the relay's callback does: a peek at the socket from inside the
+    observer sees exactly what was written before it."""
+    events = [sse_event(t) for t in TEXT] + [DONE]
+    async with (
+        upstream(stream_script(events, gap=0.002)) as up,
+        front(up.url) as (f, base, _),
+    ):
+        reader, writer = await raw_post(base)
+        sock = writer.get_extra_info("socket")
+        peek = socket.socket(fileno=socket.dup(sock.fileno()))
+        seen: list[bytes] = []
+        f.on_first_token = lambda: seen.append(peek.recv(1 << 16, socket.MSG_PEEK))
+        try:
+            _, chunks = await asyncio.wait_for(read_chunked(reader), WAIT)
+        finally:
+            writer.close()
+            peek.close()
+        await asyncio.wait_for(f.finished.wait(), WAIT)
+    assert b"".join(chunks) == SSE_BODY
+    (peeked,) = seen
+    assert events[0] in peeked, peeked
 
 
 async def test_aiohttp_and_openai_clients_read_the_spliced_stream() -> None:
