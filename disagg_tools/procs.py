@@ -43,6 +43,7 @@ __all__ = [
     "process_rss_bytes",
     "process_tree_cpu_s",
     "process_tree_run_s",
+    "process_tree_user_sys_s",
 ]
 
 HOST = "127.0.0.1"
@@ -84,14 +85,19 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def _stat_ticks(pid: int) -> int:
-    """utime + stime of every thread of `pid`, in clock ticks (0 once it is gone)."""
+def _user_sys_ticks(pid: int) -> tuple[int, int]:
+    """(utime, stime) of every thread of `pid`, in clock ticks ((0, 0) once it is gone)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
-        return 0
-    return int(fields[11]) + int(fields[12])  # stat fields 14 and 15
+        return 0, 0
+    return int(fields[11]), int(fields[12])  # stat fields 14 and 15
+
+
+def _stat_ticks(pid: int) -> int:
+    """utime + stime of every thread of `pid`, in clock ticks (0 once it is gone)."""
+    return sum(_user_sys_ticks(pid))
 
 
 def process_cpu_s(pid: int) -> float:
@@ -102,6 +108,16 @@ def process_cpu_s(pid: int) -> float:
 def process_tree_cpu_s(pid: int) -> float:
     """utime + stime of `pid` and its live descendants, every thread, in seconds."""
     return sum(_stat_ticks(p) for p in descendants(pid)) / _TICK
+
+
+def process_tree_user_sys_s(pid: int) -> tuple[float, float]:
+    """(user, system) seconds of `pid` and its live descendants, every thread: the kernel's
+    share of a process's CPU, from the 10 ms ticks (read it over seconds, not per request)."""
+    user = system = 0
+    for p in descendants(pid):
+        u, k = _user_sys_ticks(p)
+        user, system = user + u, system + k
+    return user / _TICK, system / _TICK
 
 
 def process_tree_run_s(pid: int) -> float:

@@ -16,7 +16,7 @@ from typing import Any
 from disagg_tools.overhead.overhead_client import LoadSpec, StreamRecord, run_load
 from disagg_tools.overhead.overhead_report import summarize
 from disagg_tools.overhead.targets import Workers
-from disagg_tools.procs import Child, own_cpu_s, process_tree_run_s
+from disagg_tools.procs import Child, own_cpu_s, process_tree_run_s, process_tree_user_sys_s
 
 __all__ = ["CpuSampler", "Segment", "combine", "measure", "steady_tokens"]
 
@@ -30,6 +30,10 @@ class CpuSampler:
         self.period_s = period_s
         self.samples: list[tuple[float, float, float, float]] = []
         self._task: asyncio.Task[None] | None = None
+        # The router's (user, system) seconds over the whole run: where its CPU goes (ticks,
+        # so only the run's total, not the samples).
+        self.router_user_sys = (0.0, 0.0)
+        self._user_sys_at_start = (0.0, 0.0)
 
     def sample(self) -> tuple[float, float, float, float]:
         s = (
@@ -46,7 +50,11 @@ class CpuSampler:
             await asyncio.sleep(self.period_s)
             self.sample()
 
+    def _router_user_sys(self) -> tuple[float, float]:
+        return process_tree_user_sys_s(self.router.pid) if self.router else (0.0, 0.0)
+
     def __enter__(self) -> CpuSampler:
+        self._user_sys_at_start = self._router_user_sys()
         self.sample()
         self._task = asyncio.get_running_loop().create_task(self._loop())
         return self
@@ -55,6 +63,8 @@ class CpuSampler:
         assert self._task is not None
         self._task.cancel()
         self.sample()
+        (u0, s0), (u1, s1) = self._user_sys_at_start, self._router_user_sys()
+        self.router_user_sys = (u1 - u0, s1 - s0)
 
     def delta(self, t0: float | None = None, t1: float | None = None) -> tuple[float, ...]:
         """(seconds, router, workers, client) CPU between the samples nearest t0 and t1."""
@@ -85,6 +95,7 @@ class Segment:
     upstream: dict[str, int]
     loadavg: float
     steady: tuple[float, ...] = ()  # saturation: (secs, router, workers, client, tokens)
+    router_user_sys: tuple[float, float] = (0.0, 0.0)  # the router's (user, system) seconds
 
 
 async def measure(
@@ -108,6 +119,7 @@ async def measure(
     upstream["decode_connections"] -= 1
     secs, router_cpu, worker_cpu, client_cpu = cpu.delta()
     seg = Segment(records, secs, window, router_cpu, worker_cpu, client_cpu, upstream, load_before)
+    seg.router_user_sys = cpu.router_user_sys
     if saturation:
         # The middle half of the run: every slot is streaming, none is ramping up or down.
         start = cpu.samples[0][0]
@@ -146,6 +158,11 @@ def combine(
         **out,
     }
     if has_router:
+        user = sum(s.router_user_sys[0] for s in segs)
+        system = sum(s.router_user_sys[1] for s in segs)
+        # Which half of the router's CPU differs from a peer's: its own code (user) or the
+        # system calls both make per token (docs/benchmarks-overhead.md, issue 36).
+        out["router_kernel_share"] = round(system / (user + system), 3) if user + system else None
         out["router_cpu_s_per_1k_by_round"] = [
             round(s.router_cpu / t * 1000, 4) if (t := sum(r.tokens for r in s.records)) else None
             for s in segs

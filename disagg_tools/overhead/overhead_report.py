@@ -146,6 +146,10 @@ def _signed(x: Any, digits: int = 2) -> str:
     return "–" if x is None else f"{x:+.{digits}f}"
 
 
+def _pct(x: Any) -> str:
+    return "–" if x is None else f"{x * 100:.0f} %"
+
+
 def _ladder_heading(tokens: int | None, c: int) -> str:
     streams = f"{c} concurrent stream{'s' if c > 1 else ''}"
     return f"#### {streams}" if tokens is None else f"#### {streams}, {tokens}-token answers"
@@ -155,8 +159,8 @@ _LADDER_HEAD = [
     "| target | answer tokens | ok / sent | TTFT p50 | TTFT p99 | TTFT p99.9 "
     "| **added TTFT p50** | **added TTFT p99** | **added TTFT p99.9** | ITL p50 | ITL p99 "
     "| added ITL p50 / p99 | tokens/s | router CPU util | **router CPU-s / 1k tokens** "
-    "| **router CPU-ms / request** |",
-    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    "| **router CPU-ms / request** | router CPU in the kernel |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
 ]
 
 
@@ -172,7 +176,8 @@ def _ladder_row(r: dict[str, Any]) -> str:
         f"| {_f(r['itl_ms']['p50'])} | {_f(r['itl_ms']['p99'])} "
         f"| {_signed(add_i.get('p50'))} / {_signed(add_i.get('p99'))} "
         f"| {_f(r['tokens_per_s'], 0)} | {_f(r['router_cpu_util'])} "
-        f"| {_f(r['cpu_s_per_1k_tokens'], 4)} | {_f(r.get('cpu_ms_per_request'), 3)} |"
+        f"| {_f(r['cpu_s_per_1k_tokens'], 4)} | {_f(r.get('cpu_ms_per_request'), 3)} "
+        f"| {_pct(r.get('router_kernel_share'))} |"
     )
 
 
