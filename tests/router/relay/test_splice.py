@@ -666,6 +666,14 @@ async def test_aiohttp_relay_forwards_whole_events_whatever_the_reads() -> None:
         async def write(self, data: bytes) -> None:
             written.append(bytes(data))
 
+    class Observer:  # RelayObserver: what the client had when the first token was heard of
+        def first_token(self) -> None:
+            seen.append(b"".join(written))
+
+        def tokens(self, total: int) -> int:
+            return 1 << 30
+
+    seen: list[bytes] = []
     app = _web.Application()
     app.router.add_get("/", upstream)
     runner = _web.AppRunner(app)
@@ -676,9 +684,18 @@ async def test_aiohttp_relay_forwards_whole_events_whatever_the_reads() -> None:
             aiohttp.ClientSession() as s,
             s.get(f"http://127.0.0.1:{runner.addresses[0][1]}/") as r,
         ):
-            result = await relay_sse(r, Client(), chat=True, clock=lambda: 0.0)  # type: ignore[arg-type]
+            result = await relay_sse(
+                r,
+                Client(),  # type: ignore[arg-type]
+                chat=True,
+                clock=lambda: 0.0,
+                observer=Observer(),
+            )
     finally:
         await runner.cleanup()
     assert result.completed and result.tokens == 6
     assert b"".join(written) == stream
     assert all(w.endswith(b"\n\n") for w in written)  # every write ends on an event boundary
+    # The first token was the client's before its bookkeeping (as the splice relay's)
+    (had,) = seen
+    assert had.startswith(events[0]), had
