@@ -131,6 +131,7 @@ class Front:
         self.started = asyncio.Event()  # the upstream answer's head is in
         self.cancelled = False
         self.on_first_token: Callable[[], None] | None = None
+        self.client_transport: asyncio.BaseTransport | None = None  # the last client's
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         resp = await self.pool.post(
@@ -144,6 +145,7 @@ class Front:
         self.started.set()
         client = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await client.prepare(request)
+        self.client_transport = request.transport
         try:
             result = await relay_splice(
                 resp,
@@ -443,6 +445,41 @@ async def test_client_gone_closes_upstream_without_waiting_for_a_chunk(
             (result,) = f.results
             assert result.client_gone and result.upstream_error is None
         assert "open=0" in repr(pool)
+
+
+async def test_a_token_for_a_client_gone_since_the_head_is_not_its_first_token() -> None:
+    """The client takes the head and hangs up; the worker's first token comes after: the relay
+    ends as the client's leaving, and the observer never hears of a first token (no TTFT, no
+    KV hand-over recorded for an answer nobody got: the release clears its stranded entry)."""
+    client_left = asyncio.Event()
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(SSE_HEAD)
+        await writer.drain()
+        await client_left.wait()
+        writer.write(chunk(sse_event("a")))
+        await writer.drain()  # then silence, until the router drops the connection
+
+    async with (
+        upstream(script) as up,
+        front(up.url, handler_cancellation=False) as (f, base, pool),
+    ):
+        reader, writer = await raw_post(base)
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)  # the head
+        writer.close()
+        for _ in range(int(WAIT / 0.01)):  # until the router's side has seen it go
+            if f.client_transport is not None and f.client_transport.is_closing():
+                break
+            await asyncio.sleep(0.01)
+        assert f.client_transport is not None and f.client_transport.is_closing()
+        client_left.set()
+        await asyncio.wait_for(f.finished.wait(), WAIT)
+        await asyncio.wait_for(up.closed.wait(), WAIT)
+    (result,) = f.results
+    assert result.client_gone and result.upstream_error is None
+    assert f.first_tokens == 0 and result.first_token_at is None and not result.chunks
+    assert "open=0" in repr(pool)
 
 
 async def test_back_pressure_pauses_upstream_until_the_client_drains() -> None:
