@@ -85,6 +85,12 @@ async def relay_sse(
             if out and rewrite is not None:
                 out = rewrite(out)
             if out:
+                result.chunks.append(out)
+                result.tokens = cutter.tokens
+                # Before the write, which may wait for a slow client: the worker's KV grows
+                # whatever the client reads, so the reservation follows it now.
+                if cutter.tokens > tokens_due and observer is not None:
+                    tokens_due = observer.tokens(cutter.tokens)
                 try:
                     await client.write(out)
                 except (ConnectionError, RuntimeError):
@@ -92,15 +98,11 @@ async def relay_sse(
                     # once the transport is closed): stop reading so the caller closes upstream.
                     result.client_gone = True
                     return result
-                result.chunks.append(out)
-                result.tokens = cutter.tokens
                 # After the write, as the splice relay does: the client need not wait for it.
                 if result.first_token_at is None:
                     result.first_token_at = clock()
                     if observer is not None:
                         observer.first_token()
-                if cutter.tokens > tokens_due and observer is not None:
-                    tokens_due = observer.tokens(cutter.tokens)
             if cutter.stop is not None:
                 result.upstream_error, result.error_kind = cutter.stop, cutter.stop_kind
                 return result
