@@ -46,13 +46,15 @@ class RelayObserver(Protocol):
     """What a relay tells its caller as the stream goes (both called synchronously)."""
 
     def first_token(self) -> None:
-        """The first event reached the client (the decode worker accepted the KV); once."""
+        """The first event reached the client (the decode worker accepted the KV); once, after
+        its write: the client does not wait for the observer's work."""
 
     def tokens(self, total: int) -> int:
-        """`total` tokens forwarded so far. Returns the total it next wants to hear of: the
-        relay calls again only after a forwarded read takes the count above it (0: after
-        every forwarded read), so an observer with nothing to do until a threshold costs one
-        comparison per read, not a call."""
+        """`total` tokens forwarded so far (counted as they go out: never after a write that
+        waits for a slow client, the worker's KV holds them already). Returns the total it next
+        wants to hear of: the relay calls again only after a forwarded read takes the count
+        above it (0: after every forwarded read), so an observer with nothing to do until a
+        threshold costs one comparison per read, not a call."""
 
 
 class UpstreamResponse(Protocol):
