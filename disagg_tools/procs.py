@@ -10,6 +10,8 @@ What each CPU reading counts (they differ, so each has its own name):
                         (10 ms ticks): the router of a load run, this client
     process_tree_cpu_s  the same over a process and its live descendants: a router that
                         starts helpers of its own (the peers' routers do)
+    process_tree_user_sys_s  the same, split into (user, system): the kernel's share of a
+                        router's CPU over a run
     process_tree_run_s  the scheduler's nanosecond run time of every live thread of a process
                         and its descendants: an idle router spends ~1 ms/s, which ticks
                         cannot resolve over seconds
@@ -95,19 +97,14 @@ def _user_sys_ticks(pid: int) -> tuple[int, int]:
     return int(fields[11]), int(fields[12])  # stat fields 14 and 15
 
 
-def _stat_ticks(pid: int) -> int:
-    """utime + stime of every thread of `pid`, in clock ticks (0 once it is gone)."""
-    return sum(_user_sys_ticks(pid))
-
-
 def process_cpu_s(pid: int) -> float:
     """utime + stime of every thread of `pid`, in seconds; its children are not counted."""
-    return _stat_ticks(pid) / _TICK
+    return sum(_user_sys_ticks(pid)) / _TICK
 
 
 def process_tree_cpu_s(pid: int) -> float:
     """utime + stime of `pid` and its live descendants, every thread, in seconds."""
-    return sum(_stat_ticks(p) for p in descendants(pid)) / _TICK
+    return sum(process_tree_user_sys_s(pid))
 
 
 def process_tree_user_sys_s(pid: int) -> tuple[float, float]:

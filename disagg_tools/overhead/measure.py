@@ -118,8 +118,17 @@ async def measure(
     upstream["prefill_connections"] -= 1
     upstream["decode_connections"] -= 1
     secs, router_cpu, worker_cpu, client_cpu = cpu.delta()
-    seg = Segment(records, secs, window, router_cpu, worker_cpu, client_cpu, upstream, load_before)
-    seg.router_user_sys = cpu.router_user_sys
+    seg = Segment(
+        records,
+        secs,
+        window,
+        router_cpu,
+        worker_cpu,
+        client_cpu,
+        upstream,
+        load_before,
+        router_user_sys=cpu.router_user_sys,
+    )
     if saturation:
         # The middle half of the run: every slot is streaming, none is ramping up or down.
         start = cpu.samples[0][0]
